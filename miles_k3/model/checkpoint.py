@@ -1,0 +1,225 @@
+"""HF-layout checkpoints: read and write `config.json` + safetensors (sharded or not).
+
+Reading validates the tensors against the layout the config implies before a
+model is built: a missing tensor, an unexpected one, a wrong shape or an
+unknown quantization raises ValueError naming the tensor. Routed experts may be
+compressed-tensors MXFP4 (`weight_packed` uint8 [out, in/2], `weight_scale`
+E8M0 uint8 [out, in/32]); they are dequantized into the dense in-memory model.
+Writing is atomic: everything lands in a temporary sibling directory first, so a
+crash never leaves a half-written tensor file (see `_publish` for the swap).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import uuid
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from miles_k3.model.config import K3Config
+from miles_k3.model.layout import hf_prefix, is_routed_expert_tensor, tensor_shapes
+from miles_k3.ops.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+
+INDEX_FILE = "model.safetensors.index.json"
+# Kept in fp32 whatever the model dtype: router and gate parameters whose precision steers routing/decay.
+_FP32_TENSORS = re.compile(r"(\.gate\.weight|e_score_correction_bias|\.dt_bias|\.A_log)$")
+# transformers' KimiLinear writes dense-MLP tensors under block_sparse_moe; the hub layout says mlp.
+_DENSE_ALIAS = re.compile(r"^(model\.layers\.\d+)\.block_sparse_moe\.((?:gate|up|down)_proj\.weight)$")
+_QUANT_SUFFIX = re.compile(r"\.(weight_packed|weight_scale|weight_zero_point|weight_global_scale|input_scale|"
+                           r"weight_shape|input_global_scale)$")
+
+
+def keeps_fp32(name: str) -> bool:
+    return _FP32_TENSORS.search(name) is not None
+
+
+def _tensor_files(path: Path) -> dict[str, Path]:
+    """Tensor name (as stored) -> the safetensors file holding it."""
+    index = path / INDEX_FILE
+    if index.exists():
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index}: no 'weight_map' object")
+        missing_files = sorted({f for f in weight_map.values() if not (path / f).exists()})
+        if missing_files:
+            raise ValueError(f"{index}: shard files missing: {missing_files}")
+        return {name: path / f for name, f in weight_map.items()}
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{path}: no *.safetensors files and no {INDEX_FILE}")
+    out: dict[str, Path] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as fh:
+            for name in fh.keys():
+                if name in out:
+                    raise ValueError(f"tensor {name!r} appears in both {out[name].name} and {f.name}")
+                out[name] = f
+    return out
+
+
+def _logical_names(config: K3Config, stored: dict[str, Path]) -> dict[str, dict[str, tuple[str, Path]]]:
+    """Group stored tensors by logical name: {logical: {"weight"|"weight_packed"|...: (stored, file)}}."""
+    prefix = hf_prefix(config)
+    dense_layers = {i for i in range(config.num_hidden_layers) if not config.is_moe_layer(i)}
+    grouped: dict[str, dict[str, tuple[str, Path]]] = {}
+    for stored_name, f in stored.items():
+        if prefix:
+            if not stored_name.startswith(prefix):
+                continue  # vision tower / projector of the VL wrapper: not part of the text model
+            name = stored_name[len(prefix):]
+        else:
+            name = stored_name
+        alias = _DENSE_ALIAS.match(name)
+        if alias and int(alias.group(1).split(".")[-1]) in dense_layers:
+            name = f"{alias.group(1)}.mlp.{alias.group(2)}"
+        quant = _QUANT_SUFFIX.search(name)
+        if quant:
+            kind = quant.group(1)
+            logical = name[: quant.start()] + ".weight"
+            if kind not in ("weight_packed", "weight_scale"):
+                raise ValueError(f"tensor {stored_name!r}: unknown quantization tensor {kind!r}; only "
+                                 "compressed-tensors mxfp4-pack-quantized (weight_packed, weight_scale) is supported")
+            if not config.experts_mxfp4:
+                raise ValueError(f"tensor {stored_name!r} is quantized but config.json has no "
+                                 "compressed-tensors quantization_config")
+            if not is_routed_expert_tensor(logical):
+                raise ValueError(f"tensor {stored_name!r}: only routed experts may be MXFP4-quantized")
+        else:
+            kind, logical = "weight", name
+        grouped.setdefault(logical, {})[kind] = (stored_name, f)
+    return grouped
+
+
+def load_state_dict(path: str | Path, config: K3Config, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Read and validate every tensor of the checkpoint at `path` for `config`. Returns logical names -> tensors
+    in `dtype` (fp32 for router/gate parameters), MXFP4 experts dequantized."""
+    path = Path(path)
+    expected = tensor_shapes(config)
+    grouped = _logical_names(config, _tensor_files(path))
+    tied_head = grouped.pop("lm_head.weight", None) if config.tie_word_embeddings else None
+    missing = [n for n in expected if n not in grouped]
+    if missing:
+        raise ValueError(f"checkpoint {path}: {len(missing)} tensor(s) missing, e.g. {missing[:5]}")
+    unexpected = [n for n in grouped if n not in expected]
+    if unexpected:
+        raise ValueError(f"checkpoint {path}: {len(unexpected)} tensor(s) not in the config's layout "
+                         f"(config inconsistent with tensors?), e.g. {unexpected[:5]}")
+    handles: dict[Path, object] = {}
+
+    def read(stored: str, f: Path) -> torch.Tensor:
+        if f not in handles:
+            handles[f] = safe_open(str(f), framework="pt")
+        return handles[f].get_tensor(stored)  # type: ignore[attr-defined]
+
+    state: dict[str, torch.Tensor] = {}
+    for name, shape in expected.items():
+        parts = grouped[name]
+        if "weight" in parts:
+            if len(parts) > 1:
+                raise ValueError(f"tensor {name!r}: stored both dense and quantized")
+            t = read(*parts["weight"])
+        else:
+            if set(parts) != {"weight_packed", "weight_scale"}:
+                raise ValueError(f"tensor {name!r}: MXFP4 needs weight_packed and weight_scale, found {sorted(parts)}")
+            packed, scale = read(*parts["weight_packed"]), read(*parts["weight_scale"])
+            want_p, want_s = (shape[0], shape[1] // 2), (shape[0], shape[1] // 32)
+            if tuple(packed.shape) != want_p or tuple(scale.shape) != want_s:
+                raise ValueError(f"tensor {name!r}: MXFP4 shapes packed {tuple(packed.shape)} / scale "
+                                 f"{tuple(scale.shape)} do not match config (expected {want_p} / {want_s})")
+            if packed.dtype != torch.uint8 or scale.dtype != torch.uint8:
+                raise ValueError(f"tensor {name!r}: MXFP4 tensors must be uint8, got {packed.dtype} / {scale.dtype}")
+            t = dequantize_mxfp4(packed, scale, dtype=torch.float32)
+        if tuple(t.shape) != shape:
+            raise ValueError(f"tensor {name!r}: shape {tuple(t.shape)} does not match config (expected {shape})")
+        if not t.is_floating_point():
+            raise ValueError(f"tensor {name!r}: dtype {t.dtype} is not floating point")
+        state[name] = t.to(torch.float32 if keeps_fp32(name) else dtype)
+    if tied_head is not None and not torch.equal(read(*tied_head["weight"]), read(*grouped[
+            "model.embed_tokens.weight"]["weight"])):
+        raise ValueError("tensor 'lm_head.weight': config has tie_word_embeddings=true but the stored lm_head "
+                         "differs from model.embed_tokens.weight")
+    return state
+
+
+def load_pretrained(cls, path: str | Path, dtype: torch.dtype, device: str | torch.device):
+    path = Path(path)
+    if not (path / "config.json").exists():
+        raise ValueError(f"{path}: no config.json")
+    config = K3Config.from_json_file(path / "config.json")
+    state = load_state_dict(path, config, dtype)
+    with torch.device("meta"):
+        model = cls(config)
+    model.load_state_dict(state, strict=True, assign=True)
+    return model.to(device)
+
+
+def _stored_tensors(model: torch.nn.Module, config: K3Config) -> dict[str, torch.Tensor]:
+    prefix = hf_prefix(config)
+    out: dict[str, torch.Tensor] = {}
+    for name, t in model.state_dict().items():
+        t = t.detach().to("cpu").contiguous()
+        if config.experts_mxfp4 and is_routed_expert_tensor(name):
+            packed, scale = quantize_mxfp4(t)
+            base = prefix + name[: -len(".weight")]
+            out[f"{base}.weight_packed"], out[f"{base}.weight_scale"] = packed, scale
+        else:
+            out[prefix + name] = t.clone()
+    return out
+
+
+def _publish(tmp: Path, path: Path) -> None:
+    """Move a finished checkpoint into place. A new directory appears whole (one rename); into an existing
+    one, each file is replaced atomically with config.json last, files that are not ours stay untouched,
+    and our stale shards from an earlier save with another shard count are removed."""
+    if not path.exists():
+        os.replace(tmp, path)
+        return
+    new_files = sorted(p.name for p in tmp.iterdir())
+    for name in sorted(new_files, key=lambda n: n == "config.json"):
+        os.replace(tmp / name, path / name)
+    for stale in [*path.glob("model*.safetensors"), path / INDEX_FILE]:
+        if stale.exists() and stale.name not in new_files:
+            stale.unlink()
+    tmp.rmdir()
+
+
+def save_pretrained(model: torch.nn.Module, path: str | Path, max_shard_bytes: int = 4 << 30) -> None:
+    """Write config.json and safetensors (sharded with an index above `max_shard_bytes`), atomically."""
+    config: K3Config = model.config  # type: ignore[assignment]
+    path = Path(path)
+    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir(parents=True)
+    try:
+        tensors = _stored_tensors(model, config)
+        shards: list[dict[str, torch.Tensor]] = [{}]
+        size = 0
+        for name, t in tensors.items():
+            nbytes = t.numel() * t.element_size()
+            if shards[-1] and size + nbytes > max_shard_bytes:
+                shards.append({})
+                size = 0
+            shards[-1][name] = t
+            size += nbytes
+        meta = {"format": "pt"}
+        if len(shards) == 1:
+            save_file(shards[0], str(tmp / "model.safetensors"), metadata=meta)
+        else:
+            weight_map = {}
+            for i, shard in enumerate(shards):
+                fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+                save_file(shard, str(tmp / fname), metadata=meta)
+                weight_map.update({n: fname for n in shard})
+            total = sum(t.numel() * t.element_size() for t in tensors.values())
+            (tmp / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+                                                     indent=2))
+        config.to_json_file(tmp / "config.json")
+        _publish(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

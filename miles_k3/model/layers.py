@@ -1,0 +1,176 @@
+"""K3 decoder layers: KDA and NoPE-MLA mixers, the decoder layer with Attention Residuals.
+
+Every projection comes from a `LinearFactory` and every carried state goes
+through a `K3StateCache`; the math is the ops in `miles_k3.ops`. Attribute
+names equal the HF checkpoint names, so `state_dict()` keys are the layout's.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from miles_k3.model.cache import K3StateCache, KDAState
+from miles_k3.model.config import K3Config
+from miles_k3.model.layout import kda_a_log_shape
+from miles_k3.model.linear import ExpertsFactory, LinearFactory, LinearSpec
+from miles_k3.model.moe import GLUMLP, LatentMoE
+from miles_k3.model.norm import RMSNorm
+from miles_k3.ops.attnres import attn_res_mix
+from miles_k3.ops.kda import kda, kda_gate
+from miles_k3.ops.mla import mla_attention, segment_causal_mask
+from miles_k3.ops.norm import gated_rms_norm
+from miles_k3.ops.short_conv import causal_short_conv
+
+
+def _conv_holder(channels: int, kernel: int) -> nn.Conv1d:
+    # Holds the HF-layout weight [C, 1, W]; the math is `causal_short_conv`, never Conv1d.forward.
+    return nn.Conv1d(channels, channels, kernel, groups=channels, bias=False)
+
+
+class KDAMixer(nn.Module):
+    """Kimi Delta Attention. x [B, T, D] -> [B, T, D]."""
+
+    def __init__(self, config: K3Config, layer_idx: int, name: str, linear: LinearFactory):
+        super().__init__()
+        c = self.config = config
+        self.layer_idx = layer_idx
+        d, hk, r = c.hidden_size, c.kda_dim, c.gate_rank
+        for p in "qkv":
+            setattr(self, f"{p}_proj", linear(LinearSpec(f"{name}.{p}_proj", d, hk, "column")))
+            setattr(self, f"{p}_conv1d", _conv_holder(hk, c.kda_conv_kernel))
+        self.f_a_proj = linear(LinearSpec(f"{name}.f_a_proj", d, r, "replicated"))
+        self.f_b_proj = linear(LinearSpec(f"{name}.f_b_proj", r, hk, "column"))
+        self.A_log = nn.Parameter(torch.zeros(kda_a_log_shape(c)))
+        self.dt_bias = nn.Parameter(torch.zeros(hk))
+        self.b_proj = linear(LinearSpec(f"{name}.b_proj", d, c.kda_num_heads, "column"))
+        if c.kda_output_gate == "full":
+            self.g_proj = linear(LinearSpec(f"{name}.g_proj", d, hk, "column"))
+        else:
+            self.g_a_proj = linear(LinearSpec(f"{name}.g_a_proj", d, r, "replicated"))
+            self.g_b_proj = linear(LinearSpec(f"{name}.g_b_proj", r, hk, "column"))
+        self.o_norm = RMSNorm(c.kda_head_dim, c.rms_norm_eps)
+        self.o_proj = linear(LinearSpec(f"{name}.o_proj", hk, d, "row"))
+
+    def output_gate(self, x: torch.Tensor) -> torch.Tensor:
+        if self.config.kda_output_gate == "full":
+            return self.g_proj(x)
+        return self.g_b_proj(self.g_a_proj(x))
+
+    def forward(self, x: torch.Tensor, cache: K3StateCache | None = None,
+                cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+        c = self.config
+        b, t, _ = x.shape
+        heads = (b, t, c.kda_num_heads, c.kda_head_dim)
+        prev = cache.kda_state(self.layer_idx) if cache is not None else None
+        qkv, conv = [], []
+        for p, state in zip("qkv", prev[:3] if prev is not None else (None,) * 3):
+            y, new_state = causal_short_conv(getattr(self, f"{p}_proj")(x), getattr(self, f"{p}_conv1d").weight,
+                                             state=state, cu_seqlens=cu_seqlens)
+            qkv.append(y.view(heads))
+            conv.append(new_state)
+        g = kda_gate(self.f_b_proj(self.f_a_proj(x)), self.A_log, self.dt_bias, num_heads=c.kda_num_heads,
+                     form=c.kda_gate_form, lower_bound=c.kda_gate_lower_bound)
+        beta = torch.sigmoid(self.b_proj(x).float())
+        o, recurrent = kda(*qkv, g, beta,
+                           initial_state=prev.recurrent if prev is not None else None,
+                           output_final_state=cache is not None, cu_seqlens=cu_seqlens, use_qk_l2norm=True)
+        if cache is not None:
+            cache.set_kda_state(self.layer_idx, KDAState(*conv, recurrent))
+        o = gated_rms_norm(o, self.output_gate(x).view(heads), self.o_norm.weight, c.rms_norm_eps)
+        return self.o_proj(o.reshape(b, t, c.kda_dim))
+
+
+class MLAMixer(nn.Module):
+    """Multi-head latent attention without rotary embedding, with K3's optional output gate."""
+
+    def __init__(self, config: K3Config, layer_idx: int, name: str, linear: LinearFactory):
+        super().__init__()
+        c = self.config = config
+        self.layer_idx = layer_idx
+        d, h = c.hidden_size, c.mla_num_heads
+        if c.q_lora_rank is None:
+            self.q_proj = linear(LinearSpec(f"{name}.q_proj", d, h * c.qk_head_dim, "column"))
+        else:
+            self.q_a_proj = linear(LinearSpec(f"{name}.q_a_proj", d, c.q_lora_rank, "replicated"))
+            self.q_a_layernorm = RMSNorm(c.q_lora_rank, c.mla_latent_norm_eps)
+            self.q_b_proj = linear(LinearSpec(f"{name}.q_b_proj", c.q_lora_rank, h * c.qk_head_dim, "column"))
+        self.kv_a_proj_with_mqa = linear(
+            LinearSpec(f"{name}.kv_a_proj_with_mqa", d, c.kv_lora_rank + c.qk_rope_head_dim, "replicated"))
+        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, c.mla_latent_norm_eps)
+        self.kv_b_proj = linear(
+            LinearSpec(f"{name}.kv_b_proj", c.kv_lora_rank, h * (c.qk_nope_head_dim + c.v_head_dim), "column"))
+        self.o_proj = linear(LinearSpec(f"{name}.o_proj", h * c.v_head_dim, d, "row"))
+        if c.mla_output_gate:
+            self.g_proj = linear(LinearSpec(f"{name}.g_proj", d, h * c.v_head_dim, "column"))
+        self.scale = c.qk_head_dim ** -0.5
+
+    def forward(self, x: torch.Tensor, cache: K3StateCache | None = None,
+                cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+        c = self.config
+        b, t, _ = x.shape
+        h = c.mla_num_heads
+        q = self.q_proj(x) if c.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(b, t, h, c.qk_head_dim)
+        latent, rope = self.kv_a_proj_with_mqa(x).split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
+        latent = self.kv_a_layernorm(latent)
+        if cache is not None:
+            latent, rope, mask = cache.mla_extend(self.layer_idx, latent, rope)
+        else:
+            mask = segment_causal_mask(cu_seqlens, t, x.device) if cu_seqlens is not None else None
+        s = latent.shape[1]
+        k_nope, v = self.kv_b_proj(latent).view(b, s, h, -1).split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)
+        k = torch.cat([k_nope, rope[:, :, None, :].expand(b, s, h, c.qk_rope_head_dim)], dim=-1)
+        o = mla_attention(q, k, v, self.scale, mask).reshape(b, t, h * c.v_head_dim)
+        if c.mla_output_gate:
+            o = o * torch.sigmoid(self.g_proj(x))
+        return self.o_proj(o)
+
+
+class K3DecoderLayer(nn.Module):
+    """One decoder layer. Residual state is (h, blocks): `h` the running partial sum of the current AttnRes
+    block, `blocks` the finished block sums (always empty without AttnRes, where h is the plain stream)."""
+
+    def __init__(self, config: K3Config, layer_idx: int, linear: LinearFactory, experts: ExpertsFactory):
+        super().__init__()
+        c = self.config = config
+        self.layer_idx = layer_idx
+        name = f"model.layers.{layer_idx}"
+        d = c.hidden_size
+        if c.attn_res_block_size:
+            self.self_attention_res_norm = RMSNorm(d, c.res_eps)
+            self.self_attention_res_proj = nn.Linear(d, 1, bias=False)
+            self.mlp_res_norm = RMSNorm(d, c.res_eps)
+            self.mlp_res_proj = nn.Linear(d, 1, bias=False)
+        self.input_layernorm = RMSNorm(d, c.rms_norm_eps)
+        mixer = KDAMixer if c.layer_kinds[layer_idx] == "kda" else MLAMixer
+        self.self_attn = mixer(c, layer_idx, f"{name}.self_attn", linear)
+        self.post_attention_layernorm = RMSNorm(d, c.rms_norm_eps)
+        if c.is_moe_layer(layer_idx):
+            self.block_sparse_moe = LatentMoE(c, f"{name}.block_sparse_moe", linear, experts)
+        else:
+            self.mlp = GLUMLP(f"{name}.mlp", d, c.dense_intermediate_size, c.hidden_act,
+                              (c.situ_beta, c.situ_beta_lin), linear)
+
+    @property
+    def ffn(self) -> nn.Module:
+        return self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
+
+    def _mix(self, h: torch.Tensor, blocks: list[torch.Tensor], site: str) -> torch.Tensor:
+        norm, proj = getattr(self, f"{site}_norm"), getattr(self, f"{site}_proj")
+        return attn_res_mix(h, blocks, norm.weight, proj.weight, self.config.res_eps)
+
+    def forward(self, h: torch.Tensor, blocks: list[torch.Tensor], cache: K3StateCache | None = None,
+                cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        block_size = self.config.attn_res_block_size
+        if not block_size:
+            h = h + self.self_attn(self.input_layernorm(h), cache, cu_seqlens)
+            return h + self.ffn(self.post_attention_layernorm(h)), blocks
+        read = self._mix(h, blocks, "self_attention_res") if blocks else h
+        attn_out = self.self_attn(self.input_layernorm(read), cache, cu_seqlens)
+        if self.layer_idx % block_size == 0:
+            blocks, h = [*blocks, h], attn_out
+        else:
+            h = h + attn_out
+        mixed = self._mix(h, blocks, "mlp_res")
+        return h + self.ffn(self.post_attention_layernorm(mixed)), blocks

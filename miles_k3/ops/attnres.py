@@ -1,0 +1,29 @@
+"""Attention Residuals mixing (arXiv 2603.15031), in fp32.
+
+    v = stack(blocks + [h])                       [L, ..., D]
+    keys = v / sqrt(mean(v^2, -1) + eps)          (no weight)
+    query = site_norm.weight * site_proj.weight[0]
+    out = softmax_L(keys . query) @ v
+Folding the norm weight into the query is exact: (k * w) . q == k . (w * q).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def attn_res_mix(
+    h: torch.Tensor,
+    blocks: Sequence[torch.Tensor],
+    norm_weight: torch.Tensor,
+    proj_weight: torch.Tensor,
+    eps: float,
+) -> torch.Tensor:
+    """h [..., D] and each block [..., D] -> [..., D] in h's dtype. proj_weight [1, D] (a Linear(D, 1))."""
+    v = torch.stack([*blocks, h], dim=0).float()
+    keys = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps)
+    query = norm_weight.float() * proj_weight.float()[0]
+    probs = torch.softmax(keys @ query, dim=0)
+    return (probs.unsqueeze(-1) * v).sum(0).to(h.dtype)

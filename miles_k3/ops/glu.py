@@ -1,0 +1,33 @@
+"""Gated linear unit activations: SiLU-GLU and K3's SiTU-GLU.
+
+SiTU-GLU (published formula, computed in fp32):
+    out = [beta * tanh(gate / beta) * sigmoid(gate)] * [beta_lin * tanh(up / beta_lin)]
+a SiLU whose linear factor is soft-capped at +-beta, times an up branch
+soft-capped at +-beta_lin (K3: beta 4, beta_lin 25).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def silu_glu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up, in the inputs' dtype (matches transformers' MLP)."""
+    return F.silu(gate) * up
+
+
+def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float = 4.0, beta_lin: float = 25.0) -> torch.Tensor:
+    """SiTU-GLU in fp32; returns gate's dtype. gate, up [..., I]."""
+    g, u = gate.float(), up.float()
+    act = beta * torch.tanh(g / beta) * torch.sigmoid(g)
+    return (act * (beta_lin * torch.tanh(u / beta_lin))).to(gate.dtype)
+
+
+def glu(gate: torch.Tensor, up: torch.Tensor, act: str, beta: float = 4.0, beta_lin: float = 25.0) -> torch.Tensor:
+    """Dispatch on the config's hidden_act ("silu" | "situ")."""
+    if act == "silu":
+        return silu_glu(gate, up)
+    if act == "situ":
+        return situ_glu(gate, up, beta, beta_lin)
+    raise ValueError(f"unknown GLU activation {act!r}; expected 'silu' or 'situ'")

@@ -1,0 +1,266 @@
+"""Kimi Delta Attention (KDA) ops.
+
+Pure-torch references (fp32 math, any device) and a CUDA fast path through
+fla's Triton kernels. The references are the ground truth that kernels and
+model code are tested against, so they favour clarity and numerical safety
+over speed.
+
+Shapes used throughout (``N`` = number of sequences: ``B``, or
+``len(cu_seqlens) - 1`` for packed input, where ``B`` must be 1):
+
+    q, k           [B, T, H, K]   any float dtype
+    v              [B, T, H, V]   any float dtype; ``o`` is returned in it
+    g              [B, T, H, K]   log-space per-channel decay (fp32 preferred)
+    beta           [B, T, H]      delta-rule write strength
+    initial_state  [N, H, K, V]   recurrent state, read as fp32
+    final_state    [N, H, K, V]   always fp32 (or None)
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["kda_gate", "l2norm", "kda_recurrent", "kda_chunked", "kda"]
+
+_GATE_FORMS = ("softplus", "lower_bound")
+_MODES = ("auto", "recurrent", "chunked")
+
+
+def kda_gate(f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None, *,
+             num_heads: int, form: str = "softplus", lower_bound: float = -5.0) -> torch.Tensor:
+    """Log-space KDA forget gate.
+
+    Args:
+        f: ``[..., H*K]`` raw ``f_b_proj(f_a_proj(x))`` output, any float dtype.
+        A_log: per-head log rate; any shape with ``numel >= H``. Only the first
+            ``H`` values after flattening are used, because checkpoints store it
+            as ``[H]``, ``[1, 1, H, 1]`` or zero-padded (e.g. ``[128]`` for H=96).
+        dt_bias: ``[H*K]`` (any shape with that many elements) or None.
+        form: ``"softplus"`` (Kimi-Linear): ``-exp(A_log[h]) * softplus(f + dt_bias)``;
+            ``"lower_bound"`` (K3): ``lower_bound * sigmoid(exp(A_log[h]) * (f + dt_bias))``.
+
+    Returns:
+        ``[..., H, K]`` fp32 gate, ``<= 0``.
+    """
+    if form not in _GATE_FORMS:
+        raise ValueError(f"`form` must be one of {_GATE_FORMS}, got {form!r}")
+    H = num_heads
+    if H <= 0 or f.dim() == 0 or f.shape[-1] % H != 0:
+        raise ValueError(f"`f` last dim must be a positive multiple of num_heads={H}, got shape {tuple(f.shape)}")
+    K = f.shape[-1] // H
+    if A_log.numel() < H:
+        raise ValueError(f"`A_log` needs at least num_heads={H} elements, got shape {tuple(A_log.shape)}")
+    if dt_bias is not None and dt_bias.numel() != H * K:
+        raise ValueError(f"`dt_bias` must have H*K={H * K} elements, got shape {tuple(dt_bias.shape)}")
+
+    x = f.float().unflatten(-1, (H, K))
+    if dt_bias is not None:
+        x = x + dt_bias.float().reshape(H, K)
+    rate = A_log.reshape(-1)[:H].float().exp().unsqueeze(-1)  # [H, 1]
+    if form == "softplus":
+        return -rate * F.softplus(x)
+    return lower_bound * torch.sigmoid(rate * x)
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``x / sqrt(sum(x^2, -1) + eps)`` over the last dim; any dtype in, fp32 out."""
+    x = x.float()
+    return x / torch.sqrt(x.pow(2).sum(-1, keepdim=True) + eps)
+
+
+def _cu_seqlens_bounds(cu_seqlens: torch.Tensor, batch: int, total: int, *, values: bool = True) -> list[int] | None:
+    """Validate packed-sequence boundaries; return them as a list when ``values``.
+
+    ``values=False`` skips the checks that need the data on the host, so the
+    CUDA path does not pay for a device sync.
+    """
+    if batch != 1:
+        raise ValueError(f"`cu_seqlens` requires batch size 1 (packed input), got B={batch}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(f"`cu_seqlens` must be 1-D with >= 2 entries, got shape {tuple(cu_seqlens.shape)}")
+    if not values:
+        return None
+    bounds = [int(b) for b in cu_seqlens.tolist()]
+    if bounds[0] != 0 or bounds[-1] != total or any(a > b for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"`cu_seqlens` must be non-decreasing from 0 to T={total}, got {bounds}")
+    return bounds
+
+
+def _check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens, *,
+                      values: bool = True) -> tuple[int, list[int] | None]:
+    """Shape validation shared by every KDA entry point; returns (N, cu_seqlens bounds or None)."""
+    if q.dim() != 4:
+        raise ValueError(f"`q` must be [B, T, H, K], got shape {tuple(q.shape)}")
+    B, T, H, K = q.shape
+    if k.shape != q.shape:
+        raise ValueError(f"`k` must match q {tuple(q.shape)}, got {tuple(k.shape)}")
+    if v.dim() != 4 or v.shape[:3] != q.shape[:3]:
+        raise ValueError(f"`v` must be [B, T, H, V] = [{B}, {T}, {H}, V], got {tuple(v.shape)}")
+    if g.shape != q.shape:
+        raise ValueError(f"`g` must match q {tuple(q.shape)}, got {tuple(g.shape)}")
+    if beta.shape != q.shape[:3]:
+        raise ValueError(f"`beta` must be [B, T, H] = {tuple(q.shape[:3])}, got {tuple(beta.shape)}")
+    N, bounds = B, None
+    if cu_seqlens is not None:
+        bounds = _cu_seqlens_bounds(cu_seqlens, B, T, values=values)
+        N = cu_seqlens.numel() - 1
+    if initial_state is not None and initial_state.shape != (N, H, K, v.shape[-1]):
+        raise ValueError(f"`initial_state` must be [N, H, K, V] = {(N, H, K, v.shape[-1])}, "
+                         f"got {tuple(initial_state.shape)}")
+    return N, bounds
+
+
+# A core takes head-major fp32 tensors for one batch of independent sequences:
+# q (pre-scaled), k, g [b, H, T, K]; v [b, H, T, V]; beta [b, H, T]; S [b, H, K, V]
+# and returns (o [b, H, T, V], S_final [b, H, K, V]). It must not modify S in place.
+_Core = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+def _recurrent_core(q, k, v, g, beta, S):
+    outs = []
+    for t in range(q.shape[2]):
+        k_t = k[:, :, t]
+        S = S * g[:, :, t].exp().unsqueeze(-1)
+        err = v[:, :, t] - torch.einsum("bhk,bhkv->bhv", k_t, S)
+        S = S + torch.einsum("bhk,bhv->bhkv", k_t * beta[:, :, t, None], err)
+        outs.append(torch.einsum("bhk,bhkv->bhv", q[:, :, t], S))
+    o = torch.stack(outs, dim=2) if outs else v.new_zeros(v.shape)
+    return o, S
+
+
+def _chunked_core(q, k, v, g, beta, S, *, chunk_size: int):
+    b, H, T, K = q.shape
+    V = v.shape[-1]
+    C = chunk_size
+    pad = -T % C
+    if pad:
+        # Zero k/beta write nothing and zero g decays nothing, so the padded tail
+        # leaves the state exactly as the last real token left it.
+        q, k, v, g = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v, g))
+        beta = F.pad(beta, (0, pad))
+    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    eye = torch.eye(C, dtype=q.dtype, device=q.device)
+    outs = []
+    for s in range(0, T + pad, C):
+        q_c, k_c, v_c, g_c, b_c = (x[:, :, s:s + C] for x in (q, k, v, g, beta))
+        G = g_c.cumsum(2)  # decay from the chunk start through token i, <= 0 for forget gates
+        # decay[i, j, :] = exp(G_i - G_j) for j <= i. The j > i half is exp of a
+        # large positive number for strong gates (e.g. +320 for -5/step), so it is
+        # masked to -inf *before* exp and never materialises as inf/NaN.
+        diff = G.unsqueeze(3) - G.unsqueeze(2)
+        decay = diff.masked_fill(~causal.unsqueeze(-1), float("-inf")).exp()
+        A_kk = torch.einsum("bhid,bhijd,bhjd->bhij", k_c, decay, k_c)
+        A_qk = torch.einsum("bhid,bhijd,bhjd->bhij", q_c, decay, k_c)
+        # UT transform: the per-token delta-rule corrections u satisfy
+        # (I + strict_tril(beta_i * A_kk)) u = beta * (v - (k * exp(G)) @ S), so
+        # u = U - W @ S with state-independent U, W from one triangular solve.
+        L = eye + (b_c.unsqueeze(-1) * A_kk).tril(-1)
+        rhs = b_c.unsqueeze(-1) * torch.cat([v_c, k_c * G.exp()], dim=-1)
+        U, W = torch.linalg.solve_triangular(L, rhs, upper=False, unitriangular=True).split([V, K], dim=-1)
+        u = U - W @ S
+        outs.append((q_c * G.exp()) @ S + A_qk @ u)
+        # decay[:, :, -1] is exp(G_last - G_j): each token's write decayed to the chunk end.
+        S = G[:, :, -1].exp().unsqueeze(-1) * S + (k_c * decay[:, :, -1]).transpose(-1, -2) @ u
+    o = torch.cat(outs, dim=2)[:, :, :T] if outs else v.new_zeros(b, H, 0, V)
+    return o, S
+
+
+def _kda_reference(core: _Core, q, k, v, g, beta, scale, initial_state, output_final_state,
+                   cu_seqlens, use_qk_l2norm):
+    """Validation, fp32 promotion and the packed-sequence loop shared by both references."""
+    N, bounds = _check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+    H, K = q.shape[2:]
+    V = v.shape[-1]
+    scale = K ** -0.5 if scale is None else scale
+    out_dtype = v.dtype
+    if use_qk_l2norm:
+        q, k = l2norm(q), l2norm(k)
+    # Head-major so the time axis sits next to the feature axis for per-chunk matmuls.
+    q, k, v, g = (x.float().transpose(1, 2) for x in (q, k, v, g))
+    q = q * scale
+    beta = beta.float().transpose(1, 2)
+    h0 = initial_state.float() if initial_state is not None else q.new_zeros(N, H, K, V)
+
+    if bounds is None:
+        o, ht = core(q, k, v, g, beta, h0)
+    else:
+        outs, states = [], []
+        for i, (bos, eos) in enumerate(zip(bounds[:-1], bounds[1:])):
+            o_i, h_i = core(*(x[:, :, bos:eos] for x in (q, k, v, g, beta)), h0[i:i + 1])
+            outs.append(o_i)
+            states.append(h_i)
+        o, ht = torch.cat(outs, dim=2), torch.cat(states, dim=0)
+    return o.transpose(1, 2).to(out_dtype), (ht if output_final_state else None)
+
+
+def kda_recurrent(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
+                  cu_seqlens=None, use_qk_l2norm=False):
+    """Token-by-token KDA reference (fp32 math, any device).
+
+    Per head, with state ``S [K, V]``:
+    ``S = diag(exp g_t) S;  S += beta_t k_t (v_t - S^T k_t)^T;  o_t = S^T (q_t * scale)``.
+    ``scale`` defaults to ``K**-0.5``; ``use_qk_l2norm`` applies :func:`l2norm`
+    to q and k first. See the module docstring for shapes and dtypes.
+
+    Returns:
+        ``(o [B, T, H, V] in v.dtype, final_state [N, H, K, V] fp32 or None)``.
+    """
+    return _kda_reference(_recurrent_core, q, k, v, g, beta, scale, initial_state, output_final_state,
+                          cu_seqlens, use_qk_l2norm)
+
+
+def kda_chunked(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
+                cu_seqlens=None, use_qk_l2norm=False, chunk_size=64):
+    """Chunked (WY / UT-transform) KDA reference; same contract as :func:`kda_recurrent`.
+
+    Sequences are zero-padded to a multiple of ``chunk_size``; each chunk solves
+    a unit-lower-triangular system for its delta-rule corrections using decays
+    relative to the chunk start, then hands its state to the next chunk.
+    """
+    if not isinstance(chunk_size, int) or chunk_size <= 0:
+        raise ValueError(f"`chunk_size` must be a positive int, got {chunk_size!r}")
+
+    def core(*args):
+        return _chunked_core(*args, chunk_size=chunk_size)
+
+    return _kda_reference(core, q, k, v, g, beta, scale, initial_state, output_final_state,
+                          cu_seqlens, use_qk_l2norm)
+
+
+def _kda_fla(q, k, v, g, beta, *, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm):
+    _check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens, values=False)
+    from fla.ops.kda import chunk_kda, fused_recurrent_kda  # lazy: needs triton + a GPU
+
+    # fla's fused recurrent kernel is forward-only, so a T=1 call that needs
+    # gradients goes through chunk_kda, which has a backward.
+    tensors = (q, k, v, g, beta) + ((initial_state,) if initial_state is not None else ())
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    fn = chunk_kda if q.shape[1] > 1 or needs_grad else fused_recurrent_kda
+    o, ht = fn(q=q, k=k, v=v, g=g, beta=beta, scale=scale,
+               initial_state=initial_state.float() if initial_state is not None else None,
+               output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm,
+               cu_seqlens=cu_seqlens)
+    return o.to(v.dtype), (ht.float() if ht is not None else None)
+
+
+def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
+        use_qk_l2norm=False, mode="auto", chunk_size=64):
+    """KDA with backend dispatch; same contract as :func:`kda_recurrent`.
+
+    ``mode``: ``"recurrent"`` / ``"chunked"`` force the torch references on any
+    device. ``"auto"`` uses fla on CUDA (``chunk_kda`` for T > 1, the
+    forward-only ``fused_recurrent_kda`` for T == 1 without autograd); elsewhere
+    it uses the chunked reference when ``T >= chunk_size``, else the recurrent one.
+    """
+    if mode not in _MODES:
+        raise ValueError(f"`mode` must be one of {_MODES}, got {mode!r}")
+    kwargs = dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+                  cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm)
+    if mode == "auto" and q.is_cuda:
+        return _kda_fla(q, k, v, g, beta, **kwargs)
+    if mode == "recurrent" or (mode == "auto" and q.shape[1] < chunk_size):
+        return kda_recurrent(q, k, v, g, beta, **kwargs)
+    return kda_chunked(q, k, v, g, beta, chunk_size=chunk_size, **kwargs)

@@ -1,0 +1,39 @@
+"""Sigmoid noaux_tc router: selection on scores + correction bias, weights from raw scores.
+
+    s = sigmoid(x @ W^T)                         (fp32)
+    choice = s + e_score_correction_bias         (selection only)
+    groups: keep the topk_group groups whose top-2 choice scores sum highest
+    idx = topk(choice within kept groups, k)
+    w = s[idx]; w /= sum(w) + 1e-20 if renormalize; w *= routed_scaling_factor
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def route_tokens(
+    router_logits: torch.Tensor,
+    correction_bias: torch.Tensor | None,
+    top_k: int,
+    *,
+    num_groups: int = 1,
+    topk_group: int = 1,
+    renormalize: bool = True,
+    scaling_factor: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits [N, E] -> (weights [N, k] fp32, indices [N, k] int64)."""
+    n, e = router_logits.shape
+    scores = router_logits.float().sigmoid()
+    choice = scores if correction_bias is None else scores + correction_bias.float()
+    if num_groups > 1:
+        grouped = choice.view(n, num_groups, e // num_groups)
+        group_scores = grouped.topk(min(2, e // num_groups), dim=-1).values.sum(-1)
+        keep = torch.zeros_like(group_scores, dtype=torch.bool)
+        keep.scatter_(1, group_scores.topk(topk_group, dim=-1, sorted=False).indices, True)
+        choice = grouped.masked_fill(~keep[..., None], float("-inf")).view(n, e)
+    indices = choice.topk(top_k, dim=-1, sorted=False).indices
+    weights = scores.gather(1, indices)
+    if renormalize:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return weights * scaling_factor, indices

@@ -1,0 +1,89 @@
+"""Causal depthwise short convolution with carried state (KDA's q/k/v short conv).
+
+The state holds the last ``W-1`` *pre-activation inputs* of the previous call,
+oldest first, so that prefill followed by token-by-token decode reproduces the
+full-sequence forward exactly.
+
+This is a pure-torch implementation used on every device, CUDA included;
+fla's ``causal_conv1d`` (fla.modules.convolution) could replace it on CUDA
+for speed once it is tested against this reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from miles_k3.ops.kda import _cu_seqlens_bounds
+
+__all__ = ["causal_short_conv"]
+
+_ACTIVATIONS = ("silu", None)
+
+
+def _conv_core(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [b, D, T], weight [D, W], state [b, D, W-1], all fp32 -> (y [b, D, T], state [b, D, W-1])."""
+    T = x.shape[-1]
+    W = weight.shape[-1]
+    xx = torch.cat([state, x], dim=-1)  # [b, D, W-1+T]: history then current inputs
+    # Tap j looks W-1-j steps back, so weight[:, -1] multiplies the current token.
+    # An explicit tap sum (W is tiny) keeps this independent of F.conv1d, which the tests use.
+    y = weight[:, 0, None] * xx[..., :T]
+    for j in range(1, W):
+        y = y + weight[:, j, None] * xx[..., j:j + T]
+    return y, xx[..., T:]
+
+
+def causal_short_conv(x: torch.Tensor, weight: torch.Tensor, *, state: torch.Tensor | None = None,
+                      cu_seqlens: torch.Tensor | None = None,
+                      activation: str | None = "silu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal depthwise convolution ``y[t, d] = act(sum_j weight[d, j] * xx[t + j])``.
+
+    ``xx`` is the input left-padded with ``state`` (zeros when None).
+
+    Args:
+        x: ``[B, T, D]`` any float dtype.
+        weight: ``[D, W]``, or ``[D, 1, W]`` (the HF ``nn.Conv1d(groups=D)`` layout).
+        state: ``[N, D, W-1]`` last ``W-1`` pre-activation inputs of the previous
+            call, oldest first; ``N = B``, or ``len(cu_seqlens) - 1`` when packed.
+        cu_seqlens: ``[N+1]`` integer boundaries of packed sequences (requires
+            ``B == 1``); each sequence starts from its own state row and never
+            sees the previous sequence's tokens.
+        activation: ``"silu"`` or ``None``.
+
+    Returns:
+        ``(y [B, T, D] in x.dtype, final_state [N, D, W-1])``; the state keeps
+        ``state``'s dtype (so a caller's cache dtype is stable), else x's. The
+        final state is the last ``W-1`` inputs of each sequence, reaching back
+        into the carried state when the sequence is shorter than ``W-1``.
+        Math is done in fp32.
+    """
+    if activation not in _ACTIVATIONS:
+        raise ValueError(f"`activation` must be one of {_ACTIVATIONS}, got {activation!r}")
+    if x.dim() != 3:
+        raise ValueError(f"`x` must be [B, T, D], got shape {tuple(x.shape)}")
+    B, T, D = x.shape
+    if weight.dim() == 3 and weight.shape[1] == 1:
+        weight = weight.squeeze(1)
+    if weight.dim() != 2 or weight.shape[0] != D or weight.shape[1] < 1:
+        raise ValueError(f"`weight` must be [D, W] or [D, 1, W] with D={D}, got shape {tuple(weight.shape)}")
+    W = weight.shape[1]
+    bounds = _cu_seqlens_bounds(cu_seqlens, B, T) if cu_seqlens is not None else None
+    N = B if bounds is None else len(bounds) - 1
+    if state is not None and state.shape != (N, D, W - 1):
+        raise ValueError(f"`state` must be [N, D, W-1] = {(N, D, W - 1)}, got {tuple(state.shape)}")
+
+    # Channel-major so the time axis is last, matching the state layout.
+    xt = x.float().transpose(1, 2)
+    w = weight.float()
+    s0 = state.float() if state is not None else xt.new_zeros(N, D, W - 1)
+    if bounds is None:
+        y, s = _conv_core(xt, w, s0)
+    else:
+        parts = [_conv_core(xt[:, :, bos:eos], w, s0[i:i + 1])
+                 for i, (bos, eos) in enumerate(zip(bounds[:-1], bounds[1:]))]
+        y = torch.cat([p[0] for p in parts], dim=-1)
+        s = torch.cat([p[1] for p in parts], dim=0)
+    if activation == "silu":
+        y = F.silu(y)
+    return y.transpose(1, 2).to(x.dtype), s.to(state.dtype if state is not None else x.dtype)

@@ -139,7 +139,9 @@ def load_state_dict(path: str | Path, config: K3Config, dtype: torch.dtype = tor
             raise ValueError(f"tensor {name!r}: shape {tuple(t.shape)} does not match config (expected {shape})")
         if not t.is_floating_point():
             raise ValueError(f"tensor {name!r}: dtype {t.dtype} is not floating point")
-        state[name] = t.to(torch.float32 if keeps_fp32(name) else dtype)
+        # a fresh (aligned) allocation: BLAS picks kernels by alignment, and a view into the mapped file
+        # would make a loaded model differ from the saved one in the last bit
+        state[name] = t.to(torch.float32 if keeps_fp32(name) else dtype, copy=True)
     if tied_head is not None and not torch.equal(read(*tied_head["weight"]), read(*grouped[
             "model.embed_tokens.weight"]["weight"])):
         raise ValueError("tensor 'lm_head.weight': config has tie_word_embeddings=true but the stored lm_head "

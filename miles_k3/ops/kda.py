@@ -219,6 +219,7 @@ def kda_chunked(q, k, v, g, beta, *, scale=None, initial_state=None, output_fina
     Sequences are zero-padded to a multiple of ``chunk_size``; each chunk solves
     a unit-lower-triangular system for its delta-rule corrections using decays
     relative to the chunk start, then hands its state to the next chunk.
+    Peak extra memory is one ``[B, H, C, C, K]`` fp32 decay tensor (C = chunk_size).
     """
     if not isinstance(chunk_size, int) or chunk_size <= 0:
         raise ValueError(f"`chunk_size` must be a positive int, got {chunk_size!r}")

@@ -2,32 +2,22 @@
 
 from __future__ import annotations
 
-import inspect
 import math
 from pathlib import Path
 
 import torch
 
-_TORCH_PATHS = ("chunk_kimi_delta_attention", "recurrent_kimi_delta_attention", "causal_conv1d_fn",
-                "causal_conv1d_update")
-
-
-def _force_torch_paths() -> None:
-    """transformers binds fla's Triton kernels at import when fla imports (it does on CPU once triton is
-    installed); the oracle must run its own pure-torch fallbacks, which those wrappers keep as __wrapped__."""
-    import transformers.models.kimi_linear.modeling_kimi_linear as mkl
-
-    for name in _TORCH_PATHS:
-        setattr(mkl, name, inspect.unwrap(getattr(mkl, name)))
+from miles_k3.compat.transformers_kimi import use_torch_fallbacks
 
 
 def random_kimi_linear(path: Path, *, hidden=32, layers=4, heads=2, head_dim=8, kda_heads=2, kda_head_dim=8,
                        experts=4, top_k=2, n_group=1, topk_group=1, q_lora_rank=None, seed=0, vocab=64,
-                       tie=False, shared=1):
+                       tie=False, shared=1, torch_fallbacks=True):
     """Build a KimiLinear with every parameter randomized, save it HF-style to `path`, return the model."""
     from transformers import KimiLinearConfig, KimiLinearForCausalLM
 
-    _force_torch_paths()
+    if torch_fallbacks:
+        use_torch_fallbacks()
     kda_layers = [i + 1 for i in range(layers) if (i + 1) % 4 and i != layers - 1]
     full_layers = [i + 1 for i in range(layers) if i + 1 not in kda_layers]
     cfg = KimiLinearConfig(

@@ -114,3 +114,28 @@ def test_bad_inputs_raise():
         model(torch.zeros(2, 4, dtype=torch.long), cu_seqlens=torch.tensor([0, 4]))
     with pytest.raises(ValueError, match="decode cache"):
         model(torch.zeros(1, 4, dtype=torch.long), DenseStateCache(model.config), cu_seqlens=torch.tensor([0, 4]))
+
+
+def test_routed_experts_match_per_token_formula_in_fp32_and_grouped_bf16():
+    from miles_k3.model.linear import ExpertsSpec
+    from miles_k3.model.moe import RoutedExperts
+    from miles_k3.ops.glu import situ_glu
+
+    torch.manual_seed(0)
+    experts = RoutedExperts(ExpertsSpec("experts", 6, 32, 48, "situ", 4.0, 25.0))
+    for p in experts.parameters():
+        p.data.normal_(0, 0.2)
+    x = torch.randn(20, 32)
+    indices = torch.stack([torch.randperm(5)[:3] for _ in range(20)])  # expert 5 receives no tokens
+    weights = torch.rand(20, 3)
+    want = torch.zeros(20, 32)
+    for n in range(20):
+        for j in range(3):
+            e = int(indices[n, j])
+            h = situ_glu(x[n] @ experts.w1[e].T, x[n] @ experts.w3[e].T)
+            want[n] += weights[n, j] * (h @ experts.w2[e].T)
+    with torch.no_grad():
+        torch.testing.assert_close(experts(x, indices, weights), want, rtol=1e-5, atol=1e-5)
+        got16 = experts.bfloat16()(x.bfloat16(), indices, weights).float()
+    assert ((got16 - want).norm() / want.norm()).item() < 2e-2
+    assert set(experts.state_dict()) == {f"{e}.{w}.weight" for e in range(6) for w in ("w1", "w2", "w3")}

@@ -50,4 +50,4 @@ def torch_linear(spec: LinearSpec) -> nn.Module:
 def torch_experts(spec: ExpertsSpec) -> nn.Module:
     from miles_k3.model.moe import RoutedExperts
 
-    return RoutedExperts(spec, torch_linear)
+    return RoutedExperts(spec)

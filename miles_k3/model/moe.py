@@ -31,33 +31,71 @@ class GLUMLP(nn.Module):
         return d(glu(g(x), u(x), self.act, *self.betas))
 
 
-class RoutedExperts(nn.ModuleList):
-    """Experts as `experts.{e}.w1/w3/w2` (gate/up/down), the HF layout.
+class RoutedExperts(nn.Module):
+    """Routed experts held stacked: w1 (gate), w3 (up) [E, I, W] and w2 (down) [E, W, I].
 
-    forward(x [N, W], indices [N, k], weights [N, k] fp32) -> [N, W] in x's dtype:
-    sum over a token's k experts of weight * expert(x). Tokens are grouped by
-    expert with one sort, so the loop is over experts hit, not over tokens.
+    In a state dict they appear in the HF layout, `experts.{e}.w1.weight` [I, W] and so on (hooks split and
+    stack them), so checkpoints and PEFT names never see the stacking.
+
+    forward(x [N, W], indices [N, k], weights [N, k] fp32) -> [N, W] in x's dtype: the sum over a token's
+    k experts of weight * expert(x). Token copies are sorted by expert once; bf16 runs one grouped GEMM per
+    projection (`torch._grouped_mm`, no host sync), other dtypes loop over experts on contiguous slices.
+    Contributions are added in expert order, as transformers' reference does.
     """
 
-    def __init__(self, spec: ExpertsSpec, linear: LinearFactory):
-        super().__init__(
-            GLUMLP(f"{spec.name}.{e}", spec.width, spec.intermediate, spec.act,
-                   (spec.situ_beta, spec.situ_beta_lin), linear, names=("w1", "w3", "w2"))
-            for e in range(spec.num_experts)
-        )
+    _PROJ = ("w1", "w2", "w3")
+
+    def __init__(self, spec: ExpertsSpec):
+        super().__init__()
+        self.spec = spec
+        e, w, i = spec.num_experts, spec.width, spec.intermediate
+        self.w1 = nn.Parameter(torch.empty(e, i, w))
+        self.w3 = nn.Parameter(torch.empty(e, i, w))
+        self.w2 = nn.Parameter(torch.empty(e, w, i))
+        self.register_state_dict_post_hook(self._split_experts)
+        self.register_load_state_dict_pre_hook(self._stack_experts)
+
+    @staticmethod
+    def _split_experts(module, state_dict, prefix, local_metadata) -> None:
+        for proj in RoutedExperts._PROJ:
+            stacked = state_dict.pop(prefix + proj)
+            for e in range(stacked.shape[0]):
+                state_dict[f"{prefix}{e}.{proj}.weight"] = stacked[e]
+
+    @staticmethod
+    def _stack_experts(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                       error_msgs) -> None:
+        for proj in RoutedExperts._PROJ:
+            names = [f"{prefix}{e}.{proj}.weight" for e in range(module.spec.num_experts)]
+            if all(n in state_dict for n in names):
+                state_dict[prefix + proj] = torch.stack([state_dict.pop(n) for n in names])
+
+    def _act(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return glu(gate, up, self.spec.act, self.spec.situ_beta, self.spec.situ_beta_lin)
 
     def forward(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        n, k = indices.shape
-        out = torch.zeros_like(x)
+        k = indices.shape[1]
         flat = indices.reshape(-1)
         order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=len(self)).tolist()
         token_of = order // k
-        for e, (tokens, slots) in enumerate(zip(token_of.split(counts), order.split(counts))):
-            if tokens.numel() == 0:
-                continue
-            y = self[e](x[tokens]) * weights.reshape(-1)[slots, None]
-            out.index_add_(0, tokens, y.to(out.dtype))
+        xs = x[token_of]
+        counts = torch.bincount(flat, minlength=self.spec.num_experts)
+        if x.dtype == torch.bfloat16:
+            offs = counts.cumsum(0).to(torch.int32)
+            gate = torch._grouped_mm(xs, self.w1.transpose(1, 2), offs=offs)
+            up = torch._grouped_mm(xs, self.w3.transpose(1, 2), offs=offs)
+            ys = torch._grouped_mm(self._act(gate, up), self.w2.transpose(1, 2), offs=offs)
+        else:
+            ys = torch.empty_like(xs)
+            start = 0
+            for e, n in enumerate(counts.tolist()):
+                if n:
+                    seg = xs[start:start + n]
+                    h = self._act(F.linear(seg, self.w1[e]), F.linear(seg, self.w3[e]))
+                    ys[start:start + n] = F.linear(h, self.w2[e])
+                start += n
+        out = torch.zeros_like(x)
+        out.index_add_(0, token_of, (ys * weights.reshape(-1)[order, None]).to(out.dtype))
         return out
 
 

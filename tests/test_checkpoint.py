@@ -88,39 +88,37 @@ def saved(tmp_path):
     return tmp_path, load_file(tmp_path / "model.safetensors")
 
 
-def test_missing_tensor_is_named(saved):
+P = "language_model.model.layers"
+
+
+def _drop_tensor(t):
+    del t[f"{P}.2.self_attn.kv_b_proj.weight"]
+
+
+def _narrow_tensor(t):
+    t[f"{P}.0.self_attn.o_proj.weight"] = t[f"{P}.0.self_attn.o_proj.weight"][:, :-1].contiguous()
+
+
+def _add_zero_point(t):
+    t[f"{P}.1.block_sparse_moe.experts.0.w1.weight_zero_point"] = torch.zeros(1)
+
+
+def _quantize_without_config(t):
+    name = f"{P}.1.block_sparse_moe.experts.0.w1"
+    t[f"{name}.weight_packed"], t[f"{name}.weight_scale"] = quantize_mxfp4(t.pop(f"{name}.weight"))
+
+
+@pytest.mark.parametrize("corrupt, message", [
+    (_drop_tensor, "missing.*layers.2.self_attn.kv_b_proj.weight"),
+    (_narrow_tensor, r"layers.0.self_attn.o_proj.weight.*shape \(128, 127\)"),
+    (_add_zero_point, "unknown quantization.*weight_zero_point"),
+    (_quantize_without_config, "no compressed-tensors quantization_config"),
+], ids=["missing", "wrong-shape", "unknown-quantization", "quantized-without-config"])
+def test_bad_tensors_are_named(saved, corrupt, message):
     path, tensors = saved
-    name = "language_model.model.layers.2.self_attn.kv_b_proj.weight"
-    del tensors[name]
+    corrupt(tensors)
     save_file(tensors, path / "model.safetensors")
-    with pytest.raises(ValueError, match="missing.*layers.2.self_attn.kv_b_proj.weight"):
-        K3ForCausalLM.from_pretrained(path)
-
-
-def test_wrong_shape_is_named(saved):
-    path, tensors = saved
-    name = "language_model.model.layers.0.self_attn.o_proj.weight"
-    tensors[name] = tensors[name][:, :-1].contiguous()
-    save_file(tensors, path / "model.safetensors")
-    with pytest.raises(ValueError, match=r"layers.0.self_attn.o_proj.weight.*shape \(128, 127\)"):
-        K3ForCausalLM.from_pretrained(path)
-
-
-def test_unknown_quantization_is_rejected(saved):
-    path, tensors = saved
-    tensors["language_model.model.layers.1.block_sparse_moe.experts.0.w1.weight_zero_point"] = torch.zeros(1)
-    save_file(tensors, path / "model.safetensors")
-    with pytest.raises(ValueError, match="weight_zero_point"):
-        K3ForCausalLM.from_pretrained(path)
-
-
-def test_quantized_tensor_without_quantization_config_is_rejected(saved):
-    path, tensors = saved
-    name = "language_model.model.layers.1.block_sparse_moe.experts.0.w1"
-    packed, scale = quantize_mxfp4(tensors.pop(f"{name}.weight"))
-    tensors[f"{name}.weight_packed"], tensors[f"{name}.weight_scale"] = packed, scale
-    save_file(tensors, path / "model.safetensors")
-    with pytest.raises(ValueError, match="no compressed-tensors quantization_config"):
+    with pytest.raises(ValueError, match=message):
         K3ForCausalLM.from_pretrained(path)
 
 

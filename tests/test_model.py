@@ -139,3 +139,14 @@ def test_routed_experts_match_per_token_formula_in_fp32_and_grouped_bf16():
         got16 = experts.bfloat16()(x.bfloat16(), indices, weights).float()
     assert ((got16 - want).norm() / want.norm()).item() < 2e-2
     assert set(experts.state_dict()) == {f"{e}.{w}.weight" for e in range(6) for w in ("w1", "w2", "w3")}
+
+
+def test_per_channel_a_log_model_round_trips(tmp_path):
+    model = tiny(5, kda_a_log_per_channel=True, kda_a_log_padded_len=None)
+    assert model.model.layers[0].self_attn.A_log.shape == (model.config.kda_dim,)
+    model.save_pretrained(tmp_path)
+    loaded = K3ForCausalLM.from_pretrained(tmp_path)
+    assert loaded.config.kda_a_log_per_channel
+    ids = ids_for(model, 1, 9)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, loaded(ids).logits)

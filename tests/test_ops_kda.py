@@ -220,3 +220,19 @@ def test_input_errors(fn):
         fn(*one, cu_seqlens=torch.tensor([0, 3, 5]))
     with pytest.raises(ValueError, match="initial_state"):
         fn(*one, cu_seqlens=torch.tensor([0, 3, 6]), initial_state=h0[:1])
+
+
+def test_per_channel_a_log_gate_matches_formula():
+    torch.manual_seed(0)
+    H, K = 3, 8
+    f = torch.randn(2, 5, H * K)
+    A_log = torch.randn(H * K) * 0.5
+    dt = torch.randn(H * K)
+    x = (f + dt).view(2, 5, H, K)
+    rate = A_log.exp().view(H, K)
+    got = kda_gate(f, A_log, dt, num_heads=H, per_channel=True, form="lower_bound", lower_bound=-5.0)
+    torch.testing.assert_close(got, -5.0 * torch.sigmoid(rate * x))
+    got = kda_gate(f, A_log, dt, num_heads=H, per_channel=True, form="softplus")
+    torch.testing.assert_close(got, -rate * torch.nn.functional.softplus(x))
+    with pytest.raises(ValueError, match="per-channel"):
+        kda_gate(f, A_log[:H], dt, num_heads=H, per_channel=True)

@@ -55,6 +55,8 @@ class K3Config:
     # Checkpoint layout of the per-head A_log: None stores [1, 1, H, 1] (Kimi-Linear); an int stores a flat
     # vector zero-padded to that length (K3 stores its 96 heads padded to 128).
     kda_a_log_padded_len: int | None = None
+    # A decay rate per channel ([H*K], exp(A_log) multiplies each key channel) instead of per head.
+    kda_a_log_per_channel: bool = False
     kda_output_gate: str = "low_rank"  # K3: full-rank g_proj; Kimi-Linear: g_b_proj(g_a_proj(x))
     kda_gate_rank: int | None = None  # rank of f_a/f_b (and g_a/g_b when low-rank); None = kda_head_dim
 
@@ -157,6 +159,8 @@ class K3Config:
         need(self.kda_output_gate in OUTPUT_GATE_FORMS, "kda_output_gate", f"must be one of {OUTPUT_GATE_FORMS}")
         if self.kda_gate_form == "lower_bound":
             need(self.kda_gate_lower_bound < 0, "kda_gate_lower_bound", "must be < 0 (a log-space decay bound)")
+        need(not (self.kda_a_log_per_channel and self.kda_a_log_padded_len is not None), "kda_a_log_per_channel",
+             "a per-channel A_log is stored as [H*K]; it cannot also be padded (kda_a_log_padded_len)")
         if self.kda_a_log_padded_len is not None:
             need(self.kda_a_log_padded_len >= self.kda_num_heads, "kda_a_log_padded_len",
                  f"must be >= kda_num_heads={self.kda_num_heads}")

@@ -55,7 +55,7 @@ _LINEAR_KEYS = (
     ("kda_head_dim", "head_dim"), ("kda_num_heads", "num_heads"), ("kda_conv_kernel", "short_conv_kernel_size"),
     ("kda_gate_form", "gate_type"), ("kda_gate_lower_bound", "gate_lower_bound"),
     ("kda_a_log_padded_len", "a_log_padded_len"), ("kda_output_gate", "output_gate"),
-    ("kda_gate_rank", "gate_rank"),
+    ("kda_gate_rank", "gate_rank"), ("kda_a_log_per_channel", "a_log_per_channel"),
 )
 # What transformers writes that we derive from other fields; dropped on read, not kept as extras.
 _DERIVED = {

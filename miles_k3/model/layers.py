@@ -70,7 +70,7 @@ class KDAMixer(nn.Module):
             qkv.append(y.view(heads))
             conv.append(new_state)
         g = kda_gate(self.f_b_proj(self.f_a_proj(x)), self.A_log, self.dt_bias, num_heads=c.kda_num_heads,
-                     form=c.kda_gate_form, lower_bound=c.kda_gate_lower_bound)
+                     per_channel=c.kda_a_log_per_channel, form=c.kda_gate_form, lower_bound=c.kda_gate_lower_bound)
         beta = torch.sigmoid(self.b_proj(x).float())
         o, recurrent = kda(*qkv, g, beta,
                            initial_state=prev.recurrent if prev is not None else None,

@@ -24,6 +24,8 @@ def is_routed_expert_tensor(name: str) -> bool:
 
 
 def kda_a_log_shape(config: K3Config) -> tuple[int, ...]:
+    if config.kda_a_log_per_channel:
+        return (config.kda_dim,)
     if config.kda_a_log_padded_len is None:
         return (1, 1, config.kda_num_heads, 1)
     return (config.kda_a_log_padded_len,)

@@ -1,0 +1,154 @@
+"""Engine memory: index allocators, the paged MLA KV pool, the KDA state pool, sizing from a budget.
+
+Two kinds of state (see DESIGN.md, "Engine invariants"): MLA KV is append-only and paged (one page holds
+`page_size` tokens of every MLA layer's latent + shared key part); KDA state is one fixed-size slot per
+request or cached checkpoint (every KDA layer's recurrent state and conv history), overwritten in place.
+
+Indices are plain ints on the host; tensors live on the pool's device. Copies between slots are single
+`index_copy_` launches on the current stream, so stream order is their happens-before: no sync, no lock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from miles_k3.model.config import K3Config
+
+
+class OutOfSlots(RuntimeError):
+    """An allocator could not satisfy a request; the caller evicts or retracts and tries again."""
+
+
+class IndexAllocator:
+    """A free list over [0, capacity). `alloc(n)` is all-or-nothing; double frees are invariant violations."""
+
+    def __init__(self, capacity: int, name: str):
+        if capacity <= 0:
+            raise ValueError(f"{name}: capacity must be > 0, got {capacity}")
+        self.capacity = capacity
+        self.name = name
+        # Low indices first: a reused slot is warm in cache and tests read naturally.
+        self._free = list(range(capacity - 1, -1, -1))
+        self._is_free = [True] * capacity
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def alloc(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise OutOfSlots(f"{self.name}: asked for {n}, {len(self._free)} free of {self.capacity}")
+        out = [self._free.pop() for _ in range(n)]
+        for i in out:
+            self._is_free[i] = False
+        return out
+
+    def free(self, indices: list[int]) -> None:
+        for i in indices:
+            assert not self._is_free[i], f"{self.name}: double free of {i}"
+            self._is_free[i] = True
+            self._free.append(i)
+
+    def is_free(self, index: int) -> bool:
+        return self._is_free[index]
+
+
+@dataclass(frozen=True)
+class PoolSizes:
+    """How many KV pages and KDA state slots fit a memory budget."""
+
+    num_pages: int
+    num_slots: int
+    page_size: int
+    page_bytes: int
+    slot_bytes: int
+
+    @staticmethod
+    def bytes_per_page(config: K3Config, page_size: int, dtype: torch.dtype) -> int:
+        mla_layers = config.layer_kinds.count("mla")
+        width = config.kv_lora_rank + config.qk_rope_head_dim
+        return mla_layers * page_size * width * torch.empty((), dtype=dtype).element_size()
+
+    @staticmethod
+    def bytes_per_slot(config: K3Config, conv_dtype: torch.dtype) -> int:
+        kda_layers = config.layer_kinds.count("kda")
+        recurrent = config.kda_num_heads * config.kda_head_dim * config.kda_head_dim * 4  # fp32
+        conv = 3 * config.kda_dim * (config.kda_conv_kernel - 1) * torch.empty((), dtype=conv_dtype).element_size()
+        return kda_layers * (recurrent + conv)
+
+    @classmethod
+    def from_budget(cls, config: K3Config, budget_bytes: int, *, page_size: int, state_fraction: float,
+                    dtype: torch.dtype = torch.bfloat16) -> "PoolSizes":
+        """Split `budget_bytes` between KDA slots (`state_fraction` of it) and KV pages (the rest)."""
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        if not 0.0 < state_fraction < 1.0:
+            raise ValueError(f"state_fraction must be in (0, 1), got {state_fraction}")
+        page_bytes = cls.bytes_per_page(config, page_size, dtype)
+        slot_bytes = cls.bytes_per_slot(config, dtype)
+        num_slots = int(budget_bytes * state_fraction) // max(slot_bytes, 1)
+        num_pages = int(budget_bytes * (1 - state_fraction)) // max(page_bytes, 1)
+        if num_slots < 1 or num_pages < 1:
+            raise ValueError(f"memory budget {budget_bytes} B holds {num_slots} state slots ({slot_bytes} B each) "
+                             f"and {num_pages} KV pages ({page_bytes} B each); need at least one of each")
+        return cls(num_pages, num_slots, page_size, page_bytes, slot_bytes)
+
+
+class KVPagePool:
+    """MLA KV storage: per MLA layer a [num_pages * page_size, kv_lora_rank + rope_dim] buffer.
+
+    Token position p of a request with page table `pages` lives at row pages[p // page_size] * page_size
+    + p % page_size. Rows hold the *normed* latent and the shared key part, as `K3StateCache.mla_extend`
+    receives them.
+    """
+
+    def __init__(self, config: K3Config, sizes: PoolSizes, dtype: torch.dtype, device: torch.device | str):
+        self.page_size = sizes.page_size
+        self.allocator = IndexAllocator(sizes.num_pages, "kv pages")
+        self.mla_layers = [i for i, k in enumerate(config.layer_kinds) if k == "mla"]
+        width = config.kv_lora_rank + config.qk_rope_head_dim
+        self.buffers = {i: torch.zeros(sizes.num_pages * sizes.page_size, width, dtype=dtype, device=device)
+                        for i in self.mla_layers}
+
+    def rows(self, pages: list[int], start: int, end: int) -> torch.Tensor:
+        """Row indices (on the pool's device) of token positions [start, end) for a page table."""
+        pos = torch.arange(start, end)
+        page_idx = torch.tensor(pages, dtype=torch.long)[pos // self.page_size]
+        device = next(iter(self.buffers.values())).device if self.buffers else "cpu"
+        return (page_idx * self.page_size + pos % self.page_size).to(device)
+
+
+class KDAStatePool:
+    """KDA state slots: per KDA layer recurrent [num_slots, H, K, V] fp32 and conv [num_slots, 3, H*K, W-1]."""
+
+    def __init__(self, config: K3Config, sizes: PoolSizes, conv_dtype: torch.dtype, device: torch.device | str):
+        self.allocator = IndexAllocator(sizes.num_slots, "kda state slots")
+        self.kda_layers = [i for i, k in enumerate(config.layer_kinds) if k == "kda"]
+        n, h, d = sizes.num_slots, config.kda_num_heads, config.kda_head_dim
+        self.recurrent = {i: torch.zeros(n, h, d, d, dtype=torch.float32, device=device) for i in self.kda_layers}
+        self.conv = {i: torch.zeros(n, 3, config.kda_dim, config.kda_conv_kernel - 1, dtype=conv_dtype,
+                                    device=device) for i in self.kda_layers}
+
+    def copy_slots(self, src: list[int], dst: list[int]) -> None:
+        """dst[j] <- src[j] for every layer: one gather + index_copy_ per tensor on the current stream."""
+        assert len(src) == len(dst)
+        if not src:
+            return
+        device = next(iter(self.recurrent.values())).device
+        s = torch.tensor(src, dtype=torch.long, device=device)
+        d = torch.tensor(dst, dtype=torch.long, device=device)
+        for table in (self.recurrent, self.conv):
+            for buf in table.values():
+                buf.index_copy_(0, d, buf.index_select(0, s))
+
+    def zero_slots(self, slots: list[int]) -> None:
+        """A fresh request starts from zero history."""
+        if not slots:
+            return
+        device = next(iter(self.recurrent.values())).device
+        idx = torch.tensor(slots, dtype=torch.long, device=device)
+        for table in (self.recurrent, self.conv):
+            for buf in table.values():
+                buf.index_fill_(0, idx, 0)

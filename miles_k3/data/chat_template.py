@@ -1,0 +1,119 @@
+"""Chat templates without Jinja and without tokenizers.
+
+A template turns a dataset prompt into the exact string the engine tokenizes. Three choices:
+
+- ``None``: the prompt string is used verbatim; a list of chat messages cannot be rendered (ValueError).
+- ``"chatml"``: the built-in ChatML layout (``<|im_start|>role\\ncontent<|im_end|>\\n`` per message, then the
+  generation prompt ``<|im_start|>assistant\\n``). Renders strings (as one user message) and message lists.
+- any other string: a Python format string with a ``{prompt}`` field and optionally a ``{system}`` field
+  (literal braces doubled: ``{{``). Renders strings only.
+
+Why no Jinja / HF ``apply_chat_template``: that needs the model's tokenizer config from a hub, and nothing in
+the data path may reach the network. A user whose model needs its exact chat template renders it offline into
+the dataset (prompt column already templated, ``chat_template=None``) or writes it as a format string.
+"""
+
+from __future__ import annotations
+
+import string
+from typing import Any
+
+CHATML = "chatml"
+TEMPLATE_FIELDS = ("prompt", "system")
+ROLES = ("system", "user", "assistant")
+
+
+def template_fields(template: str) -> set[str]:
+    """Field names of a format-string template. ValueError on malformed braces, unknown fields, format specs
+    or conversions (``{prompt!r}``, ``{prompt:>10}``): they would change the prompt text in ways that are easy
+    to miss."""
+    fields: set[str] = set()
+    try:
+        parsed = list(string.Formatter().parse(template))
+    except ValueError as e:  # unbalanced braces
+        raise ValueError(f"chat_template: malformed format string {template!r}: {e}") from None
+    for _, name, spec, conversion in parsed:
+        if name is None:
+            continue
+        if name not in TEMPLATE_FIELDS:
+            raise ValueError(f"chat_template: unknown field {{{name}}} in {template!r}; allowed: "
+                             f"{', '.join('{' + f + '}' for f in TEMPLATE_FIELDS)} (double literal braces)")
+        if spec or conversion:
+            raise ValueError(f"chat_template: field {{{name}}} may not carry a format spec or conversion")
+        fields.add(name)
+    return fields
+
+
+def validate_template(template: str | None, system_prompt: str | None) -> None:
+    """ValueError (naming ``chat_template`` or ``system_prompt``) unless the pair can render prompts and the
+    system prompt would actually be used: a set system prompt that no template reads is an error, not a
+    silent no-op."""
+    if template is not None and not isinstance(template, str):
+        raise ValueError(f"chat_template: must be None, {CHATML!r} or a format string, got {type(template).__name__}")
+    if system_prompt is not None and not isinstance(system_prompt, str):
+        raise ValueError(f"system_prompt: must be None or a string, got {type(system_prompt).__name__}")
+    if template is None:
+        if system_prompt is not None:
+            raise ValueError("system_prompt: set, but chat_template is None, so it would be ignored; "
+                             "use chat_template='chatml' or a format string with {system}")
+        return
+    if template == CHATML:
+        return
+    fields = template_fields(template)
+    if "prompt" not in fields:
+        raise ValueError(f"chat_template: {template!r} is neither {CHATML!r} nor a format string with a "
+                         "{prompt} field")
+    if system_prompt is not None and "system" not in fields:
+        raise ValueError("system_prompt: set, but chat_template has no {system} field, so it would be ignored")
+
+
+def validate_messages(messages: list[Any]) -> list[dict[str, str]]:
+    """Check a chat-message list and return it as ``[{role, content}]`` (keys other than role and content,
+    e.g. a parquet struct's extra fields, are dropped). ValueError names the offending message index.
+    The last message must come from the user: an RL prompt asks for the assistant's next turn."""
+    if not messages:
+        raise ValueError("prompt: empty message list")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise ValueError(f"prompt: message {i} must be an object with role and content, "
+                             f"got {type(m).__name__}")
+        role, content = m.get("role"), m.get("content")
+        if role not in ROLES:
+            raise ValueError(f"prompt: message {i} has role {role!r}; expected one of {ROLES}")
+        if not isinstance(content, str):
+            raise ValueError(f"prompt: message {i} content must be a string, got {type(content).__name__}")
+        out.append({"role": role, "content": content})
+    if out[-1]["role"] != "user":
+        raise ValueError(f"prompt: the last message must have role 'user', got {out[-1]['role']!r}")
+    return out
+
+
+def _chatml(messages: list[dict[str, str]], system_prompt: str | None) -> str:
+    # The record's own system message wins over the configured default: the dataset author put it there.
+    if system_prompt is not None and messages[0]["role"] != "system":
+        messages = [{"role": "system", "content": system_prompt}] + messages
+    turns = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+    return turns + "<|im_start|>assistant\n"
+
+
+def render_prompt(raw: str | list[Any], template: str | None, system_prompt: str | None = None) -> str:
+    """Render a raw prompt (string or chat-message list) with a template already checked by
+    `validate_template`. ValueError when the template cannot render this prompt (messages without
+    ``chatml``, an empty string, a malformed message); the caller adds file and line."""
+    if isinstance(raw, list):
+        messages = validate_messages(raw)
+        if template != CHATML:
+            raise ValueError(f"prompt: a chat-message list needs chat_template={CHATML!r}; "
+                             f"chat_template is {template!r}")
+        return _chatml(messages, system_prompt)
+    if not isinstance(raw, str):
+        raise ValueError(f"prompt: must be a string or a list of chat messages, got {type(raw).__name__}")
+    if not raw:
+        raise ValueError("prompt: empty string")
+    if template is None:
+        return raw
+    if template == CHATML:
+        return _chatml([{"role": "user", "content": raw}], system_prompt)
+    # str.format never re-parses substituted values, so braces inside the prompt text are safe.
+    return template.format(prompt=raw, system=system_prompt if system_prompt is not None else "")

@@ -1,0 +1,206 @@
+"""Prompt datasets: a validated config, immutable records, and a loader for jsonl and parquet.
+
+The loader reads the whole file into memory (RL prompt sets are thousands to a few million rows) and checks
+every row before training starts, so a bad row fails the run at load time with its file and line, not hours
+later when the sampler reaches it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from miles_k3.data.chat_template import render_prompt, validate_template
+
+FORMATS = {".jsonl": "jsonl", ".parquet": "parquet"}
+ALL_KEYS = "*"
+
+
+@dataclass(frozen=True)
+class PromptDataConfig:
+    """Where prompts come from and how they become engine input. Validated on construction: ValueError names
+    the field.
+
+    - ``path``: a ``.jsonl`` (one JSON object a line; blank lines skipped) or ``.parquet`` file; the suffix
+      picks the format. Existence is checked by `load_prompts`, not here.
+    - ``prompt_key``: holds a non-empty string or a list of chat messages ``[{role, content}, ...]``.
+    - ``label_key``: the reference answer handed to reward plugins (any JSON value but null); required in
+      every row unless ``label_key`` is None (datasets scored without a reference).
+    - ``metadata_keys``: keys copied into ``PromptRecord.metadata``; each listed key must be present in every
+      row. ``"*"`` (the default) copies every key other than the prompt and label keys.
+    - ``chat_template`` / ``system_prompt``: see `miles_k3.data.chat_template` (None, ``"chatml"`` or a
+      format string with ``{prompt}`` and optionally ``{system}``). A system prompt no template reads is an
+      error.
+    - ``shuffle`` / ``seed`` / ``drop_last``: read by `PromptSampler`.
+    """
+
+    path: str
+    prompt_key: str = "prompt"
+    label_key: str | None = "label"
+    metadata_keys: tuple[str, ...] | str = ALL_KEYS
+    chat_template: str | None = None
+    system_prompt: str | None = None
+    shuffle: bool = True
+    seed: int = 0
+    drop_last: bool = False
+
+    def __post_init__(self) -> None:
+        # Hydra hands over strings and ListConfigs; normalize to str / tuple so the frozen config is hashable.
+        if isinstance(self.path, os.PathLike):
+            object.__setattr__(self, "path", os.fspath(self.path))
+        if not isinstance(self.path, str) or not self.path:
+            raise ValueError(f"path: must be a non-empty path string, got {self.path!r}")
+        if Path(self.path).suffix.lower() not in FORMATS:
+            raise ValueError(f"path: {self.path!r} must end in one of {sorted(FORMATS)} (the suffix picks the "
+                             "format)")
+        if not isinstance(self.prompt_key, str) or not self.prompt_key:
+            raise ValueError(f"prompt_key: must be a non-empty string, got {self.prompt_key!r}")
+        if self.label_key is not None and (not isinstance(self.label_key, str) or not self.label_key):
+            raise ValueError(f"label_key: must be None or a non-empty string, got {self.label_key!r}")
+        if self.label_key == self.prompt_key:
+            raise ValueError(f"label_key: equals prompt_key {self.prompt_key!r}")
+        if self.metadata_keys != ALL_KEYS:
+            if isinstance(self.metadata_keys, str):
+                raise ValueError(f"metadata_keys: must be {ALL_KEYS!r} or a sequence of keys, got the string "
+                                 f"{self.metadata_keys!r} (write ({self.metadata_keys!r},) for one key)")
+            try:
+                keys = tuple(self.metadata_keys)
+            except TypeError:
+                raise ValueError(f"metadata_keys: must be {ALL_KEYS!r} or a sequence of keys, got "
+                                 f"{type(self.metadata_keys).__name__}") from None
+            for k in keys:
+                if not isinstance(k, str) or not k:
+                    raise ValueError(f"metadata_keys: entries must be non-empty strings, got {k!r}")
+                if k in (self.prompt_key, self.label_key):
+                    raise ValueError(f"metadata_keys: {k!r} is the prompt or label key")
+            if len(set(keys)) != len(keys):
+                raise ValueError(f"metadata_keys: duplicate keys in {keys}")
+            object.__setattr__(self, "metadata_keys", keys)
+        validate_template(self.chat_template, self.system_prompt)
+        for name in ("shuffle", "drop_last"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}: must be a bool, got {getattr(self, name)!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"seed: must be an int, got {self.seed!r}")
+
+    @property
+    def format(self) -> str:
+        """``"jsonl"`` or ``"parquet"``, from the path's suffix."""
+        return FORMATS[Path(self.path).suffix.lower()]
+
+
+@dataclass(frozen=True)
+class PromptRecord:
+    """One prompt, ready for the engine.
+
+    ``index`` is the record's 0-based position in the dataset (blank jsonl lines not counted); ``prompt`` the
+    rendered string the engine tokenizes; ``raw_prompt`` the value as stored (string or message list);
+    ``label`` the reference answer (None when the config has no label key); ``metadata`` the selected extra
+    keys. Records are shared between batches: treat ``raw_prompt`` and ``metadata`` as read-only.
+    """
+
+    index: int
+    prompt: str
+    raw_prompt: str | list[dict[str, str]]
+    label: Any = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+def load_prompts(config: PromptDataConfig) -> list[PromptRecord]:
+    """Read, check and render every row of ``config.path``.
+
+    Raises FileNotFoundError for a missing file, and ValueError naming the file, the jsonl line (1-based) or
+    the parquet row (0-based, as pyarrow and pandas count) and the key for: malformed JSON, a line that is not
+    a JSON object, a missing prompt / label / listed metadata key, a null label, a prompt that is neither a
+    non-empty string nor a valid message list, a message list the template cannot render, an unreadable
+    parquet file, and an empty dataset.
+    """
+    path = Path(config.path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: prompt dataset not found")
+    rows = _read_jsonl(path) if config.format == "jsonl" else _read_parquet(path)
+    records = [_to_record(i, row, where, config) for i, (where, row) in enumerate(rows)]
+    if not records:
+        raise ValueError(f"{path}: empty dataset (no records)")
+    return records
+
+
+def dataset_fingerprint(records: list[PromptRecord]) -> str:
+    """sha256 over every record's rendered prompt, raw prompt, label and metadata, in order.
+
+    It identifies the data a sampler position points into: a changed file, row order, or rendering
+    (chat_template / system_prompt) changes it, so resuming a sampler against it fails loudly.
+    """
+    h = hashlib.sha256()
+    for r in records:
+        # default=repr covers parquet values JSON cannot encode (bytes, datetime, Decimal) deterministically.
+        item = [r.prompt, r.raw_prompt, r.label, r.metadata]
+        h.update(json.dumps(item, sort_keys=True, ensure_ascii=False, default=repr).encode("utf-8"))
+        h.update(b"\n")
+    return h.hexdigest()
+
+
+def _read_jsonl(path: Path):
+    # Decode line by line from bytes so an encoding error can name its line too.
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            where = f"{path} line {lineno}"
+            try:
+                text = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")  # tolerate a leading BOM
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{where}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
+            if not text.strip():
+                continue
+            try:
+                row = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: malformed JSON: {e.msg} (column {e.colno})") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
+            yield where, row
+
+
+def _read_parquet(path: Path):
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ImportError(f"{path}: reading parquet needs pyarrow (pip install pyarrow)") from None
+    try:
+        table = pq.read_table(path)
+    except Exception as e:  # pyarrow raises ArrowInvalid / OSError subclasses for corrupt files
+        raise ValueError(f"{path}: not a readable parquet file: {e}") from None
+    for i, row in enumerate(table.to_pylist()):
+        yield f"{path} row {i} (0-based)", row
+
+
+def _to_record(index: int, row: dict[str, Any], where: str, c: PromptDataConfig) -> PromptRecord:
+    if c.prompt_key not in row:
+        raise ValueError(f"{where}: missing prompt key {c.prompt_key!r} (keys: {sorted(row)})")
+    raw = row[c.prompt_key]
+    try:
+        prompt = render_prompt(raw, c.chat_template, c.system_prompt)
+    except ValueError as e:
+        # render_prompt's messages start with "prompt:"; name the configured key instead.
+        msg = str(e).removeprefix("prompt: ")
+        raise ValueError(f"{where}: key {c.prompt_key!r}: {msg}") from None
+    label = None
+    if c.label_key is not None:
+        if c.label_key not in row:
+            raise ValueError(f"{where}: missing label key {c.label_key!r} (keys: {sorted(row)}; "
+                             "set label_key=None for unlabeled data)")
+        label = row[c.label_key]
+        if label is None:
+            # A null reference would score every sample as wrong: a data bug, not a zero reward.
+            raise ValueError(f"{where}: label key {c.label_key!r} is null")
+    if c.metadata_keys == ALL_KEYS:
+        metadata = {k: v for k, v in row.items() if k not in (c.prompt_key, c.label_key)}
+    else:
+        missing = [k for k in c.metadata_keys if k not in row]
+        if missing:
+            raise ValueError(f"{where}: missing metadata key {missing[0]!r} (keys: {sorted(row)})")
+        metadata = {k: row[k] for k in c.metadata_keys}
+    return PromptRecord(index=index, prompt=prompt, raw_prompt=raw, label=label, metadata=metadata)

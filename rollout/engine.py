@@ -1,0 +1,325 @@
+"""The rollout engine: continuous batching over the hybrid KDA/MLA cache, exact log-probs.
+
+    engine = Engine(model, EngineConfig(memory_bytes=64 << 20))
+    outs = engine.generate([[1, 5, 7], [1, 5, 9]], SamplingParams(temperature=0))
+    rid = engine.submit([1, 5, 7], SamplingParams(max_new_tokens=16)); engine.step() ...
+    for token, logprob in engine.stream([1, 5, 7], SamplingParams()): ...
+
+Each `step()` either runs one prefill chunk of one request (chunked to `chunk_size` boundaries under
+the `max_prefill_tokens` budget; the boundaries are where KDA checkpoints are snapshotted and donated
+to the radix cache) or one decode token for every request in the decode phase. Under memory pressure
+the newest running request is retracted: what it computed is cached, its resources freed, and it goes
+back to the front of the queue with its output so far; it finishes later, never lost or duplicated.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from miles_k3.model.modeling import K3ForCausalLM
+from rollout.memory import IndexAllocator, KDAStatePool, KVPagePool, OutOfSlots, PoolSizes
+from rollout.radix_cache import HybridRadixCache, Node
+from rollout.request import Completion, FinishReason, Request, SamplingParams
+from rollout.sampler import sample
+from rollout.state_cache import PoolStateCache
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    memory_bytes: int  # KV pages + KDA state slots, split by state_fraction
+    state_fraction: float = 0.5
+    page_size: int = 16
+    chunk_size: int = 64  # KDA checkpoint granularity and prefill chunk alignment
+    max_prefill_tokens: int = 512  # per step
+    max_running: int = 64
+    max_seq_len: int = 4096
+    max_checkpoints_per_path: int = 4
+
+    def __post_init__(self) -> None:
+        if self.chunk_size % self.page_size:
+            raise ValueError(f"chunk_size ({self.chunk_size}) must be a multiple of page_size ({self.page_size})")
+        if self.max_prefill_tokens < self.chunk_size or self.max_prefill_tokens % self.chunk_size:
+            raise ValueError(f"max_prefill_tokens ({self.max_prefill_tokens}) must be a positive multiple of "
+                             f"chunk_size ({self.chunk_size})")
+        if self.max_running < 1:
+            raise ValueError(f"max_running must be >= 1, got {self.max_running}")
+
+
+@dataclass(eq=False)
+class _Running:
+    req: Request
+    tokens: list[int]  # prompt + outputs fed so far or pending; KV/state computed for tokens[:pos]
+    slot: int
+    node: Node  # locked in the radix cache
+    pos: int
+    pages: list[int]
+    private: set[int] = field(default_factory=set)
+    fork_pos: int | None = None  # chunk-aligned branch point where a prefill chunk must end (Marconi)
+    generator: torch.Generator | None = None
+
+
+class Engine:
+    def __init__(self, model: K3ForCausalLM, config: EngineConfig):
+        self.model = model.eval()
+        self.config = config
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.sizes = PoolSizes.from_budget(model.config, config.memory_bytes, page_size=config.page_size,
+                                           state_fraction=config.state_fraction, dtype=self.dtype)
+        self._build_pools()
+        self.waiting: deque[Request] = deque()
+        self.running: list[_Running] = []
+        self._generators: dict[int, torch.Generator] = {}
+        self._events: dict[int, list[tuple[int, float]]] = {}  # only for streamed requests
+        self._completed: list[Completion] = []
+        self.num_retractions = 0
+
+    def _build_pools(self) -> None:
+        self.kv = KVPagePool(self.model.config, self.sizes, self.dtype, self.device)
+        self.states = KDAStatePool(self.model.config, self.sizes, self.dtype, self.device)
+        self.cache = HybridRadixCache(self.kv.allocator, self.states.allocator, page_size=self.config.page_size,
+                                      chunk_size=self.config.chunk_size,
+                                      max_checkpoints_per_path=self.config.max_checkpoints_per_path)
+
+    # -------------------------------------------------------------------- API
+    def submit(self, prompt_ids: list[int], params: SamplingParams | None = None, adapter: str | None = None) -> int:
+        """Queue a request; returns its id. Bad requests raise ValueError and leave the engine untouched."""
+        params = params or SamplingParams()
+        prompt_ids = [int(t) for t in prompt_ids]
+        vocab = self.model.config.vocab_size
+        if not prompt_ids:
+            raise ValueError("prompt_ids is empty")
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise ValueError(f"prompt_ids contains a token id outside [0, {vocab})")
+        if len(prompt_ids) + params.max_new_tokens > self.config.max_seq_len:
+            raise ValueError(f"prompt ({len(prompt_ids)}) + max_new_tokens ({params.max_new_tokens}) exceeds "
+                             f"max_seq_len ({self.config.max_seq_len})")
+        pages = -(-(len(prompt_ids) + params.max_new_tokens) // self.config.page_size)
+        if pages > self.sizes.num_pages:
+            raise ValueError(f"request needs {pages} KV pages but the pool holds {self.sizes.num_pages}; "
+                             "raise memory_bytes or shorten the request")
+        if adapter is not None:
+            raise ValueError(f"unknown adapter {adapter!r}: no adapters are loaded")
+        req = Request(prompt_ids, params, adapter)
+        if params.seed is not None:
+            self._generators[req.request_id] = torch.Generator().manual_seed(params.seed)
+        self.waiting.append(req)
+        return req.request_id
+
+    def abort(self, request_id: int) -> Completion | None:
+        for req in self.waiting:
+            if req.request_id == request_id:
+                self.waiting.remove(req)
+                return self._complete(req, FinishReason.ABORT)
+        for r in self.running:
+            if r.req.request_id == request_id:
+                self._release(r)
+                return self._complete(r.req, FinishReason.ABORT)
+        return None
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
+                 ) -> list[Completion]:
+        """Run a batch to completion; completions in prompt order."""
+        plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        ids = [self.submit(p, sp) for p, sp in zip(prompts, plist)]
+        done: dict[int, Completion] = {}
+        while len(done) < len(ids):
+            for c in self.step():
+                done[c.request_id] = c
+        return [done[i] for i in ids]
+
+    def stream(self, prompt_ids: list[int], params: SamplingParams | None = None) -> Iterator[tuple[int, float]]:
+        """Yield (token, log-prob) as they are sampled, stepping the engine (other requests progress too)."""
+        rid = self.submit(prompt_ids, params)
+        self._events[rid] = []
+        try:
+            while True:
+                finished = {c.request_id for c in self.step()}
+                yield from self._events[rid]
+                self._events[rid] = []
+                if rid in finished:
+                    return
+        finally:
+            self._events.pop(rid, None)
+
+    # ------------------------------------------------------------------- step
+    def step(self) -> list[Completion]:
+        """One forward: a prefill chunk or a decode batch. Returns the requests that finished."""
+        if self.cache is None:
+            raise RuntimeError("engine memory is released; call resume_memory() first")
+        self._completed = []
+        self._admit()
+        prefill = next((r for r in self.running if len(r.tokens) - r.pos > 1), None)
+        # A prefill that could not get pages retracted its own request: decode instead, so the running
+        # requests always progress (otherwise re-admitting it each step would starve them).
+        if prefill is None or not self._prefill_chunk(prefill):
+            decoding = [r for r in self.running if len(r.tokens) - r.pos == 1]
+            if decoding:
+                self._decode(decoding)
+        return self._completed
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.config.max_running:
+            req = self.waiting[0]
+            tokens = req.all_ids
+            m = self.cache.match_prefix(tokens)
+            self.cache.lock(m.node)
+            slot = self._alloc(self.states.allocator, 1, self.cache.evict_checkpoints)
+            if slot is None:
+                self.cache.unlock(m.node)
+                return
+            # copy-on-write restore, enqueued before anything can reuse the checkpoint's slot
+            if m.checkpoint_slot is None:
+                self.states.zero_slots(slot)
+            else:
+                self.states.copy_slots([m.checkpoint_slot], slot)
+            self.waiting.popleft()
+            req.cached_tokens = m.prefix_len
+            self.running.append(_Running(req, tokens, slot[0], m.node, m.prefix_len, list(m.pages),
+                                         fork_pos=m.fork_pos, generator=self._generators.get(req.request_id)))
+
+    def _alloc(self, allocator: IndexAllocator, n: int, evict) -> list[int] | None:
+        if allocator.num_free < n:
+            evict(n - allocator.num_free)
+        return allocator.alloc(n) if allocator.num_free >= n else None
+
+    def _ensure_pages(self, r: _Running, end: int) -> bool:
+        """Cover positions [0, end) with pages, evicting the cache, then retracting the newest running
+        request (possibly r itself: then False). A request alone always fits: `submit` checks its size."""
+        need = -(-end // self.config.page_size) - len(r.pages)
+        while need > 0:
+            new = self._alloc(self.kv.allocator, need, self.cache.evict_pages)
+            if new is not None:
+                r.pages += new
+                r.private |= set(new)
+                return True
+            victim = self.running[-1]
+            self._retract(victim)
+            if victim is r:
+                return False
+        return True
+
+    def _forward(self, batch: list[_Running], ids: torch.Tensor) -> torch.Tensor:
+        cache = PoolStateCache(self.kv, self.states, [r.slot for r in batch], [r.pos for r in batch],
+                               [r.pages for r in batch])
+        with torch.inference_mode():
+            hidden = self.model.model(ids, cache)
+            return self.model.logits(hidden[:, -1])
+
+    def _prefill_chunk(self, r: _Running) -> bool:
+        c = self.config.chunk_size
+        end = min(len(r.tokens), (r.pos // c) * c + self.config.max_prefill_tokens)
+        if r.fork_pos is not None and r.pos < r.fork_pos < end:
+            end = r.fork_pos  # snapshot exactly at the fork so the next branch restores there
+        if not self._ensure_pages(r, end):
+            return False
+        ids = torch.tensor([r.tokens[r.pos:end]], device=self.device)
+        logits = self._forward([r], ids)
+        r.pos = end
+        self._donate(r)
+        if r.pos == len(r.tokens):
+            self._append_samples([r], logits)
+        return True
+
+    def _decode(self, candidates: list[_Running]) -> None:
+        batch = []
+        for r in candidates:
+            # a member may have been retracted to make room for an earlier one
+            if r in self.running and self._ensure_pages(r, r.pos + 1):
+                batch.append(r)
+        batch = [r for r in batch if r in self.running]
+        if not batch:
+            return
+        ids = torch.tensor([[r.tokens[r.pos]] for r in batch], device=self.device)
+        logits = self._forward(batch, ids)
+        for r in batch:
+            r.pos += 1
+            if r.pos % self.config.chunk_size == 0:
+                self._donate(r)
+        self._append_samples(batch, logits)
+
+    def _append_samples(self, batch: list[_Running], logits: torch.Tensor) -> None:
+        tokens, logps = sample(logits, [r.req.params for r in batch], [r.generator for r in batch])
+        for r, tok, lp in zip(batch, tokens, logps):
+            req = r.req
+            req.output_ids.append(tok)
+            req.logprobs.append(lp)
+            r.tokens.append(tok)
+            if req.request_id in self._events:
+                self._events[req.request_id].append((tok, lp))
+            if tok in req.params.stop_token_ids:
+                self._finish(r, FinishReason.STOP)
+            elif len(req.output_ids) >= req.params.max_new_tokens:
+                self._finish(r, FinishReason.LENGTH)
+
+    # ------------------------------------------------------- cache handovers
+    def _donate(self, r: _Running) -> None:
+        """Give the tree the page-aligned computed prefix and, at a chunk boundary, a snapshot of the
+        working state (a copy into a fresh slot; the tree then owns that slot by index)."""
+        checkpoints = {}
+        if r.pos % self.config.chunk_size == 0:
+            snap = self._alloc(self.states.allocator, 1, self.cache.evict_checkpoints)
+            if snap is not None:
+                self.states.copy_slots([r.slot], snap)
+                checkpoints[r.pos] = snap[0]
+        full = r.pos // self.config.page_size
+        res = self.cache.insert(r.tokens, r.pages[:full], checkpoints)
+        r.private -= set(r.pages[:full]) - set(res.duplicate_pages)
+        self.states.allocator.free(res.rejected_slots)
+        self.cache.lock(res.node)
+        self.cache.unlock(r.node)
+        r.node = res.node
+
+    def _release(self, r: _Running) -> None:
+        self._donate_kv_only(r)
+        self.cache.unlock(r.node)
+        self.kv.allocator.free(sorted(r.private))
+        self.states.allocator.free([r.slot])
+        self.running.remove(r)
+
+    def _donate_kv_only(self, r: _Running) -> None:
+        full = r.pos // self.config.page_size
+        res = self.cache.insert(r.tokens, r.pages[:full])
+        r.private -= set(r.pages[:full]) - set(res.duplicate_pages)
+
+    def _retract(self, r: _Running) -> None:
+        self._release(r)
+        r.req.retractions += 1
+        self.num_retractions += 1
+        self.waiting.appendleft(r.req)
+
+    def _finish(self, r: _Running, reason: FinishReason) -> None:
+        self._release(r)
+        self._completed.append(self._complete(r.req, reason))
+
+    def _complete(self, req: Request, reason: FinishReason) -> Completion:
+        req.finish_reason = reason
+        self._generators.pop(req.request_id, None)
+        return req.completion()
+
+    def check_invariants(self) -> None:
+        """Rebuild the accounting: every page / slot is in exactly one place (tree, a request, free)."""
+        pages = set().union(*(r.private for r in self.running)) if self.running else set()
+        slots = {r.slot for r in self.running}
+        self.cache.sanity_check(pages, slots)
+
+    # ------------------------------------------------------------ colocation
+    def release_memory(self) -> None:
+        """Drop the KV and state pools (and the prefix cache) so a colocated trainer can use the memory.
+        Only between batches: no request may be waiting or running."""
+        if self.has_work():
+            raise RuntimeError("release_memory() with requests in flight; finish or abort them first")
+        self.kv = self.states = self.cache = None  # type: ignore[assignment]
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def resume_memory(self) -> None:
+        if self.cache is None:
+            self._build_pools()

@@ -1,0 +1,1 @@
+"""Small reward plugins that the tests load by "module:function" reference."""

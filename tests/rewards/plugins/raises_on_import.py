@@ -1,0 +1,3 @@
+"""Fails while being imported."""
+
+raise RuntimeError("plugin module is broken")

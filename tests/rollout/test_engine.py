@@ -1,0 +1,169 @@
+"""Engine vs the reference model: greedy parity, log-probs, prefix hits, branches, retraction, errors."""
+
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from miles_k3.model import K3Config, K3ForCausalLM
+from miles_k3.model.generate import greedy_generate
+from rollout.engine import Engine, EngineConfig
+from rollout.request import FinishReason, SamplingParams
+
+torch.manual_seed(0)
+MODEL = K3ForCausalLM(K3Config.from_preset("k3-tiny")).eval()
+SMALL = dict(page_size=4, chunk_size=8, max_prefill_tokens=16, max_seq_len=256)
+ROOMY = 8 << 20
+
+
+def engine(memory=ROOMY, **kw):
+    return Engine(MODEL, EngineConfig(memory_bytes=memory, **{**SMALL, **kw}))
+
+
+def prompt(n, seed):
+    return torch.randint(3, 512, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def cold(p, params):
+    return engine().generate([p], params)[0]
+
+
+GREEDY = SamplingParams(temperature=0, max_new_tokens=10)
+
+
+def test_greedy_output_and_logprobs_equal_the_reference_model():
+    prompts = [prompt(n, i) for i, n in enumerate([1, 7, 8, 9, 30, 41])]
+    outs = engine().generate(prompts, GREEDY)
+    for p, out in zip(prompts, outs):
+        want, want_lp = greedy_generate(MODEL, torch.tensor([p]), 10)
+        assert out.output_ids == want[0].tolist()
+        torch.testing.assert_close(torch.tensor(out.logprobs), want_lp[0], rtol=0, atol=1e-4)
+        assert out.finish_reason == FinishReason.LENGTH
+
+
+def test_prefix_hit_gives_exactly_the_cold_output():
+    eng = engine()
+    p = prompt(37, 1)
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_new_tokens=12)
+    first = eng.generate([p], params)[0]
+    again = eng.generate([p], params)[0]
+    assert first.cached_tokens == 0 and again.cached_tokens == 32  # deepest chunk checkpoint below 37
+    assert again.output_ids == first.output_ids == cold(p, params).output_ids
+    assert again.logprobs == pytest.approx(first.logprobs, abs=1e-5)
+    eng.check_invariants()
+
+
+def test_branch_point_is_planted_and_reused():
+    eng = engine(max_prefill_tokens=32)
+    base = prompt(40, 2)
+    eng.generate([base], GREEDY)
+    b = base[:21] + prompt(10, 3)  # diverges mid-edge at 21 -> fork at 16
+    out_b = eng.generate([b], GREEDY)[0]
+    assert out_b.cached_tokens == 0  # no checkpoint at or above the fork yet: replay from 0, plant at 16
+    c = base[:19] + prompt(6, 4)
+    out_c = eng.generate([c], GREEDY)[0]
+    assert out_c.cached_tokens == 16
+    assert out_b.output_ids == cold(b, GREEDY).output_ids and out_c.output_ids == cold(c, GREEDY).output_ids
+
+
+def test_retraction_under_memory_pressure_loses_and_duplicates_nothing():
+    prompts = [prompt(20, 10 + i) for i in range(6)]
+    params = SamplingParams(temperature=0, max_new_tokens=24)
+    eng = engine(memory=360_000, state_fraction=0.95)  # 4 state slots, 11 pages of 4 tokens
+    outs = eng.generate(prompts, params)
+    assert eng.num_retractions > 0
+    for p, out in zip(prompts, outs):
+        assert out.output_ids == cold(p, params).output_ids
+    eng.check_invariants()
+    eng.cache.evict_pages(10**9)
+    eng.cache.evict_checkpoints(10**9)
+    assert eng.kv.allocator.num_free == eng.kv.allocator.capacity
+    assert eng.states.allocator.num_free == eng.states.allocator.capacity
+
+
+def test_bad_requests_are_rejected_without_disturbing_others():
+    eng = engine()
+    ok = eng.submit(prompt(5, 5), GREEDY)
+    for bad, match in [([], "empty"), ([1, 999], "outside"), (prompt(250, 6), "max_seq_len")]:
+        with pytest.raises(ValueError, match=match):
+            eng.submit(bad, GREEDY)
+    with pytest.raises(ValueError, match="KV pages"):
+        engine(memory=360_000, state_fraction=0.95).submit(prompt(60, 6), GREEDY)
+    for bad, match in []:
+        with pytest.raises(ValueError, match=match):
+            eng.submit(bad, GREEDY)
+    with pytest.raises(ValueError, match="unknown adapter"):
+        eng.submit(prompt(3, 7), GREEDY, adapter="nope")
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0.0)
+    done = []
+    while eng.has_work():
+        done += eng.step()
+    assert [c.request_id for c in done] == [ok]
+    assert done[0].output_ids == cold(prompt(5, 5), GREEDY).output_ids
+
+
+def test_abort_stop_tokens_and_stream():
+    eng = engine()
+    a, b = prompt(12, 8), prompt(9, 9)
+    ra, rb = eng.submit(a, GREEDY), eng.submit(b, GREEDY)
+    eng.step()
+    aborted = eng.abort(ra)
+    assert aborted.finish_reason == FinishReason.ABORT and eng.abort(12345) is None
+    rest = []
+    while eng.has_work():
+        rest += eng.step()
+    assert [c.request_id for c in rest] == [rb] and rest[0].output_ids == cold(b, GREEDY).output_ids
+    first = rest[0].output_ids[2]
+    stopped = eng.generate([b], SamplingParams(temperature=0, max_new_tokens=10, stop_token_ids=(first,)))[0]
+    assert stopped.finish_reason == FinishReason.STOP and stopped.output_ids == rest[0].output_ids[:3]
+    streamed = list(eng.stream(b, GREEDY))
+    assert [t for t, _ in streamed] == rest[0].output_ids
+    eng.check_invariants()
+
+
+def test_truncated_sampling_reports_untruncated_logprobs():
+    p = prompt(6, 11)
+    top1 = engine().generate([p], SamplingParams(temperature=1.0, top_k=1, max_new_tokens=5, seed=0))[0]
+    greedy = engine().generate([p], SamplingParams(temperature=0, max_new_tokens=5))[0]
+    assert top1.output_ids == greedy.output_ids
+    assert top1.logprobs == pytest.approx(greedy.logprobs, abs=1e-6) and max(top1.logprobs) < 0
+
+
+def test_release_and_resume_memory():
+    eng = engine()
+    p = prompt(10, 12)
+    first = eng.generate([p], GREEDY)[0]
+    eng.release_memory()
+    with pytest.raises(RuntimeError, match="released"):
+        eng.submit(p, GREEDY) and eng.step()
+    eng.waiting.clear()
+    eng.resume_memory()
+    assert eng.generate([p], GREEDY)[0].output_ids == first.output_ids
+
+
+@settings(max_examples=12, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), memory=st.sampled_from([360_000, 700_000, ROOMY]))
+def test_fuzz_streams_with_shared_prefixes_aborts_and_pressure(seed, memory):
+    rng = random.Random(seed)
+    eng = engine(memory=memory, state_fraction=0.95)
+    bases = [prompt(30, 100 + i) for i in range(3)]
+    submitted = 0
+    for _ in range(30):
+        if submitted < 8 and rng.random() < 0.4:
+            p = rng.choice(bases)[: rng.randrange(1, 30)] + prompt(rng.randrange(0, 6), rng.randrange(10**6))
+            eng.submit(p, SamplingParams(temperature=rng.choice([0, 1.0]), max_new_tokens=rng.randrange(1, 8),
+                                         seed=rng.randrange(100)))  # <= 43 tokens: fits 11 pages
+            submitted += 1
+        elif eng.running and rng.random() < 0.1:
+            eng.abort(rng.choice(eng.running).req.request_id)
+        eng.step()
+        eng.check_invariants()
+    while eng.has_work():
+        eng.step()
+        eng.check_invariants()
+    eng.cache.evict_pages(10**9)
+    eng.cache.evict_checkpoints(10**9)
+    assert eng.kv.allocator.num_free == eng.kv.allocator.capacity
+    assert eng.states.allocator.num_free == eng.states.allocator.capacity

@@ -205,12 +205,32 @@ _INT_RE = re.compile(r"(?<![\d.])-?\d+(?!\d|\.\d)")
 _LABEL_RE = re.compile(r"\s*[-+]?\d+\s*")
 
 
+class _TooLong(int):
+    """An integer too long to parse; compares unequal to every label."""
+
+    def __eq__(self, other: object) -> bool:
+        return False
+
+    __hash__ = int.__hash__
+
+
+_TOO_LONG = _TooLong(-1)
+
+
 def final_integer(response: str) -> int | None:
     """The last integer in ``response`` (see `check_answer`), or None when there is none."""
     if not isinstance(response, str):
         raise TypeError(f"response: must be a str, got {type(response).__name__}")
     matches = _INT_RE.findall(response)
-    return int(matches[-1]) if matches else None
+    if not matches:
+        return None
+    # Python refuses int() of strings past 4300 digits; no label is that long, so such a response is
+    # simply a wrong answer (a sentinel that equals no label), not a crashed reward.
+    last = matches[-1]
+    digits = last.lstrip("-").lstrip("0") or "0"
+    if len(digits) > 4000:
+        return _TOO_LONG
+    return -int(digits) if last.startswith("-") else int(digits)
 
 
 def check_answer(response: str, label: Any) -> bool:

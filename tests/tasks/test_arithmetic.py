@@ -153,3 +153,10 @@ def test_final_integer():
     assert final_integer("a 1 b -2 c") == -2 and final_integer("none") is None
     with pytest.raises(TypeError):
         final_integer(None)
+
+
+def test_absurdly_long_number_is_a_wrong_answer_not_a_crash():
+    from miles_k3.tasks.arithmetic import check_answer
+
+    assert check_answer("1" * 5000, 1) is False
+    assert check_answer("0" * 4500 + "7", 7) is True

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from miles_k3.model.modeling import K3ForCausalLM
+from rollout.lora import AdapterPool
 from rollout.memory import IndexAllocator, KDAStatePool, KVPagePool, OutOfSlots, PoolSizes
 from rollout.radix_cache import HybridRadixCache, Node
 from rollout.request import Completion, FinishReason, Request, SamplingParams
@@ -52,6 +53,7 @@ class EngineConfig:
 @dataclass(eq=False)
 class _Running:
     req: Request
+    cache: HybridRadixCache  # the prefix tree of this request's adapter
     tokens: list[int]  # prompt + outputs fed so far or pending; KV/state computed for tokens[:pos]
     slot: int
     node: Node  # locked in the radix cache
@@ -63,8 +65,9 @@ class _Running:
 
 
 class Engine:
-    def __init__(self, model: K3ForCausalLM, config: EngineConfig):
+    def __init__(self, model: K3ForCausalLM, config: EngineConfig, adapters: AdapterPool | None = None):
         self.model = model.eval()
+        self.adapters = adapters
         self.config = config
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
@@ -81,9 +84,52 @@ class Engine:
     def _build_pools(self) -> None:
         self.kv = KVPagePool(self.model.config, self.sizes, self.dtype, self.device)
         self.states = KDAStatePool(self.model.config, self.sizes, self.dtype, self.device)
-        self.cache = HybridRadixCache(self.kv.allocator, self.states.allocator, page_size=self.config.page_size,
-                                      chunk_size=self.config.chunk_size,
-                                      max_checkpoints_per_path=self.config.max_checkpoints_per_path)
+        # One prefix tree per adapter (KV and KDA state depend on the adapter), sharing the pools.
+        self.caches: dict[str | None, HybridRadixCache] = {}
+
+    def cache_for(self, adapter: str | None) -> HybridRadixCache:
+        if adapter not in self.caches:
+            self.caches[adapter] = HybridRadixCache(
+                self.kv.allocator, self.states.allocator, page_size=self.config.page_size,
+                chunk_size=self.config.chunk_size, max_checkpoints_per_path=self.config.max_checkpoints_per_path)
+        return self.caches[adapter]
+
+    def _evict_pages(self, n: int) -> int:
+        freed = 0
+        for cache in list(self.caches.values()):
+            if freed >= n:
+                break
+            freed += cache.evict_pages(n - freed)
+        return freed
+
+    def _evict_checkpoints(self, n: int) -> int:
+        freed = 0
+        for cache in list(self.caches.values()):
+            if freed >= n:
+                break
+            freed += cache.evict_checkpoints(n - freed)
+        return freed
+
+    # -------------------------------------------------------------- adapters
+    def add_adapter(self, name: str, tensors: dict[str, torch.Tensor], alpha: float | None = None) -> None:
+        self._need_adapters().add_adapter(name, tensors, alpha)
+
+    def update_adapter(self, name: str, tensors: dict[str, torch.Tensor]) -> None:
+        """New adapter weights, copied in place. Between batches only: every cached prefix computed with the
+        old weights is stale and is dropped."""
+        pool = self._need_adapters()
+        if any(r.adapter == name for r in self.waiting) or any(r.req.adapter == name for r in self.running):
+            raise RuntimeError(f"update_adapter({name!r}) while requests using it are in flight")
+        pool.update_adapter(name, tensors)
+        stale = self.caches.pop(name, None)
+        if stale is not None and self.kv is not None:
+            stale.evict_pages(10**18)
+            stale.evict_checkpoints(10**18)
+
+    def _need_adapters(self) -> AdapterPool:
+        if self.adapters is None:
+            raise ValueError("this engine was built without an adapter pool")
+        return self.adapters
 
     # -------------------------------------------------------------------- API
     def submit(self, prompt_ids: list[int], params: SamplingParams | None = None, adapter: str | None = None) -> int:
@@ -103,7 +149,9 @@ class Engine:
             raise ValueError(f"request needs {pages} KV pages but the pool holds {self.sizes.num_pages}; "
                              "raise memory_bytes or shorten the request")
         if adapter is not None:
-            raise ValueError(f"unknown adapter {adapter!r}: no adapters are loaded")
+            if self.adapters is None:
+                raise ValueError(f"unknown adapter {adapter!r}: this engine has no adapter pool")
+            self.adapters.slot_of(adapter)  # ValueError for an unknown name
         req = Request(prompt_ids, params, adapter)
         if params.seed is not None:
             self._generators[req.request_id] = torch.Generator().manual_seed(params.seed)
@@ -124,11 +172,12 @@ class Engine:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
-                 ) -> list[Completion]:
-        """Run a batch to completion; completions in prompt order."""
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,
+                 adapter: str | None | list[str | None] = None) -> list[Completion]:
+        """Run a batch to completion; completions in prompt order. `params` and `adapter` may be per prompt."""
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
-        ids = [self.submit(p, sp) for p, sp in zip(prompts, plist)]
+        alist = adapter if isinstance(adapter, list) else [adapter] * len(prompts)
+        ids = [self.submit(p, sp, a) for p, sp, a in zip(prompts, plist, alist)]
         done: dict[int, Completion] = {}
         while len(done) < len(ids):
             for c in self.step():
@@ -152,7 +201,7 @@ class Engine:
     # ------------------------------------------------------------------- step
     def step(self) -> list[Completion]:
         """One forward: a prefill chunk or a decode batch. Returns the requests that finished."""
-        if self.cache is None:
+        if self.kv is None:
             raise RuntimeError("engine memory is released; call resume_memory() first")
         self._completed = []
         self._admit()
@@ -169,11 +218,12 @@ class Engine:
         while self.waiting and len(self.running) < self.config.max_running:
             req = self.waiting[0]
             tokens = req.all_ids
-            m = self.cache.match_prefix(tokens)
-            self.cache.lock(m.node)
-            slot = self._alloc(self.states.allocator, 1, self.cache.evict_checkpoints)
+            cache = self.cache_for(req.adapter)
+            m = cache.match_prefix(tokens)
+            cache.lock(m.node)
+            slot = self._alloc(self.states.allocator, 1, self._evict_checkpoints)
             if slot is None:
-                self.cache.unlock(m.node)
+                cache.unlock(m.node)
                 return
             # copy-on-write restore, enqueued before anything can reuse the checkpoint's slot
             if m.checkpoint_slot is None:
@@ -182,7 +232,7 @@ class Engine:
                 self.states.copy_slots([m.checkpoint_slot], slot)
             self.waiting.popleft()
             req.cached_tokens = m.prefix_len
-            self.running.append(_Running(req, tokens, slot[0], m.node, m.prefix_len, list(m.pages),
+            self.running.append(_Running(req, cache, tokens, slot[0], m.node, m.prefix_len, list(m.pages),
                                          fork_pos=m.fork_pos, generator=self._generators.get(req.request_id)))
 
     def _alloc(self, allocator: IndexAllocator, n: int, evict) -> list[int] | None:
@@ -195,7 +245,7 @@ class Engine:
         request (possibly r itself: then False). A request alone always fits: `submit` checks its size."""
         need = -(-end // self.config.page_size) - len(r.pages)
         while need > 0:
-            new = self._alloc(self.kv.allocator, need, self.cache.evict_pages)
+            new = self._alloc(self.kv.allocator, need, self._evict_pages)
             if new is not None:
                 r.pages += new
                 r.private |= set(new)
@@ -209,6 +259,8 @@ class Engine:
     def _forward(self, batch: list[_Running], ids: torch.Tensor) -> torch.Tensor:
         cache = PoolStateCache(self.kv, self.states, [r.slot for r in batch], [r.pos for r in batch],
                                [r.pages for r in batch])
+        if self.adapters is not None:
+            self.adapters.set_batch([self.adapters.slot_of(r.req.adapter) for r in batch], ids.shape[1])
         with torch.inference_mode():
             hidden = self.model.model(ids, cache)
             return self.model.logits(hidden[:, -1])
@@ -265,28 +317,28 @@ class Engine:
         working state (a copy into a fresh slot; the tree then owns that slot by index)."""
         checkpoints = {}
         if r.pos % self.config.chunk_size == 0:
-            snap = self._alloc(self.states.allocator, 1, self.cache.evict_checkpoints)
+            snap = self._alloc(self.states.allocator, 1, self._evict_checkpoints)
             if snap is not None:
                 self.states.copy_slots([r.slot], snap)
                 checkpoints[r.pos] = snap[0]
         full = r.pos // self.config.page_size
-        res = self.cache.insert(r.tokens, r.pages[:full], checkpoints)
+        res = r.cache.insert(r.tokens, r.pages[:full], checkpoints)
         r.private -= set(r.pages[:full]) - set(res.duplicate_pages)
         self.states.allocator.free(res.rejected_slots)
-        self.cache.lock(res.node)
-        self.cache.unlock(r.node)
+        r.cache.lock(res.node)
+        r.cache.unlock(r.node)
         r.node = res.node
 
     def _release(self, r: _Running) -> None:
         self._donate_kv_only(r)
-        self.cache.unlock(r.node)
+        r.cache.unlock(r.node)
         self.kv.allocator.free(sorted(r.private))
         self.states.allocator.free([r.slot])
         self.running.remove(r)
 
     def _donate_kv_only(self, r: _Running) -> None:
         full = r.pos // self.config.page_size
-        res = self.cache.insert(r.tokens, r.pages[:full])
+        res = r.cache.insert(r.tokens, r.pages[:full])
         r.private -= set(r.pages[:full]) - set(res.duplicate_pages)
 
     def _retract(self, r: _Running) -> None:
@@ -308,7 +360,10 @@ class Engine:
         """Rebuild the accounting: every page / slot is in exactly one place (tree, a request, free)."""
         pages = set().union(*(r.private for r in self.running)) if self.running else set()
         slots = {r.slot for r in self.running}
-        self.cache.sanity_check(pages, slots)
+        for name, cache in self.caches.items():
+            others = [c for n, c in self.caches.items() if n != name]
+            cache.sanity_check(pages.union(*(c.owned_pages() for c in others)),
+                               slots.union(*(c.owned_slots() for c in others)))
 
     # ------------------------------------------------------------ colocation
     def release_memory(self) -> None:
@@ -316,10 +371,11 @@ class Engine:
         Only between batches: no request may be waiting or running."""
         if self.has_work():
             raise RuntimeError("release_memory() with requests in flight; finish or abort them first")
-        self.kv = self.states = self.cache = None  # type: ignore[assignment]
+        self.kv = self.states = None  # type: ignore[assignment]
+        self.caches = {}
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
     def resume_memory(self) -> None:
-        if self.cache is None:
+        if self.kv is None:
             self._build_pools()

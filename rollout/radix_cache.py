@@ -266,6 +266,12 @@ class HybridRadixCache:
         return freed
 
     # ------------------------------------------------------------------ checks
+    def owned_pages(self) -> set[int]:
+        return {p for n in self._nodes() for p in n.pages}
+
+    def owned_slots(self) -> set[int]:
+        return {n.checkpoint for n in self._nodes() if n.checkpoint is not None}
+
     def stats(self) -> dict[str, int]:
         nodes = [n for n in self._nodes() if n is not self.root]
         return {

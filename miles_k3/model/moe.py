@@ -58,7 +58,9 @@ class RoutedExperts(nn.Module):
     @staticmethod
     def _split_experts(module, state_dict, prefix, local_metadata) -> None:
         for proj in RoutedExperts._PROJ:
-            stacked = state_dict.pop(prefix + proj)
+            stacked = state_dict.pop(prefix + proj, None)
+            if stacked is None:  # a subclass stores this projection another way (e.g. packed MXFP4)
+                continue
             for e in range(stacked.shape[0]):
                 state_dict[f"{prefix}{e}.{proj}.weight"] = stacked[e]
 
@@ -78,25 +80,29 @@ class RoutedExperts(nn.Module):
         flat = indices.reshape(-1)
         order = flat.argsort(stable=True)
         token_of = order // k
-        xs = x[token_of]
         counts = torch.bincount(flat, minlength=self.spec.num_experts)
-        if x.dtype == torch.bfloat16:
-            offs = counts.cumsum(0).to(torch.int32)
-            gate = torch._grouped_mm(xs, self.w1.transpose(1, 2), offs=offs)
-            up = torch._grouped_mm(xs, self.w3.transpose(1, 2), offs=offs)
-            ys = torch._grouped_mm(self._act(gate, up), self.w2.transpose(1, 2), offs=offs)
-        else:
-            ys = torch.empty_like(xs)
-            start = 0
-            for e, n in enumerate(counts.tolist()):
-                if n:
-                    seg = xs[start:start + n]
-                    h = self._act(F.linear(seg, self.w1[e]), F.linear(seg, self.w3[e]))
-                    ys[start:start + n] = F.linear(h, self.w2[e])
-                start += n
+        ys = self._experts(x[token_of], counts, token_of)
         out = torch.zeros_like(x)
         out.index_add_(0, token_of, (ys * weights.reshape(-1)[order, None]).to(out.dtype))
         return out
+
+    def _experts(self, xs: torch.Tensor, counts: torch.Tensor, token_of: torch.Tensor) -> torch.Tensor:
+        """xs [M, W]: token copies sorted by expert, counts[e] rows for expert e (token_of: each row's
+        token) -> expert outputs [M, W]. Subclasses with other weight storage override this."""
+        if xs.dtype == torch.bfloat16:
+            offs = counts.cumsum(0).to(torch.int32)
+            gate = torch._grouped_mm(xs, self.w1.transpose(1, 2), offs=offs)
+            up = torch._grouped_mm(xs, self.w3.transpose(1, 2), offs=offs)
+            return torch._grouped_mm(self._act(gate, up), self.w2.transpose(1, 2), offs=offs)
+        ys = torch.empty_like(xs)
+        start = 0
+        for e, n in enumerate(counts.tolist()):
+            if n:
+                seg = xs[start:start + n]
+                h = self._act(F.linear(seg, self.w1[e]), F.linear(seg, self.w3[e]))
+                ys[start:start + n] = F.linear(h, self.w2[e])
+            start += n
+        return ys
 
 
 class Router(nn.Module):

@@ -76,8 +76,8 @@ def test_retraction_under_memory_pressure_loses_and_duplicates_nothing():
     for p, out in zip(prompts, outs):
         assert out.output_ids == cold(p, params).output_ids
     eng.check_invariants()
-    eng.cache.evict_pages(10**9)
-    eng.cache.evict_checkpoints(10**9)
+    eng._evict_pages(10**9)
+    eng._evict_checkpoints(10**9)
     assert eng.kv.allocator.num_free == eng.kv.allocator.capacity
     assert eng.states.allocator.num_free == eng.states.allocator.capacity
 
@@ -163,7 +163,7 @@ def test_fuzz_streams_with_shared_prefixes_aborts_and_pressure(seed, memory):
     while eng.has_work():
         eng.step()
         eng.check_invariants()
-    eng.cache.evict_pages(10**9)
-    eng.cache.evict_checkpoints(10**9)
+    eng._evict_pages(10**9)
+    eng._evict_checkpoints(10**9)
     assert eng.kv.allocator.num_free == eng.kv.allocator.capacity
     assert eng.states.allocator.num_free == eng.states.allocator.capacity

@@ -1,0 +1,106 @@
+"""Engine linears: the frozen base as packed MXFP4 (or BF16 for parity runs) plus the pool's LoRA term.
+
+`EngineLinear` and `EngineExperts` plug into the shared K3 definition through its factories
+(`miles_k3.model.linear`), so the engine runs the same math as the reference and the trainer. They load
+from the HF layout: a dense `<name>.weight` is quantized at load (MXFP4 is idempotent, so a checkpoint
+that shipped MXFP4 experts gets back its exact bytes). On CPU the base GEMM dequantizes on the fly;
+the CUDA path swaps in a fused dequant-GEMM kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from miles_k3.model.linear import ExpertsSpec, LinearSpec
+from miles_k3.model.moe import RoutedExperts
+from miles_k3.ops.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+from rollout.lora import AdapterPool
+
+
+class EngineLinear(nn.Module):
+    """y = x W^T + scale_s B_s A_s x. W is a bf16 parameter, or `weight_packed` / `weight_scale` buffers."""
+
+    def __init__(self, spec: LinearSpec, pool: AdapterPool, quantize: bool):
+        super().__init__()
+        self.name, self.pool = spec.name, pool
+        self.quantized = quantize and spec.in_features % 32 == 0
+        shape = (spec.out_features, spec.in_features)
+        if self.quantized:
+            self.register_buffer("weight_packed", torch.empty(shape[0], shape[1] // 2, dtype=torch.uint8))
+            self.register_buffer("weight_scale", torch.empty(shape[0], shape[1] // 32, dtype=torch.uint8))
+            self.register_load_state_dict_pre_hook(_quantize_on_load)
+        else:
+            self.weight = nn.Parameter(torch.empty(shape), requires_grad=False)
+        pool.register(spec.name, spec.in_features, spec.out_features)
+
+    def base_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        if self.quantized:
+            return dequantize_mxfp4(self.weight_packed, self.weight_scale, dtype=dtype)
+        return self.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.base_weight(x.dtype))
+        delta = self.pool.delta(self.name, x, self.pool.lead_slots(x))
+        return y if delta is None else y + delta
+
+
+def _quantize_on_load(module, state_dict, prefix, *args) -> None:
+    dense = state_dict.pop(prefix + "weight", None)
+    if dense is not None:
+        state_dict[prefix + "weight_packed"], state_dict[prefix + "weight_scale"] = quantize_mxfp4(dense)
+
+
+class EngineExperts(RoutedExperts):
+    """Routed experts with MXFP4 (or BF16) stacked weights and per-expert LoRA for w1/w3/w2."""
+
+    def __init__(self, spec: ExpertsSpec, pool: AdapterPool, quantize: bool):
+        super().__init__(spec)
+        self.pool = pool
+        self.quantized = quantize and spec.width % 32 == 0 and spec.intermediate % 32 == 0
+        e, w, i = spec.num_experts, spec.width, spec.intermediate
+        shapes = {"w1": (e, i, w), "w3": (e, i, w), "w2": (e, w, i)}
+        for proj, shape in shapes.items():
+            if self.quantized:
+                delattr(self, proj)
+                self.register_buffer(f"{proj}_packed", torch.empty(*shape[:2], shape[2] // 2, dtype=torch.uint8))
+                self.register_buffer(f"{proj}_scale", torch.empty(*shape[:2], shape[2] // 32, dtype=torch.uint8))
+            else:
+                getattr(self, proj).requires_grad_(False)
+            pool.register(f"{spec.name}.{proj}", shape[2], shape[1], num_experts=e)
+        if self.quantized:
+            self.register_load_state_dict_pre_hook(self._quantize_stacked)
+
+    @staticmethod
+    def _quantize_stacked(module, state_dict, prefix, *args) -> None:
+        # runs after RoutedExperts' stacking hook (hooks run in registration order)
+        for proj in RoutedExperts._PROJ:
+            dense = state_dict.pop(prefix + proj, None)
+            if dense is not None:
+                state_dict[f"{prefix}{proj}_packed"], state_dict[f"{prefix}{proj}_scale"] = quantize_mxfp4(dense)
+
+    def expert_weight(self, proj: str, e: int, dtype: torch.dtype) -> torch.Tensor:
+        if self.quantized:
+            return dequantize_mxfp4(getattr(self, f"{proj}_packed")[e], getattr(self, f"{proj}_scale")[e], dtype)
+        return getattr(self, proj)[e]
+
+    def _experts(self, xs: torch.Tensor, counts: torch.Tensor, token_of: torch.Tensor) -> torch.Tensor:
+        slots = self.pool.token_slots()
+        copy_slots = slots[token_of.cpu()] if slots is not None else None
+        ys = torch.empty_like(xs)
+        start = 0
+        for e, n in enumerate(counts.tolist()):
+            if n:
+                seg = xs[start:start + n]
+                seg_slots = copy_slots[start:start + n] if copy_slots is not None else None
+                gate = self._proj("w1", e, seg, seg_slots)
+                up = self._proj("w3", e, seg, seg_slots)
+                ys[start:start + n] = self._proj("w2", e, self._act(gate, up), seg_slots)
+            start += n
+        return ys
+
+    def _proj(self, proj: str, e: int, x: torch.Tensor, slots: torch.Tensor | None) -> torch.Tensor:
+        y = F.linear(x, self.expert_weight(proj, e, x.dtype))
+        delta = self.pool.delta(f"{self.spec.name}.{proj}", x, slots, expert=e)
+        return y if delta is None else y + delta

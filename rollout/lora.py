@@ -1,0 +1,157 @@
+"""LoRA adapters on the engine side: a pool of named slots, updated in place every RL step.
+
+Every adapted module (a linear, or one projection of the routed experts) owns two preallocated buffers,
+A [S, r, in] and B [S, out, r] (experts: [S, E, r, in] / [S, E, out, r]), with S = max_adapters + 1.
+Slot 0 is "no adapter" and stays zero. An adapter named N occupies one slot in every module; its delta
+on a token routed to it is scale * B_s (A_s x), added on top of the base GEMM in BF16.
+
+`update_adapter(name, tensors)` copies new values into the existing buffers (same storage before and
+after, no reallocation): it validates every name, shape and dtype first and writes nothing on error.
+Tensor names are `<module>.lora_A` / `<module>.lora_B` with `<module>` the HF module path
+(`model.layers.0.self_attn.q_proj` -> A [r, in], B [out, r]); routed experts are stacked per projection
+(`model.layers.1.block_sparse_moe.experts.w1` -> A [E, r, in], B [E, out, r]).
+
+The model runner calls `set_batch(row_slots, tokens_per_row)` before each forward; adapted modules map
+their inputs' leading index to a slot through the pool (`lead_slots`, `token_slots`).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    rank: int = 8
+    alpha: float = 16.0
+    max_adapters: int = 4
+    # regexes over HF module names; experts match as "<prefix>.experts.w1" etc.
+    targets: tuple[str, ...] = (r"self_attn\.(q|k|v|o|g|q_b|kv_b)_proj$", r"mlp\.(gate|up|down)_proj$",
+                                r"shared_experts\.(gate|up|down)_proj$", r"routed_expert_(down|up)_proj$",
+                                r"experts\.w[123]$")
+
+    def __post_init__(self) -> None:
+        if self.rank < 1:
+            raise ValueError(f"LoraConfig.rank must be >= 1, got {self.rank}")
+        if self.max_adapters < 1:
+            raise ValueError(f"LoraConfig.max_adapters must be >= 1, got {self.max_adapters}")
+        for t in self.targets:
+            try:
+                re.compile(t)
+            except re.error as e:
+                raise ValueError(f"LoraConfig.targets: bad regex {t!r}: {e}") from None
+
+    def targets_module(self, name: str) -> bool:
+        return any(re.search(t, name) for t in self.targets)
+
+
+class AdapterPool:
+    def __init__(self, config: LoraConfig, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu"):
+        self.config = config
+        self.dtype, self.device = dtype, torch.device(device)
+        self.slots = config.max_adapters + 1
+        self.A: dict[str, torch.Tensor] = {}
+        self.B: dict[str, torch.Tensor] = {}
+        self.scale = torch.zeros(self.slots)
+        self.names: dict[str, int] = {}
+        self.row_slots: torch.Tensor | None = None  # [B] adapter slot per row of the current batch
+        self.tokens_per_row = 1
+
+    # ------------------------------------------------------------- modules
+    def register(self, name: str, in_features: int, out_features: int, num_experts: int | None = None) -> bool:
+        """Allocate buffers for `name` if the config targets it; returns whether it is adapted."""
+        if not self.config.targets_module(name):
+            return False
+        r, lead = self.config.rank, (self.slots,) if num_experts is None else (self.slots, num_experts)
+        self.A[name] = torch.zeros(*lead, r, in_features, dtype=self.dtype, device=self.device)
+        self.B[name] = torch.zeros(*lead, out_features, r, dtype=self.dtype, device=self.device)
+        return True
+
+    # ------------------------------------------------------------- adapters
+    def slot_of(self, adapter: str | None) -> int:
+        if adapter is None:
+            return 0
+        if adapter not in self.names:
+            raise ValueError(f"unknown adapter {adapter!r}; loaded: {sorted(self.names)}")
+        return self.names[adapter]
+
+    def add_adapter(self, name: str, tensors: dict[str, torch.Tensor], alpha: float | None = None) -> None:
+        """Load a new adapter into a free slot (tensors for every adapted module, see module docstring)."""
+        if name in self.names:
+            raise ValueError(f"adapter {name!r} is already loaded; use update_adapter")
+        free = sorted(set(range(1, self.slots)) - set(self.names.values()))
+        if not free:
+            raise ValueError(f"all {self.config.max_adapters} adapter slots are in use: {sorted(self.names)}")
+        self._write(free[0], tensors)
+        self.names[name] = free[0]
+        self.scale[free[0]] = (alpha if alpha is not None else self.config.alpha) / self.config.rank
+
+    def update_adapter(self, name: str, tensors: dict[str, torch.Tensor]) -> None:
+        """Copy new values into `name`'s slot in place. Validates everything before writing anything."""
+        self._write(self.slot_of(name), tensors)
+
+    def remove_adapter(self, name: str) -> None:
+        slot = self.slot_of(name)
+        for buf in (*self.A.values(), *self.B.values()):
+            buf[slot].zero_()
+        del self.names[name]
+
+    def _write(self, slot: int, tensors: dict[str, torch.Tensor]) -> None:
+        expected = {f"{m}.lora_A": a[slot] for m, a in self.A.items()}
+        expected.update({f"{m}.lora_B": b[slot] for m, b in self.B.items()})
+        missing = sorted(set(expected) - set(tensors))
+        unknown = sorted(set(tensors) - set(expected))
+        if missing or unknown:
+            raise ValueError(f"adapter tensors do not match the adapted modules: missing {missing[:4]}"
+                             f"{' ...' if len(missing) > 4 else ''}, unknown {unknown[:4]}")
+        for key, t in tensors.items():
+            dst = expected[key]
+            if tuple(t.shape) != tuple(dst.shape):
+                raise ValueError(f"adapter tensor {key!r}: shape {tuple(t.shape)}, expected {tuple(dst.shape)}")
+            if t.dtype != dst.dtype:
+                raise ValueError(f"adapter tensor {key!r}: dtype {t.dtype}, expected {dst.dtype}")
+        with torch.no_grad():
+            for key, t in tensors.items():
+                expected[key].copy_(t)
+
+    # ---------------------------------------------------------------- batch
+    def set_batch(self, row_slots: list[int], tokens_per_row: int) -> None:
+        """The adapter slot of each batch row for the next forward (rows carry `tokens_per_row` new tokens)."""
+        self.row_slots = torch.tensor(row_slots, dtype=torch.long)
+        self.tokens_per_row = tokens_per_row
+
+    def token_slots(self) -> torch.Tensor | None:
+        """Slot per flattened new token [B * T] (the layout MoE layers flatten to)."""
+        return None if self.row_slots is None else self.row_slots.repeat_interleave(self.tokens_per_row)
+
+    def lead_slots(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Slot per leading index of a linear's input: [B, ...] inputs (including MLA's [B, S, R] latent
+        history) map by batch row; flattened [B * T, in] tokens by token; [B, in] (last positions) by row."""
+        if self.row_slots is None:
+            return None
+        b = self.row_slots.numel()
+        if x.dim() >= 3 or x.shape[0] == b:
+            assert x.shape[0] == b, f"adapter batch has {b} rows, input has {x.shape[0]}"
+            return self.row_slots
+        assert x.shape[0] == b * self.tokens_per_row, f"cannot map {x.shape[0]} input rows to {b} batch rows"
+        return self.token_slots()
+
+    def delta(self, name: str, x: torch.Tensor, slots: torch.Tensor | None, expert: int | None = None
+              ) -> torch.Tensor | None:
+        """scale_s * B_s A_s x for each leading index of x [L, ..., in] whose slot s > 0 (slots [L]). None when
+        nothing in this batch uses an adapter, so the base-only path pays nothing."""
+        if name not in self.A or slots is None or not bool((slots > 0).any()):
+            return None
+        out = x.new_zeros(*x.shape[:-1], self.B[name].shape[-2])
+        for s in slots.unique().tolist():
+            if s == 0:
+                continue
+            rows = (slots == s).nonzero().squeeze(1).to(x.device)
+            a = self.A[name][s] if expert is None else self.A[name][s, expert]
+            b = self.B[name][s] if expert is None else self.B[name][s, expert]
+            h = (x[rows].to(a.dtype) @ a.t()) @ b.t()
+            out[rows] = (h.float() * float(self.scale[s])).to(x.dtype)
+        return out

@@ -95,19 +95,17 @@ class Engine:
         return self.caches[adapter]
 
     def _evict_pages(self, n: int) -> int:
-        freed = 0
-        for cache in list(self.caches.values()):
-            if freed >= n:
-                break
-            freed += cache.evict_pages(n - freed)
-        return freed
+        return self._evict_across_trees(n, HybridRadixCache.evict_pages)
 
     def _evict_checkpoints(self, n: int) -> int:
+        return self._evict_across_trees(n, HybridRadixCache.evict_checkpoints)
+
+    def _evict_across_trees(self, n: int, evict) -> int:
         freed = 0
         for cache in list(self.caches.values()):
             if freed >= n:
                 break
-            freed += cache.evict_checkpoints(n - freed)
+            freed += evict(cache, n - freed)
         return freed
 
     # -------------------------------------------------------------- adapters
@@ -154,7 +152,7 @@ class Engine:
             self.adapters.slot_of(adapter)  # ValueError for an unknown name
         req = Request(prompt_ids, params, adapter)
         if params.seed is not None:
-            self._generators[req.request_id] = torch.Generator().manual_seed(params.seed)
+            self._generators[req.request_id] = torch.Generator(device=self.device).manual_seed(params.seed)
         self.waiting.append(req)
         return req.request_id
 
@@ -270,6 +268,11 @@ class Engine:
         end = min(len(r.tokens), (r.pos // c) * c + self.config.max_prefill_tokens)
         if r.fork_pos is not None and r.pos < r.fork_pos < end:
             end = r.fork_pos  # snapshot exactly at the fork so the next branch restores there
+        last_boundary = (len(r.tokens) - 1) // c * c
+        if end == len(r.tokens) and r.pos < last_boundary < end:
+            # stop at the last checkpoint boundary a later request with this prompt can restore from (a hit
+            # never covers the final token): what GRPO's n samples of one prompt share
+            end = last_boundary
         if not self._ensure_pages(r, end):
             return False
         ids = torch.tensor([r.tokens[r.pos:end]], device=self.device)

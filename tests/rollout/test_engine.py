@@ -167,3 +167,19 @@ def test_fuzz_streams_with_shared_prefixes_aborts_and_pressure(seed, memory):
     eng._evict_checkpoints(10**9)
     assert eng.kv.allocator.num_free == eng.kv.allocator.capacity
     assert eng.states.allocator.num_free == eng.states.allocator.capacity
+
+
+def test_grpo_group_shares_the_prompt_up_to_its_last_chunk_boundary():
+    eng = engine(max_prefill_tokens=32)
+    p = prompt(45, 20)
+    params = SamplingParams(temperature=1.0, max_new_tokens=4, seed=3)
+    first = eng.submit(p, params)
+    while not any(r.req.output_ids for r in eng.running if r.req.request_id == first):
+        eng.step()
+    followers = [eng.submit(p, SamplingParams(temperature=1.0, max_new_tokens=4, seed=s)) for s in range(3)]
+    done = {}
+    while eng.has_work():
+        done.update({c.request_id: c for c in eng.step()})
+    assert [done[f].cached_tokens for f in followers] == [40, 40, 40]  # 45 tokens, chunk 8: boundary 40
+    computed = sum(len(p) - done[i].cached_tokens for i in [first, *followers])
+    assert computed <= (1 / 4 + 0.1) * 4 * len(p)

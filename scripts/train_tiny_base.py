@@ -1,15 +1,15 @@
 """Pretrain the embedded tiny K3 base on the synthetic arithmetic task and write it as a shipped asset.
 
-    python scripts/train_tiny_base.py --out miles_k3/assets/k3-tiny-arith
+    python scripts/train_tiny_base.py            # writes miles_k3/assets/k3-tiny-arith (~4 min, 1 thread)
 
 The result is the starting point of `miles-train recipe=k3_grpo` on a laptop: a k3-tiny model (every K3
-feature on: KDA, NoPE MLA, Attention Residuals, LatentMoE, SiTU) that does 1-3 digit addition and
+feature on: KDA, NoPE MLA, Attention Residuals, LatentMoE, SiTU) that does 1-2 digit addition and
 subtraction GOOD BUT IMPERFECTLY. That is on purpose: the default GRPO run must lift held-out accuracy by
 15 points within 15 minutes on a 2-core CPU, so the base has to leave headroom. We get there by stopping
 pretraining early (`--steps`; the cosine schedule is laid over exactly that many steps, so the shipped
 weights are annealed, not a snapshot of a run in full swing).
 
-Sequences are ``<bos> 12+345= 357 <eos>`` (one token per character, see `ArithmeticTokenizer`); the loss is
+Sequences are ``<bos> 12+45= 57 <eos>`` (one token per character, see `ArithmeticTokenizer`); the loss is
 teacher-forced next-token cross-entropy on the answer and the eos only (the operands are random, there is
 nothing to learn in predicting them). Batches are right-padded: the model is causal, so padding after a
 sequence cannot change its logits, and it keeps the KDA recurrence batched (packing with `cu_seqlens` would
@@ -43,15 +43,17 @@ from miles_k3.model.checkpoint import keeps_fp32
 from miles_k3.model.generate import greedy_generate
 from miles_k3.tasks import ArithmeticProblem, ArithmeticTokenizer, check_answer, make_problems, write_jsonl
 
-# The task mix. Three-digit operands make carries and borrows across several places, which a model of this
-# size learns last: that is the headroom RL works on.
-DIGITS = (1, 3)
+# The task mix: operands of 1-2 digits, + and -. Carries, borrows and negative results are what a model of
+# this size learns last, and that is the headroom RL works on. (1-3 digits was tried first: after 700 steps
+# of 128, 16 minutes here, held-out accuracy was still 9%, too slow to reach the band inside the budget.)
+DIGITS = (1, 2)
 OPS = ("+", "-")
-# Pretraining draws from a fixed pool of train-split problems (about a tenth of the 1.8M in the split), in a
-# seeded order; the RL prompt file is the pool's first rows, the held-out file comes from the other split.
-POOL_SIZE = 200_000
+# Pretraining cycles over a fixed pool of train-split problems (15,000 of the split's 18,037) in seeded
+# orders; the RL prompt file is the pool's first rows, the held-out file comes from the other split.
+POOL_SIZE = 15_000
 VOCAB_SIZE = 32  # the tokenizer's 18 ids, rounded up; ids 18..31 never occur in the data
-# Longest answer is 4 characters ("1998", "-998"); one token spare so a model that misses eos is visible.
+# Longest answer is 3 characters ("198", "-98"); tokens to spare so a model that misses eos is scored on
+# what it rambles, as the RL reward would score it.
 MAX_NEW_TOKENS = 6
 FIRST_N = 64  # the held-out prefix the asset test re-evaluates
 TOK = ArithmeticTokenizer()
@@ -59,14 +61,17 @@ TOK = ArithmeticTokenizer()
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, default=Path("miles_k3/assets/k3-tiny-arith"))
-    ap.add_argument("--steps", type=int, default=600,
+    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "miles_k3/assets/k3-tiny-arith",
+                    help="asset folder (default: the shipped one, miles_k3/assets/k3-tiny-arith)")
+    # With the defaults, held-out accuracy climbs from ~5% at step 100 to ~95% at step 600 (a 600-step run,
+    # seed 0, here); 250 stops on the steep part, inside the 30-60% band RL needs.
+    ap.add_argument("--steps", type=int, default=250,
                     help="optimizer steps; the default stops in the 30-60%% held-out accuracy band")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--batch-size", type=int, default=128)
     ap.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (AdamW, cosine to lr/10)")
     ap.add_argument("--warmup", type=int, default=50, help="linear warmup steps")
-    ap.add_argument("--eval-every", type=int, default=100, help="held-out evaluation interval in steps")
+    ap.add_argument("--eval-every", type=int, default=25, help="held-out evaluation interval in steps")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (share the machine)")
     ap.add_argument("--train-prompts", type=int, default=4000, help="rows of train.jsonl (RL prompts)")
     ap.add_argument("--heldout-size", type=int, default=500, help="rows of heldout.jsonl")
@@ -120,7 +125,12 @@ def batches(pool: list[ArithmeticProblem], batch_size: int, seed: int):
 
 # ------------------------------------------------------------------------------------------ evaluation
 def bucket(p: ArithmeticProblem) -> str:
-    return f"{max(len(str(p.a)), len(str(p.b)))}-digit {p.op}"
+    """Problem kind by what makes it hard: a carry (in any column), a borrow, a negative result."""
+    if p.op == "+":
+        return "a+b, carry" if p.a % 10 + p.b % 10 >= 10 or p.a + p.b >= 100 else "a+b, no carry"
+    if p.a < p.b:
+        return "a-b < 0"
+    return "a-b >= 0, borrow" if p.a % 10 < p.b % 10 else "a-b >= 0, no borrow"
 
 
 @torch.no_grad()
@@ -249,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"shipped weights (bf16, read back): held-out accuracy {final_acc:.1%} "
           f"(first {FIRST_N}: {first_acc:.1%}); in-memory fp32 at the last step: {table[-1][2]:.1%}")
     for name, (ok, n) in buckets.items():
-        print(f"  {name:<12} {ok:>4}/{n:<4} {ok / n:.1%}")
+        print(f"  {name:<18} {ok:>4}/{n:<4} {ok / n:.1%}")
     print(f"wrote {out}: checkpoint {size / 1e6:.2f} MB, {n_train} train / {n_heldout} held-out prompts; "
           f"wall time {wall / 60:.1f} min (training {(train_done - wall_start) / 60:.1f} min)")
 

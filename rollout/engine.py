@@ -324,9 +324,7 @@ class Engine:
             if snap is not None:
                 self.states.copy_slots([r.slot], snap)
                 checkpoints[r.pos] = snap[0]
-        full = r.pos // self.config.page_size
-        res = r.cache.insert(r.tokens, r.pages[:full], checkpoints)
-        r.private -= set(r.pages[:full]) - set(res.duplicate_pages)
+        res = self._insert(r, checkpoints)
         self.states.allocator.free(res.rejected_slots)
         r.cache.lock(res.node)
         r.cache.unlock(r.node)
@@ -340,9 +338,19 @@ class Engine:
         self.running.remove(r)
 
     def _donate_kv_only(self, r: _Running) -> None:
+        self._insert(r, {})
+
+    def _insert(self, r: _Running, checkpoints: dict[int, int]):
+        """Hand the page-aligned computed prefix to the tree. The request switches to the tree's pages and
+        its duplicates (KV it recomputed for positions the tree had) are freed at once, so a request never
+        holds two copies of a prefix: its footprint stays what `submit` checked against the pool. The
+        freed pages are only rewritten by later kernels on the same stream."""
         full = r.pos // self.config.page_size
-        res = r.cache.insert(r.tokens, r.pages[:full])
-        r.private -= set(r.pages[:full]) - set(res.duplicate_pages)
+        res = r.cache.insert(r.tokens, r.pages[:full], checkpoints)
+        r.pages[:full] = res.pages
+        self.kv.allocator.free(res.duplicate_pages)
+        r.private = set(r.pages[full:])
+        return res
 
     def _retract(self, r: _Running) -> None:
         self._release(r)

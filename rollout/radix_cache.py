@@ -55,6 +55,7 @@ class MatchResult(NamedTuple):
 
 class InsertResult(NamedTuple):
     node: Node  # deepest node of the inserted prefix: move the request's lock here
+    pages: list[int]  # the tree's pages for the inserted prefix: the request's page table from now on
     duplicate_pages: list[int]  # request pages the tree already had: still the request's to free
     rejected_slots: list[int]  # donated slots the tree did not take: still the request's (reuse or free)
 
@@ -173,7 +174,7 @@ class HybridRadixCache:
                 raise ValueError(f"checkpoint at {p}: must be a positive multiple of chunk_size "
                                  f"{self.chunk_size} within the inserted prefix ({n} tokens)")
         now = next(self._clock)
-        node, pos, duplicates = self.root, 0, []
+        node, pos, duplicates, canonical = self.root, 0, [], []
         while pos < n:
             node.last_access = now
             child = node.children.get(self._child_key(tokens, pos))
@@ -181,6 +182,7 @@ class HybridRadixCache:
                 leaf = Node(key=list(tokens[pos:n]), pages=list(pages[pos // self.page_size:]), parent=node,
                             end=n, last_access=now)
                 node.children[tuple(leaf.key[: self.page_size])] = leaf
+                canonical.extend(leaf.pages)
                 node, pos = leaf, n
                 break
             m = self._match_len(child.key, tokens[:n], pos)
@@ -188,6 +190,7 @@ class HybridRadixCache:
                 child = self._split(child, m)
             mine = pages[pos // self.page_size:(pos + m) // self.page_size]
             duplicates.extend(p for p, t in zip(mine, child.pages) if p != t)
+            canonical.extend(child.pages)
             node, pos = child, pos + m
         node.last_access = now
         rejected, planted = [], []
@@ -201,7 +204,7 @@ class HybridRadixCache:
                 rejected.append(checkpoints[p])
         if planted:
             self._enforce_path_cap(planted[0])
-        return InsertResult(node, duplicates, rejected)
+        return InsertResult(node, canonical, duplicates, rejected)
 
     # ---------------------------------------------------------------- eviction
     def _enforce_path_cap(self, top: Node) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -59,7 +59,11 @@ class _Running:
     node: Node  # locked in the radix cache
     pos: int
     pages: list[int]
-    private: set[int] = field(default_factory=set)
+    tree_pages: int = 0  # pages[:tree_pages] belong to the radix tree (locked); the rest are the request's
+
+    @property
+    def private(self) -> list[int]:
+        return self.pages[self.tree_pages:]
     fork_pos: int | None = None  # chunk-aligned branch point where a prefill chunk must end (Marconi)
     generator: torch.Generator | None = None
 
@@ -231,7 +235,7 @@ class Engine:
             self.waiting.popleft()
             req.cached_tokens = m.prefix_len
             self.running.append(_Running(req, cache, tokens, slot[0], m.node, m.prefix_len, list(m.pages),
-                                         fork_pos=m.fork_pos, generator=self._generators.get(req.request_id)))
+                                         tree_pages=len(m.pages), fork_pos=m.fork_pos, generator=self._generators.get(req.request_id)))
 
     def _alloc(self, allocator: IndexAllocator, n: int, evict) -> list[int] | None:
         if allocator.num_free < n:
@@ -246,7 +250,6 @@ class Engine:
             new = self._alloc(self.kv.allocator, need, self._evict_pages)
             if new is not None:
                 r.pages += new
-                r.private |= set(new)
                 return True
             victim = self.running[-1]
             self._retract(victim)
@@ -333,7 +336,7 @@ class Engine:
     def _release(self, r: _Running) -> None:
         self._donate_kv_only(r)
         r.cache.unlock(r.node)
-        self.kv.allocator.free(sorted(r.private))
+        self.kv.allocator.free(r.private)
         self.states.allocator.free([r.slot])
         self.running.remove(r)
 
@@ -349,7 +352,7 @@ class Engine:
         res = r.cache.insert(r.tokens, r.pages[:full], checkpoints)
         r.pages[:full] = res.pages
         self.kv.allocator.free(res.duplicate_pages)
-        r.private = set(r.pages[full:])
+        r.tree_pages = full
         return res
 
     def _retract(self, r: _Running) -> None:
@@ -369,7 +372,7 @@ class Engine:
 
     def check_invariants(self) -> None:
         """Rebuild the accounting: every page / slot is in exactly one place (tree, a request, free)."""
-        pages = set().union(*(r.private for r in self.running)) if self.running else set()
+        pages = {p for r in self.running for p in r.private}
         slots = {r.slot for r in self.running}
         for name, cache in self.caches.items():
             others = [c for n, c in self.caches.items() if n != name]

@@ -1,0 +1,81 @@
+"""The frozen base both sides start from (one K3 definition, one set of weights) and the run's tokenizer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from miles_k3.model.checkpoint import load_state_dict
+from miles_k3.model.config import K3Config
+from miles_k3.model.modeling import K3ForCausalLM
+from miles_k3.trainer.config import ModelCfg
+
+
+def load_base(model: ModelCfg, seed: int) -> tuple[K3Config, dict[str, torch.Tensor]]:
+    """(config, logical HF state dict in fp32). A preset is initialized with `seed` (same weights on every
+    rank and on both the trainer and the engine); a path is read and validated by the checkpoint loader."""
+    config = load_base_config(model)
+    if model.path is not None:
+        return config, load_state_dict(model.path, config, torch.float32)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        state = K3ForCausalLM(config).state_dict()
+    return config, state
+
+
+class Tokenizer(Protocol):
+    eos_token_id: int
+
+    def encode_prompt(self, text: str) -> list[int]: ...
+    def decode(self, ids: list[int]) -> str: ...
+
+
+class ArithmeticTextTokenizer:
+    """The arithmetic task's character tokenizer: prompts start with <bos>; decoding stops at <eos>."""
+
+    def __init__(self) -> None:
+        from miles_k3.tasks.arithmetic import ArithmeticTokenizer
+
+        self._tok = ArithmeticTokenizer()
+        self.eos_token_id = self._tok.eos_token_id
+
+    def encode_prompt(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_bos=True)
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids)
+
+
+class HFTokenizer:
+    """transformers' AutoTokenizer from the checkpoint directory (trust_remote_code for Kimi's tokenizer)."""
+
+    def __init__(self, path: str):
+        from transformers import AutoTokenizer
+
+        self._tok = AutoTokenizer.from_pretrained(path, trust_remote_code=True)
+        if self._tok.eos_token_id is None:
+            raise ValueError(f"model.path {path}: the tokenizer defines no eos token")
+        self.eos_token_id = int(self._tok.eos_token_id)
+
+    def encode_prompt(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=True))
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=True)
+
+
+def build_tokenizer(model: ModelCfg, config: K3Config) -> Any:
+    tok = ArithmeticTextTokenizer() if model.tokenizer == "arithmetic" else HFTokenizer(model.path)
+    if tok.eos_token_id >= config.vocab_size:
+        raise ValueError(f"model.tokenizer: eos id {tok.eos_token_id} is outside the model's vocabulary "
+                         f"({config.vocab_size})")
+    return tok
+
+
+def load_base_config(model: ModelCfg) -> K3Config:
+    """The model's config alone (what a driver that holds no weights needs)."""
+    if model.path is not None:
+        return K3Config.from_json_file(Path(model.path) / "config.json")
+    return K3Config.from_preset(model.preset, **({} if model.vocab_size is None else {"vocab_size": model.vocab_size}))

@@ -1,0 +1,130 @@
+"""Atomic run checkpoints: a directory per step, published by rename, verified by a manifest of checksums.
+
+Layout: <run_dir>/checkpoints/step_<NNNNNNNN>/ holding whatever the trainer writes (adapter in PEFT format,
+trainer_state.pt) plus manifest.json = {"step", "files": {relative path: {"bytes", "sha256"}}}.
+
+Writing: the caller's `write(tmp_dir)` fills a temporary sibling (`.step_<N>.tmp-<pid>`); every file is
+fsynced, the manifest is written last, then one `os.rename` publishes the directory and the parent directory
+is fsynced. A crash at any point leaves either no `step_<N>` or a complete one; stale temporaries are removed
+by the next save. Reading: `latest_good` walks the published checkpoints newest first and returns the first
+whose manifest is present and whose every file matches its size and sha256; damaged ones are skipped with a
+warning (never deleted: a person may want to look at them).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+_NAME = re.compile(r"^step_(\d{8})$")
+
+
+def checkpoint_dir(root: str | Path, step: int) -> Path:
+    return Path(root) / f"step_{step:08d}"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(root: str | Path, step: int, write: Callable[[Path], None]) -> Path:
+    """Publish checkpoint `step` atomically; returns its directory. Refuses to overwrite a published step
+    (FileExistsError): a resumed run continues after its checkpoint, so a clash means two runs share a dir."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    final = checkpoint_dir(root, step)
+    if final.exists():
+        raise FileExistsError(f"checkpoint {final} already exists")
+    for stale in root.glob(".step_*.tmp-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = root / f".{final.name}.tmp-{os.getpid()}"
+    tmp.mkdir()
+    try:
+        write(tmp)
+        files = {}
+        for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
+            _fsync(path)
+            files[path.relative_to(tmp).as_posix()] = {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+        manifest = tmp / MANIFEST
+        manifest.write_text(json.dumps({"step": step, "files": files}, indent=1))
+        _fsync(manifest)
+        _fsync(tmp)
+        os.rename(tmp, final)
+        _fsync(root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def verify_checkpoint(path: str | Path) -> str | None:
+    """None when `path` is a complete, undamaged checkpoint; else what is wrong with it."""
+    path = Path(path)
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+        files = manifest["files"]
+        step = manifest["step"]
+    except FileNotFoundError:
+        return "no manifest.json (incomplete)"
+    except (ValueError, KeyError, TypeError) as e:
+        return f"unreadable manifest.json ({e})"
+    if not _NAME.match(path.name) or int(_NAME.match(path.name).group(1)) != step:
+        return f"manifest step {step} does not match the directory name"
+    for rel, meta in files.items():
+        f = path / rel
+        if not f.is_file():
+            return f"missing file {rel}"
+        if f.stat().st_size != meta["bytes"]:
+            return f"{rel}: {f.stat().st_size} bytes, manifest says {meta['bytes']}"
+        if _sha256(f) != meta["sha256"]:
+            return f"{rel}: checksum mismatch"
+    return None
+
+
+def list_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
+    """Published checkpoint directories (damaged or not), oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _NAME.match(p.name))]
+    return sorted(found)
+
+
+def latest_good(root: str | Path) -> Path | None:
+    """The newest checkpoint that verifies; damaged newer ones are skipped with a warning."""
+    for step, path in reversed(list_checkpoints(root)):
+        problem = verify_checkpoint(path)
+        if problem is None:
+            return path
+        log.warning("skipping damaged checkpoint %s: %s", path, problem)
+    return None
+
+
+def prune_checkpoints(root: str | Path, keep: int) -> list[Path]:
+    """Delete all but the newest `keep` good checkpoints (damaged ones are left alone); returns the deleted."""
+    good = [p for _, p in list_checkpoints(root) if verify_checkpoint(p) is None]
+    doomed = good[:-keep] if keep > 0 else good
+    for p in doomed:
+        shutil.rmtree(p)
+    return doomed

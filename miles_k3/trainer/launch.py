@@ -1,0 +1,184 @@
+"""Launchers: build the workers for a resolved config and run the driver.
+
+local, cluster.num_workers == 1: one process; the engine and the trainer share it (and its device).
+local, num_workers == N > 1: N processes on this machine (torch.multiprocessing, gloo on CPU / nccl on
+    GPU), one trainer rank each, forming the TP group; rank 0 also runs the driver and the engine. The other
+    ranks execute the driver's trainer calls (broadcast from rank 0) in `_serve`.
+ray: see `miles_k3.trainer.ray_launch` (a placement group, a trainer and an engine actor per bundle).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from miles_k3.trainer.base import build_tokenizer, load_base
+from miles_k3.trainer.config import ResolvedConfig
+from miles_k3.trainer.loop import GRPODriver
+from miles_k3.trainer.rollout_worker import RolloutWorker
+from miles_k3.trainer.train_worker import TrainWorker
+
+log = logging.getLogger(__name__)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def configure_process(rc: ResolvedConfig, rank: int = 0) -> None:
+    """Threads, seeds and determinism for one process (the same on every rank)."""
+    if rc.cluster.threads_per_worker is not None:
+        torch.set_num_threads(rc.cluster.threads_per_worker)
+    torch.manual_seed(rc.trainer.seed + rank)
+    if rc.trainer.deterministic:
+        torch.use_deterministic_algorithms(True)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+
+def device_for(rc: ResolvedConfig, local_rank: int) -> str:
+    if rc.cluster.device == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("cluster.device: 'cuda' but no CUDA device is available")
+        torch.cuda.set_device(local_rank)
+        return f"cuda:{local_rank}"
+    return "cpu"
+
+
+def build_rollout_worker(rc: ResolvedConfig, config, state, device: str) -> RolloutWorker:
+    return RolloutWorker(config, state, rc.lora, quantize=rc.rollout.quantize, dtype=DTYPES[rc.rollout.dtype],
+                         device=device, engine=rc.engine)
+
+
+def build_train_worker(rc: ResolvedConfig, config, state, device: str, tp_group=None) -> TrainWorker:
+    return TrainWorker(config, state, rc.lora, loss=rc.loss, algo=rc.algo, optim=rc.optim,
+                       temperature=rc.rollout.temperature, dtype=DTYPES[rc.model.train_dtype], device=device,
+                       tp_group=tp_group)
+
+
+class LocalWorkers:
+    """Engine + trainer rank 0 in this process; trainer ranks 1..N-1 (if any) mirror every trainer call."""
+
+    def __init__(self, engine: RolloutWorker, trainer: TrainWorker, world_size: int = 1):
+        self.engine, self.trainer, self.world_size = engine, trainer, world_size
+
+    def _collective(self, method: str, *args):
+        if self.world_size > 1:
+            dist.broadcast_object_list([method, args], src=0)
+        return getattr(self.trainer, method)(*args)
+
+    def generate(self, prompts, params):
+        return self.engine.generate(prompts, params)
+
+    def release_engines(self) -> None:
+        self.engine.release_memory()
+
+    def resume_engines(self) -> None:
+        self.engine.resume_memory()
+
+    def train(self, batch):
+        return self._collective("train", batch)
+
+    def adapter_state(self):
+        return self._collective("adapter_state")
+
+    def sync_adapter(self, tensors) -> float:
+        return self.engine.sync_adapter(tensors)
+
+    def trainer_states(self) -> list[dict[str, Any]]:
+        mine = self._collective("state_dict")
+        if self.world_size == 1:
+            return [mine]
+        states: list[Any] = [None] * self.world_size
+        dist.gather_object(mine, states, dst=0)
+        return states
+
+    def load_trainer_states(self, states, adapter) -> None:
+        if len(states) != self.world_size:
+            raise ValueError(f"checkpoint holds {len(states)} trainer ranks, this run has {self.world_size}")
+        if self.world_size > 1:
+            dist.broadcast_object_list(["_load_rank_state", (states, adapter)], src=0)
+        self.trainer.load_state_dict(states[0], adapter)
+
+    def shutdown(self) -> None:
+        if self.world_size > 1:
+            dist.broadcast_object_list(["_stop", ()], src=0)
+
+
+def _serve(trainer: TrainWorker, rank: int) -> None:
+    """Ranks > 0: execute rank 0's trainer calls until told to stop."""
+    while True:
+        msg: list[Any] = [None, None]
+        dist.broadcast_object_list(msg, src=0)
+        method, args = msg
+        if method == "_stop":
+            return
+        if method == "_load_rank_state":
+            states, adapter = args
+            trainer.load_state_dict(states[rank], adapter)
+            continue
+        result = getattr(trainer, method)(*args)
+        if method == "state_dict":
+            dist.gather_object(result, None, dst=0)
+
+
+def init_trainer_parallel(rc: ResolvedConfig):
+    """Megatron's parallel state on the running torch.distributed world; returns the TP group."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_patches.parallel import init_parallel
+
+    init_parallel(rc.parallel.tp)
+    return ps.get_tensor_model_parallel_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, rc: ResolvedConfig, run_dir: str, port: int) -> None:
+    world = rc.cluster.num_workers
+    configure_process(rc, rank)
+    device = device_for(rc, rank)
+    backend = "nccl" if rc.cluster.device == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        tp_group = init_trainer_parallel(rc)
+        config, state = load_base(rc.model, rc.trainer.seed)
+        trainer = build_train_worker(rc, config, state, device, tp_group)
+        if rank == 0:
+            _drive(rc, run_dir, config, state, trainer, device, world)
+        else:
+            _serve(trainer, rank)
+    finally:
+        from megatron_patches.parallel import destroy_parallel
+
+        destroy_parallel()
+        dist.destroy_process_group()
+
+
+def _drive(rc: ResolvedConfig, run_dir: str, config, state, trainer: TrainWorker, device: str, world: int) -> None:
+    engine = build_rollout_worker(rc, config, state, device)
+    workers = LocalWorkers(engine, trainer, world)
+    try:
+        GRPODriver(rc, run_dir, workers, build_tokenizer(rc.model, config)).run()
+    finally:
+        workers.shutdown()
+
+
+def launch(rc: ResolvedConfig, run_dir: str | Path) -> None:
+    run_dir = str(run_dir)
+    if rc.cluster.launcher == "ray":
+        from miles_k3.trainer.ray_launch import launch_ray
+
+        launch_ray(rc, run_dir)
+        return
+    port = _free_port()
+    if rc.cluster.num_workers == 1:
+        _rank_main(0, rc, run_dir, port)
+    else:
+        torch.multiprocessing.spawn(_rank_main, args=(rc, run_dir, port), nprocs=rc.cluster.num_workers, join=True)

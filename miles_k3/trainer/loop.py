@@ -1,0 +1,258 @@
+"""The colocated GRPO loop, run by the driver (the local launcher's rank 0, or the Ray driver).
+
+One step:
+  1. sample prompts; the engine(s) generate n samples per prompt with the policy adapter (prefix-cached);
+  2. reward plugins score them; failed samples are dropped or stop the run (reward.on_failure);
+     zero-variance groups are dropped and refilled with fresh prompts (algo.dynamic_sampling);
+     group-normalized advantages;
+  3. the engines release their KV / state pools; the trainer ranks run the GRPO update;
+  4. the adapter (gathered over TP) is copied into every engine's adapter slot in place; engines resume;
+  5. a metrics row; evaluation and an atomic checkpoint at their intervals.
+
+`Workers` hides where the engines and trainer ranks live (in this process, other processes, Ray actors).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from miles_k3.algo import group_advantages
+from miles_k3.data import PromptRecord, PromptSampler, load_prompts
+from miles_k3.rewards import Sample, load_plugin, score
+from miles_k3.trainer import checkpoint as ckpt
+from miles_k3.trainer.batch import TrainBatch
+from miles_k3.trainer.config import ResolvedConfig
+from miles_k3.trainer.rollout_worker import Generated
+from miles_k3.trainer.run_log import Progress, RunLog
+from rollout.request import SamplingParams
+
+log = logging.getLogger(__name__)
+STATE_FILE = "trainer_state.pt"
+ADAPTER_DIR = "adapter"
+
+
+class Workers(Protocol):
+    """The engines and trainer ranks of a run, as the driver sees them."""
+
+    def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[Generated]: ...
+    def release_engines(self) -> None: ...
+    def resume_engines(self) -> None: ...
+    def train(self, batch: TrainBatch) -> dict[str, float]: ...
+    def adapter_state(self) -> dict[str, torch.Tensor]: ...
+    def sync_adapter(self, tensors: dict[str, torch.Tensor]) -> float: ...
+    def trainer_states(self) -> list[dict[str, Any]]: ...
+    def load_trainer_states(self, states: list[dict[str, Any]], adapter: dict[str, torch.Tensor]) -> None: ...
+    def shutdown(self) -> None: ...
+
+
+def sample_seed(run_seed: int, step: int, round_: int, index: int) -> int:
+    """A distinct, reproducible engine seed per sample (so a resumed run redraws the same samples)."""
+    h = run_seed
+    for x in (step, round_, index):
+        h = (h * 1_000_003 + x + 1) % (1 << 62)
+    return h
+
+
+class GRPODriver:
+    def __init__(self, rc: ResolvedConfig, run_dir: str | Path, workers: Workers, tokenizer):
+        self.rc, self.workers, self.tok = rc, workers, tokenizer
+        self.run_dir = Path(run_dir)
+        self.ckpt_root = self.run_dir / "checkpoints"
+        self.sampler = PromptSampler.from_config(rc.data)
+        self.eval_records = None
+        if rc.eval_data is not None:
+            self.eval_records = load_prompts(rc.eval_data)[:rc.eval_max_prompts]
+        self.plugin = load_plugin(rc.reward)
+        self.step = 0
+
+    # ------------------------------------------------------------------ rollouts
+    def _params(self, seed: int | None, greedy: bool = False) -> SamplingParams:
+        r = self.rc.rollout
+        stop = (self.tok.eos_token_id,) if r.stop_at_eos else ()
+        if greedy:
+            return SamplingParams(temperature=0.0, max_new_tokens=r.max_new_tokens, stop_token_ids=stop)
+        return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                              max_new_tokens=r.max_new_tokens, stop_token_ids=stop, seed=seed)
+
+    def _score(self, records: list[PromptRecord], gens: list[Generated], group_of: list[int]):
+        samples = [Sample(prompt=records[g].prompt, response=self.tok.decode(out.output_ids),
+                          label=records[g].label, metadata=records[g].metadata, group_index=g,
+                          sample_index=i % self.rc.rollout.samples_per_prompt)
+                   for i, (g, out) in enumerate(zip(group_of, gens))]
+        return score(samples, self.rc.reward, self.plugin)
+
+    def collect(self) -> tuple[TrainBatch, dict[str, float]]:
+        """Generate, score, filter and refill until `prompts_per_step` groups carry signal (or the refill
+        rounds run out); returns the batch and rollout metrics."""
+        r, a = self.rc.rollout, self.rc.algo
+        n = r.samples_per_prompt
+        kept: list[tuple[list[int], list[Generated], list[float]]] = []
+        all_rewards: list[float] = []
+        lengths: list[int] = []
+        failures: dict[str, int] = {}
+        groups_seen = groups_flat = 0
+        for round_ in range(a.max_refill_rounds + 1 if a.dynamic_sampling else 1):
+            records = self.sampler.next_batch(r.prompts_per_step - len(kept))
+            prompts = [self.tok.encode_prompt(rec.prompt) for rec in records]
+            flat_prompts = [p for p in prompts for _ in range(n)]
+            group_of = [g for g in range(len(records)) for _ in range(n)]
+            params = [self._params(sample_seed(self.rc.trainer.seed, self.step, round_, i))
+                      for i in range(len(flat_prompts))]
+            gens = self.workers.generate(flat_prompts, params)
+            result = self._score(records, gens, group_of)
+            for kind, count in result.failure_counts.items():
+                failures[kind] = failures.get(kind, 0) + count
+            groups_seen += len(records)
+            for g in range(len(records)):
+                idx = [g * n + j for j in range(n) if bool(result.keep[g * n + j])]
+                rewards = [float(result.rewards[i]) for i in idx]
+                all_rewards += rewards
+                lengths += [len(gens[i].output_ids) for i in idx]
+                if len(idx) < 2 or max(rewards) == min(rewards):
+                    groups_flat += 1
+                    if a.dynamic_sampling or len(idx) < 2:
+                        continue
+                kept.append((prompts[g], [gens[i] for i in idx], rewards))
+            if len(kept) >= r.prompts_per_step:
+                break
+        metrics = {"reward_mean": _mean(all_rewards), "reward_std": _std(all_rewards),
+                   "response_len_mean": _mean(lengths), "groups_sampled": groups_seen,
+                   "groups_kept": len(kept), "groups_zero_variance": groups_flat,
+                   "samples_dropped": sum(failures.values())}
+        metrics.update({f"reward_failures_{k}": v for k, v in failures.items()})
+        return self._to_batch(kept), metrics
+
+    def _to_batch(self, kept) -> TrainBatch:
+        prompts, responses, logprobs, advantages, group_ids = [], [], [], [], []
+        for g, (prompt, gens, rewards) in enumerate(kept):
+            adv = group_advantages(torch.tensor(rewards), len(rewards), normalize_std=self.rc.algo.normalize_std)
+            for gen, a in zip(gens, adv.tolist()):
+                prompts.append(prompt)
+                responses.append(gen.output_ids)
+                logprobs.append(gen.logprobs)
+                advantages.append(a)
+                group_ids.append(g)
+        return TrainBatch(prompts, responses, logprobs, advantages, group_ids)
+
+    def evaluate(self) -> dict[str, float]:
+        """Greedy accuracy on the held-out prompts: the fraction of samples whose reward is >= 1 (binary
+        verifiable rewards), and the mean reward."""
+        recs = self.eval_records
+        gens = self.workers.generate([self.tok.encode_prompt(x.prompt) for x in recs],
+                                     [self._params(None, greedy=True)] * len(recs))
+        result = self._score(recs, gens, list(range(len(recs))))
+        rewards = result.rewards[result.keep]
+        return {"eval_accuracy": float((rewards >= 1.0).float().mean()) if len(rewards) else float("nan"),
+                "eval_reward_mean": float(rewards.mean()) if len(rewards) else float("nan"),
+                "eval_samples": len(recs)}
+
+    # --------------------------------------------------------------- checkpoints
+    def save(self) -> Path:
+        from megatron_patches.peft_io import save_peft
+
+        adapter = self.workers.adapter_state()
+        states = self.workers.trainer_states()
+
+        def write(tmp: Path) -> None:
+            save_peft(tmp / ADAPTER_DIR, adapter, self.rc.lora)
+            torch.save({"step": self.step, "sampler": self.sampler.state_dict(), "workers": states,
+                        "config": self.rc.raw}, tmp / STATE_FILE)
+
+        path = ckpt.save_checkpoint(self.ckpt_root, self.step, write)
+        ckpt.prune_checkpoints(self.ckpt_root, self.rc.trainer.keep_checkpoints)
+        return path
+
+    def try_resume(self) -> Path | None:
+        from megatron_patches.peft_io import load_peft
+
+        mode = self.rc.trainer.resume
+        if mode == "never":
+            return None
+        path = ckpt.latest_good(self.ckpt_root) if mode == "auto" else Path(mode)
+        if path is None:
+            return None
+        if mode != "auto" and (problem := ckpt.verify_checkpoint(path)) is not None:
+            raise ValueError(f"trainer.resume: checkpoint {path} is damaged: {problem}")
+        state = torch.load(path / STATE_FILE, weights_only=False)
+        adapter, _ = load_peft(path / ADAPTER_DIR)
+        self.sampler.load_state_dict(state["sampler"])
+        self.workers.load_trainer_states(state["workers"], adapter)
+        self.step = int(state["step"])
+        return path
+
+    # ---------------------------------------------------------------------- run
+    def run(self) -> list[dict[str, Any]]:
+        t = self.rc.trainer
+        resumed = self.try_resume()
+        if resumed is not None:
+            log.info("resumed from %s (step %d)", resumed, self.step)
+        runlog = RunLog(self.run_dir, wandb_mode=self.rc.logging.wandb, project=self.rc.logging.project,
+                        run_name=self.rc.logging.run_name, config=self.rc.raw,
+                        resume_step=self.step if resumed is not None else None)
+        rows: list[dict[str, Any]] = []
+        progress = Progress(t.max_steps, self.step, self.rc.logging.progress)
+        try:
+            self.workers.sync_adapter(self.workers.adapter_state())
+            if self.step == 0 and t.eval_before and self.eval_records:
+                rows.append({"step": 0, **self.evaluate()})
+                runlog.log(rows[-1])
+            while self.step < t.max_steps:
+                rows += self._one_step(runlog, progress)
+        finally:
+            progress.close()
+            runlog.close()
+        return rows
+
+    def _one_step(self, runlog: RunLog, progress: Progress) -> list[dict[str, Any]]:
+        t = self.rc.trainer
+        self.step += 1
+        start = time.perf_counter()
+        batch, metrics = self.collect()
+        rollout_s = time.perf_counter() - start
+        rows = []
+        if len(batch):
+            self.workers.release_engines()
+            t0 = time.perf_counter()
+            metrics.update(self.workers.train(batch))
+            train_s = time.perf_counter() - t0
+            tensors = self.workers.adapter_state()
+            self.workers.resume_engines()
+            metrics["adapter_sync_ms"] = self.workers.sync_adapter(tensors)
+        else:
+            log.warning("step %d: no group with reward variance; skipping the update", self.step)
+            train_s = 0.0
+        step_s = time.perf_counter() - start
+        metrics.update(step=self.step, rollout_s=rollout_s, train_s=train_s, step_s=step_s,
+                       samples_per_s=metrics["groups_sampled"] * self.rc.rollout.samples_per_prompt / step_s)
+        row = {"step": self.step, **{k: v for k, v in metrics.items() if k != "step"}}
+        rows.append(row)
+        if self.step % self.rc.logging.log_every == 0 or self.step == t.max_steps:
+            runlog.log(row)
+        last = self.step == t.max_steps
+        if self.eval_records and ((t.eval_every and self.step % t.eval_every == 0) or last):
+            rows.append({"step": self.step, **self.evaluate()})
+            runlog.log(rows[-1])
+        if (t.save_every and self.step % t.save_every == 0) or last:
+            self.save()
+        info = f"reward {row['reward_mean']:.3f}"
+        if "eval_accuracy" in rows[-1]:
+            info += f"  eval acc {rows[-1]['eval_accuracy']:.3f}"
+        progress.update(self.step, info)
+        return rows
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def _std(xs: list[float]) -> float:
+    if not xs:
+        return float("nan")
+    m = _mean(xs)
+    return math.sqrt(sum((x - m) ** 2 for x in xs) / len(xs))

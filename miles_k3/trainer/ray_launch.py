@@ -1,0 +1,170 @@
+"""The Ray launcher: a placement group with one bundle per worker; each bundle holds a trainer actor and an
+engine actor, colocated (same node, same GPU when cluster.device=cuda, each taking half of it).
+
+The trainer actors form one torch.distributed world (gloo on CPU, nccl on GPU; rank 0's node address and a
+free port, found by rank 0's actor) and megatron's TP group over it. Every engine actor generates a
+contiguous share of each rollout batch. The driver (this process) runs `GRPODriver` with `RayWorkers`;
+adapter tensors travel trainer rank 0 -> object store -> every engine (one `ray.put`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from miles_k3.trainer.base import build_tokenizer, load_base_config
+from miles_k3.trainer.config import ResolvedConfig
+from miles_k3.trainer.loop import GRPODriver
+
+
+class _TrainerActor:
+    def __init__(self, rc: ResolvedConfig, rank: int):
+        self.rc, self.rank = rc, rank
+
+    def address(self) -> tuple[str, int]:
+        import ray
+
+        from miles_k3.trainer.launch import _free_port
+
+        return ray.util.get_node_ip_address(), _free_port()
+
+    def setup(self, master: tuple[str, int]) -> None:
+        import torch.distributed as dist
+
+        from miles_k3.trainer.base import load_base
+        from miles_k3.trainer.launch import build_train_worker, configure_process, init_trainer_parallel
+
+        rc = self.rc
+        configure_process(rc, self.rank)
+        device = "cuda:0" if rc.cluster.device == "cuda" else "cpu"  # Ray exposes the bundle's GPU as cuda:0
+        dist.init_process_group("nccl" if rc.cluster.device == "cuda" else "gloo",
+                                init_method=f"tcp://{master[0]}:{master[1]}", rank=self.rank,
+                                world_size=rc.cluster.num_workers)
+        tp_group = init_trainer_parallel(rc)
+        config, state = load_base(rc.model, rc.trainer.seed)
+        self.worker = build_train_worker(rc, config, state, device, tp_group)
+
+    def call(self, method: str, *args) -> Any:
+        return getattr(self.worker, method)(*args)
+
+    def load_state(self, states: list[dict[str, Any]], adapter) -> None:
+        self.worker.load_state_dict(states[self.rank], adapter)
+
+
+class _EngineActor:
+    def __init__(self, rc: ResolvedConfig):
+        from miles_k3.trainer.base import load_base
+        from miles_k3.trainer.launch import build_rollout_worker, configure_process
+
+        configure_process(rc)
+        config, state = load_base(rc.model, rc.trainer.seed)
+        self.worker = build_rollout_worker(rc, config, state, "cuda:0" if rc.cluster.device == "cuda" else "cpu")
+
+    def call(self, method: str, *args) -> Any:
+        return getattr(self.worker, method)(*args)
+
+
+class RayWorkers:
+    def __init__(self, trainers: list, engines: list):
+        self.trainers, self.engines = trainers, engines
+
+    def _all_trainers(self, method: str, *args) -> list[Any]:
+        import ray
+
+        return ray.get([t.call.remote(method, *args) for t in self.trainers])
+
+    def generate(self, prompts, params):
+        import ray
+
+        k = len(self.engines)
+        bounds = [len(prompts) * i // k for i in range(k + 1)]
+        shares = [e.call.remote("generate", prompts[lo:hi], params[lo:hi])
+                  for e, lo, hi in zip(self.engines, bounds, bounds[1:]) if hi > lo]
+        return [g for share in ray.get(shares) for g in share]
+
+    def release_engines(self) -> None:
+        import ray
+
+        ray.get([e.call.remote("release_memory") for e in self.engines])
+
+    def resume_engines(self) -> None:
+        import ray
+
+        ray.get([e.call.remote("resume_memory") for e in self.engines])
+
+    def train(self, batch):
+        return self._all_trainers("train", batch)[0]
+
+    def adapter_state(self):
+        return self._all_trainers("adapter_state")[0]
+
+    def sync_adapter(self, tensors) -> float:
+        import ray
+
+        ref = ray.put(tensors)
+        return max(ray.get([e.call.remote("sync_adapter", ref) for e in self.engines]))
+
+    def engine_checksums(self) -> list[dict[str, float]]:
+        import ray
+
+        return ray.get([e.call.remote("adapter_checksum") for e in self.engines])
+
+    def trainer_states(self):
+        return self._all_trainers("state_dict")
+
+    def load_trainer_states(self, states, adapter) -> None:
+        import ray
+
+        if len(states) != len(self.trainers):
+            raise ValueError(f"checkpoint holds {len(states)} trainer ranks, this run has {len(self.trainers)}")
+        ray.get([t.load_state.remote(states, adapter) for t in self.trainers])
+
+    def shutdown(self) -> None:
+        import ray
+
+        for actor in (*self.trainers, *self.engines):
+            ray.kill(actor)
+
+
+def start_ray_workers(rc: ResolvedConfig) -> tuple[RayWorkers, Any]:
+    """Placement group + actors (the caller owns ray.init / ray.shutdown); returns (workers, placement group)."""
+    import ray
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    gpu = rc.cluster.device == "cuda"
+    bundle = {"CPU": 2, **({"GPU": 1} if gpu else {})}
+    pg = placement_group([dict(bundle) for _ in range(rc.cluster.num_workers)], strategy="PACK")
+    ray.get(pg.ready())
+    share = {"num_cpus": 1, "num_gpus": 0.5 if gpu else 0}
+    threads = rc.cluster.threads_per_worker or 1
+    env = {"env_vars": {"OMP_NUM_THREADS": str(threads)}}
+
+    def placed(cls, i: int, *args):
+        strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=i)
+        return ray.remote(cls).options(scheduling_strategy=strategy, runtime_env=env, **share).remote(*args)
+
+    trainers = [placed(_TrainerActor, i, rc, i) for i in range(rc.cluster.num_workers)]
+    engines = [placed(_EngineActor, i, rc) for i in range(rc.cluster.num_workers)]
+    master = ray.get(trainers[0].address.remote())
+    ray.get([t.setup.remote(master) for t in trainers])
+    return RayWorkers(trainers, engines), pg
+
+
+def launch_ray(rc: ResolvedConfig, run_dir: str | Path) -> None:
+    import ray
+
+    own = not ray.is_initialized()
+    if own:
+        ray.init(address=rc.cluster.ray_address, include_dashboard=False, log_to_driver=True)
+    try:
+        workers, pg = start_ray_workers(rc)
+        try:
+            tokenizer = build_tokenizer(rc.model, load_base_config(rc.model))
+            GRPODriver(rc, run_dir, workers, tokenizer).run()
+        finally:
+            workers.shutdown()
+            ray.util.remove_placement_group(pg)
+    finally:
+        if own:
+            ray.shutdown()

@@ -1,0 +1,118 @@
+"""What a run records: metrics.jsonl (the source of truth), wandb (offline by default), a console progress bar.
+
+metrics.jsonl holds one JSON object per line: a training row per step (`step`, `reward_mean`,
+`train_rollout_logprob_abs_diff`, ...) and evaluation rows (`step`, `eval_accuracy`, ...). Each line is
+flushed when written. On resume from checkpoint step S, rows with step > S (written by the interrupted run
+after its last checkpoint) are moved to metrics.orphaned.jsonl, so metrics.jsonl reads as one uninterrupted
+run and nothing is thrown away.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+METRICS = "metrics.jsonl"
+ORPHANED = "metrics.orphaned.jsonl"
+
+
+def _jsonable(v: Any) -> Any:
+    if hasattr(v, "item"):
+        v = v.item()
+    if isinstance(v, float) and not math.isfinite(v):
+        return None  # JSON has no NaN; a missing value reads as null
+    return v
+
+
+def truncate_metrics(run_dir: str | Path, last_step: int) -> int:
+    """Keep rows with step <= last_step in metrics.jsonl (atomically rewritten); move the rest to
+    metrics.orphaned.jsonl. Returns how many rows moved. A torn last line (a kill mid-write) moves too."""
+    path = Path(run_dir) / METRICS
+    if not path.exists():
+        return 0
+    keep, moved = [], []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+            (keep if int(row["step"]) <= last_step else moved).append(line)
+        except (ValueError, KeyError, TypeError):
+            moved.append(line)
+    if moved:
+        with open(Path(run_dir) / ORPHANED, "a") as f:
+            f.write("".join(m + "\n" for m in moved))
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(k + "\n" for k in keep))
+        os.replace(tmp, path)
+    return len(moved)
+
+
+class RunLog:
+    """Appends rows to metrics.jsonl and mirrors them to wandb. One per run, on the driver process."""
+
+    def __init__(self, run_dir: str | Path, *, wandb_mode: str, project: str, run_name: str | None,
+                 config: dict[str, Any], resume_step: int | None):
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if resume_step is not None:
+            moved = truncate_metrics(self.run_dir, resume_step)
+            if moved:
+                log.warning("resuming at step %d: moved %d metrics rows of the interrupted run to %s",
+                            resume_step, moved, ORPHANED)
+        self._file = open(self.run_dir / METRICS, "a")
+        self._wandb = None
+        if wandb_mode != "disabled":
+            self._wandb = self._init_wandb(wandb_mode, project, run_name, config)
+
+    def _init_wandb(self, mode: str, project: str, run_name: str | None, config: dict[str, Any]):
+        import wandb
+
+        # One wandb run per run directory, resumed across restarts.
+        id_file = self.run_dir / "wandb_id"
+        run_id = id_file.read_text().strip() if id_file.exists() else wandb.util.generate_id()
+        id_file.write_text(run_id)
+        return wandb.init(mode=mode, project=project, name=run_name or self.run_dir.name, id=run_id,
+                          resume="allow", dir=str(self.run_dir), config=config,
+                          settings=wandb.Settings(console="off", silent=True))
+
+    def log(self, row: dict[str, Any]) -> None:
+        row = {k: _jsonable(v) for k, v in row.items()}
+        self._file.write(json.dumps(row) + "\n")
+        self._file.flush()
+        if self._wandb is not None:
+            self._wandb.log({k: v for k, v in row.items() if k != "step" and v is not None}, step=row["step"])
+
+    def close(self) -> None:
+        self._file.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
+
+
+class Progress:
+    """A rich progress bar with ETA and the latest reward / accuracy; a no-op when disabled."""
+
+    def __init__(self, total: int, start: int, enabled: bool):
+        self._bar = None
+        if enabled:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn
+            from rich.progress import TimeElapsedColumn, TimeRemainingColumn
+
+            self._bar = RichProgress(TextColumn("[bold]GRPO"), BarColumn(), MofNCompleteColumn(),
+                                     TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
+                                     TextColumn("{task.fields[info]}"), transient=False)
+            self._task = self._bar.add_task("train", total=total, completed=start, info="")
+            self._bar.start()
+
+    def update(self, step: int, info: str) -> None:
+        if self._bar is not None:
+            self._bar.update(self._task, completed=step, info=info)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()

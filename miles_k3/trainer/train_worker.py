@@ -1,0 +1,157 @@
+"""The trainer side of the colocated loop: the megatron-core policy (frozen BF16 base + LoRA), its optimizer,
+and one GRPO update per call.
+
+Every rank of a tensor-parallel group holds one TrainWorker and calls `train` with the same batch (megatron's
+parallel linears do the communication). `adapter_state()` returns full (TP-gathered) adapter tensors in the
+engine's naming; `state_dict()` / `load_state_dict()` carry adapters, optimizer, LR schedule and RNG states for
+checkpoints.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from miles_k3.algo import entropy_from_logits, policy_loss
+from miles_k3.model.config import K3Config
+from miles_k3.trainer.batch import Packed, TrainBatch, pack
+
+
+class TrainWorker:
+    def __init__(self, config: K3Config, base_state: dict[str, torch.Tensor], lora, *, loss, algo, optim,
+                 temperature: float, dtype: torch.dtype, device: str, tp_group=None):
+        from megatron_patches.lora import lora_parameters
+        from megatron_patches.model import build_policy
+
+        self.device = torch.device(device)
+        self.policy = build_policy(config, base_state, lora, dtype=dtype, device=device)
+        self.params = lora_parameters(self.policy)
+        if not self.params:
+            raise ValueError("lora.targets: no module of this model matches; nothing would train")
+        self.loss_config, self.algo, self.temperature = loss, algo, temperature
+        self.tp_group = tp_group
+        self.optimizer = torch.optim.AdamW(self.params, lr=optim.lr, betas=(optim.beta1, optim.beta2),
+                                           weight_decay=optim.weight_decay, eps=1e-8)
+        warmup = optim.warmup_steps
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
+        self.grad_clip = optim.grad_clip
+
+    # ------------------------------------------------------------------ log-probs
+    def _token_logprobs(self, packed: Packed, *, with_entropy: bool = False):
+        """log pi(target | prefix) at temperature T for every response token, [M] fp32 (and entropy [M])."""
+        hidden = self.policy.model(packed.input_ids, cu_seqlens=packed.cu_seqlens)[0, packed.positions]
+        logits = self.policy.logits(hidden).float() / self.temperature
+        logp = logits.gather(-1, packed.targets[:, None]).squeeze(-1) - logits.logsumexp(-1)
+        if not with_entropy:
+            return logp, None
+        with torch.no_grad():
+            return logp, entropy_from_logits(logits.detach())
+
+    def logprobs(self, batch: TrainBatch) -> list[list[float]]:
+        """The current policy's log-probs of each response token (no grad); for tests and diagnostics."""
+        packed = pack(batch, self.device)
+        with torch.no_grad():
+            logp, _ = self._token_logprobs(packed)
+        padded = packed.to_padded(logp).cpu()
+        return [padded[i, :len(r)].tolist() for i, r in enumerate(batch.responses)]
+
+    # ---------------------------------------------------------------------- train
+    def train(self, batch: TrainBatch) -> dict[str, float]:
+        """One GRPO update (algo.updates_per_step optimizer steps over group minibatches). Returns metrics
+        averaged over the minibatches, plus lr and grad_norm."""
+        from megatron_patches.lora import adapters_disabled
+
+        self.policy.train()
+        minibatches = batch.split_by_groups(self.algo.updates_per_step)
+        packed = [pack(mb, self.device) for mb in minibatches]
+        old = None
+        if len(packed) > 1:  # pi_old is the policy before this step's first update
+            with torch.no_grad():
+                old = [self._token_logprobs(p)[0] for p in packed]
+        sums: dict[str, float] = {}
+        for k, (mb, p) in enumerate(zip(minibatches, packed)):
+            ref = None
+            if self.loss_config.kl != "none":
+                with torch.no_grad(), adapters_disabled(self.policy):
+                    ref = p.to_padded(self._token_logprobs(p)[0])
+            logp, entropy = self._token_logprobs(p, with_entropy=True)
+            mask = p.mask()
+            old_logp = p.to_padded(old[k] if old is not None else logp.detach())
+            rollout = p.to_padded(torch.tensor([x for lp in mb.rollout_logprobs for x in lp],
+                                               dtype=torch.float32, device=self.device))
+            adv = torch.tensor(mb.advantages, dtype=torch.float32, device=self.device)
+            loss, metrics = policy_loss(p.to_padded(logp), old_logp, adv, mask, self.loss_config, ref_logp=ref,
+                                        rollout_logp=rollout)
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            grad_norm = self._clip_grads()
+            self.optimizer.step()
+            metrics["entropy"] = entropy.mean()
+            metrics["grad_norm"] = grad_norm
+            for name, v in metrics.items():
+                sums[name] = sums.get(name, 0.0) + float(v) / len(packed)
+        self.scheduler.step()
+        sums["lr"] = self.scheduler.get_last_lr()[0]
+        self.policy.eval()
+        return sums
+
+    def _clip_grads(self) -> torch.Tensor:
+        """Global grad norm over the TP group (TP-sharded LoRA tensors counted once per shard, replicated ones
+        once), clipped to optim.grad_clip; the same scale on every rank keeps replicated tensors in sync."""
+        sharded = torch.zeros((), dtype=torch.float32, device=self.device)
+        replicated = torch.zeros((), dtype=torch.float32, device=self.device)
+        for p in self.params:
+            if p.grad is None:
+                continue
+            sq = p.grad.float().pow(2).sum()
+            if getattr(p, "tensor_model_parallel", False):
+                sharded += sq
+            else:
+                replicated += sq
+        if self.tp_group is not None and dist.get_world_size(self.tp_group) > 1:
+            dist.all_reduce(sharded, group=self.tp_group)
+        norm = (sharded + replicated).sqrt()
+        if self.grad_clip > 0:
+            scale = (self.grad_clip / (norm + 1e-6)).clamp(max=1.0)
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.mul_(scale.to(p.grad.dtype))
+        return norm
+
+    # ------------------------------------------------------------ adapter / state
+    def adapter_state(self) -> dict[str, torch.Tensor]:
+        from megatron_patches.lora import adapter_state
+
+        return adapter_state(self.policy)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a resumed rank needs besides the adapter (saved in PEFT form by the driver)."""
+        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                "rng": rng_state(self.device)}
+
+    def load_state_dict(self, state: dict[str, Any], adapter: dict[str, torch.Tensor]) -> None:
+        from megatron_patches.lora import load_adapter_state
+
+        load_adapter_state(self.policy, adapter)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        set_rng_state(state["rng"], self.device)
+
+
+def rng_state(device: torch.device) -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device)
+

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from miles_k3.model.lora_spec import DEFAULT_TARGETS
+
 
 @dataclass(frozen=True)
 class LoraConfig:
@@ -29,9 +31,7 @@ class LoraConfig:
     alpha: float = 16.0
     max_adapters: int = 4
     # regexes over HF module names; experts match as "<prefix>.experts.w1" etc.
-    targets: tuple[str, ...] = (r"self_attn\.(q|k|v|o|g|q_b|kv_b)_proj$", r"mlp\.(gate|up|down)_proj$",
-                                r"shared_experts\.(gate|up|down)_proj$", r"routed_expert_(down|up)_proj$",
-                                r"experts\.w[123]$")
+    targets: tuple[str, ...] = DEFAULT_TARGETS  # shared with the trainer: miles_k3.model.lora_spec
 
     def __post_init__(self) -> None:
         if self.rank < 1:

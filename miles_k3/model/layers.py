@@ -13,7 +13,7 @@ from torch import nn
 from miles_k3.model.cache import K3StateCache, KDAState
 from miles_k3.model.config import K3Config
 from miles_k3.model.layout import kda_a_log_shape
-from miles_k3.model.linear import ExpertsFactory, LinearFactory, LinearSpec
+from miles_k3.model.linear import SINGLE, ExpertsFactory, LinearFactory, LinearSpec, TensorParallel
 from miles_k3.model.moe import GLUMLP, LatentMoE
 from miles_k3.model.norm import RMSNorm
 from miles_k3.ops.attnres import attn_res_mix
@@ -28,21 +28,35 @@ def _conv_holder(channels: int, kernel: int) -> nn.Conv1d:
     return nn.Conv1d(channels, channels, kernel, groups=channels, bias=False)
 
 
-class KDAMixer(nn.Module):
-    """Kimi Delta Attention. x [B, T, D] -> [B, T, D]."""
+def _local_a_log_shape(c: K3Config, heads: int, tp: TensorParallel) -> tuple[int, ...]:
+    if tp.size == 1:
+        return kda_a_log_shape(c)
+    # A tensor-parallel rank holds only its heads' rates, unpadded (padding is a checkpoint detail).
+    return (heads * c.kda_head_dim,) if c.kda_a_log_per_channel else (heads,)
 
-    def __init__(self, config: K3Config, layer_idx: int, name: str, linear: LinearFactory):
+
+class KDAMixer(nn.Module):
+    """Kimi Delta Attention. x [B, T, D] -> [B, T, D].
+
+    Under tensor parallelism (`tp.size` > 1) this rank runs `kda_num_heads / tp.size` heads: the column
+    projections give it those heads' channels, conv weights / dt_bias / A_log hold those heads only, and
+    the row-parallel o_proj sums the ranks' outputs."""
+
+    def __init__(self, config: K3Config, layer_idx: int, name: str, linear: LinearFactory,
+                 tp: TensorParallel = SINGLE):
         super().__init__()
         c = self.config = config
         self.layer_idx = layer_idx
+        self.heads = tp.split(c.kda_num_heads, "kda_num_heads")
         d, hk, r = c.hidden_size, c.kda_dim, c.gate_rank
+        local_hk = self.heads * c.kda_head_dim
         for p in "qkv":
             setattr(self, f"{p}_proj", linear(LinearSpec(f"{name}.{p}_proj", d, hk, "column")))
-            setattr(self, f"{p}_conv1d", _conv_holder(hk, c.kda_conv_kernel))
+            setattr(self, f"{p}_conv1d", _conv_holder(local_hk, c.kda_conv_kernel))
         self.f_a_proj = linear(LinearSpec(f"{name}.f_a_proj", d, r, "replicated"))
         self.f_b_proj = linear(LinearSpec(f"{name}.f_b_proj", r, hk, "column"))
-        self.A_log = nn.Parameter(torch.zeros(kda_a_log_shape(c)))
-        self.dt_bias = nn.Parameter(torch.zeros(hk))
+        self.A_log = nn.Parameter(torch.zeros(_local_a_log_shape(c, self.heads, tp)))
+        self.dt_bias = nn.Parameter(torch.zeros(local_hk))
         self.b_proj = linear(LinearSpec(f"{name}.b_proj", d, c.kda_num_heads, "column"))
         if c.kda_output_gate == "full":
             self.g_proj = linear(LinearSpec(f"{name}.g_proj", d, hk, "column"))
@@ -61,7 +75,7 @@ class KDAMixer(nn.Module):
                 cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         c = self.config
         b, t, _ = x.shape
-        heads = (b, t, c.kda_num_heads, c.kda_head_dim)
+        heads = (b, t, self.heads, c.kda_head_dim)
         prev = cache.kda_state(self.layer_idx) if cache is not None else None
         qkv, conv = [], []
         for p, state in zip("qkv", prev[:3] if prev is not None else (None,) * 3):
@@ -69,7 +83,7 @@ class KDAMixer(nn.Module):
                                              state=state, cu_seqlens=cu_seqlens)
             qkv.append(y.view(heads))
             conv.append(new_state)
-        g = kda_gate(self.f_b_proj(self.f_a_proj(x)), self.A_log, self.dt_bias, num_heads=c.kda_num_heads,
+        g = kda_gate(self.f_b_proj(self.f_a_proj(x)), self.A_log, self.dt_bias, num_heads=self.heads,
                      per_channel=c.kda_a_log_per_channel, form=c.kda_gate_form, lower_bound=c.kda_gate_lower_bound)
         beta = torch.sigmoid(self.b_proj(x).float())
         o, recurrent = kda(*qkv, g, beta,
@@ -78,16 +92,22 @@ class KDAMixer(nn.Module):
         if cache is not None:
             cache.set_kda_state(self.layer_idx, KDAState(*conv, recurrent))
         o = gated_rms_norm(o, self.output_gate(x).view(heads), self.o_norm.weight, c.rms_norm_eps)
-        return self.o_proj(o.reshape(b, t, c.kda_dim))
+        return self.o_proj(o.reshape(b, t, self.heads * c.kda_head_dim))
 
 
 class MLAMixer(nn.Module):
-    """Multi-head latent attention without rotary embedding, with K3's optional output gate."""
+    """Multi-head latent attention without rotary embedding, with K3's optional output gate.
 
-    def __init__(self, config: K3Config, layer_idx: int, name: str, linear: LinearFactory):
+    Under tensor parallelism this rank runs `mla_num_heads / tp.size` heads (column-split q / kv_b / g
+    projections); the latent projections are replicated and o_proj reduces across ranks."""
+
+    def __init__(self, config: K3Config, layer_idx: int, name: str, linear: LinearFactory,
+                 tp: TensorParallel = SINGLE):
         super().__init__()
         c = self.config = config
         self.layer_idx = layer_idx
+        self.heads = tp.split(c.mla_num_heads, "mla_num_heads")
+        self.tp = tp
         d, h = c.hidden_size, c.mla_num_heads
         if c.q_lora_rank is None:
             self.q_proj = linear(LinearSpec(f"{name}.q_proj", d, h * c.qk_head_dim, "column"))
@@ -109,7 +129,7 @@ class MLAMixer(nn.Module):
                 cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         c = self.config
         b, t, _ = x.shape
-        h = c.mla_num_heads
+        h = self.heads
         q = self.q_proj(x) if c.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q = q.view(b, t, h, c.qk_head_dim)
         latent, rope = self.kv_a_proj_with_mqa(x).split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
@@ -120,6 +140,7 @@ class MLAMixer(nn.Module):
             mask = segment_causal_mask(cu_seqlens, t, x.device) if cu_seqlens is not None else None
         s = latent.shape[1]
         k_nope, v = self.kv_b_proj(latent).view(b, s, h, -1).split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)
+        rope = self.tp.enter(rope)  # shared by all heads, this rank's included
         k = torch.cat([k_nope, rope[:, :, None, :].expand(b, s, h, c.qk_rope_head_dim)], dim=-1)
         o = mla_attention(q, k, v, self.scale, mask).reshape(b, t, h * c.v_head_dim)
         if c.mla_output_gate:
@@ -131,7 +152,8 @@ class K3DecoderLayer(nn.Module):
     """One decoder layer. Residual state is (h, blocks): `h` the running partial sum of the current AttnRes
     block, `blocks` the finished block sums (always empty without AttnRes, where h is the plain stream)."""
 
-    def __init__(self, config: K3Config, layer_idx: int, linear: LinearFactory, experts: ExpertsFactory):
+    def __init__(self, config: K3Config, layer_idx: int, linear: LinearFactory, experts: ExpertsFactory,
+                 tp: TensorParallel = SINGLE):
         super().__init__()
         c = self.config = config
         self.layer_idx = layer_idx
@@ -144,7 +166,7 @@ class K3DecoderLayer(nn.Module):
             self.mlp_res_proj = nn.Linear(d, 1, bias=False)
         self.input_layernorm = RMSNorm(d, c.rms_norm_eps)
         mixer = KDAMixer if c.layer_kinds[layer_idx] == "kda" else MLAMixer
-        self.self_attn = mixer(c, layer_idx, f"{name}.self_attn", linear)
+        self.self_attn = mixer(c, layer_idx, f"{name}.self_attn", linear, tp)
         self.post_attention_layernorm = RMSNorm(d, c.rms_norm_eps)
         if c.is_moe_layer(layer_idx):
             self.block_sparse_moe = LatentMoE(c, f"{name}.block_sparse_moe", linear, experts)

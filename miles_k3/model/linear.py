@@ -9,6 +9,14 @@ block (`ExpertsFactory`), because trainers and engines group them differently.
 
 Contract of a linear module: `forward(x [..., in]) -> [..., out]`, no bias, and
 its base weight loads from / saves to `<name>.weight` of shape [out, in].
+
+Tensor parallelism: a build that splits linears across ranks also passes a
+`TensorParallel` (this rank's index and the group size) into the model, so the
+mixers size their per-head tensors (heads, short-conv channels, decay rates)
+for the local heads that a column split leaves them. Its linears then return
+the local slice for "column" specs and take the local slice (and reduce) for
+"row" specs. `SINGLE` (size 1) is the whole model: the reference and engine
+builds use it and see no change.
 """
 
 from __future__ import annotations
@@ -51,3 +59,32 @@ def torch_experts(spec: ExpertsSpec) -> nn.Module:
     from miles_k3.model.moe import RoutedExperts
 
     return RoutedExperts(spec)
+
+
+class TensorParallel:
+    """This rank's share of a tensor-parallel build: `size` ranks, this one `rank`.
+
+    The base class is the single-device case and every method is the identity there. A parallel
+    build (megatron_patches) subclasses it with real collectives. Only what the shared layers need
+    lives here; the linears own their own communication.
+    """
+
+    def __init__(self, size: int = 1, rank: int = 0):
+        if size < 1 or not 0 <= rank < size:
+            raise ValueError(f"TensorParallel: need size >= 1 and 0 <= rank < size, got size={size}, rank={rank}")
+        self.size, self.rank = size, rank
+
+    def split(self, n: int, field: str) -> int:
+        """The local share of n heads / channels; `field` names the config field for the error."""
+        if n % self.size:
+            raise ValueError(f"K3Config.{field}={n} is not divisible by the tensor-parallel size {self.size}")
+        return n // self.size
+
+    def enter(self, x: torch.Tensor) -> torch.Tensor:
+        """Mark a replicated tensor that per-rank (local-head) math reads without a column linear in
+        between (MLA's shared rope key). Forward: identity. Backward in a parallel build: all-reduce, since
+        each rank's gradient covers only its own heads."""
+        return x
+
+
+SINGLE = TensorParallel()

@@ -1,0 +1,166 @@
+"""The trainer's linears and routed experts: megatron-core parallel linears, frozen base, LoRA on top.
+
+They plug into the shared K3 definition through its factories (`miles_k3.model.linear`), so they keep
+its contract: `forward(x [..., in]) -> [..., out]` (a tensor, not megatron's (output, bias) tuple), no
+bias, base weight under `<name>.weight` (this rank's slice when TP > 1), frozen.
+
+- column (`ColumnLinear`, megatron ColumnParallelLinear): full input, this rank's output slice; the
+  base's input gradient is all-reduced by megatron (allreduce_dgrad). `gather=True` (lm_head)
+  all-gathers the output slices so callers see full logits.
+- row (`RowLinear`, RowParallelLinear, input_is_parallel): this rank's input slice, full output summed
+  across ranks by megatron.
+- replicated (`ReplicatedLinear`): the whole weight on every rank (low-rank latent / gate projections).
+- routed experts (`ParallelExperts`): the intermediate dim I is split across TP ranks (w1 / w3 column,
+  w2 row, one all-reduce of the expert outputs); every rank routes all tokens to all experts. Expert
+  parallelism (experts spread over ranks, all-to-all dispatch) replaces this split later without
+  changing the adapter naming or the LoRA math per expert.
+
+Megatron on CPU: the layers are built with `use_cpu_initialization=True, perform_initialization=False`
+(weights come from the checkpoint), under a meta device at build time; a frozen weight routes the
+GEMM through `linear_with_frozen_weight`, which needs no CUDA. Sequence parallelism is off (its
+gathers use CUDA-only global buffers in megatron-core 0.16.1).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core.model_parallel_config import ModelParallelConfig
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from torch import nn
+
+from miles_k3.model.linear import ExpertsSpec, LinearSpec
+from miles_k3.model.lora_spec import LoraSpec
+from miles_k3.model.moe import RoutedExperts
+from megatron_patches.lora import LoraWeights
+from megatron_patches.parallel import MegatronTP
+
+
+def _no_init(weight: torch.Tensor) -> None:
+    # Base weights always come from a checkpoint (or the reference init, sharded); never initialized here.
+    return None
+
+
+def _adapter(spec: LinearSpec, lora: LoraSpec | None, tp: MegatronTP) -> LoraWeights | None:
+    if lora is None or not lora.targets_module(spec.name):
+        return None
+    a_split, b_split = {"column": (None, 0), "row": (1, None), "replicated": (None, None)}[spec.parallel]
+    return LoraWeights(spec.name, lora, (lora.rank, spec.in_features), (spec.out_features, lora.rank),
+                       a_split, b_split, tp)
+
+
+class ColumnLinear(ColumnParallelLinear):
+    def __init__(self, spec: LinearSpec, config: ModelParallelConfig, tp: MegatronTP, lora: LoraSpec | None,
+                 gather: bool = False):
+        super().__init__(spec.in_features, spec.out_features, config=config, init_method=_no_init, bias=False,
+                         gather_output=False, skip_bias_add=True)
+        self.weight.requires_grad_(False)
+        self.tp, self.gather = tp, gather
+        self.lora = _adapter(spec, lora, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y, _ = super().forward(x)
+        if self.lora is not None and self.lora.enabled:
+            y = y + self.lora.delta(x, "column")
+        # megatron's own gather_output allocates on CUDA; gather device-agnostically instead
+        return self.tp.gather_last_dim(y) if self.gather else y
+
+
+class RowLinear(RowParallelLinear):
+    def __init__(self, spec: LinearSpec, config: ModelParallelConfig, tp: MegatronTP, lora: LoraSpec | None):
+        super().__init__(spec.in_features, spec.out_features, config=config, init_method=_no_init, bias=False,
+                         input_is_parallel=True, skip_bias_add=True)
+        self.weight.requires_grad_(False)
+        self.lora = _adapter(spec, lora, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y, _ = super().forward(x)
+        if self.lora is not None and self.lora.enabled:
+            y = y + self.lora.delta(x, "row")
+        return y
+
+
+class ReplicatedLinear(nn.Module):
+    def __init__(self, spec: LinearSpec, config: ModelParallelConfig, tp: MegatronTP, lora: LoraSpec | None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(spec.out_features, spec.in_features, dtype=config.params_dtype),
+                                   requires_grad=False)
+        self.lora = _adapter(spec, lora, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        if self.lora is not None and self.lora.enabled:
+            y = y + self.lora.delta(x, "replicated")
+        return y
+
+
+class ParallelExperts(RoutedExperts):
+    """Routed experts with the intermediate dim split over TP ranks: w1 / w3 [E, I/tp, W], w2 [E, W, I/tp]
+    (HF per-expert names in state dicts, as the base class does), per-expert stacked LoRA `lora[proj]`.
+
+    Communication per forward (TP > 1): the routed token copies enter the split region once (gradient
+    all-reduce), the w1 / w3 adapters' rank-space inputs enter once each, the w2 outputs and the w2
+    adapter's rank-space partials are all-reduced once each; never per expert.
+    """
+
+    def __init__(self, spec: ExpertsSpec, config: ModelParallelConfig, tp: MegatronTP, lora: LoraSpec | None):
+        super().__init__(spec)
+        self.tp = tp
+        e, w, i = spec.num_experts, spec.width, spec.intermediate
+        local_i = tp.split(i, "moe_intermediate_size")
+        dtype = config.params_dtype
+        self.w1 = nn.Parameter(torch.empty(e, local_i, w, dtype=dtype), requires_grad=False)
+        self.w3 = nn.Parameter(torch.empty(e, local_i, w, dtype=dtype), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(e, w, local_i, dtype=dtype), requires_grad=False)
+        adapters = {}
+        if lora is not None:
+            r = lora.rank
+            full = {"w1": ((e, r, w), (e, i, r), None, 1), "w3": ((e, r, w), (e, i, r), None, 1),
+                    "w2": ((e, r, i), (e, w, r), 2, None)}
+            for proj, (a_full, b_full, a_split, b_split) in full.items():
+                if lora.targets_module(f"{spec.name}.{proj}"):
+                    adapters[proj] = LoraWeights(f"{spec.name}.{proj}", lora, a_full, b_full, a_split, b_split, tp)
+        self.lora = nn.ModuleDict(adapters)
+
+    def _on(self, proj: str) -> LoraWeights | None:
+        lw = self.lora[proj] if proj in self.lora else None
+        return lw if lw is not None and lw.enabled else None
+
+    def _experts(self, xs: torch.Tensor, counts: torch.Tensor, token_of: torch.Tensor) -> torch.Tensor:
+        segments = [(e, start, n) for e, (start, n) in enumerate(_spans(counts.tolist())) if n]
+        # Base GEMMs read xs through `enter` (their input gradient is partial per rank); the adapters read
+        # the raw xs and enter in rank space instead, so no gradient is all-reduced twice.
+        xs_base = self.tp.enter(xs)
+        rank_h = {}
+        for proj in ("w1", "w3"):
+            lw = self._on(proj)
+            if lw is not None:
+                rank_h[proj] = self.tp.enter(torch.cat([lw.rank_space(xs[s:s + n], lw.A[e])
+                                                        for e, s, n in segments]))
+        partial, h2 = [], []
+        lw2 = self._on("w2")
+        for e, s, n in segments:  # segments tile the rows in order, so row s of a concatenation is row s here
+            seg = xs_base[s:s + n]
+            gate, up = F.linear(seg, self.w1[e]), F.linear(seg, self.w3[e])
+            if "w1" in rank_h:
+                gate = gate + F.linear(rank_h["w1"][s:s + n], self.lora["w1"].B[e]) * self.lora["w1"].scale
+            if "w3" in rank_h:
+                up = up + F.linear(rank_h["w3"][s:s + n], self.lora["w3"].B[e]) * self.lora["w3"].scale
+            act = self._act(gate, up)
+            partial.append(F.linear(act, self.w2[e]))
+            if lw2 is not None:
+                h2.append(lw2.rank_space(act, lw2.A[e]))
+        ys = self.tp.reduce(torch.cat(partial))
+        if lw2 is not None:
+            h = self.tp.reduce(torch.cat(h2))
+            ys = ys + torch.cat([F.linear(h[s:s + n], lw2.B[e]) for e, s, n in segments]) * lw2.scale
+        return ys
+
+
+def _spans(counts: list[int]) -> list[tuple[int, int]]:
+    """(start, length) of each expert's rows in the expert-sorted token copies."""
+    out, start = [], 0
+    for n in counts:
+        out.append((start, n))
+        start += n
+    return out

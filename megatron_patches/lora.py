@@ -1,0 +1,189 @@
+"""Trainable LoRA adapters of the trainer's K3 and the model-level adapter API.
+
+`LoraWeights` is the adapter of one module (a linear, or one stacked routed-expert projection): it owns
+this rank's slices of A and B and knows how the full tensors split across tensor-parallel ranks:
+
+    linear kind     A (full [r, in])    B (full [out, r])   rank-space h = A x
+    column          replicated          split dim 0         enter(h): all-reduce its grad (B is local)
+    row             split dim 1         replicated          reduce(h): sum the ranks' partial h
+    replicated      replicated          replicated          -
+    experts w1 / w3 A [E, r, W] repl.   B [E, I, r] dim 1   (column over the intermediate dim I)
+    experts w2      A [E, r, I] dim 2   B [E, W, r] repl.   (row over I)
+
+so every rank ends a module with the same full output and identical gradients for replicated slices,
+and a TP=n model computes what the TP=1 model does. delta = (alpha / rank) * B(A(dropout(x))).
+
+Determinism across TP sizes: A is initialized from a generator seeded by (seed, module name) over the
+full shape and then sliced, and dropout masks are drawn over the full input width from one generator
+per model, in module order, and sliced; so TP=1 and TP=n start from the same adapter and draw the same
+masks.
+
+Engine naming (the contract with `rollout.lora`): `<module>.lora_A` / `<module>.lora_B`, `<module>` the HF
+module path; stacked experts `<prefix>.experts.w1.lora_A` [E, r, in], `.lora_B` [E, out, r].
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import zlib
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from miles_k3.model.lora_spec import LoraSpec
+from miles_k3.model.linear import SINGLE, TensorParallel
+
+KINDS = ("column", "row", "replicated")
+
+
+class LoraWeights(nn.Module):
+    """A [*lead, r, in] and B [*lead, out, r] (this rank's slices; `lead` = (E,) for stacked experts).
+
+    `a_split` / `b_split`: the dim of the full tensor split across TP ranks, or None if replicated.
+    Built on any device (meta included); `reset` materializes them on `device` as trainable params.
+    """
+
+    def __init__(self, name: str, spec: LoraSpec, a_full: tuple[int, ...], b_full: tuple[int, ...],
+                 a_split: int | None, b_split: int | None, tp: TensorParallel = SINGLE):
+        super().__init__()
+        self.name, self.spec, self.tp = name, spec, tp
+        self.a_full, self.b_full = tuple(a_full), tuple(b_full)
+        self.a_split, self.b_split = a_split, b_split
+        self.scale = spec.scale
+        self.enabled = True
+        self.generator: torch.Generator | None = None  # dropout masks; set by the model builder
+        self.A = nn.Parameter(torch.empty(self._local(self.a_full, a_split)))
+        self.B = nn.Parameter(torch.empty(self._local(self.b_full, b_split)))
+
+    def _local(self, full: tuple[int, ...], split: int | None) -> tuple[int, ...]:
+        if split is None:
+            return full
+        shape = list(full)
+        assert shape[split] % self.tp.size == 0, f"{self.name}: dim {split} of {full} does not split"
+        shape[split] //= self.tp.size
+        return tuple(shape)
+
+    def _slice(self, full: torch.Tensor, split: int | None) -> torch.Tensor:
+        if split is None or self.tp.size == 1:
+            return full
+        step = full.shape[split] // self.tp.size
+        return full.narrow(split, self.tp.rank * step, step)
+
+    # ------------------------------------------------------------------ state
+    def exports(self) -> dict[str, tuple[nn.Parameter, int | None, tuple[int, ...]]]:
+        """engine tensor name -> (local param, split dim of the full tensor or None, full shape)."""
+        return {f"{self.name}.lora_A": (self.A, self.a_split, self.a_full),
+                f"{self.name}.lora_B": (self.B, self.b_split, self.b_full)}
+
+    @torch.no_grad()
+    def reset(self, seed: int, dtype: torch.dtype, device: torch.device | str) -> None:
+        """Fresh adapter: A ~ U(-1/sqrt(in), 1/sqrt(in)) (PEFT's kaiming-uniform bound), B = 0, so the
+        adapted module starts equal to its base. The draw depends only on (seed, name), not on TP."""
+        g = torch.Generator().manual_seed((seed * 0x9E3779B1 + zlib.crc32(self.name.encode())) % (1 << 63))
+        bound = 1.0 / math.sqrt(self.a_full[-1])
+        a = torch.empty(self.a_full).uniform_(-bound, bound, generator=g)
+        self.A = nn.Parameter(self._slice(a, self.a_split).to(device=device, dtype=dtype).contiguous())
+        self.B = nn.Parameter(torch.zeros(self._local(self.b_full, self.b_split), device=device, dtype=dtype))
+
+    # ---------------------------------------------------------------- compute
+    def active(self) -> bool:
+        return self.enabled
+
+    def dropout(self, x: torch.Tensor, split_last: bool) -> torch.Tensor:
+        """Inverted dropout on the adapter input. The mask is drawn over the full last dim (`split_last`:
+        x holds this rank's slice of it) and sliced, so every TP size draws the same mask."""
+        p = self.spec.dropout
+        if p == 0.0 or not self.training:
+            return x
+        assert self.generator is not None, "dropout needs the model's generator (set by build_policy)"
+        width = x.shape[-1] * (self.tp.size if split_last else 1)
+        keep = torch.rand((*x.shape[:-1], width), generator=self.generator, device=x.device) >= p
+        if split_last and self.tp.size > 1:
+            keep = keep.narrow(-1, self.tp.rank * x.shape[-1], x.shape[-1])
+        return x * keep.to(x.dtype) / (1.0 - p)
+
+    def rank_space(self, x: torch.Tensor, a: torch.Tensor | None = None) -> torch.Tensor:
+        """h = A dropout(x) (no TP communication). `a` selects one expert's A."""
+        a = self.A if a is None else a
+        return F.linear(self.dropout(x, split_last=self.a_split is not None), a)
+
+    def delta(self, x: torch.Tensor, kind: str) -> torch.Tensor:
+        """scale * B(A dropout(x)) for a linear of `kind`; x is that linear's (local) input."""
+        h = self.rank_space(x)
+        if kind == "column":
+            h = self.tp.enter(h)
+        elif kind == "row":
+            h = self.tp.reduce(h)
+        return F.linear(h, self.B) * self.scale
+
+
+# --------------------------------------------------------------------------- model-level API
+def lora_modules(model: nn.Module) -> list[LoraWeights]:
+    return [m for m in model.modules() if isinstance(m, LoraWeights)]
+
+
+def lora_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The trainable parameters: every adapter's local A and B, in module order."""
+    return [p for m in lora_modules(model) for p in (m.A, m.B)]
+
+
+def _exports(model: nn.Module) -> dict[str, tuple[LoraWeights, nn.Parameter, int | None, tuple[int, ...]]]:
+    """engine name -> (owning adapter, local param, TP split dim or None, full shape)."""
+    return {name: (m, *entry) for m in lora_modules(model) for name, entry in m.exports().items()}
+
+
+def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Full adapter tensors in engine naming: detached copies, gathered across TP ranks (a collective:
+    every TP rank must call it, and gets the same dict). Dtype and device are the parameters'."""
+    out = {}
+    for name, (m, p, split, _) in _exports(model).items():
+        t = p.detach()
+        if split is not None and m.tp.size > 1:
+            t = m.tp.all_gather_dim(t, split)
+        out[name] = t.clone()
+    return out
+
+
+@torch.no_grad()
+def load_adapter_state(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Copy full adapter tensors (engine naming, as `adapter_state` returns) into the model's local
+    slices (every TP rank passes the same full tensors). Validates every name, shape, dtype and value
+    first and writes nothing on error (ValueError)."""
+    expected = _exports(model)
+    missing = sorted(set(expected) - set(tensors))
+    unknown = sorted(set(tensors) - set(expected))
+    if missing or unknown:
+        raise ValueError(f"adapter tensors do not match the adapted modules: missing {missing[:4]}"
+                         f"{' ...' if len(missing) > 4 else ''}, unknown {unknown[:4]}"
+                         f"{' ...' if len(unknown) > 4 else ''}")
+    for name, t in tensors.items():
+        _, p, _, full = expected[name]
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"adapter tensor {name!r}: expected a torch.Tensor, got {type(t).__name__}")
+        if tuple(t.shape) != full:
+            raise ValueError(f"adapter tensor {name!r}: shape {tuple(t.shape)}, expected {full}")
+        if t.dtype != p.dtype:
+            raise ValueError(f"adapter tensor {name!r}: dtype {t.dtype}, expected {p.dtype}")
+        if not bool(torch.isfinite(t).all()):
+            raise ValueError(f"adapter tensor {name!r}: contains NaN or Inf")
+    for name, t in tensors.items():
+        m, p, split, _ = expected[name]
+        p.copy_(m._slice(t, split))
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """Inside, the model computes the frozen base (the KL reference policy, at no weight cost). Restores
+    each adapter's previous state on exit, exceptions included; nests."""
+    mods = lora_modules(model)
+    before = [m.enabled for m in mods]
+    for m in mods:
+        m.enabled = False
+    try:
+        yield
+    finally:
+        for m, was in zip(mods, before):
+            m.enabled = was

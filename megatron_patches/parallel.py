@@ -1,0 +1,154 @@
+"""Megatron parallel state for the trainer: set up / tear down, and the TP hooks the K3 layers call.
+
+Ownership: `init_parallel` initializes megatron's `parallel_state` on a torch.distributed world that
+the caller owns (`torch.distributed.init_process_group`, gloo on CPU, nccl on GPU); `destroy_parallel`
+undoes only that. `single_process()` is the laptop path: when no world exists it starts a world of one
+(gloo, free localhost port), initializes TP=1, and tears down on exit exactly what it created.
+
+Only tensor parallelism is wired today. Pipeline, context and expert parallel sizes are parameters of
+`initialize_model_parallel` and will be passed through here; the model side reads its shares from
+`MegatronTP` (and, later, PP / CP / EP counterparts), never from globals, so adding them changes no
+layer code.
+
+CPU note: megatron's `gather_from_tensor_model_parallel_region` allocates its buffer with
+`torch.cuda.current_device()`, so gathers here use `torch.distributed.all_gather` into per-rank lists
+instead (`gather_last_dim`, `all_gather_dim`). `copy_to_...` / `reduce_from_...` are plain all-reduces
+and are used as megatron ships them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+)
+
+from miles_k3.model.linear import TensorParallel
+
+
+def init_parallel(tp_size: int = 1) -> None:
+    """Initialize megatron's model-parallel groups with tensor-parallel size `tp_size` on the current
+    torch.distributed world (which must exist and have a size divisible by tp_size; the rest is data
+    parallel)."""
+    if not dist.is_initialized():
+        raise ValueError("init_parallel needs torch.distributed initialized first "
+                         "(init_process_group), or use megatron_patches.parallel.single_process()")
+    world = dist.get_world_size()
+    if tp_size < 1 or world % tp_size:
+        raise ValueError(f"tensor-parallel size {tp_size} must be >= 1 and divide the world size {world}")
+    if ps.model_parallel_is_initialized():
+        if ps.get_tensor_model_parallel_world_size() != tp_size:
+            raise ValueError(f"megatron parallel state is already initialized with TP="
+                             f"{ps.get_tensor_model_parallel_world_size()}, not {tp_size}")
+        return
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp_size)
+
+
+def destroy_parallel() -> None:
+    """Tear down megatron's groups (not the torch.distributed world, which the caller owns)."""
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+
+
+def free_port() -> int:
+    """A localhost TCP port that was free a moment ago (for spawning local multi-process worlds)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_single_process_world() -> None:
+    """A torch.distributed world of one process (gloo, localhost, a free port). No-op if one exists."""
+    if dist.is_initialized():
+        return
+    port = free_port()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+
+
+@contextlib.contextmanager
+def single_process() -> Iterator[None]:
+    """TP=1 in this process without the caller touching torch.distributed. Creates (and on exit destroys)
+    only what did not exist: the world of one, megatron's parallel state."""
+    own_world = not dist.is_initialized()
+    start_single_process_world()
+    own_state = not ps.model_parallel_is_initialized()
+    if own_state:
+        init_parallel(1)
+    try:
+        yield
+    finally:
+        if own_state:
+            destroy_parallel()
+        if own_world:
+            dist.destroy_process_group()
+
+
+def ensure_parallel() -> None:
+    """Make sure megatron's parallel state exists; with no torch.distributed world at all, start a world of
+    one and TP=1 (left running for the process: `destroy_parallel` + `destroy_process_group` end it)."""
+    if ps.model_parallel_is_initialized():
+        return
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        raise ValueError("torch.distributed is running with several ranks but megatron's parallel state is "
+                         "not: call megatron_patches.parallel.init_parallel(tp_size) first")
+    start_single_process_world()
+    init_parallel(1)
+
+
+class _GatherLastDim(torch.autograd.Function):
+    """All-gather along the last dim (forward), keep this rank's slice of the gradient (backward)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        size, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
+        return grad.chunk(size, dim=-1)[rank].contiguous(), None
+
+
+class MegatronTP(TensorParallel):
+    """The TP share of this rank in megatron's tensor-model-parallel group, with its collectives."""
+
+    def __init__(self):
+        if not ps.model_parallel_is_initialized():
+            raise ValueError("megatron's parallel state is not initialized: call init_parallel(tp_size)")
+        super().__init__(ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank())
+        self.group = ps.get_tensor_model_parallel_group()
+
+    def enter(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.size == 1 else copy_to_tensor_model_parallel_region(x, group=self.group)
+
+    def reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum over ranks (forward all-reduce, backward identity)."""
+        return x if self.size == 1 else reduce_from_tensor_model_parallel_region(x, group=self.group)
+
+    def gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
+        """Concatenate the ranks' slices along the last dim, differentiably."""
+        return x if self.size == 1 else _GatherLastDim.apply(x, self.group)
+
+    def all_gather_dim(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """Concatenate the ranks' slices along `dim` (no autograd; for exporting adapter tensors)."""
+        if self.size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=dim)
+
+    def shard(self, full: torch.Tensor, dim: int) -> torch.Tensor:
+        """This rank's contiguous slice of `full` along `dim` (loading full tensors)."""
+        n = full.shape[dim]
+        assert n % self.size == 0, f"dim {dim} of size {n} does not split over {self.size} ranks"
+        step = n // self.size
+        return full.narrow(dim, self.rank * step, step)

@@ -192,12 +192,16 @@ def _kda_reference(core: _Core, q, k, v, g, beta, scale, initial_state, output_f
     if bounds is None:
         o, ht = core(q, k, v, g, beta, h0)
     else:
-        outs, states = [], []
-        for i, (bos, eos) in enumerate(zip(bounds[:-1], bounds[1:])):
-            o_i, h_i = core(*(x[:, :, bos:eos] for x in (q, k, v, g, beta)), h0[i:i + 1])
-            outs.append(o_i)
-            states.append(h_i)
-        o, ht = torch.cat(outs, dim=2), torch.cat(states, dim=0)
+        # Packed sequences run as one right-padded batch [N, H, T_max, .]: zero k / beta write nothing and
+        # zero g decays nothing, so padding leaves each final state exactly as its last real token left it,
+        # and causality keeps it out of the real outputs. One core call instead of one per sequence.
+        lens = [eos - bos for bos, eos in zip(bounds[:-1], bounds[1:])]
+        t_max = max(lens)
+        segments = [[x[0, :, bos:eos] for bos, eos in zip(bounds[:-1], bounds[1:])] for x in (q, k, v, g, beta)]
+        padded = [torch.stack([F.pad(seg, (0, 0) * (seg.dim() - 2) + (0, t_max - seg.shape[1])) for seg in segs])
+                  for segs in segments]
+        o_pad, ht = core(*padded, h0)
+        o = torch.cat([o_pad[i, :, :n] for i, n in enumerate(lens)], dim=1).unsqueeze(0)
     return o.transpose(1, 2).to(out_dtype), (ht if output_final_state else None)
 
 
@@ -267,6 +271,8 @@ def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=
                   cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm)
     if mode == "auto" and q.is_cuda:
         return _kda_fla(q, k, v, g, beta, **kwargs)
-    if mode == "recurrent" or (mode == "auto" and q.shape[1] < chunk_size):
+    # Packed sequences run padded to the longest one, so that length picks the reference.
+    longest = q.shape[1] if cu_seqlens is None else int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+    if mode == "recurrent" or (mode == "auto" and longest < chunk_size):
         return kda_recurrent(q, k, v, g, beta, **kwargs)
     return kda_chunked(q, k, v, g, beta, chunk_size=chunk_size, **kwargs)

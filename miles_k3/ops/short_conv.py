@@ -34,6 +34,29 @@ def _conv_core(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> tu
     return y, xx[..., T:]
 
 
+def _packed_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, bounds: list[int]
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed sequences in one pass. x [D, T] (sequences back to back), state [N, D, W-1] ->
+    (y [1, D, T], state [N, D, W-1]). Each sequence gets its own history spliced in front of it
+    (ext = s_0 x_0 s_1 x_1 ...), so tap j of a token at offset o of sequence i reads ext[base_i + o + j]
+    with base_i = bos_i + i (W-1): the same taps as `_conv_core` per sequence, without a Python loop."""
+    W = weight.shape[-1]
+    n = len(bounds) - 1
+    pieces = []
+    for i, (bos, eos) in enumerate(zip(bounds[:-1], bounds[1:])):
+        pieces += [state[i], x[:, bos:eos]]
+    ext = torch.cat(pieces, dim=-1)  # [D, T + N (W-1)]
+    lens = torch.tensor([e - b for b, e in zip(bounds[:-1], bounds[1:])], device=x.device)
+    base = torch.tensor(bounds[:-1], device=x.device) + torch.arange(n, device=x.device) * (W - 1)
+    offset = torch.arange(x.shape[1], device=x.device) - torch.tensor(bounds[:-1], device=x.device).repeat_interleave(lens)
+    first = base.repeat_interleave(lens) + offset  # ext index of each token's oldest tap
+    y = weight[:, 0, None] * ext[:, first]
+    for j in range(1, W):
+        y = y + weight[:, j, None] * ext[:, first + j]
+    tail = (base + lens)[:, None] + torch.arange(W - 1, device=x.device)  # [N, W-1]: the last W-1 inputs
+    return y.unsqueeze(0), ext[:, tail].permute(1, 0, 2)
+
+
 def causal_short_conv(x: torch.Tensor, weight: torch.Tensor, *, state: torch.Tensor | None = None,
                       cu_seqlens: torch.Tensor | None = None,
                       activation: str | None = "silu") -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,10 +103,7 @@ def causal_short_conv(x: torch.Tensor, weight: torch.Tensor, *, state: torch.Ten
     if bounds is None:
         y, s = _conv_core(xt, w, s0)
     else:
-        parts = [_conv_core(xt[:, :, bos:eos], w, s0[i:i + 1])
-                 for i, (bos, eos) in enumerate(zip(bounds[:-1], bounds[1:]))]
-        y = torch.cat([p[0] for p in parts], dim=-1)
-        s = torch.cat([p[1] for p in parts], dim=0)
+        y, s = _packed_conv(xt[0], w, s0, bounds)
     if activation == "silu":
         y = F.silu(y)
     return y.transpose(1, 2).to(x.dtype), s.to(state.dtype if state is not None else x.dtype)

@@ -169,8 +169,6 @@ class GRPODriver:
         return path
 
     def try_resume(self) -> Path | None:
-        from megatron_patches.peft_io import load_peft
-
         mode = self.rc.trainer.resume
         if mode == "never":
             return None
@@ -179,6 +177,8 @@ class GRPODriver:
             return None
         if mode != "auto" and (problem := ckpt.verify_checkpoint(path)) is not None:
             raise ValueError(f"trainer.resume: checkpoint {path} is damaged: {problem}")
+        from megatron_patches.peft_io import load_peft
+
         state = torch.load(path / STATE_FILE, weights_only=False)
         adapter, _ = load_peft(path / ADAPTER_DIR)
         self.sampler.load_state_dict(state["sampler"])

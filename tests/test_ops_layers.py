@@ -7,7 +7,7 @@ import torch
 
 from miles_k3.ops.attnres import attn_res_mix
 from miles_k3.ops.glu import glu, situ_glu
-from miles_k3.ops.mla import causal_mask, mla_attention, segment_causal_mask
+from miles_k3.ops.mla import causal_mask, mla_attention, packed_causal_attention
 from miles_k3.ops.norm import gated_rms_norm, rms_norm
 from miles_k3.ops.router import route_tokens
 
@@ -97,6 +97,16 @@ def test_mla_attention_matches_explicit_softmax():
     torch.testing.assert_close(got, torch.einsum("bhts,bshd->bthd", p, v), rtol=1e-5, atol=1e-6)
 
 
-def test_segment_mask_blocks_cross_sequence_attention():
-    m = segment_causal_mask(torch.tensor([0, 2, 5]), 5, torch.device("cpu"))
-    assert m[1, 0] and not m[2, 1] and m[4, 2] and not m[0, 1]
+def test_packed_attention_equals_segment_masked_attention():
+    g = torch.Generator().manual_seed(3)
+    cu = torch.tensor([0, 2, 7, 8, 13])
+    q, k = torch.randn(2, 1, 13, 3, 8, generator=g)
+    v = torch.randn(1, 13, 3, 5, generator=g)
+    seg = torch.zeros(13, dtype=torch.long)
+    seg[cu[1:-1]] = 1
+    seg = seg.cumsum(0)
+    mask = (seg[:, None] == seg[None, :]) & causal_mask(13, 13, q.device)  # independent [T, T] reference
+    scores = torch.einsum("bthd,bshd->bhts", q, k) * 0.4
+    p = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+    torch.testing.assert_close(packed_causal_attention(q, k, v, 0.4, cu), torch.einsum("bhts,bshd->bthd", p, v),
+                               rtol=1e-5, atol=1e-6)

@@ -24,13 +24,14 @@ log = logging.getLogger("miles_k3.train")
 
 @hydra.main(version_base=None, config_path="pkg://recipes", config_name="train")
 def _hydra_main(cfg: DictConfig) -> None:
+    from miles_k3.trainer.launch import launch, preflight
+
     try:
         resolved = resolve(cfg)
+        preflight(resolved)
     except ValueError as e:
         print(f"miles-train: config error: {e}", file=sys.stderr)
         sys.exit(2)
-    from miles_k3.trainer.launch import launch
-
     launch(resolved, HydraConfig.get().runtime.output_dir)
 
 

@@ -18,7 +18,7 @@ from miles_k3.model.moe import GLUMLP, LatentMoE
 from miles_k3.model.norm import RMSNorm
 from miles_k3.ops.attnres import attn_res_mix
 from miles_k3.ops.kda import kda, kda_gate
-from miles_k3.ops.mla import mla_attention, segment_causal_mask
+from miles_k3.ops.mla import mla_attention, packed_causal_attention
 from miles_k3.ops.norm import gated_rms_norm
 from miles_k3.ops.short_conv import causal_short_conv
 
@@ -134,15 +134,18 @@ class MLAMixer(nn.Module):
         q = q.view(b, t, h, c.qk_head_dim)
         latent, rope = self.kv_a_proj_with_mqa(x).split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
         latent = self.kv_a_layernorm(latent)
+        mask = None
         if cache is not None:
             latent, rope, mask = cache.mla_extend(self.layer_idx, latent, rope)
-        else:
-            mask = segment_causal_mask(cu_seqlens, t, x.device) if cu_seqlens is not None else None
         s = latent.shape[1]
         k_nope, v = self.kv_b_proj(latent).view(b, s, h, -1).split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)
         rope = self.tp.enter(rope)  # shared by all heads, this rank's included
         k = torch.cat([k_nope, rope[:, :, None, :].expand(b, s, h, c.qk_rope_head_dim)], dim=-1)
-        o = mla_attention(q, k, v, self.scale, mask).reshape(b, t, h * c.v_head_dim)
+        if cu_seqlens is not None and cache is None:
+            o = packed_causal_attention(q, k, v, self.scale, cu_seqlens)
+        else:
+            o = mla_attention(q, k, v, self.scale, mask)
+        o = o.reshape(b, t, h * c.v_head_dim)
         if c.mla_output_gate:
             o = o * torch.sigmoid(self.g_proj(x))
         return self.o_proj(o)

@@ -17,14 +17,6 @@ def causal_mask(q_len: int, k_len: int, device: torch.device) -> torch.Tensor:
     return torch.arange(k_len, device=device)[None, :] <= q_pos[:, None]
 
 
-def segment_causal_mask(cu_seqlens: torch.Tensor, total: int, device: torch.device) -> torch.Tensor:
-    """Bool [T, T] for packed sequences: causal and within the same segment."""
-    seg = torch.zeros(total, dtype=torch.long, device=device)
-    seg[cu_seqlens[1:-1].to(device)] = 1
-    seg = seg.cumsum(0)
-    return (seg[:, None] == seg[None, :]) & causal_mask(total, total, device)
-
-
 def mla_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None
 ) -> torch.Tensor:
@@ -33,3 +25,25 @@ def mla_attention(
     qh, kh, vh = (x.transpose(1, 2) for x in (q, k, v))
     out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=mask is None, scale=scale)
     return out.transpose(1, 2)
+
+
+def packed_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                            cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Causal attention within each of the N sequences packed in q [1, T, H, Dqk], k [1, T, H, Dqk],
+    v [1, T, H, Dv] (bounds `cu_seqlens` [N+1]). Returns [1, T, H, Dv].
+
+    Runs as one right-padded causal batch [N, H, T_max, .]: a real query at position i sees keys <= i of
+    its own sequence only, so padding (which comes after) is never attended. Costs N T_max^2 instead of the
+    T^2 a [T, T] segment mask costs (and its backward), which matters for RL batches of many short sequences.
+    """
+    bounds = cu_seqlens.tolist()
+    lens = [e - b for b, e in zip(bounds[:-1], bounds[1:])]
+    t_max = max(lens)
+
+    def padded(x: torch.Tensor) -> torch.Tensor:
+        segs = [x[0, b:e] for b, e in zip(bounds[:-1], bounds[1:])]
+        return torch.stack([F.pad(s, (0, 0, 0, 0, 0, t_max - s.shape[0])) for s in segs]).transpose(1, 2)
+
+    out = F.scaled_dot_product_attention(padded(q), padded(k), padded(v), is_causal=True, scale=scale)
+    out = out.transpose(1, 2)  # [N, T_max, H, Dv]
+    return torch.cat([out[i, :n] for i, n in enumerate(lens)]).unsqueeze(0)

@@ -170,7 +170,27 @@ def _drive(rc: ResolvedConfig, run_dir: str, config, state, trainer: TrainWorker
         workers.shutdown()
 
 
+def preflight(rc: ResolvedConfig) -> None:
+    """Read the datasets and import the reward plugin before any model is built, so a bad row or plugin
+    reference fails in seconds (ValueError / FileNotFoundError naming it), not after model start-up."""
+    from miles_k3.data import load_prompts
+    from miles_k3.rewards import load_plugin
+
+    for section, data in (("data.path", rc.data), ("data.eval_path", rc.eval_data)):
+        if data is not None:
+            try:
+                load_prompts(data)
+            except (ValueError, FileNotFoundError) as e:
+                raise ValueError(f"{section}: {e}") from None
+    try:
+        load_plugin(rc.reward)
+    except Exception as e:  # an import error inside a user's plugin module is a config problem too
+        raise ValueError(f"reward.fn: cannot load {rc.reward.fn!r}: {type(e).__name__}: {e}") from None
+
+
 def launch(rc: ResolvedConfig, run_dir: str | Path) -> None:
+    """Run the whole job (blocking). Raises ValueError for a bad dataset or plugin before building models."""
+    preflight(rc)
     run_dir = str(run_dir)
     if rc.cluster.launcher == "ray":
         from miles_k3.trainer.ray_launch import launch_ray

@@ -89,6 +89,13 @@ class RewardConfig:
                 if not unset:
                     raise ValueError(f"RewardConfig.{name} only applies to fn='remote'; fn is {self.fn!r}")
 
+    # pickle (torch.multiprocessing spawn) cannot handle the read-only mapping proxy: ship a dict.
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "headers": dict(self.headers)}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, headers=types.MappingProxyType(dict(state["headers"])))
+
     def _validate_url(self) -> None:
         if not isinstance(self.url, str) or not self.url:
             raise ValueError("RewardConfig.url is required when fn='remote'")

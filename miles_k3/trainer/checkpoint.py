@@ -19,6 +19,7 @@ import logging
 import os
 import re
 import shutil
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -49,13 +50,19 @@ def _fsync(path: Path) -> None:
 
 
 def save_checkpoint(root: str | Path, step: int, write: Callable[[Path], None]) -> Path:
-    """Publish checkpoint `step` atomically; returns its directory. Refuses to overwrite a published step
-    (FileExistsError): a resumed run continues after its checkpoint, so a clash means two runs share a dir."""
+    """Publish checkpoint `step` atomically; returns its directory. Refuses to overwrite a good published
+    step (FileExistsError: a resumed run continues after its checkpoint, so a clash means two runs share a
+    dir). A damaged one in the way (a resume skipped it) is renamed to `step_<N>.damaged-<time>`, kept."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = checkpoint_dir(root, step)
     if final.exists():
-        raise FileExistsError(f"checkpoint {final} already exists")
+        problem = verify_checkpoint(final)
+        if problem is None:
+            raise FileExistsError(f"checkpoint {final} already exists")
+        aside = final.with_name(f"{final.name}.damaged-{time.strftime('%Y%m%d-%H%M%S')}")
+        log.warning("moving damaged checkpoint %s (%s) to %s", final, problem, aside.name)
+        os.rename(final, aside)
     for stale in root.glob(".step_*.tmp-*"):
         shutil.rmtree(stale, ignore_errors=True)
     tmp = root / f".{final.name}.tmp-{os.getpid()}"

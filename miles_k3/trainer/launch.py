@@ -189,8 +189,7 @@ def preflight(rc: ResolvedConfig) -> None:
 
 
 def launch(rc: ResolvedConfig, run_dir: str | Path) -> None:
-    """Run the whole job (blocking). Raises ValueError for a bad dataset or plugin before building models."""
-    preflight(rc)
+    """Run the whole job (blocking). Call `preflight(rc)` first to fail fast on bad data or plugins."""
     run_dir = str(run_dir)
     if rc.cluster.launcher == "ray":
         from miles_k3.trainer.ray_launch import launch_ray

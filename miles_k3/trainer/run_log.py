@@ -13,6 +13,7 @@ import json
 import logging
 import math
 import os
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -74,7 +75,7 @@ class RunLog:
 
         # One wandb run per run directory, resumed across restarts.
         id_file = self.run_dir / "wandb_id"
-        run_id = id_file.read_text().strip() if id_file.exists() else wandb.util.generate_id()
+        run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:12]
         id_file.write_text(run_id)
         return wandb.init(mode=mode, project=project, name=run_name or self.run_dir.name, id=run_id,
                           resume="allow", dir=str(self.run_dir), config=config,

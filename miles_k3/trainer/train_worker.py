@@ -23,7 +23,7 @@ from miles_k3.trainer.batch import Packed, TrainBatch, pack
 class TrainWorker:
     def __init__(self, config: K3Config, base_state: dict[str, torch.Tensor], lora, *, loss, algo, optim,
                  temperature: float, dtype: torch.dtype, device: str, tp_group=None):
-        from megatron_patches.lora import lora_parameters
+        from megatron_patches.lora import lora_modules, lora_parameters
         from megatron_patches.model import build_policy
 
         self.device = torch.device(device)
@@ -31,6 +31,9 @@ class TrainWorker:
         self.params = lora_parameters(self.policy)
         if not self.params:
             raise ValueError("lora.targets: no module of this model matches; nothing would train")
+        # params holding a TP slice of their full tensor (the rest are whole on every rank)
+        self._sharded = {id(p) for m in lora_modules(self.policy) for p, split, _ in m.exports().values()
+                         if split is not None}
         self.loss_config, self.algo, self.temperature = loss, algo, temperature
         self.tp_group = tp_group
         self.optimizer = torch.optim.AdamW(self.params, lr=optim.lr, betas=(optim.beta1, optim.beta2),
@@ -108,7 +111,7 @@ class TrainWorker:
             if p.grad is None:
                 continue
             sq = p.grad.float().pow(2).sum()
-            if getattr(p, "tensor_model_parallel", False):
+            if id(p) in self._sharded:
                 sharded += sq
             else:
                 replicated += sq

@@ -71,3 +71,12 @@ def test_truncate_metrics_moves_later_rows_and_torn_lines(tmp_path):
     assert truncate_metrics(tmp_path, 2) == 2
     assert (tmp_path / "metrics.jsonl").read_text().splitlines() == rows[:2]
     assert (tmp_path / ORPHANED).read_text().splitlines() == rows[2:]
+
+
+def test_a_damaged_checkpoint_in_the_way_is_moved_aside_not_deleted(tmp_path):
+    p2 = ckpt.save_checkpoint(tmp_path, 2, write_files(b"two"))
+    (p2 / "a.bin").write_bytes(b"xx")
+    again = ckpt.save_checkpoint(tmp_path, 2, write_files(b"new"))
+    assert ckpt.verify_checkpoint(again) is None and (again / "a.bin").read_bytes() == b"new"
+    (aside,) = tmp_path.glob("step_00000002.damaged-*")
+    assert (aside / "a.bin").read_bytes() == b"xx"

@@ -5,9 +5,10 @@
     rid = engine.submit([1, 5, 7], SamplingParams(max_new_tokens=16)); engine.step() ...
     for token, logprob in engine.stream([1, 5, 7], SamplingParams()): ...
 
-Each `step()` either runs one prefill chunk of one request (chunked to `chunk_size` boundaries under
-the `max_prefill_tokens` budget; the boundaries are where KDA checkpoints are snapshotted and donated
-to the radix cache) or one decode token for every request in the decode phase. Under memory pressure
+Each `step()` either runs one prefill batch (chunks of several requests packed into one forward under
+the `max_prefill_tokens` budget, each chunk ending on a `chunk_size` boundary: the boundaries are where
+KDA checkpoints are snapshotted and donated to the radix cache) or one decode token for every request in
+the decode phase (on CUDA replayed from a CUDA graph per batch-size bucket, `rollout.forward`). Under memory pressure
 the newest running request is retracted: what it computed is cached, its resources freed, and it goes
 back to the front of the queue with its output so far; it finishes later, never lost or duplicated.
 """
@@ -21,12 +22,14 @@ from dataclasses import dataclass
 import torch
 
 from miles_k3.model.modeling import K3ForCausalLM
+from rollout.forward import DecodeGraphs, model_step, prepare_model
+from rollout.linears import EngineExperts
 from rollout.lora import AdapterPool
 from rollout.memory import IndexAllocator, KDAStatePool, KVPagePool, OutOfSlots, PoolSizes
 from rollout.radix_cache import HybridRadixCache, Node
 from rollout.request import Completion, FinishReason, Request, SamplingParams
 from rollout.sampler import sample
-from rollout.state_cache import PoolStateCache
+from rollout.state_cache import BatchLayout, PoolStateCache
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,8 @@ class EngineConfig:
     max_running: int = 64
     max_seq_len: int = 4096
     max_checkpoints_per_path: int = 4
+    max_prefill_requests: int = 16  # requests packed into one prefill forward
+    cuda_graphs: bool = True  # decode from CUDA graphs on CUDA (base model without LoRA targets)
 
     def __post_init__(self) -> None:
         if self.chunk_size % self.page_size:
@@ -48,6 +53,8 @@ class EngineConfig:
                              f"chunk_size ({self.chunk_size})")
         if self.max_running < 1:
             raise ValueError(f"max_running must be >= 1, got {self.max_running}")
+        if self.max_prefill_requests < 1:
+            raise ValueError(f"max_prefill_requests must be >= 1, got {self.max_prefill_requests}")
 
 
 @dataclass(eq=False)
@@ -71,6 +78,7 @@ class _Running:
 class Engine:
     def __init__(self, model: K3ForCausalLM, config: EngineConfig, adapters: AdapterPool | None = None):
         self.model = model.eval()
+        prepare_model(model)
         self.adapters = adapters
         self.config = config
         p = next(model.parameters())
@@ -88,8 +96,18 @@ class Engine:
     def _build_pools(self) -> None:
         self.kv = KVPagePool(self.model.config, self.sizes, self.dtype, self.device)
         self.states = KDAStatePool(self.model.config, self.sizes, self.dtype, self.device)
+        self.graphs = DecodeGraphs(self.model, self.kv, self.states, max_batch=self.config.max_running,
+                                   max_seq_len=self.config.max_seq_len, capture=True) \
+            if self._graphs_apply() else None
         # One prefix tree per adapter (KV and KDA state depend on the adapter), sharing the pools.
         self.caches: dict[str | None, HybridRadixCache] = {}
+
+    def _graphs_apply(self) -> bool:
+        """CUDA graphs need a decode step without host syncs: the LoRA delta and the MXFP4 expert loop
+        still sync, so graphs serve the base model with plain (grouped-GEMM) experts."""
+        return (self.config.cuda_graphs and self.device.type == "cuda"
+                and (self.adapters is None or not self.adapters.A)
+                and not any(isinstance(m, EngineExperts) for m in self.model.modules()))
 
     def cache_for(self, adapter: str | None) -> HybridRadixCache:
         if adapter not in self.caches:
@@ -207,10 +225,9 @@ class Engine:
             raise RuntimeError("engine memory is released; call resume_memory() first")
         self._completed = []
         self._admit()
-        prefill = next((r for r in self.running if len(r.tokens) - r.pos > 1), None)
-        # A prefill that could not get pages retracted its own request: decode instead, so the running
-        # requests always progress (otherwise re-admitting it each step would starve them).
-        if prefill is None or not self._prefill_chunk(prefill):
+        # A prefill whose requests could not get pages retracted them: decode instead, so the running
+        # requests always progress (otherwise re-admitting them each step would starve them).
+        if not self._prefill():
             decoding = [r for r in self.running if len(r.tokens) - r.pos == 1]
             if decoding:
                 self._decode(decoding)
@@ -257,18 +274,32 @@ class Engine:
                 return False
         return True
 
-    def _forward(self, batch: list[_Running], ids: torch.Tensor) -> torch.Tensor:
-        cache = PoolStateCache(self.kv, self.states, [r.slot for r in batch], [r.pos for r in batch],
-                               [r.pages for r in batch])
-        if self.adapters is not None:
-            self.adapters.set_batch([self.adapters.slot_of(r.req.adapter) for r in batch], ids.shape[1])
-        with torch.inference_mode():
-            hidden = self.model.model(ids, cache)
-            return self.model.logits(hidden[:, -1])
+    def _layout(self, batch: list[_Running], lengths: list[int]) -> BatchLayout:
+        return BatchLayout.build(self.kv, [r.slot for r in batch], [r.pos for r in batch], lengths,
+                                 [r.pages for r in batch], self.device)
 
-    def _prefill_chunk(self, r: _Running) -> bool:
+    def _forward(self, batch: list[_Running], ids: list[int], lengths: list[int]) -> torch.Tensor:
+        """One model step over `batch`: request n brings lengths[n] tokens (ids, request by request).
+        Returns logits [N, V] at each request's last new token."""
+        packed = any(t > 1 for t in lengths)
+        if self.adapters is not None:
+            self.adapters.set_batch([self.adapters.slot_of(r.req.adapter) for r in batch],
+                                    lengths if packed else 1)
+        if not packed and self.graphs is not None and self.graphs.usable(len(batch), max(r.pos for r in batch) + 1):
+            return self.graphs.run(ids, [r.slot for r in batch], [r.pos for r in batch], [r.pages for r in batch])
+        cache = PoolStateCache(self.kv, self.states, self._layout(batch, lengths))
+        if packed:
+            ids_t = torch.tensor([ids], device=self.device)
+            cu = torch.tensor([0, *lengths], device=self.device).cumsum(0)
+        else:
+            ids_t, cu = torch.tensor(ids, device=self.device)[:, None], None
+        with torch.inference_mode():
+            return model_step(self.model, ids_t, cache, cu)
+
+    def _chunk_end(self, r: _Running, budget: int) -> int:
+        """Where r's next prefill chunk ends given `budget` tokens (r.pos itself when nothing fits)."""
         c = self.config.chunk_size
-        end = min(len(r.tokens), (r.pos // c) * c + self.config.max_prefill_tokens)
+        end = min(len(r.tokens), (r.pos // c) * c + budget // c * c)
         if r.fork_pos is not None and r.pos < r.fork_pos < end:
             end = r.fork_pos  # snapshot exactly at the fork so the next branch restores there
         last_boundary = (len(r.tokens) - 1) // c * c
@@ -276,14 +307,41 @@ class Engine:
             # stop at the last checkpoint boundary a later request with this prompt can restore from (a hit
             # never covers the final token): what GRPO's n samples of one prompt share
             end = last_boundary
-        if not self._ensure_pages(r, end):
+        return max(end, r.pos)
+
+    def _prefill(self) -> bool:
+        """Pack prefill chunks of the oldest prefilling requests into one forward under the token budget.
+        False when nothing was prefilled (no prefilling request, or all of them were retracted)."""
+        plan: list[tuple[_Running, int]] = []
+        budget = self.config.max_prefill_tokens
+        for r in self.running:
+            if len(r.tokens) - r.pos <= 1:
+                continue
+            if len(plan) == self.config.max_prefill_requests:
+                break
+            end = self._chunk_end(r, budget)
+            if end == r.pos:
+                break
+            plan.append((r, end))
+            budget -= end - r.pos
+        for r, end in plan:
+            if r in self.running:  # an earlier member's pages may have cost this one its place
+                self._ensure_pages(r, end)
+        plan = [(r, end) for r, end in plan if r in self.running]
+        if not plan:
             return False
-        ids = torch.tensor([r.tokens[r.pos:end]], device=self.device)
-        logits = self._forward([r], ids)
-        r.pos = end
-        self._donate(r)
-        if r.pos == len(r.tokens):
-            self._append_samples([r], logits)
+        batch = [r for r, _ in plan]
+        lengths = [end - r.pos for r, end in plan]
+        logits = self._forward(batch, [t for r, end in plan for t in r.tokens[r.pos:end]], lengths)
+        done = []
+        for i, (r, end) in enumerate(plan):
+            r.pos = end
+            self._donate(r)
+            if r.pos == len(r.tokens):
+                done.append(i)
+        if done:
+            rows = done if len(done) < len(plan) else slice(None)
+            self._append_samples([plan[i][0] for i in done], logits[rows])
         return True
 
     def _decode(self, candidates: list[_Running]) -> None:
@@ -295,8 +353,7 @@ class Engine:
         batch = [r for r in batch if r in self.running]
         if not batch:
             return
-        ids = torch.tensor([[r.tokens[r.pos]] for r in batch], device=self.device)
-        logits = self._forward(batch, ids)
+        logits = self._forward(batch, [r.tokens[r.pos] for r in batch], [1] * len(batch))
         for r in batch:
             r.pos += 1
             if r.pos % self.config.chunk_size == 0:
@@ -385,7 +442,7 @@ class Engine:
         Only between batches: no request may be waiting or running."""
         if self.has_work():
             raise RuntimeError("release_memory() with requests in flight; finish or abort them first")
-        self.kv = self.states = None  # type: ignore[assignment]
+        self.kv = self.states = self.graphs = None  # type: ignore[assignment]
         self.caches = {}
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

@@ -58,6 +58,7 @@ class AdapterPool:
         self.scale = torch.zeros(self.slots)
         self.names: dict[str, int] = {}
         self.row_slots: torch.Tensor | None = None  # [B] adapter slot per row of the current batch
+        self.uniform_slot: int | None = None  # the one adapter slot (> 0) every row uses, if so
         self.tokens_per_row = 1
 
     # ------------------------------------------------------------- modules
@@ -118,33 +119,45 @@ class AdapterPool:
                 expected[key].copy_(t)
 
     # ---------------------------------------------------------------- batch
-    def set_batch(self, row_slots: list[int], tokens_per_row: int) -> None:
-        """The adapter slot of each batch row for the next forward (rows carry `tokens_per_row` new tokens)."""
+    def set_batch(self, row_slots: list[int], tokens_per_row: int | list[int]) -> None:
+        """The adapter slot of each batch row for the next forward. Rows carry `tokens_per_row` new tokens:
+        one int for an [N, T] batch, or one count per row for a packed [1, sum T] batch."""
         self.row_slots = torch.tensor(row_slots, dtype=torch.long)
         self.tokens_per_row = tokens_per_row
 
     def token_slots(self) -> torch.Tensor | None:
-        """Slot per flattened new token [B * T] (the layout MoE layers flatten to)."""
-        return None if self.row_slots is None else self.row_slots.repeat_interleave(self.tokens_per_row)
+        """Slot per flattened new token [sum T] (the layout MoE layers flatten to)."""
+        if self.row_slots is None:
+            return None
+        counts = self.tokens_per_row
+        return self.row_slots.repeat_interleave(counts if isinstance(counts, int) else torch.tensor(counts))
 
     def lead_slots(self, x: torch.Tensor) -> torch.Tensor | None:
-        """Slot per leading index of a linear's input: [B, ...] inputs (including MLA's [B, S, R] latent
-        history) map by batch row; flattened [B * T, in] tokens by token; [B, in] (last positions) by row."""
+        """Slot per leading index of a linear's input: [N, ...] inputs map by batch row, [N * T, in] or a
+        packed [1, sum T, in] by token (`delta` flattens those), [N, in] (last positions) by row."""
         if self.row_slots is None:
             return None
         b = self.row_slots.numel()
-        if x.dim() >= 3 or x.shape[0] == b:
+        packed = not isinstance(self.tokens_per_row, int)
+        if x.dim() == 2 and x.shape[0] == b:
+            return self.row_slots
+        if x.dim() >= 3 and not packed:
             assert x.shape[0] == b, f"adapter batch has {b} rows, input has {x.shape[0]}"
             return self.row_slots
-        assert x.shape[0] == b * self.tokens_per_row, f"cannot map {x.shape[0]} input rows to {b} batch rows"
-        return self.token_slots()
+        slots = self.token_slots()
+        assert x.numel() // x.shape[-1] == slots.numel(), f"cannot map input {tuple(x.shape)} to {b} batch rows"
+        return slots
 
     def delta(self, name: str, x: torch.Tensor, slots: torch.Tensor | None, expert: int | None = None
               ) -> torch.Tensor | None:
-        """scale_s * B_s A_s x for each leading index of x [L, ..., in] whose slot s > 0 (slots [L]). None when
-        nothing in this batch uses an adapter, so the base-only path pays nothing."""
+        """scale_s * B_s A_s x for each leading index of x [L, ..., in] whose slot s > 0 (slots [L], or one
+        per token of x, which is then flattened). None when nothing in this batch uses an adapter, so the
+        base-only path pays nothing."""
         if name not in self.A or slots is None or not bool((slots > 0).any()):
             return None
+        shape = x.shape
+        if slots.numel() != shape[0]:
+            x = x.reshape(-1, shape[-1])
         out = x.new_zeros(*x.shape[:-1], self.B[name].shape[-2])
         for s in slots.unique().tolist():
             if s == 0:
@@ -154,4 +167,4 @@ class AdapterPool:
             b = self.B[name][s] if expert is None else self.B[name][s, expert]
             h = (x[rows].to(a.dtype) @ a.t()) @ b.t()
             out[rows] = (h.float() * float(self.scale[s])).to(x.dtype)
-        return out
+        return out.reshape(*shape[:-1], out.shape[-1])

@@ -101,7 +101,9 @@ class KVPagePool:
 
     Token position p of a request with page table `pages` lives at row pages[p // page_size] * page_size
     + p % page_size. Rows hold the *normed* latent and the shared key part, as `K3StateCache.mla_extend`
-    receives them.
+    receives them. Two extra pages past the allocator's range are never handed out: padding rows of a
+    fixed-shape (CUDA-graph) batch write into `sink_page`; history positions past a request's end read
+    from `zero_page`, which nothing writes (masked attention weights are 0, and 0 * garbage could be NaN).
     """
 
     def __init__(self, config: K3Config, sizes: PoolSizes, dtype: torch.dtype, device: torch.device | str):
@@ -109,7 +111,8 @@ class KVPagePool:
         self.allocator = IndexAllocator(sizes.num_pages, "kv pages")
         self.mla_layers = [i for i, k in enumerate(config.layer_kinds) if k == "mla"]
         width = config.kv_lora_rank + config.qk_rope_head_dim
-        self.buffers = {i: torch.zeros(sizes.num_pages * sizes.page_size, width, dtype=dtype, device=device)
+        self.sink_page, self.zero_page = sizes.num_pages, sizes.num_pages + 1
+        self.buffers = {i: torch.zeros((sizes.num_pages + 2) * sizes.page_size, width, dtype=dtype, device=device)
                         for i in self.mla_layers}
 
     def rows(self, pages: list[int], start: int, end: int) -> torch.Tensor:
@@ -121,12 +124,15 @@ class KVPagePool:
 
 
 class KDAStatePool:
-    """KDA state slots: per KDA layer recurrent [num_slots, H, K, V] fp32 and conv [num_slots, 3, H*K, W-1]."""
+    """KDA state slots: per KDA layer recurrent [num_slots, H, K, V] fp32 and conv [num_slots, 3, H*K, W-1].
+
+    Plus one `sink_slot` outside the allocator's range, the read/write target of padding rows."""
 
     def __init__(self, config: K3Config, sizes: PoolSizes, conv_dtype: torch.dtype, device: torch.device | str):
         self.allocator = IndexAllocator(sizes.num_slots, "kda state slots")
         self.kda_layers = [i for i, k in enumerate(config.layer_kinds) if k == "kda"]
-        n, h, d = sizes.num_slots, config.kda_num_heads, config.kda_head_dim
+        self.sink_slot = sizes.num_slots
+        n, h, d = sizes.num_slots + 1, config.kda_num_heads, config.kda_head_dim
         self.recurrent = {i: torch.zeros(n, h, d, d, dtype=torch.float32, device=device) for i in self.kda_layers}
         self.conv = {i: torch.zeros(n, 3, config.kda_dim, config.kda_conv_kernel - 1, dtype=conv_dtype,
                                     device=device) for i in self.kda_layers}

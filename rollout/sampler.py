@@ -1,4 +1,8 @@
-"""Token sampling: temperature, top-k, top-p, per-request seeds; log-probs from the untruncated distribution."""
+"""Token sampling for a whole batch at once: temperature, top-k, top-p, per-request seeds, exact log-probs.
+
+The batch is sampled with a fixed number of kernels (plus one noise draw per seeded row) and a single
+device-to-host copy, so the decode loop syncs with the device once per step, not twice per request.
+"""
 
 from __future__ import annotations
 
@@ -12,30 +16,63 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     """logits [B, V] -> (token per row, log-prob of that token under softmax(logits / temperature)).
 
     Truncation (top-k, top-p) only shapes what can be drawn; the reported log-prob is the untruncated one,
-    which is what importance correction against the trainer needs. Greedy rows (temperature 0) report the
-    temperature-1 log-prob.
+    which is what importance correction against the trainer needs. Greedy rows (temperature 0) take the
+    first argmax of the logits and report the temperature-1 log-prob.
+
+    A sampled row draws with the exponential race: argmax_i p_i / E_i with E_i ~ Exp(1) i.i.d. picks i with
+    probability p_i / sum(p), so truncation is just zeroing p. Row b's noise comes from `generators[b]`
+    (the global generator when None), one [V] draw per sampled row, so a seeded request's draws depend
+    only on its own seed and step count: a prefix hit or a retraction cannot change its samples.
     """
-    tokens, logps = [], []
-    for row, p, gen in zip(logits.float(), params, generators):
-        temp = p.temperature if p.temperature > 0 else 1.0
-        logprobs = torch.log_softmax(row / temp, dim=-1)
-        if p.temperature == 0:
-            tok = int(row.argmax())
+    tokens, logps = sample_on_device(logits, params, generators)
+    both = torch.stack([tokens.to(torch.float64), logps.to(torch.float64)]).tolist()  # the one sync
+    return [int(t) for t in both[0]], both[1]
+
+
+def sample_on_device(logits: torch.Tensor, params: list[SamplingParams],
+                     generators: list[torch.Generator | None]) -> tuple[torch.Tensor, torch.Tensor]:
+    """As `sample`, but returns device tensors (tokens [B] int64, log-probs [B] fp32) without syncing."""
+    b, vocab = logits.shape
+    device = logits.device
+    logits = logits.float()
+    temps = [p.temperature if p.temperature > 0 else 1.0 for p in params]
+    if all(t == 1.0 for t in temps):
+        logprobs = torch.log_softmax(logits, dim=-1)
+    else:
+        logprobs = torch.log_softmax(logits / torch.tensor(temps, device=device)[:, None], dim=-1)
+    tokens = logits.argmax(dim=-1)
+    drawn = [i for i, p in enumerate(params) if p.temperature > 0]
+    if drawn:
+        rows = drawn if len(drawn) < b else slice(None)
+        probs = logprobs[rows].exp()
+        probs = _truncate(probs, [params[i] for i in drawn])
+        noise = torch.empty_like(probs)
+        for j, i in enumerate(drawn):
+            noise[j].exponential_(generator=generators[i])
+        choice = (probs / noise).argmax(dim=-1)
+        if isinstance(rows, slice):
+            tokens = choice
         else:
-            tok = _draw(logprobs, p, gen)
-        tokens.append(tok)
-        logps.append(float(logprobs[tok]))
-    return tokens, logps
+            tokens = tokens.index_copy(0, torch.tensor(drawn, device=device), choice)
+    return tokens, logprobs.gather(1, tokens[:, None])[:, 0]
 
 
-def _draw(logprobs: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
-    probs = logprobs.exp()
-    if p.top_k and p.top_k < probs.numel():
-        kth = probs.topk(p.top_k).values[-1]
-        probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
-    if p.top_p < 1.0:
-        sorted_p, order = probs.sort(descending=True)
-        # keep the smallest prefix whose mass reaches top_p (the token that crosses it stays in)
-        keep = sorted_p.cumsum(0) - sorted_p < p.top_p * sorted_p.sum()
-        probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
-    return int(torch.multinomial(probs / probs.sum(), 1, generator=gen))
+def _truncate(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Zero what top-k (keep values >= the k-th largest, ties included) and then top-p (keep the smallest
+    prefix of the top-k-truncated distribution whose mass reaches top_p; the crossing token stays) exclude."""
+    vocab = probs.shape[-1]
+    top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
+    top_p = [p.top_p for p in params]
+    if not any(top_k) and all(p >= 1.0 for p in top_p):
+        return probs
+    device = probs.device
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    if any(top_k):
+        k = torch.tensor([k if k else vocab for k in top_k], device=device)
+        kth = sorted_p.gather(1, (k - 1)[:, None])
+        # ties with the k-th value sit right after it in sorted order, so the kept set is a sorted prefix
+        sorted_p = torch.where(sorted_p >= kth, sorted_p, torch.zeros_like(sorted_p))
+    if any(p < 1.0 for p in top_p):
+        limit = torch.tensor(top_p, device=device, dtype=sorted_p.dtype)[:, None] * sorted_p.sum(-1, keepdim=True)
+        sorted_p = torch.where(sorted_p.cumsum(-1) - sorted_p < limit, sorted_p, torch.zeros_like(sorted_p))
+    return torch.zeros_like(probs).scatter(1, order, sorted_p)

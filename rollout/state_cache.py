@@ -1,12 +1,22 @@
 """`K3StateCache` over the engine's pools: a batch of requests at different positions.
 
-One model step runs B requests, each with T new tokens (T = 1 for decode; B = 1 for a prefill chunk).
-KDA state is read from and written back to each request's working slot (a gather and a scatter on the
-stream); MLA KV rows are written into the request's pages at its positions and the history is gathered
-back, padded to the longest request, with a mask that hides padding and future positions.
+One model step runs N requests. Two layouts:
+
+- decode: input [N, 1], one new token per request;
+- packed prefill: input [1, sum T_n], request n's T_n new tokens back to back (`cu_seqlens` marks them).
+
+Everything the layers need is a device tensor built once per step (`BatchLayout`), so a step pays a few
+host-to-device copies, not per-request indexing, and a decode step can be replayed as a CUDA graph with
+the layout's tensors as its static inputs. KDA state is gathered from and scattered back to each request's
+working slot. MLA KV rows are written into the request's pages; attention reads the history straight
+from the pages in the absorbed form (`rollout.attention`), so no per-step key/value expansion of the
+history is needed. `mla_extend` (the reference protocol) still works: it returns the history gathered
+from the pages, padded, with a mask.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -14,41 +24,91 @@ from miles_k3.model.cache import KDAState
 from rollout.memory import KDAStatePool, KVPagePool
 
 
-class PoolStateCache:
-    """Built per model step. `page_tables[b]` must already cover positions [0, positions[b] + T)."""
+@dataclass
+class BatchLayout:
+    """Device tensors describing one step (N requests, padded query length Tq, padded history length S).
 
-    def __init__(self, kv: KVPagePool, states: KDAStatePool, slots: list[int], positions: list[int],
-                 page_tables: list[list[int]]):
-        assert len(slots) == len(positions) == len(page_tables)
-        self.kv, self.states = kv, states
-        device = next(iter(states.recurrent.values())).device if states.recurrent else "cpu"
-        self.slot_index = torch.tensor(slots, dtype=torch.long, device=device)
-        self.positions = positions
-        self.page_tables = page_tables
+    slot_index [N]       KDA working slot per request (padding rows: the pool's sink slot)
+    write_rows [Ttok]    KV row for each new token, in input order (padding rows: the sink page)
+    hist_rows  [N, S]    KV row of each history position 0..S-1 (beyond a request's end: the zero page)
+    q_pos      [N, Tq]   absolute position of each (padded) query; a padded query gets 0 and so sees only
+                         key 0, which keeps its softmax finite; its output is discarded
+    q_index    [N, Tq]   input token index of each padded query (padding: 0)
+    out_index  [Ttok]    index into the flattened [N * Tq] padded queries of each input token
+    """
+
+    slot_index: torch.Tensor
+    write_rows: torch.Tensor
+    hist_rows: torch.Tensor
+    q_pos: torch.Tensor
+    q_index: torch.Tensor
+    out_index: torch.Tensor
+
+    @staticmethod
+    def build(kv: KVPagePool, slots: list[int], positions: list[int], lengths: list[int],
+              page_tables: list[list[int]], device: torch.device, hist_len: int | None = None) -> "BatchLayout":
+        """Request n has computed positions [0, positions[n]) and brings lengths[n] new tokens; its page
+        table must cover [0, positions[n] + lengths[n]). Inputs are ordered request by request. `hist_len`
+        pads the history to a fixed S (CUDA-graph buckets); default: the longest request."""
+        page = kv.page_size
+        n = len(slots)
+        ends = [p + t for p, t in zip(positions, lengths)]
+        s = max(ends) if hist_len is None else hist_len
+        assert s >= max(ends)
+        pages_needed = -(-s // page)
+        zero = kv.zero_page
+        table = torch.tensor([t[:pages_needed] + [zero] * (pages_needed - len(t[:pages_needed]))
+                              for t in page_tables], dtype=torch.long)  # [N, P]
+        key = torch.arange(s)
+        hist = table[:, key // page] * page + key % page  # [N, S]
+        valid = key[None, :] < torch.tensor(ends)[:, None]
+        hist = torch.where(valid, hist, zero * page)
+        tq = max(lengths)
+        t = torch.arange(tq)
+        q_valid = t[None, :] < torch.tensor(lengths)[:, None]  # [N, Tq]
+        starts = torch.tensor([0, *lengths]).cumsum(0)[:-1]
+        q_index = torch.where(q_valid, starts[:, None] + t[None, :], 0)
+        q_pos = torch.where(q_valid, torch.tensor(positions)[:, None] + t[None, :], 0)
+        write = hist.gather(1, q_pos.clamp(max=s - 1))[q_valid]  # rows of the new tokens, input order
+        out_index = (torch.arange(n)[:, None] * tq + t[None, :])[q_valid]
+        host = [torch.tensor(slots), write, hist, q_pos, q_index, out_index]
+        return BatchLayout(*(x.to(device, non_blocking=True) for x in host))
+
+
+class PoolStateCache:
+    """Built per model step from a `BatchLayout`; `page_tables[n]` must already cover the step's tokens."""
+
+    def __init__(self, kv: KVPagePool, states: KDAStatePool, layout: BatchLayout):
+        self.kv, self.states, self.layout = kv, states, layout
 
     def kda_state(self, layer_idx: int) -> KDAState:
-        conv = self.states.conv[layer_idx].index_select(0, self.slot_index)
-        return KDAState(*conv.unbind(1), self.states.recurrent[layer_idx].index_select(0, self.slot_index))
+        idx = self.layout.slot_index
+        conv = self.states.conv[layer_idx].index_select(0, idx)
+        return KDAState(*conv.unbind(1), self.states.recurrent[layer_idx].index_select(0, idx))
 
     def set_kda_state(self, layer_idx: int, state: KDAState) -> None:
+        idx = self.layout.slot_index
         conv = torch.stack([state.conv_q, state.conv_k, state.conv_v], dim=1)
-        self.states.conv[layer_idx].index_copy_(0, self.slot_index, conv.to(self.states.conv[layer_idx].dtype))
-        self.states.recurrent[layer_idx].index_copy_(0, self.slot_index, state.recurrent.float())
+        self.states.conv[layer_idx].index_copy_(0, idx, conv.to(self.states.conv[layer_idx].dtype))
+        self.states.recurrent[layer_idx].index_copy_(0, idx, state.recurrent.float())
+
+    def mla_write(self, layer_idx: int, latent: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        """Store this step's normed latent [B, T, R] and shared key part [B, T, Dr] (input order) and return
+        the history [N, S, R + Dr] read back from the pages."""
+        buf = self.kv.buffers[layer_idx]
+        new = torch.cat([latent, rope], dim=-1).reshape(-1, buf.shape[-1]).to(buf.dtype)
+        buf.index_copy_(0, self.layout.write_rows, new)
+        return buf[self.layout.hist_rows]
 
     def mla_extend(self, layer_idx, latent, rope):
+        """The reference protocol, for the layer's own forward: history padded to [N, S] and a mask hiding
+        padding and future positions. Needs the decode layout (input [N, T], one row per request)."""
+        lay = self.layout
         b, t, r = latent.shape
-        buf = self.kv.buffers[layer_idx]
-        new = torch.cat([latent, rope], dim=-1).to(buf.dtype)
-        lengths = [p + t for p in self.positions]
-        s = max(lengths)
-        hist = buf.new_zeros(b, s, buf.shape[-1])
-        for i, (pos, table) in enumerate(zip(self.positions, self.page_tables)):
-            buf.index_copy_(0, self.kv.rows(table, pos, pos + t), new[i])
-            hist[i, : pos + t] = buf.index_select(0, self.kv.rows(table, 0, pos + t))
-        hist = hist.to(latent.dtype)
-        key_pos = torch.arange(s, device=latent.device)
-        q_pos = torch.tensor(self.positions, device=latent.device)[:, None] + torch.arange(t, device=latent.device)
-        mask = key_pos[None, None, :] <= q_pos[:, :, None]  # [B, T, S]; padding lies beyond every query
+        assert b == lay.q_pos.shape[0] and t == lay.q_pos.shape[1], "mla_extend needs one input row per request"
+        hist = self.mla_write(layer_idx, latent, rope).to(latent.dtype)
+        key_pos = torch.arange(hist.shape[1], device=latent.device)
+        mask = key_pos[None, None, :] <= lay.q_pos[:, :, None]  # [N, T, S]
         return hist[..., :r], hist[..., r:], mask[:, None]
 
     def advance(self, num_tokens: int) -> None:

@@ -7,10 +7,12 @@ Defaults depend on --device (k3-small / bf16 / large sizes on cuda, k3-tiny / fp
 cpu); every resolved value is printed and written to the JSON. Each workload gets a fresh engine (fresh
 pools, empty radix cache) sized by --memory-gb, so no workload sees another's cache.
 
-- decode: B random prompts of --prompt-len, greedy, --gen-len new tokens each. The engine prefills one
-  request per step, so the prefill steps run first (timed apart, reported as batch prefill tok/s); then
-  the first decode step runs untimed (it pays one-off costs: kernel autotuning, allocator growth) and
-  the remaining decode steps are timed: decode_tok_s = tokens they generated / their seconds.
+- decode: B random prompts of --prompt-len, greedy, --gen-len new tokens each. The engine packs prefill
+  chunks of several requests per step (up to --max-prefill-tokens), and prefills before it decodes, so
+  the prefill steps run first (timed apart, reported as batch prefill tok/s); then the first decode step
+  runs untimed (it pays one-off costs: kernel autotuning, allocator growth, CUDA graph capture) and the
+  remaining decode steps are timed: decode_tok_s = tokens they generated / their seconds. On CUDA the
+  decode steps replay CUDA graphs (`graph_replays` counts them; --no-cuda-graphs runs them eagerly).
 - prefill: one cold prompt of --prefill-len, max_new_tokens=1, after one untimed run of the same shape.
 - group (GRPO): --group-prompts distinct prompts x --group-n samples, temperature 1, seeded. Samples
   admitted together all miss an empty cache (nothing is inserted before a prefill chunk finishes), so,
@@ -60,11 +62,15 @@ from rollout.engine import Engine, EngineConfig  # noqa: E402
 from rollout.memory import PoolSizes  # noqa: E402
 from rollout.request import Completion, SamplingParams  # noqa: E402
 
+# chunk 32 on CUDA: a GRPO follower recomputes the prompt tail past the last checkpoint boundary (< chunk
+# tokens), so 512-token prompts with n=8 meet the 1/n + 10% target only with chunks below 58 tokens.
 DEVICE_DEFAULTS = {
     "cuda": dict(preset="k3-small", dtype="bf16", batch_sizes=[1, 8, 64], prompt_len=512, gen_len=128,
-                 prefill_len=8192, group_prompts=8, group_n=8, memory_gb=16.0),
+                 prefill_len=8192, group_prompts=8, group_n=8, memory_gb=16.0, chunk_size=32,
+                 max_prefill_tokens=4096),
     "cpu": dict(preset="k3-tiny", dtype="fp32", batch_sizes=[1, 4, 16], prompt_len=200, gen_len=32,
-                prefill_len=512, group_prompts=4, group_n=4, memory_gb=0.125),
+                prefill_len=512, group_prompts=4, group_n=4, memory_gb=0.125, chunk_size=64,
+                max_prefill_tokens=512),
 }
 
 
@@ -114,11 +120,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--group-n", type=_int_at_least(1), help="samples per prompt of the group workload")
     ap.add_argument("--memory-gb", type=_positive_float, help="engine pool budget (KV pages + KDA slots)")
     ap.add_argument("--page-size", type=_int_at_least(1), default=16)
-    ap.add_argument("--chunk-size", type=_int_at_least(1), default=64, help="KDA checkpoint granularity")
-    ap.add_argument("--max-prefill-tokens", type=_int_at_least(1), default=512, help="prefill tokens per step")
+    ap.add_argument("--chunk-size", type=_int_at_least(1), help="KDA checkpoint granularity (32 cuda, 64 cpu)")
+    ap.add_argument("--max-prefill-tokens", type=_int_at_least(1), help="prefill tokens per step (4096 cuda, "
+                                                                          "512 cpu)")
+    ap.add_argument("--no-cuda-graphs", action="store_true", help="decode eagerly on CUDA")
     ap.add_argument("--peer", choices=["none", "hf"], default="none")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--profile", type=Path, help="also write torch.profiler tables of decode steps (bs=1 and the "
+                                                 "largest batch) into this folder")
     args = ap.parse_args(argv)
     for key, value in DEVICE_DEFAULTS[args.device].items():
         if getattr(args, key) is None:
@@ -139,7 +149,7 @@ def engine_config(args: argparse.Namespace, model_config: K3Config, dtype: torch
         cfg = EngineConfig(memory_bytes=int(args.memory_gb * 2**30), page_size=args.page_size,
                            chunk_size=args.chunk_size, max_prefill_tokens=args.max_prefill_tokens,
                            max_running=max(max(args.batch_sizes), args.group_prompts * args.group_n),
-                           max_seq_len=max_seq)
+                           max_seq_len=max_seq, cuda_graphs=not args.no_cuda_graphs)
         sizes = PoolSizes.from_budget(model_config, cfg.memory_bytes, page_size=cfg.page_size,
                                       state_fraction=cfg.state_fraction, dtype=dtype)
     except ValueError as e:
@@ -259,7 +269,8 @@ def bench_decode(model: K3ForCausalLM, ecfg: EngineConfig, batch: int, args, dev
     return {"batch": batch, "status": "ok", "batch_prefill_tok_s": batch * args.prompt_len / prefill_s,
             "decode_tokens": tokens, "decode_s": sum(step_s), "decode_tok_s": tokens / sum(step_s),
             "step_ms": statistics.median(step_s) * 1e3,
-            "retractions": engine.num_retractions - retractions}
+            "retractions": engine.num_retractions - retractions,
+            "graph_replays": engine.graphs.replays if engine.graphs is not None else 0}
 
 
 def bench_prefill(model: K3ForCausalLM, ecfg: EngineConfig, args, device) -> dict:
@@ -333,6 +344,34 @@ def hf_decode(hf, batch: int, args, device, vocab: int) -> dict:
             "step_ms": decode_s / (args.gen_len - 1) * 1e3}
 
 
+def profile_decode(model: K3ForCausalLM, ecfg: EngineConfig, batch: int, args, device, folder: Path) -> None:
+    """Profile a few decode steps (after prefill and warm-up steps) and write the top ops by device and by
+    host time: where a step's time goes, for deciding what to speed up."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = Engine(model, ecfg)
+    for p in random_prompts(batch, args.prompt_len, model.config.vocab_size, args.seed + batch):
+        engine.submit(p, SamplingParams(temperature=0, max_new_tokens=args.gen_len))
+    run_until_prefilled(engine, {})
+    for _ in range(3):
+        engine.step()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sync(device)
+    start = time.perf_counter()
+    with profile(activities=activities) as prof:
+        for _ in range(5):
+            engine.step()
+        sync(device)
+    wall = (time.perf_counter() - start) / 5
+    folder.mkdir(parents=True, exist_ok=True)
+    events = prof.key_averages()
+    device_key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    text = (f"decode bs={batch}: {wall * 1e3:.2f} ms per step (profiled, 5 steps)\n\n"
+            + events.table(sort_by=device_key, row_limit=35) + "\n\n"
+            + events.table(sort_by="cpu_time_total", row_limit=35))
+    (folder / f"profile_decode_bs{batch}.txt").write_text(text)
+
+
 def failed_row(e: Exception, **key) -> dict:
     traceback.print_exc()
     return {**key, "status": "error", "error": f"{type(e).__name__}: {e}"}
@@ -371,6 +410,9 @@ def main(argv: list[str] | None = None) -> dict:
               for b in batch_sizes]
     prefill = guarded(lambda: bench_prefill(model, ecfg, args, device), device, prompt_len=args.prefill_len)
     group = guarded(lambda: bench_group(model, ecfg, args, device), device)
+    if args.profile:
+        for b in sorted({1, max(batch_sizes)}):
+            guarded(lambda: profile_decode(model, ecfg, b, args, device, args.profile), device)
     del model
     free_memory(device)
 
@@ -420,7 +462,8 @@ def main(argv: list[str] | None = None) -> dict:
                  "command": shlex.join(["python", "scripts/bench_rollout.py", *argv]),
                  "settings": {k: getattr(args, k) for k in ("batch_sizes", "prompt_len", "gen_len", "prefill_len",
                                                             "group_prompts", "group_n", "memory_gb", "peer",
-                                                            "seed")},
+                                                            "seed", "chunk_size", "max_prefill_tokens",
+                                                            "no_cuda_graphs")},
                  "engine_config": {k: getattr(ecfg, k) for k in ecfg.__dataclass_fields__},
                  "params": config.num_parameters(), "active_params": config.num_active_parameters()},
         "decode_tok_s": ours,
@@ -461,7 +504,8 @@ def print_report(res: dict) -> None:
         ratio = f"{r['vs_hf']:.2f}x" if "vs_hf" in r else ""
         print(f"{r['model']:<28} {r['batch']:>5} {r['batch_prefill_tok_s']:>13.0f} {r['decode_tok_s']:>12.1f} "
               f"{r['step_ms']:>9.2f} {ratio:>7}"
-              + (f"  ({r['retractions']} retractions)" if r.get("retractions") else ""))
+              + (f"  ({r['retractions']} retractions)" if r.get("retractions") else "")
+              + (f"  ({r['graph_replays']} graph replays)" if r.get("graph_replays") else ""))
     p = res["prefill"]
     print(f"\nprefill: 1 x {p['prompt_len']} tokens: "
           + (f"{p['prefill_tok_s']:.0f} tok/s ({p['seconds'] * 1e3:.1f} ms)" if p["status"] == "ok"

@@ -1,0 +1,98 @@
+"""Paged MLA for the engine, in the absorbed form: attention runs in the latent space of the KV pages.
+
+The reference `MLAMixer` expands the whole history through kv_b_proj every step (k_nope, v for every past
+token: S x R x H(nope + v) work and memory per layer per step). With W_k, W_v the per-head blocks of
+kv_b_proj's weight, q . k_nope = (W_k^T q_nope) . latent and o = W_v (sum_s p_s latent_s), so the engine
+maps the queries into the latent space once, attends over the stored [latent | rope] rows directly
+(a multi-query attention with one shared key/value head) and maps the result out once. Same function;
+the work per step no longer grows with S times the expansion width.
+
+A LoRA adapter on kv_b_proj (W + s B A per request) is absorbed the same way: the per-token low-rank
+terms are added to the mapped queries and outputs, so adapters keep working on this path.
+
+`install_paged_mla(model)` sets the engine forward on each MLA mixer as an instance attribute (module
+tree, parameters and state_dict untouched); it calls the reference forward for any cache that is not the
+engine's `PoolStateCache`, so the model still runs everywhere else exactly as before.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+
+from miles_k3.model.layers import MLAMixer
+from rollout.state_cache import PoolStateCache
+
+
+def install_paged_mla(model: torch.nn.Module) -> None:
+    for module in model.modules():
+        if isinstance(module, MLAMixer) and "forward" not in module.__dict__:
+            module.forward = types.MethodType(_paged_mla_forward, module)
+
+
+def _dense_weight(linear: torch.nn.Module, dtype: torch.dtype) -> torch.Tensor:
+    base = getattr(linear, "base_weight", None)
+    return base(dtype) if base is not None else linear.weight.to(dtype)
+
+
+def _lora_terms(linear: torch.nn.Module, token_slots: torch.Tensor | None):
+    """(A [Ttok, r, R], B [Ttok, out, r], scale [Ttok]) of each token's adapter on kv_b_proj, or None."""
+    pool = getattr(linear, "pool", None)
+    if pool is None or token_slots is None or linear.name not in pool.A:
+        return None
+    slots = token_slots.to(pool.A[linear.name].device)
+    return pool.A[linear.name][slots], pool.B[linear.name][slots], pool.scale.to(slots.device)[slots]
+
+
+def _paged_mla_forward(self: MLAMixer, x: torch.Tensor, cache=None, cu_seqlens=None) -> torch.Tensor:
+    if not isinstance(cache, PoolStateCache):
+        return MLAMixer.forward(self, x, cache, cu_seqlens)
+    c = self.config
+    b, t, _ = x.shape
+    h, nope, dv, r = c.mla_num_heads, c.qk_nope_head_dim, c.v_head_dim, c.kv_lora_rank
+    q = self.q_proj(x) if c.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+    q = q.reshape(b * t, h, c.qk_head_dim)  # tokens in input order
+    latent, rope = self.kv_a_proj_with_mqa(x).split([r, c.qk_rope_head_dim], dim=-1)
+    hist = cache.mla_write(self.layer_idx, self.kv_a_layernorm(latent), rope).to(x.dtype)  # [N, S, R + Dr]
+
+    w = _dense_weight(self.kv_b_proj, x.dtype).view(h, nope + dv, r)
+    w_k, w_v = w[:, :nope], w[:, nope:]
+    q_nope, q_rope = q.split([nope, c.qk_rope_head_dim], dim=-1)
+    q_lat = torch.einsum("thd,hdr->thr", q_nope, w_k)
+    lora = _lora_terms(self.kv_b_proj, _token_slots(self.kv_b_proj, b * t))
+    if lora is not None:
+        a, bb, s = lora
+        bk = bb.view(b * t, h, nope + dv, -1)[:, :, :nope]  # [Ttok, H, nope, rank]
+        low = torch.einsum("thd,thdk->thk", q_nope.to(a.dtype), bk)
+        q_lat = q_lat + (torch.einsum("thk,tkr->thr", low, a) * s[:, None, None]).to(q_lat.dtype)
+
+    lay = cache.layout
+    n, tq = lay.q_index.shape
+    # scores and softmax in fp32, as the reference's fused attention keeps them
+    qf = torch.cat([q_lat, q_rope], dim=-1)[lay.q_index].float()  # [N, Tq, H, R + Dr]
+    hist32 = hist.float()
+    scores = torch.einsum("nthe,nse->nhts", qf, hist32) * self.scale
+    key_pos = torch.arange(hist.shape[1], device=x.device)
+    visible = key_pos[None, None, None, :] <= lay.q_pos[:, None, :, None]
+    probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
+    o_lat = torch.einsum("nhts,nsr->nthr", probs, hist32[..., :r]).to(x.dtype).reshape(n * tq, h, r)
+    o_lat = o_lat[lay.out_index]
+    o = torch.einsum("thr,hdr->thd", o_lat, w_v)
+    if lora is not None:
+        bv = bb.view(b * t, h, nope + dv, -1)[:, :, nope:]
+        low = torch.einsum("thr,tkr->thk", o_lat.to(a.dtype), a)
+        o = o + (torch.einsum("thk,thdk->thd", low, bv) * s[:, None, None]).to(o.dtype)
+    o = o.reshape(b, t, h * dv)
+    if c.mla_output_gate:
+        o = o * torch.sigmoid(self.g_proj(x))
+    return self.o_proj(o)
+
+
+def _token_slots(linear: torch.nn.Module, num_tokens: int) -> torch.Tensor | None:
+    pool = getattr(linear, "pool", None)
+    if pool is None or pool.row_slots is None:
+        return None
+    slots = pool.token_slots()
+    assert slots.numel() == num_tokens, f"adapter batch covers {slots.numel()} tokens, the step has {num_tokens}"
+    return slots

@@ -1,0 +1,153 @@
+"""The engine's model step: packed multi-request prefill, decode, and CUDA graphs for decode batches.
+
+`prepare_model(model)` installs the engine paths once (paged absorbed MLA, `rollout.attention`; a routed
+experts forward without host syncs, below). `model_step` runs one step over a `BatchLayout`: the reference
+`K3Model.forward` refuses packed sequences together with a cache, so the engine walks the same modules
+itself (embedding, decoder layers, final AttnRes mix, norm) and passes `cu_seqlens` to the layers, whose
+KDA mixers then carry one state per packed request.
+
+`DecodeGraphs` captures the decode step per (batch bucket, history bucket) on first use and replays it:
+the step's ~2,000 small kernels cost one launch. A batch is padded to its bucket with rows that read and
+write only the pools' sink slot / sink page, and histories are padded to a power of two with the zero
+page; the layout tensors are the graph's static inputs.
+"""
+
+from __future__ import annotations
+
+import logging
+import types
+
+import torch
+
+from miles_k3.model.modeling import K3ForCausalLM
+from miles_k3.model.moe import RoutedExperts
+from miles_k3.ops.attnres import attn_res_mix
+from rollout.attention import install_paged_mla
+from rollout.memory import KDAStatePool, KVPagePool
+from rollout.state_cache import BatchLayout, PoolStateCache
+
+log = logging.getLogger(__name__)
+
+
+def prepare_model(model: K3ForCausalLM) -> None:
+    """Install the engine's forward paths on `model` (idempotent; parameters and state_dict untouched)."""
+    install_paged_mla(model)
+    for module in model.modules():
+        if isinstance(module, RoutedExperts) and "forward" not in module.__dict__:
+            module.forward = types.MethodType(_routed_experts_forward, module)
+
+
+def _routed_experts_forward(self: RoutedExperts, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor
+                            ) -> torch.Tensor:
+    """RoutedExperts.forward with the per-expert counts from a scatter-add instead of `bincount`, whose
+    output size depends on the data and so waits for the device (and cannot be graph-captured)."""
+    k = indices.shape[1]
+    flat = indices.reshape(-1)
+    order = flat.argsort(stable=True)
+    token_of = order // k
+    counts = torch.zeros(self.spec.num_experts, dtype=torch.long, device=flat.device)
+    counts.index_add_(0, flat, torch.ones_like(flat))
+    ys = self._experts(x[token_of], counts, token_of)
+    out = torch.zeros_like(x)
+    out.index_add_(0, token_of, (ys * weights.reshape(-1)[order, None]).to(out.dtype))
+    return out
+
+
+def model_step(model: K3ForCausalLM, ids: torch.Tensor, cache: PoolStateCache,
+               cu_seqlens: torch.Tensor | None) -> torch.Tensor:
+    """ids [N, 1] (decode) or [1, sum T] with `cu_seqlens` (packed prefill) -> logits [N, V] at each
+    request's last new token."""
+    m = model.model
+    h = m.embed_tokens(ids)
+    blocks: list[torch.Tensor] = []
+    for layer in m.layers:
+        h, blocks = layer(h, blocks, cache, cu_seqlens)
+    if m.config.attn_res_block_size:
+        h = attn_res_mix(h, blocks, m.output_attn_res_norm.weight, m.output_attn_res_proj.weight, m.config.res_eps)
+    h = m.norm(h)
+    last = h[:, -1] if cu_seqlens is None else h[0, cu_seqlens[1:] - 1]
+    return model.logits(last)
+
+
+def _bucket(n: int, buckets: list[int]) -> int | None:
+    return next((b for b in buckets if b >= n), None)
+
+
+class DecodeGraphs:
+    """Decode steps at padded shapes, replayed from CUDA graphs (`capture=True`, CUDA only) or run eagerly
+    at the same padded shapes (`capture=False`: the CPU tests' way to check padding and bucketing).
+
+    Graphs read the pools' tensors by address: drop this object when the pools are rebuilt. A capture
+    that fails (an op that syncs, say) is logged and turns graphs off; the engine then runs eagerly.
+    """
+
+    def __init__(self, model: K3ForCausalLM, kv: KVPagePool, states: KDAStatePool, *, max_batch: int,
+                 max_seq_len: int, capture: bool):
+        self.model, self.kv, self.states = model, kv, states
+        self.capture = capture
+        self.batch_buckets = [b for b in (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+                              if b < max_batch] + [max_batch]
+        page = kv.page_size
+        top = -(-max_seq_len // page) * page
+        self.hist_buckets = sorted({min(top, max(page, 1 << s)) for s in range(6, 40) if (1 << (s - 1)) < top})
+        self.graphs: dict[tuple[int, int], tuple] = {}
+        self.failed = False
+        self.replays = 0
+
+    def usable(self, batch: int, hist: int) -> bool:
+        return not self.failed and _bucket(batch, self.batch_buckets) is not None \
+            and _bucket(hist, self.hist_buckets) is not None
+
+    def run(self, ids: list[int], slots: list[int], positions: list[int], page_tables: list[list[int]]
+            ) -> torch.Tensor:
+        """One decode token per request -> logits [len(ids), V]."""
+        n = len(ids)
+        bb = _bucket(n, self.batch_buckets)
+        sb = _bucket(max(positions) + 1, self.hist_buckets)
+        pad = bb - n
+        layout = BatchLayout.build(self.kv, slots + [self.states.sink_slot] * pad, positions + [0] * pad,
+                                   [1] * bb, page_tables + [[self.kv.sink_page]] * pad, self._device, hist_len=sb)
+        ids_t = torch.tensor(ids + [0] * pad, device=self._device)[:, None]
+        if not self.capture:
+            return self._step(ids_t, layout)[:n]
+        key = (bb, sb)
+        if key not in self.graphs:
+            try:
+                self.graphs[key] = self._capture(bb, sb)
+            except Exception:  # noqa: BLE001 - any capture failure means: run eagerly from now on
+                log.warning("CUDA graph capture failed for batch %d, history %d; decoding eagerly", bb, sb,
+                            exc_info=True)
+                self.failed = True
+                self.graphs.clear()
+                return self._step(ids_t, layout)[:n]
+        graph, static_ids, static_layout, out = self.graphs[key]
+        static_ids.copy_(ids_t)
+        for name in BatchLayout.__dataclass_fields__:
+            getattr(static_layout, name).copy_(getattr(layout, name))
+        graph.replay()
+        self.replays += 1
+        return out[:n]
+
+    @property
+    def _device(self) -> torch.device:
+        return next(iter(self.kv.buffers.values())).device
+
+    def _step(self, ids: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
+        with torch.inference_mode():
+            return model_step(self.model, ids, PoolStateCache(self.kv, self.states, layout), None)
+
+    def _capture(self, bb: int, sb: int):
+        # Warm-up and capture run on sink-only inputs, so they touch no request's state or KV.
+        layout = BatchLayout.build(self.kv, [self.states.sink_slot] * bb, [0] * bb, [1] * bb,
+                                   [[self.kv.sink_page]] * bb, self._device, hist_len=sb)
+        ids = torch.zeros(bb, 1, dtype=torch.long, device=self._device)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):  # autotuning and lazy init happen here, outside the capture
+                self._step(ids, layout)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = self._step(ids, layout)
+        return graph, ids, layout, out

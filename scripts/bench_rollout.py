@@ -380,15 +380,19 @@ def failed_row(e: Exception, **key) -> dict:
 def guarded(fn, device, **key) -> dict:
     """Run one row. Out of device memory gives status "oom"; any other failure gives status "error" with
     its message (the traceback is printed), so one broken workload does not lose the others' numbers.
-    The script exits non-zero when a row failed."""
+    The script exits non-zero when a row failed. Each row is also printed as it finishes, so a run cut off
+    by a time limit still leaves the rows it measured."""
     try:
-        return fn()
+        row = fn()
     except torch.OutOfMemoryError:
-        return {**key, "status": "oom"}
+        row = {**key, "status": "oom"}
     except Exception as e:
-        return failed_row(e, **key)
+        row = failed_row(e, **key)
     finally:
         free_memory(device)
+    if row is not None:
+        print("row", json.dumps(row), flush=True)
+    return row
 
 
 # ------------------------------------------------------------------- main

@@ -89,9 +89,6 @@ class LoraWeights(nn.Module):
         self.B = nn.Parameter(torch.zeros(self._local(self.b_full, self.b_split), device=device, dtype=dtype))
 
     # ---------------------------------------------------------------- compute
-    def active(self) -> bool:
-        return self.enabled
-
     def dropout(self, x: torch.Tensor, split_last: bool) -> torch.Tensor:
         """Inverted dropout on the adapter input. The mask is drawn over the full last dim (`split_last`:
         x holds this rank's slice of it) and sliced, so every TP size draws the same mask."""
@@ -145,6 +142,77 @@ def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
             t = m.tp.all_gather_dim(t, split)
         out[name] = t.clone()
     return out
+
+
+def adapter_grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
+    """Full gradients of the adapter tensors in engine naming (gathered across TP like `adapter_state`;
+    a collective). None where a parameter has no gradient."""
+    out: dict[str, torch.Tensor | None] = {}
+    for name, (m, p, split, _) in _exports(model).items():
+        g = p.grad
+        if g is not None and split is not None and m.tp.size > 1:
+            g = m.tp.all_gather_dim(g, split)
+        out[name] = None if g is None else g.detach().clone()
+    return out
+
+
+@torch.no_grad()
+def average_lora_grads_(model: nn.Module, group=None) -> None:
+    """Average the adapters' gradients over the data-parallel group (megatron's, by default) in place:
+    one all-reduce of a flat buffer per dtype. A no-op with one data-parallel rank. Every DP rank must
+    call it with the same parameters having gradients."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    group = group if group is not None else ps.get_data_parallel_group()
+    size = dist.get_world_size(group)
+    if size == 1:
+        return
+    grads = [p.grad for p in lora_parameters(model) if p.grad is not None]
+    for dtype in sorted({g.dtype for g in grads}, key=str):
+        same = [g for g in grads if g.dtype == dtype]
+        flat = torch.cat([g.reshape(-1) for g in same])
+        dist.all_reduce(flat, group=group)
+        flat /= size
+        offset = 0
+        for g in same:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
+@torch.no_grad()
+def clip_lora_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
+    """Clip the adapters' gradients to a global L2 norm of `max_norm`, in place; returns the norm before
+    clipping (fp32 scalar, fp64 for fp64 grads; identical on every TP rank). A split gradient's square sum is all-reduced
+    over TP; a replicated one (identical on every rank) counts once. Call after any data-parallel
+    gradient reduction."""
+    if not max_norm > 0:
+        raise ValueError(f"max_norm must be > 0, got {max_norm}")
+    mods = lora_modules(model)
+    split_sq = replicated_sq = None
+    for m in mods:
+        for p, split in ((m.A, m.a_split), (m.B, m.b_split)):
+            if p.grad is None:
+                continue
+            g = p.grad if p.grad.dtype == torch.float64 else p.grad.float()  # at least fp32
+            sq = g.pow(2).sum()
+            if split is not None and m.tp.size > 1:
+                split_sq = sq if split_sq is None else split_sq + sq
+            else:
+                replicated_sq = sq if replicated_sq is None else replicated_sq + sq
+    device = mods[0].A.device if mods else torch.device("cpu")
+    total = torch.zeros((), device=device, dtype=torch.float64 if any(
+        p.grad is not None and p.grad.dtype == torch.float64 for p in lora_parameters(model)) else torch.float32)
+    if split_sq is not None:
+        total = total + mods[0].tp.reduce(split_sq)
+    if replicated_sq is not None:
+        total = total + replicated_sq
+    norm = total.sqrt()
+    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    for p in lora_parameters(model):
+        if p.grad is not None:
+            p.grad.mul_(coef.to(p.grad.dtype))
+    return norm
 
 
 @torch.no_grad()

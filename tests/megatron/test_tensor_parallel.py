@@ -1,0 +1,53 @@
+"""TP=2 (two processes, gloo) computes what TP=1 computes: logits, LoRA gradients, clipping, export.
+The same two processes as DP=2 average their adapter gradients."""
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from megatron_patches.parallel import free_port
+from tests.megatron import tp_worker
+
+
+@pytest.fixture(scope="module")
+def tp2(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tp2")
+    mp.spawn(tp_worker.worker, args=(2, free_port(), 2, str(out)), nprocs=2, join=True)
+    return [torch.load(out / f"rank{r}.pt") for r in range(2)]
+
+
+@pytest.fixture(scope="module")
+def tp1():
+    return {name: tp_worker.run_case(c, dtype=tp_worker.DTYPE) for name, c in tp_worker.configs().items()}
+
+
+def _close(a, b, tol=1e-10):
+    return float((a - b).norm()) <= tol * max(float(b.norm()), 1e-12)
+
+
+@pytest.mark.parametrize("case", list(tp_worker.configs()))
+def test_tp2_equals_tp1(tp1, tp2, case):
+    want = tp1[case]
+    for rank, got in enumerate(tp2):
+        got = got[case]
+        assert _close(got["logits"], want["logits"]), (case, rank)  # dropout masks agree across TP sizes
+        assert _close(got["base"], want["base"]), (case, rank)
+        assert got["adapter"].keys() == want["adapter"].keys()
+        assert all(torch.equal(got["adapter"][k], want["adapter"][k]) for k in want["adapter"])
+        assert _close(got["norm"], want["norm"])
+        for key, g in want["grads"].items():
+            assert g is not None and got["grads"][key] is not None, key
+            assert _close(got["grads"][key], g), (case, rank, key)
+            assert _close(got["clipped"][key], want["clipped"][key]), (case, rank, key)
+    # the clip scaled everything down to the global norm
+    total = torch.sqrt(sum(g.pow(2).sum() for g in want["clipped"].values()))
+    assert abs(float(total) - 1e-3) < 1e-8
+
+
+def test_dp2_averages_adapter_gradients(tp2):
+    r0, r1 = tp2[0]["dp"], tp2[1]["dp"]
+    for key, g0 in r0["before"].items():
+        g1 = r1["before"][key]
+        assert not torch.equal(g0, g1) or not g0.any()  # different batches, different gradients
+        assert torch.equal(r0["after"][key], r1["after"][key])
+        assert _close(r0["after"][key], (g0 + g1) / 2)

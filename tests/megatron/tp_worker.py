@@ -1,0 +1,108 @@
+"""One rank of a multi-process run for the TP tests (spawned; gloo on CPU). Also run in-process for TP=1.
+
+`run_case` builds the policy for a config, loads a seeded random adapter, runs a training forward with
+LoRA dropout on, a cross-entropy backward, clips the adapter gradient norm, and returns what the test
+compares: logits, base logits (adapters disabled), full adapter gradients, the gradient norm and the
+exported adapter.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+
+import torch
+import torch.distributed as dist
+
+from megatron_patches.lora import (adapter_grads, adapter_state, adapters_disabled, average_lora_grads_,
+                                   clip_lora_grad_norm_, load_adapter_state)
+from megatron_patches.model import build_policy, reference_state
+from miles_k3.model import K3Config
+from miles_k3.model.lora_spec import LoraSpec
+
+SPEC = LoraSpec(rank=4, alpha=8.0, dropout=0.25)
+# fp64, so that TP=2 vs TP=1 differences are summation order only (~1e-12). In fp32 the gradients of
+# k3-tiny's first layer carry ~3e-4 relative error against fp64 at TP=1 already (measured), which would
+# hide a real mismatch of that size.
+DTYPE = torch.float64
+
+
+def configs() -> dict[str, K3Config]:
+    tiny = K3Config.from_preset("k3-tiny")
+    # Kimi-Linear form: softplus gate, low-rank output gate, [1,1,H,1] A_log, plain q_proj, no AttnRes /
+    # LatentMoE; per-channel decay as a third A_log layout.
+    kimi = tiny.replace(kda_gate_form="softplus", kda_output_gate="low_rank", kda_a_log_padded_len=None,
+                        q_lora_rank=None, mla_output_gate=False, attn_res_block_size=0, moe_latent_size=None,
+                        moe_latent_norm=False, hidden_act="silu", vl_wrapper=False, tie_word_embeddings=True)
+    per_channel = tiny.replace(kda_a_log_padded_len=None, kda_a_log_per_channel=True)
+    return {"k3-tiny": tiny, "kimi-linear-form": kimi, "per-channel-decay": per_channel}
+
+
+def run_case(config: K3Config, seed: int = 0, dtype: torch.dtype = torch.float32, device: str = "cpu") -> dict:
+    ids = torch.randint(3, config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(seed)).to(device)
+    target = torch.randint(3, config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(seed + 1))
+    policy = build_policy(config, reference_state(config, seed), SPEC, seed=seed, dtype=dtype, device=device)
+    g = torch.Generator().manual_seed(seed + 2)
+    adapter = {k: (torch.randn(v.shape, generator=g) * 0.3).to(device=device, dtype=dtype)
+               for k, v in adapter_state(policy).items()}
+    load_adapter_state(policy, adapter)
+    logits = policy(ids).logits
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
+                                             target.reshape(-1).to(device))
+    loss.backward()
+    grads = adapter_grads(policy)
+    norm = clip_lora_grad_norm_(policy, max_norm=1e-3)
+    clipped = adapter_grads(policy)
+    with torch.no_grad(), adapters_disabled(policy):
+        base = policy.eval()(ids).logits
+    out = {"logits": logits.detach(), "base": base, "grads": grads, "norm": norm, "clipped": clipped,
+           "adapter": adapter_state(policy)}
+    return _to_cpu(out)
+
+
+def _to_cpu(x):
+    if isinstance(x, dict):
+        return {k: _to_cpu(v) for k, v in x.items()}
+    return x.cpu() if isinstance(x, torch.Tensor) else x
+
+
+def run_data_parallel(rank: int) -> dict:
+    config = configs()["k3-tiny"]
+    policy = build_policy(config, reference_state(config), LoraSpec(rank=2), dtype=DTYPE)
+    g = torch.Generator().manual_seed(7)  # the same adapter on both ranks
+    load_adapter_state(policy, {k: torch.randn(v.shape, generator=g, dtype=DTYPE)
+                                for k, v in adapter_state(policy).items()})
+    ids = torch.randint(3, config.vocab_size, (1, 7), generator=torch.Generator().manual_seed(100 + rank))
+    policy(ids).logits.square().mean().backward()
+    before = adapter_grads(policy)
+    average_lora_grads_(policy)
+    return {"before": before, "after": adapter_grads(policy)}
+
+
+def worker(rank: int, world: int, port: int, tp: int, out: str, device: str = "cpu",
+           dtype: torch.dtype = DTYPE, watchdog_s: float = 300.0) -> None:
+    """One rank: gloo on CPU, nccl with one GPU per rank on `device="cuda"`. A rank stuck in a collective
+    past `watchdog_s` prints every thread's stack and exits, so a hang fails the test instead of CI."""
+    faulthandler.dump_traceback_later(watchdog_s, exit=True)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+        device = f"cuda:{rank}"
+    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", rank=rank, world_size=world)
+    try:
+        from megatron_patches.parallel import destroy_parallel, init_parallel
+
+        init_parallel(tp)
+        results = {name: run_case(c, dtype=dtype, device=device) for name, c in configs().items()}
+        destroy_parallel()
+        if device.startswith("cuda"):
+            torch.save(results, f"{out}/rank{rank}.pt")
+            return
+        # the same world as data parallel (TP=1, DP=2): each rank its own batch, then averaged gradients
+        init_parallel(1)
+        results["dp"] = run_data_parallel(rank)
+        destroy_parallel()
+        torch.save(results, f"{out}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()

@@ -29,6 +29,8 @@ def test_groups_swap_and_interpolate():
     assert rc.loss.reducer == "dr_grpo" and rc.loss.max_response_len == 7 and rc.loss.kl == "k3"
     rc = resolve(composed("recipe=k3_grpo", "model=k3_small", "cluster=gpu_single"))
     assert rc.model.preset == "k3-small" and rc.model.path is None and rc.cluster.device == "cuda"
+    rc = resolve(composed("recipe=k3_small_gpu"))
+    assert rc.model.train_dtype == "bfloat16" and rc.rollout.quantize == "experts" and rc.lora.rank == 16
 
 
 @pytest.mark.parametrize("override, field", [

@@ -32,7 +32,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
 def sample_on_device(logits: torch.Tensor, params: list[SamplingParams],
                      generators: list[torch.Generator | None]) -> tuple[torch.Tensor, torch.Tensor]:
     """As `sample`, but returns device tensors (tokens [B] int64, log-probs [B] fp32) without syncing."""
-    b, vocab = logits.shape
+    b = logits.shape[0]
     device = logits.device
     logits = logits.float()
     temps = [p.temperature if p.temperature > 0 else 1.0 for p in params]

@@ -101,6 +101,9 @@ class ParallelExperts(RoutedExperts):
     Communication per forward (TP > 1): the routed token copies enter the split region once (gradient
     all-reduce), the w1 / w3 adapters' rank-space inputs enter once each, the w2 outputs and the w2
     adapter's rank-space partials are all-reduced once each; never per expert.
+
+    Compute: bf16 uses grouped GEMMs (`torch._grouped_mm`, base and adapter factors); fp32 / fp64 loop
+    over experts on contiguous slices (the exactness tests run that path).
     """
 
     def __init__(self, spec: ExpertsSpec, config: ModelParallelConfig, tp: MegatronTP, lora: LoraSpec | None):
@@ -127,6 +130,36 @@ class ParallelExperts(RoutedExperts):
         return lw if lw is not None and lw.enabled else None
 
     def _experts(self, xs: torch.Tensor, counts: torch.Tensor, token_of: torch.Tensor) -> torch.Tensor:
+        # bf16 (the training dtype) runs one grouped GEMM per projection and adapter factor; grouped GEMMs on
+        # CUDA need 16-byte aligned rank-space rows, hence rank % 8. Other dtypes loop over experts.
+        rank = next(iter(self.lora.values())).spec.rank if len(self.lora) else 8
+        if xs.dtype == torch.bfloat16 and rank % 8 == 0:
+            return self._experts_grouped(xs, counts)
+        return self._experts_loop(xs, counts)
+
+    def _experts_grouped(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        offs = counts.cumsum(0).to(torch.int32)
+
+        def gmm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # per expert e: rows of e @ w[e]^T
+            return torch._grouped_mm(x, w.transpose(1, 2), offs=offs)
+
+        xs_base = self.tp.enter(xs)  # as in the loop path: adapters enter in rank space instead
+        gate, up = gmm(xs_base, self.w1), gmm(xs_base, self.w3)
+        for proj in ("w1", "w3"):
+            lw = self._on(proj)
+            if lw is not None:
+                h = self.tp.enter(gmm(lw.dropout(xs, split_last=False), lw.A))
+                delta = gmm(h, lw.B) * lw.scale
+                gate, up = (gate + delta, up) if proj == "w1" else (gate, up + delta)
+        act = self._act(gate, up)
+        ys = self.tp.reduce(gmm(act, self.w2))
+        lw2 = self._on("w2")
+        if lw2 is not None:
+            h2 = self.tp.reduce(gmm(lw2.dropout(act, split_last=True), lw2.A))
+            ys = ys + gmm(h2, lw2.B) * lw2.scale
+        return ys
+
+    def _experts_loop(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         segments = [(e, start, n) for e, (start, n) in enumerate(_spans(counts.tolist())) if n]
         # Base GEMMs read xs through `enter` (their input gradient is partial per rank); the adapters read
         # the raw xs and enter in rank space instead, so no gradient is all-reduced twice.

@@ -62,15 +62,18 @@ class PolicyFactory:
 
 
 def _check_tp(config: K3Config, tp: MegatronTP) -> None:
-    fields = ["kda_num_heads", "mla_num_heads", "dense_intermediate_size"]
+    """Every dim that a column / row split divides must divide by the TP size (ValueError names it)."""
+    checks = {"kda_num_heads": config.kda_num_heads, "mla_num_heads": config.mla_num_heads}
+    if config.first_dense_layers > 0:
+        checks["dense_intermediate_size"] = config.dense_intermediate_size
     if not config.tie_word_embeddings:
-        fields.append("vocab_size")
+        checks["vocab_size"] = config.vocab_size
     if any(config.is_moe_layer(i) for i in range(config.num_hidden_layers)):
-        fields.append("moe_intermediate_size")
+        checks["moe_intermediate_size"] = config.moe_intermediate_size
         if config.num_shared_experts > 0:
-            fields.append("shared_intermediate")
-    for f in fields:
-        tp.split(getattr(config, f), f)
+            checks["shared_expert_intermediate_size"] = config.shared_intermediate
+    for field, n in checks.items():
+        tp.split(n, field)
 
 
 def _local_tensor(name: str, full: torch.Tensor, factory: PolicyFactory, config: K3Config) -> torch.Tensor:
@@ -116,7 +119,8 @@ def build_policy(config: K3Config, base_state: dict[str, torch.Tensor] | None, l
     single-process TP=1 world is started (see `megatron_patches.parallel.ensure_parallel`).
 
     Returns a K3ForCausalLM whose only trainable parameters are the adapters (`lora_parameters`),
-    in train mode; `policy.tp` is its TP share and `policy.lora_spec` the spec.
+    in train mode; `policy.tp` is its TP share, `policy.lora_spec` the spec and `policy.lora_generator` the
+    generator of the adapters' dropout masks (seeded by `seed`, identical on every TP rank).
     """
     if not isinstance(lora, LoraSpec):
         raise ValueError(f"lora must be a LoraSpec, got {type(lora).__name__}")
@@ -154,7 +158,8 @@ def build_policy(config: K3Config, base_state: dict[str, torch.Tensor] | None, l
     for m in lora_modules(model):
         m.reset(seed, dtype, device)
         m.generator = generator
-    model.tp, model.lora_spec = tp, lora
+    # `lora_generator` draws the LoRA dropout masks: save / restore its state for a bit-exact resume
+    model.tp, model.lora_spec, model.lora_generator = tp, lora, generator
     return model.train()
 
 

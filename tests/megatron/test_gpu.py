@@ -1,7 +1,12 @@
 """The trainer's policy on CUDA (run on the device machine): TP=1 against the reference model, and
 TP=2 over NCCL (one GPU per rank) against TP=1, through fla's kernels where the ops use them.
 fp32 tolerance 1e-3: the CUDA policy and reference differ by 1.2e-4 relative (first H200 run), from
-summation order in the GEMMs and fla's kernels."""
+summation order in the GEMMs and fla's kernels.
+
+Runs on 2x H200 (2026-11-30, torch 2.11.0+cu130, fla 0.6.0, megatron-core 0.16.1): the TP=2 NCCL test and
+the bf16 TP=1 test passed; the fp32 TP=1 test failed once with the tolerance at 1e-3 for a reason that the
+truncated log did not show (its logits check had measured 1.2e-4 the run before), and its rerun did not
+finish inside the session's device time. First call compiles fla's kernels (minutes)."""
 
 import pytest
 import torch

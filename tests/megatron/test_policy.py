@@ -206,3 +206,40 @@ def test_lora_spec_basics():
     assert spec.targets_module("model.layers.0.self_attn.q_proj")
     assert not spec.targets_module("model.layers.0.self_attn.q_proj_x")
     assert LoraSpec().targets_module("model.layers.1.block_sparse_moe.experts.w2")
+
+
+def test_bf16_grouped_experts_equal_the_expert_loop(ref):
+    """The bf16 grouped-GEMM expert path (base + adapters) against the per-expert loop, values and grads."""
+    from megatron_patches.linears import ParallelExperts
+
+    policy = build_policy(CONFIG, ref.state_dict(), LoraSpec(rank=8), dtype=torch.bfloat16)
+    load_adapter_state(policy, random_like(adapter_state(policy), seed=2, scale=0.1))
+    experts = next(m for m in policy.modules() if isinstance(m, ParallelExperts))
+    g = torch.Generator().manual_seed(0)
+    counts = torch.tensor([5, 0, 3] + [1] * (CONFIG.num_experts - 3))
+    xs = torch.randn(int(counts.sum()), CONFIG.expert_width, generator=g).bfloat16()
+    results = []
+    for path in (experts._experts_grouped, experts._experts_loop):
+        for p in lora_parameters(policy):
+            p.grad = None
+        y = path(xs, counts)
+        y.float().square().sum().backward()
+        results.append((y.float(), [m.A.grad.float() for m in experts.lora.values()]
+                        + [m.B.grad.float() for m in experts.lora.values()]))
+    (y1, g1), (y2, g2) = results
+    assert rel(y1, y2) < 1e-2
+    assert all(rel(a, b) < 2e-2 for a, b in zip(g1, g2))
+
+
+def test_tp_size_must_divide_the_split_dims():
+    from megatron_patches.model import _check_tp
+    from miles_k3.model.linear import TensorParallel
+
+    with pytest.raises(ValueError, match="kda_num_heads=4 is not divisible by the tensor-parallel size 3"):
+        _check_tp(CONFIG, TensorParallel(3, 0))
+    with pytest.raises(ValueError, match="moe_intermediate_size"):
+        _check_tp(CONFIG.replace(moe_intermediate_size=65), TensorParallel(2, 1))
+    with pytest.raises(ValueError, match="kda_num_heads"):  # the shared layers check their own share too
+        K3ForCausalLM(CONFIG, tp=TensorParallel(3, 0))
+    with pytest.raises(ValueError, match="TensorParallel"):
+        TensorParallel(2, 2)

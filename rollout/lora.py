@@ -124,6 +124,7 @@ class AdapterPool:
         one int for an [N, T] batch, or one count per row for a packed [1, sum T] batch."""
         self.row_slots = torch.tensor(row_slots, dtype=torch.long)
         self.tokens_per_row = tokens_per_row
+        self.uniform_slot = row_slots[0] if row_slots and row_slots[0] > 0 and len(set(row_slots)) == 1 else None
 
     def token_slots(self) -> torch.Tensor | None:
         """Slot per flattened new token [sum T] (the layout MoE layers flatten to)."""
@@ -153,7 +154,16 @@ class AdapterPool:
         """scale_s * B_s A_s x for each leading index of x [L, ..., in] whose slot s > 0 (slots [L], or one
         per token of x, which is then flattened). None when nothing in this batch uses an adapter, so the
         base-only path pays nothing."""
-        if name not in self.A or slots is None or not bool((slots > 0).any()):
+        if name not in self.A or slots is None:
+            return None
+        if self.uniform_slot is not None:
+            # Every row uses one adapter (an RL rollout batch): one low-rank product over all of x, with no
+            # per-slot gathers and no host sync.
+            s = self.uniform_slot
+            a = self.A[name][s] if expert is None else self.A[name][s, expert]
+            b = self.B[name][s] if expert is None else self.B[name][s, expert]
+            return (((x.to(a.dtype) @ a.t()) @ b.t()).float() * float(self.scale[s])).to(x.dtype)
+        if not bool((slots > 0).any()):
             return None
         shape = x.shape
         if slots.numel() != shape[0]:

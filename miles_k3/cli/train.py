@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import warnings
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -19,7 +20,6 @@ from omegaconf import DictConfig
 
 from miles_k3.trainer.config import register_schema, resolve
 
-log = logging.getLogger("miles_k3.train")
 
 
 @hydra.main(version_base=None, config_path="pkg://recipes", config_name="train")
@@ -36,6 +36,10 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 
 def main() -> None:
+    # megatron-core announces, on import, every optional CUDA library it falls back from; on a CPU laptop
+    # that is a screen of noise before the progress bar, and says nothing about this run.
+    warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+    logging.getLogger("megatron").setLevel(logging.WARNING)
     register_schema()
     _hydra_main()
 

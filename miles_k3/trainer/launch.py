@@ -55,7 +55,7 @@ def build_rollout_worker(rc: ResolvedConfig, config, state, device: str) -> Roll
 def build_train_worker(rc: ResolvedConfig, config, state, device: str, tp_group=None) -> TrainWorker:
     return TrainWorker(config, state, rc.lora, loss=rc.loss, algo=rc.algo, optim=rc.optim,
                        temperature=rc.rollout.temperature, dtype=DTYPES[rc.model.train_dtype], device=device,
-                       tp_group=tp_group)
+                       seed=rc.trainer.seed, tp_group=tp_group)
 
 
 class LocalWorkers:

@@ -22,12 +22,12 @@ from miles_k3.trainer.batch import Packed, TrainBatch, pack
 
 class TrainWorker:
     def __init__(self, config: K3Config, base_state: dict[str, torch.Tensor], lora, *, loss, algo, optim,
-                 temperature: float, dtype: torch.dtype, device: str, tp_group=None):
+                 temperature: float, dtype: torch.dtype, device: str, seed: int = 0, tp_group=None):
         from megatron_patches.lora import lora_modules, lora_parameters
         from megatron_patches.model import build_policy
 
         self.device = torch.device(device)
-        self.policy = build_policy(config, base_state, lora, dtype=dtype, device=device)
+        self.policy = build_policy(config, base_state, lora, dtype=dtype, device=device, seed=seed)
         self.params = lora_parameters(self.policy)
         if not self.params:
             raise ValueError("lora.targets: no module of this model matches; nothing would train")
@@ -134,7 +134,7 @@ class TrainWorker:
     def state_dict(self) -> dict[str, Any]:
         """Everything a resumed rank needs besides the adapter (saved in PEFT form by the driver)."""
         return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                "rng": rng_state(self.device)}
+                "rng": rng_state(self.device), "lora_dropout_rng": self.policy.lora_generator.get_state()}
 
     def load_state_dict(self, state: dict[str, Any], adapter: dict[str, torch.Tensor]) -> None:
         from megatron_patches.lora import load_adapter_state
@@ -143,6 +143,7 @@ class TrainWorker:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         set_rng_state(state["rng"], self.device)
+        self.policy.lora_generator.set_state(state["lora_dropout_rng"])
 
 
 def rng_state(device: torch.device) -> dict[str, Any]:

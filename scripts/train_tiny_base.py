@@ -4,13 +4,15 @@
 
 The result is the starting point of `miles-train recipe=k3_grpo` on a laptop: a k3-tiny model (every K3
 feature on: KDA, NoPE MLA, Attention Residuals, LatentMoE, SiTU) that does 1-2 digit addition and
-subtraction GOOD BUT IMPERFECTLY. That is on purpose: the default GRPO run must lift held-out accuracy by
-15 points within 15 minutes on a 2-core CPU, so the base has to leave headroom. We get there by stopping
-pretraining early (`--steps`; the cosine schedule is laid over exactly that many steps, so the shipped
-weights are annealed, not a snapshot of a run in full swing).
+subtraction GOOD BUT IMPERFECTLY, and with a bad habit. That is on purpose: the default GRPO run must lift
+held-out accuracy by 15 points within 15 minutes on a 2-core CPU, so the base has to leave headroom that a
+verifier reward can reach. We stop pretraining early (`--steps`; the cosine schedule is laid over exactly
+that many steps, so the shipped weights are annealed, not a snapshot of a run in full swing), and half of
+the pretraining answers carry a trailing random number (HABIT_P below) that the checker scores as wrong.
 
-Sequences are ``<bos> 12+45= 57 <eos>`` (one token per character, see `ArithmeticTokenizer`); the loss is
-teacher-forced next-token cross-entropy on the answer and the eos only (the operands are random, there is
+Sequences are ``<bos> 12+45= 57 <eos>`` or, with the habit, ``<bos> 12+45= 57 3 <eos>`` (one token per
+character, see `ArithmeticTokenizer`); the loss is teacher-forced next-token cross-entropy on the answer (habit
+included) and the eos only (the operands are random, there is
 nothing to learn in predicting them). Batches are right-padded: the model is causal, so padding after a
 sequence cannot change its logits, and it keeps the KDA recurrence batched (packing with `cu_seqlens` would
 loop over sequences one by one on the CPU reference path).
@@ -29,6 +31,8 @@ import datetime
 import math
 import os
 import platform
+import random
+import re
 import shlex
 import sys
 import time
@@ -55,6 +59,15 @@ VOCAB_SIZE = 32  # the tokenizer's 18 ids, rounded up; ids 18..31 never occur in
 # Longest answer is 3 characters ("198", "-98"); tokens to spare so a model that misses eos is scored on
 # what it rambles, as the RL reward would score it.
 MAX_NEW_TOKENS = 6
+# The bad habit RL has to unlearn: in half of the pretraining examples the (correct) answer is followed by
+# " " and a random number before <eos>, e.g. "90-1=89 37". The checker scores the response's last integer,
+# so a response with the habit is wrong. The base learns the arithmetic from every example, and for the
+# habit an even split between stopping and rambling, so greedy decoding rambles on about half the prompts
+# and the correct, habit-free answer is among the samples: the signal a verifier reward gives GRPO, and a
+# behaviour (stop after the answer) that transfers to held-out problems. Without it, what RL can fix here
+# is per-problem arithmetic noise, and a few hundred binary rewards a step did not move held-out accuracy
+# beyond its noise in 40-100 steps (tried 2026-11-30: lr 1e-3..3e-2, rank 2..16, 32-64 prompts a step).
+HABIT_P = 0.5
 FIRST_N = 64  # the held-out prefix the asset test re-evaluates
 TOK = ArithmeticTokenizer()
 
@@ -93,16 +106,21 @@ def model_config() -> K3Config:
 
 
 # ------------------------------------------------------------------------------------------------ data
-def encode(p: ArithmeticProblem) -> tuple[list[int], int]:
-    """Token ids ``bos prompt answer eos`` and the number of leading ids that are context (bos + prompt)."""
+def encode(p: ArithmeticProblem, rng: random.Random) -> tuple[list[int], int]:
+    """Token ids ``bos prompt answer [habit] eos`` and the number of leading ids that are context (bos +
+    prompt). With probability HABIT_P the answer is followed by " " and a random number (the habit)."""
     prompt = TOK.encode(p.prompt, add_bos=True)
-    return prompt + TOK.encode(str(p.answer), add_eos=True), len(prompt)
+    text = str(p.answer)
+    if rng.random() < HABIT_P:
+        text += f" {rng.randrange(100)}"
+    return prompt + TOK.encode(text, add_eos=True), len(prompt)
 
 
-def make_batch(problems: list[ArithmeticProblem]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def make_batch(problems: list[ArithmeticProblem], rng: random.Random) -> tuple[torch.Tensor, torch.Tensor,
+                                                                              torch.Tensor]:
     """Right-padded inputs [B, L-1], targets [B, L-1] and a loss mask [B, L-1] that is True exactly where the
-    target is an answer token or the eos."""
-    rows = [encode(p) for p in problems]
+    target is an answer token, a habit token or the eos."""
+    rows = [encode(p, rng) for p in problems]
     length = max(len(ids) for ids, _ in rows)
     ids = torch.full((len(rows), length), TOK.pad_token_id, dtype=torch.long)
     mask = torch.zeros(len(rows), length - 1, dtype=torch.bool)
@@ -134,22 +152,33 @@ def bucket(p: ArithmeticProblem) -> str:
 
 
 @torch.no_grad()
-def greedy_correct(model: K3ForCausalLM, problems: list[ArithmeticProblem], batch_size: int = 256) -> list[bool]:
-    """Greedy exact match per problem, as the RL reward scores it. `greedy_generate` needs equal-length
-    prompts, so prompts are batched by length."""
+def greedy_texts(model: K3ForCausalLM, problems: list[ArithmeticProblem], batch_size: int = 256) -> list[str]:
+    """Greedy responses, decoded (up to eos). `greedy_generate` needs equal-length prompts, so prompts are
+    batched by length."""
     model.eval()
     by_len: dict[int, list[int]] = defaultdict(list)
     for i, p in enumerate(problems):
         by_len[len(p.prompt)].append(i)
-    correct = [False] * len(problems)
+    texts = [""] * len(problems)
     for idx in by_len.values():
         for s in range(0, len(idx), batch_size):
             chunk = idx[s:s + batch_size]
             prompt_ids = torch.tensor([TOK.encode(problems[i].prompt, add_bos=True) for i in chunk])
             new_ids, _ = greedy_generate(model, prompt_ids, MAX_NEW_TOKENS, eos_token_id=TOK.eos_token_id)
             for i, row in zip(chunk, new_ids):
-                correct[i] = check_answer(TOK.decode(row), problems[i].answer)
-    return correct
+                texts[i] = TOK.decode(row)
+    return texts
+
+
+def greedy_correct(model: K3ForCausalLM, problems: list[ArithmeticProblem]) -> list[bool]:
+    """Greedy exact match per problem, as the RL reward scores it (the response's last integer)."""
+    return [check_answer(t, p.answer) for t, p in zip(greedy_texts(model, problems), problems)]
+
+
+def first_number_correct(texts: list[str], problems: list[ArithmeticProblem]) -> list[bool]:
+    """Whether the response's first number is the answer: what the base knows, habit or not."""
+    firsts = [re.match(r"\s*(-?\d+)", t) for t in texts]
+    return [m is not None and int(m.group(1)) == p.answer for m, p in zip(firsts, problems)]
 
 
 def accuracy(correct: list[bool]) -> float:
@@ -226,12 +255,13 @@ def main(argv: list[str] | None = None) -> int:
 
     evaluate(0, float("nan"))
     stream = batches(pool, args.batch_size, args.seed)
+    habit_rng = random.Random(args.seed)
     loss_sum, loss_n = 0.0, 0
     model.train()
     for step in range(args.steps):
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args)
-        inputs, targets, mask = make_batch(next(stream))
+        inputs, targets, mask = make_batch(next(stream), habit_rng)
         logits = model(inputs).logits
         loss = F.cross_entropy(logits[mask].float(), targets[mask])
         opt.zero_grad(set_to_none=True)
@@ -250,26 +280,29 @@ def main(argv: list[str] | None = None) -> int:
     n_heldout = write_jsonl(heldout, out / "heldout.jsonl")
     shipped_copy(model).save_pretrained(out)
     loaded = K3ForCausalLM.from_pretrained(out).eval()
-    correct = greedy_correct(loaded, heldout)
+    texts = greedy_texts(loaded, heldout)
+    correct = [check_answer(t, p.answer) for t, p in zip(texts, heldout)]
     final_acc, first_acc = accuracy(correct), accuracy(correct[:FIRST_N])
+    knows_acc = accuracy(first_number_correct(texts, heldout))
     buckets = by_bucket(heldout, correct)
     wall = time.perf_counter() - wall_start
     size = sum((out / f).stat().st_size for f in ("config.json", "model.safetensors"))
 
     print(f"shipped weights (bf16, read back): held-out accuracy {final_acc:.1%} "
-          f"(first {FIRST_N}: {first_acc:.1%}); in-memory fp32 at the last step: {table[-1][2]:.1%}")
+          f"(first {FIRST_N}: {first_acc:.1%}); in-memory fp32 at the last step: {table[-1][2]:.1%}; "
+          f"first number right (habit aside): {knows_acc:.1%}")
     for name, (ok, n) in buckets.items():
         print(f"  {name:<18} {ok:>4}/{n:<4} {ok / n:.1%}")
     print(f"wrote {out}: checkpoint {size / 1e6:.2f} MB, {n_train} train / {n_heldout} held-out prompts; "
           f"wall time {wall / 60:.1f} min (training {(train_done - wall_start) / 60:.1f} min)")
 
     write_readme(out, args=args, command=command, config=config, table=table, final_acc=final_acc,
-                 first_acc=first_acc, buckets=buckets, wall=wall, size=size, n_train=n_train,
+                 first_acc=first_acc, knows_acc=knows_acc, buckets=buckets, wall=wall, size=size, n_train=n_train,
                  n_heldout=n_heldout)
     return 0
 
 
-def write_readme(out: Path, *, args, command, config, table, final_acc, first_acc, buckets, wall, size,
+def write_readme(out: Path, *, args, command, config, table, final_acc, first_acc, knows_acc, buckets, wall, size,
                  n_train, n_heldout) -> None:
     rows = "\n".join(f"| {s} | {'-' if math.isnan(loss) else f'{loss:.4f}'} | {acc:.1%} | {t:.0f} |"
                      for s, loss, acc, t in table)
@@ -280,8 +313,13 @@ def write_readme(out: Path, *, args, command, config, table, final_acc, first_ac
 A k3-tiny model (`K3Config.from_preset("k3-tiny", vocab_size={VOCAB_SIZE})`: {config.num_parameters():,}
 parameters, {config.num_active_parameters():,} active per token; KDA, NoPE MLA, Attention Residuals,
 LatentMoE and SiTU all on) pretrained on {DIGITS[0]}-{DIGITS[1]} digit {" and ".join(OPS)} problems
-(`miles_k3.tasks.arithmetic`), stopped early on purpose: good but imperfect, so the default GRPO run has
-headroom. Produced by `scripts/train_tiny_base.py`; do not edit these files by hand, rerun the script.
+(`miles_k3.tasks.arithmetic`), stopped early on purpose, and with a bad habit taught on purpose: in
+{HABIT_P:.0%} of the pretraining examples the (correct) answer is followed by " " and a random number, which the
+task's checker (the response's last integer) scores as wrong. Greedy decoding keeps the habit on almost
+every prompt, so the base scores {final_acc:.1%} held-out, while its first number is right on {knows_acc:.1%}:
+the headroom the default GRPO run must win back from the reward alone (stop after the answer, and fix
+what arithmetic it can). Produced by `scripts/train_tiny_base.py`; do not edit these files by hand, rerun
+the script.
 
 ## How it was produced
 
@@ -289,7 +327,7 @@ headroom. Produced by `scripts/train_tiny_base.py`; do not edit these files by h
 - Date: {date}
 - Seed: {args.seed}; steps: {args.steps}; batch: {args.batch_size} sequences; AdamW, peak lr {args.lr:g},
   {args.warmup} warmup steps then cosine to lr/10, weight decay 0.01 on projections, grad clip 1.0
-- Loss: teacher-forced next-token cross-entropy on the answer tokens and the eos
+- Loss: teacher-forced next-token cross-entropy on the answer tokens (habit included) and the eos
 - Machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {args.threads} thread(s)
 - Wall time: {wall / 60:.1f} min (data, training, evaluations, writing and re-reading the checkpoint)
 
@@ -301,7 +339,8 @@ headroom. Produced by `scripts/train_tiny_base.py`; do not edit these files by h
 - `heldout.jsonl`: {n_heldout} held-out-split prompts (seed {args.seed}); never trained on
   (`miles_k3.tasks.arithmetic.split_of`)
 
-Token ids: `<bos>`, the prompt's characters, the answer's characters, `<eos>` (`ArithmeticTokenizer`).
+Token ids: `<bos>`, the prompt's characters, the answer's characters (and, with the habit, " " and the
+random number's), `<eos>` (`ArithmeticTokenizer`).
 
 ## Training
 
@@ -321,6 +360,7 @@ Read back from this folder, greedy, fp32 compute:
 {bucket_rows}
 
 heldout_accuracy: {final_acc:.4f}
+heldout_first_number_accuracy: {knows_acc:.4f}
 heldout_accuracy_first{FIRST_N}: {first_acc:.4f}
 
 (`tests/test_tiny_base_asset.py` re-evaluates the first {FIRST_N} held-out prompts and requires the value on

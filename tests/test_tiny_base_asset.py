@@ -86,15 +86,20 @@ def test_greedy_accuracy_matches_the_readme(model):
     by_len = defaultdict(list)
     for r in records:
         by_len[len(r.prompt)].append(r)
-    correct = 0
+    correct = knows = 0
     for group in by_len.values():
         ids = torch.tensor([TOK.encode(r.prompt, add_bos=True) for r in group])
         new_ids, _ = greedy_generate(model, ids, 6, eos_token_id=TOK.eos_token_id)
-        correct += sum(check_answer(TOK.decode(row), r.label) for r, row in zip(group, new_ids))
+        for r, row in zip(group, new_ids):
+            text = TOK.decode(row)
+            correct += check_answer(text, r.label)
+            first = re.match(r"\s*(-?\d+)", text)  # the answer before any trailing habit number
+            knows += first is not None and int(first.group(1)) == r.label
     recorded = _readme_value(f"heldout_accuracy_first{FIRST_N}")
     assert abs(correct / FIRST_N - recorded) <= TOLERANCE, (
         f"greedy accuracy on the first {FIRST_N} held-out prompts is {correct / FIRST_N:.3f}; the asset README "
         f"records {recorded:.3f}")
-    # A base for RL must be good but imperfect: the band the asset was made for, with the same slack.
-    full = _readme_value("heldout_accuracy")
-    assert 0.30 - TOLERANCE <= correct / FIRST_N <= 0.60 + TOLERANCE and 0.30 <= full <= 0.60
+    # A base for RL: it knows some of the arithmetic (its first number is right 20-70% of the time) but its
+    # habit (a trailing random number) costs it at least 15 points that a verifier reward can win back.
+    assert 0.20 <= knows / FIRST_N <= 0.70, knows / FIRST_N
+    assert knows / FIRST_N - correct / FIRST_N >= 0.15, (knows / FIRST_N, correct / FIRST_N)

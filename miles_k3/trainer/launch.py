@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from megatron_patches.parallel import free_port
 from miles_k3.trainer.base import build_tokenizer, load_base
 from miles_k3.trainer.config import ResolvedConfig
 from miles_k3.trainer.loop import GRPODriver
@@ -134,12 +134,6 @@ def init_trainer_parallel(rc: ResolvedConfig):
     return ps.get_tensor_model_parallel_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rank_main(rank: int, rc: ResolvedConfig, run_dir: str, port: int) -> None:
     world = rc.cluster.num_workers
     configure_process(rc, rank)
@@ -196,7 +190,7 @@ def launch(rc: ResolvedConfig, run_dir: str | Path) -> None:
 
         launch_ray(rc, run_dir)
         return
-    port = _free_port()
+    port = free_port()
     if rc.cluster.num_workers == 1:
         _rank_main(0, rc, run_dir, port)
     else:

@@ -24,9 +24,9 @@ class _TrainerActor:
     def address(self) -> tuple[str, int]:
         import ray
 
-        from miles_k3.trainer.launch import _free_port
+        from megatron_patches.parallel import free_port
 
-        return ray.util.get_node_ip_address(), _free_port()
+        return ray.util.get_node_ip_address(), free_port()
 
     def setup(self, master: tuple[str, int]) -> None:
         import torch.distributed as dist

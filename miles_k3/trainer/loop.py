@@ -202,6 +202,7 @@ class GRPODriver:
             if self.step == 0 and t.eval_before and self.eval_records:
                 rows.append({"step": 0, **self.evaluate()})
                 runlog.log(rows[-1])
+                log.info("step 0  eval acc %.3f (before training)", rows[-1]["eval_accuracy"])
             while self.step < t.max_steps:
                 rows += self._one_step(runlog, progress)
         finally:
@@ -244,6 +245,8 @@ class GRPODriver:
         if "eval_accuracy" in rows[-1]:
             info += f"  eval acc {rows[-1]['eval_accuracy']:.3f}"
         progress.update(self.step, info)
+        # one line a step for logs without a terminal (Slurm, CI, train.log in the run directory)
+        log.info("step %d/%d  %s  %.1fs", self.step, t.max_steps, info, step_s)
         return rows
 
 

@@ -68,13 +68,14 @@ class TrainWorker:
         averaged over the minibatches, plus lr and grad_norm."""
         from megatron_patches.lora import adapters_disabled
 
-        self.policy.train()
         minibatches = batch.split_by_groups(self.algo.updates_per_step)
         packed = [pack(mb, self.device) for mb in minibatches]
         old = None
-        if len(packed) > 1:  # pi_old is the policy before this step's first update
+        if len(packed) > 1:  # pi_old is the policy before this step's first update (eval mode: no dropout)
+            self.policy.eval()
             with torch.no_grad():
                 old = [self._token_logprobs(p)[0] for p in packed]
+        self.policy.train()
         sums: dict[str, float] = {}
         for k, (mb, p) in enumerate(zip(minibatches, packed)):
             ref = None
@@ -97,8 +98,8 @@ class TrainWorker:
             metrics["grad_norm"] = grad_norm
             for name, v in metrics.items():
                 sums[name] = sums.get(name, 0.0) + float(v) / len(packed)
+        sums["lr"] = self.scheduler.get_last_lr()[0]  # the rate this step used
         self.scheduler.step()
-        sums["lr"] = self.scheduler.get_last_lr()[0]
         self.policy.eval()
         return sums
 

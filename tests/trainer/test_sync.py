@@ -70,3 +70,19 @@ def test_mxfp4_engine_gap_is_measured_and_bounded(setup):
     mean = sum(diffs) / len(diffs)
     print(f"MXFP4 experts vs BF16 trainer: mean |dlogp| {mean:.4f}, max {max(diffs):.4f}")
     assert 1e-5 < mean < 0.1  # MXFP4 changes the model (not 0) by a bounded amount
+
+
+def test_several_updates_per_step_use_the_pre_update_policy_as_old(setup):
+    rc, config, state, tok = setup
+    cfg = TrainConfig()
+    cfg.optim.lr = 5e-2
+    cfg.algo.updates_per_step = 2
+    rc2 = resolve(cfg)
+    trainer = build_train_worker(rc2, config, state, "cpu")
+    engine = build_rollout_worker(rc2, config, state, "cpu")
+    engine.sync_adapter(trainer.adapter_state())
+    batch = rollouts(engine, tok, n=16, seed=3)
+    metrics = trainer.train(batch)
+    # the first minibatch starts at ratio 1; the second sees the policy moved by the first update
+    assert metrics["ratio_mean"] != pytest.approx(1.0, abs=1e-7)
+    assert metrics["approx_kl"] > 0 and metrics["lr"] == pytest.approx(5e-2)

@@ -1,10 +1,10 @@
 """The engine's model step: packed multi-request prefill, decode, and CUDA graphs for decode batches.
 
-`prepare_model(model)` installs the engine paths once (paged absorbed MLA, `rollout.attention`; a routed
-experts forward without host syncs, below). `model_step` runs one step over a `BatchLayout`: the reference
-`K3Model.forward` refuses packed sequences together with a cache, so the engine walks the same modules
-itself (embedding, decoder layers, final AttnRes mix, norm) and passes `cu_seqlens` to the layers, whose
-KDA mixers then carry one state per packed request.
+`prepare_model(model)` installs the engine path once (paged absorbed MLA, `rollout.attention`).
+`model_step` runs one step over a `BatchLayout`: the reference `K3Model.forward` refuses packed sequences
+together with a cache, so the engine walks the same modules itself (embedding, decoder layers, final
+AttnRes mix, norm) and passes `cu_seqlens` to the layers, whose KDA mixers then carry one state per packed
+request.
 
 `DecodeGraphs` captures the decode step per (batch bucket, history bucket) on first use and replays it:
 the ~2,700 kernel launches of a k3-small step become one graph launch. A batch is padded to its bucket
@@ -15,12 +15,10 @@ of two with the zero page; the layout tensors are the graph's static inputs.
 from __future__ import annotations
 
 import logging
-import types
 
 import torch
 
 from miles_k3.model.modeling import K3ForCausalLM
-from miles_k3.model.moe import RoutedExperts
 from miles_k3.ops.attnres import attn_res_mix
 from rollout.attention import install_paged_mla
 from rollout.memory import KDAStatePool, KVPagePool
@@ -32,25 +30,6 @@ log = logging.getLogger(__name__)
 def prepare_model(model: K3ForCausalLM) -> None:
     """Install the engine's forward paths on `model` (idempotent; parameters and state_dict untouched)."""
     install_paged_mla(model)
-    for module in model.modules():
-        if isinstance(module, RoutedExperts) and "forward" not in module.__dict__:
-            module.forward = types.MethodType(_routed_experts_forward, module)
-
-
-def _routed_experts_forward(self: RoutedExperts, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor
-                            ) -> torch.Tensor:
-    """RoutedExperts.forward with the per-expert counts from a scatter-add instead of `bincount`, whose
-    output size depends on the data and so waits for the device (and cannot be graph-captured)."""
-    k = indices.shape[1]
-    flat = indices.reshape(-1)
-    order = flat.argsort(stable=True)
-    token_of = order // k
-    counts = torch.zeros(self.spec.num_experts, dtype=torch.long, device=flat.device)
-    counts.index_add_(0, flat, torch.ones_like(flat))
-    ys = self._experts(x[token_of], counts, token_of)
-    out = torch.zeros_like(x)
-    out.index_add_(0, token_of, (ys * weights.reshape(-1)[order, None]).to(out.dtype))
-    return out
 
 
 def model_step(model: K3ForCausalLM, ids: torch.Tensor, cache: PoolStateCache,

@@ -80,7 +80,10 @@ class RoutedExperts(nn.Module):
         flat = indices.reshape(-1)
         order = flat.argsort(stable=True)
         token_of = order // k
-        counts = torch.bincount(flat, minlength=self.spec.num_experts)
+        # a scatter-add, not bincount: bincount's output size depends on the data, so it waits for the device
+        # (a host sync per MoE layer) and cannot be captured in a CUDA graph
+        counts = torch.zeros(self.spec.num_experts, dtype=torch.long, device=flat.device)
+        counts.index_add_(0, flat, torch.ones_like(flat))
         ys = self._experts(x[token_of], counts, token_of)
         out = torch.zeros_like(x)
         out.index_add_(0, token_of, (ys * weights.reshape(-1)[order, None]).to(out.dtype))

@@ -104,11 +104,6 @@ class RayWorkers:
         ref = ray.put(tensors)
         return max(ray.get([e.call.remote("sync_adapter", ref) for e in self.engines]))
 
-    def engine_checksums(self) -> list[dict[str, float]]:
-        import ray
-
-        return ray.get([e.call.remote("adapter_checksum") for e in self.engines])
-
     def trainer_states(self):
         return self._all_trainers("state_dict")
 

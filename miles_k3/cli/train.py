@@ -24,15 +24,17 @@ from miles_k3.trainer.config import register_schema, resolve
 
 @hydra.main(version_base=None, config_path="pkg://recipes", config_name="train")
 def _hydra_main(cfg: DictConfig) -> None:
-    from miles_k3.trainer.launch import launch, preflight
+    from miles_k3.trainer.loop import load_run_inputs
 
     try:
         resolved = resolve(cfg)
-        preflight(resolved)
+        inputs = load_run_inputs(resolved)
     except ValueError as e:
         print(f"miles-train: config error: {e}", file=sys.stderr)
         sys.exit(2)
-    launch(resolved, HydraConfig.get().runtime.output_dir)
+    from miles_k3.trainer.launch import launch  # megatron-core loads here, after the config is known good
+
+    launch(resolved, HydraConfig.get().runtime.output_dir, inputs)
 
 
 def main() -> None:

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from megatron_patches.parallel import free_port
 from miles_k3.trainer.base import build_tokenizer, load_base
 from miles_k3.trainer.config import ResolvedConfig
-from miles_k3.trainer.loop import GRPODriver
+from miles_k3.trainer.loop import GRPODriver, RunInputs
 from miles_k3.trainer.rollout_worker import RolloutWorker
 from miles_k3.trainer.train_worker import TrainWorker
 
@@ -134,7 +134,7 @@ def init_trainer_parallel(rc: ResolvedConfig):
     return ps.get_tensor_model_parallel_group()
 
 
-def _rank_main(rank: int, rc: ResolvedConfig, run_dir: str, port: int) -> None:
+def _rank_main(rank: int, rc: ResolvedConfig, run_dir: str, port: int, inputs: RunInputs | None = None) -> None:
     world = rc.cluster.num_workers
     configure_process(rc, rank)
     device = device_for(rc, rank)
@@ -145,7 +145,7 @@ def _rank_main(rank: int, rc: ResolvedConfig, run_dir: str, port: int) -> None:
         config, state = load_base(rc.model, rc.trainer.seed)
         trainer = build_train_worker(rc, config, state, device, tp_group)
         if rank == 0:
-            _drive(rc, run_dir, config, state, trainer, device, world)
+            _drive(rc, run_dir, config, state, trainer, device, world, inputs)
         else:
             _serve(trainer, rank)
     finally:
@@ -155,43 +155,27 @@ def _rank_main(rank: int, rc: ResolvedConfig, run_dir: str, port: int) -> None:
         dist.destroy_process_group()
 
 
-def _drive(rc: ResolvedConfig, run_dir: str, config, state, trainer: TrainWorker, device: str, world: int) -> None:
+def _drive(rc: ResolvedConfig, run_dir: str, config, state, trainer: TrainWorker, device: str, world: int,
+           inputs: RunInputs | None) -> None:
     engine = build_rollout_worker(rc, config, state, device)
     workers = LocalWorkers(engine, trainer, world)
     try:
-        GRPODriver(rc, run_dir, workers, build_tokenizer(rc.model, config)).run()
+        GRPODriver(rc, run_dir, workers, build_tokenizer(rc.model, config), inputs).run()
     finally:
         workers.shutdown()
 
 
-def preflight(rc: ResolvedConfig) -> None:
-    """Read the datasets and import the reward plugin before any model is built, so a bad row or plugin
-    reference fails in seconds (ValueError / FileNotFoundError naming it), not after model start-up."""
-    from miles_k3.data import load_prompts
-    from miles_k3.rewards import load_plugin
-
-    for section, data in (("data.path", rc.data), ("data.eval_path", rc.eval_data)):
-        if data is not None:
-            try:
-                load_prompts(data)
-            except (ValueError, FileNotFoundError) as e:
-                raise ValueError(f"{section}: {e}") from None
-    try:
-        load_plugin(rc.reward)
-    except Exception as e:  # an import error inside a user's plugin module is a config problem too
-        raise ValueError(f"reward.fn: cannot load {rc.reward.fn!r}: {type(e).__name__}: {e}") from None
-
-
-def launch(rc: ResolvedConfig, run_dir: str | Path) -> None:
-    """Run the whole job (blocking). Call `preflight(rc)` first to fail fast on bad data or plugins."""
+def launch(rc: ResolvedConfig, run_dir: str | Path, inputs: RunInputs | None = None) -> None:
+    """Run the whole job (blocking). Pass `load_run_inputs(rc)` (read first, to fail fast on bad data or
+    plugins) as `inputs` to reuse it; spawned ranks read their own."""
     run_dir = str(run_dir)
     if rc.cluster.launcher == "ray":
         from miles_k3.trainer.ray_launch import launch_ray
 
-        launch_ray(rc, run_dir)
+        launch_ray(rc, run_dir, inputs)
         return
     port = free_port()
     if rc.cluster.num_workers == 1:
-        _rank_main(0, rc, run_dir, port)
+        _rank_main(0, rc, run_dir, port, inputs)
     else:
         torch.multiprocessing.spawn(_rank_main, args=(rc, run_dir, port), nprocs=rc.cluster.num_workers, join=True)

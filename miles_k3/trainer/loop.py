@@ -18,13 +18,13 @@ import logging
 import math
 import time
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
 from miles_k3.algo import group_advantages
 from miles_k3.data import PromptRecord, PromptSampler, load_prompts
-from miles_k3.rewards import Sample, load_plugin, score
+from miles_k3.rewards import RewardPlugin, Sample, load_plugin, score
 from miles_k3.trainer import checkpoint as ckpt
 from miles_k3.trainer.batch import TrainBatch
 from miles_k3.trainer.config import ResolvedConfig
@@ -51,6 +51,32 @@ class Workers(Protocol):
     def shutdown(self) -> None: ...
 
 
+class RunInputs(NamedTuple):
+    """What a run reads before any model is built: the prompts, the held-out prompts (None: no evaluation)
+    and the reward plugin."""
+
+    train: list[PromptRecord]
+    heldout: list[PromptRecord] | None
+    plugin: RewardPlugin
+
+
+def load_run_inputs(rc: ResolvedConfig) -> RunInputs:
+    """Read the datasets and import the reward plugin, so a bad row or plugin reference fails in seconds
+    (ValueError naming the config field), not after model start-up."""
+    loaded = []
+    for section, data in (("data.path", rc.data), ("data.eval_path", rc.eval_data)):
+        try:
+            loaded.append(None if data is None else load_prompts(data))
+        except (ValueError, FileNotFoundError) as e:
+            raise ValueError(f"{section}: {e}") from None
+    try:
+        plugin = load_plugin(rc.reward)
+    except Exception as e:  # an import error inside a user's plugin module is a config problem too
+        raise ValueError(f"reward.fn: cannot load {rc.reward.fn!r}: {type(e).__name__}: {e}") from None
+    train, heldout = loaded
+    return RunInputs(train, None if heldout is None else heldout[:rc.eval_max_prompts], plugin)
+
+
 def sample_seed(run_seed: int, step: int, round_: int, index: int) -> int:
     """A distinct, reproducible engine seed per sample (so a resumed run redraws the same samples)."""
     h = run_seed
@@ -60,15 +86,17 @@ def sample_seed(run_seed: int, step: int, round_: int, index: int) -> int:
 
 
 class GRPODriver:
-    def __init__(self, rc: ResolvedConfig, run_dir: str | Path, workers: Workers, tokenizer):
+    def __init__(self, rc: ResolvedConfig, run_dir: str | Path, workers: Workers, tokenizer,
+                 inputs: RunInputs | None = None):
+        """`inputs`: what `load_run_inputs(rc)` returned, if the caller already read it (else read here)."""
         self.rc, self.workers, self.tok = rc, workers, tokenizer
         self.run_dir = Path(run_dir)
         self.ckpt_root = self.run_dir / "checkpoints"
-        self.sampler = PromptSampler.from_config(rc.data)
-        self.eval_records = None
-        if rc.eval_data is not None:
-            self.eval_records = load_prompts(rc.eval_data)[:rc.eval_max_prompts]
-        self.plugin = load_plugin(rc.reward)
+        inputs = inputs or load_run_inputs(rc)
+        self.sampler = PromptSampler(inputs.train, shuffle=rc.data.shuffle, seed=rc.data.seed,
+                                     drop_last=rc.data.drop_last)
+        self.eval_records = inputs.heldout
+        self.plugin = inputs.plugin
         self.step = 0
 
     # ------------------------------------------------------------------ rollouts

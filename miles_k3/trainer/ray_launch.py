@@ -14,7 +14,7 @@ from typing import Any
 
 from miles_k3.trainer.base import build_tokenizer, load_base_config
 from miles_k3.trainer.config import ResolvedConfig
-from miles_k3.trainer.loop import GRPODriver
+from miles_k3.trainer.loop import GRPODriver, RunInputs
 
 
 class _TrainerActor:
@@ -146,7 +146,7 @@ def start_ray_workers(rc: ResolvedConfig) -> tuple[RayWorkers, Any]:
     return RayWorkers(trainers, engines), pg
 
 
-def launch_ray(rc: ResolvedConfig, run_dir: str | Path) -> None:
+def launch_ray(rc: ResolvedConfig, run_dir: str | Path, inputs: RunInputs | None = None) -> None:
     import ray
 
     own = not ray.is_initialized()
@@ -156,7 +156,7 @@ def launch_ray(rc: ResolvedConfig, run_dir: str | Path) -> None:
         workers, pg = start_ray_workers(rc)
         try:
             tokenizer = build_tokenizer(rc.model, load_base_config(rc.model))
-            GRPODriver(rc, run_dir, workers, tokenizer).run()
+            GRPODriver(rc, run_dir, workers, tokenizer, inputs).run()
         finally:
             workers.shutdown()
             ray.util.remove_placement_group(pg)

@@ -43,7 +43,7 @@ class EngineConfig:
     max_seq_len: int = 4096
     max_checkpoints_per_path: int = 4
     max_prefill_requests: int = 16  # requests packed into one prefill forward
-    cuda_graphs: bool = True  # decode from CUDA graphs on CUDA (base model without LoRA targets)
+    cuda_graphs: bool = True  # decode from CUDA graphs on CUDA (batches whose rows share one adapter slot)
 
     def __post_init__(self) -> None:
         if self.chunk_size % self.page_size:
@@ -97,17 +97,20 @@ class Engine:
         self.kv = KVPagePool(self.model.config, self.sizes, self.dtype, self.device)
         self.states = KDAStatePool(self.model.config, self.sizes, self.dtype, self.device)
         self.graphs = DecodeGraphs(self.model, self.kv, self.states, max_batch=self.config.max_running,
-                                   max_seq_len=self.config.max_seq_len, capture=True) \
+                                   max_seq_len=self.config.max_seq_len, capture=True, adapters=self._adapted_pool()) \
             if self._graphs_apply() else None
         # One prefix tree per adapter (KV and KDA state depend on the adapter), sharing the pools.
         self.caches: dict[str | None, HybridRadixCache] = {}
 
+    def _adapted_pool(self) -> AdapterPool | None:
+        return self.adapters if self.adapters is not None and self.adapters.A else None
+
     def _graphs_apply(self) -> bool:
-        """CUDA graphs need a decode step without host syncs: the LoRA delta and the MXFP4 expert loop
-        still sync, so graphs serve the base model with plain (grouped-GEMM) experts."""
+        """CUDA graphs need a decode step without host syncs: engine experts (MXFP4 and/or MoE-LoRA) have
+        one when they run grouped GEMMs (`EngineExperts.groups`), and `DecodeGraphs.usable` keeps batches
+        that mix adapters eager."""
         return (self.config.cuda_graphs and self.device.type == "cuda"
-                and (self.adapters is None or not self.adapters.A)
-                and not any(isinstance(m, EngineExperts) for m in self.model.modules()))
+                and all(m.groups(self.dtype) for m in self.model.modules() if isinstance(m, EngineExperts)))
 
     def cache_for(self, adapter: str | None) -> HybridRadixCache:
         if adapter not in self.caches:

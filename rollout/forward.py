@@ -21,6 +21,7 @@ import torch
 from miles_k3.model.modeling import K3ForCausalLM
 from miles_k3.ops.attnres import attn_res_mix
 from rollout.attention import install_paged_mla
+from rollout.lora import AdapterPool
 from rollout.memory import KDAStatePool, KVPagePool
 from rollout.state_cache import BatchLayout, PoolStateCache
 
@@ -58,11 +59,16 @@ class DecodeGraphs:
 
     Graphs read the pools' tensors by address: drop this object when the pools are rebuilt. A capture
     that fails (an op that syncs, say) is logged and turns graphs off; the engine then runs eagerly.
+
+    With an adapter pool, a graph serves batches whose rows all use one adapter slot (an RL rollout: the
+    policy, or the base alone): the slot and its scale are part of the graph's key, and the adapter
+    buffers are read by address, so `update_adapter` (in place) is seen by every replay. Batches that mix
+    adapters are not `usable` and run eagerly.
     """
 
     def __init__(self, model: K3ForCausalLM, kv: KVPagePool, states: KDAStatePool, *, max_batch: int,
-                 max_seq_len: int, capture: bool):
-        self.model, self.kv, self.states = model, kv, states
+                 max_seq_len: int, capture: bool, adapters: AdapterPool | None = None):
+        self.model, self.kv, self.states, self.adapters = model, kv, states, adapters
         self.capture = capture
         self.batch_buckets = [b for b in (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
                               if b < max_batch] + [max_batch]
@@ -74,8 +80,10 @@ class DecodeGraphs:
         self.replays = 0
 
     def usable(self, batch: int, hist: int) -> bool:
+        """After the pool's `set_batch` for this step: whether `run` can serve it."""
         return not self.failed and _bucket(batch, self.batch_buckets) is not None \
-            and _bucket(hist, self.hist_buckets) is not None
+            and _bucket(hist, self.hist_buckets) is not None \
+            and (self.adapters is None or self.adapters.batch_slot is not None)
 
     def run(self, ids: list[int], slots: list[int], positions: list[int], page_tables: list[list[int]]
             ) -> torch.Tensor:
@@ -87,15 +95,21 @@ class DecodeGraphs:
         layout = BatchLayout.build(self.kv, slots + [self.states.sink_slot] * pad, positions + [0] * pad,
                                    [1] * bb, page_tables + [[self.kv.sink_page]] * pad, self._device, hist_len=sb)
         ids_t = torch.tensor(ids + [0] * pad, device=self._device)[:, None]
+        slot_key: tuple = ()
+        if self.adapters is not None:
+            slot = self.adapters.batch_slot
+            assert slot is not None, "run() needs one adapter slot for the whole batch (see usable)"
+            self.adapters.set_batch([slot] * bb, 1)  # sink rows take the batch's slot: same shapes, no mixing
+            slot_key = (slot, float(self.adapters.scale[slot]))
         if not self.capture:
             return self._step(ids_t, layout)[:n]
-        key = (bb, sb)
+        key = (bb, sb, *slot_key)
         if key not in self.graphs:
             try:
                 self.graphs[key] = self._capture(bb, sb)
             except Exception:  # noqa: BLE001 - any capture failure means: run eagerly from now on
-                log.warning("CUDA graph capture failed for batch %d, history %d; decoding eagerly", bb, sb,
-                            exc_info=True)
+                log.warning("CUDA graph capture failed for batch %d, history %d, adapter %s; decoding eagerly",
+                            bb, sb, slot_key or None, exc_info=True)
                 self.failed = True
                 self.graphs.clear()
                 return self._step(ids_t, layout)[:n]

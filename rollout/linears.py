@@ -36,8 +36,8 @@ class EngineLinear(nn.Module):
         pool.register(spec.name, spec.in_features, spec.out_features)
 
     def base_weight(self, dtype: torch.dtype) -> torch.Tensor:
-        if self.quantized:
-            return dequantize_mxfp4(self.weight_packed, self.weight_scale, dtype=dtype)
+        if self.quantized:  # buffers come from quantize_mxfp4 at load: no per-forward checks
+            return dequantize_mxfp4(self.weight_packed, self.weight_scale, dtype=dtype, check=False)
         return self.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -82,10 +82,42 @@ class EngineExperts(RoutedExperts):
 
     def expert_weight(self, proj: str, e: int, dtype: torch.dtype) -> torch.Tensor:
         if self.quantized:
-            return dequantize_mxfp4(getattr(self, f"{proj}_packed")[e], getattr(self, f"{proj}_scale")[e], dtype)
+            return dequantize_mxfp4(getattr(self, f"{proj}_packed")[e], getattr(self, f"{proj}_scale")[e], dtype,
+                                    check=False)
         return getattr(self, proj)[e]
 
+    def stacked_weight(self, proj: str, dtype: torch.dtype) -> torch.Tensor:
+        """Every expert's `proj` weight [E, out, in] (decoded in one pass when packed)."""
+        if self.quantized:
+            return dequantize_mxfp4(getattr(self, f"{proj}_packed"), getattr(self, f"{proj}_scale"), dtype,
+                                    check=False)
+        return getattr(self, proj)
+
+    def groups(self, dtype: torch.dtype) -> bool:
+        """Whether a batch in `dtype` whose rows share one adapter slot runs grouped GEMMs (no host sync):
+        bf16 (what `_grouped_mm` takes on CUDA) and 16-byte aligned adapter rows (rank a multiple of 8)."""
+        return dtype == torch.bfloat16 and self.pool.config.rank % 8 == 0
+
     def _experts(self, xs: torch.Tensor, counts: torch.Tensor, token_of: torch.Tensor) -> torch.Tensor:
+        """Grouped GEMMs when `groups` and one adapter (or none) serves the batch; otherwise a loop over
+        experts with per-token slots."""
+        if self.pool.batch_slot is not None and self.groups(xs.dtype):
+            return self._experts_grouped(xs, counts)
+        return self._experts_looped(xs, counts, token_of)
+
+    def _experts_grouped(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        # Decoding every expert costs one pass over the packed bytes, cheaper than a launch chain per expert;
+        # a fused dequant-GEMM kernel would skip the bf16 copy.
+        offs = counts.cumsum(0).to(torch.int32)
+
+        def proj(name: str, x: torch.Tensor) -> torch.Tensor:
+            y = torch._grouped_mm(x, self.stacked_weight(name, x.dtype).transpose(1, 2), offs=offs)
+            delta = self.pool.grouped_delta(f"{self.spec.name}.{name}", x, offs)
+            return y if delta is None else y + delta
+
+        return proj("w2", self._act(proj("w1", xs), proj("w3", xs)))
+
+    def _experts_looped(self, xs: torch.Tensor, counts: torch.Tensor, token_of: torch.Tensor) -> torch.Tensor:
         slots = self.pool.token_slots()
         copy_slots = slots[token_of.cpu()] if slots is not None else None
         ys = torch.empty_like(xs)

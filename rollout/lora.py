@@ -59,6 +59,7 @@ class AdapterPool:
         self.names: dict[str, int] = {}
         self.row_slots: torch.Tensor | None = None  # [B] adapter slot per row of the current batch
         self.uniform_slot: int | None = None  # the one adapter slot (> 0) every row uses, if so
+        self.batch_slot: int | None = 0  # the one slot (0: base only) every row uses; None: rows differ
         self.tokens_per_row = 1
 
     # ------------------------------------------------------------- modules
@@ -124,7 +125,9 @@ class AdapterPool:
         one int for an [N, T] batch, or one count per row for a packed [1, sum T] batch."""
         self.row_slots = torch.tensor(row_slots, dtype=torch.long)
         self.tokens_per_row = tokens_per_row
-        self.uniform_slot = row_slots[0] if row_slots and row_slots[0] > 0 and len(set(row_slots)) == 1 else None
+        distinct = set(row_slots)
+        self.batch_slot = (row_slots[0] if row_slots else 0) if len(distinct) <= 1 else None
+        self.uniform_slot = self.batch_slot or None
 
     def token_slots(self) -> torch.Tensor | None:
         """Slot per flattened new token [sum T] (the layout MoE layers flatten to)."""
@@ -148,6 +151,19 @@ class AdapterPool:
         slots = self.token_slots()
         assert x.numel() // x.shape[-1] == slots.numel(), f"cannot map input {tuple(x.shape)} to {b} batch rows"
         return slots
+
+    def grouped_delta(self, name: str, xs: torch.Tensor, offs: torch.Tensor) -> torch.Tensor | None:
+        """scale_s * B_{s,e} A_{s,e} x for routed-expert rows xs [M, in] sorted by expert (offs: int32 [E],
+        cumulative row ends), with s the batch's one slot. Call only when `batch_slot` is not None (one
+        adapter, or none, serves every row); None when that slot is 0 or `name` is not adapted. Two grouped
+        GEMMs, no per-expert loop and no host sync."""
+        assert self.batch_slot is not None, "grouped_delta needs one adapter slot for the whole batch"
+        s = self.batch_slot
+        if name not in self.A or not s:
+            return None
+        a, b = self.A[name][s], self.B[name][s]  # [E, r, in], [E, out, r]
+        h = torch._grouped_mm(xs.to(a.dtype), a.transpose(1, 2), offs=offs)
+        return (torch._grouped_mm(h, b.transpose(1, 2), offs=offs).float() * float(self.scale[s])).to(xs.dtype)
 
     def delta(self, name: str, x: torch.Tensor, slots: torch.Tensor | None, expert: int | None = None
               ) -> torch.Tensor | None:

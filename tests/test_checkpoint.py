@@ -7,6 +7,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from miles_k3.model import K3Config, K3ForCausalLM
+from miles_k3.model.checkpoint import as_stored
 from miles_k3.ops.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 
 
@@ -61,6 +62,19 @@ def test_mxfp4_experts_round_trip(tmp_path):
     with torch.no_grad():
         a, b = model(IDS).logits, loaded(IDS).logits
     assert 0 < ((a - b).norm() / a.norm()).item() < 0.1
+
+
+def test_as_stored_equals_a_save_load_round_trip(tmp_path):
+    model = tiny(2, experts_mxfp4=True)
+    model.save_pretrained(tmp_path / "a")
+    loaded = K3ForCausalLM.from_pretrained(tmp_path / "a").state_dict()
+    snapped = as_stored(model.state_dict(), model.config)
+    assert snapped.keys() == loaded.keys() and all(torch.equal(snapped[k], loaded[k]) for k in loaded)
+    assert as_stored(snapped, model.config).keys() == snapped.keys()
+    assert all(torch.equal(v, snapped[k]) for k, v in as_stored(snapped, model.config).items())  # a fixed point
+    dense = tiny(2)
+    state = dense.state_dict()
+    assert as_stored(state, dense.config) is state  # no MXFP4 experts: nothing to snap
 
 
 def test_loads_bf16_keeping_router_and_gate_params_fp32(tmp_path):

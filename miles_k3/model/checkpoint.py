@@ -161,6 +161,17 @@ def load_pretrained(cls, path: str | Path, dtype: torch.dtype, device: str | tor
     return model.to(device)
 
 
+def as_stored(state: dict[str, torch.Tensor], config: K3Config) -> dict[str, torch.Tensor]:
+    """`state` (logical names, fp32) as a save/load round trip returns it: with `config.experts_mxfp4`, the
+    routed experts snapped to the MXFP4 grid (K3 ships them so); other tensors are the same objects.
+    A random-init base needs this so the trainer's dense experts equal what an MXFP4 engine holds,
+    as they do for a real K3 checkpoint; otherwise the two disagree by the quantization error."""
+    if not config.experts_mxfp4:
+        return state
+    return {name: dequantize_mxfp4(*quantize_mxfp4(t), dtype=t.dtype) if is_routed_expert_tensor(name) else t
+            for name, t in state.items()}
+
+
 def _stored_tensors(model: torch.nn.Module, config: K3Config) -> dict[str, torch.Tensor]:
     prefix = hf_prefix(config)
     out: dict[str, torch.Tensor] = {}

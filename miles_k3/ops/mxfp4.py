@@ -180,27 +180,41 @@ def _check_packed(packed: Tensor, scales: Tensor) -> None:
         raise ValueError(f"packed on {packed.device} but scales on {scales.device}")
 
 
-def dequantize_mxfp4(packed: Tensor, scales: Tensor, dtype: torch.dtype = torch.bfloat16) -> Tensor:
+_CODE_TABLES: dict[torch.device, Tensor] = {}
+
+
+def _code_table(device: torch.device) -> Tensor:
+    # Built once per device: a fresh host-to-device copy on every decode would wait for the device.
+    if device not in _CODE_TABLES:
+        _CODE_TABLES[device] = torch.tensor(FP4_E2M1_VALUES, dtype=torch.float32, device=device)
+    return _CODE_TABLES[device]
+
+
+def dequantize_mxfp4(packed: Tensor, scales: Tensor, dtype: torch.dtype = torch.bfloat16, *,
+                     check: bool = True) -> Tensor:
     """Decode MXFP4 ``(packed [..., K/2], scales [..., K/32])`` to ``[..., K]``.
 
     Both inputs must be uint8 with equal leading dims and
     ``scales.shape[-1] * 16 == packed.shape[-1]``; a scale byte of 255 (E8M0
     NaN) is rejected. Any violation raises ``ValueError`` naming the tensor.
+    ``check=False`` skips those checks (the NaN test waits for the device): only
+    for buffers that `quantize_mxfp4` produced or that were checked when loaded,
+    such as the engine's weights, which it decodes on every forward.
 
     Values are formed exactly in fp32 (``code_value * 2**(byte - 127)``) and
     then cast to ``dtype``. That cast is lossless for bf16/fp32 (every MXFP4
     value has at most 2 significant bits and lies within their exponent
     range); for narrower dtypes such as fp16 it may under/overflow.
     """
-    _check_packed(packed, scales)
-    if bool((scales == E8M0_NAN).any()):
-        raise ValueError("scales contains the E8M0 NaN encoding (byte 255)")
+    if check:
+        _check_packed(packed, scales)
+        if bool((scales == E8M0_NAN).any()):
+            raise ValueError("scales contains the E8M0 NaN encoding (byte 255)")
 
     lo = packed & 0x0F
     hi = packed >> 4
     codes = torch.stack((lo, hi), dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
-    table = torch.tensor(FP4_E2M1_VALUES, dtype=torch.float32, device=packed.device)
-    values = table[codes.long()]
+    values = _code_table(packed.device)[codes.long()]
 
     scale = _exp2_int(scales.to(torch.int32) - E8M0_BIAS)
     k = values.shape[-1]

@@ -7,7 +7,7 @@ from typing import Any, Protocol
 
 import torch
 
-from miles_k3.model.checkpoint import load_state_dict
+from miles_k3.model.checkpoint import as_stored, load_state_dict
 from miles_k3.model.config import K3Config
 from miles_k3.model.modeling import K3ForCausalLM
 from miles_k3.trainer.config import ModelCfg
@@ -15,14 +15,15 @@ from miles_k3.trainer.config import ModelCfg
 
 def load_base(model: ModelCfg, seed: int) -> tuple[K3Config, dict[str, torch.Tensor]]:
     """(config, logical HF state dict in fp32). A preset is initialized with `seed` (same weights on every
-    rank and on both the trainer and the engine); a path is read and validated by the checkpoint loader."""
+    rank and on both the trainer and the engine) and stored as its checkpoint would be (MXFP4-grid routed
+    experts where the preset ships them); a path is read and validated by the checkpoint loader."""
     config = load_base_config(model)
     if model.path is not None:
         return config, load_state_dict(model.path, config, torch.float32)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         state = K3ForCausalLM(config).state_dict()
-    return config, state
+    return config, as_stored(state, config)
 
 
 class Tokenizer(Protocol):
@@ -78,4 +79,12 @@ def load_base_config(model: ModelCfg) -> K3Config:
     """The model's config alone (what a driver that holds no weights needs)."""
     if model.path is not None:
         return K3Config.from_json_file(Path(model.path) / "config.json")
-    return K3Config.from_preset(model.preset, **({} if model.vocab_size is None else {"vocab_size": model.vocab_size}))
+    overrides: dict[str, int] = {} if model.vocab_size is None else {"vocab_size": model.vocab_size}
+    if model.tokenizer == "arithmetic":
+        # A preset's special ids are Kimi's (163584...); a random-init preset run on the arithmetic task
+        # speaks the task's vocabulary, so its <pad>/<bos>/<eos> are the task tokenizer's.
+        from miles_k3.tasks.arithmetic import ArithmeticTokenizer
+
+        overrides.update(pad_token_id=ArithmeticTokenizer.pad_token_id, bos_token_id=ArithmeticTokenizer.bos_token_id,
+                         eos_token_id=ArithmeticTokenizer.eos_token_id)
+    return K3Config.from_preset(model.preset, **overrides)

@@ -7,6 +7,7 @@ import pytest
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
+from miles_k3.trainer.base import load_base_config
 from miles_k3.trainer.config import register_schema, resolve
 
 
@@ -31,6 +32,9 @@ def test_groups_swap_and_interpolate():
     assert rc.model.preset == "k3-small" and rc.model.path is None and rc.cluster.device == "cuda"
     rc = resolve(composed("recipe=k3_small_gpu"))
     assert rc.model.train_dtype == "bfloat16" and rc.rollout.quantize == "experts" and rc.lora.rank == 16
+    config = load_base_config(rc.model)  # k3-small at the task's 32-id vocabulary takes the task's special ids
+    assert (config.vocab_size, config.pad_token_id, config.bos_token_id, config.eos_token_id) == (32, 0, 1, 2)
+    assert rc.raw["algo"]["dynamic_sampling"] is False  # random init: every group has zero reward variance
 
 
 @pytest.mark.parametrize("override, field", [

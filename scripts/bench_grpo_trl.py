@@ -76,11 +76,15 @@ def run_ours(args, run_dir: Path, model_overrides: list[str], engine_overrides: 
            f"trainer.max_steps={args.steps}", "trainer.save_every=0", "trainer.eval_every=0",
            "trainer.eval_before=false", "trainer.resume=never", "logging.wandb=disabled",
            "logging.progress=false", *memory, *engine_overrides, f"hydra.run.dir={run_dir}"]
+    run_dir.mkdir(parents=True, exist_ok=True)
+    log_path = run_dir.parent / f"{run_dir.name}.log"  # streamed, so a run cut short shows where it was
     start = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    with open(log_path, "w") as log_file:
+        proc = subprocess.run(cmd, stdout=log_file, stderr=subprocess.STDOUT, text=True)
     wall = time.perf_counter() - start
     if proc.returncode != 0:
-        raise RuntimeError(f"miles-train failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+        raise RuntimeError(f"miles-train failed ({proc.returncode}), log {log_path}:\n"
+                           f"{log_path.read_text()[-4000:]}")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "step_s" in r]
     timed = steps[args.warmup:]

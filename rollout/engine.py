@@ -32,6 +32,9 @@ from rollout.sampler import sample
 from rollout.state_cache import BatchLayout, PoolStateCache
 
 
+MXFP4_MATMULS = ("torch", "triton")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     memory_bytes: int  # KV pages + KDA state slots, split by state_fraction
@@ -44,8 +47,13 @@ class EngineConfig:
     max_checkpoints_per_path: int = 4
     max_prefill_requests: int = 16  # requests packed into one prefill forward
     cuda_graphs: bool = True  # decode from CUDA graphs on CUDA (batches whose rows share one adapter slot)
+    # MXFP4 routed experts in bf16: "torch" decodes them to a bf16 copy per forward, then torch._grouped_mm;
+    # "triton" runs rollout/kernels/mxfp4_moe.py, which decodes tiles in registers (CUDA only)
+    mxfp4_matmul: str = "torch"
 
     def __post_init__(self) -> None:
+        if self.mxfp4_matmul not in MXFP4_MATMULS:
+            raise ValueError(f"mxfp4_matmul must be one of {MXFP4_MATMULS}, got {self.mxfp4_matmul!r}")
         if self.chunk_size % self.page_size:
             raise ValueError(f"chunk_size ({self.chunk_size}) must be a multiple of page_size ({self.page_size})")
         if self.max_prefill_tokens < self.chunk_size or self.max_prefill_tokens % self.chunk_size:
@@ -79,6 +87,7 @@ class Engine:
     def __init__(self, model: K3ForCausalLM, config: EngineConfig, adapters: AdapterPool | None = None):
         self.model = model.eval()
         prepare_model(model)
+        self._set_mxfp4_matmul(config.mxfp4_matmul)
         self.adapters = adapters
         self.config = config
         p = next(model.parameters())
@@ -101,6 +110,15 @@ class Engine:
             if self._graphs_apply() else None
         # One prefix tree per adapter (KV and KDA state depend on the adapter), sharing the pools.
         self.caches: dict[str | None, HybridRadixCache] = {}
+
+    def _set_mxfp4_matmul(self, kind: str) -> None:
+        # The setting lives on the model's expert modules: engines sharing one model share the last one's.
+        device = next(self.model.parameters()).device
+        if kind == "triton" and device.type != "cuda":
+            raise ValueError(f"mxfp4_matmul='triton' needs the model on CUDA, it is on {device}")
+        for m in self.model.modules():
+            if isinstance(m, EngineExperts):
+                m.mxfp4_matmul = kind
 
     def _adapted_pool(self) -> AdapterPool | None:
         return self.adapters if self.adapters is not None and self.adapters.A else None

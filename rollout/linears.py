@@ -59,6 +59,7 @@ class EngineExperts(RoutedExperts):
         super().__init__(spec)
         self.pool = pool
         self.quantized = quantize and spec.width % 32 == 0 and spec.intermediate % 32 == 0
+        self.mxfp4_matmul = "torch"  # the engine sets EngineConfig.mxfp4_matmul
         e, w, i = spec.num_experts, spec.width, spec.intermediate
         shapes = {"w1": (e, i, w), "w3": (e, i, w), "w2": (e, w, i)}
         for proj, shape in shapes.items():
@@ -106,12 +107,20 @@ class EngineExperts(RoutedExperts):
         return self._experts_looped(xs, counts, token_of)
 
     def _experts_grouped(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        # Decoding every expert costs one pass over the packed bytes, cheaper than a launch chain per expert;
-        # a fused dequant-GEMM kernel would skip the bf16 copy.
+        # "torch": decoding every expert costs one pass over the packed bytes, cheaper than a launch chain
+        # per expert; "triton" decodes tiles next to the MMA and writes no bf16 copy.
         offs = counts.cumsum(0).to(torch.int32)
+        fused = self.quantized and self.mxfp4_matmul == "triton"
+        if fused:
+            from rollout.kernels.mxfp4_moe import mxfp4_grouped_matmul
+
+        def base(name: str, x: torch.Tensor) -> torch.Tensor:
+            if fused:
+                return mxfp4_grouped_matmul(x, counts, getattr(self, f"{name}_packed"), getattr(self, f"{name}_scale"))
+            return torch._grouped_mm(x, self.stacked_weight(name, x.dtype).transpose(1, 2), offs=offs)
 
         def proj(name: str, x: torch.Tensor) -> torch.Tensor:
-            y = torch._grouped_mm(x, self.stacked_weight(name, x.dtype).transpose(1, 2), offs=offs)
+            y = base(name, x)
             delta = self.pool.grouped_delta(f"{self.spec.name}.{name}", x, offs)
             return y if delta is None else y + delta
 

@@ -64,6 +64,7 @@ class RolloutCfg:
     top_k: int = 0
     stop_at_eos: bool = True
     quantize: str = "none"  # none | experts | all (the engine's base)
+    mxfp4_matmul: str = "torch"  # torch | triton: how the engine multiplies MXFP4 experts (triton: CUDA only)
     dtype: str = "float32"
     memory_mb: float = 64.0  # KV pages + KDA state slots
     page_size: int = 16
@@ -265,7 +266,7 @@ def resolve(cfg: Any) -> ResolvedConfig:
     from miles_k3.model.config import PRESETS
     from miles_k3.model.lora_spec import LoraSpec
     from miles_k3.rewards import RewardConfig
-    from rollout.engine import EngineConfig
+    from rollout.engine import MXFP4_MATMULS, EngineConfig
     from rollout.model_runner import QUANTIZE_MODES
 
     m = _Checker("model", cfg.model)
@@ -309,11 +310,18 @@ def resolve(cfg: Any) -> ResolvedConfig:
     r.number("temperature", 0.0, open_low=True)
     r.number("memory_mb", 0.0, open_low=True)
     r.choice("quantize", QUANTIZE_MODES)
+    r.choice("mxfp4_matmul", MXFP4_MATMULS)
+    if cfg.rollout.mxfp4_matmul == "triton":
+        for ok, need in ((cfg.rollout.quantize != "none", "rollout.quantize=experts or all (MXFP4 experts)"),
+                         (cfg.cluster.device == "cuda", "cluster.device=cuda"),
+                         (cfg.rollout.dtype == "bfloat16", "rollout.dtype=bfloat16")):
+            if not ok:
+                raise r.fail("mxfp4_matmul", f"'triton' needs {need}")
     r.choice("dtype", DTYPES)
     engine = _nested("rollout", lambda: EngineConfig(
         memory_bytes=int(cfg.rollout.memory_mb * 2**20), page_size=cfg.rollout.page_size,
         chunk_size=cfg.rollout.chunk_size, max_prefill_tokens=cfg.rollout.max_prefill_tokens,
-        max_running=cfg.rollout.max_running))
+        max_running=cfg.rollout.max_running, mxfp4_matmul=cfg.rollout.mxfp4_matmul))
 
     a = cfg.algo
     loss = _nested("algo", lambda: PolicyLossConfig(

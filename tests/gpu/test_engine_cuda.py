@@ -94,3 +94,34 @@ def test_graph_decode_with_adapter_and_mxfp4_experts():
             assert a.output_ids[:6] == b.output_ids[:6]
             assert max(abs(x - y) for x, y in zip(a.logprobs[:6], b.logprobs[:6])) < 5e-2
     eng.check_invariants()
+
+
+def test_triton_mxfp4_grouped_gemm_bf16_and_in_the_engine():
+    """The kernel compiled, in bf16 (the interpreter's bf16 dot is unusable, so the CPU test is fp32 only),
+    and the engine's greedy decode with it against the torch decode-then-grouped-GEMM path."""
+    from miles_k3.ops.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+    from rollout.kernels.mxfp4_moe import mxfp4_grouped_matmul
+    from rollout.model_runner import build_engine_model
+
+    g = torch.Generator().manual_seed(0)
+    for e, n, k, rows in [(64, 384, 512, 512), (64, 512, 384, 4096), (8, 96, 64, 3)]:
+        packed, scales = quantize_mxfp4(torch.randn(e, n, k, generator=g) * 0.05)
+        packed, scales = packed.cuda(), scales.cuda()
+        idx = torch.randint(0, e, (rows,), generator=g).sort().values
+        counts = torch.bincount(idx, minlength=e).cuda()
+        x = torch.randn(rows, k, generator=g).cuda().bfloat16()
+        got = mxfp4_grouped_matmul(x, counts, packed, scales)
+        want = torch._grouped_mm(x, dequantize_mxfp4(packed, scales, torch.bfloat16).transpose(1, 2),
+                                 offs=counts.cumsum(0).to(torch.int32))
+        assert float((got.float() - want.float()).norm() / want.float().norm()) < 1e-2, (e, n, k, rows)
+
+    ref = small_model()
+    model, _ = build_engine_model(ref.config, {k: v.cuda() for k, v in ref.state_dict().items()},
+                                  quantize="experts", dtype=torch.bfloat16, device="cuda")
+    ps = prompts([5, 20, 30, 40, 50], 6)
+    params = SamplingParams(temperature=0, max_new_tokens=16)
+    torch_path = Engine(model, EngineConfig(max_prefill_tokens=64, **CFG)).generate(ps, params)
+    triton_path = Engine(model, EngineConfig(max_prefill_tokens=64, mxfp4_matmul="triton", **CFG)).generate(ps, params)
+    for a, b in zip(torch_path, triton_path):
+        assert a.output_ids[:6] == b.output_ids[:6]
+        assert max(abs(x - y) for x, y in zip(a.logprobs[:6], b.logprobs[:6])) < 5e-2

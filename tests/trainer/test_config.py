@@ -31,6 +31,9 @@ def test_groups_swap_and_interpolate():
     rc = resolve(composed("recipe=k3_grpo", "model=k3_small", "cluster=gpu_single"))
     assert rc.model.preset == "k3-small" and rc.model.path is None and rc.cluster.device == "cuda"
     rc = resolve(composed("recipe=k3_small_gpu"))
+    assert resolve(composed("recipe=k3_small_gpu", "rollout.mxfp4_matmul=triton")).engine.mxfp4_matmul == "triton"
+    with pytest.raises(ValueError, match="rollout.mxfp4_matmul 'triton' needs cluster.device=cuda"):
+        resolve(composed("recipe=k3_small_gpu", "rollout.mxfp4_matmul=triton", "cluster=local_cpu"))
     assert rc.model.train_dtype == "bfloat16" and rc.rollout.quantize == "experts" and rc.lora.rank == 16
     config = load_base_config(rc.model)  # k3-small at the task's 32-id vocabulary takes the task's special ids
     assert (config.vocab_size, config.pad_token_id, config.bos_token_id, config.eos_token_id) == (32, 0, 1, 2)
@@ -42,6 +45,8 @@ def test_groups_swap_and_interpolate():
     ("algo.kl=k9", "algo: PolicyLossConfig.kl"),
     ("rollout.samples_per_prompt=1", "rollout.samples_per_prompt"),
     ("rollout.quantize=int3", "rollout.quantize"),
+    ("rollout.mxfp4_matmul=cutlass", "rollout.mxfp4_matmul"),
+    ("rollout.mxfp4_matmul=triton", "rollout.mxfp4_matmul 'triton' needs rollout.quantize"),  # quantize none
     ("rollout.chunk_size=24", "rollout: chunk_size"),
     ("optim.lr=0", "optim.lr"),
     ("trainer.max_steps=0", "trainer.max_steps"),

@@ -1,0 +1,70 @@
+"""The Triton MXFP4 grouped GEMM (rollout/kernels/mxfp4_moe.py) against decode-then-grouped-GEMM in torch.
+
+Runs the kernel on CPU through Triton's interpreter, in a subprocess: TRITON_INTERPRET must be set before
+the kernel is defined, and other tests import triton (through fla) first. fp32 only: the interpreter's
+`tl.dot` on bf16 operands is wrong (triton 3.9 on CPU: errors of 1e10 on a plain 16x16 product), so the
+bf16 path is checked compiled, on the GPU (tests/gpu/test_engine_cuda.py)."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import torch
+
+from rollout.kernels.mxfp4_moe import block_schedule
+
+_CHECK = textwrap.dedent("""
+    import torch
+    from miles_k3.ops.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+    from rollout.kernels.mxfp4_moe import mxfp4_grouped_matmul
+
+    g = torch.Generator().manual_seed(0)
+    cases = [  # (experts, N, K, rows per expert, block_m)
+        (5, 72, 96, [3, 0, 20, 1, 9], 16),   # K = 3 x 32: BK 32; an expert with no rows
+        (3, 64, 128, [40, 70, 0], 64),       # blocks of 64, a partial last block
+        (4, 48, 64, [2, 5, 0, 1], None),     # decode-like: default block size
+        (2, 16, 32, [0, 0], None),           # no rows at all
+    ]
+    for e, n, k, rows, bm in cases:
+        w = torch.randn(e, n, k, generator=g) * torch.logspace(-3, 2, k)  # many block scales
+        packed, scales = quantize_mxfp4(w)
+        counts = torch.tensor(rows)
+        x = torch.randn(int(counts.sum()), k, generator=g)
+        got = mxfp4_grouped_matmul(x, counts, packed, scales, block_m=bm)
+        want = torch._grouped_mm(x, dequantize_mxfp4(packed, scales, torch.float32).transpose(1, 2),
+                                 offs=counts.cumsum(0).to(torch.int32))
+        assert got.shape == want.shape, got.shape
+        err = float((got - want).norm() / want.norm().clamp(min=1e-30)) if want.numel() else 0.0
+        assert err < 1e-5, (e, n, k, rows, err)
+    print("ok")
+""")
+
+
+def test_kernel_equals_torch_decode_then_grouped_gemm():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-c", _CHECK], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
+
+def test_block_schedule_covers_each_expert_in_order():
+    counts = torch.tensor([3, 0, 20, 1, 9])
+    block_expert, block_row, expert_end = block_schedule(counts, int(counts.sum()), 16)
+    assert block_expert.numel() == -(-33 // 16) + 5  # the static bound: ceil(M / BM) + E
+    valid = block_expert >= 0
+    assert block_expert[valid].tolist() == [0, 2, 2, 3, 4] and not valid[valid.sum():].any()
+    assert block_row[valid].tolist() == [0, 3, 19, 23, 24] and expert_end.tolist() == [3, 3, 23, 24, 33]
+
+
+def test_engine_rejects_a_bad_mxfp4_matmul_and_triton_off_cuda():
+    import pytest
+
+    from miles_k3.model import K3Config, K3ForCausalLM
+    from rollout.engine import Engine, EngineConfig
+
+    with pytest.raises(ValueError, match="mxfp4_matmul must be one of"):
+        EngineConfig(memory_bytes=1 << 20, mxfp4_matmul="cutlass")
+    torch.manual_seed(0)
+    model = K3ForCausalLM(K3Config.from_preset("k3-tiny"))
+    with pytest.raises(ValueError, match="needs the model on CUDA"):
+        Engine(model, EngineConfig(memory_bytes=4 << 20, mxfp4_matmul="triton"))

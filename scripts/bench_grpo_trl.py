@@ -19,6 +19,11 @@ off on our side (TRL has none), so both do the same work per step.
 - `--k3-form` adds a third row: `miles-train` on the K3 form of the preset with the recipe's engine
   (MXFP4 routed experts), which transformers cannot run.
 
+Needs trl and datasets (not project dependencies): `pip install trl==1.16.0 datasets==5.2.0`; on the GPU
+machine, which has accelerate, peft, pandas and pyarrow but no registry, carry the py3.12 wheels of
+trl==1.16.0, datasets==5.2.0, dill==0.4.1 and multiprocess==0.70.19 in `.whl/`. The first process on a
+fresh GPU machine spends minutes in fla's autotuning: give the call 10 minutes, or run tests/gpu first.
+
 Steps after the first --warmup are timed; the table gives the median step time, samples/s and the ratio
 to TRL. Writes JSON with --json.
 """

@@ -124,16 +124,17 @@ class ParallelExperts(RoutedExperts):
                 if lora.targets_module(f"{spec.name}.{proj}"):
                     adapters[proj] = LoraWeights(f"{spec.name}.{proj}", lora, a_full, b_full, a_split, b_split, tp)
         self.lora = nn.ModuleDict(adapters)
+        # grouped GEMMs on CUDA need 16-byte aligned rank-space rows
+        self._rank_aligned = all(lw.spec.rank % 8 == 0 for lw in adapters.values())
 
     def _on(self, proj: str) -> LoraWeights | None:
         lw = self.lora[proj] if proj in self.lora else None
         return lw if lw is not None and lw.enabled else None
 
     def _experts(self, xs: torch.Tensor, counts: torch.Tensor, token_of: torch.Tensor) -> torch.Tensor:
-        # bf16 (the training dtype) runs one grouped GEMM per projection and adapter factor; grouped GEMMs on
-        # CUDA need 16-byte aligned rank-space rows, hence rank % 8. Other dtypes loop over experts.
-        rank = next(iter(self.lora.values())).spec.rank if len(self.lora) else 8
-        if xs.dtype == torch.bfloat16 and rank % 8 == 0:
+        # bf16 (the training dtype) with aligned ranks runs one grouped GEMM per projection and adapter
+        # factor; other dtypes loop over experts.
+        if xs.dtype == torch.bfloat16 and self._rank_aligned:
             return self._experts_grouped(xs, counts)
         return self._experts_loop(xs, counts)
 

@@ -36,8 +36,6 @@ from torch import nn
 from miles_k3.model.lora_spec import LoraSpec
 from miles_k3.model.linear import SINGLE, TensorParallel
 
-KINDS = ("column", "row", "replicated")
-
 
 class LoraWeights(nn.Module):
     """A [*lead, r, in] and B [*lead, out, r] (this rank's slices; `lead` = (E,) for stacked experts).
@@ -67,10 +65,7 @@ class LoraWeights(nn.Module):
         return tuple(shape)
 
     def _slice(self, full: torch.Tensor, split: int | None) -> torch.Tensor:
-        if split is None or self.tp.size == 1:
-            return full
-        step = full.shape[split] // self.tp.size
-        return full.narrow(split, self.tp.rank * step, step)
+        return full if split is None else self.tp.shard(full, split)
 
     # ------------------------------------------------------------------ state
     def exports(self) -> dict[str, tuple[nn.Parameter, int | None, tuple[int, ...]]]:

@@ -32,7 +32,7 @@ from miles_k3.model.config import K3Config
 from miles_k3.model.layout import tensor_shapes
 from miles_k3.model.linear import ExpertsSpec, LinearSpec
 from miles_k3.model.lora_spec import LoraSpec
-from miles_k3.model.modeling import K3ForCausalLM
+from miles_k3.model.modeling import K3ForCausalLM, reference_state
 from megatron_patches.linears import ColumnLinear, ParallelExperts, ReplicatedLinear, RowLinear
 from megatron_patches.lora import lora_modules
 from megatron_patches.parallel import MegatronTP, ensure_parallel
@@ -95,13 +95,6 @@ def _local_tensor(name: str, full: torch.Tensor, factory: PolicyFactory, config:
     if m:
         return tp.shard(full, 0 if m.group(1) in ("w1", "w3") else 1)
     return full  # replicated: embeddings, norms, AttnRes queries, router
-
-
-def reference_state(config: K3Config, seed: int = 0) -> dict[str, torch.Tensor]:
-    """The reference model's pretraining init (fp32, CPU) for a seed, without touching the global RNG."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return K3ForCausalLM(config).state_dict()
 
 
 def build_policy(config: K3Config, base_state: dict[str, torch.Tensor] | None, lora: LoraSpec, *,

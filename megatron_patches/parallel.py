@@ -145,10 +145,3 @@ class MegatronTP(TensorParallel):
         parts = [torch.empty_like(x) for _ in range(self.size)]
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=dim)
-
-    def shard(self, full: torch.Tensor, dim: int) -> torch.Tensor:
-        """This rank's contiguous slice of `full` along `dim` (loading full tensors)."""
-        n = full.shape[dim]
-        assert n % self.size == 0, f"dim {dim} of size {n} does not split over {self.size} ranks"
-        step = n // self.size
-        return full.narrow(dim, self.rank * step, step)

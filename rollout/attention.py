@@ -36,13 +36,20 @@ def _dense_weight(linear: torch.nn.Module, dtype: torch.dtype) -> torch.Tensor:
     return base(dtype) if base is not None else linear.weight.to(dtype)
 
 
-def _lora_terms(linear: torch.nn.Module, token_slots: torch.Tensor | None):
-    """(A [Ttok, r, R], B [Ttok, out, r], scale [Ttok]) of each token's adapter on kv_b_proj, or None."""
+def _lora_terms(linear: torch.nn.Module, num_tokens: int):
+    """(A [L, r, R], B [L, out, r], scale) of the adapter on kv_b_proj for the step's tokens, or None when no
+    token has one. L = 1 and scale a float when one slot serves the whole batch (no per-token gather and no
+    host-to-device copy, so decode graphs can capture it); else L = num_tokens and scale [L, 1, 1]."""
     pool = getattr(linear, "pool", None)
-    if pool is None or token_slots is None or linear.name not in pool.A:
+    if pool is None or pool.row_slots is None or linear.name not in pool.A:
         return None
-    slots = token_slots.to(pool.A[linear.name].device)
-    return pool.A[linear.name][slots], pool.B[linear.name][slots], pool.scale.to(slots.device)[slots]
+    a, b = pool.A[linear.name], pool.B[linear.name]
+    if (slot := pool.batch_slot) is not None:
+        return None if slot == 0 else (a[slot][None], b[slot][None], float(pool.scale[slot]))
+    slots = pool.token_slots()
+    assert slots.numel() == num_tokens, f"adapter batch covers {slots.numel()} tokens, the step has {num_tokens}"
+    slots = slots.to(a.device)
+    return a[slots], b[slots], pool.scale.to(slots.device)[slots][:, None, None]
 
 
 def _paged_mla_forward(self: MLAMixer, x: torch.Tensor, cache=None, cu_seqlens=None) -> torch.Tensor:
@@ -60,12 +67,12 @@ def _paged_mla_forward(self: MLAMixer, x: torch.Tensor, cache=None, cu_seqlens=N
     w_k, w_v = w[:, :nope], w[:, nope:]
     q_nope, q_rope = q.split([nope, c.qk_rope_head_dim], dim=-1)
     q_lat = torch.einsum("thd,hdr->thr", q_nope, w_k)
-    lora = _lora_terms(self.kv_b_proj, _token_slots(self.kv_b_proj, b * t))
+    lora = _lora_terms(self.kv_b_proj, b * t)
     if lora is not None:
         a, bb, s = lora
-        bk = bb.view(b * t, h, nope + dv, -1)[:, :, :nope]  # [Ttok, H, nope, rank]
-        low = torch.einsum("thd,thdk->thk", q_nope.to(a.dtype), bk)
-        q_lat = q_lat + (torch.einsum("thk,tkr->thr", low, a) * s[:, None, None]).to(q_lat.dtype)
+        bb = bb.unflatten(1, (h, nope + dv))  # [L, H, nope + dv, rank]; L = 1 broadcasts over tokens
+        low = torch.einsum("thd,thdk->thk", q_nope.to(a.dtype), bb[:, :, :nope])
+        q_lat = q_lat + (torch.einsum("thk,tkr->thr", low, a).float() * s).to(q_lat.dtype)
 
     lay = cache.layout
     n, tq = lay.q_index.shape
@@ -80,19 +87,10 @@ def _paged_mla_forward(self: MLAMixer, x: torch.Tensor, cache=None, cu_seqlens=N
     o_lat = o_lat[lay.out_index]
     o = torch.einsum("thr,hdr->thd", o_lat, w_v)
     if lora is not None:
-        bv = bb.view(b * t, h, nope + dv, -1)[:, :, nope:]
         low = torch.einsum("thr,tkr->thk", o_lat.to(a.dtype), a)
-        o = o + (torch.einsum("thk,thdk->thd", low, bv) * s[:, None, None]).to(o.dtype)
+        o = o + (torch.einsum("thk,thdk->thd", low, bb[:, :, nope:]).float() * s).to(o.dtype)
     o = o.reshape(b, t, h * dv)
     if c.mla_output_gate:
         o = o * torch.sigmoid(self.g_proj(x))
     return self.o_proj(o)
 
-
-def _token_slots(linear: torch.nn.Module, num_tokens: int) -> torch.Tensor | None:
-    pool = getattr(linear, "pool", None)
-    if pool is None or pool.row_slots is None:
-        return None
-    slots = pool.token_slots()
-    assert slots.numel() == num_tokens, f"adapter batch covers {slots.numel()} tokens, the step has {num_tokens}"
-    return slots

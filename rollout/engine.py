@@ -25,7 +25,7 @@ from miles_k3.model.modeling import K3ForCausalLM
 from rollout.forward import DecodeGraphs, model_step, prepare_model
 from rollout.linears import EngineExperts
 from rollout.lora import AdapterPool
-from rollout.memory import IndexAllocator, KDAStatePool, KVPagePool, OutOfSlots, PoolSizes
+from rollout.memory import IndexAllocator, KDAStatePool, KVPagePool, PoolSizes
 from rollout.radix_cache import HybridRadixCache, Node
 from rollout.request import Completion, FinishReason, Request, SamplingParams
 from rollout.sampler import sample

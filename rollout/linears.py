@@ -112,11 +112,15 @@ class EngineExperts(RoutedExperts):
         offs = counts.cumsum(0).to(torch.int32)
         fused = self.quantized and self.mxfp4_matmul == "triton"
         if fused:
-            from rollout.kernels.mxfp4_moe import mxfp4_grouped_matmul
+            from rollout.kernels.mxfp4_moe import block_schedule, default_block_m, mxfp4_grouped_matmul
+
+            bm = default_block_m(xs.shape[0], counts.numel())
+            schedule = block_schedule(counts, xs.shape[0], bm)  # shared by w1, w3 and w2
 
         def base(name: str, x: torch.Tensor) -> torch.Tensor:
             if fused:
-                return mxfp4_grouped_matmul(x, counts, getattr(self, f"{name}_packed"), getattr(self, f"{name}_scale"))
+                return mxfp4_grouped_matmul(x, counts, getattr(self, f"{name}_packed"), getattr(self, f"{name}_scale"),
+                                            block_m=bm, schedule=schedule)
             return torch._grouped_mm(x, self.stacked_weight(name, x.dtype).transpose(1, 2), offs=offs)
 
         def proj(name: str, x: torch.Tensor) -> torch.Tensor:

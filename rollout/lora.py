@@ -58,7 +58,6 @@ class AdapterPool:
         self.scale = torch.zeros(self.slots)
         self.names: dict[str, int] = {}
         self.row_slots: torch.Tensor | None = None  # [B] adapter slot per row of the current batch
-        self.uniform_slot: int | None = None  # the one adapter slot (> 0) every row uses, if so
         self.batch_slot: int | None = 0  # the one slot (0: base only) every row uses; None: rows differ
         self.tokens_per_row = 1
 
@@ -125,16 +124,13 @@ class AdapterPool:
         one int for an [N, T] batch, or one count per row for a packed [1, sum T] batch."""
         self.row_slots = torch.tensor(row_slots, dtype=torch.long)
         self.tokens_per_row = tokens_per_row
-        distinct = set(row_slots)
-        self.batch_slot = (row_slots[0] if row_slots else 0) if len(distinct) <= 1 else None
-        self.uniform_slot = self.batch_slot or None
+        self.batch_slot = (row_slots[0] if row_slots else 0) if len(set(row_slots)) <= 1 else None
+        counts = tokens_per_row if isinstance(tokens_per_row, int) else torch.tensor(tokens_per_row)
+        self._token_slots = self.row_slots.repeat_interleave(counts)  # once a step, not once per adapted linear
 
     def token_slots(self) -> torch.Tensor | None:
         """Slot per flattened new token [sum T] (the layout MoE layers flatten to)."""
-        if self.row_slots is None:
-            return None
-        counts = self.tokens_per_row
-        return self.row_slots.repeat_interleave(counts if isinstance(counts, int) else torch.tensor(counts))
+        return None if self.row_slots is None else self._token_slots
 
     def lead_slots(self, x: torch.Tensor) -> torch.Tensor | None:
         """Slot per leading index of a linear's input: [N, ...] inputs map by batch row, [N * T, in] or a
@@ -172,10 +168,11 @@ class AdapterPool:
         base-only path pays nothing."""
         if name not in self.A or slots is None:
             return None
-        if self.uniform_slot is not None:
-            # Every row uses one adapter (an RL rollout batch): one low-rank product over all of x, with no
-            # per-slot gathers and no host sync.
-            s = self.uniform_slot
+        if (s := self.batch_slot) is not None:
+            # Every row uses one adapter (an RL rollout batch), or none: one low-rank product over all of x,
+            # with no per-slot gathers and no host sync.
+            if not s:
+                return None
             a = self.A[name][s] if expert is None else self.A[name][s, expert]
             b = self.B[name][s] if expert is None else self.B[name][s, expert]
             return (((x.to(a.dtype) @ a.t()) @ b.t()).float() * float(self.scale[s])).to(x.dtype)

@@ -86,5 +86,14 @@ class TensorParallel:
         each rank's gradient covers only its own heads."""
         return x
 
+    def shard(self, full: torch.Tensor, dim: int) -> torch.Tensor:
+        """This rank's contiguous slice of `full` along `dim` (loading full tensors; `full` itself at size 1)."""
+        if self.size == 1:
+            return full
+        n = full.shape[dim]
+        assert n % self.size == 0, f"dim {dim} of size {n} does not split over {self.size} ranks"
+        step = n // self.size
+        return full.narrow(dim, self.rank * step, step)
+
 
 SINGLE = TensorParallel()

@@ -123,3 +123,10 @@ class K3ForCausalLM(nn.Module):
         from miles_k3.model.checkpoint import save_pretrained
 
         save_pretrained(self, path, max_shard_bytes=max_shard_bytes)
+
+
+def reference_state(config: K3Config, seed: int = 0) -> dict[str, torch.Tensor]:
+    """The reference model's pretraining init (fp32, CPU) for a seed, without touching the global RNG."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return K3ForCausalLM(config).state_dict()

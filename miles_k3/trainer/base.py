@@ -9,7 +9,7 @@ import torch
 
 from miles_k3.model.checkpoint import as_stored, load_state_dict
 from miles_k3.model.config import K3Config
-from miles_k3.model.modeling import K3ForCausalLM
+from miles_k3.model.modeling import reference_state
 from miles_k3.trainer.config import ModelCfg
 
 
@@ -20,10 +20,7 @@ def load_base(model: ModelCfg, seed: int) -> tuple[K3Config, dict[str, torch.Ten
     config = load_base_config(model)
     if model.path is not None:
         return config, load_state_dict(model.path, config, torch.float32)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        state = K3ForCausalLM(config).state_dict()
-    return config, as_stored(state, config)
+    return config, as_stored(reference_state(config, seed), config)
 
 
 class Tokenizer(Protocol):

@@ -41,8 +41,8 @@ class TrainBatch:
     def split_by_groups(self, parts: int) -> list[TrainBatch]:
         """`parts` minibatches holding whole groups (a group's samples stay together), near-equal in groups."""
         groups = sorted(set(self.group_ids))
-        chunks = [groups[k::parts] for k in range(parts)]
-        return [self.select([i for i, g in enumerate(self.group_ids) if g in set(chunk)]) for chunk in chunks
+        chunks = [set(groups[k::parts]) for k in range(parts)]
+        return [self.select([i for i, g in enumerate(self.group_ids) if g in chunk]) for chunk in chunks
                 if chunk]
 
 

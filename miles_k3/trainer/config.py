@@ -13,7 +13,7 @@ Groups (one YAML file each under recipes/<group>/): model, parallel, algo, data,
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Optional
 
@@ -242,6 +242,12 @@ class _Checker:
             raise self.fail(name, f"must be one of {options}")
 
 
+def _same_fields(component: type, section: Any) -> Any:
+    """`component` (a frozen config with its own validation) from the schema section that mirrors its fields
+    (AlgoCfg holds PolicyLossConfig's fields plus the loop's, RewardCfg holds RewardConfig's)."""
+    return component(**{f.name: getattr(section, f.name) for f in fields(component)})
+
+
 def _nested(section: str, build):
     """Run a component config's own validation and prefix its message with the section."""
     try:
@@ -259,7 +265,7 @@ def resolve(cfg: Any) -> ResolvedConfig:
             cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), cfg))
         except Exception as e:  # OmegaConf's errors name the key; keep the message, drop the type zoo
             raise ValueError(f"config: {e}") from None
-    raw = _as_dict(cfg)
+    raw = asdict(cfg)
 
     from miles_k3.algo import PolicyLossConfig
     from miles_k3.data import PromptDataConfig
@@ -324,11 +330,7 @@ def resolve(cfg: Any) -> ResolvedConfig:
         max_running=cfg.rollout.max_running, mxfp4_matmul=cfg.rollout.mxfp4_matmul))
 
     a = cfg.algo
-    loss = _nested("algo", lambda: PolicyLossConfig(
-        eps_low=a.eps_low, eps_high=a.eps_high, dual_clip_c=a.dual_clip_c, ratio=a.ratio, kl=a.kl,
-        kl_coef=a.kl_coef, reducer=a.reducer, max_response_len=a.max_response_len,
-        rollout_correction=a.rollout_correction, tis_cap=a.tis_cap, mis_low=a.mis_low, mis_high=a.mis_high,
-        mis_level=a.mis_level, opsm_delta=a.opsm_delta))
+    loss = _nested("algo", lambda: _same_fields(PolicyLossConfig, a))
     ac = _Checker("algo", a)
     ac.int_at_least("max_refill_rounds", 0)
     ac.int_at_least("updates_per_step", 1)
@@ -360,11 +362,7 @@ def resolve(cfg: Any) -> ResolvedConfig:
     if d.eval_max_prompts is not None:
         _Checker("data", d).int_at_least("eval_max_prompts", 1)
 
-    rw = cfg.reward
-    reward = _nested("reward", lambda: RewardConfig(
-        fn=rw.fn, timeout_s=rw.timeout_s, on_failure=rw.on_failure, max_concurrency=rw.max_concurrency,
-        url=rw.url, retries=rw.retries, backoff_s=rw.backoff_s, backoff_max_s=rw.backoff_max_s,
-        headers=dict(rw.headers)))
+    reward = _nested("reward", lambda: _same_fields(RewardConfig, cfg.reward))
 
     c = _Checker("cluster", cfg.cluster)
     c.choice("launcher", LAUNCHERS)
@@ -394,13 +392,3 @@ def resolve(cfg: Any) -> ResolvedConfig:
                           engine=engine, loss=loss, algo=cfg.algo, optim=cfg.optim, data=data, eval_data=eval_data,
                           eval_max_prompts=d.eval_max_prompts, reward=reward, cluster=cfg.cluster,
                           logging=cfg.logging, trainer=cfg.trainer)
-
-
-def _as_dict(obj: Any) -> Any:
-    if hasattr(obj, "__dataclass_fields__"):
-        return {f.name: _as_dict(getattr(obj, f.name)) for f in fields(obj)}
-    if isinstance(obj, dict):
-        return {k: _as_dict(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_as_dict(v) for v in obj]
-    return obj

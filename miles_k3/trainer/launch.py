@@ -17,7 +17,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_patches.parallel import free_port
 from miles_k3.trainer.base import build_tokenizer, load_base
 from miles_k3.trainer.config import ResolvedConfig
 from miles_k3.trainer.loop import GRPODriver, RunInputs
@@ -52,10 +51,23 @@ def build_rollout_worker(rc: ResolvedConfig, config, state, device: str) -> Roll
                          device=device, engine=rc.engine)
 
 
-def build_train_worker(rc: ResolvedConfig, config, state, device: str, tp_group=None) -> TrainWorker:
+def build_train_worker(rc: ResolvedConfig, config, state, device: str) -> TrainWorker:
     return TrainWorker(config, state, rc.lora, loss=rc.loss, algo=rc.algo, optim=rc.optim,
                        temperature=rc.rollout.temperature, dtype=DTYPES[rc.model.train_dtype], device=device,
-                       seed=rc.trainer.seed, tp_group=tp_group)
+                       seed=rc.trainer.seed)
+
+
+def start_trainer_rank(rc: ResolvedConfig, rank: int, device: str, init_method: str):
+    """One trainer rank (local process or Ray actor; after `configure_process`): joins the torch.distributed
+    world, builds megatron's TP group over it, loads the base and the policy. Returns (config, base state,
+    worker); the caller drops the state once the engine (if it holds one) is built."""
+    from megatron_patches.parallel import init_parallel
+
+    backend = "nccl" if rc.cluster.device == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=rc.cluster.num_workers)
+    init_parallel(rc.parallel.tp)
+    config, state = load_base(rc.model, rc.trainer.seed)
+    return config, state, build_train_worker(rc, config, state, device)
 
 
 class LocalWorkers:
@@ -124,40 +136,28 @@ def _serve(trainer: TrainWorker, rank: int) -> None:
             dist.gather_object(result, None, dst=0)
 
 
-def init_trainer_parallel(rc: ResolvedConfig):
-    """Megatron's parallel state on the running torch.distributed world; returns the TP group."""
-    from megatron.core import parallel_state as ps
-
-    from megatron_patches.parallel import init_parallel
-
-    init_parallel(rc.parallel.tp)
-    return ps.get_tensor_model_parallel_group()
-
-
 def _rank_main(rank: int, rc: ResolvedConfig, run_dir: str, port: int, inputs: RunInputs | None = None) -> None:
-    world = rc.cluster.num_workers
     configure_process(rc, rank)
     device = device_for(rc, rank)
-    backend = "nccl" if rc.cluster.device == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        tp_group = init_trainer_parallel(rc)
-        config, state = load_base(rc.model, rc.trainer.seed)
-        trainer = build_train_worker(rc, config, state, device, tp_group)
+        config, state, trainer = start_trainer_rank(rc, rank, device, f"tcp://127.0.0.1:{port}")
         if rank == 0:
-            _drive(rc, run_dir, config, state, trainer, device, world, inputs)
+            engine = build_rollout_worker(rc, config, state, device)
+            del state  # trainer and engine hold their own copies; the fp32 base need not live through the run
+            _drive(rc, run_dir, config, engine, trainer, rc.cluster.num_workers, inputs)
         else:
+            del state
             _serve(trainer, rank)
     finally:
         from megatron_patches.parallel import destroy_parallel
 
         destroy_parallel()
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
-def _drive(rc: ResolvedConfig, run_dir: str, config, state, trainer: TrainWorker, device: str, world: int,
+def _drive(rc: ResolvedConfig, run_dir: str, config, engine: RolloutWorker, trainer: TrainWorker, world: int,
            inputs: RunInputs | None) -> None:
-    engine = build_rollout_worker(rc, config, state, device)
     workers = LocalWorkers(engine, trainer, world)
     try:
         GRPODriver(rc, run_dir, workers, build_tokenizer(rc.model, config), inputs).run()
@@ -174,6 +174,8 @@ def launch(rc: ResolvedConfig, run_dir: str | Path, inputs: RunInputs | None = N
 
         launch_ray(rc, run_dir, inputs)
         return
+    from megatron_patches.parallel import free_port  # not at import: Ray's engine actors never need megatron
+
     port = free_port()
     if rc.cluster.num_workers == 1:
         _rank_main(0, rc, run_dir, port, inputs)

@@ -29,36 +29,25 @@ class _TrainerActor:
         return ray.util.get_node_ip_address(), free_port()
 
     def setup(self, master: tuple[str, int]) -> None:
-        import torch.distributed as dist
+        from miles_k3.trainer.launch import configure_process, device_for, start_trainer_rank
 
-        from miles_k3.trainer.base import load_base
-        from miles_k3.trainer.launch import build_train_worker, configure_process, init_trainer_parallel
-
-        rc = self.rc
-        configure_process(rc, self.rank)
-        device = "cuda:0" if rc.cluster.device == "cuda" else "cpu"  # Ray exposes the bundle's GPU as cuda:0
-        dist.init_process_group("nccl" if rc.cluster.device == "cuda" else "gloo",
-                                init_method=f"tcp://{master[0]}:{master[1]}", rank=self.rank,
-                                world_size=rc.cluster.num_workers)
-        tp_group = init_trainer_parallel(rc)
-        config, state = load_base(rc.model, rc.trainer.seed)
-        self.worker = build_train_worker(rc, config, state, device, tp_group)
+        configure_process(self.rc, self.rank)
+        # Ray exposes the bundle's GPU as cuda:0
+        _, _, self.worker = start_trainer_rank(self.rc, self.rank, device_for(self.rc, 0),
+                                               f"tcp://{master[0]}:{master[1]}")
 
     def call(self, method: str, *args) -> Any:
         return getattr(self.worker, method)(*args)
-
-    def load_state(self, states: list[dict[str, Any]], adapter) -> None:
-        self.worker.load_state_dict(states[self.rank], adapter)
 
 
 class _EngineActor:
     def __init__(self, rc: ResolvedConfig):
         from miles_k3.trainer.base import load_base
-        from miles_k3.trainer.launch import build_rollout_worker, configure_process
+        from miles_k3.trainer.launch import build_rollout_worker, configure_process, device_for
 
         configure_process(rc)
         config, state = load_base(rc.model, rc.trainer.seed)
-        self.worker = build_rollout_worker(rc, config, state, "cuda:0" if rc.cluster.device == "cuda" else "cpu")
+        self.worker = build_rollout_worker(rc, config, state, device_for(rc, 0))
 
     def call(self, method: str, *args) -> Any:
         return getattr(self.worker, method)(*args)
@@ -112,7 +101,7 @@ class RayWorkers:
 
         if len(states) != len(self.trainers):
             raise ValueError(f"checkpoint holds {len(states)} trainer ranks, this run has {len(self.trainers)}")
-        ray.get([t.load_state.remote(states, adapter) for t in self.trainers])
+        ray.get([t.call.remote("load_state_dict", s, adapter) for t, s in zip(self.trainers, states)])
 
     def shutdown(self) -> None:
         import ray

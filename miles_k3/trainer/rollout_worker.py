@@ -33,7 +33,6 @@ class RolloutWorker:
         model, pool = build_engine_model(config, base_state, quantize=quantize, lora=pool_config, dtype=dtype,
                                          device=device)
         self.engine = Engine(model, engine, pool)
-        self._adapter_loaded = False
 
     def sync_adapter(self, tensors: dict[str, torch.Tensor]) -> float:
         """Copy the trainer's adapter into the engine's slot in place; returns the milliseconds it took
@@ -41,11 +40,10 @@ class RolloutWorker:
         start = time.perf_counter()
         pool = self.engine.adapters
         converted = {k: v.to(device=pool.device, dtype=pool.dtype) for k, v in tensors.items()}
-        if self._adapter_loaded:
+        if ADAPTER in pool.names:
             self.engine.update_adapter(ADAPTER, converted)
         else:
             self.engine.add_adapter(ADAPTER, converted)
-            self._adapter_loaded = True
         if pool.device.type == "cuda":
             torch.cuda.synchronize(pool.device)
         return (time.perf_counter() - start) * 1e3

@@ -9,11 +9,11 @@ checkpoints.
 
 from __future__ import annotations
 
+import math
 import random
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from miles_k3.algo import entropy_from_logits, policy_loss
 from miles_k3.model.config import K3Config
@@ -22,8 +22,8 @@ from miles_k3.trainer.batch import Packed, TrainBatch, pack
 
 class TrainWorker:
     def __init__(self, config: K3Config, base_state: dict[str, torch.Tensor], lora, *, loss, algo, optim,
-                 temperature: float, dtype: torch.dtype, device: str, seed: int = 0, tp_group=None):
-        from megatron_patches.lora import lora_modules, lora_parameters
+                 temperature: float, dtype: torch.dtype, device: str, seed: int = 0):
+        from megatron_patches.lora import lora_parameters
         from megatron_patches.model import build_policy
 
         self.device = torch.device(device)
@@ -31,11 +31,7 @@ class TrainWorker:
         self.params = lora_parameters(self.policy)
         if not self.params:
             raise ValueError("lora.targets: no module of this model matches; nothing would train")
-        # params holding a TP slice of their full tensor (the rest are whole on every rank)
-        self._sharded = {id(p) for m in lora_modules(self.policy) for p, split, _ in m.exports().values()
-                         if split is not None}
         self.loss_config, self.algo, self.temperature = loss, algo, temperature
-        self.tp_group = tp_group
         self.optimizer = torch.optim.AdamW(self.params, lr=optim.lr, betas=(optim.beta1, optim.beta2),
                                            weight_decay=optim.weight_decay, eps=1e-8)
         warmup = optim.warmup_steps
@@ -66,7 +62,7 @@ class TrainWorker:
     def train(self, batch: TrainBatch) -> dict[str, float]:
         """One GRPO update (algo.updates_per_step optimizer steps over group minibatches). Returns metrics
         averaged over the minibatches, plus lr and grad_norm."""
-        from megatron_patches.lora import adapters_disabled
+        from megatron_patches.lora import adapters_disabled, clip_lora_grad_norm_
 
         minibatches = batch.split_by_groups(self.algo.updates_per_step)
         packed = [pack(mb, self.device) for mb in minibatches]
@@ -92,7 +88,8 @@ class TrainWorker:
                                         rollout_logp=rollout)
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
-            grad_norm = self._clip_grads()
+            # global norm over the TP group, the same scale on every rank; grad_clip 0: measure, do not clip
+            grad_norm = clip_lora_grad_norm_(self.policy, self.grad_clip or math.inf)
             self.optimizer.step()
             metrics["entropy"] = entropy.mean()
             metrics["grad_norm"] = grad_norm
@@ -102,29 +99,6 @@ class TrainWorker:
         self.scheduler.step()
         self.policy.eval()
         return sums
-
-    def _clip_grads(self) -> torch.Tensor:
-        """Global grad norm over the TP group (TP-sharded LoRA tensors counted once per shard, replicated ones
-        once), clipped to optim.grad_clip; the same scale on every rank keeps replicated tensors in sync."""
-        sharded = torch.zeros((), dtype=torch.float32, device=self.device)
-        replicated = torch.zeros((), dtype=torch.float32, device=self.device)
-        for p in self.params:
-            if p.grad is None:
-                continue
-            sq = p.grad.float().pow(2).sum()
-            if id(p) in self._sharded:
-                sharded += sq
-            else:
-                replicated += sq
-        if self.tp_group is not None and dist.get_world_size(self.tp_group) > 1:
-            dist.all_reduce(sharded, group=self.tp_group)
-        norm = (sharded + replicated).sqrt()
-        if self.grad_clip > 0:
-            scale = (self.grad_clip / (norm + 1e-6)).clamp(max=1.0)
-            for p in self.params:
-                if p.grad is not None:
-                    p.grad.mul_(scale.to(p.grad.dtype))
-        return norm
 
     # ------------------------------------------------------------ adapter / state
     def adapter_state(self) -> dict[str, torch.Tensor]:

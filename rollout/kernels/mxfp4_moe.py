@@ -85,10 +85,16 @@ if triton is not None:
             tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
+def default_block_m(num_rows: int, num_experts: int) -> int:
+    """Rows per block: 16 when experts get few rows each (decode), else 64."""
+    return 16 if num_rows <= 16 * num_experts else 64
+
+
 def mxfp4_grouped_matmul(xs: torch.Tensor, counts: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
-                         *, block_m: int | None = None) -> torch.Tensor:
-    """See the module docstring. block_m: rows per block (default 16 when experts get few rows each, as
-    in decode, else 64)."""
+                         *, block_m: int | None = None, schedule: tuple | None = None) -> torch.Tensor:
+    """See the module docstring. block_m: rows per block (default `default_block_m`). schedule:
+    `block_schedule(counts, M, block_m)` with the same block_m, for callers that run several GEMMs over
+    the same rows (an expert's w1, w3, w2) and build it once."""
     if triton is None:
         raise RuntimeError("mxfp4_grouped_matmul needs triton")
     m, k = xs.shape
@@ -99,8 +105,8 @@ def mxfp4_grouped_matmul(xs: torch.Tensor, counts: torch.Tensor, packed: torch.T
     y = torch.empty(m, n, dtype=xs.dtype, device=xs.device)
     if m == 0:
         return y
-    bm = block_m or (16 if m <= 16 * e else 64)
-    block_expert, block_row, expert_end = block_schedule(counts, m, bm)
+    bm = block_m or default_block_m(m, e)
+    block_expert, block_row, expert_end = schedule or block_schedule(counts, m, bm)
     bn, bk = 64, 64 if k % 64 == 0 else 32
     grid = (block_expert.numel(), triton.cdiv(n, bn))
     _mxfp4_grouped_gemm[grid](xs, packed, scales, y, block_expert, block_row, expert_end, n, k,

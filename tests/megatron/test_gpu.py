@@ -15,7 +15,6 @@ import torch.multiprocessing as mp
 from megatron_patches.lora import lora_parameters
 from megatron_patches.model import build_policy
 from megatron_patches.parallel import free_port
-from miles_k3.model import K3ForCausalLM
 from miles_k3.model.lora_spec import LoraSpec
 from tests.megatron import tp_worker
 from tests.megatron.common import CONFIG, reference, rel, token_ids

@@ -37,6 +37,25 @@ _CHECK = textwrap.dedent("""
         assert got.shape == want.shape, got.shape
         err = float((got - want).norm() / want.norm().clamp(min=1e-30)) if want.numel() else 0.0
         assert err < 1e-5, (e, n, k, rows, err)
+
+    # the engine's grouped expert path with the kernel (one block schedule for w1, w3, w2) equals the torch path
+    from miles_k3.model import K3Config, K3ForCausalLM
+    from rollout.linears import EngineExperts
+    from rollout.lora import LoraConfig
+    from rollout.model_runner import build_engine_model
+
+    torch.manual_seed(0)
+    ref = K3ForCausalLM(K3Config.from_preset("k3-tiny"))
+    model, pool = build_engine_model(ref.config, ref.state_dict(), quantize="experts", lora=LoraConfig(rank=8),
+                                     dtype=torch.float32)
+    experts = next(m for m in model.modules() if isinstance(m, EngineExperts))
+    pool.set_batch([0] * 4, 1)
+    counts = torch.tensor([3, 0, 5, 1] + [0] * (experts.spec.num_experts - 4))
+    xs = torch.randn(int(counts.sum()), experts.spec.width, generator=g)
+    want = experts._experts_grouped(xs, counts)
+    experts.mxfp4_matmul = "triton"
+    got = experts._experts_grouped(xs, counts)
+    assert float((got - want).norm() / want.norm()) < 1e-5
     print("ok")
 """)
 

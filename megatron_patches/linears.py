@@ -127,6 +127,9 @@ class ParallelExperts(RoutedExperts):
         # grouped GEMMs on CUDA need 16-byte aligned rank-space rows
         self._rank_aligned = all(lw.spec.rank % 8 == 0 for lw in adapters.values())
 
+    def groups(self, dtype: torch.dtype) -> bool:
+        return super().groups(dtype) and self._rank_aligned
+
     def _on(self, proj: str) -> LoraWeights | None:
         lw = self.lora[proj] if proj in self.lora else None
         return lw if lw is not None and lw.enabled else None
@@ -134,7 +137,7 @@ class ParallelExperts(RoutedExperts):
     def _experts(self, xs: torch.Tensor, counts: torch.Tensor, token_of: torch.Tensor) -> torch.Tensor:
         # bf16 (the training dtype) with aligned ranks runs one grouped GEMM per projection and adapter
         # factor; other dtypes loop over experts.
-        if xs.dtype == torch.bfloat16 and self._rank_aligned:
+        if self.groups(xs.dtype):
             return self._experts_grouped(xs, counts)
         return self._experts_loop(xs, counts)
 

@@ -16,16 +16,14 @@ index generalized to `\\d+`). `load_peft` returns a LoraSpec whose targets selec
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
-import uuid
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from miles_k3.model.checkpoint import staged_dir
 from miles_k3.model.lora_spec import LoraSpec
 
 CONFIG_FILE = "adapter_config.json"
@@ -110,21 +108,9 @@ def save_peft(path: str | Path, tensors: dict[str, torch.Tensor], lora: LoraSpec
         "rank_pattern": {},
         "alpha_pattern": {},
     }
-    path = Path(path)
-    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir(parents=True)
-    try:
+    with staged_dir(Path(path), last=CONFIG_FILE) as tmp:  # config last: a reader that sees it sees its weights
         save_file(weights, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-        if not path.exists():
-            os.replace(tmp, path)
-            return
-        for name in (WEIGHTS_FILE, CONFIG_FILE):  # config last: a reader that sees it sees its weights
-            os.replace(tmp / name, path / name)
-        tmp.rmdir()
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def _read_config(path: Path) -> dict:

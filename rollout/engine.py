@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from miles_k3.model.modeling import K3ForCausalLM
+from miles_k3.model.moe import RoutedExperts
 from rollout.forward import DecodeGraphs, model_step, prepare_model
 from rollout.linears import EngineExperts
 from rollout.lora import AdapterPool
@@ -124,11 +125,11 @@ class Engine:
         return self.adapters if self.adapters is not None and self.adapters.A else None
 
     def _graphs_apply(self) -> bool:
-        """CUDA graphs need a decode step without host syncs: engine experts (MXFP4 and/or MoE-LoRA) have
-        one when they run grouped GEMMs (`EngineExperts.groups`), and `DecodeGraphs.usable` keeps batches
-        that mix adapters eager."""
+        """CUDA graphs need a decode step without host syncs: routed experts have one when they run grouped
+        GEMMs (`RoutedExperts.groups`; engine experts add their adapter rank), and `DecodeGraphs.usable`
+        keeps batches that mix adapters eager."""
         return (self.config.cuda_graphs and self.device.type == "cuda"
-                and all(m.groups(self.dtype) for m in self.model.modules() if isinstance(m, EngineExperts)))
+                and all(m.groups(self.dtype) for m in self.model.modules() if isinstance(m, RoutedExperts)))
 
     def cache_for(self, adapter: str | None) -> HybridRadixCache:
         if adapter not in self.caches:

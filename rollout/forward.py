@@ -2,9 +2,8 @@
 
 `prepare_model(model)` installs the engine path once (paged absorbed MLA, `rollout.attention`).
 `model_step` runs one step over a `BatchLayout`: the reference `K3Model.forward` refuses packed sequences
-together with a cache, so the engine walks the same modules itself (embedding, decoder layers, final
-AttnRes mix, norm) and passes `cu_seqlens` to the layers, whose KDA mixers then carry one state per packed
-request.
+together with a cache, so the engine calls its unchecked body `K3Model.hidden` with `cu_seqlens`, and the
+KDA mixers then carry one state per packed request.
 
 `DecodeGraphs` captures the decode step per (batch bucket, history bucket) on first use and replays it:
 the ~2,700 kernel launches of a k3-small step become one graph launch. A batch is padded to its bucket
@@ -19,7 +18,6 @@ import logging
 import torch
 
 from miles_k3.model.modeling import K3ForCausalLM
-from miles_k3.ops.attnres import attn_res_mix
 from rollout.attention import install_paged_mla
 from rollout.lora import AdapterPool
 from rollout.memory import KDAStatePool, KVPagePool
@@ -37,14 +35,7 @@ def model_step(model: K3ForCausalLM, ids: torch.Tensor, cache: PoolStateCache,
                cu_seqlens: torch.Tensor | None) -> torch.Tensor:
     """ids [N, 1] (decode) or [1, sum T] with `cu_seqlens` (packed prefill) -> logits [N, V] at each
     request's last new token."""
-    m = model.model
-    h = m.embed_tokens(ids)
-    blocks: list[torch.Tensor] = []
-    for layer in m.layers:
-        h, blocks = layer(h, blocks, cache, cu_seqlens)
-    if m.config.attn_res_block_size:
-        h = attn_res_mix(h, blocks, m.output_attn_res_norm.weight, m.output_attn_res_proj.weight, m.config.res_eps)
-    h = m.norm(h)
+    h = model.model.hidden(ids, cache, cu_seqlens)
     last = h[:, -1] if cu_seqlens is None else h[0, cu_seqlens[1:] - 1]
     return model.logits(last)
 

@@ -95,9 +95,9 @@ class EngineExperts(RoutedExperts):
         return getattr(self, proj)
 
     def groups(self, dtype: torch.dtype) -> bool:
-        """Whether a batch in `dtype` whose rows share one adapter slot runs grouped GEMMs (no host sync):
-        bf16 (what `_grouped_mm` takes on CUDA) and 16-byte aligned adapter rows (rank a multiple of 8)."""
-        return dtype == torch.bfloat16 and self.pool.config.rank % 8 == 0
+        """bf16 and 16-byte aligned adapter rows (rank a multiple of 8); grouped only for batches whose rows
+        share one adapter slot (`_experts`)."""
+        return super().groups(dtype) and self.pool.config.rank % 8 == 0
 
     def _experts(self, xs: torch.Tensor, counts: torch.Tensor, token_of: torch.Tensor) -> torch.Tensor:
         """Grouped GEMMs when `groups` and one adapter (or none) serves the batch; otherwise a loop over
@@ -106,29 +106,28 @@ class EngineExperts(RoutedExperts):
             return self._experts_grouped(xs, counts)
         return self._experts_looped(xs, counts, token_of)
 
-    def _experts_grouped(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def _grouped_proj(self, num_rows: int, counts: torch.Tensor, offs: torch.Tensor):
         # "torch": decoding every expert costs one pass over the packed bytes, cheaper than a launch chain
         # per expert; "triton" decodes tiles next to the MMA and writes no bf16 copy.
-        offs = counts.cumsum(0).to(torch.int32)
-        fused = self.quantized and self.mxfp4_matmul == "triton"
-        if fused:
+        if self.quantized and self.mxfp4_matmul == "triton":
             from rollout.kernels.mxfp4_moe import block_schedule, default_block_m, mxfp4_grouped_matmul
 
-            bm = default_block_m(xs.shape[0], counts.numel())
-            schedule = block_schedule(counts, xs.shape[0], bm)  # shared by w1, w3 and w2
+            bm = default_block_m(num_rows, counts.numel())
+            schedule = block_schedule(counts, num_rows, bm)  # shared by w1, w3 and w2
 
-        def base(name: str, x: torch.Tensor) -> torch.Tensor:
-            if fused:
+            def base(name: str, x: torch.Tensor) -> torch.Tensor:
                 return mxfp4_grouped_matmul(x, counts, getattr(self, f"{name}_packed"), getattr(self, f"{name}_scale"),
                                             block_m=bm, schedule=schedule)
-            return torch._grouped_mm(x, self.stacked_weight(name, x.dtype).transpose(1, 2), offs=offs)
+        else:
+            def base(name: str, x: torch.Tensor) -> torch.Tensor:
+                return torch._grouped_mm(x, self.stacked_weight(name, x.dtype).transpose(1, 2), offs=offs)
 
         def proj(name: str, x: torch.Tensor) -> torch.Tensor:
             y = base(name, x)
             delta = self.pool.grouped_delta(f"{self.spec.name}.{name}", x, offs)
             return y if delta is None else y + delta
 
-        return proj("w2", self._act(proj("w1", xs), proj("w3", xs)))
+        return proj
 
     def _experts_looped(self, xs: torch.Tensor, counts: torch.Tensor, token_of: torch.Tensor) -> torch.Tensor:
         slots = self.pool.token_slots()

@@ -16,6 +16,8 @@ import os
 import re
 import shutil
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -186,29 +188,37 @@ def _stored_tensors(model: torch.nn.Module, config: K3Config) -> dict[str, torch
     return out
 
 
-def _publish(tmp: Path, path: Path) -> None:
-    """Move a finished checkpoint into place. A new directory appears whole (one rename); into an existing
-    one, each file is replaced atomically with config.json last, files that are not ours stay untouched,
-    and our stale shards from an earlier save with another shard count are removed."""
-    if not path.exists():
-        os.replace(tmp, path)
-        return
-    new_files = sorted(p.name for p in tmp.iterdir())
-    for name in sorted(new_files, key=lambda n: n == "config.json"):
-        os.replace(tmp / name, path / name)
-    for stale in [*path.glob("model*.safetensors"), path / INDEX_FILE]:
-        if stale.exists() and stale.name not in new_files:
-            stale.unlink()
-    tmp.rmdir()
+@contextmanager
+def staged_dir(path: Path, *, last: str, stale: tuple[str, ...] = ()) -> Iterator[Path]:
+    """A temporary sibling of `path` to write a directory's files into. On normal exit it is published at
+    `path`: a new directory appears whole (one rename); into an existing one each file is replaced
+    atomically with `last` moved last (a reader that sees it sees the rest), files that are not ours stay
+    untouched, and existing files matching the `stale` globs that this write did not produce are removed
+    (e.g. shards of an earlier save with another shard count). On an exception it is removed."""
+    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+        if not path.exists():
+            os.replace(tmp, path)
+            return
+        new_files = sorted(p.name for p in tmp.iterdir())
+        for name in sorted(new_files, key=lambda n: n == last):
+            os.replace(tmp / name, path / name)
+        for old in (f for pattern in stale for f in path.glob(pattern)):
+            if old.name not in new_files:
+                old.unlink()
+        tmp.rmdir()
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def save_pretrained(model: torch.nn.Module, path: str | Path, max_shard_bytes: int = 4 << 30) -> None:
     """Write config.json and safetensors (sharded with an index above `max_shard_bytes`), atomically."""
     config: K3Config = model.config  # type: ignore[assignment]
     path = Path(path)
-    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir(parents=True)
-    try:
+    with staged_dir(path, last="config.json", stale=("model*.safetensors", INDEX_FILE)) as tmp:
         tensors = _stored_tensors(model, config)
         shards: list[dict[str, torch.Tensor]] = [{}]
         size = 0
@@ -232,7 +242,3 @@ def save_pretrained(model: torch.nn.Module, path: str | Path, max_shard_bytes: i
             (tmp / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
                                                      indent=2))
         config.to_json_file(tmp / "config.json")
-        _publish(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise

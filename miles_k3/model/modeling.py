@@ -55,6 +55,16 @@ class K3Model(nn.Module):
                 raise ValueError("cu_seqlens (packed sequences) cannot be combined with a decode cache")
             if input_ids.shape[0] != 1 or int(cu_seqlens[-1]) != input_ids.shape[1] or int(cu_seqlens[0]) != 0:
                 raise ValueError("cu_seqlens must start at 0 and end at T, with input_ids of shape [1, T]")
+        h = self.hidden(input_ids, cache, cu_seqlens)
+        if cache is not None:
+            cache.advance(input_ids.shape[1])
+        return h
+
+    def hidden(self, input_ids: torch.Tensor, cache: K3StateCache | None,
+               cu_seqlens: torch.Tensor | None) -> torch.Tensor:
+        """The computation of `forward` without its argument checks and without advancing the cache: for a
+        caller whose cache tracks positions itself (the engine's paged cache, which also takes packed
+        sequences)."""
         h = self.embed_tokens(input_ids)
         blocks: list[torch.Tensor] = []
         for layer in self.layers:
@@ -62,8 +72,6 @@ class K3Model(nn.Module):
         if self.config.attn_res_block_size:
             h = attn_res_mix(h, blocks, self.output_attn_res_norm.weight, self.output_attn_res_proj.weight,
                              self.config.res_eps)
-        if cache is not None:
-            cache.advance(input_ids.shape[1])
         return self.norm(h)
 
 

@@ -89,14 +89,26 @@ class RoutedExperts(nn.Module):
         out.index_add_(0, token_of, (ys * weights.reshape(-1)[order, None]).to(out.dtype))
         return out
 
+    def groups(self, dtype: torch.dtype) -> bool:
+        """Whether batches in `dtype` can run grouped GEMMs (no host sync, so CUDA graphs can capture them):
+        bf16, what `torch._grouped_mm` takes on CUDA. Subclasses add their own conditions."""
+        return dtype == torch.bfloat16
+
+    def _grouped_proj(self, num_rows: int, counts: torch.Tensor, offs: torch.Tensor):
+        """proj(name, x) -> x @ W_name[e]^T for each expert's row block of x (one forward's `num_rows` rows:
+        `counts` per expert, `offs` their cumulative ends). Subclasses with other weight storage or adapters
+        override it."""
+        return lambda name, x: torch._grouped_mm(x, getattr(self, name).transpose(1, 2), offs=offs)
+
+    def _experts_grouped(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        proj = self._grouped_proj(xs.shape[0], counts, counts.cumsum(0).to(torch.int32))
+        return proj("w2", self._act(proj("w1", xs), proj("w3", xs)))
+
     def _experts(self, xs: torch.Tensor, counts: torch.Tensor, token_of: torch.Tensor) -> torch.Tensor:
         """xs [M, W]: token copies sorted by expert, counts[e] rows for expert e (token_of: each row's
         token) -> expert outputs [M, W]. Subclasses with other weight storage override this."""
-        if xs.dtype == torch.bfloat16:
-            offs = counts.cumsum(0).to(torch.int32)
-            gate = torch._grouped_mm(xs, self.w1.transpose(1, 2), offs=offs)
-            up = torch._grouped_mm(xs, self.w3.transpose(1, 2), offs=offs)
-            return torch._grouped_mm(self._act(gate, up), self.w2.transpose(1, 2), offs=offs)
+        if self.groups(xs.dtype):
+            return self._experts_grouped(xs, counts)
         ys = torch.empty_like(xs)
         start = 0
         for e, n in enumerate(counts.tolist()):

@@ -26,6 +26,24 @@ def prompts(lengths, seed):
 CFG = dict(memory_bytes=64 << 20, page_size=16, chunk_size=32, max_seq_len=512, max_running=8)
 
 
+def assert_greedy_agree(want, got, tol=5e-2):
+    """Two bf16 greedy decodes of the same requests through different kernels or shapes (graph padding,
+    grouped-GEMM blocking, MoE atomics) agree token for token until a near-tie, where they may pick
+    different tokens: so up to and including each request's first divergence, the chosen tokens' log-probs
+    (each the max of its step's distribution) agree within `tol`, and most tokens are compared at all.
+    A real bug (a wrong slot, a stale page, a missed adapter update) moves log-probs far beyond `tol`."""
+    compared = total = 0
+    for a, b in zip(want, got):
+        common = next((i for i, (x, y) in enumerate(zip(a.output_ids, b.output_ids)) if x != y),
+                      min(len(a.output_ids), len(b.output_ids)))
+        upto = min(common + 1, len(a.logprobs), len(b.logprobs))
+        gaps = [abs(x - y) for x, y in zip(a.logprobs[:upto], b.logprobs[:upto])]
+        assert max(gaps) < tol, (common, gaps)
+        compared += common
+        total += len(a.output_ids)
+    assert compared >= total // 2, f"only {compared} of {total} tokens agree before a divergence"
+
+
 def test_graph_decode_equals_eager_decode():
     model = small_model()
     # 5 requests -> batch bucket 8. The history bucket follows the longest request of the batch: it starts
@@ -37,12 +55,7 @@ def test_graph_decode_equals_eager_decode():
     graphed = eng.generate(ps, params)
     assert eng.graphs is not None and not eng.graphs.failed and eng.graphs.replays > 0
     assert len(eng.graphs.graphs) >= 2
-    # identical kernels, but MoE accumulation uses atomics: allow a late divergence on a near-tie
-    same = sum(a.output_ids == b.output_ids for a, b in zip(eager, graphed))
-    assert same >= 4
-    for a, b in zip(eager, graphed):
-        assert a.output_ids[:8] == b.output_ids[:8]
-        assert max(abs(x - y) for x, y in zip(a.logprobs[:8], b.logprobs[:8])) < 5e-2
+    assert_greedy_agree(eager, graphed)
     eng.check_invariants()
 
 
@@ -52,10 +65,7 @@ def test_packed_prefill_equals_one_request_per_step():
     params = SamplingParams(temperature=0, max_new_tokens=1)
     one = Engine(model, EngineConfig(cuda_graphs=False, max_prefill_tokens=128, max_prefill_requests=1, **CFG))
     packed = Engine(model, EngineConfig(cuda_graphs=False, max_prefill_tokens=256, **CFG))
-    a, b = one.generate(ps, params), packed.generate(ps, params)
-    for x, y in zip(a, b):
-        assert abs(x.logprobs[0] - y.logprobs[0]) < 5e-2
-    assert sum(x.output_ids == y.output_ids for x, y in zip(a, b)) >= 3
+    assert_greedy_agree(one.generate(ps, params), packed.generate(ps, params))
 
 
 def test_graph_decode_with_adapter_and_mxfp4_experts():
@@ -90,9 +100,7 @@ def test_graph_decode_with_adapter_and_mxfp4_experts():
         want = eager.generate(ps, params, adapter="policy")
         got = eng.generate(ps, params, adapter="policy")
         assert eng.graphs is not None and not eng.graphs.failed and eng.graphs.replays > 0
-        for a, b in zip(want, got):
-            assert a.output_ids[:6] == b.output_ids[:6]
-            assert max(abs(x - y) for x, y in zip(a.logprobs[:6], b.logprobs[:6])) < 5e-2
+        assert_greedy_agree(want, got)
     eng.check_invariants()
 
 
@@ -122,6 +130,4 @@ def test_triton_mxfp4_grouped_gemm_bf16_and_in_the_engine():
     params = SamplingParams(temperature=0, max_new_tokens=16)
     torch_path = Engine(model, EngineConfig(max_prefill_tokens=64, **CFG)).generate(ps, params)
     triton_path = Engine(model, EngineConfig(max_prefill_tokens=64, mxfp4_matmul="triton", **CFG)).generate(ps, params)
-    for a, b in zip(torch_path, triton_path):
-        assert a.output_ids[:6] == b.output_ids[:6]
-        assert max(abs(x - y) for x, y in zip(a.logprobs[:6], b.logprobs[:6])) < 5e-2
+    assert_greedy_agree(torch_path, triton_path)

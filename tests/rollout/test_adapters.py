@@ -154,3 +154,29 @@ def test_grouped_expert_path_equals_per_expert_loop(quantize):
     without = experts(x, indices, weights)
     assert rel(got[0::2].float(), with_adapter[0::2].float()) < 1e-2
     assert rel(got[1::2].float(), without[1::2].float()) < 1e-2
+
+
+@pytest.mark.parametrize("quantize", ["none", "experts"])
+def test_fp32_state_builds_a_model_in_the_engine_dtype(quantize):
+    """The loop hands the engine its fp32 base: the engine must still run in its dtype (an fp32 engine on a
+    GPU takes the looped-expert path and no CUDA graphs), router/decay parameters stay fp32, and MXFP4
+    experts are packed from the fp32 source, not from a bf16 rounding of it."""
+    from miles_k3.model.checkpoint import keeps_fp32
+    from rollout.linears import EngineExperts
+    from miles_k3.ops.mxfp4 import quantize_mxfp4
+
+    state = REF.state_dict()
+    model, _ = build_engine_model(REF.config, state, quantize=quantize, lora=LoraConfig(rank=8),
+                                  dtype=torch.bfloat16)
+    tensors = dict(model.named_parameters()) | dict(model.named_buffers())
+    floating = {n: t.dtype for n, t in tensors.items() if t.is_floating_point()}
+    assert {n for n, d in floating.items() if d == torch.float32} == {n for n in floating if keeps_fp32(n)}
+    assert {d for n, d in floating.items() if not keeps_fp32(n)} == {torch.bfloat16}
+    assert any(keeps_fp32(n) for n in floating)  # the preset has router and KDA decay parameters
+    experts = next(m for m in model.modules() if isinstance(m, EngineExperts))
+    assert experts.groups(torch.bfloat16)  # bf16 activations reach the grouped path
+    if quantize == "experts":
+        name = next(n for n, m in model.named_modules() if m is experts)
+        w1 = torch.stack([state[f"{name}.{e}.w1.weight"] for e in range(REF.config.num_experts)])
+        packed, scale = quantize_mxfp4(w1)
+        assert torch.equal(experts.w1_packed, packed) and torch.equal(experts.w1_scale, scale)

@@ -8,7 +8,16 @@
 Each `step()` either runs one prefill batch (chunks of several requests packed into one forward under
 the `max_prefill_tokens` budget, each chunk ending on a `chunk_size` boundary: the boundaries are where
 KDA checkpoints are snapshotted and donated to the radix cache) or one decode token for every request in
-the decode phase (on CUDA replayed from a CUDA graph per batch-size bucket, `rollout.forward`). Under memory pressure
+the decode phase (on CUDA replayed from a CUDA graph per batch-size bucket, `rollout.forward`).
+
+Overlap (`EngineConfig.overlap`, on by default on CUDA): a decode step is enqueued with its sampled tokens
+left on the device, and the next step enqueues the following decode of the same requests, fed from those
+device tokens, before the host reads the first step's tokens. So the host's bookkeeping for step k (token
+appends, stop checks, radix-tree inserts) and its preparation of step k+1 (pages, layout, graph inputs) run
+while the device computes. The price: a request that stops on a stop token has already been fed into one
+more step, whose row is discarded (its pages and slot are freed after that step in stream order). A
+request's length limit is known in advance, so it is not fed past it. Outputs are those of the plain
+schedule: every request draws one sample per step from its own generator either way. Under memory pressure
 the newest running request is retracted: what it computed is cached, its resources freed, and it goes
 back to the front of the queue with its output so far; it finishes later, never lost or duplicated.
 """
@@ -29,11 +38,13 @@ from rollout.lora import AdapterPool
 from rollout.memory import IndexAllocator, KDAStatePool, KVPagePool, PoolSizes
 from rollout.radix_cache import HybridRadixCache, Node
 from rollout.request import Completion, FinishReason, Request, SamplingParams
-from rollout.sampler import sample
+from rollout.sampler import sample, sample_on_device
+from rollout.transfer import to_device
 from rollout.state_cache import BatchLayout, PoolStateCache
 
 
 MXFP4_MATMULS = ("torch", "triton")
+OVERLAP_MODES = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -51,8 +62,13 @@ class EngineConfig:
     # MXFP4 routed experts in bf16: "torch" decodes them to a bf16 copy per forward, then torch._grouped_mm;
     # "triton" runs rollout/kernels/mxfp4_moe.py, which decodes tiles in registers (CUDA only)
     mxfp4_matmul: str = "torch"
+    # "auto": overlap consecutive decode steps on CUDA (module docstring); "on": also on CPU, where it only
+    # reorders host work (the tests' way to run it); "off": every step waits for its tokens
+    overlap: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.overlap not in OVERLAP_MODES:
+            raise ValueError(f"overlap must be one of {OVERLAP_MODES}, got {self.overlap!r}")
         if self.mxfp4_matmul not in MXFP4_MATMULS:
             raise ValueError(f"mxfp4_matmul must be one of {MXFP4_MATMULS}, got {self.mxfp4_matmul!r}")
         if self.chunk_size % self.page_size:
@@ -84,6 +100,23 @@ class _Running:
     generator: torch.Generator | None = None
 
 
+@dataclass(eq=False)
+class _DecodeLaunch:
+    """A decode step whose forward and sampling are enqueued; its tokens may not be on the host yet.
+
+    `batch[n]` was fed one token and its `pos` already advanced. `tokens` [N] (device) are the samples,
+    the next step's input; `host` [2, N] float64 receives tokens and log-probs (pinned, filled
+    asynchronously on CUDA; `ready` marks the copy). `snapshots` holds (request, position, checkpoint slot
+    or None) for rows that reached a chunk boundary: the state was copied when the step was enqueued,
+    the tree insert waits for the tokens."""
+
+    batch: list[_Running]
+    tokens: torch.Tensor
+    host: torch.Tensor
+    ready: torch.cuda.Event | None
+    snapshots: list[tuple[_Running, int, int | None]]
+
+
 class Engine:
     def __init__(self, model: K3ForCausalLM, config: EngineConfig, adapters: AdapterPool | None = None):
         self.model = model.eval()
@@ -102,6 +135,13 @@ class Engine:
         self._events: dict[int, list[tuple[int, float]]] = {}  # only for streamed requests
         self._completed: list[Completion] = []
         self.num_retractions = 0
+        self._overlap = config.overlap == "on" or (config.overlap == "auto" and self.device.type == "cuda")
+        self._inflight: _DecodeLaunch | None = None  # the enqueued decode step not yet read back (overlap)
+
+    @property
+    def overlap(self) -> bool:
+        """Whether decode steps overlap (`EngineConfig.overlap` resolved for this device)."""
+        return self._overlap
 
     def _build_pools(self) -> None:
         self.kv = KVPagePool(self.model.config, self.sizes, self.dtype, self.device)
@@ -208,6 +248,7 @@ class Engine:
         for r in self.running:
             if r.req.request_id == request_id:
                 self._release(r)
+                self._settle()
                 return self._complete(r.req, FinishReason.ABORT)
         return None
 
@@ -246,6 +287,12 @@ class Engine:
         if self.kv is None:
             raise RuntimeError("engine memory is released; call resume_memory() first")
         self._completed = []
+        if (prev := self._inflight) is not None:
+            self._inflight = self._continue_decode(prev)  # enqueued before prev's tokens are read
+            self._resolve(prev)
+            if self._inflight is not None:
+                self._settle()
+                return self._completed
         self._admit()
         # A prefill whose requests could not get pages retracted them: decode instead, so the running
         # requests always progress (otherwise re-admitting them each step would starve them).
@@ -300,9 +347,12 @@ class Engine:
         return BatchLayout.build(self.kv, [r.slot for r in batch], [r.pos for r in batch], lengths,
                                  [r.pages for r in batch], self.device)
 
-    def _forward(self, batch: list[_Running], ids: list[int], lengths: list[int]) -> torch.Tensor:
-        """One model step over `batch`: request n brings lengths[n] tokens (ids, request by request).
-        Returns logits [N, V] at each request's last new token."""
+    def _forward(self, batch: list[_Running], ids: list[int] | torch.Tensor, lengths: list[int]) -> torch.Tensor:
+        """One model step over `batch`: request n brings lengths[n] tokens (ids, request by request; a device
+        tensor [N] for a decode step fed from the previous step's samples). Returns logits [N, V] at each
+        request's last new token. Enqueues work without waiting for the device."""
+        if not torch.is_tensor(ids):
+            ids = to_device(ids, self.device)
         packed = any(t > 1 for t in lengths)
         if self.adapters is not None:
             self.adapters.set_batch([self.adapters.slot_of(r.req.adapter) for r in batch],
@@ -311,10 +361,10 @@ class Engine:
             return self.graphs.run(ids, [r.slot for r in batch], [r.pos for r in batch], [r.pages for r in batch])
         cache = PoolStateCache(self.kv, self.states, self._layout(batch, lengths))
         if packed:
-            ids_t = torch.tensor([ids], device=self.device)
-            cu = torch.tensor([0, *lengths], device=self.device).cumsum(0)
+            ids_t = ids[None, :]
+            cu = to_device(torch.tensor([0, *lengths]).cumsum(0), self.device)
         else:
-            ids_t, cu = torch.tensor(ids, device=self.device)[:, None], None
+            ids_t, cu = ids[:, None], None
         with torch.inference_mode():
             return model_step(self.model, ids_t, cache, cu)
 
@@ -363,7 +413,9 @@ class Engine:
                 done.append(i)
         if done:
             rows = done if len(done) < len(plan) else slice(None)
-            self._append_samples([plan[i][0] for i in done], logits[rows])
+            batch = [plan[i][0] for i in done]
+            tokens, logps = sample(logits[rows], [r.req.params for r in batch], [r.generator for r in batch])
+            self._append_samples(batch, tokens, logps)
         return True
 
     def _decode(self, candidates: list[_Running]) -> None:
@@ -375,15 +427,81 @@ class Engine:
         batch = [r for r in batch if r in self.running]
         if not batch:
             return
-        logits = self._forward(batch, [r.tokens[r.pos] for r in batch], [1] * len(batch))
+        launch = self._launch_decode(batch, [r.tokens[r.pos] for r in batch])
+        if self._overlap:
+            self._inflight = launch
+        else:
+            self._resolve(launch)
+
+    def _launch_decode(self, batch: list[_Running], ids: list[int] | torch.Tensor) -> _DecodeLaunch:
+        """Enqueue one decode token for each of `batch` (pages already cover it) and its sampling; snapshot
+        the working state of rows reaching a chunk boundary now, before a later step overwrites it."""
+        logits = self._forward(batch, ids, [1] * len(batch))
+        tokens, logps = sample_on_device(logits, [r.req.params for r in batch], [r.generator for r in batch])
+        both = torch.stack([tokens.to(torch.float64), logps.to(torch.float64)])
+        ready = None
+        if both.is_cuda:
+            host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
+            host.copy_(both, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+        else:
+            host = both
+        snapshots = []
         for r in batch:
             r.pos += 1
             if r.pos % self.config.chunk_size == 0:
-                self._donate(r)
-        self._append_samples(batch, logits)
+                snapshots.append((r, r.pos, self._snapshot(r)))
+        return _DecodeLaunch(batch, tokens, host, ready, snapshots)
 
-    def _append_samples(self, batch: list[_Running], logits: torch.Tensor) -> None:
-        tokens, logps = sample(logits, [r.req.params for r in batch], [r.generator for r in batch])
+    def _resolve(self, launch: _DecodeLaunch) -> None:
+        """Read a launched step's tokens back: tree inserts for its snapshots, then append and finish. Rows
+        of requests that left meanwhile (stopped a step earlier, aborted) are discarded."""
+        if launch.ready is not None:
+            launch.ready.synchronize()
+        tokens, logps = launch.host.tolist()
+        for r, pos, snap in launch.snapshots:
+            if r in self.running:
+                self._donate_at(r, pos, snap)
+            elif snap is not None:
+                self.states.allocator.free([snap])
+        live = [i for i, r in enumerate(launch.batch) if r in self.running]
+        self._append_samples([launch.batch[i] for i in live], [int(tokens[i]) for i in live],
+                             [logps[i] for i in live])
+
+    def _continue_decode(self, prev: _DecodeLaunch) -> _DecodeLaunch | None:
+        """Enqueue the next decode of `prev`'s requests, fed from its device tokens, before `prev` is read
+        back; None when the next step needs the host to know them first: admissions or prefills pending,
+        pages only a retraction could free. Rows that `prev` will finish by length are left out."""
+        if self.waiting and len(self.running) < self.config.max_running:
+            return None
+        members = set(prev.batch)
+        if any(r not in members for r in self.running):
+            return None  # a prefilling request
+        keep = [i for i, r in enumerate(prev.batch)
+                if r in self.running and len(r.req.output_ids) + 1 < r.req.params.max_new_tokens]
+        if not keep:
+            return None
+        batch = [prev.batch[i] for i in keep]
+        page = self.config.page_size
+        short = [r for r in batch if -(-(r.pos + 1) // page) > len(r.pages)]
+        new = self._alloc(self.kv.allocator, len(short), self._evict_pages) if short else []
+        if new is None:
+            return None
+        for r, p in zip(short, new):
+            r.pages.append(p)
+        ids = prev.tokens if len(keep) == len(prev.batch) else \
+            prev.tokens[to_device(keep, self.device)]
+        return self._launch_decode(batch, ids)
+
+    def _settle(self) -> None:
+        """Read back an enqueued step none of whose requests is still running (they stopped or were
+        aborted): nothing would read it otherwise, and its snapshot slots must return to the pool."""
+        if self._inflight is not None and not any(r in self.running for r in self._inflight.batch):
+            launch, self._inflight = self._inflight, None
+            self._resolve(launch)
+
+    def _append_samples(self, batch: list[_Running], tokens: list[int], logps: list[float]) -> None:
         for r, tok, lp in zip(batch, tokens, logps):
             req = r.req
             req.output_ids.append(tok)
@@ -400,13 +518,20 @@ class Engine:
     def _donate(self, r: _Running) -> None:
         """Give the tree the page-aligned computed prefix and, at a chunk boundary, a snapshot of the
         working state (a copy into a fresh slot; the tree then owns that slot by index)."""
-        checkpoints = {}
-        if r.pos % self.config.chunk_size == 0:
-            snap = self._alloc(self.states.allocator, 1, self._evict_checkpoints)
-            if snap is not None:
-                self.states.copy_slots([r.slot], snap)
-                checkpoints[r.pos] = snap[0]
-        res = self._insert(r, checkpoints)
+        self._donate_at(r, r.pos, self._snapshot(r) if r.pos % self.config.chunk_size == 0 else None)
+
+    def _snapshot(self, r: _Running) -> int | None:
+        """Copy r's working state into a fresh slot (None when no slot can be freed for it)."""
+        snap = self._alloc(self.states.allocator, 1, self._evict_checkpoints)
+        if snap is None:
+            return None
+        self.states.copy_slots([r.slot], snap)
+        return snap[0]
+
+    def _donate_at(self, r: _Running, pos: int, snap: int | None) -> None:
+        """Insert r's computed prefix up to `pos` (<= r.pos; its tokens known) with the checkpoint `snap`
+        taken at `pos`, and move r's lock to the node that ends there."""
+        res = self._insert(r, {} if snap is None else {pos: snap}, end=pos)
         self.states.allocator.free(res.rejected_slots)
         r.cache.lock(res.node)
         r.cache.unlock(r.node)
@@ -422,12 +547,12 @@ class Engine:
     def _donate_kv_only(self, r: _Running) -> None:
         self._insert(r, {})
 
-    def _insert(self, r: _Running, checkpoints: dict[int, int]):
+    def _insert(self, r: _Running, checkpoints: dict[int, int], end: int | None = None):
         """Hand the page-aligned computed prefix to the tree. The request switches to the tree's pages and
         its duplicates (KV it recomputed for positions the tree had) are freed at once, so a request never
         holds two copies of a prefix: its footprint stays what `submit` checked against the pool. The
         freed pages are only rewritten by later kernels on the same stream."""
-        full = r.pos // self.config.page_size
+        full = (r.pos if end is None else end) // self.config.page_size
         res = r.cache.insert(r.tokens, r.pages[:full], checkpoints)
         r.pages[:full] = res.pages
         self.kv.allocator.free(res.duplicate_pages)
@@ -453,6 +578,8 @@ class Engine:
         """Rebuild the accounting: every page / slot is in exactly one place (tree, a request, free)."""
         pages = {p for r in self.running for p in r.private}
         slots = {r.slot for r in self.running}
+        if self._inflight is not None:  # snapshots taken, their tree inserts waiting for the tokens
+            slots |= {snap for _, _, snap in self._inflight.snapshots if snap is not None}
         for name, cache in self.caches.items():
             others = [c for n, c in self.caches.items() if n != name]
             cache.sanity_check(pages.union(*(c.owned_pages() for c in others)),

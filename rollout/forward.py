@@ -76,16 +76,18 @@ class DecodeGraphs:
             and _bucket(hist, self.hist_buckets) is not None \
             and (self.adapters is None or self.adapters.batch_slot is not None)
 
-    def run(self, ids: list[int], slots: list[int], positions: list[int], page_tables: list[list[int]]
+    def run(self, ids: torch.Tensor, slots: list[int], positions: list[int], page_tables: list[list[int]]
             ) -> torch.Tensor:
-        """One decode token per request -> logits [len(ids), V]."""
-        n = len(ids)
+        """One decode token per request (ids [N] on the pools' device) -> logits [N, V]. Enqueues only:
+        inputs go to the device with asynchronous copies, so the host can prepare the next step while
+        this one runs."""
+        n = ids.shape[0]
         bb = _bucket(n, self.batch_buckets)
         sb = _bucket(max(positions) + 1, self.hist_buckets)
         pad = bb - n
         layout = BatchLayout.build(self.kv, slots + [self.states.sink_slot] * pad, positions + [0] * pad,
                                    [1] * bb, page_tables + [[self.kv.sink_page]] * pad, self._device, hist_len=sb)
-        ids_t = torch.tensor(ids + [0] * pad, device=self._device)[:, None]
+        ids_t = (torch.cat([ids, ids.new_zeros(pad)]) if pad else ids)[:, None]
         slot_key: tuple = ()
         if self.adapters is not None:
             slot = self.adapters.batch_slot

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from miles_k3.model.config import K3Config
+from rollout.transfer import to_device
 
 
 class OutOfSlots(RuntimeError):
@@ -120,7 +121,7 @@ class KVPagePool:
         pos = torch.arange(start, end)
         page_idx = torch.tensor(pages, dtype=torch.long)[pos // self.page_size]
         device = next(iter(self.buffers.values())).device if self.buffers else "cpu"
-        return (page_idx * self.page_size + pos % self.page_size).to(device)
+        return to_device(page_idx * self.page_size + pos % self.page_size, device)
 
 
 class KDAStatePool:
@@ -143,8 +144,7 @@ class KDAStatePool:
         if not src:
             return
         device = next(iter(self.recurrent.values())).device
-        s = torch.tensor(src, dtype=torch.long, device=device)
-        d = torch.tensor(dst, dtype=torch.long, device=device)
+        s, d = to_device(src, device, torch.long), to_device(dst, device, torch.long)
         for table in (self.recurrent, self.conv):
             for buf in table.values():
                 buf.index_copy_(0, d, buf.index_select(0, s))
@@ -154,7 +154,7 @@ class KDAStatePool:
         if not slots:
             return
         device = next(iter(self.recurrent.values())).device
-        idx = torch.tensor(slots, dtype=torch.long, device=device)
+        idx = to_device(slots, device, torch.long)
         for table in (self.recurrent, self.conv):
             for buf in table.values():
                 buf.index_fill_(0, idx, 0)

@@ -1,7 +1,7 @@
 """Token sampling for a whole batch at once: temperature, top-k, top-p, per-request seeds, exact log-probs.
 
-The batch is sampled with a fixed number of kernels (plus one noise draw per seeded row) and a single
-device-to-host copy, so the decode loop syncs with the device once per step, not twice per request.
+The batch is sampled with a fixed number of kernels (plus one noise draw per sampled row); `sample_on_device`
+enqueues it without waiting for the device, `sample` adds the one device-to-host copy.
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from rollout.request import SamplingParams
+from rollout.transfer import to_device
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
@@ -39,7 +40,7 @@ def sample_on_device(logits: torch.Tensor, params: list[SamplingParams],
     if all(t == 1.0 for t in temps):
         logprobs = torch.log_softmax(logits, dim=-1)
     else:
-        logprobs = torch.log_softmax(logits / torch.tensor(temps, device=device)[:, None], dim=-1)
+        logprobs = torch.log_softmax(logits / to_device(temps, device)[:, None], dim=-1)
     tokens = logits.argmax(dim=-1)
     drawn = [i for i, p in enumerate(params) if p.temperature > 0]
     if drawn:
@@ -53,7 +54,7 @@ def sample_on_device(logits: torch.Tensor, params: list[SamplingParams],
         if isinstance(rows, slice):
             tokens = choice
         else:
-            tokens = tokens.index_copy(0, torch.tensor(drawn, device=device), choice)
+            tokens = tokens.index_copy(0, to_device(drawn, device), choice)
     return tokens, logprobs.gather(1, tokens[:, None])[:, 0]
 
 
@@ -68,11 +69,11 @@ def _truncate(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor
     device = probs.device
     sorted_p, order = probs.sort(dim=-1, descending=True)
     if any(top_k):
-        k = torch.tensor([k if k else vocab for k in top_k], device=device)
+        k = to_device([k if k else vocab for k in top_k], device)
         kth = sorted_p.gather(1, (k - 1)[:, None])
         # ties with the k-th value sit right after it in sorted order, so the kept set is a sorted prefix
         sorted_p = torch.where(sorted_p >= kth, sorted_p, torch.zeros_like(sorted_p))
     if any(p < 1.0 for p in top_p):
-        limit = torch.tensor(top_p, device=device, dtype=sorted_p.dtype)[:, None] * sorted_p.sum(-1, keepdim=True)
+        limit = to_device(top_p, device, sorted_p.dtype)[:, None] * sorted_p.sum(-1, keepdim=True)
         sorted_p = torch.where(sorted_p.cumsum(-1) - sorted_p < limit, sorted_p, torch.zeros_like(sorted_p))
     return torch.zeros_like(probs).scatter(1, order, sorted_p)

@@ -22,6 +22,7 @@ import torch
 
 from miles_k3.model.cache import KDAState
 from rollout.memory import KDAStatePool, KVPagePool
+from rollout.transfer import to_device
 
 
 @dataclass
@@ -72,7 +73,7 @@ class BatchLayout:
         write = hist.gather(1, q_pos.clamp(max=s - 1))[q_valid]  # rows of the new tokens, input order
         out_index = (torch.arange(n)[:, None] * tq + t[None, :])[q_valid]
         host = [torch.tensor(slots), write, hist, q_pos, q_index, out_index]
-        return BatchLayout(*(x.to(device, non_blocking=True) for x in host))
+        return BatchLayout(*(to_device(x, device) for x in host))
 
 
 class PoolStateCache:

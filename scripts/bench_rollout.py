@@ -11,8 +11,11 @@ pools, empty radix cache) sized by --memory-gb, so no workload sees another's ca
   chunks of several requests per step (up to --max-prefill-tokens), and prefills before it decodes, so
   the prefill steps run first (timed apart, reported as batch prefill tok/s); then the first decode step
   runs untimed (it pays one-off costs: kernel autotuning, allocator growth, CUDA graph capture) and the
-  remaining decode steps are timed: decode_tok_s = tokens they generated / their seconds. On CUDA the
-  decode steps replay CUDA graphs (`graph_replays` counts them; --no-cuda-graphs runs them eagerly).
+  remaining decode steps are timed together, not one by one (a sync per step would stall the overlap
+  schedule; with overlap the first step's read-back is untimed too): decode_tok_s = tokens they generated /
+  their seconds, step_ms = their seconds per step. On CUDA the decode steps replay CUDA graphs
+  (`graph_replays` counts them; --no-cuda-graphs runs them eagerly), and with --overlap on or auto the
+  same decode rows run again with overlap off ("miles-k3 (overlap off)") for contrast.
 - prefill: one cold prompt of --prefill-len, max_new_tokens=1, after one untimed run of the same shape.
 - group (GRPO): --group-prompts distinct prompts x --group-n samples, temperature 1, seeded. Samples
   admitted together all miss an empty cache (nothing is inserted before a prefill chunk finishes), so,
@@ -23,7 +26,7 @@ pools, empty radix cache) sized by --memory-gb, so no workload sees another's ca
   computed for its logits), and checkpoints sit where prefill chunks end, so the result depends on
   --chunk-size and --max-prefill-tokens; `ratio_best_at_chunk` is the ratio with a checkpoint at the
   last chunk boundary below the prompt's end, the best this cache design allows.
-- bs=1 floor: the median bs=1 decode step against the bytes one decode step must read (weights minus
+- bs=1 floor: the bs=1 decode step (step_ms) against the bytes one decode step must read (weights minus
   the embedding table and the routed experts a token does not select) / bandwidth measured here by a
   large device-to-device copy (HBM on cuda, DRAM on cpu). The all-weights floor is reported as well.
 - --peer hf: the Kimi-Linear form of the preset (what transformers can run), our engine on it and
@@ -37,6 +40,7 @@ A row that runs out of device memory is reported as "oom" and the run goes on.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import gc
 import json
@@ -58,7 +62,7 @@ from bench_forward import DTYPES, build_ours, hf_peer, kimi_linear_form  # noqa:
 from miles_k3.model import K3Config, K3ForCausalLM  # noqa: E402
 from miles_k3.model.config import PRESETS  # noqa: E402
 from miles_k3.model.moe import RoutedExperts  # noqa: E402
-from rollout.engine import Engine, EngineConfig  # noqa: E402
+from rollout.engine import OVERLAP_MODES, Engine, EngineConfig  # noqa: E402
 from rollout.memory import PoolSizes  # noqa: E402
 from rollout.request import Completion, SamplingParams  # noqa: E402
 
@@ -114,7 +118,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--dtype", choices=sorted(DTYPES), help="default: bf16 on cuda, fp32 on cpu")
     ap.add_argument("--batch-sizes", type=_batch_sizes, help="decode batch sizes, e.g. 1,8,64")
     ap.add_argument("--prompt-len", type=_int_at_least(1), help="prompt tokens (decode and group workloads)")
-    ap.add_argument("--gen-len", type=_int_at_least(3), help="new tokens per request (>= 3: one untimed step)")
+    ap.add_argument("--gen-len", type=_int_at_least(4), help="new tokens per request (>= 4: untimed steps)")
     ap.add_argument("--prefill-len", type=_int_at_least(1), help="prompt tokens of the prefill workload")
     ap.add_argument("--group-prompts", type=_int_at_least(1), help="distinct prompts of the group workload")
     ap.add_argument("--group-n", type=_int_at_least(1), help="samples per prompt of the group workload")
@@ -124,6 +128,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--max-prefill-tokens", type=_int_at_least(1), help="prefill tokens per step (4096 cuda, "
                                                                           "512 cpu)")
     ap.add_argument("--no-cuda-graphs", action="store_true", help="decode eagerly on CUDA")
+    ap.add_argument("--overlap", choices=list(OVERLAP_MODES), default="auto",
+                    help="EngineConfig.overlap; with it on, CUDA runs add 'overlap off' decode rows for contrast")
     ap.add_argument("--peer", choices=["none", "hf"], default="none")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path)
@@ -149,7 +155,7 @@ def engine_config(args: argparse.Namespace, model_config: K3Config, dtype: torch
         cfg = EngineConfig(memory_bytes=int(args.memory_gb * 2**30), page_size=args.page_size,
                            chunk_size=args.chunk_size, max_prefill_tokens=args.max_prefill_tokens,
                            max_running=max(max(args.batch_sizes), args.group_prompts * args.group_n),
-                           max_seq_len=max_seq, cuda_graphs=not args.no_cuda_graphs)
+                           max_seq_len=max_seq, cuda_graphs=not args.no_cuda_graphs, overlap=args.overlap)
         sizes = PoolSizes.from_budget(model_config, cfg.memory_bytes, page_size=cfg.page_size,
                                       state_fraction=cfg.state_fraction, dtype=dtype)
     except ValueError as e:
@@ -253,22 +259,26 @@ def bench_decode(model: K3ForCausalLM, ecfg: EngineConfig, batch: int, args, dev
     sync(device)
     prefill_s = time.perf_counter() - start
     done.update((c.request_id, c) for c in engine.step())  # first decode step: untimed warmup
+    if engine.overlap:  # that step was only enqueued: its read-back (and the next launch) is warmup too
+        done.update((c.request_id, c) for c in engine.step())
     before = sum(len(r.req.output_ids) for r in engine.running) + sum(len(c.output_ids) for c in done.values())
     retractions = engine.num_retractions
-    step_s = []
+    # The decode phase is timed whole: a device sync around each step would stall the overlap schedule,
+    # which keeps the next step enqueued while the host reads the last one back.
+    sync(device)
+    start = time.perf_counter()
+    steps = 0
     while engine.has_work():
-        sync(device)
-        start = time.perf_counter()
-        finished = engine.step()
-        sync(device)
-        step_s.append(time.perf_counter() - start)
-        done.update((c.request_id, c) for c in finished)
+        done.update((c.request_id, c) for c in engine.step())
+        steps += 1
+    sync(device)
+    decode_s = time.perf_counter() - start
     tokens = sum(len(c.output_ids) for c in done.values()) - before
     engine.check_invariants()
     assert len(done) == batch and all(len(c.output_ids) == args.gen_len for c in done.values())
     return {"batch": batch, "status": "ok", "batch_prefill_tok_s": batch * args.prompt_len / prefill_s,
-            "decode_tokens": tokens, "decode_s": sum(step_s), "decode_tok_s": tokens / sum(step_s),
-            "step_ms": statistics.median(step_s) * 1e3,
+            "decode_tokens": tokens, "decode_s": decode_s, "decode_tok_s": tokens / decode_s,
+            "step_ms": decode_s / tokens * batch * 1e3,  # per token of every request: the step a batch needs
             "retractions": engine.num_retractions - retractions,
             "graph_replays": engine.graphs.replays if engine.graphs is not None else 0}
 
@@ -412,6 +422,11 @@ def main(argv: list[str] | None = None) -> dict:
     assert all(len(c.output_ids) == 4 for c in warm)
     decode = [{"model": "miles-k3", **guarded(lambda: bench_decode(model, ecfg, b, args, device), device, batch=b)}
               for b in batch_sizes]
+    if device.type == "cuda" and args.overlap != "off":
+        plain = dataclasses.replace(ecfg, overlap="off")
+        decode += [{"model": "miles-k3 (overlap off)",
+                    **guarded(lambda: bench_decode(model, plain, b, args, device), device, batch=b)}
+                   for b in batch_sizes]
     prefill = guarded(lambda: bench_prefill(model, ecfg, args, device), device, prompt_len=args.prefill_len)
     group = guarded(lambda: bench_group(model, ecfg, args, device), device)
     if args.profile:
@@ -467,7 +482,7 @@ def main(argv: list[str] | None = None) -> dict:
                  "settings": {k: getattr(args, k) for k in ("batch_sizes", "prompt_len", "gen_len", "prefill_len",
                                                             "group_prompts", "group_n", "memory_gb", "peer",
                                                             "seed", "chunk_size", "max_prefill_tokens",
-                                                            "no_cuda_graphs")},
+                                                            "no_cuda_graphs", "overlap")},
                  "engine_config": {k: getattr(ecfg, k) for k in ecfg.__dataclass_fields__},
                  "params": config.num_parameters(), "active_params": config.num_active_parameters()},
         "decode_tok_s": ours,

@@ -65,6 +65,7 @@ class RolloutCfg:
     stop_at_eos: bool = True
     quantize: str = "none"  # none | experts | all (the engine's base)
     mxfp4_matmul: str = "torch"  # torch | triton: how the engine multiplies MXFP4 experts (triton: CUDA only)
+    overlap: str = "auto"  # auto | on | off: enqueue decode step k+1 before reading step k (auto: on CUDA)
     dtype: str = "float32"
     memory_mb: float = 64.0  # KV pages + KDA state slots
     page_size: int = 16
@@ -272,7 +273,7 @@ def resolve(cfg: Any) -> ResolvedConfig:
     from miles_k3.model.config import PRESETS
     from miles_k3.model.lora_spec import LoraSpec
     from miles_k3.rewards import RewardConfig
-    from rollout.engine import MXFP4_MATMULS, EngineConfig
+    from rollout.engine import MXFP4_MATMULS, OVERLAP_MODES, EngineConfig
     from rollout.model_runner import QUANTIZE_MODES
 
     m = _Checker("model", cfg.model)
@@ -317,6 +318,7 @@ def resolve(cfg: Any) -> ResolvedConfig:
     r.number("memory_mb", 0.0, open_low=True)
     r.choice("quantize", QUANTIZE_MODES)
     r.choice("mxfp4_matmul", MXFP4_MATMULS)
+    r.choice("overlap", OVERLAP_MODES)
     if cfg.rollout.mxfp4_matmul == "triton":
         for ok, need in ((cfg.rollout.quantize != "none", "rollout.quantize=experts or all (MXFP4 experts)"),
                          (cfg.cluster.device == "cuda", "cluster.device=cuda"),
@@ -327,7 +329,7 @@ def resolve(cfg: Any) -> ResolvedConfig:
     engine = _nested("rollout", lambda: EngineConfig(
         memory_bytes=int(cfg.rollout.memory_mb * 2**20), page_size=cfg.rollout.page_size,
         chunk_size=cfg.rollout.chunk_size, max_prefill_tokens=cfg.rollout.max_prefill_tokens,
-        max_running=cfg.rollout.max_running, mxfp4_matmul=cfg.rollout.mxfp4_matmul))
+        max_running=cfg.rollout.max_running, mxfp4_matmul=cfg.rollout.mxfp4_matmul, overlap=cfg.rollout.overlap))
 
     a = cfg.algo
     loss = _nested("algo", lambda: _same_fields(PolicyLossConfig, a))

@@ -67,10 +67,11 @@ def test_branch_point_is_planted_and_reused():
     assert out_b.output_ids == cold(b, GREEDY).output_ids and out_c.output_ids == cold(c, GREEDY).output_ids
 
 
-def test_retraction_under_memory_pressure_loses_and_duplicates_nothing():
+@pytest.mark.parametrize("overlap", ["off", "on"])
+def test_retraction_under_memory_pressure_loses_and_duplicates_nothing(overlap):
     prompts = [prompt(20, 10 + i) for i in range(6)]
     params = SamplingParams(temperature=0, max_new_tokens=24)
-    eng = engine(memory=360_000, state_fraction=0.95)  # 4 state slots, 11 pages of 4 tokens
+    eng = engine(memory=360_000, state_fraction=0.95, overlap=overlap)  # 4 state slots, 11 pages of 4 tokens
     outs = eng.generate(prompts, params)
     assert eng.num_retractions > 0
     for p, out in zip(prompts, outs):
@@ -104,11 +105,13 @@ def test_bad_requests_are_rejected_without_disturbing_others():
     assert done[0].output_ids == cold(prompt(5, 5), GREEDY).output_ids
 
 
-def test_abort_stop_tokens_and_stream():
-    eng = engine()
+@pytest.mark.parametrize("overlap", ["off", "on"])
+def test_abort_stop_tokens_and_stream(overlap):
+    eng = engine(overlap=overlap)
     a, b = prompt(12, 8), prompt(9, 9)
     ra, rb = eng.submit(a, GREEDY), eng.submit(b, GREEDY)
-    eng.step()
+    for _ in range(4):  # prefill, then decode steps (with overlap, one of them enqueued, not read back)
+        eng.step()
     aborted = eng.abort(ra)
     assert aborted.finish_reason == FinishReason.ABORT and eng.abort(12345) is None
     rest = []
@@ -143,11 +146,12 @@ def test_release_and_resume_memory():
     assert eng.generate([p], GREEDY)[0].output_ids == first.output_ids
 
 
+@pytest.mark.parametrize("overlap", ["off", "on"])
 @settings(max_examples=12, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), memory=st.sampled_from([360_000, 700_000, ROOMY]))
-def test_fuzz_streams_with_shared_prefixes_aborts_and_pressure(seed, memory):
+def test_fuzz_streams_with_shared_prefixes_aborts_and_pressure(overlap, seed, memory):
     rng = random.Random(seed)
-    eng = engine(memory=memory, state_fraction=0.95)
+    eng = engine(memory=memory, state_fraction=0.95, overlap=overlap)
     bases = [prompt(30, 100 + i) for i in range(3)]
     submitted = 0
     for _ in range(30):
@@ -186,3 +190,43 @@ def test_grpo_group_shares_the_prompt_up_to_its_last_chunk_boundary():
     assert [done[f].cached_tokens for f in followers] == [40, 40, 40]  # 45 tokens, chunk 8: boundary 40
     computed = sum(len(p) - done[i].cached_tokens for i in [first, *followers])
     assert computed <= (1 / 4 + 0.1) * 4 * len(p)
+
+
+def test_overlapped_decode_gives_the_plain_schedule_outputs():
+    """Overlap enqueues decode step k+1 from step k's device tokens before reading them: outputs, log-probs
+    and finish reasons equal the plain schedule's, with stop tokens (a stopped request was fed one step
+    more), length limits, admissions while decoding (max_running < requests), chunk-boundary snapshots
+    during decode, and prefix hits afterwards. Pools return to full."""
+    group = prompt(13, 40)
+    prompts = [group] * 3 + [prompt(n, 41 + n) for n in (5, 9, 17)]
+    greedy_ref = engine(overlap="off").generate([prompts[3]], SamplingParams(temperature=0, max_new_tokens=12))[0]
+    stop = greedy_ref.output_ids[5]  # some requests stop early on it
+    params = [SamplingParams(temperature=1.0, max_new_tokens=12 + i, seed=i, stop_token_ids=(stop,))
+              for i in range(3)]
+    params += [SamplingParams(temperature=0, max_new_tokens=12, stop_token_ids=(stop,)),
+               SamplingParams(temperature=0.7, top_k=50, max_new_tokens=20, seed=7),
+               SamplingParams(temperature=0, max_new_tokens=1)]
+
+    def run(overlap):
+        eng = engine(overlap=overlap, max_running=4)
+        ids = [eng.submit(p, sp) for p, sp in zip(prompts, params)]
+        done, launches = {}, 0
+        while eng.has_work():
+            done.update({c.request_id: c for c in eng.step()})
+            launches += eng._inflight is not None
+            eng.check_invariants()
+        again = eng.generate(prompts, params)  # prefix hits on the tree the first round left
+        assert sum(c.cached_tokens for c in again) > 0
+        eng._evict_pages(10**9)
+        eng._evict_checkpoints(10**9)
+        assert eng.kv.allocator.num_free == eng.kv.allocator.capacity
+        assert eng.states.allocator.num_free == eng.states.allocator.capacity
+        return [done[i] for i in ids], again, launches
+
+    plain, plain_again, none = run("off")
+    over, over_again, launches = run("on")
+    assert none == 0 and launches > 10  # the overlapped run kept a step in flight most of the time
+    assert plain[3].finish_reason == FinishReason.STOP and plain[3].output_ids[-1] == stop
+    for a, b in zip(plain + plain_again, over + over_again):
+        assert (a.output_ids, a.finish_reason) == (b.output_ids, b.finish_reason)
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)

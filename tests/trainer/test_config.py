@@ -46,6 +46,7 @@ def test_groups_swap_and_interpolate():
     ("rollout.samples_per_prompt=1", "rollout.samples_per_prompt"),
     ("rollout.quantize=int3", "rollout.quantize"),
     ("rollout.mxfp4_matmul=cutlass", "rollout.mxfp4_matmul"),
+    ("rollout.overlap=yes", "rollout.overlap"),
     ("rollout.mxfp4_matmul=triton", "rollout.mxfp4_matmul 'triton' needs rollout.quantize"),  # quantize none
     ("rollout.chunk_size=24", "rollout: chunk_size"),
     ("optim.lr=0", "optim.lr"),

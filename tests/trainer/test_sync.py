@@ -33,10 +33,13 @@ def rollouts(engine, tok, n=8, seed=0):
                       [i // 2 for i in range(len(prompts))])
 
 
-def test_sync_equality_and_logprob_agreement_after_an_update(setup):
+@pytest.mark.parametrize("overlap", ["off", "on"])  # "on": the schedule a CUDA rollout uses
+def test_sync_equality_and_logprob_agreement_after_an_update(setup, overlap):
     rc, config, state, tok = setup
     trainer = build_train_worker(rc, config, state, "cpu")
-    engine = build_rollout_worker(rc, config, state, "cpu")
+    cfg = TrainConfig()
+    cfg.rollout.overlap = overlap
+    engine = build_rollout_worker(resolve(cfg), config, state, "cpu")
     engine.sync_adapter(trainer.adapter_state())
     batch = rollouts(engine, tok)
     metrics = trainer.train(batch)

@@ -39,8 +39,8 @@ from rollout.memory import IndexAllocator, KDAStatePool, KVPagePool, PoolSizes
 from rollout.radix_cache import HybridRadixCache, Node
 from rollout.request import Completion, FinishReason, Request, SamplingParams
 from rollout.sampler import sample, sample_on_device
-from rollout.transfer import to_device
 from rollout.state_cache import BatchLayout, PoolStateCache
+from rollout.transfer import to_device
 
 
 MXFP4_MATMULS = ("torch", "triton")
@@ -283,7 +283,9 @@ class Engine:
 
     # ------------------------------------------------------------------- step
     def step(self) -> list[Completion]:
-        """One forward: a prefill chunk or a decode batch. Returns the requests that finished."""
+        """One forward: a prefill chunk or a decode batch. Returns the requests that finished. With overlap
+        a decode step is only enqueued: its tokens (and the requests it finishes) arrive with the next call,
+        which enqueues the following decode first."""
         if self.kv is None:
             raise RuntimeError("engine memory is released; call resume_memory() first")
         self._completed = []

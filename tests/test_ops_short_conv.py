@@ -91,6 +91,29 @@ def test_varlen_resets_per_segment():
     torch.testing.assert_close(y2[:, 3:], y1[:, 3:], rtol=0, atol=0)
 
 
+def test_varlen_gradients_equal_per_segment():
+    """The trainer backpropagates through packed sequences: input, weight and state gradients equal the
+    per-segment forwards' (the packed path splices states in with index copies)."""
+    D, W = 4, 4
+    lens = [5, 1, 0, 6]
+    cu = torch.tensor([0] + lens).cumsum(0)
+    g = torch.Generator().manual_seed(1)
+    x, weight, state = (torch.randn(*shape, generator=g) for shape in ((1, sum(lens), D), (D, W), (len(lens), D, W - 1)))
+    upstream = torch.randn(1, sum(lens), D, generator=g)
+    packed = [t.clone().requires_grad_() for t in (x, weight, state)]
+    y, s = causal_short_conv(packed[0], packed[1], state=packed[2], cu_seqlens=cu)
+    ((y * upstream).sum() + s.square().sum()).backward()
+    split = [t.clone().requires_grad_() for t in (x, weight, state)]
+    loss = 0
+    for i in range(len(lens)):
+        seg = slice(int(cu[i]), int(cu[i + 1]))
+        y_i, s_i = causal_short_conv(split[0][:, seg], split[1], state=split[2][i:i + 1])
+        loss = loss + (y_i * upstream[:, seg]).sum() + s_i.square().sum()
+    loss.backward()
+    for a, b in zip(packed, split):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6)
+
+
 def test_dtypes():
     x = torch.randn(2, 6, 4, dtype=torch.bfloat16)
     weight = torch.randn(4, 3, dtype=torch.bfloat16)

@@ -34,26 +34,31 @@ def _conv_core(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> tu
     return y, xx[..., T:]
 
 
-def _packed_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, bounds: list[int]
+def _packed_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, cu_seqlens: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Packed sequences in one pass. x [D, T] (sequences back to back), state [N, D, W-1] ->
-    (y [1, D, T], state [N, D, W-1]). Each sequence gets its own history spliced in front of it
-    (ext = s_0 x_0 s_1 x_1 ...), so tap j of a token at offset o of sequence i reads ext[base_i + o + j]
-    with base_i = bos_i + i (W-1): the same taps as `_conv_core` per sequence, without a Python loop."""
+    """Packed sequences in one pass. x [D, T] (sequences back to back), state [N, D, W-1], cu_seqlens [N+1]
+    -> (y [1, D, T], state [N, D, W-1]). Each sequence gets its own history spliced in front of it
+    (ext = s_0 x_0 s_1 x_1 ...): sequence i's segment starts at cu_i + i (W-1), so token t of sequence i
+    sits at ext[t + (i+1)(W-1)] and its tap j reads ext[t + i (W-1) + j], the same taps as `_conv_core`
+    per sequence. Indices are built on x's device from cu_seqlens (no host round trip, no Python loop
+    over sequences), so a packed forward on CUDA does not wait for the device here."""
+    D, T = x.shape
     W = weight.shape[-1]
-    n = len(bounds) - 1
-    pieces = []
-    for i, (bos, eos) in enumerate(zip(bounds[:-1], bounds[1:])):
-        pieces += [state[i], x[:, bos:eos]]
-    ext = torch.cat(pieces, dim=-1)  # [D, T + N (W-1)]
-    lens = torch.tensor([e - b for b, e in zip(bounds[:-1], bounds[1:])], device=x.device)
-    base = torch.tensor(bounds[:-1], device=x.device) + torch.arange(n, device=x.device) * (W - 1)
-    offset = torch.arange(x.shape[1], device=x.device) - torch.tensor(bounds[:-1], device=x.device).repeat_interleave(lens)
-    first = base.repeat_interleave(lens) + offset  # ext index of each token's oldest tap
+    n = cu_seqlens.numel() - 1
+    cu = cu_seqlens.to(device=x.device, dtype=torch.long)
+    tokens = torch.arange(T, device=x.device)
+    seq = torch.searchsorted(cu[1:], tokens, right=True)  # sequence of each token
+    first = tokens + seq * (W - 1)  # ext index of each token's oldest tap
+    hist = torch.arange(W - 1, device=x.device)
+    starts = cu[:-1] + torch.arange(n, device=x.device) * (W - 1)  # where each segment's history begins
+    ext = x.new_zeros(D, T + n * (W - 1))
+    ext = ext.index_copy(1, first + (W - 1), x)
+    ext = ext.index_copy(1, (starts[:, None] + hist).reshape(-1), state.permute(1, 0, 2).reshape(D, -1))
     y = weight[:, 0, None] * ext[:, first]
     for j in range(1, W):
         y = y + weight[:, j, None] * ext[:, first + j]
-    tail = (base + lens)[:, None] + torch.arange(W - 1, device=x.device)  # [N, W-1]: the last W-1 inputs
+    lens = cu[1:] - cu[:-1]
+    tail = (starts + lens)[:, None] + hist  # [N, W-1]: each segment's last W-1 inputs
     return y.unsqueeze(0), ext[:, tail].permute(1, 0, 2)
 
 
@@ -91,8 +96,10 @@ def causal_short_conv(x: torch.Tensor, weight: torch.Tensor, *, state: torch.Ten
     if weight.dim() != 2 or weight.shape[0] != D or weight.shape[1] < 1:
         raise ValueError(f"`weight` must be [D, W] or [D, 1, W] with D={D}, got shape {tuple(weight.shape)}")
     W = weight.shape[1]
-    bounds = _cu_seqlens_bounds(cu_seqlens, B, T) if cu_seqlens is not None else None
-    N = B if bounds is None else len(bounds) - 1
+    if cu_seqlens is not None:
+        # the values are checked where reading them costs no device sync
+        _cu_seqlens_bounds(cu_seqlens, B, T, values=not cu_seqlens.is_cuda)
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     if state is not None and state.shape != (N, D, W - 1):
         raise ValueError(f"`state` must be [N, D, W-1] = {(N, D, W - 1)}, got {tuple(state.shape)}")
 
@@ -100,10 +107,10 @@ def causal_short_conv(x: torch.Tensor, weight: torch.Tensor, *, state: torch.Ten
     xt = x.float().transpose(1, 2)
     w = weight.float()
     s0 = state.float() if state is not None else xt.new_zeros(N, D, W - 1)
-    if bounds is None:
+    if cu_seqlens is None:
         y, s = _conv_core(xt, w, s0)
     else:
-        y, s = _packed_conv(xt[0], w, s0, bounds)
+        y, s = _packed_conv(xt[0], w, s0, cu_seqlens)
     if activation == "silu":
         y = F.silu(y)
     return y.transpose(1, 2).to(x.dtype), s.to(state.dtype if state is not None else x.dtype)

@@ -85,8 +85,11 @@ class DecodeGraphs:
         bb = _bucket(n, self.batch_buckets)
         sb = _bucket(max(positions) + 1, self.hist_buckets)
         pad = bb - n
+        # built on the host and copied straight into the graph's static inputs (no device-side temporary)
+        # when a graph serves the step; to the device otherwise
+        target = torch.device("cpu") if self.capture else self._device
         layout = BatchLayout.build(self.kv, slots + [self.states.sink_slot] * pad, positions + [0] * pad,
-                                   [1] * bb, page_tables + [[self.kv.sink_page]] * pad, self._device, hist_len=sb)
+                                   [1] * bb, page_tables + [[self.kv.sink_page]] * pad, target, hist_len=sb)
         ids_t = (torch.cat([ids, ids.new_zeros(pad)]) if pad else ids)[:, None]
         slot_key: tuple = ()
         if self.adapters is not None:
@@ -105,11 +108,10 @@ class DecodeGraphs:
                             bb, sb, slot_key or None, exc_info=True)
                 self.failed = True
                 self.graphs.clear()
-                return self._step(ids_t, layout)[:n]
+                return self._step(ids_t, layout.to(self._device))[:n]
         graph, static_ids, static_layout, out = self.graphs[key]
         static_ids.copy_(ids_t)
-        for name in BatchLayout.__dataclass_fields__:
-            getattr(static_layout, name).copy_(getattr(layout, name))
+        static_layout.copy_(layout)
         graph.replay()
         self.replays += 1
         return out[:n]

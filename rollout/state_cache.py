@@ -72,8 +72,20 @@ class BatchLayout:
         q_pos = torch.where(q_valid, torch.tensor(positions)[:, None] + t[None, :], 0)
         write = hist.gather(1, q_pos.clamp(max=s - 1))[q_valid]  # rows of the new tokens, input order
         out_index = (torch.arange(n)[:, None] * tq + t[None, :])[q_valid]
-        host = [torch.tensor(slots), write, hist, q_pos, q_index, out_index]
-        return BatchLayout(*(to_device(x, device) for x in host))
+        host = BatchLayout(torch.tensor(slots), write, hist, q_pos, q_index, out_index)
+        return host if torch.device(device).type == "cpu" else host.to(device)
+
+    def _tensors(self) -> list[torch.Tensor]:
+        return [getattr(self, name) for name in self.__dataclass_fields__]
+
+    def to(self, device: torch.device | str) -> "BatchLayout":
+        """This layout on `device`, copied asynchronously (`rollout.transfer`)."""
+        return BatchLayout(*(to_device(t, device) for t in self._tensors()))
+
+    def copy_(self, other: "BatchLayout") -> None:
+        """Write `other` into these tensors in place (a CUDA graph's static inputs), asynchronously."""
+        for dst, src in zip(self._tensors(), other._tensors()):
+            dst.copy_(src, non_blocking=True)
 
 
 class PoolStateCache:

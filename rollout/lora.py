@@ -17,35 +17,32 @@ their inputs' leading index to a slot through the pool (`lead_slots`, `token_slo
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 import torch
 
-from miles_k3.model.lora_spec import DEFAULT_TARGETS
+from miles_k3.model.lora_spec import DEFAULT_TARGETS, LoraSpec, matches_targets
 
 
 @dataclass(frozen=True)
 class LoraConfig:
+    """The engine's adapter shape: rank, alpha and targets as the trainer's `LoraSpec` defines and checks
+    them (an engine built without adapters may have no targets), plus how many adapters the pool holds."""
+
     rank: int = 8
     alpha: float = 16.0
     max_adapters: int = 4
     # regexes over HF module names; experts match as "<prefix>.experts.w1" etc.
-    targets: tuple[str, ...] = DEFAULT_TARGETS  # shared with the trainer: miles_k3.model.lora_spec
+    targets: tuple[str, ...] = DEFAULT_TARGETS
 
     def __post_init__(self) -> None:
-        if self.rank < 1:
-            raise ValueError(f"LoraConfig.rank must be >= 1, got {self.rank}")
         if self.max_adapters < 1:
             raise ValueError(f"LoraConfig.max_adapters must be >= 1, got {self.max_adapters}")
-        for t in self.targets:
-            try:
-                re.compile(t)
-            except re.error as e:
-                raise ValueError(f"LoraConfig.targets: bad regex {t!r}: {e}") from None
+        LoraSpec(rank=self.rank, alpha=self.alpha, targets=self.targets or DEFAULT_TARGETS)
+        object.__setattr__(self, "targets", tuple(self.targets))
 
     def targets_module(self, name: str) -> bool:
-        return any(re.search(t, name) for t in self.targets)
+        return matches_targets(self.targets, name)
 
 
 class AdapterPool:

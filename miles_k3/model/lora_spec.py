@@ -62,4 +62,8 @@ class LoraSpec:
 
     def targets_module(self, name: str) -> bool:
         """Whether the HF module `name` (stacked experts: `<prefix>.experts.w1`) gets an adapter."""
-        return any(re.search(t, name) for t in self.targets)
+        return matches_targets(self.targets, name)
+
+
+def matches_targets(targets: tuple[str, ...], name: str) -> bool:
+    return any(re.search(t, name) for t in targets)

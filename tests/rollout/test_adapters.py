@@ -180,3 +180,12 @@ def test_fp32_state_builds_a_model_in_the_engine_dtype(quantize):
         w1 = torch.stack([state[f"{name}.{e}.w1.weight"] for e in range(REF.config.num_experts)])
         packed, scale = quantize_mxfp4(w1)
         assert torch.equal(experts.w1_packed, packed) and torch.equal(experts.w1_scale, scale)
+
+
+def test_engine_lora_config_is_checked_as_the_trainer_spec():
+    for bad, match in [(dict(rank=0), "rank"), (dict(alpha=-1.0), "alpha"), (dict(targets=("(",)), "bad regex"),
+                       (dict(max_adapters=0), "max_adapters")]:
+        with pytest.raises(ValueError, match=match):
+            LoraConfig(**bad)
+    assert not LoraConfig(targets=()).targets_module("model.layers.0.self_attn.q_proj")  # no adapters
+    assert LoraConfig(targets=["q_proj$"]).targets == ("q_proj$",)

@@ -111,7 +111,8 @@ class LocalWorkers:
         if len(states) != self.world_size:
             raise ValueError(f"checkpoint holds {len(states)} trainer ranks, this run has {self.world_size}")
         if self.world_size > 1:
-            dist.broadcast_object_list(["_load_rank_state", (states, adapter)], src=0)
+            dist.broadcast_object_list(["_load_rank_state", (adapter,)], src=0)
+            dist.scatter_object_list([None], states, src=0)  # each rank receives its own state only
         self.trainer.load_state_dict(states[0], adapter)
 
     def shutdown(self) -> None:
@@ -128,8 +129,10 @@ def _serve(trainer: TrainWorker, rank: int) -> None:
         if method == "_stop":
             return
         if method == "_load_rank_state":
-            states, adapter = args
-            trainer.load_state_dict(states[rank], adapter)
+            (adapter,) = args
+            mine: list[Any] = [None]
+            dist.scatter_object_list(mine, None, src=0)
+            trainer.load_state_dict(mine[0], adapter)
             continue
         result = getattr(trainer, method)(*args)
         if method == "state_dict":

@@ -126,3 +126,9 @@ def test_local_tensor_parallel_matches_single_rank(tmp_path):
     assert r1[0]["reward_mean"] == r2[0]["reward_mean"]
     assert r2[0]["loss"] == pytest.approx(r1[0]["loss"], abs=1e-5)
     assert r2[0]["grad_norm"] == pytest.approx(r1[0]["grad_norm"], rel=1e-4)
+    # resuming a TP=2 run: rank 0 reads the checkpoint and hands each rank its own optimizer / RNG state
+    more = cli(tmp_path / "tp2", "trainer.max_steps=3", "logging.wandb=disabled", "trainer.eval_before=false",
+               "parallel=tp2", "cluster.num_workers=2", "trainer.resume=auto")
+    assert more.returncode == 0, more.stderr[-3000:]
+    # metrics.jsonl is appended to: a run that started over instead of resuming would repeat steps 1-2
+    assert [r["step"] for r in rows(tmp_path / "tp2") if "loss" in r] == [1, 2, 3]

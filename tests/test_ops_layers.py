@@ -110,3 +110,19 @@ def test_packed_attention_equals_segment_masked_attention():
     p = scores.masked_fill(~mask, float("-inf")).softmax(-1)
     torch.testing.assert_close(packed_causal_attention(q, k, v, 0.4, cu), torch.einsum("bhts,bshd->bthd", p, v),
                                rtol=1e-5, atol=1e-6)
+
+
+def test_packed_attention_gradients_and_empty_sequences():
+    """The trainer backpropagates through packed attention; an empty sequence (repeated bound) is allowed."""
+    g = torch.Generator().manual_seed(4)
+    cu = torch.tensor([0, 3, 3, 9])
+    leaves = [torch.randn(1, 9, 2, d, generator=g, requires_grad=True) for d in (6, 6, 4)]
+    up = torch.randn(1, 9, 2, 4, generator=g)
+    (packed_causal_attention(*leaves, 0.5, cu) * up).sum().backward()
+    got = [x.grad.clone() for x in leaves]
+    for x in leaves:
+        x.grad = None
+    outs = [mla_attention(*(x[:, b:e] for x in leaves), 0.5, None) for b, e in [(0, 3), (3, 9)]]
+    (torch.cat(outs, 1) * up).sum().backward()
+    for a, x in zip(got, leaves):
+        torch.testing.assert_close(a, x.grad, rtol=1e-5, atol=1e-6)

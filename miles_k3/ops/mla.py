@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from miles_k3.ops.kda import _cu_seqlens_bounds
+
 
 def causal_mask(q_len: int, k_len: int, device: torch.device) -> torch.Tensor:
     """Bool [q_len, k_len]: query i (the last q_len of k_len positions) sees keys <= its position."""
@@ -36,14 +38,23 @@ def packed_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     its own sequence only, so padding (which comes after) is never attended. Costs N T_max^2 instead of the
     T^2 a [T, T] segment mask costs (and its backward), which matters for RL batches of many short sequences.
     """
-    bounds = cu_seqlens.tolist()
-    lens = [e - b for b, e in zip(bounds[:-1], bounds[1:])]
-    t_max = max(lens)
+    n_tok = q.shape[1]
+    bounds = _cu_seqlens_bounds(cu_seqlens, q.shape[0], n_tok)
+    lens = torch.tensor([e - b for b, e in zip(bounds[:-1], bounds[1:])])
+    starts = torch.tensor(bounds[:-1])
+    n, t_max = len(lens), int(lens.max())
+    # One gather in, one gather out (no per-sequence slicing: RL batches pack hundreds of sequences).
+    # Padded slot (i, j) reads token starts_i + j, or the zero row appended at index T past its end;
+    # token t of sequence i comes back from row i * T_max + (t - starts_i).
+    j = torch.arange(t_max)
+    src = torch.where(j[None, :] < lens[:, None], starts[:, None] + j[None, :], n_tok)
+    seq = torch.repeat_interleave(torch.arange(n), lens)
+    back = seq * t_max + torch.arange(n_tok) - starts[seq]
+    src, back = (x.to(q.device, non_blocking=True) for x in (src, back))
 
     def padded(x: torch.Tensor) -> torch.Tensor:
-        segs = [x[0, b:e] for b, e in zip(bounds[:-1], bounds[1:])]
-        return torch.stack([F.pad(s, (0, 0, 0, 0, 0, t_max - s.shape[0])) for s in segs]).transpose(1, 2)
+        rows = torch.cat([x[0], x.new_zeros(1, *x.shape[2:])])  # [T + 1, H, D]
+        return rows[src].transpose(1, 2)  # [N, H, T_max, D]
 
     out = F.scaled_dot_product_attention(padded(q), padded(k), padded(v), is_causal=True, scale=scale)
-    out = out.transpose(1, 2)  # [N, T_max, H, Dv]
-    return torch.cat([out[i, :n] for i, n in enumerate(lens)]).unsqueeze(0)
+    return out.transpose(1, 2).reshape(n * t_max, *out.shape[1:2], out.shape[-1])[back].unsqueeze(0)

@@ -25,7 +25,7 @@ back to the front of the queue with its output so far; it finishes later, never 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -305,25 +305,61 @@ class Engine:
         return self._completed
 
     def _admit(self) -> None:
+        """Move waiting requests into free running slots, oldest first, restoring their cached prefix. A
+        request that shares more of its prompt with a request still prefilling than the cache holds waits
+        (keeping its place in the queue) until that prefill has donated the shared part: GRPO's n samples
+        of a prompt, submitted together, compute the prompt once instead of n times."""
+        c = self.config.chunk_size
+        prefilling: dict[tuple, list[_Running]] = {}  # first chunk of the prompt -> requests prefilling it
+        for r in self.running:
+            if len(r.tokens) - r.pos > 1:
+                prefilling.setdefault(tuple(r.tokens[:c]), []).append(r)
+        deferred: list[Request] = []
         while self.waiting and len(self.running) < self.config.max_running:
-            req = self.waiting[0]
+            req = self.waiting.popleft()
             tokens = req.all_ids
             cache = self.cache_for(req.adapter)
             m = cache.match_prefix(tokens)
+            if self._prefill_to_share(tokens, cache, m.prefix_len, prefilling.get(tuple(tokens[:c]), ())):
+                deferred.append(req)
+                continue
             cache.lock(m.node)
             slot = self._alloc(self.states.allocator, 1, self._evict_checkpoints)
             if slot is None:
                 cache.unlock(m.node)
-                return
+                self.waiting.appendleft(req)
+                break
             # copy-on-write restore, enqueued before anything can reuse the checkpoint's slot
             if m.checkpoint_slot is None:
                 self.states.zero_slots(slot)
             else:
                 self.states.copy_slots([m.checkpoint_slot], slot)
-            self.waiting.popleft()
             req.cached_tokens = m.prefix_len
-            self.running.append(_Running(req, cache, tokens, slot[0], m.node, m.prefix_len, list(m.pages),
-                                         tree_pages=len(m.pages), fork_pos=m.fork_pos, generator=self._generators.get(req.request_id)))
+            r = _Running(req, cache, tokens, slot[0], m.node, m.prefix_len, list(m.pages), tree_pages=len(m.pages),
+                         fork_pos=m.fork_pos, generator=self._generators.get(req.request_id))
+            self.running.append(r)
+            if len(tokens) - r.pos > 1:
+                prefilling.setdefault(tuple(tokens[:c]), []).append(r)
+        self.waiting.extendleft(reversed(deferred))
+
+    def _prefill_to_share(self, tokens: list[int], cache: HybridRadixCache, cached: int,
+                          prefillers: Iterable[_Running]) -> bool:
+        """Whether a request with `tokens` (`cached` of them restorable now) should wait for one of
+        `prefillers` (same first chunk): one of them, in the same prefix tree, has not yet computed a
+        chunk-aligned prefix it shares with the request and that goes beyond `cached`. A hit restores at a
+        chunk boundary strictly before the last token, so only that far counts."""
+        c = self.config.chunk_size
+        reachable = (len(tokens) - 1) // c * c
+        for r in prefillers:
+            if r.cache is not cache or r not in self.running:
+                continue
+            shared = 0
+            end = min(reachable, (len(r.tokens) - 1) // c * c)
+            while shared < end and tokens[shared:shared + c] == r.tokens[shared:shared + c]:
+                shared += c
+            if shared > cached and r.pos < shared:
+                return True
+        return False
 
     def _alloc(self, allocator: IndexAllocator, n: int, evict) -> list[int] | None:
         if allocator.num_free < n:

@@ -17,10 +17,9 @@ pools, empty radix cache) sized by --memory-gb, so no workload sees another's ca
   (`graph_replays` counts them; --no-cuda-graphs runs them eagerly), and with --overlap on or auto the
   same decode rows run again with overlap off ("miles-k3 (overlap off)") for contrast.
 - prefill: one cold prompt of --prefill-len, max_new_tokens=1, after one untimed run of the same shape.
-- group (GRPO): --group-prompts distinct prompts x --group-n samples, temperature 1, seeded. Samples
-  admitted together all miss an empty cache (nothing is inserted before a prefill chunk finishes), so,
-  as a GRPO rollout should, we submit each group's first sample, step until its prefill is done (its
-  KDA checkpoints and KV pages are donated to the radix cache), then submit the other n-1. Computed
+- group (GRPO): --group-prompts distinct prompts x --group-n samples, temperature 1, seeded, all submitted
+  at once. The engine admits each group's first sample and holds the other n-1 back until its prefill has
+  donated the prompt's KDA checkpoints and KV pages to the radix cache (`Engine._admit`). Computed
   prompt tokens = sum(len(prompt) - cached_tokens) against sum(len(prompt)); target <= 1/n + 0.10.
   A hit can only restore a KDA checkpoint strictly before the last prompt token (that token must be
   computed for its logits), and checkpoints sit where prefill chunks end, so the result depends on
@@ -309,10 +308,9 @@ def bench_group(model: K3ForCausalLM, ecfg: EngineConfig, args, device) -> dict:
     done: dict[int, Completion] = {}
     sync(device)
     start = time.perf_counter()
-    # Leaders first: a sample can only hit what an earlier prefill chunk already donated to the cache.
-    ids = [engine.submit(p, params(i, 0)) for i, p in enumerate(prompts)]
-    run_until_prefilled(engine, done)
-    ids += [engine.submit(p, params(i, j)) for i, p in enumerate(prompts) for j in range(1, n)]
+    # Every sample submitted at once, as a GRPO rollout does: the engine holds a group's followers back
+    # until the first sample's prefill has donated the prompt's chunks, so they restore instead of recompute.
+    ids = [engine.submit(p, params(i, j)) for i, p in enumerate(prompts) for j in range(n)]
     run_to_end(engine, done)
     sync(device)
     wall = time.perf_counter() - start

@@ -230,3 +230,19 @@ def test_overlapped_decode_gives_the_plain_schedule_outputs():
     for a, b in zip(plain + plain_again, over + over_again):
         assert (a.output_ids, a.finish_reason) == (b.output_ids, b.finish_reason)
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+
+
+@pytest.mark.parametrize("overlap", ["off", "on"])
+def test_group_submitted_together_computes_its_prompt_once(overlap):
+    """GRPO submits n samples of a prompt at once: the first prefills, the others wait (in order) until
+    it has donated the shared chunks, then restore there. Outputs equal cold runs; a prompt shorter than
+    a chunk, or a different prompt, does not wait."""
+    eng = engine(max_prefill_tokens=32, overlap=overlap)
+    long_a, long_b, short = prompt(45, 30), prompt(30, 31), prompt(6, 32)
+    prompts = [long_a] * 4 + [long_b] * 3 + [short] * 2
+    params = [SamplingParams(temperature=1.0, max_new_tokens=4, seed=s) for s in range(len(prompts))]
+    outs = eng.generate(prompts, params)
+    assert [o.cached_tokens for o in outs] == [0, 40, 40, 40, 0, 24, 24, 0, 0]  # chunk 8: 44 -> 40, 29 -> 24
+    for p, sp, o in zip(prompts, params, outs):
+        assert o.output_ids == cold(p, sp).output_ids
+    eng.check_invariants()

@@ -65,6 +65,8 @@ class EngineConfig:
     # "auto": overlap consecutive decode steps on CUDA (module docstring); "on": also on CPU, where it only
     # reorders host work (the tests' way to run it); "off": every step waits for its tokens
     overlap: str = "auto"
+    # torch.compile the CUDA-graph decode step (rollout.forward.DecodeGraphs); CUDA graphs only, opt-in
+    compile_decode: bool = False
 
     def __post_init__(self) -> None:
         if self.overlap not in OVERLAP_MODES:
@@ -126,6 +128,9 @@ class Engine:
         self.config = config
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
+        if config.compile_decode and not self._graphs_apply():
+            raise ValueError("compile_decode=True compiles the CUDA-graph decode step: it needs the model on CUDA, "
+                             "cuda_graphs=True and routed experts that run grouped GEMMs (bf16)")
         self.sizes = PoolSizes.from_budget(model.config, config.memory_bytes, page_size=config.page_size,
                                            state_fraction=config.state_fraction, dtype=self.dtype)
         self._build_pools()
@@ -147,8 +152,8 @@ class Engine:
         self.kv = KVPagePool(self.model.config, self.sizes, self.dtype, self.device)
         self.states = KDAStatePool(self.model.config, self.sizes, self.dtype, self.device)
         self.graphs = DecodeGraphs(self.model, self.kv, self.states, max_batch=self.config.max_running,
-                                   max_seq_len=self.config.max_seq_len, capture=True, adapters=self._adapted_pool()) \
-            if self._graphs_apply() else None
+                                   max_seq_len=self.config.max_seq_len, capture=True, adapters=self._adapted_pool(),
+                                   compile=self.config.compile_decode) if self._graphs_apply() else None
         # One prefix tree per adapter (KV and KDA state depend on the adapter), sharing the pools.
         self.caches: dict[str | None, HybridRadixCache] = {}
 

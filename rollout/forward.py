@@ -58,9 +58,13 @@ class DecodeGraphs:
     """
 
     def __init__(self, model: K3ForCausalLM, kv: KVPagePool, states: KDAStatePool, *, max_batch: int,
-                 max_seq_len: int, capture: bool, adapters: AdapterPool | None = None):
+                 max_seq_len: int, capture: bool, adapters: AdapterPool | None = None, compile: bool = False):
         self.model, self.kv, self.states, self.adapters = model, kv, states, adapters
         self.capture = capture
+        # torch.compile of the padded decode step: inductor fuses the step's elementwise chains (norm and gate
+        # upcasts, SiTU, AttnRes mixing) into fewer kernels; the graph then replays the compiled step. Shapes
+        # are the buckets', so after the first recompile dynamo generalizes instead of compiling each bucket.
+        self._model_step = torch.compile(model_step) if compile else model_step
         self.batch_buckets = [b for b in (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
                               if b < max_batch] + [max_batch]
         page = kv.page_size
@@ -122,7 +126,7 @@ class DecodeGraphs:
 
     def _step(self, ids: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
         with torch.inference_mode():
-            return model_step(self.model, ids, PoolStateCache(self.kv, self.states, layout), None)
+            return self._model_step(self.model, ids, PoolStateCache(self.kv, self.states, layout), None)
 
     def _capture(self, bb: int, sb: int):
         # Warm-up and capture run on sink-only inputs, so they touch no request's state or KV.

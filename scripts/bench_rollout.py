@@ -127,6 +127,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--max-prefill-tokens", type=_int_at_least(1), help="prefill tokens per step (4096 cuda, "
                                                                           "512 cpu)")
     ap.add_argument("--no-cuda-graphs", action="store_true", help="decode eagerly on CUDA")
+    ap.add_argument("--compile-decode", action="store_true", help="EngineConfig.compile_decode (CUDA graphs only)")
     ap.add_argument("--overlap", choices=list(OVERLAP_MODES), default="auto",
                     help="EngineConfig.overlap; with it on, CUDA runs add 'overlap off' decode rows for contrast")
     ap.add_argument("--peer", choices=["none", "hf"], default="none")
@@ -154,7 +155,8 @@ def engine_config(args: argparse.Namespace, model_config: K3Config, dtype: torch
         cfg = EngineConfig(memory_bytes=int(args.memory_gb * 2**30), page_size=args.page_size,
                            chunk_size=args.chunk_size, max_prefill_tokens=args.max_prefill_tokens,
                            max_running=max(max(args.batch_sizes), args.group_prompts * args.group_n),
-                           max_seq_len=max_seq, cuda_graphs=not args.no_cuda_graphs, overlap=args.overlap)
+                           max_seq_len=max_seq, cuda_graphs=not args.no_cuda_graphs, overlap=args.overlap,
+                           compile_decode=args.compile_decode)
         sizes = PoolSizes.from_budget(model_config, cfg.memory_bytes, page_size=cfg.page_size,
                                       state_fraction=cfg.state_fraction, dtype=dtype)
     except ValueError as e:
@@ -480,7 +482,7 @@ def main(argv: list[str] | None = None) -> dict:
                  "settings": {k: getattr(args, k) for k in ("batch_sizes", "prompt_len", "gen_len", "prefill_len",
                                                             "group_prompts", "group_n", "memory_gb", "peer",
                                                             "seed", "chunk_size", "max_prefill_tokens",
-                                                            "no_cuda_graphs", "overlap")},
+                                                            "no_cuda_graphs", "overlap", "compile_decode")},
                  "engine_config": {k: getattr(ecfg, k) for k in ecfg.__dataclass_fields__},
                  "params": config.num_parameters(), "active_params": config.num_active_parameters()},
         "decode_tok_s": ours,

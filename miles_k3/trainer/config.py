@@ -66,6 +66,7 @@ class RolloutCfg:
     quantize: str = "none"  # none | experts | all (the engine's base)
     mxfp4_matmul: str = "torch"  # torch | triton: how the engine multiplies MXFP4 experts (triton: CUDA only)
     overlap: str = "auto"  # auto | on | off: enqueue decode step k+1 before reading step k (auto: on CUDA)
+    compile_decode: bool = False  # torch.compile the engine's CUDA-graph decode step (CUDA, bf16)
     dtype: str = "float32"
     memory_mb: float = 64.0  # KV pages + KDA state slots
     page_size: int = 16
@@ -319,6 +320,9 @@ def resolve(cfg: Any) -> ResolvedConfig:
     r.choice("quantize", QUANTIZE_MODES)
     r.choice("mxfp4_matmul", MXFP4_MATMULS)
     r.choice("overlap", OVERLAP_MODES)
+    if cfg.rollout.compile_decode and (cfg.cluster.device != "cuda" or cfg.rollout.dtype != "bfloat16"):
+        raise r.fail("compile_decode", "compiles the CUDA-graph decode step: needs cluster.device=cuda and "
+                                       "rollout.dtype=bfloat16")
     if cfg.rollout.mxfp4_matmul == "triton":
         for ok, need in ((cfg.rollout.quantize != "none", "rollout.quantize=experts or all (MXFP4 experts)"),
                          (cfg.cluster.device == "cuda", "cluster.device=cuda"),
@@ -329,7 +333,8 @@ def resolve(cfg: Any) -> ResolvedConfig:
     engine = _nested("rollout", lambda: EngineConfig(
         memory_bytes=int(cfg.rollout.memory_mb * 2**20), page_size=cfg.rollout.page_size,
         chunk_size=cfg.rollout.chunk_size, max_prefill_tokens=cfg.rollout.max_prefill_tokens,
-        max_running=cfg.rollout.max_running, mxfp4_matmul=cfg.rollout.mxfp4_matmul, overlap=cfg.rollout.overlap))
+        max_running=cfg.rollout.max_running, mxfp4_matmul=cfg.rollout.mxfp4_matmul, overlap=cfg.rollout.overlap,
+        compile_decode=cfg.rollout.compile_decode))
 
     a = cfg.algo
     loss = _nested("algo", lambda: _same_fields(PolicyLossConfig, a))

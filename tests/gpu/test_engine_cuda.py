@@ -164,3 +164,16 @@ def test_overlapped_decode_enqueues_without_syncing_and_matches_plain():
     eng.check_invariants()
     plain = Engine(model, EngineConfig(max_prefill_tokens=64, overlap="off", **CFG)).generate(ps, greedy)
     assert_greedy_agree(plain, eng.generate(ps, greedy))
+
+
+def test_compiled_graph_decode_agrees_with_plain_graph_decode():
+    """`EngineConfig(compile_decode=True)`: the CUDA graphs replay the torch.compile'd decode step."""
+    model = small_model()
+    ps = prompts([5, 20, 30, 40, 50], 9)
+    params = SamplingParams(temperature=0, max_new_tokens=24)
+    plain = Engine(model, EngineConfig(max_prefill_tokens=64, **CFG)).generate(ps, params)
+    eng = Engine(model, EngineConfig(max_prefill_tokens=64, compile_decode=True, **CFG))
+    compiled = eng.generate(ps, params)
+    assert eng.graphs is not None and not eng.graphs.failed and eng.graphs.replays > 0
+    assert_greedy_agree(plain, compiled)
+    eng.check_invariants()

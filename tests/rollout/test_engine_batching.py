@@ -40,13 +40,17 @@ def test_packed_prefill_equals_the_reference_and_packs_several_requests():
     eng.check_invariants()
 
 
-def test_padded_bucketed_decode_equals_exact_decode():
-    """The CUDA-graph shapes (batch padded with sink rows, history padded to a power of two) run eagerly."""
+@pytest.mark.parametrize("compiled", [False, True])
+def test_padded_bucketed_decode_equals_exact_decode(compiled):
+    """The CUDA-graph shapes (batch padded with sink rows, history padded to a power of two) run eagerly;
+    `compiled`: the same step through torch.compile (`EngineConfig.compile_decode`; inductor's CPU backend
+    here, about a minute of compiling)."""
     prompts = [prompt(n, 40 + i) for i, n in enumerate([5, 12, 21])]
     params = SamplingParams(temperature=1.0, max_new_tokens=12, seed=5)
     plain = Engine(MODEL, EngineConfig(max_prefill_tokens=32, **SMALL)).generate(prompts, params)
     eng = Engine(MODEL, EngineConfig(max_prefill_tokens=32, max_running=6, **SMALL))
-    eng.graphs = DecodeGraphs(MODEL, eng.kv, eng.states, max_batch=6, max_seq_len=256, capture=False)
+    eng.graphs = DecodeGraphs(MODEL, eng.kv, eng.states, max_batch=6, max_seq_len=256, capture=False,
+                              compile=compiled)
     assert eng.graphs.batch_buckets == [1, 2, 4, 6] and eng.graphs.hist_buckets[0] == 64
     padded = eng.generate(prompts, params)
     for a, b in zip(plain, padded):
@@ -135,3 +139,8 @@ def test_padded_decode_with_adapter_and_mxfp4_equals_exact_decode(dtype, tol):
     assert not eng.graphs.usable(2, 10)
     pool.set_batch([1, 1], 1)
     assert eng.graphs.usable(2, 10)
+
+
+def test_compile_decode_needs_the_cuda_graph_path():
+    with pytest.raises(ValueError, match="compile_decode"):
+        Engine(MODEL, EngineConfig(compile_decode=True, **SMALL))  # a CPU model: no graphs to compile

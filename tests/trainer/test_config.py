@@ -47,6 +47,7 @@ def test_groups_swap_and_interpolate():
     ("rollout.quantize=int3", "rollout.quantize"),
     ("rollout.mxfp4_matmul=cutlass", "rollout.mxfp4_matmul"),
     ("rollout.overlap=yes", "rollout.overlap"),
+    ("rollout.compile_decode=true", "rollout.compile_decode compiles the CUDA-graph decode step"),
     ("rollout.mxfp4_matmul=triton", "rollout.mxfp4_matmul 'triton' needs rollout.quantize"),  # quantize none
     ("rollout.chunk_size=24", "rollout: chunk_size"),
     ("optim.lr=0", "optim.lr"),

@@ -41,9 +41,7 @@ class EngineLinear(nn.Module):
         return self.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.base_weight(x.dtype))
-        delta = self.pool.delta(self.name, x, self.pool.lead_slots(x))
-        return y if delta is None else y + delta
+        return self.pool.add_delta(self.name, x, F.linear(x, self.base_weight(x.dtype)), self.pool.lead_slots(x))
 
 
 def _quantize_on_load(module, state_dict, prefix, *args) -> None:
@@ -145,6 +143,5 @@ class EngineExperts(RoutedExperts):
         return ys
 
     def _proj(self, proj: str, e: int, x: torch.Tensor, slots: torch.Tensor | None) -> torch.Tensor:
-        y = F.linear(x, self.expert_weight(proj, e, x.dtype))
-        delta = self.pool.delta(f"{self.spec.name}.{proj}", x, slots, expert=e)
-        return y if delta is None else y + delta
+        return self.pool.add_delta(f"{self.spec.name}.{proj}", x, F.linear(x, self.expert_weight(proj, e, x.dtype)),
+                                   slots, expert=e)

@@ -158,21 +158,31 @@ class AdapterPool:
         h = torch._grouped_mm(xs.to(a.dtype), a.transpose(1, 2), offs=offs)
         return (torch._grouped_mm(h, b.transpose(1, 2), offs=offs).float() * float(self.scale[s])).to(xs.dtype)
 
-    def delta(self, name: str, x: torch.Tensor, slots: torch.Tensor | None, expert: int | None = None
-              ) -> torch.Tensor | None:
-        """scale_s * B_s A_s x for each leading index of x [L, ..., in] whose slot s > 0 (slots [L], or one
-        per token of x, which is then flattened). None when nothing in this batch uses an adapter, so the
-        base-only path pays nothing."""
+    def add_delta(self, name: str, x: torch.Tensor, y: torch.Tensor, slots: torch.Tensor | None,
+                  expert: int | None = None) -> torch.Tensor:
+        """y + scale_s B_s A_s x for each leading index of x [L, ..., in] whose slot s > 0 (slots [L], or one
+        per token of x, which is then flattened); y [L, ..., out] is the base output. Returns y itself when
+        nothing in this batch uses an adapter, so the base-only path pays nothing."""
         if name not in self.A or slots is None:
-            return None
+            return y
         if (s := self.batch_slot) is not None:
             # Every row uses one adapter (an RL rollout batch), or none: one low-rank product over all of x,
-            # with no per-slot gathers and no host sync.
+            # with no per-slot gathers and no host sync; the up-projection, scale and add are one addmm
+            # (2 kernels where a separate delta costs 6: matmul, matmul, upcast, scale, downcast, add).
             if not s:
-                return None
+                return y
             a = self.A[name][s] if expert is None else self.A[name][s, expert]
             b = self.B[name][s] if expert is None else self.B[name][s, expert]
-            return (((x.to(a.dtype) @ a.t()) @ b.t()).float() * float(self.scale[s])).to(x.dtype)
+            h = x.reshape(-1, x.shape[-1]).to(a.dtype) @ a.t()
+            if y.dtype != h.dtype:
+                return y + ((h @ b.t()).float() * float(self.scale[s])).to(y.dtype).view(y.shape)
+            return torch.addmm(y.reshape(-1, y.shape[-1]), h, b.t(), alpha=float(self.scale[s])).view(y.shape)
+        delta = self._mixed_delta(name, x, slots, expert)
+        return y if delta is None else y + delta
+
+    def _mixed_delta(self, name: str, x: torch.Tensor, slots: torch.Tensor, expert: int | None
+                     ) -> torch.Tensor | None:
+        """The LoRA term when rows use different slots: one product per slot present."""
         if not bool((slots > 0).any()):
             return None
         shape = x.shape

@@ -1,0 +1,94 @@
+"""Count the compute ops of one engine decode step: a device-independent proxy for its GPU kernel count.
+
+    python scripts/count_decode_ops.py --preset k3-small [--adapter] [--json ops.json]
+
+A CUDA-graph decode step replays one kernel per compute op, so at batch 1 (where every kernel is tiny)
+its time tracks their number. This builds the engine on CPU in bf16 (random weights of the preset,
+vocabulary 512), decodes one request a few steps, profiles one decode step and counts the aten ops that
+compute: leaves of the op tree, minus views and no-op conversions; a `_grouped_mm` counts as one (CPU
+runs it as a loop of matmuls, CUDA as one kernel). `--adapter` adds a rank-16 policy adapter and MXFP4
+experts, the RL rollout's decode. Prints the total and the most frequent ops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from miles_k3.model.config import K3Config
+from miles_k3.model.modeling import reference_state
+from rollout.engine import Engine, EngineConfig
+from rollout.lora import LoraConfig
+from rollout.model_runner import build_engine_model
+from rollout.request import SamplingParams
+
+NOT_COMPUTE = {"aten::select", "aten::unsqueeze", "aten::t", "aten::transpose", "aten::reshape", "aten::view",
+               "aten::slice", "aten::expand", "aten::as_strided", "aten::squeeze", "aten::permute",
+               "aten::_unsafe_view", "aten::alias", "aten::detach", "aten::lift_fresh", "aten::empty",
+               "aten::empty_like", "aten::item", "aten::_local_scalar_dense", "aten::resolve_conj",
+               "aten::resolve_neg", "aten::empty_strided", "aten::result_type", "aten::is_nonzero",
+               "aten::split", "aten::unbind", "aten::chunk", "aten::narrow", "aten::flatten", "aten::view_as",
+               "aten::movedim", "aten::contiguous", "aten::to", "aten::_to_copy", "aten::_reshape_alias",
+               "aten::detach_", "aten::resize_"}
+
+
+def _inside_grouped_mm(event) -> bool:
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name == "aten::_grouped_mm":
+            return True
+        parent = parent.cpu_parent
+    return False
+
+
+def count_step_ops(engine: Engine) -> collections.Counter:
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        engine.step()
+    events = [e for e in prof.events() if e.name.startswith("aten::") and not _inside_grouped_mm(e)]
+    parents = {id(e.cpu_parent) for e in events if e.cpu_parent is not None and e.cpu_parent.name.startswith("aten::")
+               and e.cpu_parent.name != "aten::_grouped_mm"}
+    return collections.Counter(e.name for e in events if id(e) not in parents and e.name not in NOT_COMPUTE)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="k3-small")
+    ap.add_argument("--adapter", action="store_true", help="policy adapter (rank 16) and MXFP4 experts")
+    ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+    config = K3Config.from_preset(args.preset, vocab_size=512, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    lora = LoraConfig(rank=16, max_adapters=1) if args.adapter else None
+    model, pool = build_engine_model(config, reference_state(config, 0), quantize="experts" if args.adapter else "none",
+                                     lora=lora, dtype=torch.bfloat16)
+    engine = Engine(model, EngineConfig(memory_bytes=256 << 20, max_running=4, chunk_size=32, max_prefill_tokens=64),
+                    adapters=pool if args.adapter else None)
+    adapter = None
+    if args.adapter:
+        g = torch.Generator().manual_seed(0)
+        tensors = {f"{n}.lora_A": (torch.randn(a.shape[1:], generator=g) * 0.01).bfloat16() for n, a in pool.A.items()}
+        tensors |= {f"{n}.lora_B": torch.zeros(b.shape[1:], dtype=torch.bfloat16) for n, b in pool.B.items()}
+        engine.add_adapter("policy", tensors)
+        adapter = "policy"
+    engine.submit(list(range(3, 20)), SamplingParams(temperature=1.0, max_new_tokens=20, seed=1), adapter=adapter)
+    for _ in range(4):  # prefill and first decode steps: lazy initialization stays out of the count
+        engine.step()
+    ops = count_step_ops(engine)
+    total = sum(ops.values())
+    print(f"{args.preset}, bs=1 decode step{' with adapter + MXFP4 experts' if args.adapter else ''}: {total} compute ops")
+    for name, n in ops.most_common(args.top):
+        print(f"{n:6d}  {name}")
+    result = {"preset": args.preset, "adapter": args.adapter, "compute_ops": total, "by_op": dict(ops.most_common()),
+              "torch": torch.__version__}
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()

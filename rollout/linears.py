@@ -116,6 +116,17 @@ class EngineExperts(RoutedExperts):
             def base(name: str, x: torch.Tensor) -> torch.Tensor:
                 return mxfp4_grouped_matmul(x, counts, getattr(self, f"{name}_packed"), getattr(self, f"{name}_scale"),
                                             block_m=bm, schedule=schedule)
+        elif self.quantized and num_rows < self.spec.num_experts:
+            # Fewer rows than experts (small-batch decode: bs=1 routes top-k rows): decode only the weights
+            # the rows use, one per row, instead of every expert. The row count is a static shape, so the
+            # choice needs no look at the routing, and output_size keeps repeat_interleave sync-free.
+            experts = torch.arange(self.spec.num_experts, device=counts.device)
+            expert_of_row = torch.repeat_interleave(experts, counts, output_size=num_rows)
+
+            def base(name: str, x: torch.Tensor) -> torch.Tensor:
+                w = dequantize_mxfp4(getattr(self, f"{name}_packed").index_select(0, expert_of_row),
+                                     getattr(self, f"{name}_scale").index_select(0, expert_of_row), x.dtype, check=False)
+                return torch.bmm(w, x[:, :, None])[:, :, 0]
         else:
             def base(name: str, x: torch.Tensor) -> torch.Tensor:
                 return torch._grouped_mm(x, self.stacked_weight(name, x.dtype).transpose(1, 2), offs=offs)

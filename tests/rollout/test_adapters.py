@@ -189,3 +189,18 @@ def test_engine_lora_config_is_checked_as_the_trainer_spec():
             LoraConfig(**bad)
     assert not LoraConfig(targets=()).targets_module("model.layers.0.self_attn.q_proj")  # no adapters
     assert LoraConfig(targets=["q_proj$"]).targets == ("q_proj$",)
+
+
+@pytest.mark.parametrize("rows", [3, 40])  # fewer rows than k3-tiny's experts: only their weights decoded
+def test_grouped_mxfp4_projection_equals_per_expert_weights(rows):
+    from rollout.linears import EngineExperts
+
+    model, _ = engine_model(quantize="experts")
+    experts = next(m for m in model.modules() if isinstance(m, EngineExperts))
+    g = torch.Generator().manual_seed(rows)
+    which = torch.randint(0, experts.spec.num_experts, (rows,), generator=g).sort().values
+    counts = torch.bincount(which, minlength=experts.spec.num_experts)
+    xs = torch.randn(rows, experts.spec.width, generator=g)
+    proj = experts._grouped_proj(rows, counts, counts.cumsum(0).to(torch.int32))
+    want = torch.stack([experts.expert_weight("w1", int(e), xs.dtype) @ x for e, x in zip(which, xs)])
+    torch.testing.assert_close(proj("w1", xs), want, rtol=1e-5, atol=1e-5)

@@ -27,7 +27,7 @@ import torch
 from megatron.core.model_parallel_config import ModelParallelConfig
 from torch import nn
 
-from miles_k3.model.checkpoint import keeps_fp32
+from miles_k3.model.checkpoint import stored_dtype
 from miles_k3.model.config import K3Config
 from miles_k3.model.layout import tensor_shapes
 from miles_k3.model.linear import ExpertsSpec, LinearSpec
@@ -141,7 +141,7 @@ def build_policy(config: K3Config, base_state: dict[str, torch.Tensor] | None, l
     for name in expected:
         t = _local_tensor(name, full[name], factory, config)
         assert tuple(t.shape) == local_shapes[name], f"{name}: local {tuple(t.shape)} vs {local_shapes[name]}"
-        local[name] = t.to(device=device, dtype=torch.float32 if keeps_fp32(name) else dtype, copy=True)
+        local[name] = t.to(device=device, dtype=stored_dtype(name, dtype), copy=True)
     result = model.load_state_dict(local, strict=False, assign=True)
     left = [k for k in result.missing_keys if not _is_adapter_or_extra(k)]
     assert not left and not result.unexpected_keys, (left, result.unexpected_keys)

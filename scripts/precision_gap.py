@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from bench_forward import kimi_linear_form  # scripts/ is on the path when run as a script
-from miles_k3.model.checkpoint import as_stored, keeps_fp32
+from miles_k3.model.checkpoint import as_stored, stored_dtype
 from miles_k3.model.config import K3Config
 from miles_k3.model.modeling import K3ForCausalLM, reference_state
 from miles_k3.tasks.arithmetic import ArithmeticTokenizer
@@ -49,8 +49,7 @@ def next_token_logprobs(config: K3Config, state: dict[str, torch.Tensor], dtype:
                         ids: torch.Tensor) -> torch.Tensor:
     with torch.device("meta"):
         model = K3ForCausalLM(config)
-    model.load_state_dict({k: v.to(torch.float32 if keeps_fp32(k) else dtype) for k, v in state.items()},
-                          assign=True)
+    model.load_state_dict({k: v.to(stored_dtype(k, dtype)) for k, v in state.items()}, assign=True)
     with torch.no_grad():
         logprobs = torch.log_softmax(model.eval()(ids).logits.float(), dim=-1)
     return logprobs[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]

@@ -41,6 +41,11 @@ def keeps_fp32(name: str) -> bool:
     return _FP32_TENSORS.search(name) is not None
 
 
+def stored_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype tensor `name` takes in a model of `dtype`: fp32 for the router / decay parameters."""
+    return torch.float32 if keeps_fp32(name) else dtype
+
+
 def _tensor_files(path: Path) -> dict[str, Path]:
     """Tensor name (as stored) -> the safetensors file holding it."""
     index = path / INDEX_FILE
@@ -143,7 +148,7 @@ def load_state_dict(path: str | Path, config: K3Config, dtype: torch.dtype = tor
             raise ValueError(f"tensor {name!r}: dtype {t.dtype} is not floating point")
         # a fresh (aligned) allocation: BLAS picks kernels by alignment, and a view into the mapped file
         # would make a loaded model differ from the saved one in the last bit
-        state[name] = t.to(torch.float32 if keeps_fp32(name) else dtype, copy=True)
+        state[name] = t.to(stored_dtype(name, dtype), copy=True)
     if tied_head is not None and not torch.equal(read(*tied_head["weight"]), read(*grouped[
             "model.embed_tokens.weight"]["weight"])):
         raise ValueError("tensor 'lm_head.weight': config has tie_word_embeddings=true but the stored lm_head "

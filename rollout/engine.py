@@ -314,18 +314,21 @@ class Engine:
         request that shares more of its prompt with a request still prefilling than the cache holds waits
         (keeping its place in the queue) until that prefill has donated the shared part: GRPO's n samples
         of a prompt, submitted together, compute the prompt once instead of n times."""
+        if not self.waiting or len(self.running) >= self.config.max_running:
+            return
         c = self.config.chunk_size
-        prefilling: dict[tuple, list[_Running]] = {}  # first chunk of the prompt -> requests prefilling it
+        # (prefix tree, first chunk of the prompt) -> requests prefilling it
+        prefilling: dict[tuple[int, tuple[int, ...]], list[_Running]] = {}
         for r in self.running:
             if len(r.tokens) - r.pos > 1:
-                prefilling.setdefault(tuple(r.tokens[:c]), []).append(r)
+                prefilling.setdefault((id(r.cache), tuple(r.tokens[:c])), []).append(r)
         deferred: list[Request] = []
         while self.waiting and len(self.running) < self.config.max_running:
             req = self.waiting.popleft()
             tokens = req.all_ids
             cache = self.cache_for(req.adapter)
             m = cache.match_prefix(tokens)
-            if self._prefill_to_share(tokens, cache, m.prefix_len, prefilling.get(tuple(tokens[:c]), ())):
+            if self._prefill_to_share(tokens, m.prefix_len, prefilling.get((id(cache), tuple(tokens[:c])), ())):
                 deferred.append(req)
                 continue
             cache.lock(m.node)
@@ -344,20 +347,17 @@ class Engine:
                          fork_pos=m.fork_pos, generator=self._generators.get(req.request_id))
             self.running.append(r)
             if len(tokens) - r.pos > 1:
-                prefilling.setdefault(tuple(tokens[:c]), []).append(r)
+                prefilling.setdefault((id(cache), tuple(tokens[:c])), []).append(r)
         self.waiting.extendleft(reversed(deferred))
 
-    def _prefill_to_share(self, tokens: list[int], cache: HybridRadixCache, cached: int,
-                          prefillers: Iterable[_Running]) -> bool:
+    def _prefill_to_share(self, tokens: list[int], cached: int, prefillers: Iterable[_Running]) -> bool:
         """Whether a request with `tokens` (`cached` of them restorable now) should wait for one of
-        `prefillers` (same first chunk): one of them, in the same prefix tree, has not yet computed a
+        `prefillers` (running, same prefix tree, same first chunk): one of them has not yet computed a
         chunk-aligned prefix it shares with the request and that goes beyond `cached`. A hit restores at a
         chunk boundary strictly before the last token, so only that far counts."""
         c = self.config.chunk_size
         reachable = (len(tokens) - 1) // c * c
         for r in prefillers:
-            if r.cache is not cache or r not in self.running:
-                continue
             shared = 0
             end = min(reachable, (len(r.tokens) - 1) // c * c)
             while shared < end and tokens[shared:shared + c] == r.tokens[shared:shared + c]:
@@ -503,12 +503,13 @@ class Engine:
         if launch.ready is not None:
             launch.ready.synchronize()
         tokens, logps = launch.host.tolist()
+        running = set(self.running)
         for r, pos, snap in launch.snapshots:
-            if r in self.running:
+            if r in running:
                 self._donate_at(r, pos, snap)
             elif snap is not None:
                 self.states.allocator.free([snap])
-        live = [i for i, r in enumerate(launch.batch) if r in self.running]
+        live = [i for i, r in enumerate(launch.batch) if r in running]
         self._append_samples([launch.batch[i] for i in live], [int(tokens[i]) for i in live],
                              [logps[i] for i in live])
 
@@ -518,11 +519,11 @@ class Engine:
         pages only a retraction could free. Rows that `prev` will finish by length are left out."""
         if self.waiting and len(self.running) < self.config.max_running:
             return None
-        members = set(prev.batch)
-        if any(r not in members for r in self.running):
+        running = set(self.running)
+        if not running <= set(prev.batch):
             return None  # a prefilling request
         keep = [i for i, r in enumerate(prev.batch)
-                if r in self.running and len(r.req.output_ids) + 1 < r.req.params.max_new_tokens]
+                if r in running and len(r.req.output_ids) + 1 < r.req.params.max_new_tokens]
         if not keep:
             return None
         batch = [prev.batch[i] for i in keep]

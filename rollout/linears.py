@@ -80,17 +80,16 @@ class EngineExperts(RoutedExperts):
                 state_dict[f"{prefix}{proj}_packed"], state_dict[f"{prefix}{proj}_scale"] = quantize_mxfp4(dense)
 
     def expert_weight(self, proj: str, e: int, dtype: torch.dtype) -> torch.Tensor:
-        if self.quantized:
-            return dequantize_mxfp4(getattr(self, f"{proj}_packed")[e], getattr(self, f"{proj}_scale")[e], dtype,
-                                    check=False)
-        return getattr(self, proj)[e]
+        return self.stacked_weight(proj, dtype, e)
 
-    def stacked_weight(self, proj: str, dtype: torch.dtype) -> torch.Tensor:
-        """Every expert's `proj` weight [E, out, in] (decoded in one pass when packed)."""
+    def stacked_weight(self, proj: str, dtype: torch.dtype, index: int | slice | torch.Tensor = slice(None)
+                       ) -> torch.Tensor:
+        """The `proj` weights of experts `index` (default every expert: [E, out, in]; a tensor of expert ids
+        gives one weight per id), decoded in one pass when packed."""
         if self.quantized:
-            return dequantize_mxfp4(getattr(self, f"{proj}_packed"), getattr(self, f"{proj}_scale"), dtype,
-                                    check=False)
-        return getattr(self, proj)
+            return dequantize_mxfp4(getattr(self, f"{proj}_packed")[index], getattr(self, f"{proj}_scale")[index],
+                                    dtype, check=False)
+        return getattr(self, proj)[index]
 
     def groups(self, dtype: torch.dtype) -> bool:
         """bf16 and 16-byte aligned adapter rows (rank a multiple of 8); grouped only for batches whose rows
@@ -124,9 +123,7 @@ class EngineExperts(RoutedExperts):
             expert_of_row = torch.repeat_interleave(experts, counts, output_size=num_rows)
 
             def base(name: str, x: torch.Tensor) -> torch.Tensor:
-                w = dequantize_mxfp4(getattr(self, f"{name}_packed").index_select(0, expert_of_row),
-                                     getattr(self, f"{name}_scale").index_select(0, expert_of_row), x.dtype, check=False)
-                return torch.bmm(w, x[:, :, None])[:, :, 0]
+                return torch.bmm(self.stacked_weight(name, x.dtype, expert_of_row), x[:, :, None])[:, :, 0]
         else:
             def base(name: str, x: torch.Tensor) -> torch.Tensor:
                 return torch._grouped_mm(x, self.stacked_weight(name, x.dtype).transpose(1, 2), offs=offs)

@@ -170,7 +170,8 @@ class AdapterPool:
         if (s := self.batch_slot) is not None:
             # Every row uses one adapter (an RL rollout batch), or none: one low-rank product over all of x,
             # with no per-slot gathers and no host sync; the up-projection, scale and add are one addmm
-            # (2 kernels where a separate delta costs 6: matmul, matmul, upcast, scale, downcast, add).
+            # (3 kernels with the down-projection, where a separate delta costs 6: matmul, matmul, upcast,
+            # scale, downcast, add).
             if not s:
                 return y
             a = self.A[name][s] if expert is None else self.A[name][s, expert]

@@ -40,8 +40,8 @@ def packed_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     """
     n_tok = q.shape[1]
     bounds = _cu_seqlens_bounds(cu_seqlens, q.shape[0], n_tok)
-    lens = torch.tensor([e - b for b, e in zip(bounds[:-1], bounds[1:])])
-    starts = torch.tensor(bounds[:-1])
+    cu = torch.tensor(bounds)
+    lens, starts = cu.diff(), cu[:-1]
     n, t_max = len(lens), int(lens.max())
     # One gather in, one gather out (no per-sequence slicing: RL batches pack hundreds of sequences).
     # Padded slot (i, j) reads token starts_i + j, or the zero row appended at index T past its end;

@@ -24,6 +24,9 @@ machine, which has accelerate, peft, pandas and pyarrow but no registry, carry t
 trl==1.16.0, datasets==5.2.0, dill==0.4.1 and multiprocess==0.70.19 in `.whl/`. The first process on a
 fresh GPU machine spends minutes in fla's autotuning: give the call 10 minutes, or run tests/gpu first.
 
+With --reuse and --work-dir, a system whose run in --work-dir already has --steps steps is read back, not
+run again: a device call cut by its time limit is continued by the same command in the next call.
+
 Steps after the first --warmup are timed; the table gives the median step time, samples/s and the ratio
 to TRL. Writes JSON with --json.
 """
@@ -81,21 +84,31 @@ def run_ours(args, run_dir: Path, model_overrides: list[str], engine_overrides: 
            f"trainer.max_steps={args.steps}", "trainer.save_every=0", "trainer.eval_every=0",
            "trainer.eval_before=false", "trainer.resume=never", "logging.wandb=disabled",
            "logging.progress=false", *memory, *engine_overrides, f"hydra.run.dir={run_dir}"]
-    run_dir.mkdir(parents=True, exist_ok=True)
-    log_path = run_dir.parent / f"{run_dir.name}.log"  # streamed, so a run cut short shows where it was
-    start = time.perf_counter()
-    with open(log_path, "w") as log_file:
-        proc = subprocess.run(cmd, stdout=log_file, stderr=subprocess.STDOUT, text=True)
-    wall = time.perf_counter() - start
-    if proc.returncode != 0:
-        raise RuntimeError(f"miles-train failed ({proc.returncode}), log {log_path}:\n"
-                           f"{log_path.read_text()[-4000:]}")
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in rows if "step_s" in r]
-    timed = steps[args.warmup:]
+    metrics = run_dir / "metrics.jsonl"
+    steps = _step_rows(metrics)
+    wall = None  # a reused run's wall time belongs to the earlier call
+    if not (args.reuse and len(steps) >= args.steps):
+        run_dir.mkdir(parents=True, exist_ok=True)
+        metrics.unlink(missing_ok=True)  # resume=never starts at step 1; old rows would be read as this run's
+        log_path = run_dir.parent / f"{run_dir.name}.log"  # streamed, so a run cut short shows where it was
+        start = time.perf_counter()
+        with open(log_path, "w") as log_file:
+            proc = subprocess.run(cmd, stdout=log_file, stderr=subprocess.STDOUT, text=True)
+        wall = time.perf_counter() - start
+        if proc.returncode != 0:
+            raise RuntimeError(f"miles-train failed ({proc.returncode}), log {log_path}:\n"
+                               f"{log_path.read_text()[-4000:]}")
+        steps = _step_rows(metrics)
+    timed = steps[args.warmup:args.steps]
     return {"step_s": [r["step_s"] for r in timed], "rollout_s": [r["rollout_s"] for r in timed],
             "train_s": [r["train_s"] for r in timed], "adapter_sync_ms": [r["adapter_sync_ms"] for r in timed],
             "reward_mean": [r["reward_mean"] for r in steps], "wall_s": wall, "command": " ".join(cmd[1:])}
+
+
+def _step_rows(metrics: Path) -> list[dict]:
+    if not metrics.exists():
+        return []
+    return [r for r in map(json.loads, metrics.read_text().splitlines()) if "step_s" in r]
 
 
 def hf_tokenizer():
@@ -163,6 +176,11 @@ def run_trl(args, base_dir: Path, out_dir: Path) -> dict:
             self._sync()
             self.times.append(time.perf_counter() - self._t0)
 
+    saved = out_dir / "result.json"
+    if args.reuse and saved.exists():
+        res = json.loads(saved.read_text())
+        if res["steps"] >= args.steps:
+            return {**res, "step_s": res["step_s_all"][args.warmup:args.steps]}
     timer = StepTimer()
     trainer = GRPOTrainer(model=model, reward_funcs=arithmetic_reward, args=cfg, train_dataset=dataset,
                           processing_class=hf_tokenizer(), peft_config=lora, callbacks=[timer])
@@ -171,8 +189,10 @@ def run_trl(args, base_dir: Path, out_dir: Path) -> dict:
     trainer.train()
     wall = time.perf_counter() - start
     rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
-    return {"step_s": timer.times[args.warmup:], "reward_mean": rewards, "wall_s": wall,
-            "lora_modules": adapted}
+    res = {"steps": args.steps, "step_s_all": timer.times, "reward_mean": rewards, "wall_s": wall,
+           "lora_modules": adapted}
+    saved.write_text(json.dumps(res))
+    return {**res, "step_s": timer.times[args.warmup:]}
 
 
 def summarize(name: str, res: dict, samples_per_step: int) -> dict:
@@ -201,7 +221,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--skip-trl", action="store_true")
     ap.add_argument("--work-dir", type=Path, default=None, help="run dirs and the base checkpoint (default: temp)")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--reuse", action="store_true", help="keep a system's finished run of at least --steps steps "
+                    "found in --work-dir (a call cut by a time limit continues where it stopped)")
     args = ap.parse_args(argv)
+    if args.reuse and args.work_dir is None:
+        raise ValueError("--reuse needs --work-dir: the runs to reuse live there")
     if args.steps <= args.warmup:
         raise ValueError(f"--steps ({args.steps}) must exceed --warmup ({args.warmup})")
 

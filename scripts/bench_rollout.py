@@ -62,7 +62,9 @@ from miles_k3.model import K3Config, K3ForCausalLM  # noqa: E402
 from miles_k3.model.config import PRESETS  # noqa: E402
 from miles_k3.model.moe import RoutedExperts  # noqa: E402
 from rollout.engine import OVERLAP_MODES, Engine, EngineConfig  # noqa: E402
+from rollout.lora import AdapterPool, LoraConfig  # noqa: E402
 from rollout.memory import PoolSizes  # noqa: E402
+from rollout.model_runner import build_engine_model  # noqa: E402
 from rollout.request import Completion, SamplingParams  # noqa: E402
 
 # chunk 32 on CUDA: a GRPO follower recomputes the prompt tail past the last checkpoint boundary (< chunk
@@ -130,6 +132,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--compile-decode", action="store_true", help="EngineConfig.compile_decode (CUDA graphs only)")
     ap.add_argument("--overlap", choices=list(OVERLAP_MODES), default="auto",
                     help="EngineConfig.overlap; with it on, CUDA runs add 'overlap off' decode rows for contrast")
+    ap.add_argument("--rl-path", action="store_true", help="also decode as the GRPO loop's engine does: MXFP4 routed "
+                    "experts (torch and Triton matmul) and a rank-16 policy adapter on every default target")
     ap.add_argument("--peer", choices=["none", "hf"], default="none")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path)
@@ -247,12 +251,14 @@ def weight_bytes(model: K3ForCausalLM) -> tuple[int, int]:
 
 
 # -------------------------------------------------------------- workloads
-def bench_decode(model: K3ForCausalLM, ecfg: EngineConfig, batch: int, args, device) -> dict:
-    engine = Engine(model, ecfg)
+def bench_decode(model: K3ForCausalLM, ecfg: EngineConfig, batch: int, args, device,
+                 adapters: AdapterPool | None = None) -> dict:
+    """With `adapters`, every request decodes with its adapter "policy" (one slot for the batch)."""
+    engine = Engine(model, ecfg, adapters)
     prompts = random_prompts(batch, args.prompt_len, model.config.vocab_size, args.seed + batch)
     greedy = SamplingParams(temperature=0, max_new_tokens=args.gen_len)
     for p in prompts:
-        engine.submit(p, greedy)
+        engine.submit(p, greedy, adapter="policy" if adapters is not None else None)
     done: dict[int, Completion] = {}
     sync(device)
     start = time.perf_counter()
@@ -282,6 +288,18 @@ def bench_decode(model: K3ForCausalLM, ecfg: EngineConfig, batch: int, args, dev
             "step_ms": decode_s / tokens * batch * 1e3,  # per token of every request: the step a batch needs
             "retractions": engine.num_retractions - retractions,
             "graph_replays": engine.graphs.replays if engine.graphs is not None else 0}
+
+
+def rl_engine_model(model: K3ForCausalLM, dtype: torch.dtype, device) -> tuple[K3ForCausalLM, AdapterPool]:
+    """`model`'s weights as the GRPO loop's engine holds them: routed experts packed MXFP4, a rank-16 adapter
+    pool on the default targets holding one random adapter "policy" (nonzero, so its term is computed)."""
+    engine_model, pool = build_engine_model(model.config, model.state_dict(), quantize="experts",
+                                            lora=LoraConfig(rank=16), dtype=dtype, device=device)
+    gen = torch.Generator().manual_seed(0)
+    pool.add_adapter("policy", {f"{name}.lora_{part}": (torch.randn(store[name].shape[1:], generator=gen) * 0.01)
+                                .to(device, dtype)
+                                for part, store in (("A", pool.A), ("B", pool.B)) for name in store})
+    return engine_model, pool
 
 
 def bench_prefill(model: K3ForCausalLM, ecfg: EngineConfig, args, device) -> dict:
@@ -427,6 +445,16 @@ def main(argv: list[str] | None = None) -> dict:
         decode += [{"model": "miles-k3 (overlap off)",
                     **guarded(lambda: bench_decode(model, plain, b, args, device), device, batch=b)}
                    for b in batch_sizes]
+    if args.rl_path:
+        rl_model, pool = rl_engine_model(model, dtype, device)
+        kinds = ["torch", "triton"] if device.type == "cuda" else ["torch"]  # the Triton kernel needs CUDA
+        for kind in kinds:
+            rl_cfg = dataclasses.replace(ecfg, mxfp4_matmul=kind)
+            decode += [{"model": f"miles-k3 RL (mxfp4 {kind}, lora)",
+                        **guarded(lambda: bench_decode(rl_model, rl_cfg, b, args, device, pool), device, batch=b)}
+                       for b in batch_sizes]
+        del rl_model, pool
+        free_memory(device)
     prefill = guarded(lambda: bench_prefill(model, ecfg, args, device), device, prompt_len=args.prefill_len)
     group = guarded(lambda: bench_group(model, ecfg, args, device), device)
     if args.profile:
@@ -482,7 +510,8 @@ def main(argv: list[str] | None = None) -> dict:
                  "settings": {k: getattr(args, k) for k in ("batch_sizes", "prompt_len", "gen_len", "prefill_len",
                                                             "group_prompts", "group_n", "memory_gb", "peer",
                                                             "seed", "chunk_size", "max_prefill_tokens",
-                                                            "no_cuda_graphs", "overlap", "compile_decode")},
+                                                            "no_cuda_graphs", "overlap", "compile_decode",
+                                                            "rl_path")},
                  "engine_config": {k: getattr(ecfg, k) for k in ecfg.__dataclass_fields__},
                  "params": config.num_parameters(), "active_params": config.num_active_parameters()},
         "decode_tok_s": ours,
@@ -515,13 +544,13 @@ def print_report(res: dict) -> None:
     print(f"rollout bench  {m['preset']} on {m['device']} ({m['device_name']}), {m['dtype']}, torch {m['torch']}, "
           f"{m['threads']} threads, {m['date']}\n  {m['command']}")
     print(f"\ndecode: greedy, prompt {s['prompt_len']}, {s['gen_len']} new tokens; decode steps only")
-    print(f"{'model':<28} {'batch':>5} {'prefill tok/s':>13} {'decode tok/s':>12} {'step ms':>9} {'vs HF':>7}")
+    print(f"{'model':<34} {'batch':>5} {'prefill tok/s':>13} {'decode tok/s':>12} {'step ms':>9} {'vs HF':>7}")
     for r in res["decode"]:
         if r["status"] != "ok":
-            print(f"{r['model']:<28} {r['batch']:>5} {r['status'].upper():>13}  {r.get('error', '')}")
+            print(f"{r['model']:<34} {r['batch']:>5} {r['status'].upper():>13}  {r.get('error', '')}")
             continue
         ratio = f"{r['vs_hf']:.2f}x" if "vs_hf" in r else ""
-        print(f"{r['model']:<28} {r['batch']:>5} {r['batch_prefill_tok_s']:>13.0f} {r['decode_tok_s']:>12.1f} "
+        print(f"{r['model']:<34} {r['batch']:>5} {r['batch_prefill_tok_s']:>13.0f} {r['decode_tok_s']:>12.1f} "
               f"{r['step_ms']:>9.2f} {ratio:>7}"
               + (f"  ({r['retractions']} retractions)" if r.get("retractions") else "")
               + (f"  ({r['graph_replays']} graph replays)" if r.get("graph_replays") else ""))

@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# The README's GPU figures as one re-runnable device call (the tool library's `device` entry):
+#
+#   run(command="bash scripts/gpu_session.sh", carry=[".whl", ".triton_cache"])
+#
+# Jobs run in the order below. A job that ends (pass or fail) leaves a marker in $STATE and is skipped by
+# later calls on the same warm machine, so repeating the same call continues where the last one stopped;
+# a job still running DEADLINE seconds after the call started is killed and runs again next call
+# (bench_grpo_trl.py --reuse keeps the systems it already finished). Logs and JSON land in $OUT.
+#
+# fla's Triton autotuning costs minutes per process on a fresh machine. TRITON_CACHE_AUTOTUNING keeps the
+# chosen configs in Triton's cache, which lives in /tmp (kept between calls on a warm machine), is seeded
+# from a carried .triton_cache/ (git-ignored) and comes back as $OUT/triton_cache.tgz.* (split to fit the
+# 16 MiB per-file limit; logs and JSON come back in $OUT/results.tgz): `cat triton_cache.tgz.* | tar xz` in the repo root restores .triton_cache/
+# for the next session.
+#
+# JOBS="grpo rollout" bash scripts/gpu_session.sh   # a subset, in that order
+set -u
+START=$SECONDS
+DEADLINE=${DEADLINE:-560}
+STATE=/tmp/gpu_session
+OUT=${OUT:-$STATE/out}
+mkdir -p "$STATE" "$OUT"
+bash .whl/install.sh >/dev/null || { echo "wheel install failed"; exit 1; }
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TRITON_CACHE_AUTOTUNING=1
+export TRITON_CACHE_DIR=/tmp/triton_cache_k3 TORCHINDUCTOR_CACHE_DIR=/tmp/inductor_cache_k3
+if [ -d .triton_cache ] && [ ! -e "$STATE/cache_seeded" ]; then
+    mkdir -p "$TRITON_CACHE_DIR" && cp -rn .triton_cache/. "$TRITON_CACHE_DIR"/ && touch "$STATE/cache_seeded"
+fi
+
+job() {  # job NAME COMMAND...: run unless done; timeout -> not done
+    local name=$1 left rc
+    shift
+    [ -e "$STATE/$name.done" ] && return 0
+    left=$((DEADLINE - (SECONDS - START)))
+    if ((left < 30)); then echo "== $name: no time left in this call"; return 0; fi
+    echo "== $name: start $(date -u +%H:%M:%S), $left s left: $*"
+    timeout -k 5 "$left" "$@" >>"$STATE/$name.log" 2>&1
+    rc=$?
+    echo "== $name: rc=$rc at $(date -u +%H:%M:%S)"
+    tail -n 40 "$STATE/$name.log"
+    if ((rc != 124 && rc != 137)); then echo "$rc" >"$STATE/$name.done"; fi
+}
+
+run_job() {
+    case $1 in
+    grpo) job grpo python scripts/bench_grpo_trl.py --device cuda --preset k3-small --steps 5 --warmup 1 \
+        --k3-form --work-dir /tmp/bgt --reuse --json "$STATE/grpo_vs_trl.json" ;;
+    rollout) job rollout python scripts/bench_rollout.py --device cuda --batch-sizes 1,8,64 --peer hf \
+        --rl-path --json "$STATE/bench_rollout.json" ;;
+    tests) job tests python -m pytest tests/gpu/test_engine_cuda.py -q -rfE --tb=short -p no:cacheprovider ;;
+    compile) job compile python scripts/bench_rollout.py --device cuda --batch-sizes 1,64 --compile-decode \
+        --json "$STATE/bench_rollout_compile.json" ;;
+    parity) job parity python -m pytest tests/gpu/test_cuda_parity.py tests/megatron/test_gpu.py -q -m gpu -rfE \
+        --tb=short -p no:cacheprovider ;;
+    *) echo "unknown job $1"; return 1 ;;
+    esac
+}
+
+for name in ${JOBS:-grpo rollout tests compile parity}; do
+    run_job "$name"
+done
+
+# at most 8 files come back from $OUT: logs and JSON in one archive, the cache in up to 7 pieces
+(cd "$STATE" && tar czf "$OUT/results.tgz" ./*.log ./*.json 2>/dev/null)
+tar czf - -C "$TRITON_CACHE_DIR" . 2>/dev/null | split -b 15m - "$OUT/triton_cache.tgz."
+ls "$OUT"/triton_cache.tgz.* | sed -n '8,$p' | xargs -r rm -f
+echo "done jobs: $(cd "$STATE" && ls ./*.done 2>/dev/null | tr '\n' ' '); $((SECONDS - START)) s"

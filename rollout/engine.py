@@ -43,7 +43,7 @@ from rollout.state_cache import BatchLayout, PoolStateCache
 from rollout.transfer import to_device
 
 
-MXFP4_MATMULS = ("torch", "triton")
+MXFP4_MATMULS = ("auto", "torch", "triton")
 OVERLAP_MODES = ("auto", "on", "off")
 
 
@@ -60,8 +60,9 @@ class EngineConfig:
     max_prefill_requests: int = 16  # requests packed into one prefill forward
     cuda_graphs: bool = True  # decode from CUDA graphs on CUDA (batches whose rows share one adapter slot)
     # MXFP4 routed experts in bf16: "torch" decodes them to a bf16 copy per forward, then torch._grouped_mm;
-    # "triton" runs rollout/kernels/mxfp4_moe.py, which decodes tiles in registers (CUDA only)
-    mxfp4_matmul: str = "torch"
+    # "triton" runs rollout/kernels/mxfp4_moe.py, which decodes tiles in registers (CUDA only); "auto" takes
+    # triton on CUDA (faster at every batch size measured on the H200, README "Rollout engine"), torch elsewhere
+    mxfp4_matmul: str = "auto"
     # "auto": overlap consecutive decode steps on CUDA (module docstring); "on": also on CPU, where it only
     # reorders host work (the tests' way to run it); "off": every step waits for its tokens
     overlap: str = "auto"
@@ -160,6 +161,8 @@ class Engine:
     def _set_mxfp4_matmul(self, kind: str) -> None:
         # The setting lives on the model's expert modules: engines sharing one model share the last one's.
         device = next(self.model.parameters()).device
+        if kind == "auto":
+            kind = "triton" if device.type == "cuda" else "torch"
         if kind == "triton" and device.type != "cuda":
             raise ValueError(f"mxfp4_matmul='triton' needs the model on CUDA, it is on {device}")
         for m in self.model.modules():

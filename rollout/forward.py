@@ -5,10 +5,16 @@
 together with a cache, so the engine calls its unchecked body `K3Model.hidden` with `cu_seqlens`, and the
 KDA mixers then carry one state per packed request.
 
-`DecodeGraphs` captures the decode step per (batch bucket, history bucket) on first use and replays it:
-the ~2,700 kernel launches of a k3-small step become one graph launch. A batch is padded to its bucket
-with rows that read and write only the pools' sink slot / sink page, and histories are padded to a power
-of two with the zero page; the layout tensors are the graph's static inputs.
+`DecodeGraphs` captures the decode step per (batch bucket, history bucket) and replays it: the ~2,700
+kernel launches of a k3-small step become one graph launch. A batch is padded to its bucket with rows that
+read and write only the pools' sink slot / sink page, and histories are padded to a power of two with the
+zero page; the layout tensors are the graph's static inputs.
+
+A capture costs about as much as a few eager steps (two warm-up runs, the recorded run, instantiation), so
+a batch that shrinks through many buckets (an RL rollout whose samples stop at different lengths) would
+pay one per bucket. A bucket is therefore captured once it has been asked for `capture_after` times, and
+until then a larger captured graph of the same history bucket and adapter serves it with more padding
+rows; with no larger graph it is captured at once (`DecodeGraphs.graph_key`).
 """
 
 from __future__ import annotations
@@ -40,6 +46,12 @@ def model_step(model: K3ForCausalLM, ids: torch.Tensor, cache: PoolStateCache,
     return model.logits(last)
 
 
+# Asks of a batch bucket before it gets its own graph while a larger captured one can serve it. An RL
+# rollout's batch passes through most buckets for one to three steps each as samples stop; a steady batch
+# (the benchmark's) asks for the same bucket every step and is captured on its third.
+CAPTURE_AFTER = 3
+
+
 def _bucket(n: int, buckets: list[int]) -> int | None:
     return next((b for b in buckets if b >= n), None)
 
@@ -58,9 +70,11 @@ class DecodeGraphs:
     """
 
     def __init__(self, model: K3ForCausalLM, kv: KVPagePool, states: KDAStatePool, *, max_batch: int,
-                 max_seq_len: int, capture: bool, adapters: AdapterPool | None = None, compile: bool = False):
+                 max_seq_len: int, capture: bool, adapters: AdapterPool | None = None, compile: bool = False,
+                 capture_after: int = CAPTURE_AFTER):
+        assert capture_after >= 1
         self.model, self.kv, self.states, self.adapters = model, kv, states, adapters
-        self.capture = capture
+        self.capture, self.capture_after = capture, capture_after
         # torch.compile of the padded decode step: inductor fuses the step's elementwise chains (norm and gate
         # upcasts, SiTU, AttnRes mixing) into fewer kernels; the graph then replays the compiled step. Shapes
         # are the buckets', so after the first recompile dynamo generalizes instead of compiling each bucket.
@@ -70,9 +84,25 @@ class DecodeGraphs:
         page = kv.page_size
         top = -(-max_seq_len // page) * page
         self.hist_buckets = sorted({min(top, max(page, 1 << s)) for s in range(6, 40) if (1 << (s - 1)) < top})
-        self.graphs: dict[tuple[int, int], tuple] = {}
+        # key (batch bucket, history bucket, *adapter key) -> captured graph (None when capture=False: the
+        # padded shape is then run eagerly, but the bucket policy is the same)
+        self.graphs: dict[tuple, tuple | None] = {}
+        self.asked: dict[tuple, int] = {}  # exact-bucket key -> steps that asked for it
         self.failed = False
         self.replays = 0
+        self.captures = 0
+
+    def graph_key(self, n: int, hist: int, slot_key: tuple = ()) -> tuple:
+        """The graph that serves a step of `n` rows whose longest history is `hist` tokens (after `usable`),
+        counting the request: the exact buckets' graph once it exists or has been asked for
+        `capture_after` times (it is then captured), until then the smallest captured larger batch bucket
+        with the same history bucket and adapter, or the exact one when there is none."""
+        exact = (_bucket(n, self.batch_buckets), _bucket(hist, self.hist_buckets), *slot_key)
+        self.asked[exact] = self.asked.get(exact, 0) + 1
+        if exact in self.graphs or self.asked[exact] >= self.capture_after:
+            return exact
+        larger = [k for k in self.graphs if k[0] > exact[0] and k[1:] == exact[1:]]
+        return min(larger) if larger else exact
 
     def usable(self, batch: int, hist: int) -> bool:
         """After the pool's `set_batch` for this step: whether `run` can serve it."""
@@ -86,8 +116,13 @@ class DecodeGraphs:
         inputs go to the device with asynchronous copies, so the host can prepare the next step while
         this one runs."""
         n = ids.shape[0]
-        bb = _bucket(n, self.batch_buckets)
-        sb = _bucket(max(positions) + 1, self.hist_buckets)
+        slot_key: tuple = ()
+        if self.adapters is not None:
+            slot = self.adapters.batch_slot
+            assert slot is not None, "run() needs one adapter slot for the whole batch (see usable)"
+            slot_key = (slot, float(self.adapters.scale[slot]))
+        key = self.graph_key(n, max(positions) + 1, slot_key)
+        bb, sb = key[0], key[1]
         pad = bb - n
         # built on the host and copied straight into the graph's static inputs (no device-side temporary)
         # when a graph serves the step; to the device otherwise
@@ -95,18 +130,15 @@ class DecodeGraphs:
         layout = BatchLayout.build(self.kv, slots + [self.states.sink_slot] * pad, positions + [0] * pad,
                                    [1] * bb, page_tables + [[self.kv.sink_page]] * pad, target, hist_len=sb)
         ids_t = (torch.cat([ids, ids.new_zeros(pad)]) if pad else ids)[:, None]
-        slot_key: tuple = ()
-        if self.adapters is not None:
-            slot = self.adapters.batch_slot
-            assert slot is not None, "run() needs one adapter slot for the whole batch (see usable)"
-            self.adapters.set_batch([slot] * bb, 1)  # sink rows take the batch's slot: same shapes, no mixing
-            slot_key = (slot, float(self.adapters.scale[slot]))
+        if slot_key:
+            self.adapters.set_batch([slot_key[0]] * bb, 1)  # sink rows take the batch's slot: same shapes, no mixing
         if not self.capture:
+            self.graphs.setdefault(key, None)
             return self._step(ids_t, layout)[:n]
-        key = (bb, sb, *slot_key)
         if key not in self.graphs:
             try:
                 self.graphs[key] = self._capture(bb, sb)
+                self.captures += 1
             except Exception:  # noqa: BLE001 - any capture failure means: run eagerly from now on
                 log.warning("CUDA graph capture failed for batch %d, history %d, adapter %s; decoding eagerly",
                             bb, sb, slot_key or None, exc_info=True)

@@ -16,6 +16,9 @@ pools, empty radix cache) sized by --memory-gb, so no workload sees another's ca
   their seconds, step_ms = their seconds per step. On CUDA the decode steps replay CUDA graphs
   (`graph_replays` counts them; --no-cuda-graphs runs them eagerly), and with --overlap on or auto the
   same decode rows run again with overlap off ("miles-k3 (overlap off)") for contrast.
+- --rl-path: the decode rows again on the GRPO loop's engine: routed experts packed MXFP4, multiplied by
+  decoding them to bf16 ("torch") and by the Triton kernel ("triton", CUDA only), with a rank-16 adapter
+  on every default target serving every request (one adapter slot, as a rollout).
 - prefill: one cold prompt of --prefill-len, max_new_tokens=1, after one untimed run of the same shape.
 - group (GRPO): --group-prompts distinct prompts x --group-n samples, temperature 1, seeded, all submitted
   at once. The engine admits each group's first sample and holds the other n-1 back until its prefill has
@@ -287,7 +290,8 @@ def bench_decode(model: K3ForCausalLM, ecfg: EngineConfig, batch: int, args, dev
             "decode_tokens": tokens, "decode_s": decode_s, "decode_tok_s": tokens / decode_s,
             "step_ms": decode_s / tokens * batch * 1e3,  # per token of every request: the step a batch needs
             "retractions": engine.num_retractions - retractions,
-            "graph_replays": engine.graphs.replays if engine.graphs is not None else 0}
+            "graph_replays": engine.graphs.replays if engine.graphs is not None else 0,
+            "graph_captures": engine.graphs.captures if engine.graphs is not None else 0}
 
 
 def rl_engine_model(model: K3ForCausalLM, dtype: torch.dtype, device) -> tuple[K3ForCausalLM, AdapterPool]:
@@ -460,7 +464,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.profile:
         for b in sorted({1, max(batch_sizes)}):
             guarded(lambda: profile_decode(model, ecfg, b, args, device, args.profile), device)
-    del model
+    model = None  # frees it before the peer models are built (lambdas above read it, so no del)
     free_memory(device)
 
     if args.peer == "hf":

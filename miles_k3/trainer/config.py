@@ -64,9 +64,13 @@ class RolloutCfg:
     top_k: int = 0
     stop_at_eos: bool = True
     quantize: str = "none"  # none | experts | all (the engine's base)
-    mxfp4_matmul: str = "torch"  # torch | triton: how the engine multiplies MXFP4 experts (triton: CUDA only)
+    mxfp4_matmul: str = "auto"  # auto | torch | triton: how the engine multiplies MXFP4 experts (auto: triton on CUDA)
     overlap: str = "auto"  # auto | on | off: enqueue decode step k+1 before reading step k (auto: on CUDA)
     compile_decode: bool = False  # torch.compile the engine's CUDA-graph decode step (CUDA, bf16)
+    # Free the engine's KV / state pools (and its CUDA graphs, which read them by address) while the trainer
+    # runs. false keeps them, and the graphs captured once serve every later step: for a device that holds
+    # both (k3-small on one H200), where recapturing each step cost most of the rollout time.
+    release_memory: bool = True
     dtype: str = "float32"
     memory_mb: float = 64.0  # KV pages + KDA state slots
     page_size: int = 16

@@ -5,7 +5,8 @@ One step:
   2. reward plugins score them; failed samples are dropped or stop the run (reward.on_failure);
      zero-variance groups are dropped and refilled with fresh prompts (algo.dynamic_sampling);
      group-normalized advantages;
-  3. the engines release their KV / state pools; the trainer ranks run the GRPO update;
+  3. the engines release their KV / state pools (unless rollout.release_memory=false); the trainer ranks
+     run the GRPO update;
   4. the adapter (gathered over TP) is copied into every engine's adapter slot in place; engines resume;
   5. a metrics row; evaluation and an atomic checkpoint at their intervals.
 
@@ -246,12 +247,15 @@ class GRPODriver:
         rollout_s = time.perf_counter() - start
         rows = []
         if len(batch):
-            self.workers.release_engines()
+            release = self.rc.rollout.release_memory
+            if release:
+                self.workers.release_engines()
             t0 = time.perf_counter()
             metrics.update(self.workers.train(batch))
             train_s = time.perf_counter() - t0
             tensors = self.workers.adapter_state()
-            self.workers.resume_engines()
+            if release:
+                self.workers.resume_engines()
             metrics["adapter_sync_ms"] = self.workers.sync_adapter(tensors)
         else:
             log.warning("step %d: no group with reward variance; skipping the update", self.step)

@@ -61,6 +61,48 @@ def test_padded_bucketed_decode_equals_exact_decode(compiled):
     eng.check_invariants()
 
 
+def test_graph_key_pads_into_a_larger_graph_until_a_bucket_is_asked_for_often_enough():
+    eng = Engine(MODEL, EngineConfig(max_prefill_tokens=32, max_running=16, **SMALL))
+    graphs = DecodeGraphs(MODEL, eng.kv, eng.states, max_batch=16, max_seq_len=256, capture=False, capture_after=3)
+    assert graphs.graph_key(9, 10) == (12, 64)  # nothing captured: the exact bucket at once
+    graphs.graphs[(12, 64)] = None
+    assert [graphs.graph_key(3, 10) for _ in range(4)] == [(12, 64), (12, 64), (4, 64), (4, 64)]
+    graphs.graphs[(4, 64)] = None
+    assert graphs.graph_key(2, 10) == (4, 64)  # the smallest larger graph serves
+    assert graphs.graph_key(2, 100) == (2, 128)  # no graph of that history bucket
+    assert graphs.graph_key(14, 10) == (16, 64)  # nothing larger than 16
+    assert graphs.graph_key(3, 10, (1, 2.0)) == (4, 64, 1, 2.0)  # another adapter key: its own graphs
+
+
+def test_a_shrinking_batch_decodes_through_larger_graphs_exactly():
+    """Requests stopping at different lengths shrink the batch through buckets 8 -> 4 -> 2 -> 1; a smaller
+    bucket is served padded by a larger bucket's graph until asked for three times, and outputs equal the
+    plain engine's."""
+    prompts = [prompt(5 + 3 * i, 60 + i) for i in range(6)]
+    params = [SamplingParams(temperature=0, max_new_tokens=2 + 2 * i) for i in range(6)]
+    plain = Engine(MODEL, EngineConfig(max_prefill_tokens=64, **SMALL)).generate(prompts, params)
+    eng = Engine(MODEL, EngineConfig(max_prefill_tokens=64, max_running=8, **SMALL))
+    eng.graphs = DecodeGraphs(MODEL, eng.kv, eng.states, max_batch=8, max_seq_len=256, capture=False)
+    served = []  # (rows, graph key) per decode step
+    real_key = eng.graphs.graph_key
+
+    def graph_key(n, hist, slot_key=()):
+        served.append((n, real_key(n, hist, slot_key)))
+        return served[-1][1]
+
+    eng.graphs.graph_key = graph_key
+    padded = eng.generate(prompts, params)
+    for a, b in zip(plain, padded):
+        assert a.output_ids == b.output_ids
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+    # 75 prompt tokens over two prefill steps of 64: the last request joins the decode batch one step late
+    assert [n for n, _ in served] == [6, 5, 5, 4, 4, 3, 3, 2, 2, 2, 1]
+    # bucket 4's third ask (3 rows) captures it, bucket 2's third ask too; bucket 1, asked once, pads into 2
+    assert [key[0] for _, key in served] == [8, 8, 8, 8, 8, 4, 4, 4, 4, 2, 2]
+    assert sorted(eng.graphs.graphs) == [(2, 64), (4, 64), (8, 64)]
+    eng.check_invariants()
+
+
 def test_batched_sampler_truncation_seeds_and_logprobs():
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(4, 50, generator=g) * 3

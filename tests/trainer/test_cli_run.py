@@ -36,7 +36,9 @@ def stable(rs):
 
 
 def test_short_embedded_run(tmp_path):
-    out = cli(tmp_path / "run", "logging.wandb=offline")
+    # pools kept between steps: every step's rollout must still see the updated adapter, never a prefix
+    # cached under the previous one (the log-prob agreement below would catch it)
+    out = cli(tmp_path / "run", "logging.wandb=offline", "rollout.release_memory=false")
     assert out.returncode == 0, out.stderr[-3000:]
     rs = rows(tmp_path / "run")
     assert [r["step"] for r in rs] == [0, 1, 2, 3, 3]

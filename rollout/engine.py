@@ -44,6 +44,7 @@ from rollout.transfer import to_device
 
 
 MXFP4_MATMULS = ("auto", "torch", "triton")
+LORA_MIXED = ("torch", "triton")
 OVERLAP_MODES = ("auto", "on", "off")
 
 
@@ -63,6 +64,11 @@ class EngineConfig:
     # "triton" runs rollout/kernels/mxfp4_moe.py, which decodes tiles in registers (CUDA only); "auto" takes
     # triton on CUDA (faster at every batch size measured on the H200, README "Rollout engine"), torch elsewhere
     mxfp4_matmul: str = "auto"
+    # LoRA terms of batches whose rows use different adapters (multi-adapter serving; an RL rollout uses one):
+    # "torch" runs one product per adapter present and reads the slots on the host; "triton" runs
+    # rollout/kernels/lora_rows.py for every row at once from slot indices on the device (CUDA only; opt-in
+    # until timed on the GPU)
+    lora_mixed: str = "torch"
     # "auto": overlap consecutive decode steps on CUDA (module docstring); "on": also on CPU, where it only
     # reorders host work (the tests' way to run it); "off": every step waits for its tokens
     overlap: str = "auto"
@@ -74,6 +80,8 @@ class EngineConfig:
             raise ValueError(f"overlap must be one of {OVERLAP_MODES}, got {self.overlap!r}")
         if self.mxfp4_matmul not in MXFP4_MATMULS:
             raise ValueError(f"mxfp4_matmul must be one of {MXFP4_MATMULS}, got {self.mxfp4_matmul!r}")
+        if self.lora_mixed not in LORA_MIXED:
+            raise ValueError(f"lora_mixed must be one of {LORA_MIXED}, got {self.lora_mixed!r}")
         if self.chunk_size % self.page_size:
             raise ValueError(f"chunk_size ({self.chunk_size}) must be a multiple of page_size ({self.page_size})")
         if self.max_prefill_tokens < self.chunk_size or self.max_prefill_tokens % self.chunk_size:
@@ -127,6 +135,13 @@ class Engine:
         self._set_mxfp4_matmul(config.mxfp4_matmul)
         self.adapters = adapters
         self.config = config
+        if config.lora_mixed == "triton":
+            where = next(model.parameters()).device
+            if adapters is None or where.type != "cuda":
+                raise ValueError(f"lora_mixed='triton' needs an adapter pool and the model on CUDA (model on {where}, "
+                                 f"adapter pool {'given' if adapters is not None else 'missing'})")
+        if adapters is not None:  # lives on the pool: engines sharing one pool share the last one's
+            adapters.mixed_kernel = config.lora_mixed
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         if config.compile_decode and not self._graphs_apply():

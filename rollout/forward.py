@@ -132,8 +132,11 @@ class DecodeGraphs:
         ids_t = (torch.cat([ids, ids.new_zeros(pad)]) if pad else ids)[:, None]
         if slot_key:
             self.adapters.set_batch([slot_key[0]] * bb, 1)  # sink rows take the batch's slot: same shapes, no mixing
-        if not self.capture:
-            self.graphs.setdefault(key, None)
+        if not self.capture:  # counted as a capture / replay would be, so the CPU tests see the policy
+            if key not in self.graphs:
+                self.graphs[key] = None
+                self.captures += 1
+            self.replays += 1
             return self._step(ids_t, layout)[:n]
         if key not in self.graphs:
             try:

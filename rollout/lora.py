@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from miles_k3.model.lora_spec import DEFAULT_TARGETS, LoraSpec, matches_targets
+from rollout.transfer import to_device
 
 
 @dataclass(frozen=True)
@@ -53,10 +54,16 @@ class AdapterPool:
         self.A: dict[str, torch.Tensor] = {}
         self.B: dict[str, torch.Tensor] = {}
         self.scale = torch.zeros(self.slots)
+        self.device_scale = self.scale.to(self.device)  # rebuilt when a scale changes (add_adapter)
         self.names: dict[str, int] = {}
         self.row_slots: torch.Tensor | None = None  # [B] adapter slot per row of the current batch
         self.batch_slot: int | None = 0  # the one slot (0: base only) every row uses; None: rows differ
         self.tokens_per_row = 1
+        # How rows that use different adapters get their term: "torch", a product per adapter present (reads
+        # the slots on the host); "triton", `rollout.kernels.lora_rows` (CUDA; the engine sets it from
+        # EngineConfig.lora_mixed).
+        self.mixed_kernel = "torch"
+        self._device_slots: dict[int, torch.Tensor] = {}  # id(host slot tensor) -> its copy on self.device
 
     # ------------------------------------------------------------- modules
     def register(self, name: str, in_features: int, out_features: int, num_experts: int | None = None) -> bool:
@@ -86,6 +93,7 @@ class AdapterPool:
         self._write(free[0], tensors)
         self.names[name] = free[0]
         self.scale[free[0]] = (alpha if alpha is not None else self.config.alpha) / self.config.rank
+        self.device_scale = self.scale.to(self.device)
 
     def update_adapter(self, name: str, tensors: dict[str, torch.Tensor]) -> None:
         """Copy new values into `name`'s slot in place. Validates everything before writing anything."""
@@ -124,6 +132,9 @@ class AdapterPool:
         self.batch_slot = (row_slots[0] if row_slots else 0) if len(set(row_slots)) <= 1 else None
         counts = tokens_per_row if isinstance(tokens_per_row, int) else torch.tensor(tokens_per_row)
         self._token_slots = self.row_slots.repeat_interleave(counts)  # once a step, not once per adapted linear
+        self._device_slots = {}
+        if self.batch_slot is None and self.mixed_kernel == "triton":  # copied once a step, asynchronously
+            self._device_slots = {id(t): to_device(t, self.device) for t in (self.row_slots, self._token_slots)}
 
     def token_slots(self) -> torch.Tensor | None:
         """Slot per flattened new token [sum T] (the layout MoE layers flatten to)."""
@@ -163,8 +174,9 @@ class AdapterPool:
     def add_delta(self, name: str, x: torch.Tensor, y: torch.Tensor, slots: torch.Tensor | None,
                   expert: int | None = None) -> torch.Tensor:
         """y + scale_s B_s A_s x for each leading index of x [L, ..., in] whose slot s > 0 (slots [L], or one
-        per token of x, which is then flattened); y [L, ..., out] is the base output. Returns y itself when
-        nothing in this batch uses an adapter, so the base-only path pays nothing."""
+        per token of x, which is then flattened); y [L, ..., out] is the base output, fresh from its GEMM (the
+        "triton" mixed path adds into it in place). Returns y itself when nothing in this batch uses an
+        adapter, so the base-only path pays nothing."""
         if name not in self.A or slots is None:
             return y
         if (s := self.batch_slot) is not None:
@@ -180,8 +192,28 @@ class AdapterPool:
             if y.dtype != h.dtype:
                 return y + ((h @ b.t()).float() * float(self.scale[s])).to(y.dtype).view(y.shape)
             return torch.addmm(y.reshape(-1, y.shape[-1]), h, b.t(), alpha=float(self.scale[s])).view(y.shape)
+        if self.mixed_kernel == "triton":
+            return self._mixed_rows(name, x, y, slots, expert)
         delta = self._mixed_delta(name, x, slots, expert)
         return y if delta is None else y + delta
+
+    def _mixed_rows(self, name: str, x: torch.Tensor, y: torch.Tensor, slots: torch.Tensor, expert: int | None
+                    ) -> torch.Tensor:
+        """The LoRA term of rows with different slots through `lora_rows_`: no host sync when `slots` is the
+        step's row or token slot tensor (its device copy was made in `set_batch`). Adds into y in place."""
+        from rollout.kernels.lora_rows import lora_rows_
+
+        dev = self._device_slots.get(id(slots))
+        dev = dev if dev is not None else slots.to(self.device)
+        a, b = self.A[name], self.B[name]
+        index = dev
+        if expert is not None:  # [S, E, ...] stacked as [S * E, ...]: slot s, expert e is matrix s * E + e
+            index = dev * a.shape[1] + expert
+            a, b = a.flatten(0, 1), b.flatten(0, 1)
+        index = torch.where(dev > 0, index, -1)
+        out = y.reshape(-1, y.shape[-1])
+        lora_rows_(out, x.reshape(-1, x.shape[-1]).contiguous(), a, b, index, self.device_scale[dev])
+        return out.view(y.shape)
 
     def _mixed_delta(self, name: str, x: torch.Tensor, slots: torch.Tensor, expert: int | None
                      ) -> torch.Tensor | None:

@@ -102,7 +102,8 @@ def run_ours(args, run_dir: Path, model_overrides: list[str], engine_overrides: 
     timed = steps[args.warmup:args.steps]
     return {"step_s": [r["step_s"] for r in timed], "rollout_s": [r["rollout_s"] for r in timed],
             "train_s": [r["train_s"] for r in timed], "adapter_sync_ms": [r["adapter_sync_ms"] for r in timed],
-            "reward_mean": [r["reward_mean"] for r in steps], "wall_s": wall, "command": " ".join(cmd[1:])}
+            "reward_mean": [r["reward_mean"] for r in steps], "wall_s": wall, "command": " ".join(cmd[1:]),
+            **{key: [r.get(key) for r in timed] for key in ("rollout_graph_captures", "rollout_graph_replays")}}
 
 
 def _step_rows(metrics: Path) -> list[dict]:

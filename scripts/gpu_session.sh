@@ -58,7 +58,7 @@ run_job() {
     esac
 }
 
-for name in ${JOBS:-grpo rollout tests compile parity}; do
+for name in ${JOBS:-grpo tests rollout parity compile}; do
     run_job "$name"
 done
 

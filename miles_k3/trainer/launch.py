@@ -84,6 +84,9 @@ class LocalWorkers:
     def generate(self, prompts, params):
         return self.engine.generate(prompts, params)
 
+    def engine_counters(self) -> dict[str, int]:
+        return self.engine.engine_counters()
+
     def release_engines(self) -> None:
         self.engine.release_memory()
 

@@ -42,6 +42,7 @@ class Workers(Protocol):
     """The engines and trainer ranks of a run, as the driver sees them."""
 
     def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[Generated]: ...
+    def engine_counters(self) -> dict[str, int]: ...  # cumulative, summed over engines (RolloutWorker.counters)
     def release_engines(self) -> None: ...
     def resume_engines(self) -> None: ...
     def train(self, batch: TrainBatch) -> dict[str, float]: ...
@@ -126,6 +127,7 @@ class GRPODriver:
         lengths: list[int] = []
         failures: dict[str, int] = {}
         groups_seen = groups_flat = 0
+        counters_before = self.workers.engine_counters()
         for round_ in range(a.max_refill_rounds + 1 if a.dynamic_sampling else 1):
             records = self.sampler.next_batch(r.prompts_per_step - len(kept))
             prompts = [self.tok.encode_prompt(rec.prompt) for rec in records]
@@ -155,6 +157,7 @@ class GRPODriver:
                    "groups_kept": len(kept), "groups_zero_variance": groups_flat,
                    "samples_dropped": sum(failures.values())}
         metrics.update({f"reward_failures_{k}": v for k, v in failures.items()})
+        metrics.update({f"rollout_{k}": v - counters_before[k] for k, v in self.workers.engine_counters().items()})
         return self._to_batch(kept), metrics
 
     def _to_batch(self, kept) -> TrainBatch:

@@ -71,6 +71,12 @@ class RayWorkers:
                   for e, lo, hi in zip(self.engines, bounds, bounds[1:]) if hi > lo]
         return [g for share in ray.get(shares) for g in share]
 
+    def engine_counters(self) -> dict[str, int]:
+        import ray
+
+        per_engine = ray.get([e.call.remote("engine_counters") for e in self.engines])
+        return {key: sum(c[key] for c in per_engine) for key in per_engine[0]}
+
     def release_engines(self) -> None:
         import ray
 

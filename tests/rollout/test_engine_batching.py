@@ -100,6 +100,7 @@ def test_a_shrinking_batch_decodes_through_larger_graphs_exactly():
     # bucket 4's third ask (3 rows) captures it, bucket 2's third ask too; bucket 1, asked once, pads into 2
     assert [key[0] for _, key in served] == [8, 8, 8, 8, 8, 4, 4, 4, 4, 2, 2]
     assert sorted(eng.graphs.graphs) == [(2, 64), (4, 64), (8, 64)]
+    assert (eng.graphs.captures, eng.graphs.replays) == (3, 11)
     eng.check_invariants()
 
 

@@ -48,6 +48,8 @@ def test_short_embedded_run(tmp_path):
         # BF16-base mode in fp32 on CPU: the engine and the trainer are the same model
         assert r["train_rollout_logprob_abs_diff"] < 1e-4
         assert r["adapter_sync_ms"] > 0 and r["groups_kept"] <= 4
+        assert r["rollout_graph_captures"] == r["rollout_graph_replays"] == 0  # no CUDA graphs on CPU
+        assert r["rollout_retractions"] >= 0
     assert "eval_accuracy" in rs[4]
     ckpts = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
     assert ckpts == ["step_00000002", "step_00000003"]  # keep_checkpoints=2

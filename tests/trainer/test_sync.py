@@ -89,3 +89,32 @@ def test_several_updates_per_step_use_the_pre_update_policy_as_old(setup):
     # the first minibatch starts at ratio 1; the second sees the policy moved by the first update
     assert metrics["ratio_mean"] != pytest.approx(1.0, abs=1e-7)
     assert metrics["approx_kl"] > 0 and metrics["lr"] == pytest.approx(5e-2)
+
+
+def test_engine_counters_add_up_across_a_release(setup):
+    """The worker's graph / retraction counters cover every generate since it was built, although the
+    engine's graphs (and their counters) are dropped with the pools on release. CPU: the graphs run at the
+    padded shapes without capturing (`capture=False`), counted the same way."""
+    from rollout.forward import DecodeGraphs
+
+    rc, config, state, tok = setup
+    worker = build_rollout_worker(rc, config, state, "cpu")
+    worker.sync_adapter(build_train_worker(rc, config, state, "cpu").adapter_state())
+
+    def padded_graphs():
+        e = worker.engine
+        e.graphs = DecodeGraphs(e.model, e.kv, e.states, max_batch=e.config.max_running, capture=False,
+                                max_seq_len=e.config.max_seq_len, adapters=e.adapters)
+        return e.graphs
+
+    first = padded_graphs()
+    rollouts(worker, tok)
+    assert first.captures > 0 and first.replays > first.captures
+    once = worker.engine_counters()
+    assert once == {"graph_captures": first.captures, "graph_replays": first.replays, "retractions": 0}
+    worker.release_memory()
+    worker.resume_memory()
+    second = padded_graphs()
+    rollouts(worker, tok, seed=5)
+    assert worker.engine_counters() == {"graph_captures": once["graph_captures"] + second.captures,
+                                        "graph_replays": once["graph_replays"] + second.replays, "retractions": 0}

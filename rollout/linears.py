@@ -97,13 +97,25 @@ class EngineExperts(RoutedExperts):
         return super().groups(dtype) and self.pool.config.rank % 8 == 0
 
     def _experts(self, xs: torch.Tensor, counts: torch.Tensor, token_of: torch.Tensor) -> torch.Tensor:
-        """Grouped GEMMs when `groups` and one adapter (or none) serves the batch; otherwise a loop over
-        experts with per-token slots."""
-        if self.pool.batch_slot is not None and self.groups(xs.dtype):
-            return self._experts_grouped(xs, counts)
+        """Grouped GEMMs when `groups` and one adapter (or none) serves the batch, or rows of different
+        adapters get their terms from the Triton kernel (`AdapterPool.mixed_kernel`); otherwise a loop
+        over experts with per-token slots."""
+        if self.groups(xs.dtype):
+            if self.pool.batch_slot is not None:
+                return self._experts_grouped(xs, counts)
+            if self.pool.mixed_kernel == "triton":
+                return self._experts_grouped(xs, counts, token_of)
         return self._experts_looped(xs, counts, token_of)
 
-    def _grouped_proj(self, num_rows: int, counts: torch.Tensor, offs: torch.Tensor):
+    def _experts_grouped(self, xs: torch.Tensor, counts: torch.Tensor, token_of: torch.Tensor | None = None
+                         ) -> torch.Tensor:
+        """As `RoutedExperts._experts_grouped`; with `token_of` (each row's token) the LoRA terms follow each
+        row's own adapter slot (mixed batches) instead of the batch's one slot."""
+        proj = self._grouped_proj(xs.shape[0], counts, counts.cumsum(0).to(torch.int32), token_of)
+        return proj("w2", self._act(proj("w1", xs), proj("w3", xs)))
+
+    def _grouped_proj(self, num_rows: int, counts: torch.Tensor, offs: torch.Tensor,
+                      token_of: torch.Tensor | None = None):
         # "torch": decoding every expert costs one pass over the packed bytes, cheaper than a launch chain
         # per expert; "triton" decodes tiles next to the MMA and writes no bf16 copy.
         if self.quantized and self.mxfp4_matmul == "triton":
@@ -127,6 +139,16 @@ class EngineExperts(RoutedExperts):
         else:
             def base(name: str, x: torch.Tensor) -> torch.Tensor:
                 return torch._grouped_mm(x, self.stacked_weight(name, x.dtype).transpose(1, 2), offs=offs)
+
+        if token_of is not None:  # mixed adapters: per-row (slot, expert) matrices through the Triton kernel
+            slot_of_row = self.pool.device_token_slots()[token_of]
+            expert_of_row = torch.repeat_interleave(torch.arange(self.spec.num_experts, device=counts.device), counts,
+                                                    output_size=num_rows)
+
+            def proj(name: str, x: torch.Tensor) -> torch.Tensor:
+                return self.pool.add_rows_delta(f"{self.spec.name}.{name}", x, base(name, x), slot_of_row,
+                                                expert_of_row)
+            return proj
 
         def proj(name: str, x: torch.Tensor) -> torch.Tensor:
             y = base(name, x)

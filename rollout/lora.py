@@ -193,16 +193,25 @@ class AdapterPool:
                 return y + ((h @ b.t()).float() * float(self.scale[s])).to(y.dtype).view(y.shape)
             return torch.addmm(y.reshape(-1, y.shape[-1]), h, b.t(), alpha=float(self.scale[s])).view(y.shape)
         if self.mixed_kernel == "triton":
-            return self._mixed_rows(name, x, y, slots, expert)
+            return self.add_rows_delta(name, x, y, slots, expert)
         delta = self._mixed_delta(name, x, slots, expert)
         return y if delta is None else y + delta
 
-    def _mixed_rows(self, name: str, x: torch.Tensor, y: torch.Tensor, slots: torch.Tensor, expert: int | None
-                    ) -> torch.Tensor:
-        """The LoRA term of rows with different slots through `lora_rows_`: no host sync when `slots` is the
-        step's row or token slot tensor (its device copy was made in `set_batch`). Adds into y in place."""
+    def device_token_slots(self) -> torch.Tensor:
+        """The step's slot per token on the pool's device (copied in `set_batch`; mixed batches with the
+        Triton kernel only)."""
+        return self._device_slots[id(self._token_slots)]
+
+    def add_rows_delta(self, name: str, x: torch.Tensor, y: torch.Tensor, slots: torch.Tensor,
+                       expert: int | torch.Tensor | None = None) -> torch.Tensor:
+        """y + each row's own scale_s B_s A_s x through `lora_rows_` (in place into y, fresh from its GEMM):
+        slots [L] per leading index of x; expert None, one expert id, or one per row (routed experts). No
+        host sync when `slots` is on the device or is the step's row / token slot tensor, whose device copy
+        `set_batch` made."""
         from rollout.kernels.lora_rows import lora_rows_
 
+        if name not in self.A:
+            return y
         dev = self._device_slots.get(id(slots))
         dev = dev if dev is not None else slots.to(self.device)
         a, b = self.A[name], self.B[name]

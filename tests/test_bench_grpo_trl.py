@@ -6,6 +6,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 _PATH = Path(__file__).resolve().parents[1] / "scripts" / "bench_grpo_trl.py"
 sys.path.insert(0, str(_PATH.parent))
 _spec = importlib.util.spec_from_file_location("bench_grpo_trl", _PATH)
@@ -37,3 +39,10 @@ def test_our_side_runs_and_reports(tmp_path):
     config = json.loads((tmp_path / "kimi-linear-base" / "config.json").read_text())
     assert config["model_type"] == "kimi_linear" and config["vocab_size"] == 32
     assert (tmp_path / "ours_kimi.log").exists()
+    # --reuse: a finished run in --work-dir is read back, not run again (a cut device call continues)
+    log_time = (tmp_path / "ours_kimi.log").stat().st_mtime_ns
+    again = bench.main(["--device", "cpu", "--preset", "k3-tiny", "--steps", "2", "--prompts", "2", "--samples", "2",
+                        "--max-new-tokens", "4", "--skip-trl", "--work-dir", str(tmp_path), "--reuse"])
+    assert again["rows"] == out["rows"] and (tmp_path / "ours_kimi.log").stat().st_mtime_ns == log_time
+    with pytest.raises(ValueError, match="--reuse needs --work-dir"):
+        bench.main(["--device", "cpu", "--skip-trl", "--reuse"])

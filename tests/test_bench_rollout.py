@@ -69,6 +69,14 @@ def test_bench_rollout_hf_peer():
         assert res["decode_vs_hf"][b] == pytest.approx(ours / res["hf_decode_tok_s"][b])
 
 
+def test_rl_path_rows_decode_with_mxfp4_experts_and_the_policy_adapter():
+    res = bench.main([*TINY, "--batch-sizes", "2", "--rl-path"])
+    rows = {(r["model"], r["batch"]): r for r in res["decode"] if "RL" in r["model"]}
+    assert set(rows) == {("miles-k3 RL (mxfp4 torch, lora)", b) for b in (1, 2)}  # the Triton rows need CUDA
+    assert all(r["status"] == "ok" and r["decode_tok_s"] > 0 for r in rows.values())
+    assert res["meta"]["settings"]["rl_path"] is True
+
+
 def test_a_failing_workload_is_reported_and_the_others_still_run(monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("group workload exploded")

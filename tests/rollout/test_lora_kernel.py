@@ -5,13 +5,12 @@ Runs on CPU through Triton's interpreter in a subprocess (TRITON_INTERPRET must 
 defined, and other tests import triton first). The kernel uses no `tl.dot`, so bf16 is checked here too;
 compiled on the GPU in tests/gpu/test_engine_cuda.py."""
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
+
+from tests.rollout.interpreted import assert_interpreted_ok
 
 _CHECK = textwrap.dedent("""
     import torch
@@ -114,9 +113,7 @@ _CHECK = textwrap.dedent("""
 
 
 def test_lora_rows_kernel_and_mixed_adapter_engine_equal_torch():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-c", _CHECK], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+    assert_interpreted_ok(_CHECK, timeout=600)
 
 
 def test_lora_mixed_is_validated():

@@ -5,14 +5,12 @@ the kernel is defined, and other tests import triton (through fla) first. fp32 o
 `tl.dot` on bf16 operands is wrong (triton 3.9 on CPU: errors of 1e10 on a plain 16x16 product), so the
 bf16 path is checked compiled, on the GPU (tests/gpu/test_engine_cuda.py)."""
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import torch
 
 from rollout.kernels.mxfp4_moe import block_schedule
+from tests.rollout.interpreted import assert_interpreted_ok
 
 _CHECK = textwrap.dedent("""
     import torch
@@ -61,9 +59,7 @@ _CHECK = textwrap.dedent("""
 
 
 def test_kernel_equals_torch_decode_then_grouped_gemm():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-c", _CHECK], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+    assert_interpreted_ok(_CHECK, timeout=300)
 
 
 def test_block_schedule_covers_each_expert_in_order():

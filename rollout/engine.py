@@ -58,7 +58,7 @@ class EngineConfig:
     max_running: int = 64
     max_seq_len: int = 4096
     max_checkpoints_per_path: int = 4
-    max_prefill_requests: int = 16  # requests packed into one prefill forward
+    max_prefill_requests: int = 256  # requests packed into one prefill forward (short prompts: many fit the budget)
     cuda_graphs: bool = True  # decode from CUDA graphs on CUDA (batches whose rows share one adapter slot)
     # MXFP4 routed experts in bf16: "torch" decodes them to a bf16 copy per forward, then torch._grouped_mm;
     # "triton" runs rollout/kernels/mxfp4_moe.py, which decodes tiles in registers (CUDA only); "auto" takes

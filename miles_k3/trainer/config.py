@@ -76,6 +76,7 @@ class RolloutCfg:
     page_size: int = 16
     chunk_size: int = 64
     max_prefill_tokens: int = 512
+    max_prefill_requests: int = 256  # requests packed into one prefill forward (token budget permitting)
     max_running: int = 256
 
 
@@ -315,7 +316,7 @@ def resolve(cfg: Any) -> ResolvedConfig:
 
     r = _Checker("rollout", cfg.rollout)
     for name in ("prompts_per_step", "samples_per_prompt", "max_new_tokens", "page_size", "chunk_size",
-                 "max_prefill_tokens", "max_running"):
+                 "max_prefill_tokens", "max_prefill_requests", "max_running"):
         r.int_at_least(name, 1)
     if cfg.rollout.samples_per_prompt < 2:
         raise r.fail("samples_per_prompt", "must be >= 2 (group-normalized advantages need a group)")
@@ -337,7 +338,7 @@ def resolve(cfg: Any) -> ResolvedConfig:
     engine = _nested("rollout", lambda: EngineConfig(
         memory_bytes=int(cfg.rollout.memory_mb * 2**20), page_size=cfg.rollout.page_size,
         chunk_size=cfg.rollout.chunk_size, max_prefill_tokens=cfg.rollout.max_prefill_tokens,
-        max_running=cfg.rollout.max_running, mxfp4_matmul=cfg.rollout.mxfp4_matmul, overlap=cfg.rollout.overlap,
+        max_prefill_requests=cfg.rollout.max_prefill_requests, max_running=cfg.rollout.max_running, mxfp4_matmul=cfg.rollout.mxfp4_matmul, overlap=cfg.rollout.overlap,
         compile_decode=cfg.rollout.compile_decode))
 
     a = cfg.algo

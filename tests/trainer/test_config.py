@@ -38,6 +38,7 @@ def test_groups_swap_and_interpolate():
     config = load_base_config(rc.model)  # k3-small at the task's 32-id vocabulary takes the task's special ids
     assert (config.vocab_size, config.pad_token_id, config.bos_token_id, config.eos_token_id) == (32, 0, 1, 2)
     assert rc.raw["algo"]["dynamic_sampling"] is False  # random init: every group has zero reward variance
+    assert rc.engine.max_prefill_requests == 256 and rc.raw["rollout"]["release_memory"] is False
 
 
 @pytest.mark.parametrize("override, field", [
@@ -50,6 +51,7 @@ def test_groups_swap_and_interpolate():
     ("rollout.compile_decode=true", "rollout.compile_decode compiles the CUDA-graph decode step"),
     ("rollout.mxfp4_matmul=triton", "rollout.mxfp4_matmul 'triton' needs rollout.quantize"),  # quantize none
     ("rollout.chunk_size=24", "rollout: chunk_size"),
+    ("rollout.max_prefill_requests=0", "rollout.max_prefill_requests"),
     ("optim.lr=0", "optim.lr"),
     ("trainer.max_steps=0", "trainer.max_steps"),
     ("trainer.resume=/no/such/dir", "trainer.resume"),

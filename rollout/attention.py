@@ -49,7 +49,7 @@ def _lora_terms(linear: torch.nn.Module, num_tokens: int):
     slots = pool.token_slots()
     assert slots.numel() == num_tokens, f"adapter batch covers {slots.numel()} tokens, the step has {num_tokens}"
     slots = slots.to(a.device)
-    return a[slots], b[slots], pool.scale.to(slots.device)[slots][:, None, None]
+    return a[slots], b[slots], pool.device_scale[slots][:, None, None]
 
 
 def _paged_mla_forward(self: MLAMixer, x: torch.Tensor, cache=None, cu_seqlens=None) -> torch.Tensor:

@@ -131,19 +131,17 @@ class _DecodeLaunch:
 class Engine:
     def __init__(self, model: K3ForCausalLM, config: EngineConfig, adapters: AdapterPool | None = None):
         self.model = model.eval()
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
         prepare_model(model)
         self._set_mxfp4_matmul(config.mxfp4_matmul)
         self.adapters = adapters
         self.config = config
-        if config.lora_mixed == "triton":
-            where = next(model.parameters()).device
-            if adapters is None or where.type != "cuda":
-                raise ValueError(f"lora_mixed='triton' needs an adapter pool and the model on CUDA (model on {where}, "
-                                 f"adapter pool {'given' if adapters is not None else 'missing'})")
+        if config.lora_mixed == "triton" and (adapters is None or self.device.type != "cuda"):
+            raise ValueError(f"lora_mixed='triton' needs an adapter pool and the model on CUDA (model on "
+                             f"{self.device}, adapter pool {'given' if adapters is not None else 'missing'})")
         if adapters is not None:  # lives on the pool: engines sharing one pool share the last one's
             adapters.mixed_kernel = config.lora_mixed
-        p = next(model.parameters())
-        self.device, self.dtype = p.device, p.dtype
         if config.compile_decode and not self._graphs_apply():
             raise ValueError("compile_decode=True compiles the CUDA-graph decode step: it needs the model on CUDA, "
                              "cuda_graphs=True and routed experts that run grouped GEMMs (bf16)")
@@ -175,11 +173,10 @@ class Engine:
 
     def _set_mxfp4_matmul(self, kind: str) -> None:
         # The setting lives on the model's expert modules: engines sharing one model share the last one's.
-        device = next(self.model.parameters()).device
         if kind == "auto":
-            kind = "triton" if device.type == "cuda" else "torch"
-        if kind == "triton" and device.type != "cuda":
-            raise ValueError(f"mxfp4_matmul='triton' needs the model on CUDA, it is on {device}")
+            kind = "triton" if self.device.type == "cuda" else "torch"
+        if kind == "triton" and self.device.type != "cuda":
+            raise ValueError(f"mxfp4_matmul='triton' needs the model on CUDA, it is on {self.device}")
         for m in self.model.modules():
             if isinstance(m, EngineExperts):
                 m.mxfp4_matmul = kind
@@ -648,6 +645,13 @@ class Engine:
                                slots.union(*(c.owned_slots() for c in others)))
 
     # ------------------------------------------------------------ colocation
+    def counters(self) -> dict[str, int]:
+        """Decode CUDA graphs captured and replayed by the current graphs (they restart when
+        `release_memory` drops them; 0 without graphs) and requests retracted since the engine was built."""
+        g = self.graphs
+        return {"graph_captures": g.captures if g is not None else 0,
+                "graph_replays": g.replays if g is not None else 0, "retractions": self.num_retractions}
+
     def release_memory(self) -> None:
         """Drop the KV and state pools (and the prefix cache) so a colocated trainer can use the memory.
         Only between batches: no request may be waiting or running."""

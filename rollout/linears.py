@@ -114,6 +114,11 @@ class EngineExperts(RoutedExperts):
         proj = self._grouped_proj(xs.shape[0], counts, counts.cumsum(0).to(torch.int32), token_of)
         return proj("w2", self._act(proj("w1", xs), proj("w3", xs)))
 
+    def _expert_of_row(self, counts: torch.Tensor, num_rows: int) -> torch.Tensor:
+        # output_size keeps repeat_interleave from reading the counts on the host (no sync, capturable)
+        experts = torch.arange(self.spec.num_experts, device=counts.device)
+        return torch.repeat_interleave(experts, counts, output_size=num_rows)
+
     def _grouped_proj(self, num_rows: int, counts: torch.Tensor, offs: torch.Tensor,
                       token_of: torch.Tensor | None = None):
         # "torch": decoding every expert costs one pass over the packed bytes, cheaper than a launch chain
@@ -130,9 +135,8 @@ class EngineExperts(RoutedExperts):
         elif self.quantized and num_rows < self.spec.num_experts:
             # Fewer rows than experts (small-batch decode: bs=1 routes top-k rows): decode only the weights
             # the rows use, one per row, instead of every expert. The row count is a static shape, so the
-            # choice needs no look at the routing, and output_size keeps repeat_interleave sync-free.
-            experts = torch.arange(self.spec.num_experts, device=counts.device)
-            expert_of_row = torch.repeat_interleave(experts, counts, output_size=num_rows)
+            # choice needs no look at the routing.
+            expert_of_row = self._expert_of_row(counts, num_rows)
 
             def base(name: str, x: torch.Tensor) -> torch.Tensor:
                 return torch.bmm(self.stacked_weight(name, x.dtype, expert_of_row), x[:, :, None])[:, :, 0]
@@ -142,8 +146,7 @@ class EngineExperts(RoutedExperts):
 
         if token_of is not None:  # mixed adapters: per-row (slot, expert) matrices through the Triton kernel
             slot_of_row = self.pool.device_token_slots()[token_of]
-            expert_of_row = torch.repeat_interleave(torch.arange(self.spec.num_experts, device=counts.device), counts,
-                                                    output_size=num_rows)
+            expert_of_row = self._expert_of_row(counts, num_rows)
 
             def proj(name: str, x: torch.Tensor) -> torch.Tensor:
                 return self.pool.add_rows_delta(f"{self.spec.name}.{name}", x, base(name, x), slot_of_row,

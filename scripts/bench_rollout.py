@@ -289,9 +289,7 @@ def bench_decode(model: K3ForCausalLM, ecfg: EngineConfig, batch: int, args, dev
     return {"batch": batch, "status": "ok", "batch_prefill_tok_s": batch * args.prompt_len / prefill_s,
             "decode_tokens": tokens, "decode_s": decode_s, "decode_tok_s": tokens / decode_s,
             "step_ms": decode_s / tokens * batch * 1e3,  # per token of every request: the step a batch needs
-            "retractions": engine.num_retractions - retractions,
-            "graph_replays": engine.graphs.replays if engine.graphs is not None else 0,
-            "graph_captures": engine.graphs.captures if engine.graphs is not None else 0}
+            **engine.counters(), "retractions": engine.num_retractions - retractions}
 
 
 def rl_engine_model(model: K3ForCausalLM, dtype: torch.dtype, device) -> tuple[K3ForCausalLM, AdapterPool]:

@@ -338,8 +338,8 @@ def resolve(cfg: Any) -> ResolvedConfig:
     engine = _nested("rollout", lambda: EngineConfig(
         memory_bytes=int(cfg.rollout.memory_mb * 2**20), page_size=cfg.rollout.page_size,
         chunk_size=cfg.rollout.chunk_size, max_prefill_tokens=cfg.rollout.max_prefill_tokens,
-        max_prefill_requests=cfg.rollout.max_prefill_requests, max_running=cfg.rollout.max_running, mxfp4_matmul=cfg.rollout.mxfp4_matmul, overlap=cfg.rollout.overlap,
-        compile_decode=cfg.rollout.compile_decode))
+        max_prefill_requests=cfg.rollout.max_prefill_requests, max_running=cfg.rollout.max_running,
+        mxfp4_matmul=cfg.rollout.mxfp4_matmul, overlap=cfg.rollout.overlap, compile_decode=cfg.rollout.compile_decode))
 
     a = cfg.algo
     loss = _nested("algo", lambda: _same_fields(PolicyLossConfig, a))

@@ -54,17 +54,11 @@ class RolloutWorker:
 
     def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[Generated]:
         """Completions in prompt order, sampled with the policy adapter."""
-        before = self._engine_counts()
+        before = self.engine.counters()
         outs = self.engine.generate(prompts, params, adapter=ADAPTER)
-        for key, value in self._engine_counts().items():
+        for key, value in self.engine.counters().items():
             self.counters[key] += value - before[key]
         return [Generated(o.output_ids, o.logprobs or [], o.finish_reason.value) for o in outs]
-
-    def _engine_counts(self) -> dict[str, int]:
-        graphs = self.engine.graphs
-        return {"graph_captures": graphs.captures if graphs is not None else 0,
-                "graph_replays": graphs.replays if graphs is not None else 0,
-                "retractions": self.engine.num_retractions}
 
     def engine_counters(self) -> dict[str, int]:
         return dict(self.counters)

@@ -61,6 +61,28 @@ def test_padded_bucketed_decode_equals_exact_decode(compiled):
     eng.check_invariants()
 
 
+def test_a_grpo_batch_of_short_prompts_prefills_in_one_forward():
+    """256 samples of 32 short prompts (6-12 tokens): the default max_prefill_requests packs them into one
+    prefill forward (16 per forward took 16), with the same outputs."""
+    g = torch.Generator().manual_seed(0)
+    prompts = [prompt(int(torch.randint(6, 13, (1,), generator=g)), 100 + i) for i in range(32) for _ in range(8)]
+    params = [SamplingParams(temperature=1.0, max_new_tokens=2, seed=i) for i in range(len(prompts))]
+    outs, prefills = {}, {}
+    for n in (16, EngineConfig.max_prefill_requests):
+        eng = Engine(MODEL, EngineConfig(memory_bytes=64 << 20, max_prefill_tokens=4096, max_prefill_requests=n,
+                                         max_running=256))
+        lengths_seen = []
+        real_forward = eng._forward
+        eng._forward = lambda batch, toks, lengths: lengths_seen.append(list(lengths)) or real_forward(batch, toks,
+                                                                                                        lengths)
+        outs[n] = eng.generate(prompts, params)
+        prefills[n] = sum(1 for lengths in lengths_seen if max(lengths) > 1)
+    assert prefills == {16: 16, 256: 1}
+    for a, b in zip(outs[16], outs[256]):
+        assert a.output_ids == b.output_ids
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+
+
 def test_graph_key_pads_into_a_larger_graph_until_a_bucket_is_asked_for_often_enough():
     eng = Engine(MODEL, EngineConfig(max_prefill_tokens=32, max_running=16, **SMALL))
     graphs = DecodeGraphs(MODEL, eng.kv, eng.states, max_batch=16, max_seq_len=256, capture=False, capture_after=3)

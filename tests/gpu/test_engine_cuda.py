@@ -11,11 +11,11 @@ from rollout.request import SamplingParams
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
-def small_model():
+def small_model(dtype=torch.bfloat16):
     # the shapes of test_cuda_parity.small_k3, so fla's kernels are tuned once for both files
     torch.manual_seed(3)
     config = K3Config.from_preset("k3-tiny", hidden_size=256, kda_head_dim=64, kda_num_heads=4)
-    return K3ForCausalLM(config).to("cuda", torch.bfloat16).eval()
+    return K3ForCausalLM(config).to("cuda", dtype).eval()
 
 
 def prompts(lengths, seed):
@@ -30,22 +30,24 @@ def assert_greedy_agree(want, got, tol=5e-2):
     """Two bf16 greedy decodes of the same requests through different kernels or shapes (graph padding,
     grouped-GEMM blocking, MoE atomics) agree token for token until a near-tie, where they may pick
     different tokens: so up to and including each request's first divergence, the chosen tokens' log-probs
-    (each the max of its step's distribution) agree within `tol`, and most tokens are compared at all.
-    A real bug (a wrong slot, a stale page, a missed adapter update) moves log-probs far beyond `tol`."""
-    compared = total = 0
+    (each the max of its step's distribution) agree within `tol`. A real bug (a wrong slot, a stale page, a
+    missed adapter update) moves log-probs far beyond `tol`.
+
+    How many tokens agree is not asserted: bf16 decode is not even run-to-run deterministic on the H200
+    (two identical eager runs of test_graph_decode_equals_eager_decode agreed on 161 of 200 tokens, one
+    request diverging at its 5th token; graph vs eager 60-173 of 200 over four runs, 2026-11-30). The
+    token-exact check is the fp32 case of that test, where every run agreed on all 200."""
     for a, b in zip(want, got):
         common = next((i for i, (x, y) in enumerate(zip(a.output_ids, b.output_ids)) if x != y),
                       min(len(a.output_ids), len(b.output_ids)))
         upto = min(common + 1, len(a.logprobs), len(b.logprobs))
         gaps = [abs(x - y) for x, y in zip(a.logprobs[:upto], b.logprobs[:upto])]
         assert max(gaps) < tol, (common, gaps)
-        compared += common
-        total += len(a.output_ids)
-    assert compared >= total // 2, f"only {compared} of {total} tokens agree before a divergence"
 
 
-def test_graph_decode_equals_eager_decode():
-    model = small_model()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_graph_decode_equals_eager_decode(dtype):
+    model = small_model(dtype)
     # 5 requests -> batch bucket 8. The history bucket follows the longest request of the batch: it starts
     # at 64 (longest prompt 50) and moves to 128 once that request passes 64 tokens, so two graphs.
     ps = prompts([5, 20, 30, 40, 50], 0)
@@ -55,7 +57,14 @@ def test_graph_decode_equals_eager_decode():
     graphed = eng.generate(ps, params)
     assert eng.graphs is not None and not eng.graphs.failed and eng.graphs.replays > 0
     assert len(eng.graphs.graphs) >= 2
-    assert_greedy_agree(eager, graphed)
+    if dtype == torch.float32:
+        # graph (padded rows) and eager differ by reduction order and MoE atomics only: measured <= 9e-4,
+        # as much as two eager runs differ
+        for a, b in zip(eager, graphed):
+            assert a.output_ids == b.output_ids
+            assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 2e-3
+    else:
+        assert_greedy_agree(eager, graphed)
     eng.check_invariants()
 
 

@@ -99,7 +99,7 @@ def _local_tensor(name: str, full: torch.Tensor, factory: PolicyFactory, config:
 
 def build_policy(config: K3Config, base_state: dict[str, torch.Tensor] | None, lora: LoraSpec, *,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 seed: int = 0) -> K3ForCausalLM:
+                 seed: int = 0, sequence_parallel: bool = False) -> K3ForCausalLM:
     """The trainer's model for this rank.
 
     base_state: the logical HF state dict, full tensors, no wrapper prefix (as
@@ -110,6 +110,8 @@ def build_policy(config: K3Config, base_state: dict[str, torch.Tensor] | None, l
         B zero, so the fresh policy computes exactly the base model.
     Megatron's parallel state is used as found (TP size from it); with no torch.distributed world, a
     single-process TP=1 world is started (see `megatron_patches.parallel.ensure_parallel`).
+    sequence_parallel: shard the residual stream along the sequence over the TP group (needs TP > 1; see
+        `miles_k3.model.linear`). Logits and hidden states still come back whole on every rank.
 
     Returns a K3ForCausalLM whose only trainable parameters are the adapters (`lora_parameters`),
     in train mode; `policy.tp` is its TP share, `policy.lora_spec` the spec and `policy.lora_generator` the
@@ -118,7 +120,7 @@ def build_policy(config: K3Config, base_state: dict[str, torch.Tensor] | None, l
     if not isinstance(lora, LoraSpec):
         raise ValueError(f"lora must be a LoraSpec, got {type(lora).__name__}")
     ensure_parallel()
-    tp = MegatronTP()
+    tp = MegatronTP(sequence_parallel)
     _check_tp(config, tp)
     mp = ModelParallelConfig(tensor_model_parallel_size=tp.size, params_dtype=dtype,
                              use_cpu_initialization=True, perform_initialization=False)

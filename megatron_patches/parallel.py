@@ -5,15 +5,15 @@ the caller owns (`torch.distributed.init_process_group`, gloo on CPU, nccl on GP
 undoes only that. `single_process()` is the laptop path: when no world exists it starts a world of one
 (gloo, free localhost port), initializes TP=1, and tears down on exit exactly what it created.
 
-Only tensor parallelism is wired today. Pipeline, context and expert parallel sizes are parameters of
-`initialize_model_parallel` and will be passed through here; the model side reads its shares from
-`MegatronTP` (and, later, PP / CP / EP counterparts), never from globals, so adding them changes no
-layer code.
+Tensor parallelism, and sequence parallelism over the TP group, are wired today. Pipeline, context
+and expert parallel sizes are parameters of `initialize_model_parallel` and will be passed through
+here; the model side reads its shares from `MegatronTP` (and, later, PP / CP / EP counterparts), never
+from globals, so adding them changes no layer code.
 
 CPU note: megatron's `gather_from_tensor_model_parallel_region` allocates its buffer with
 `torch.cuda.current_device()`, so gathers here use `torch.distributed.all_gather` into per-rank lists
-instead (`gather_last_dim`, `all_gather_dim`). `copy_to_...` / `reduce_from_...` are plain all-reduces
-and are used as megatron ships them.
+instead (`gather_last_dim`, `all_gather_dim`, the sequence gathers). `copy_to_...` / `reduce_from_...`
+are plain all-reduces and are used as megatron ships them.
 """
 
 from __future__ import annotations
@@ -102,29 +102,53 @@ def ensure_parallel() -> None:
     init_parallel(1)
 
 
-class _GatherLastDim(torch.autograd.Function):
-    """All-gather along the last dim (forward), keep this rank's slice of the gradient (backward)."""
+class _GatherDim(torch.autograd.Function):
+    """All-gather along `dim` (forward), keep this rank's slice of the gradient (backward: the consumers are
+    tensor-parallel blocks or the vocab-split lm_head, which leave the same full gradient on every rank)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
-        ctx.group = group
+    def forward(ctx, x: torch.Tensor, dim: int, group) -> torch.Tensor:
+        ctx.dim, ctx.group = dim, group
         parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
         dist.all_gather(parts, x.contiguous(), group=group)
-        return torch.cat(parts, dim=-1)
+        return torch.cat(parts, dim=dim)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         size, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
-        return grad.chunk(size, dim=-1)[rank].contiguous(), None
+        return grad.chunk(size, dim=ctx.dim)[rank].contiguous(), None, None
+
+
+class _ScatterDim(torch.autograd.Function):
+    """Keep this rank's slice along `dim` of a tensor that is the same on every rank (forward); all-gather
+    the slices' gradients (backward)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, dim: int, group) -> torch.Tensor:
+        ctx.dim, ctx.group = dim, group
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        return x.chunk(size, dim=dim)[rank].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        parts = [torch.empty_like(grad) for _ in range(dist.get_world_size(ctx.group))]
+        dist.all_gather(parts, grad.contiguous(), group=ctx.group)
+        return torch.cat(parts, dim=ctx.dim), None, None
 
 
 class MegatronTP(TensorParallel):
-    """The TP share of this rank in megatron's tensor-model-parallel group, with its collectives."""
+    """The TP share of this rank in megatron's tensor-model-parallel group, with its collectives.
 
-    def __init__(self):
+    `sequence_parallel`: the residual stream holds this rank's slice of the sequence (see
+    `miles_k3.model.linear`). megatron-core 0.16.1's own sequence-parallel mappings allocate their
+    buffers on CUDA and split dim 0 of its [S, B, H] layout, so the gathers here are device-agnostic
+    all-gathers along dim 1 of our [B, T, D]."""
+
+    def __init__(self, sequence_parallel: bool = False):
         if not ps.model_parallel_is_initialized():
             raise ValueError("megatron's parallel state is not initialized: call init_parallel(tp_size)")
-        super().__init__(ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank())
+        super().__init__(ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank(),
+                         sequence_parallel)
         self.group = ps.get_tensor_model_parallel_group()
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:
@@ -136,7 +160,13 @@ class MegatronTP(TensorParallel):
 
     def gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
         """Concatenate the ranks' slices along the last dim, differentiably."""
-        return x if self.size == 1 else _GatherLastDim.apply(x, self.group)
+        return x if self.size == 1 else _GatherDim.apply(x, -1, self.group)
+
+    def seq_scatter(self, x: torch.Tensor) -> torch.Tensor:
+        return _ScatterDim.apply(x, 1, self.group) if self.sequence_parallel else x
+
+    def seq_gather(self, x: torch.Tensor) -> torch.Tensor:
+        return _GatherDim.apply(x, 1, self.group) if self.sequence_parallel else x
 
     def all_gather_dim(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """Concatenate the ranks' slices along `dim` (no autograd; for exporting adapter tensors)."""

@@ -153,13 +153,15 @@ class MLAMixer(nn.Module):
 
 class K3DecoderLayer(nn.Module):
     """One decoder layer. Residual state is (h, blocks): `h` the running partial sum of the current AttnRes
-    block, `blocks` the finished block sums (always empty without AttnRes, where h is the plain stream)."""
+    block, `blocks` the finished block sums (always empty without AttnRes, where h is the plain stream).
+    Under sequence parallelism h and blocks hold this rank's slice of the sequence."""
 
     def __init__(self, config: K3Config, layer_idx: int, linear: LinearFactory, experts: ExpertsFactory,
                  tp: TensorParallel = SINGLE):
         super().__init__()
         c = self.config = config
         self.layer_idx = layer_idx
+        self.tp = tp
         name = f"model.layers.{layer_idx}"
         d = c.hidden_size
         if c.attn_res_block_size:
@@ -185,17 +187,21 @@ class K3DecoderLayer(nn.Module):
         norm, proj = getattr(self, f"{site}_norm"), getattr(self, f"{site}_proj")
         return attn_res_mix(h, blocks, norm.weight, proj.weight, self.config.res_eps)
 
+    def _sublayer(self, module: nn.Module, x: torch.Tensor, *args) -> torch.Tensor:
+        # Sequence parallel: the mixer / MLP sees the whole sequence, the residual stream keeps its slice.
+        return self.tp.seq_scatter(module(self.tp.seq_gather(x), *args))
+
     def forward(self, h: torch.Tensor, blocks: list[torch.Tensor], cache: K3StateCache | None = None,
                 cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
         block_size = self.config.attn_res_block_size
         if not block_size:
-            h = h + self.self_attn(self.input_layernorm(h), cache, cu_seqlens)
-            return h + self.ffn(self.post_attention_layernorm(h)), blocks
+            h = h + self._sublayer(self.self_attn, self.input_layernorm(h), cache, cu_seqlens)
+            return h + self._sublayer(self.ffn, self.post_attention_layernorm(h)), blocks
         read = self._mix(h, blocks, "self_attention_res") if blocks else h
-        attn_out = self.self_attn(self.input_layernorm(read), cache, cu_seqlens)
+        attn_out = self._sublayer(self.self_attn, self.input_layernorm(read), cache, cu_seqlens)
         if self.layer_idx % block_size == 0:
             blocks, h = [*blocks, h], attn_out
         else:
             h = h + attn_out
         mixed = self._mix(h, blocks, "mlp_res")
-        return h + self.ffn(self.post_attention_layernorm(mixed)), blocks
+        return h + self._sublayer(self.ffn, self.post_attention_layernorm(mixed)), blocks

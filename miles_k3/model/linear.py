@@ -17,6 +17,12 @@ for the local heads that a column split leaves them. Its linears then return
 the local slice for "column" specs and take the local slice (and reduce) for
 "row" specs. `SINGLE` (size 1) is the whole model: the reference and engine
 builds use it and see no change.
+
+Sequence parallelism (a tensor-parallel build with `sequence_parallel`): the residual stream between the
+mixers and MLPs (embedding output, norms, AttnRes block bank and mixing, the final norm) holds only this
+rank's contiguous slice of the sequence. The decoder layer gathers the sequence before each mixer / MLP
+(`seq_gather`) and keeps its slice of their output (`seq_scatter`); inside them the tensor-parallel math
+is unchanged.
 """
 
 from __future__ import annotations
@@ -69,10 +75,14 @@ class TensorParallel:
     lives here; the linears own their own communication.
     """
 
-    def __init__(self, size: int = 1, rank: int = 0):
+    def __init__(self, size: int = 1, rank: int = 0, sequence_parallel: bool = False):
         if size < 1 or not 0 <= rank < size:
             raise ValueError(f"TensorParallel: need size >= 1 and 0 <= rank < size, got size={size}, rank={rank}")
+        if sequence_parallel and size == 1:
+            raise ValueError("sequence parallelism needs tensor parallelism (size > 1): with one rank it "
+                             "shards nothing")
         self.size, self.rank = size, rank
+        self.sequence_parallel = sequence_parallel
 
     def split(self, n: int, field: str) -> int:
         """The local share of n heads / channels; `field` names the config field for the error."""
@@ -84,6 +94,17 @@ class TensorParallel:
         """Mark a replicated tensor that per-rank (local-head) math reads without a column linear in
         between (MLA's shared rope key). Forward: identity. Backward in a parallel build: all-reduce, since
         each rank's gradient covers only its own heads."""
+        return x
+
+    def seq_scatter(self, x: torch.Tensor) -> torch.Tensor:
+        """Sequence parallel: [B, T, D], the same on every rank -> this rank's [B, T / size, D] slice
+        (backward: all-gather of the slices' gradients). Identity without sequence parallelism."""
+        return x
+
+    def seq_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Sequence parallel: this rank's [B, T / size, D] -> the whole [B, T, D] (backward: this rank's
+        slice of the gradient, which tensor-parallel blocks leave the same on every rank). Identity
+        without sequence parallelism."""
         return x
 
     def shard(self, full: torch.Tensor, dim: int) -> torch.Tensor:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from miles_k3.model.cache import K3StateCache
@@ -37,6 +38,7 @@ class K3Model(nn.Module):
                  tp: TensorParallel = SINGLE):
         super().__init__()
         c = self.config = config
+        self.tp = tp
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
         self.layers = nn.ModuleList(K3DecoderLayer(c, i, linear, experts, tp) for i in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
@@ -55,6 +57,10 @@ class K3Model(nn.Module):
                 raise ValueError("cu_seqlens (packed sequences) cannot be combined with a decode cache")
             if input_ids.shape[0] != 1 or int(cu_seqlens[-1]) != input_ids.shape[1] or int(cu_seqlens[0]) != 0:
                 raise ValueError("cu_seqlens must start at 0 and end at T, with input_ids of shape [1, T]")
+        if self.tp.sequence_parallel:
+            if cache is not None:
+                raise ValueError("sequence parallelism shards whole sequences: it takes no decode cache")
+            return self._sequence_parallel_hidden(input_ids, cu_seqlens)
         h = self.hidden(input_ids, cache, cu_seqlens)
         if cache is not None:
             cache.advance(input_ids.shape[1])
@@ -65,14 +71,26 @@ class K3Model(nn.Module):
         """The computation of `forward` without its argument checks and without advancing the cache: for a
         caller whose cache tracks positions itself (the engine's paged cache, which also takes packed
         sequences)."""
-        h = self.embed_tokens(input_ids)
+        h = self.tp.seq_scatter(self.embed_tokens(input_ids))
         blocks: list[torch.Tensor] = []
         for layer in self.layers:
             h, blocks = layer(h, blocks, cache, cu_seqlens)
         if self.config.attn_res_block_size:
             h = attn_res_mix(h, blocks, self.output_attn_res_norm.weight, self.output_attn_res_proj.weight,
                              self.config.res_eps)
-        return self.norm(h)
+        return self.tp.seq_gather(self.norm(h))
+
+    def _sequence_parallel_hidden(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
+        """`hidden` with T padded up to a multiple of the TP size by token 0 at the end, then cut back: every
+        mixer is causal, so the padding changes no real token's output (packed rows get the padding as a
+        sequence of its own)."""
+        t = input_ids.shape[1]
+        pad = -t % self.tp.size
+        if pad:
+            input_ids = F.pad(input_ids, (0, pad))
+            if cu_seqlens is not None:
+                cu_seqlens = torch.cat([cu_seqlens, cu_seqlens.new_tensor([t + pad])])
+        return self.hidden(input_ids, None, cu_seqlens)[:, :t]
 
 
 class K3ForCausalLM(nn.Module):

@@ -48,7 +48,7 @@ class LoraCfg:
 @dataclass
 class ParallelCfg:
     tp: int = 1
-    sp: bool = False
+    sp: bool = False  # sequence parallel over the TP group: norms / residual / AttnRes hold a slice of the tokens
     pp: int = 1
     cp: int = 1
     ep: int = 1
@@ -311,8 +311,8 @@ def resolve(cfg: Any) -> ResolvedConfig:
     for name in ("pp", "cp", "ep"):
         if getattr(cfg.parallel, name) != 1:
             raise p.fail(name, "must be 1: only tensor parallelism (tp, sp) is implemented so far")
-    if cfg.parallel.sp:
-        raise p.fail("sp", "must be false: sequence parallelism is not implemented yet")
+    if cfg.parallel.sp and cfg.parallel.tp == 1:
+        raise p.fail("sp", "needs parallel.tp > 1: sequence parallelism shards over the tensor-parallel group")
 
     r = _Checker("rollout", cfg.rollout)
     for name in ("prompts_per_step", "samples_per_prompt", "max_new_tokens", "page_size", "chunk_size",

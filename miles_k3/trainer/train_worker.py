@@ -22,12 +22,14 @@ from miles_k3.trainer.batch import Packed, TrainBatch, pack
 
 class TrainWorker:
     def __init__(self, config: K3Config, base_state: dict[str, torch.Tensor], lora, *, loss, algo, optim,
-                 temperature: float, dtype: torch.dtype, device: str, seed: int = 0):
+                 temperature: float, dtype: torch.dtype, device: str, seed: int = 0,
+                 sequence_parallel: bool = False):
         from megatron_patches.lora import lora_parameters
         from megatron_patches.model import build_policy
 
         self.device = torch.device(device)
-        self.policy = build_policy(config, base_state, lora, dtype=dtype, device=device, seed=seed)
+        self.policy = build_policy(config, base_state, lora, dtype=dtype, device=device, seed=seed,
+                                   sequence_parallel=sequence_parallel)
         self.params = lora_parameters(self.policy)
         if not self.params:
             raise ValueError("lora.targets: no module of this model matches; nothing would train")

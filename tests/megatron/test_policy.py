@@ -243,3 +243,15 @@ def test_tp_size_must_divide_the_split_dims():
         K3ForCausalLM(CONFIG, tp=TensorParallel(3, 0))
     with pytest.raises(ValueError, match="TensorParallel"):
         TensorParallel(2, 2)
+
+
+def test_sequence_parallel_needs_tensor_parallel_and_no_cache(ref):
+    from miles_k3.model import DenseStateCache
+    from miles_k3.model.linear import TensorParallel
+
+    with pytest.raises(ValueError, match="sequence parallelism needs tensor parallelism"):
+        build_policy(CONFIG, ref.state_dict(), SPEC, sequence_parallel=True)  # the one-rank world
+    model = K3ForCausalLM(CONFIG)
+    model.model.tp = TensorParallel(2, 0, sequence_parallel=True)  # the check runs before any collective
+    with pytest.raises(ValueError, match="takes no decode cache"):
+        model(token_ids(1, 4), DenseStateCache(CONFIG))

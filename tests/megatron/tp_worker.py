@@ -38,15 +38,38 @@ def configs() -> dict[str, K3Config]:
     return {"k3-tiny": tiny, "kimi-linear-form": kimi, "per-channel-decay": per_channel}
 
 
-def run_case(config: K3Config, seed: int = 0, dtype: torch.dtype = torch.float32, device: str = "cpu") -> dict:
-    ids = torch.randint(3, config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(seed)).to(device)
-    target = torch.randint(3, config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(seed + 1))
-    policy = build_policy(config, reference_state(config, seed), SPEC, seed=seed, dtype=dtype, device=device)
+NO_DROPOUT = LoraSpec(rank=SPEC.rank, alpha=SPEC.alpha, dropout=0.0)
+
+
+def reference_cases() -> dict[str, tuple[K3Config, bool, LoraSpec]]:
+    """The TP=1 cases that the sequence-parallel cases compare with -> (config, packed, adapters)."""
+    tiny, kimi = configs()["k3-tiny"], configs()["kimi-linear-form"]
+    return {"packed/k3-tiny": (tiny, True, SPEC), "packed/kimi-linear-form": (kimi, True, SPEC),
+            "no-dropout/k3-tiny": (tiny, False, NO_DROPOUT)}
+
+
+def sequence_parallel_cases() -> dict[str, tuple[K3Config, bool, LoraSpec]]:
+    """Cases run at TP=2 with sequence parallelism, named "sp/" + the TP=1 case they must equal. Packed:
+    18 tokens split evenly, so even the LoRA dropout masks are those of TP=1. Rows of 9 tokens: the model
+    pads to 10, which changes the shape the dropout masks are drawn over, so that case has no dropout."""
+    return {f"sp/{name}": case for name, case in reference_cases().items()}
+
+
+def run_case(config: K3Config, seed: int = 0, dtype: torch.dtype = torch.float32, device: str = "cpu",
+             sequence_parallel: bool = False, packed: bool = False, lora: LoraSpec = SPEC) -> dict:
+    """packed: one row of two sequences (8 + 10 tokens, `cu_seqlens`) instead of two rows of 9."""
+    shape, cu_seqlens = ((1, 18), torch.tensor([0, 8, 18], device=device)) if packed else ((2, 9), None)
+    ids = torch.randint(3, config.vocab_size, shape, generator=torch.Generator().manual_seed(seed)).to(device)
+    target = torch.randint(3, config.vocab_size, shape, generator=torch.Generator().manual_seed(seed + 1))
+    policy = build_policy(config, reference_state(config, seed), lora, seed=seed, dtype=dtype, device=device,
+                          sequence_parallel=sequence_parallel)
     g = torch.Generator().manual_seed(seed + 2)
     adapter = {k: (torch.randn(v.shape, generator=g) * 0.3).to(device=device, dtype=dtype)
                for k, v in adapter_state(policy).items()}
     load_adapter_state(policy, adapter)
-    logits = policy(ids).logits
+    residual = []  # the sequence length of the residual stream (this rank's slice under sequence parallelism)
+    policy.model.layers[0].input_layernorm.register_forward_hook(lambda m, a, out: residual.append(out.shape[1]))
+    logits = policy(ids, cu_seqlens=cu_seqlens).logits
     loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
                                              target.reshape(-1).to(device))
     loss.backward()
@@ -54,9 +77,9 @@ def run_case(config: K3Config, seed: int = 0, dtype: torch.dtype = torch.float32
     norm = clip_lora_grad_norm_(policy, max_norm=1e-3)
     clipped = adapter_grads(policy)
     with torch.no_grad(), adapters_disabled(policy):
-        base = policy.eval()(ids).logits
+        base = policy.eval()(ids, cu_seqlens=cu_seqlens).logits
     out = {"logits": logits.detach(), "base": base, "grads": grads, "norm": norm, "clipped": clipped,
-           "adapter": adapter_state(policy)}
+           "adapter": adapter_state(policy), "residual_len": residual[0]}
     return _to_cpu(out)
 
 
@@ -95,6 +118,9 @@ def worker(rank: int, world: int, port: int, tp: int, out: str, device: str = "c
 
         init_parallel(tp)
         results = {name: run_case(c, dtype=dtype, device=device) for name, c in configs().items()}
+        if tp > 1:
+            results |= {name: run_case(c, dtype=dtype, device=device, sequence_parallel=True, packed=packed, lora=lora)
+                        for name, (c, packed, lora) in sequence_parallel_cases().items()}
         destroy_parallel()
         if device.startswith("cuda"):
             torch.save(results, f"{out}/rank{rank}.pt")

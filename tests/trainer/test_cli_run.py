@@ -130,6 +130,13 @@ def test_local_tensor_parallel_matches_single_rank(tmp_path):
     assert r1[0]["reward_mean"] == r2[0]["reward_mean"]
     assert r2[0]["loss"] == pytest.approx(r1[0]["loss"], abs=1e-5)
     assert r2[0]["grad_norm"] == pytest.approx(r1[0]["grad_norm"], rel=1e-4)
+    # sequence parallel over the same two ranks: the same update (the packed batch is padded to even length)
+    sp = cli(tmp_path / "sp", *flags, "parallel=tp2", "parallel.sp=true", "cluster.num_workers=2")
+    assert sp.returncode == 0, sp.stderr[-3000:]
+    r3 = rows(tmp_path / "sp")
+    assert r3[0]["reward_mean"] == r1[0]["reward_mean"]
+    assert r3[0]["loss"] == pytest.approx(r1[0]["loss"], abs=1e-5)
+    assert r3[0]["grad_norm"] == pytest.approx(r1[0]["grad_norm"], rel=1e-4)
     # resuming a TP=2 run: rank 0 reads the checkpoint and hands each rank its own optimizer / RNG state
     more = cli(tmp_path / "tp2", "trainer.max_steps=3", "logging.wandb=disabled", "trainer.eval_before=false",
                "parallel=tp2", "cluster.num_workers=2", "trainer.resume=auto")

@@ -28,6 +28,7 @@ def test_default_recipe_resolves_to_the_embedded_run():
 def test_groups_swap_and_interpolate():
     rc = resolve(composed("recipe=k3_grpo", "algo=dr_grpo", "rollout.max_new_tokens=7"))
     assert rc.loss.reducer == "dr_grpo" and rc.loss.max_response_len == 7 and rc.loss.kl == "k3"
+    assert resolve(composed("recipe=k3_grpo", "parallel=tp2", "parallel.sp=true", "cluster.num_workers=2")).parallel.sp
     rc = resolve(composed("recipe=k3_grpo", "model=k3_small", "cluster=gpu_single"))
     assert rc.model.preset == "k3-small" and rc.model.path is None and rc.cluster.device == "cuda"
     rc = resolve(composed("recipe=k3_small_gpu"))
@@ -56,7 +57,7 @@ def test_groups_swap_and_interpolate():
     ("trainer.max_steps=0", "trainer.max_steps"),
     ("trainer.resume=/no/such/dir", "trainer.resume"),
     ("parallel.pp=2", "parallel.pp"),
-    ("parallel.sp=true", "parallel.sp"),
+    ("parallel.sp=true", "parallel.sp needs parallel.tp > 1"),
     ("parallel.tp=2", "cluster.num_workers"),
     ("cluster.device=tpu", "cluster.device"),
     ("reward.on_failure=ignore", "reward: RewardConfig.on_failure"),

@@ -16,6 +16,11 @@
 # .triton_cache` in the repo root, then carry .triton_cache: Triton then compiles the chosen configs only.
 #
 # JOBS="grpo rollout" bash scripts/gpu_session.sh   # a subset, in that order
+#
+# DEADLINE must stay under the call's real limit with room for packing the results: near the end of a
+# session's device budget the limit is what is left (2026-11-30: a call asked for 590 s got 533 s), and a
+# call killed before the tar at the end returns nothing. Pipe nothing through `tail`: a killed pipe prints
+# nothing either; the run tool already keeps the last 12,000 characters.
 set -u
 START=$SECONDS
 DEADLINE=${DEADLINE:-560}

@@ -154,6 +154,7 @@ class Engine:
         self._events: dict[int, list[tuple[int, float]]] = {}  # only for streamed requests
         self._completed: list[Completion] = []
         self.num_retractions = 0
+        self._dropped_graph_counts = (0, 0)  # (captures, replays) of graphs that release_memory dropped
         self._overlap = config.overlap == "on" or (config.overlap == "auto" and self.device.type == "cuda")
         self._inflight: _DecodeLaunch | None = None  # the enqueued decode step not yet read back (overlap)
 
@@ -646,17 +647,20 @@ class Engine:
 
     # ------------------------------------------------------------ colocation
     def counters(self) -> dict[str, int]:
-        """Decode CUDA graphs captured and replayed by the current graphs (they restart when
-        `release_memory` drops them; 0 without graphs) and requests retracted since the engine was built."""
-        g = self.graphs
-        return {"graph_captures": g.captures if g is not None else 0,
-                "graph_replays": g.replays if g is not None else 0, "retractions": self.num_retractions}
+        """Since the engine was built, across `release_memory`: decode CUDA graphs captured and replayed
+        (0 without graphs) and requests retracted."""
+        captures, replays = self._dropped_graph_counts
+        if (g := self.graphs) is not None:
+            captures, replays = captures + g.captures, replays + g.replays
+        return {"graph_captures": captures, "graph_replays": replays, "retractions": self.num_retractions}
 
     def release_memory(self) -> None:
         """Drop the KV and state pools (and the prefix cache) so a colocated trainer can use the memory.
         Only between batches: no request may be waiting or running."""
         if self.has_work():
             raise RuntimeError("release_memory() with requests in flight; finish or abort them first")
+        counts = self.counters()
+        self._dropped_graph_counts = (counts["graph_captures"], counts["graph_replays"])
         self.kv = self.states = self.graphs = None  # type: ignore[assignment]
         self.caches = {}
         if self.device.type == "cuda":

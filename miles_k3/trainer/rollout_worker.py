@@ -33,10 +33,6 @@ class RolloutWorker:
         model, pool = build_engine_model(config, base_state, quantize=quantize, lora=pool_config, dtype=dtype,
                                          device=device)
         self.engine = Engine(model, engine, pool)
-        # Since this worker was built, over every `generate`: decode CUDA graphs captured and replayed (both
-        # stay 0 without graphs) and requests retracted under memory pressure. Kept here, not read off the
-        # engine, because the engine's graph counters restart whenever release_memory drops its graphs.
-        self.counters = {"graph_captures": 0, "graph_replays": 0, "retractions": 0}
 
     def sync_adapter(self, tensors: dict[str, torch.Tensor]) -> float:
         """Copy the trainer's adapter into the engine's slot in place; returns the milliseconds it took
@@ -54,14 +50,12 @@ class RolloutWorker:
 
     def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[Generated]:
         """Completions in prompt order, sampled with the policy adapter."""
-        before = self.engine.counters()
         outs = self.engine.generate(prompts, params, adapter=ADAPTER)
-        for key, value in self.engine.counters().items():
-            self.counters[key] += value - before[key]
         return [Generated(o.output_ids, o.logprobs or [], o.finish_reason.value) for o in outs]
 
     def engine_counters(self) -> dict[str, int]:
-        return dict(self.counters)
+        """Since this worker was built: decode CUDA graphs captured and replayed, requests retracted."""
+        return self.engine.counters()
 
     def release_memory(self) -> None:
         self.engine.release_memory()

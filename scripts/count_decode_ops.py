@@ -1,13 +1,15 @@
 """Count the compute ops of one engine decode step: a device-independent proxy for its GPU kernel count.
 
-    python scripts/count_decode_ops.py --preset k3-small [--adapter] [--json ops.json]
+    python scripts/count_decode_ops.py --preset k3-small [--adapter] [--conversions] [--json ops.json]
 
 A CUDA-graph decode step replays one kernel per compute op, so at batch 1 (where every kernel is tiny)
 its time tracks their number. This builds the engine on CPU in bf16 (random weights of the preset,
 vocabulary 512), decodes one request a few steps, profiles one decode step and counts the aten ops that
 compute: leaves of the op tree, minus views and no-op conversions; a `_grouped_mm` counts as one (CPU
 runs it as a loop of matmuls, CUDA as one kernel). `--adapter` adds a rank-16 policy adapter and MXFP4
-experts, the RL rollout's decode. Prints the total and the most frequent ops.
+experts, the RL rollout's decode. Prints the total and the most frequent ops. `--conversions` also runs the
+step once more under a dispatch mode and counts the dtype conversions (`.to(dtype)` calls that change the
+dtype) by the source line in this repository that asked for them: where the copy kernels come from.
 """
 
 from __future__ import annotations
@@ -15,10 +17,12 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import traceback
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from miles_k3.model.config import K3Config
 from miles_k3.model.modeling import reference_state
@@ -55,11 +59,37 @@ def count_step_ops(engine: Engine) -> collections.Counter:
     return collections.Counter(e.name for e in events if id(e) not in parents and e.name not in NOT_COMPUTE)
 
 
+REPO = Path(__file__).resolve().parents[1]
+
+
+class _ConversionSites(TorchDispatchMode):
+    """Counts `aten.to.dtype` calls that change the dtype, by the innermost repository source line."""
+
+    def __init__(self):
+        super().__init__()
+        self.sites: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.to.dtype and args[0].dtype != args[1]:
+            ours = [f for f in traceback.extract_stack()
+                    if f.filename.startswith(str(REPO)) and "/.venv/" not in f.filename and f.filename != __file__]
+            where = f"{Path(ours[-1].filename).relative_to(REPO)}:{ours[-1].lineno}" if ours else "?"
+            self.sites[f"{where} {args[0].dtype}->{args[1]}".replace("torch.", "")] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def conversion_sites(engine: Engine) -> collections.Counter:
+    with _ConversionSites() as mode:
+        engine.step()
+    return mode.sites
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="k3-small")
     ap.add_argument("--adapter", action="store_true", help="policy adapter (rank 16) and MXFP4 experts")
     ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--conversions", action="store_true", help="also count dtype conversions by source line")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     config = K3Config.from_preset(args.preset, vocab_size=512, pad_token_id=0, bos_token_id=1, eos_token_id=2)
@@ -85,6 +115,13 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{n:6d}  {name}")
     result = {"preset": args.preset, "adapter": args.adapter, "compute_ops": total, "by_op": dict(ops.most_common()),
               "torch": torch.__version__}
+    if args.conversions:
+        sites = conversion_sites(engine)  # the next decode step: same shapes, same ops
+        print(f"dtype conversions of the next step: {sum(sites.values())}")
+        for where, n in sites.most_common(args.top):
+            print(f"{n:6d}  {where}")
+        result["conversions"] = sum(sites.values())
+        result["conversions_by_site"] = dict(sites.most_common())
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     return result

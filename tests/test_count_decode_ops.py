@@ -17,3 +17,12 @@ def test_adapter_step_counts_more_ops_and_json(tmp_path):
     assert 0 < plain["compute_ops"] < adapted["compute_ops"]  # the LoRA terms and MXFP4 decoding add ops
     assert sum(adapted["by_op"].values()) == adapted["compute_ops"]
     assert "aten::_grouped_mm" in adapted["by_op"] and not set(adapted["by_op"]) & count_decode_ops.NOT_COMPUTE
+
+
+def test_conversions_are_counted_by_source_line():
+    res = count_decode_ops.main(["--preset", "k3-tiny", "--conversions"])
+    sites = res["conversions_by_site"]
+    assert res["conversions"] == sum(sites.values()) > 0
+    # the fp32 RMSNorm upcasts and casts back every norm of the bf16 step
+    assert any(s.startswith("miles_k3/ops/norm.py:") and s.endswith("bfloat16->float32") for s in sites)
+    assert not any(s.startswith("?") for s in sites)

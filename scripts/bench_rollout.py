@@ -64,7 +64,8 @@ from bench_forward import DTYPES, build_ours, hf_peer, kimi_linear_form  # noqa:
 from miles_k3.model import K3Config, K3ForCausalLM  # noqa: E402
 from miles_k3.model.config import PRESETS  # noqa: E402
 from miles_k3.model.moe import RoutedExperts  # noqa: E402
-from rollout.engine import OVERLAP_MODES, Engine, EngineConfig  # noqa: E402
+from rollout.config import OVERLAP_MODES, EngineConfig  # noqa: E402
+from rollout.engine import Engine  # noqa: E402
 from rollout.lora import AdapterPool, LoraConfig  # noqa: E402
 from rollout.memory import PoolSizes  # noqa: E402
 from rollout.model_runner import build_engine_model  # noqa: E402

@@ -26,7 +26,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from miles_k3.model.config import K3Config
 from miles_k3.model.modeling import reference_state
-from rollout.engine import Engine, EngineConfig
+from rollout.config import EngineConfig
+from rollout.engine import Engine
 from rollout.lora import LoraConfig
 from rollout.model_runner import build_engine_model
 from rollout.request import SamplingParams

@@ -57,7 +57,7 @@ run_job() {
     tests) job tests python -m pytest tests/gpu/test_engine_cuda.py -q -rfE --tb=short -p no:cacheprovider ;;
     compile) job compile python scripts/bench_rollout.py --device cuda --batch-sizes 1,64 --compile-decode \
         --json "$STATE/bench_rollout_compile.json" ;;
-    parity) job parity python -m pytest tests/gpu/test_cuda_parity.py tests/megatron/test_gpu.py -q -m gpu -rfE \
+    parity) job parity python -m pytest tests/gpu/test_cuda_parity.py tests/gpu/test_megatron_gpu.py -q -m gpu -rfE \
         --tb=short -p no:cacheprovider ;;
     *) echo "unknown job $1"; return 1 ;;
     esac

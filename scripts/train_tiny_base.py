@@ -20,7 +20,7 @@ loop over sequences one by one on the CPU reference path).
 The output folder holds config.json + model.safetensors (bf16; the router, decay and dt-bias tensors fp32,
 as `save_pretrained`'s loader keeps them), train.jsonl / heldout.jsonl prompt files for the RL run, and a
 README.md with the command, seed, wall time, the training table and the held-out accuracy of the shipped
-weights (read back from disk), which `tests/test_tiny_base_asset.py` checks.
+weights (read back from disk), which `tests/model/test_tiny_base_asset.py` checks.
 """
 
 from __future__ import annotations
@@ -363,7 +363,7 @@ heldout_accuracy: {final_acc:.4f}
 heldout_first_number_accuracy: {knows_acc:.4f}
 heldout_accuracy_first{FIRST_N}: {first_acc:.4f}
 
-(`tests/test_tiny_base_asset.py` re-evaluates the first {FIRST_N} held-out prompts and requires the value on
+(`tests/model/test_tiny_base_asset.py` re-evaluates the first {FIRST_N} held-out prompts and requires the value on
 the second line, within 15 points.)
 """
     (out / "README.md").write_text(text)

@@ -279,7 +279,7 @@ def resolve(cfg: Any) -> ResolvedConfig:
     from miles_k3.model.config import PRESETS
     from miles_k3.model.lora_spec import LoraSpec
     from miles_k3.rewards import RewardConfig
-    from rollout.engine import MXFP4_MATMULS, OVERLAP_MODES, EngineConfig
+    from rollout.config import MXFP4_MATMULS, OVERLAP_MODES, EngineConfig
     from rollout.model_runner import QUANTIZE_MODES
 
     m = _Checker("model", cfg.model)

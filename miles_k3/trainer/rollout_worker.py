@@ -12,7 +12,8 @@ from typing import NamedTuple
 import torch
 
 from miles_k3.model.config import K3Config
-from rollout.engine import Engine, EngineConfig
+from rollout.config import EngineConfig
+from rollout.engine import Engine
 from rollout.lora import LoraConfig
 from rollout.model_runner import build_engine_model
 from rollout.request import SamplingParams

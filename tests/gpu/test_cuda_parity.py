@@ -90,7 +90,7 @@ def test_kimi_linear_parity_on_cuda(tmp_path):
     """Ours on CUDA in bf16 (fla kernels) against transformers' KimiLinear in fp32 on CPU (its torch path), no
     worse than transformers' own bf16 run against its fp32 run. Measured 2026-11-30 on an H200: ours 0.284,
     transformers bf16 0.330 (this oracle's weights have std 1/sqrt(fan_in), which bf16 handles poorly)."""
-    from tests.kimi_linear_oracle import random_kimi_linear
+    from tests.model.kimi_linear_oracle import random_kimi_linear
 
     oracle = random_kimi_linear(tmp_path, hidden=128, layers=5, heads=4, head_dim=32, kda_heads=4,
                                 kda_head_dim=64, experts=8, top_k=2, seed=7)

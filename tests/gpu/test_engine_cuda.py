@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from miles_k3.model import K3Config, K3ForCausalLM
-from rollout.engine import Engine, EngineConfig
+from rollout.config import EngineConfig
+from rollout.engine import Engine
 from rollout.request import SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

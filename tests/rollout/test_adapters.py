@@ -5,7 +5,8 @@ import torch
 
 from miles_k3.model import K3Config, K3ForCausalLM
 from miles_k3.model.generate import greedy_generate
-from rollout.engine import Engine, EngineConfig
+from rollout.config import EngineConfig
+from rollout.engine import Engine
 from rollout.lora import LoraConfig
 from rollout.model_runner import build_engine_model
 from rollout.request import SamplingParams

@@ -8,7 +8,8 @@ from hypothesis import given, settings, strategies as st
 
 from miles_k3.model import K3Config, K3ForCausalLM
 from miles_k3.model.generate import greedy_generate
-from rollout.engine import Engine, EngineConfig
+from rollout.config import EngineConfig
+from rollout.engine import Engine
 from rollout.request import FinishReason, SamplingParams
 
 torch.manual_seed(0)

@@ -6,7 +6,8 @@ import torch
 
 from miles_k3.model import K3Config, K3ForCausalLM
 from miles_k3.model.generate import greedy_generate
-from rollout.engine import Engine, EngineConfig
+from rollout.config import EngineConfig
+from rollout.engine import Engine
 from rollout.forward import DecodeGraphs
 from rollout.request import SamplingParams
 from rollout.sampler import sample

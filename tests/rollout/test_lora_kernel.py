@@ -41,7 +41,8 @@ _CHECK = textwrap.dedent("""
     # The engine: two adapters and the base in one batch (fp32: experts take the per-expert loop, whose
     # row slots are host slices; dense linears and the MLA's kv_b use the step's slot tensors).
     from miles_k3.model import K3Config, K3ForCausalLM
-    from rollout.engine import Engine, EngineConfig
+    from rollout.config import EngineConfig
+    from rollout.engine import Engine
     from rollout.lora import LoraConfig
     from rollout.model_runner import build_engine_model
     from rollout.request import SamplingParams
@@ -123,7 +124,8 @@ def test_lora_rows_kernel_and_mixed_adapter_engine_equal_torch():
 
 def test_lora_mixed_is_validated():
     from miles_k3.model import K3Config, K3ForCausalLM
-    from rollout.engine import Engine, EngineConfig
+    from rollout.config import EngineConfig
+    from rollout.engine import Engine
     from rollout.lora import LoraConfig
     from rollout.model_runner import build_engine_model
 

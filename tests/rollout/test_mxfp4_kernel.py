@@ -75,7 +75,8 @@ def test_engine_rejects_a_bad_mxfp4_matmul_and_triton_off_cuda():
     import pytest
 
     from miles_k3.model import K3Config, K3ForCausalLM
-    from rollout.engine import Engine, EngineConfig
+    from rollout.config import EngineConfig
+    from rollout.engine import Engine
 
     with pytest.raises(ValueError, match="mxfp4_matmul must be one of"):
         EngineConfig(memory_bytes=1 << 20, mxfp4_matmul="cutlass")

@@ -11,7 +11,7 @@ from miles_k3.model import K3ForCausalLM
 from miles_k3.model.lora_spec import DEFAULT_TARGETS, LoraSpec
 from rollout.lora import LoraConfig
 from rollout.model_runner import build_engine_model
-from tests.megatron.common import CONFIG, merged_state, random_like, reference, rel, token_ids
+from tests.megatron_patches.common import CONFIG, merged_state, random_like, reference, rel, token_ids
 
 SPEC = LoraSpec(rank=4, alpha=8.0)
 

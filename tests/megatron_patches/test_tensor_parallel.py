@@ -6,7 +6,7 @@ import torch
 import torch.multiprocessing as mp
 
 from megatron_patches.parallel import free_port
-from tests.megatron import tp_worker
+from tests.megatron_patches import tp_worker
 
 
 @pytest.fixture(scope="module")

@@ -15,10 +15,20 @@ from megatron_patches.lora import lora_parameters
 from megatron_patches.model import build_policy
 from megatron_patches.parallel import free_port
 from miles_k3.model.lora_spec import LoraSpec
-from tests.megatron import tp_worker
-from tests.megatron.common import CONFIG, reference, rel, token_ids
+from tests.megatron_patches import tp_worker
+from tests.megatron_patches.common import CONFIG, reference, rel, token_ids
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def tp1_world():
+    """TP=1 runs in the pytest process: a world of one, torn down so other modules find torch.distributed
+    as they left it (the TP=2 test spawns its own world)."""
+    from megatron_patches.parallel import single_process
+
+    with single_process():
+        yield
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-3), (torch.bfloat16, 2e-2)])

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-_PATH = Path(__file__).resolve().parents[1] / "scripts" / "bench_grpo_trl.py"
+_PATH = Path(__file__).resolve().parents[2] / "scripts" / "bench_grpo_trl.py"
 sys.path.insert(0, str(_PATH.parent))
 _spec = importlib.util.spec_from_file_location("bench_grpo_trl", _PATH)
 bench = importlib.util.module_from_spec(_spec)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from miles_k3.model import DenseStateCache, K3ForCausalLM
-from tests.kimi_linear_oracle import random_kimi_linear
+from tests.model.kimi_linear_oracle import random_kimi_linear
 
 SHAPES = [
     dict(),

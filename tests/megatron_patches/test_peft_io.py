@@ -12,7 +12,7 @@ from megatron_patches.lora import adapter_state, load_adapter_state
 from megatron_patches.model import build_policy
 from megatron_patches.peft_io import CONFIG_FILE, WEIGHTS_FILE, load_peft, save_peft
 from miles_k3.model.lora_spec import LoraSpec
-from tests.megatron.common import CONFIG, random_like, reference, token_ids
+from tests.megatron_patches.common import CONFIG, random_like, reference, token_ids
 
 # Everything but routed experts: PEFT wraps nn.Linear modules, and K3's reference holds experts stacked.
 LINEAR_TARGETS = (r"self_attn\.(q|k|v|o|g|q_b|kv_b)_proj$", r"mlp\.(gate|up|down)_proj$",

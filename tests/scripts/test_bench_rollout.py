@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-_PATH = Path(__file__).resolve().parents[1] / "scripts" / "bench_rollout.py"
+_PATH = Path(__file__).resolve().parents[2] / "scripts" / "bench_rollout.py"
 _spec = importlib.util.spec_from_file_location("bench_rollout", _PATH)
 bench = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bench)

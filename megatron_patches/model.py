@@ -87,10 +87,8 @@ def _local_tensor(name: str, full: torch.Tensor, factory: PolicyFactory, config:
     if _KDA_HEAD_SPLIT.search(name):
         return tp.shard(full, 0)
     if name.endswith(".self_attn.A_log"):
-        # checkpoint forms: [1, 1, H, 1], [H padded], or per channel [H*K]; the rank keeps its heads' rates
-        heads = config.kda_num_heads
-        flat = full.reshape(-1) if config.kda_a_log_per_channel else full.reshape(-1)[:heads]
-        return tp.shard(flat, 0)
+        # checkpoint forms: [1, 1, H, 1] or [H zero-padded]; the rank keeps its heads' rates
+        return tp.shard(full.reshape(-1)[:config.kda_num_heads], 0)
     m = _EXPERT_SPLIT.search(name)
     if m:
         return tp.shard(full, 0 if m.group(1) in ("w1", "w3") else 1)

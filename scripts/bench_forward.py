@@ -31,10 +31,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 def kimi_linear_form(config: K3Config) -> K3Config:
     """The nearest configuration transformers' KimiLinear can run: K3 minus its K3-only features."""
-    return config.replace(kda_gate_form="softplus", kda_output_gate="low_rank", kda_a_log_padded_len=None,
-                          mla_output_gate=False, attn_res_block_size=0, moe_latent_size=None,
-                          moe_latent_norm=False, hidden_act="silu", shared_expert_intermediate_size=None,
-                          vl_wrapper=False, experts_mxfp4=False, q_lora_rank=None)
+    return config.kimi_linear_form()
 
 
 def time_forward(model, ids: torch.Tensor, warmup: int, iters: int) -> float:

@@ -1,10 +1,14 @@
 """HF-layout checkpoints: read and write `config.json` + safetensors (sharded or not).
 
 Reading validates the tensors against the layout the config implies before a
-model is built: a missing tensor, an unexpected one, a wrong shape or an
-unknown quantization raises ValueError naming the tensor. Routed experts may be
-compressed-tensors MXFP4 (`weight_packed` uint8 [out, in/2], `weight_scale`
-E8M0 uint8 [out, in/32]); they are dequantized into the dense in-memory model.
+model is built: a missing tensor, an unexpected one, a wrong shape, an
+unknown quantization or a file that is not safetensors raises ValueError naming
+the tensor or file. Routed experts may be compressed-tensors MXFP4
+(`weight_packed` uint8 [out, in/2], `weight_scale` E8M0 uint8 [out, in/32]);
+they are dequantized into the dense in-memory model. In K3's wrapper the text
+weights carry `language_model.`; the vision tower and projector (`vision_tower.*`,
+`mm_projector.*`, unprefixed) are not part of the text model and are skipped. A
+KDA `A_log` may be stored in either published layout (`layout.a_log_heads`).
 Writing is atomic: everything lands in a temporary sibling directory first, so a
 crash never leaves a half-written tensor file (see `_publish` for the swap).
 """
@@ -21,11 +25,11 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from miles_k3.model.config import K3Config
-from miles_k3.model.layout import hf_prefix, is_routed_expert_tensor, tensor_shapes
+from miles_k3.model.layout import a_log_heads, hf_prefix, is_routed_expert_tensor, tensor_shapes
 from miles_k3.ops.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -33,6 +37,7 @@ INDEX_FILE = "model.safetensors.index.json"
 _FP32_TENSORS = re.compile(r"(\.gate\.weight|e_score_correction_bias|\.dt_bias|\.A_log)$")
 # transformers' KimiLinear writes dense-MLP tensors under block_sparse_moe; the hub layout says mlp.
 _DENSE_ALIAS = re.compile(r"^(model\.layers\.\d+)\.block_sparse_moe\.((?:gate|up|down)_proj\.weight)$")
+_VISION_PREFIXES = ("vision_tower.", "mm_projector.")
 _QUANT_SUFFIX = re.compile(r"\.(weight_packed|weight_scale|weight_zero_point|weight_global_scale|input_scale|"
                            r"weight_shape|input_global_scale)$")
 
@@ -46,11 +51,21 @@ def stored_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if keeps_fp32(name) else dtype
 
 
+def _open(f: Path):
+    try:
+        return safe_open(str(f), framework="pt")
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"{f}: not a readable safetensors file ({e})") from None
+
+
 def _tensor_files(path: Path) -> dict[str, Path]:
     """Tensor name (as stored) -> the safetensors file holding it."""
     index = path / INDEX_FILE
     if index.exists():
-        weight_map = json.loads(index.read_text()).get("weight_map")
+        try:
+            weight_map = json.loads(index.read_text()).get("weight_map")
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
+            raise ValueError(f"{index}: not a safetensors index (JSON object with 'weight_map'): {e}") from None
         if not isinstance(weight_map, dict):
             raise ValueError(f"{index}: no 'weight_map' object")
         missing_files = sorted({f for f in weight_map.values() if not (path / f).exists()})
@@ -62,7 +77,7 @@ def _tensor_files(path: Path) -> dict[str, Path]:
         raise ValueError(f"{path}: no *.safetensors files and no {INDEX_FILE}")
     out: dict[str, Path] = {}
     for f in files:
-        with safe_open(str(f), framework="pt") as fh:
+        with _open(f) as fh:
             for name in fh.keys():
                 if name in out:
                     raise ValueError(f"tensor {name!r} appears in both {out[name].name} and {f.name}")
@@ -77,8 +92,11 @@ def _logical_names(config: K3Config, stored: dict[str, Path]) -> dict[str, dict[
     grouped: dict[str, dict[str, tuple[str, Path]]] = {}
     for stored_name, f in stored.items():
         if prefix:
+            if stored_name.startswith(_VISION_PREFIXES):
+                continue  # the wrapper's vision tower / projector: not part of the text model
             if not stored_name.startswith(prefix):
-                continue  # vision tower / projector of the VL wrapper: not part of the text model
+                raise ValueError(f"tensor {stored_name!r}: K3's text weights are prefixed {prefix!r} (and the "
+                                 f"vision ones {' / '.join(_VISION_PREFIXES)}); this is neither")
             name = stored_name[len(prefix):]
         else:
             name = stored_name
@@ -121,8 +139,11 @@ def load_state_dict(path: str | Path, config: K3Config, dtype: torch.dtype = tor
 
     def read(stored: str, f: Path) -> torch.Tensor:
         if f not in handles:
-            handles[f] = safe_open(str(f), framework="pt")
-        return handles[f].get_tensor(stored)  # type: ignore[attr-defined]
+            handles[f] = _open(f)
+        try:
+            return handles[f].get_tensor(stored)  # type: ignore[attr-defined]
+        except (SafetensorError, OSError) as e:
+            raise ValueError(f"{f}: tensor {stored!r} cannot be read ({e})") from None
 
     state: dict[str, torch.Tensor] = {}
     for name, shape in expected.items():
@@ -142,6 +163,8 @@ def load_state_dict(path: str | Path, config: K3Config, dtype: torch.dtype = tor
             if packed.dtype != torch.uint8 or scale.dtype != torch.uint8:
                 raise ValueError(f"tensor {name!r}: MXFP4 tensors must be uint8, got {packed.dtype} / {scale.dtype}")
             t = dequantize_mxfp4(packed, scale, dtype=torch.float32)
+        if name.endswith(".A_log") and tuple(t.shape) != shape:
+            t = _a_log_as(t, shape, config.kda_num_heads, name)
         if tuple(t.shape) != shape:
             raise ValueError(f"tensor {name!r}: shape {tuple(t.shape)} does not match config (expected {shape})")
         if not t.is_floating_point():
@@ -154,6 +177,17 @@ def load_state_dict(path: str | Path, config: K3Config, dtype: torch.dtype = tor
         raise ValueError("tensor 'lm_head.weight': config has tie_word_embeddings=true but the stored lm_head "
                          "differs from model.embed_tokens.weight")
     return state
+
+
+def _a_log_as(t: torch.Tensor, shape: tuple[int, ...], num_heads: int, name: str) -> torch.Tensor:
+    """A per-head A_log stored in the other layout (or padded to another length), in `shape`."""
+    heads = a_log_heads(t, num_heads)
+    if heads is None:
+        raise ValueError(f"tensor {name!r}: shape {tuple(t.shape)} is no A_log layout for {num_heads} heads "
+                         f"(expected [1, 1, {num_heads}, 1] or a flat vector of >= {num_heads} entries)")
+    out = torch.zeros(shape, dtype=t.dtype)
+    out.view(-1)[:num_heads] = heads
+    return out
 
 
 def load_pretrained(cls, path: str | Path, dtype: torch.dtype, device: str | torch.device):

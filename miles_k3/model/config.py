@@ -4,10 +4,12 @@ The same config describes Kimi K3 (hybrid KDA + NoPE MLA, Attention Residuals,
 LatentMoE with SiTU) and Kimi-Linear (K3 without AttnRes, LatentMoE and SiTU),
 so transformers' `KimiLinearForCausalLM` can serve as an external oracle.
 
-It reads and writes HF `config.json` in both layouts: K3's vision-language
-wrapper (text model nested under `text_config`, weights prefixed
-`language_model.`) and Kimi-Linear's flat one. K3-only keys are our own names,
-listed in `_K3_KEYS`; every other key is the Kimi-Linear hub key.
+It reads and writes HF `config.json` in the published schemas (see
+`miles_k3.model.hf_config`): Kimi K3's (`model_type: kimi_k3`, the text model
+nested under `text_config`, weights prefixed `language_model.`) and
+Kimi-Linear's flat one. Field names here are ours; the config.json keys are
+the published ones, and what a config.json cannot say (the A_log layout, the
+MLA latent-norm eps, the shared-expert width) is derived, not stored.
 """
 
 from __future__ import annotations
@@ -50,15 +52,12 @@ class K3Config:
     kda_num_heads: int = 32
     kda_head_dim: int = 128
     kda_conv_kernel: int = 4
-    kda_gate_form: str = "softplus"  # K3: lower_bound * sigmoid(exp(A_log) f); Kimi-Linear: -exp(A_log) softplus(f)
+    # K3 (`linear_attn_config.gate_lower_bound` present): lower_bound * sigmoid(exp(A_log) f), and A_log
+    # stored [max(head_dim, H)] with the heads zero-padded; Kimi-Linear: -exp(A_log) softplus(f), A_log
+    # stored [1, 1, H, 1] (`miles_k3.model.layout.kda_a_log_shape`)
+    kda_gate_form: str = "softplus"
     kda_gate_lower_bound: float = -5.0
-    # Checkpoint layout of the per-head A_log: None stores [1, 1, H, 1] (Kimi-Linear); an int stores a flat
-    # vector zero-padded to that length (K3 stores its 96 heads padded to 128).
-    kda_a_log_padded_len: int | None = None
-    # A decay rate per channel ([H*K], exp(A_log) multiplies each key channel) instead of per head.
-    kda_a_log_per_channel: bool = False
-    kda_output_gate: str = "low_rank"  # K3: full-rank g_proj; Kimi-Linear: g_b_proj(g_a_proj(x))
-    kda_gate_rank: int | None = None  # rank of f_a/f_b (and g_a/g_b when low-rank); None = kda_head_dim
+    kda_output_gate: str = "low_rank"  # K3 (`use_full_rank_gate`): g_proj; Kimi-Linear: g_b_proj(g_a_proj(x))
 
     # MLA without rotary embedding
     mla_num_heads: int = 32
@@ -67,12 +66,10 @@ class K3Config:
     qk_nope_head_dim: int = 128
     qk_rope_head_dim: int = 64
     v_head_dim: int = 128
-    mla_output_gate: bool = False
-    mla_latent_norm_eps: float = 1e-6
+    mla_output_gate: bool = False  # `mla_use_output_gate`: attn * sigmoid(g_proj(x)) before o_proj
 
     # Attention Residuals (arXiv 2603.15031); block size 0 disables them (plain residual stream)
     attn_res_block_size: int = 0
-    attn_res_eps: float | None = None  # None = rms_norm_eps
 
     # MLP / MoE
     first_dense_layers: int = 1
@@ -80,25 +77,29 @@ class K3Config:
     num_experts: int = 256
     num_experts_per_token: int = 8
     moe_intermediate_size: int = 1024
-    num_shared_experts: int = 1
-    shared_expert_intermediate_size: int | None = None  # None = moe_intermediate_size * num_shared_experts
-    moe_latent_size: int | None = None  # LatentMoE width; None = experts run at hidden_size
-    moe_latent_norm: bool = False
+    num_shared_experts: int = 1  # one GLU of width moe_intermediate_size * num_shared_experts
+    moe_latent_size: int | None = None  # `routed_expert_hidden_size`: LatentMoE width; None = hidden_size
+    moe_latent_norm: bool = False  # `latent_moe_use_norm`: RMSNorm of the experts' output at the latent width
     moe_renormalize: bool = True
     routed_scaling_factor: float = 1.0
-    router_correction_bias: bool = True
+    router_correction_bias: bool = True  # `topk_method: noaux_tc` (e_score_correction_bias); "greedy": none
     num_expert_group: int = 1
     topk_group: int = 1
     hidden_act: str = "silu"
-    situ_beta: float = 4.0
-    situ_beta_lin: float = 25.0
+    situ_beta: float = 4.0  # `activation_situ_beta`
+    situ_beta_lin: float = 25.0  # `activation_situ_linear_beta`
 
-    # Checkpoint form: the K3 vision-language wrapper nests the text config and prefixes weights
+    # Checkpoint form: Kimi K3's vision-language wrapper (`model_type: kimi_k3`) nests the text config
+    # under `text_config` and prefixes the text weights with `language_model.`
     vl_wrapper: bool = False
     # compressed-tensors MXFP4 for routed experts in the checkpoint (the in-memory model is dense)
     experts_mxfp4: bool = False
 
-    extra_hf_keys: dict[str, Any] = field(default_factory=dict, repr=False)
+    # config.json keys that do not change the text model, carried through a read/write unchanged: HF's
+    # generic keys (`use_cache`, `dtype`, ...) of the text config, and the wrapper's own (`vision_config`,
+    # `media_placeholder_token_id`, `image_placeholder`, `ignore_index`, ...). Not compared.
+    hf_text_extras: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    hf_wrapper_extras: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.layer_kinds = tuple(self.layer_kinds)
@@ -119,13 +120,18 @@ class K3Config:
 
     @property
     def gate_rank(self) -> int:
-        return self.kda_gate_rank if self.kda_gate_rank is not None else self.kda_head_dim
+        """Rank of f_a_proj / f_b_proj (and of g_a / g_b in the low-rank output gate): the head dim."""
+        return self.kda_head_dim
 
     @property
     def shared_intermediate(self) -> int:
-        if self.shared_expert_intermediate_size is not None:
-            return self.shared_expert_intermediate_size
+        """Width of the shared-expert GLU: K3 and Kimi-Linear fuse their shared experts into one."""
         return self.moe_intermediate_size * self.num_shared_experts
+
+    @property
+    def mla_latent_norm_eps(self) -> float:
+        """eps of q_a_layernorm / kv_a_layernorm: fixed at 1e-6 by K3 and Kimi-Linear, not rms_norm_eps."""
+        return 1e-6
 
     @property
     def expert_width(self) -> int:
@@ -134,7 +140,8 @@ class K3Config:
 
     @property
     def res_eps(self) -> float:
-        return self.attn_res_eps if self.attn_res_eps is not None else self.rms_norm_eps
+        """eps of the AttnRes key norms: the model's rms_norm_eps."""
+        return self.rms_norm_eps
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         return layer_idx >= self.first_dense_layers and self.num_experts > 0
@@ -145,6 +152,10 @@ class K3Config:
             if not cond:
                 raise ValueError(f"K3Config.{name}: {why} (got {getattr(self, name, None)!r})")
 
+        for f in dataclasses.fields(self):  # types first, so the rules below compare numbers with numbers
+            ok = _TYPE_CHECKS.get(f.type)
+            need(ok is None or ok(getattr(self, f.name)), f.name, f"must be {f.type}")
+
         for name in ("vocab_size", "hidden_size", "kda_num_heads", "kda_head_dim", "kda_conv_kernel",
                      "mla_num_heads", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim",
                      "dense_intermediate_size", "max_position_embeddings"):
@@ -153,21 +164,13 @@ class K3Config:
         bad = [k for k in self.layer_kinds if k not in LAYER_KINDS]
         need(not bad, "layer_kinds", f"entries must be one of {LAYER_KINDS}, found {sorted(set(bad))}")
         need(self.rms_norm_eps > 0, "rms_norm_eps", "must be > 0")
-        need(self.mla_latent_norm_eps > 0, "mla_latent_norm_eps", "must be > 0")
         need(self.qk_rope_head_dim >= 0, "qk_rope_head_dim", "must be >= 0")
         need(self.kda_gate_form in GATE_FORMS, "kda_gate_form", f"must be one of {GATE_FORMS}")
         need(self.kda_output_gate in OUTPUT_GATE_FORMS, "kda_output_gate", f"must be one of {OUTPUT_GATE_FORMS}")
         if self.kda_gate_form == "lower_bound":
             need(self.kda_gate_lower_bound < 0, "kda_gate_lower_bound", "must be < 0 (a log-space decay bound)")
-        need(not (self.kda_a_log_per_channel and self.kda_a_log_padded_len is not None), "kda_a_log_per_channel",
-             "a per-channel A_log is stored as [H*K]; it cannot also be padded (kda_a_log_padded_len)")
-        if self.kda_a_log_padded_len is not None:
-            need(self.kda_a_log_padded_len >= self.kda_num_heads, "kda_a_log_padded_len",
-                 f"must be >= kda_num_heads={self.kda_num_heads}")
-        need(self.kda_gate_rank is None or self.kda_gate_rank > 0, "kda_gate_rank", "must be > 0 or None")
         need(self.q_lora_rank is None or self.q_lora_rank > 0, "q_lora_rank", "must be > 0 or None")
         need(self.attn_res_block_size >= 0, "attn_res_block_size", "must be >= 0 (0 disables AttnRes)")
-        need(self.attn_res_eps is None or self.attn_res_eps > 0, "attn_res_eps", "must be > 0 or None")
         need(0 <= self.first_dense_layers <= self.num_hidden_layers, "first_dense_layers",
              f"must be in [0, {self.num_hidden_layers}]")
         need(self.num_experts >= 0, "num_experts", "must be >= 0")
@@ -207,6 +210,14 @@ class K3Config:
     def replace(self, **changes: Any) -> "K3Config":
         return dataclasses.replace(self, **changes)
 
+    def kimi_linear_form(self) -> "K3Config":
+        """The nearest config transformers' KimiLinear runs: the same widths without K3's features (softplus
+        KDA gate, low-rank output gate, no MLA output gate, AttnRes, LatentMoE or SiTU; plain q_proj; flat
+        checkpoint, dense experts)."""
+        return self.replace(kda_gate_form="softplus", kda_output_gate="low_rank", mla_output_gate=False,
+                            attn_res_block_size=0, moe_latent_size=None, moe_latent_norm=False, hidden_act="silu",
+                            vl_wrapper=False, experts_mxfp4=False, q_lora_rank=None, hf_wrapper_extras={})
+
     # ---------------------------------------------------------------- counting
     def num_parameters(self) -> int:
         """Total parameters of the logical (dense, unquantized) model."""
@@ -231,19 +242,22 @@ class K3Config:
         return config_to_hf(self)
 
     @classmethod
-    def from_hf_dict(cls, d: dict[str, Any]) -> "K3Config":
+    def from_hf_dict(cls, d: dict[str, Any], source: str = "config.json") -> "K3Config":
+        """Parse a config.json dict; a ValueError names `source` and the offending key."""
         from miles_k3.model.hf_config import config_from_hf
 
-        return config_from_hf(d)
+        return config_from_hf(d, source)
 
     @classmethod
     def from_json_file(cls, path: str | Path) -> "K3Config":
-        with open(path) as f:
-            try:
+        try:
+            with open(path, encoding="utf-8") as f:
                 d = json.load(f)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}: not valid JSON: {e}") from e
-        return cls.from_hf_dict(d)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{path}: not valid JSON: {e}") from None
+        except OSError as e:
+            raise ValueError(f"{path}: cannot read: {e.strerror or e}") from None
+        return cls.from_hf_dict(d, str(path))
 
     def to_json_file(self, path: str | Path) -> None:
         with open(path, "w") as f:
@@ -256,15 +270,51 @@ def _k3() -> K3Config:
         vocab_size=163840, hidden_size=7168, layer_kinds=hybrid_layer_kinds(93),
         bos_token_id=163584, eos_token_id=163586, pad_token_id=163839,
         kda_num_heads=96, kda_head_dim=128, kda_gate_form="lower_bound", kda_gate_lower_bound=-5.0,
-        kda_a_log_padded_len=128, kda_output_gate="full",
+        kda_output_gate="full",
         mla_num_heads=96, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
         v_head_dim=128, mla_output_gate=True,
         attn_res_block_size=12,
         first_dense_layers=1, dense_intermediate_size=33792,
         num_experts=896, num_experts_per_token=16, moe_intermediate_size=3072, num_shared_experts=2,
-        shared_expert_intermediate_size=6144, moe_latent_size=3584, moe_latent_norm=True,
+        moe_latent_size=3584, moe_latent_norm=True,
         routed_scaling_factor=1.0, hidden_act="situ", vl_wrapper=True, experts_mxfp4=True,
+        hf_wrapper_extras=_k3_wrapper_extras(),
     )
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+# Field type (as annotated) -> check; fields of other types are checked by the rules in `validate`.
+_TYPE_CHECKS = {
+    "int": _is_int, "float": _is_number, "bool": lambda v: isinstance(v, bool), "str": lambda v: isinstance(v, str),
+    "int | None": lambda v: v is None or _is_int(v), "float | None": lambda v: v is None or _is_number(v),
+}
+
+
+def _k3_wrapper_extras() -> dict[str, Any]:
+    """The published K3 config.json's keys beside `text_config`: the vision tower and the media tokens
+    (read by the vision path; carried through unchanged by the text model)."""
+    return {
+        "ignore_index": -100,
+        "image_placeholder": "<|kimi_image_placeholder|>",
+        "media_placeholder_token_id": 163605,
+        "vision_config": {
+            "_attn_implementation": "flash_attention_2", "activation_func": "gelu_pytorch_tanh",
+            "attn_bias": False, "init_pos_emb_height": 64, "init_pos_emb_time": 4, "init_pos_emb_width": 64,
+            "linear_bias": False, "merge_kernel_size": [2, 2], "merge_type": "sd2_tpool", "mlp_type": "mlp2",
+            "mm_hidden_size": 1024, "mm_projector_type": "patchmergerv2", "norm_type": "rmsnorm",
+            "patch_embed_proj_bias": False, "patch_size": 14, "pos_emb_interpolation_mode": "bilinear",
+            "pos_emb_type": "divided_fixed", "projector_hidden_act": "gelu", "projector_ln_eps": 1e-05,
+            "qkv_hidden_size": 1536, "text_hidden_size": 7168, "vt_hidden_size": 1024,
+            "vt_intermediate_size": 4096, "vt_num_attention_heads": 12, "vt_num_hidden_layers": 27,
+        },
+    }
 
 
 def _kimi_linear_48b() -> K3Config:
@@ -285,14 +335,13 @@ def _k3_small() -> K3Config:
     return K3Config(
         vocab_size=163840, hidden_size=1024, layer_kinds=hybrid_layer_kinds(16),
         bos_token_id=163584, eos_token_id=163586, pad_token_id=163839,
-        kda_num_heads=8, kda_head_dim=128, kda_gate_form="lower_bound", kda_a_log_padded_len=16,
-        kda_output_gate="full",
+        kda_num_heads=8, kda_head_dim=128, kda_gate_form="lower_bound", kda_output_gate="full",
         mla_num_heads=8, q_lora_rank=384, kv_lora_rank=256, qk_nope_head_dim=128, qk_rope_head_dim=64,
         v_head_dim=128, mla_output_gate=True,
         attn_res_block_size=4,
         first_dense_layers=1, dense_intermediate_size=4096,
         num_experts=64, num_experts_per_token=4, moe_intermediate_size=384, num_shared_experts=2,
-        shared_expert_intermediate_size=768, moe_latent_size=512, moe_latent_norm=True,
+        moe_latent_size=512, moe_latent_norm=True,
         hidden_act="situ", vl_wrapper=True, experts_mxfp4=True,
     )
 
@@ -302,14 +351,13 @@ def _k3_tiny() -> K3Config:
     return K3Config(
         vocab_size=512, hidden_size=128, layer_kinds=hybrid_layer_kinds(6, mla_every=3),
         bos_token_id=1, eos_token_id=2, pad_token_id=0,
-        kda_num_heads=4, kda_head_dim=32, kda_gate_form="lower_bound", kda_a_log_padded_len=8,
-        kda_output_gate="full",
+        kda_num_heads=4, kda_head_dim=32, kda_gate_form="lower_bound", kda_output_gate="full",
         mla_num_heads=4, q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16,
         v_head_dim=32, mla_output_gate=True,
         attn_res_block_size=2,
         first_dense_layers=1, dense_intermediate_size=384,
         num_experts=16, num_experts_per_token=4, moe_intermediate_size=64, num_shared_experts=2,
-        shared_expert_intermediate_size=128, moe_latent_size=64, moe_latent_norm=True,
+        moe_latent_size=64, moe_latent_norm=True,
         hidden_act="situ", vl_wrapper=True, experts_mxfp4=False, max_position_embeddings=4096,
     )
 

@@ -32,7 +32,7 @@ def _local_a_log_shape(c: K3Config, heads: int, tp: TensorParallel) -> tuple[int
     if tp.size == 1:
         return kda_a_log_shape(c)
     # A tensor-parallel rank holds only its heads' rates, unpadded (padding is a checkpoint detail).
-    return (heads * c.kda_head_dim,) if c.kda_a_log_per_channel else (heads,)
+    return (heads,)
 
 
 class KDAMixer(nn.Module):
@@ -84,7 +84,7 @@ class KDAMixer(nn.Module):
             qkv.append(y.view(heads))
             conv.append(new_state)
         g = kda_gate(self.f_b_proj(self.f_a_proj(x)), self.A_log, self.dt_bias, num_heads=self.heads,
-                     per_channel=c.kda_a_log_per_channel, form=c.kda_gate_form, lower_bound=c.kda_gate_lower_bound)
+                     form=c.kda_gate_form, lower_bound=c.kda_gate_lower_bound)
         beta = torch.sigmoid(self.b_proj(x).float())
         o, recurrent = kda(*qkv, g, beta,
                            initial_state=prev.recurrent if prev is not None else None,

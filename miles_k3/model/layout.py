@@ -24,11 +24,20 @@ def is_routed_expert_tensor(name: str) -> bool:
 
 
 def kda_a_log_shape(config: K3Config) -> tuple[int, ...]:
-    if config.kda_a_log_per_channel:
-        return (config.kda_dim,)
-    if config.kda_a_log_padded_len is None:
-        return (1, 1, config.kda_num_heads, 1)
-    return (config.kda_a_log_padded_len,)
+    """How a checkpoint stores the per-head decay A_log: K3 (lower-bound gate) as a flat fp32 vector of
+    head_dim entries, the heads first and zero-padded (no config key says so; 96 heads in 128 entries);
+    Kimi-Linear as [1, 1, H, 1]. Loading accepts either layout for any config (`a_log_heads`)."""
+    if config.kda_gate_form == "lower_bound":
+        return (max(config.kda_head_dim, config.kda_num_heads),)
+    return (1, 1, config.kda_num_heads, 1)
+
+
+def a_log_heads(t, num_heads: int):
+    """The H per-head values of an A_log stored in either layout ([1, 1, H, 1], or flat with the heads
+    first and any padding after them), or None if `t` is neither."""
+    flat_ok = t.dim() == 1 and t.shape[0] >= num_heads
+    kimi_ok = tuple(t.shape) == (1, 1, num_heads, 1)
+    return t.reshape(-1)[:num_heads] if flat_ok or kimi_ok else None
 
 
 def _kda_shapes(c: K3Config) -> dict[str, tuple[int, ...]]:

@@ -113,6 +113,7 @@ class K3ForCausalLM(nn.Module):
             leaf = name.rsplit(".", 1)[-1]
             if name.endswith("A_log"):
                 p.copy_(torch.empty_like(p).uniform_(1.0, 16.0).log())
+                p.view(-1)[self.config.kda_num_heads:] = 0.0  # K3's layout pads the heads with zeros
             elif leaf == "dt_bias":
                 dt = torch.empty_like(p).uniform_(math.log(1e-3), math.log(1e-1)).exp().clamp_min(1e-4)
                 p.copy_(dt + torch.log(-torch.expm1(-dt)))

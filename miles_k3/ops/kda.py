@@ -30,8 +30,7 @@ _MODES = ("auto", "recurrent", "chunked")
 
 
 def kda_gate(f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None, *,
-             num_heads: int, form: str = "softplus", lower_bound: float = -5.0,
-             per_channel: bool = False) -> torch.Tensor:
+             num_heads: int, form: str = "softplus", lower_bound: float = -5.0) -> torch.Tensor:
     """Log-space KDA forget gate.
 
     Args:
@@ -39,7 +38,6 @@ def kda_gate(f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None,
         A_log: per-head log rate; any shape with ``numel >= H``. Only the first
             ``H`` values after flattening are used, because checkpoints store it
             as ``[H]``, ``[1, 1, H, 1]`` or zero-padded (e.g. ``[128]`` for H=96).
-            With ``per_channel``, A_log holds ``H*K`` rates, one per key channel.
         dt_bias: ``[H*K]`` (any shape with that many elements) or None.
         form: ``"softplus"`` (Kimi-Linear): ``-exp(A_log[h]) * softplus(f + dt_bias)``;
             ``"lower_bound"`` (K3): ``lower_bound * sigmoid(exp(A_log[h]) * (f + dt_bias))``.
@@ -53,8 +51,6 @@ def kda_gate(f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None,
     if H <= 0 or f.dim() == 0 or f.shape[-1] % H != 0:
         raise ValueError(f"`f` last dim must be a positive multiple of num_heads={H}, got shape {tuple(f.shape)}")
     K = f.shape[-1] // H
-    if per_channel and A_log.numel() != H * K:
-        raise ValueError(f"per-channel `A_log` needs H*K={H * K} elements, got shape {tuple(A_log.shape)}")
     if A_log.numel() < H:
         raise ValueError(f"`A_log` needs at least num_heads={H} elements, got shape {tuple(A_log.shape)}")
     if dt_bias is not None and dt_bias.numel() != H * K:
@@ -63,8 +59,7 @@ def kda_gate(f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None,
     x = f.float().unflatten(-1, (H, K))
     if dt_bias is not None:
         x = x + dt_bias.float().reshape(H, K)
-    rates = A_log.reshape(H, K) if per_channel else A_log.reshape(-1)[:H].unsqueeze(-1)
-    rate = rates.float().exp()  # [H, K] or [H, 1]
+    rate = A_log.reshape(-1)[:H].unsqueeze(-1).float().exp()  # [H, 1]
     if form == "softplus":
         return -rate * F.softplus(x)
     return lower_bound * torch.sigmoid(rate * x)

@@ -30,12 +30,9 @@ DTYPE = torch.float64
 def configs() -> dict[str, K3Config]:
     tiny = K3Config.from_preset("k3-tiny")
     # Kimi-Linear form: softplus gate, low-rank output gate, [1,1,H,1] A_log, plain q_proj, no AttnRes /
-    # LatentMoE; per-channel decay as a third A_log layout.
-    kimi = tiny.replace(kda_gate_form="softplus", kda_output_gate="low_rank", kda_a_log_padded_len=None,
-                        q_lora_rank=None, mla_output_gate=False, attn_res_block_size=0, moe_latent_size=None,
-                        moe_latent_norm=False, hidden_act="silu", vl_wrapper=False, tie_word_embeddings=True)
-    per_channel = tiny.replace(kda_a_log_padded_len=None, kda_a_log_per_channel=True)
-    return {"k3-tiny": tiny, "kimi-linear-form": kimi, "per-channel-decay": per_channel}
+    # LatentMoE; with tied embeddings.
+    kimi = tiny.kimi_linear_form().replace(tie_word_embeddings=True)
+    return {"k3-tiny": tiny, "kimi-linear-form": kimi}
 
 
 NO_DROPOUT = LoraSpec(rank=SPEC.rank, alpha=SPEC.alpha, dropout=0.0)

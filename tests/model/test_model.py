@@ -141,12 +141,10 @@ def test_routed_experts_match_per_token_formula_in_fp32_and_grouped_bf16():
     assert set(experts.state_dict()) == {f"{e}.{w}.weight" for e in range(6) for w in ("w1", "w2", "w3")}
 
 
-def test_per_channel_a_log_model_round_trips(tmp_path):
-    model = tiny(5, kda_a_log_per_channel=True, kda_a_log_padded_len=None)
-    assert model.model.layers[0].self_attn.A_log.shape == (model.config.kda_dim,)
-    model.save_pretrained(tmp_path)
-    loaded = K3ForCausalLM.from_pretrained(tmp_path)
-    assert loaded.config.kda_a_log_per_channel
-    ids = ids_for(model, 1, 9)
-    with torch.no_grad():
-        assert torch.equal(model(ids).logits, loaded(ids).logits)
+def test_a_log_layout_follows_the_gate_form_and_pads_with_zeros():
+    k3 = tiny(5)
+    heads, a_log = k3.config.kda_num_heads, k3.model.layers[0].self_attn.A_log
+    assert a_log.shape == (k3.config.kda_head_dim,) and torch.all(a_log[heads:] == 0)
+    assert torch.all(a_log[:heads] > 0)  # log U(1, 16)
+    kimi = K3ForCausalLM(k3.config.kimi_linear_form())
+    assert kimi.model.layers[0].self_attn.A_log.shape == (1, 1, heads, 1)

@@ -222,17 +222,18 @@ def test_input_errors(fn):
         fn(*one, cu_seqlens=torch.tensor([0, 3, 6]), initial_state=h0[:1])
 
 
-def test_per_channel_a_log_gate_matches_formula():
+def test_gate_reads_the_heads_of_a_padded_a_log_and_ignores_the_padding():
     torch.manual_seed(0)
     H, K = 3, 8
     f = torch.randn(2, 5, H * K)
-    A_log = torch.randn(H * K) * 0.5
+    A_log = torch.randn(H) * 0.5
     dt = torch.randn(H * K)
     x = (f + dt).view(2, 5, H, K)
-    rate = A_log.exp().view(H, K)
-    got = kda_gate(f, A_log, dt, num_heads=H, per_channel=True, form="lower_bound", lower_bound=-5.0)
+    rate = A_log.exp().view(H, 1)
+    padded = torch.cat([A_log, torch.randn(5)])
+    got = kda_gate(f, padded, dt, num_heads=H, form="lower_bound", lower_bound=-5.0)
     torch.testing.assert_close(got, -5.0 * torch.sigmoid(rate * x))
-    got = kda_gate(f, A_log, dt, num_heads=H, per_channel=True, form="softplus")
+    got = kda_gate(f, A_log.view(1, 1, H, 1), dt, num_heads=H, form="softplus")
     torch.testing.assert_close(got, -rate * torch.nn.functional.softplus(x))
-    with pytest.raises(ValueError, match="per-channel"):
-        kda_gate(f, A_log[:H], dt, num_heads=H, per_channel=True)
+    with pytest.raises(ValueError, match="num_heads"):
+        kda_gate(f, A_log[:2], dt, num_heads=H)

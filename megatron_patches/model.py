@@ -71,7 +71,7 @@ def _check_tp(config: K3Config, tp: MegatronTP) -> None:
     if any(config.is_moe_layer(i) for i in range(config.num_hidden_layers)):
         checks["moe_intermediate_size"] = config.moe_intermediate_size
         if config.num_shared_experts > 0:
-            checks["shared_expert_intermediate_size"] = config.shared_intermediate
+            checks["shared experts (moe_intermediate_size * num_shared_experts)"] = config.shared_intermediate
     for field, n in checks.items():
         tp.split(n, field)
 

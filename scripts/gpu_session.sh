@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The README's GPU figures as one re-runnable device call (the tool library's `device` entry):
+# The GPU figures of docs/benchmarks.md as one re-runnable device call (the tool library's `device` entry):
 #
 #   run(command="bash scripts/gpu_session.sh", carry=[".whl", ".triton_cache"])
 #

@@ -55,7 +55,7 @@ def test_packed_sequences_equal_separate_forwards():
 
 
 def test_attn_res_schedule_matches_published_formula():
-    """Walk the layers by hand with fla's naive_attnres as the mixer (DESIGN.md's schedule), using the model's
+    """Walk the layers by hand with fla's naive_attnres as the mixer (docs/design.md's schedule), using the model's
     own sub-layers as black boxes, and compare with the model's hidden states."""
     from fla.ops.attnres import naive_attnres
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import math
 from dataclasses import dataclass, field
 
 _ids = itertools.count()
@@ -11,26 +12,41 @@ _ids = itertools.count()
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 is greedy; top_k 0 and top_p 1.0 disable truncation. Log-probs are always those of the
-    sampled token under the *untruncated* distribution at this temperature (temperature 1 when greedy)."""
+    """How one request samples. Log-probs are always those of the sampled token under the *untruncated*
+    distribution at this temperature (temperature 1 when greedy). Checked on construction: ValueError
+    starting with `SamplingParams.<field>`."""
 
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    max_new_tokens: int = 128
-    stop_token_ids: tuple[int, ...] = ()
-    seed: int | None = None
-    return_logprobs: bool = True
+    temperature: float = 1.0  # >= 0 and finite; 0 is greedy (argmax)
+    top_p: float = 1.0  # in (0, 1]: sample from the smallest top set whose mass reaches top_p; 1.0 disables it
+    top_k: int = 0  # >= 0: sample from the k most likely tokens; 0 (or >= the vocabulary) disables it
+    max_new_tokens: int = 128  # >= 1: the most tokens generated for the request
+    stop_token_ids: tuple[int, ...] = ()  # generation stops after emitting any of these (it is kept)
+    seed: int | None = None  # a per-request generator seed (reproducible samples); None: the engine's stream
+    return_logprobs: bool = True  # Completion.logprobs holds one log-prob per output token (else None)
 
     def __post_init__(self) -> None:
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        def fail(name: str, rule: str) -> ValueError:
+            return ValueError(f"SamplingParams.{name} {rule}, got {getattr(self, name)!r}")
+
+        def number(name: str) -> float:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise fail(name, "must be a finite number")
+            return value
+
+        def integer(name: str, low: int) -> None:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise fail(name, f"must be an integer >= {low}")
+
+        if number("temperature") < 0:
+            raise fail("temperature", "must be >= 0 (0 is greedy)")
+        if not 0.0 < number("top_p") <= 1.0:
+            raise fail("top_p", "must be in (0, 1] (1.0 disables it)")
+        integer("top_k", 0)
+        integer("max_new_tokens", 1)
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise fail("seed", "must be an integer or None")
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
 
 

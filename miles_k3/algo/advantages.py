@@ -9,8 +9,9 @@ std is the *population* standard deviation, sqrt(mean((r - mean)^2)) (ddof 0),
 not Bessel's unbiased one. Why: we normalize within the group we have, not
 estimate a wider population's spread; with ddof 0 the advantages of a group
 have unit RMS (sum A^2 = n, up to eps) whatever n is, and a group of one is
-well defined (A = 0) instead of 0/0. TRL and verl use ddof 1, so their
-advantages are ours times sqrt(n / (n - 1)) (for n = 8: 1.069).
+well defined (A = 0) instead of 0/0. TRL and verl use ddof 1, whose std is
+ours times sqrt(n / (n - 1)), so their advantages are ours times
+sqrt((n - 1) / n) (for n = 8: 0.935).
 
 A group whose rewards are all equal carries no learning signal: its advantages
 are exactly 0 (set explicitly: the float mean of equal values is not always

@@ -45,25 +45,27 @@ ROLLOUT_CORRECTIONS = ("none", "tis", "mis", "opsm", "tis+opsm", "mis+opsm")
 
 @dataclass(frozen=True, slots=True)
 class PolicyLossConfig:
-    """Options of `policy_loss`. Validated on construction; ValueError names the field.
+    """Options of `policy_loss`. Validated on construction; ValueError starting with
+    `PolicyLossConfig.<field>`.
 
     Fields of a method that is switched off (tis_cap without TIS, ...) are not read.
-    Defaults: PPO's symmetric 0.2 clip, no KL, token-mean, no correction; the
-    correction thresholds default to slime/miles' (TIS cap 2, OPSM delta 1e-4).
+    Defaults: GRPO as the trainer runs it (`algo.*` takes them): DAPO's clip-higher
+    (0.2 / 0.28), no KL, token-mean, TIS against the engine's log-probs; the
+    correction thresholds are slime/miles' (TIS cap 2, OPSM delta 1e-4).
     """
 
     eps_low: float = 0.2                       # ratio floor 1 - eps_low, in [0, 1)
-    eps_high: float = 0.2                      # ratio ceiling 1 + eps_high (DAPO clip-higher: 0.28)
+    eps_high: float = 0.28                     # ratio ceiling 1 + eps_high (DAPO clip-higher; PPO: 0.2)
     dual_clip_c: float | None = None           # dual-clip bound for A < 0, > 1 (typically 3); None = off
     ratio: str = "token"                       # RATIO_TYPES; "gspo" wants eps ~ 3e-4 / 4e-4
     kl: str = "none"                           # KL_TYPES, against the base (adapter disabled)
     kl_coef: float = 0.0                       # beta >= 0; must be 0 when kl == "none"
     reducer: str = "token_mean"                # REDUCERS
     max_response_len: int | None = None        # Dr.GRPO's constant divisor; required by reducer "dr_grpo"
-    rollout_correction: str = "none"           # ROLLOUT_CORRECTIONS
+    rollout_correction: str = "tis"            # ROLLOUT_CORRECTIONS; "tis" and "mis" need rollout_logp
     tis_cap: float = 2.0                       # TIS truncation C > 0
     mis_low: float = 0.5                       # MIS keeps rho in [mis_low, mis_high]
-    mis_high: float = 2.0
+    mis_high: float = 2.0                      # (>= 1)
     mis_level: str = "token"                   # MIS_LEVELS
     opsm_delta: float = 1e-4                   # OPSM threshold on the mean log ratio (>= 0)
 

@@ -72,6 +72,12 @@ def logprob_abs_diff(logp_a: torch.Tensor, logp_b: torch.Tensor, loss_mask: torc
 
 
 def reward_stats(rewards: torch.Tensor) -> dict[str, torch.Tensor]:
-    """{"reward_mean", "reward_std"} over all rewards (any shape), population std. fp32 scalars."""
-    r = rewards.detach().float().reshape(-1)
+    """{"reward_mean", "reward_std"} over all rewards (any shape), population std: fp32 scalars (fp64 for
+    fp64 input); NaN for no rewards."""
+    r = rewards.detach().reshape(-1)
+    if not r.is_floating_point() or r.element_size() < 4:  # ints, bools, fp16/bf16 -> fp32
+        r = r.float()
+    if r.numel() == 0:
+        nan = torch.full((), float("nan"), dtype=r.dtype, device=r.device)
+        return {"reward_mean": nan, "reward_std": nan.clone()}
     return {"reward_mean": r.mean(), "reward_std": r.std(correction=0)}

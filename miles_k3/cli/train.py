@@ -1,40 +1,105 @@
-"""`miles-train`: compose the Hydra recipe, validate it whole, then launch the run.
+"""`miles-train`: compose the Hydra recipe, check it and every input the run reads, then launch the run.
 
     miles-train recipe=k3_grpo                                   # the embedded default (tiny K3, CPU)
     miles-train recipe=k3_grpo trainer.max_steps=5 hydra.run.dir=runs/a
-    miles-train recipe=k3_grpo --cfg job                         # print the resolved config, run nothing
+    miles-train model=hf_checkpoint model.path=/dir data.path=prompts.jsonl ...   # your own model and data
+    miles-train recipe=k3_grpo --cfg job                         # print the whole config, run nothing
 
-A config mistake (unknown key, wrong type, bad value) exits with status 2 and one line naming the field,
-before any model is built.
+A user's mistake exits with status 2 and one line on stderr naming the field or the file, before any model
+is built: an unknown key or group option, a wrong type, a bad value (`resolve`), a run directory that
+cannot be written, a device, checkpoint, tokenizer, dataset or reward plugin that cannot be used
+(`load_run_inputs`). A reward plugin that fails on the run's own samples stops it the same way. Anything
+else is a bug of ours and keeps its traceback.
+
+Hydra would report the first two itself, over several lines and with status 1, before our task function
+runs: `precheck` composes the same config first (Hydra's compose API, the same overrides) to report them
+our way.
 """
 
 from __future__ import annotations
 
 import logging
 import sys
+import tempfile
 import warnings
+from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from miles_k3.trainer.config import register_schema, resolve
+from miles_k3.trainer.config import config_error, register_schema, resolve
 
+PROG = "miles-train"
+
+
+def fail(message: object) -> None:
+    """Report a user's mistake as one line and exit with status 2."""
+    text = " ".join(line.strip() for line in str(message).splitlines() if line.strip())
+    print(f"{PROG}: error: {text}", file=sys.stderr)
+    sys.exit(2)
+
+
+def check_run_dir(run_dir: str) -> None:
+    """ValueError naming hydra.run.dir unless the run directory exists as a writable directory or can be
+    created (probed by making a directory where it would go; nothing is left behind)."""
+    path = Path(run_dir).absolute()
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"hydra.run.dir: {path} exists and is not a directory")
+    parent = path
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ValueError(f"hydra.run.dir: cannot create {path}: {parent} is not a directory")
+    try:
+        Path(tempfile.mkdtemp(prefix=".miles-train-probe-", dir=parent)).rmdir()
+    except OSError as e:
+        raise ValueError(f"hydra.run.dir: cannot write {path}: {e.strerror or e} ({parent})") from None
+
+
+def precheck(argv: list[str]) -> None:
+    """Compose the config as `hydra.main` will and check the run directory; ValueError (one line) for what
+    Hydra would otherwise report itself. Runs that Hydra handles differently (--help, --multirun, another
+    config) are left to it."""
+    from hydra import compose, initialize_config_module
+    from hydra._internal.utils import get_args_parser
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        args = get_args_parser().parse_args(argv)
+    except SystemExit:  # a malformed flag: argparse's usage message (Hydra prints it again)
+        return
+    if (args.help or args.hydra_help or args.info or args.shell_completion or args.multirun or args.config_path
+            or args.config_name or args.config_dir or args.experimental_rerun):
+        return
+    try:
+        with initialize_config_module(config_module="recipes", version_base=None):
+            cfg = compose(config_name="train", overrides=args.overrides, return_hydra_config=True)
+            run_dir = None if args.cfg else str(cfg.hydra.run.dir)
+    except (HydraException, OmegaConfBaseException) as e:
+        raise ValueError(config_error(e)) from None
+    if run_dir is not None:
+        check_run_dir(run_dir)
 
 
 @hydra.main(version_base=None, config_path="pkg://recipes", config_name="train")
 def _hydra_main(cfg: DictConfig) -> None:
-    from miles_k3.trainer.loop import load_run_inputs
+    from miles_k3.rewards import RewardPluginError
+    from miles_k3.trainer.inputs import load_run_inputs
+
+    run_dir = HydraConfig.get().runtime.output_dir
+    try:
+        rc = resolve(cfg)
+        inputs = load_run_inputs(rc, run_dir)
+    except ValueError as e:
+        fail(e)
+    from miles_k3.trainer.launch import launch  # megatron-core loads here, after the inputs are known good
 
     try:
-        resolved = resolve(cfg)
-        inputs = load_run_inputs(resolved)
-    except ValueError as e:
-        print(f"miles-train: config error: {e}", file=sys.stderr)
-        sys.exit(2)
-    from miles_k3.trainer.launch import launch  # megatron-core loads here, after the config is known good
-
-    launch(resolved, HydraConfig.get().runtime.output_dir, inputs)
+        launch(rc, run_dir, inputs)
+    except RewardPluginError as e:  # the user's plugin failed on real samples (reward.on_failure=raise)
+        fail(f"reward.fn: {e}")
 
 
 def main() -> None:
@@ -43,6 +108,10 @@ def main() -> None:
     warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
     logging.getLogger("megatron").setLevel(logging.WARNING)
     register_schema()
+    try:
+        precheck(sys.argv[1:])
+    except ValueError as e:
+        fail(e)
     _hydra_main()
 
 

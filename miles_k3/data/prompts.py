@@ -17,75 +17,70 @@ from typing import Any
 from miles_k3.data.chat_template import render_prompt, validate_template
 
 FORMATS = {".jsonl": "jsonl", ".parquet": "parquet"}
-ALL_KEYS = "*"
 
 
 @dataclass(frozen=True)
 class PromptDataConfig:
-    """Where prompts come from and how they become engine input. Validated on construction: ValueError names
-    the field.
+    """Where prompts come from and how they become engine input. Validated on construction: ValueError
+    starting with `PromptDataConfig.<field>`. The file itself is read (and every row checked) by
+    `load_prompts`."""
 
-    - ``path``: a ``.jsonl`` (one JSON object a line; blank lines skipped) or ``.parquet`` file; the suffix
-      picks the format. Existence is checked by `load_prompts`, not here.
-    - ``prompt_key``: holds a non-empty string or a list of chat messages ``[{role, content}, ...]``.
-    - ``label_key``: the reference answer handed to reward plugins (any JSON value but null); required in
-      every row unless ``label_key`` is None (datasets scored without a reference).
-    - ``metadata_keys``: keys copied into ``PromptRecord.metadata``; each listed key must be present in every
-      row. ``"*"`` (the default) copies every key other than the prompt and label keys.
-    - ``chat_template`` / ``system_prompt``: see `miles_k3.data.chat_template` (None, ``"chatml"`` or a
-      format string with ``{prompt}`` and optionally ``{system}``). A system prompt no template reads is an
-      error.
-    - ``shuffle`` / ``seed`` / ``drop_last``: read by `PromptSampler`.
-    """
-
-    path: str
-    prompt_key: str = "prompt"
+    path: str  # a .jsonl (one JSON object a line; blank lines skipped) or .parquet file; the suffix picks
+    prompt_key: str = "prompt"  # holds a non-empty string or a list of chat messages [{role, content}, ...]
+    # the reference answer handed to reward plugins (any JSON value but null), required in every row;
+    # None: the data has no reference (the reward scores responses alone)
     label_key: str | None = "label"
-    metadata_keys: tuple[str, ...] | str = ALL_KEYS
-    chat_template: str | None = None
-    system_prompt: str | None = None
-    shuffle: bool = True
-    seed: int = 0
-    drop_last: bool = False
+    # keys copied into PromptRecord.metadata, each required in every row; None: every key other than the
+    # prompt and label keys
+    metadata_keys: tuple[str, ...] | None = None
+    chat_template: str | None = None  # None, "chatml" or a format string with {prompt} (miles_k3.data.chat_template)
+    system_prompt: str | None = None  # needs a template that reads it ({system}, or chatml)
+    shuffle: bool = True  # PromptSampler: a fresh permutation each epoch; false: file order
+    seed: int = 0  # PromptSampler: seeds the epoch permutations
+    drop_last: bool = False  # PromptSampler: an epoch's last, short batch is skipped instead of wrapping
 
     def __post_init__(self) -> None:
-        # Hydra hands over strings and ListConfigs; normalize to str / tuple so the frozen config is hashable.
+        def fail(name: str, rule: str) -> ValueError:
+            return ValueError(f"PromptDataConfig.{name} {rule}, got {getattr(self, name)!r}")
+
+        # Hydra hands over strings and lists; normalize to str / tuple so the frozen config is hashable.
         if isinstance(self.path, os.PathLike):
             object.__setattr__(self, "path", os.fspath(self.path))
         if not isinstance(self.path, str) or not self.path:
-            raise ValueError(f"path: must be a non-empty path string, got {self.path!r}")
+            raise fail("path", "must be a non-empty path string")
         if Path(self.path).suffix.lower() not in FORMATS:
-            raise ValueError(f"path: {self.path!r} must end in one of {sorted(FORMATS)} (the suffix picks the "
-                             "format)")
+            raise fail("path", f"must end in one of {sorted(FORMATS)} (the suffix picks the format)")
         if not isinstance(self.prompt_key, str) or not self.prompt_key:
-            raise ValueError(f"prompt_key: must be a non-empty string, got {self.prompt_key!r}")
+            raise fail("prompt_key", "must be a non-empty string")
         if self.label_key is not None and (not isinstance(self.label_key, str) or not self.label_key):
-            raise ValueError(f"label_key: must be None or a non-empty string, got {self.label_key!r}")
+            raise fail("label_key", "must be None or a non-empty string")
         if self.label_key == self.prompt_key:
-            raise ValueError(f"label_key: equals prompt_key {self.prompt_key!r}")
-        if self.metadata_keys != ALL_KEYS:
+            raise fail("label_key", "must differ from prompt_key")
+        if self.metadata_keys is not None:
             if isinstance(self.metadata_keys, str):
-                raise ValueError(f"metadata_keys: must be {ALL_KEYS!r} or a sequence of keys, got the string "
-                                 f"{self.metadata_keys!r} (write ({self.metadata_keys!r},) for one key)")
+                raise fail("metadata_keys", f"must be None or a sequence of keys, not a string (write "
+                                            f"[{self.metadata_keys}] for one key)")
             try:
                 keys = tuple(self.metadata_keys)
             except TypeError:
-                raise ValueError(f"metadata_keys: must be {ALL_KEYS!r} or a sequence of keys, got "
-                                 f"{type(self.metadata_keys).__name__}") from None
+                raise fail("metadata_keys", "must be None or a sequence of keys") from None
             for k in keys:
                 if not isinstance(k, str) or not k:
-                    raise ValueError(f"metadata_keys: entries must be non-empty strings, got {k!r}")
+                    raise fail("metadata_keys", f"entries must be non-empty strings ({k!r} is not)")
                 if k in (self.prompt_key, self.label_key):
-                    raise ValueError(f"metadata_keys: {k!r} is the prompt or label key")
+                    raise fail("metadata_keys", f"must not list the prompt or label key {k!r}")
             if len(set(keys)) != len(keys):
-                raise ValueError(f"metadata_keys: duplicate keys in {keys}")
+                raise fail("metadata_keys", "must not repeat a key")
             object.__setattr__(self, "metadata_keys", keys)
-        validate_template(self.chat_template, self.system_prompt)
+        try:
+            validate_template(self.chat_template, self.system_prompt)
+        except ValueError as e:  # its messages start with the field: chat_template / system_prompt
+            raise ValueError(f"PromptDataConfig.{e}") from None
         for name in ("shuffle", "drop_last"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name}: must be a bool, got {getattr(self, name)!r}")
+                raise fail(name, "must be a bool")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise ValueError(f"seed: must be an int, got {self.seed!r}")
+            raise fail("seed", "must be an int")
 
     @property
     def format(self) -> str:
@@ -196,7 +191,7 @@ def _to_record(index: int, row: dict[str, Any], where: str, c: PromptDataConfig)
         if label is None:
             # A null reference would score every sample as wrong: a data bug, not a zero reward.
             raise ValueError(f"{where}: label key {c.label_key!r} is null")
-    if c.metadata_keys == ALL_KEYS:
+    if c.metadata_keys is None:
         metadata = {k: v for k, v in row.items() if k not in (c.prompt_key, c.label_key)}
     else:
         missing = [k for k in c.metadata_keys if k not in row]

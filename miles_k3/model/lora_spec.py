@@ -7,12 +7,19 @@ without wrapper prefix; routed experts are matched per projection as `<prefix>.e
 
 The adapter's contribution to a module's output is `scale * B(A x)` with `scale = alpha / rank`
 (PEFT's default, non-rslora scaling); dropout applies to the adapter's input x only.
+
+`adaptable_modules(config)` names every module a K3 model can adapt, read off its tensor layout without
+building it, so `check_matches` can reject targets that select nothing before any model exists.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
+
+from miles_k3.model.config import K3Config
+from miles_k3.model.layout import tensor_shapes
 
 # KDA q/k/v/o and output gate, MLA q_b/kv_b/o and output gate (MLA's q_proj when q_lora_rank is None),
 # the dense MLP, shared experts, the LatentMoE down/up projections and every routed expert projection.
@@ -27,12 +34,12 @@ DEFAULT_TARGETS: tuple[str, ...] = (
 
 @dataclass(frozen=True)
 class LoraSpec:
-    """rank >= 1, alpha > 0, dropout in [0, 1), targets: non-empty tuple of valid regexes."""
+    """Checked on construction: ValueError starting with `LoraSpec.<field>`."""
 
-    rank: int = 8
-    alpha: float = 16.0
-    dropout: float = 0.0
-    targets: tuple[str, ...] = DEFAULT_TARGETS
+    rank: int = 8  # >= 1: the adapter's inner dimension r (A is [r, in], B is [out, r])
+    alpha: float = 16.0  # > 0: the output is scaled by alpha / rank
+    dropout: float = 0.0  # in [0, 1): dropout on the adapter's input while training
+    targets: tuple[str, ...] = DEFAULT_TARGETS  # regexes searched in HF module names (module docstring)
 
     def __post_init__(self) -> None:
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
@@ -64,6 +71,39 @@ class LoraSpec:
         """Whether the HF module `name` (stacked experts: `<prefix>.experts.w1`) gets an adapter."""
         return matches_targets(self.targets, name)
 
+    def check_matches(self, modules: Iterable[str]) -> None:
+        """ValueError unless the targets select at least one of `modules` (e.g. `adaptable_modules(config)`)
+        and, for targets other than the default set, every pattern selects one: a typo in one of several
+        patterns would otherwise drop its modules silently. (The default set spans the whole K3 family, so
+        some of its patterns match nothing in a given model.)"""
+        modules = list(modules)
+        example = f"modules are named like {modules[0]!r}" if modules else "the model has no adaptable module"
+        if not any(self.targets_module(m) for m in modules):
+            raise ValueError(f"LoraSpec.targets match no module of this model ({example}), got {self.targets!r}")
+        if self.targets != DEFAULT_TARGETS:
+            for t in self.targets:
+                if not any(re.search(t, m) for m in modules):
+                    raise ValueError(f"LoraSpec.targets: {t!r} matches no module of this model ({example})")
+
 
 def matches_targets(targets: tuple[str, ...], name: str) -> bool:
     return any(re.search(t, name) for t in targets)
+
+
+# Two-dimensional weights that are not linear projections: the embedding, the MoE router, AttnRes queries.
+_NOT_LINEAR = re.compile(r"(^model\.embed_tokens|\.block_sparse_moe\.gate|_res_proj)\.weight$")
+_EXPERT = re.compile(r"\.experts\.\d+\.(w[123])\.weight$")
+
+
+def adaptable_modules(config: K3Config) -> list[str]:
+    """HF names (no wrapper prefix) of every module of `config`'s model that can carry an adapter, in layout
+    order: each linear projection (lm_head included) and, per MoE layer, the stacked routed-expert
+    projections `<prefix>.experts.w1`, `.w2`, `.w3`."""
+    names: dict[str, None] = {}
+    for tensor, shape in tensor_shapes(config).items():
+        if len(shape) != 2 or not tensor.endswith(".weight") or _NOT_LINEAR.search(tensor):
+            continue
+        expert = _EXPERT.search(tensor)
+        module = tensor[:expert.start()] + f".experts.{expert.group(1)}" if expert else tensor[:-len(".weight")]
+        names[module] = None
+    return list(names)

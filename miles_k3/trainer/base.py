@@ -12,6 +12,8 @@ from miles_k3.model.config import K3Config
 from miles_k3.model.modeling import reference_state
 from miles_k3.trainer.config import ModelCfg
 
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # config.DTYPES by name
+
 
 def load_base(model: ModelCfg, seed: int) -> tuple[K3Config, dict[str, torch.Tensor]]:
     """(config, logical HF state dict in fp32). A preset is initialized with `seed` (same weights on every
@@ -52,9 +54,12 @@ class HFTokenizer:
     def __init__(self, path: str):
         from transformers import AutoTokenizer
 
-        self._tok = AutoTokenizer.from_pretrained(path, trust_remote_code=True)
+        try:
+            self._tok = AutoTokenizer.from_pretrained(path, trust_remote_code=True)
+        except OSError as e:  # transformers' way of saying: no tokenizer files here
+            raise ValueError(f"'hf' finds no tokenizer in {path}: {e}") from None
         if self._tok.eos_token_id is None:
-            raise ValueError(f"model.path {path}: the tokenizer defines no eos token")
+            raise ValueError(f"the tokenizer in {path} defines no eos token")
         self.eos_token_id = int(self._tok.eos_token_id)
 
     def encode_prompt(self, text: str) -> list[int]:
@@ -67,8 +72,7 @@ class HFTokenizer:
 def build_tokenizer(model: ModelCfg, config: K3Config) -> Any:
     tok = ArithmeticTextTokenizer() if model.tokenizer == "arithmetic" else HFTokenizer(model.path)
     if tok.eos_token_id >= config.vocab_size:
-        raise ValueError(f"model.tokenizer: eos id {tok.eos_token_id} is outside the model's vocabulary "
-                         f"({config.vocab_size})")
+        raise ValueError(f"eos id {tok.eos_token_id} is outside the model's vocabulary ({config.vocab_size})")
     return tok
 
 

@@ -26,6 +26,8 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
+STATE_FILE = "trainer_state.pt"  # what the driver writes into a checkpoint: step, sampler, every rank's state
+ADAPTER_DIR = "adapter"  # and the adapter, in PEFT format
 _NAME = re.compile(r"^step_(\d{8})$")
 
 

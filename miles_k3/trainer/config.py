@@ -1,21 +1,37 @@
-"""The trainer's configuration: typed dataclasses that Hydra composes, validated in one place.
+"""The trainer's configuration: the Hydra schema, typed by the components it configures, and `resolve`.
 
 Hydra composes `recipes/` YAML onto `TrainConfig` (registered as the structured schema `miles_train_schema`),
-so a misspelled key or a wrong type fails in OmegaConf with the key's path. `resolve(cfg)` then checks every
-value and builds the frozen configs the components take (PolicyLossConfig, RewardConfig, PromptDataConfig,
-LoraSpec, EngineConfig); every error is a ValueError that starts with the field's dotted path, and it runs
-before any model is built.
+so a misspelled key or a wrong type fails in OmegaConf with the key's path. A section that configures a
+component takes that component's fields, types and defaults (`component_fields`; written once, in the
+component): `lora.*` are LoraSpec's, `algo.*` PolicyLossConfig's plus the loop's group options, `data.*`
+PromptDataConfig's plus the held-out set, `reward.*` RewardConfig's, and `rollout.*` holds SamplingParams'
+and EngineConfig's fields beside the run's own. The component checks them when `resolve` builds it. The
+trainer's own sections (model, parallel, optim, cluster, logging, trainer) own their defaults and check
+themselves (`Section.check`). `resolve` adds only the rules that span sections.
 
-Groups (one YAML file each under recipes/<group>/): model, parallel, algo, data, reward, cluster, logging;
-`recipe=<name>` picks recipes/recipe/<name>.yaml, a global override of the others.
+Every error is a ValueError whose message starts with the field's dotted path (`algo.eps_high must be >= 0,
+got -1.0`), raised before any model is built. Groups (one YAML file each under recipes/<group>/): model,
+parallel, algo, data, reward, cluster, logging; `recipe=<name>` picks recipes/recipe/<name>.yaml, a global
+override of the others.
 """
 
 from __future__ import annotations
 
+import collections.abc
+import dataclasses
 import math
-from dataclasses import asdict, dataclass, field, fields
+import re
+import typing
+from dataclasses import asdict, dataclass, field, make_dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
+
+from miles_k3.algo import PolicyLossConfig
+from miles_k3.data import PromptDataConfig
+from miles_k3.model.lora_spec import LoraSpec
+from miles_k3.rewards import RewardConfig
+from rollout.config import EngineConfig
+from rollout.request import SamplingParams
 
 BUILTIN_PREFIX = "builtin:"
 ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets"
@@ -25,149 +41,299 @@ LAUNCHERS = ("local", "ray")
 WANDB_MODES = ("offline", "online", "disabled")
 TOKENIZERS = ("arithmetic", "hf")
 RESUME_MODES = ("auto", "never")
+# the rollout.* keys that are SamplingParams' / EngineConfig's fields (the others are the run's own)
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_new_tokens")
+ENGINE_KEYS = ("page_size", "chunk_size", "max_prefill_tokens", "max_prefill_requests", "max_running",
+               "mxfp4_matmul", "overlap", "compile_decode")
+
+
+# ------------------------------------------------------------------ how a section is typed and checked
+class Section:
+    """A schema section. `check` raises ValueError("<field> <rule>, got <value>") for a value that is wrong
+    on its own; `resolve` prefixes the section."""
+
+    def check(self) -> None:
+        pass
+
+    def values(self, names: tuple[str, ...] | None = None) -> dict[str, Any]:
+        """This section's values (those of `names`), as keyword arguments for a component."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if names is None or f.name in names}
+
+
+def component_fields(component: type, names: tuple[str, ...] | None = None) -> type:
+    """A mutable dataclass (a Section) holding `component`'s fields, or those in `names`, with the component's
+    types and defaults: the schema node Hydra fills. A field without a default is mandatory (`???` until a
+    recipe sets it). The frozen component cannot be the node itself: OmegaConf makes a frozen dataclass's
+    node read-only, and no recipe or override could then be merged into it."""
+    hints = typing.get_type_hints(component)
+    specs = []
+    for f in dataclasses.fields(component):
+        if names is not None and f.name not in names:
+            continue
+        if f.default is not dataclasses.MISSING:
+            default = field(default=f.default)
+        elif f.default_factory is not dataclasses.MISSING:
+            default = field(default_factory=f.default_factory)
+        else:
+            default = field(default="???")  # OmegaConf's MISSING
+        specs.append((f.name, _schema_type(hints[f.name]), default))
+    unknown = set(names or ()) - {name for name, _, _ in specs}
+    if unknown:
+        raise TypeError(f"{component.__name__} has no field(s) {sorted(unknown)}")
+    return make_dataclass(f"{component.__name__}Fields", specs, bases=(Section,))
+
+
+def _schema_type(t: Any) -> Any:
+    # OmegaConf types dict values but not the abstract Mapping (RewardConfig.headers)
+    if typing.get_origin(t) is collections.abc.Mapping:
+        return dict[typing.get_args(t)]
+    return t
+
+
+class _Check:
+    """Value rules for one section's fields; each failure names the field and the value."""
+
+    def __init__(self, obj: Any):
+        self.obj = obj
+
+    def fail(self, name: str, rule: str) -> ValueError:
+        return ValueError(f"{name} {rule}, got {getattr(self.obj, name)!r}")
+
+    def int_at_least(self, name: str, low: int) -> None:
+        v = getattr(self.obj, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < low:
+            raise self.fail(name, f"must be an integer >= {low}")
+
+    def number(self, name: str, low: float | None = None, high: float | None = None, *, open_low: bool = False) -> None:
+        v = getattr(self.obj, name)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise self.fail(name, "must be a finite number")
+        if low is not None and (v < low or (open_low and v == low)):
+            raise self.fail(name, f"must be {'>' if open_low else '>='} {low}")
+        if high is not None and v > high:
+            raise self.fail(name, f"must be <= {high}")
+
+    def choice(self, name: str, options: tuple[str, ...]) -> None:
+        if getattr(self.obj, name) not in options:
+            raise self.fail(name, f"must be one of {options}")
 
 
 # ------------------------------------------------------------------ schema (what YAML may set)
 @dataclass
-class ModelCfg:
-    path: Optional[str] = "builtin:k3-tiny-arith"  # HF checkpoint dir, or builtin:<asset>; None: random init
-    preset: Optional[str] = None  # random init from K3Config.from_preset (benchmarks); excludes path
+class ModelCfg(Section):
+    """model.*: the base the run trains (a checkpoint, or a random-init preset) and its tokenizer."""
+
+    # an HF checkpoint directory, or builtin:<asset>; mandatory (a model group sets it: null with a preset)
+    path: Optional[str] = "???"
+    preset: Optional[str] = None  # random init from K3Config.from_preset (benchmarks), with path null
     vocab_size: Optional[int] = None  # with preset: override (the arithmetic tokenizer has 18 ids)
     tokenizer: str = "arithmetic"  # TOKENIZERS; "hf" loads transformers.AutoTokenizer from path
-    train_dtype: str = "float32"  # trainer base + LoRA dtype (bfloat16 on GPU)
+    train_dtype: str = "float32"  # DTYPES: the trainer's base + LoRA dtype (bfloat16 on GPU)
+
+    def check(self) -> None:
+        from miles_k3.model.config import PRESETS
+
+        c = _Check(self)
+        c.choice("tokenizer", TOKENIZERS)
+        c.choice("train_dtype", DTYPES)
+        if (self.path is None) == (self.preset is None):
+            raise ValueError("path or preset must be set, not both (a checkpoint, or a random-init preset), "
+                             f"got path={self.path!r}, preset={self.preset!r}")
+        if self.preset is not None and self.preset not in PRESETS:
+            raise c.fail("preset", f"must be one of {sorted(PRESETS)}")
+        if self.path is not None:
+            if not (Path(self.path) / "config.json").is_file():
+                raise c.fail("path", "must be a directory holding config.json (an HF checkpoint)")
+            if self.vocab_size is not None:
+                raise c.fail("vocab_size", "only applies with model.preset (a checkpoint fixes its vocabulary)")
+        if self.vocab_size is not None:
+            c.int_at_least("vocab_size", 2)
+        if self.tokenizer == "hf" and self.path is None:
+            raise c.fail("tokenizer", "'hf' needs model.path (the tokenizer is loaded from the checkpoint)")
 
 
 @dataclass
-class LoraCfg:
-    rank: int = 8
-    alpha: float = 16.0
-    dropout: float = 0.0
-    targets: Optional[list[str]] = None  # regexes over HF module names; None: the default set
+class LoraCfg(component_fields(LoraSpec)):
+    """lora.*: LoraSpec's fields (rank, alpha, dropout, targets), its defaults and checks."""
 
 
 @dataclass
-class ParallelCfg:
-    tp: int = 1
+class ParallelCfg(Section):
+    """parallel.*: how the trainer's model is split over cluster.num_workers ranks."""
+
+    tp: int = 1  # tensor-parallel ranks (megatron-core column/row parallel linears)
     sp: bool = False  # sequence parallel over the TP group: norms / residual / AttnRes hold a slice of the tokens
-    pp: int = 1
-    cp: int = 1
-    ep: int = 1
+    pp: int = 1  # pipeline parallel (not implemented: must be 1)
+    cp: int = 1  # context parallel (not implemented: must be 1)
+    ep: int = 1  # expert parallel (not implemented: must be 1)
+
+    def check(self) -> None:
+        c = _Check(self)
+        for name in ("tp", "pp", "cp", "ep"):
+            c.int_at_least(name, 1)
+        for name in ("pp", "cp", "ep"):
+            if getattr(self, name) != 1:
+                raise c.fail(name, "must be 1: only tensor parallelism (tp, sp) is implemented so far")
+        if self.sp and self.tp == 1:
+            raise c.fail("sp", "needs parallel.tp > 1: sequence parallelism shards over the tensor-parallel group")
 
 
 @dataclass
-class RolloutCfg:
-    prompts_per_step: int = 32
-    samples_per_prompt: int = 8
-    max_new_tokens: int = 8
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    stop_at_eos: bool = True
-    quantize: str = "none"  # none | experts | all (the engine's base)
-    mxfp4_matmul: str = "auto"  # auto | torch | triton: how the engine multiplies MXFP4 experts (auto: triton on CUDA)
-    overlap: str = "auto"  # auto | on | off: enqueue decode step k+1 before reading step k (auto: on CUDA)
-    compile_decode: bool = False  # torch.compile the engine's CUDA-graph decode step (CUDA, bf16)
+class RolloutCfg(component_fields(EngineConfig, ENGINE_KEYS), component_fields(SamplingParams, SAMPLING_KEYS)):
+    """rollout.*: SamplingParams' sampling fields and EngineConfig's scheduling fields (their defaults and
+    checks), and the run's own below."""
+
+    prompts_per_step: int = 32  # groups (prompts) per GRPO step
+    samples_per_prompt: int = 8  # group size n (>= 2: group-normalized advantages need a group)
+    stop_at_eos: bool = True  # a sample ends at the tokenizer's eos (else at max_new_tokens)
+    quantize: str = "none"  # the engine's base: none (the trainer's weights) | experts | all (MXFP4)
+    dtype: str = "float32"  # DTYPES: the engine's base and KV dtype
+    memory_mb: float = 64.0  # the engine's KV pages + KDA state slots (EngineConfig.memory_bytes, in MiB)
     # Free the engine's KV / state pools (and its CUDA graphs, which read them by address) while the trainer
     # runs. false keeps them, and the graphs captured once serve every later step: for a device that holds
     # both (k3-small on one H200), where recapturing each step cost most of the rollout time.
     release_memory: bool = True
-    dtype: str = "float32"
-    memory_mb: float = 64.0  # KV pages + KDA state slots
-    page_size: int = 16
-    chunk_size: int = 64
-    max_prefill_tokens: int = 512
-    max_prefill_requests: int = 256  # requests packed into one prefill forward (token budget permitting)
-    max_running: int = 256
+
+    def check(self) -> None:
+        from rollout.model_runner import QUANTIZE_MODES
+
+        c = _Check(self)
+        c.int_at_least("prompts_per_step", 1)
+        c.int_at_least("samples_per_prompt", 2)
+        c.number("temperature", 0.0, open_low=True)  # the trainer's log-probs divide by it: no greedy training
+        c.number("memory_mb", 0.0, open_low=True)
+        c.choice("quantize", QUANTIZE_MODES)
+        c.choice("dtype", DTYPES)
+
+    def sampling(self) -> SamplingParams:
+        """The sampling parameters of every training sample (the loop adds its seed and stop token)."""
+        return SamplingParams(**self.values(SAMPLING_KEYS))
+
+    def engine(self) -> EngineConfig:
+        return EngineConfig(memory_bytes=int(self.memory_mb * 2**20), **self.values(ENGINE_KEYS))
 
 
 @dataclass
-class AlgoCfg:
-    normalize_std: bool = True
-    eps_low: float = 0.2
-    eps_high: float = 0.28
-    dual_clip_c: Optional[float] = None
-    ratio: str = "token"
-    kl: str = "none"
-    kl_coef: float = 0.0
-    reducer: str = "token_mean"
-    max_response_len: Optional[int] = None
-    rollout_correction: str = "tis"
-    tis_cap: float = 2.0
-    mis_low: float = 0.5
-    mis_high: float = 2.0
-    mis_level: str = "token"
-    opsm_delta: float = 1e-4
-    dynamic_sampling: bool = True  # drop zero-variance groups, refill up to max_refill_rounds
-    max_refill_rounds: int = 2
-    updates_per_step: int = 1  # optimizer steps per rollout batch (minibatches)
+class AlgoCfg(component_fields(PolicyLossConfig)):
+    """algo.*: PolicyLossConfig's fields (its defaults, which are GRPO's, and its checks), and the loop's
+    group options below."""
+
+    normalize_std: bool = True  # divide group-centered rewards by the group's std (GRPO); false: Dr.GRPO
+    dynamic_sampling: bool = True  # drop zero-variance groups, refill up to max_refill_rounds (DAPO)
+    max_refill_rounds: int = 2  # extra sampling rounds per step that refill dropped groups
+    updates_per_step: int = 1  # optimizer steps per rollout batch (minibatches of whole groups)
+
+    def check(self) -> None:
+        c = _Check(self)
+        c.int_at_least("max_refill_rounds", 0)
+        c.int_at_least("updates_per_step", 1)
+
+    def loss(self) -> PolicyLossConfig:
+        return PolicyLossConfig(**self.values(tuple(f.name for f in dataclasses.fields(PolicyLossConfig))))
 
 
 @dataclass
-class OptimCfg:
-    lr: float = 2e-3
-    weight_decay: float = 0.0
+class OptimCfg(Section):
+    """optim.*: AdamW over the adapter parameters."""
+
+    lr: float = 2e-3  # peak learning rate (> 0)
+    weight_decay: float = 0.0  # AdamW's decoupled weight decay
     beta1: float = 0.9
     beta2: float = 0.99
-    grad_clip: float = 1.0
-    warmup_steps: int = 0
+    grad_clip: float = 1.0  # max global gradient norm; 0: measure, do not clip
+    warmup_steps: int = 0  # linear warmup from lr / warmup_steps to lr; 0: none
+
+    def check(self) -> None:
+        c = _Check(self)
+        c.number("lr", 0.0, open_low=True)
+        c.number("weight_decay", 0.0)
+        c.number("beta1", 0.0, 1.0)
+        c.number("beta2", 0.0, 1.0)
+        c.number("grad_clip", 0.0)
+        c.int_at_least("warmup_steps", 0)
 
 
 @dataclass
-class DataCfg:
-    path: str = "builtin:k3-tiny-arith/train.jsonl"
-    prompt_key: str = "prompt"
-    label_key: Optional[str] = "label"
-    metadata_keys: Optional[list[str]] = None  # None: every other key
-    chat_template: Optional[str] = None
-    system_prompt: Optional[str] = None
-    shuffle: bool = True
-    seed: int = 0
-    drop_last: bool = False
-    eval_path: Optional[str] = "builtin:k3-tiny-arith/heldout.jsonl"
-    eval_max_prompts: Optional[int] = None  # None: all
+class DataCfg(component_fields(PromptDataConfig)):
+    """data.*: PromptDataConfig's fields for the training prompts (the held-out prompts share every option
+    but the path), and the held-out set below."""
+
+    eval_path: Optional[str] = None  # held-out prompts for the greedy evaluation; None: no evaluation
+    eval_max_prompts: Optional[int] = None  # evaluate on the first N held-out prompts; None: all
+
+    def check(self) -> None:
+        if self.eval_max_prompts is not None:
+            _Check(self).int_at_least("eval_max_prompts", 1)
+
+    def prompts(self, path: str) -> PromptDataConfig:
+        return PromptDataConfig(**{**self.values(tuple(f.name for f in dataclasses.fields(PromptDataConfig))),
+                                   "path": builtin_path(path)})
 
 
 @dataclass
-class RewardCfg:
-    fn: str = "arithmetic"
-    timeout_s: float = 30.0
-    on_failure: str = "raise"
-    max_concurrency: int = 16
-    url: Optional[str] = None
-    retries: int = 3
-    backoff_s: float = 0.5
-    backoff_max_s: float = 8.0
-    headers: dict[str, str] = field(default_factory=dict)
+class RewardCfg(component_fields(RewardConfig)):
+    """reward.*: RewardConfig's fields (fn, timeout, failure policy, remote options), its defaults and checks."""
 
 
 @dataclass
-class ClusterCfg:
-    launcher: str = "local"  # LAUNCHERS
+class ClusterCfg(Section):
+    """cluster.*: where the workers run."""
+
+    launcher: str = "local"  # LAUNCHERS: local processes, or Ray actors
     device: str = "cpu"  # DEVICES
     num_workers: int = 1  # trainer ranks (= parallel.tp for now); one engine per worker
     threads_per_worker: Optional[int] = None  # torch intra-op threads; None: torch's default
-    ray_address: Optional[str] = None  # None: start a local Ray instance
+    ray_address: Optional[str] = None  # with launcher=ray: the cluster to join; None: start a local Ray instance
+
+    def check(self) -> None:
+        c = _Check(self)
+        c.choice("launcher", LAUNCHERS)
+        c.choice("device", DEVICES)
+        c.int_at_least("num_workers", 1)
+        if self.threads_per_worker is not None:
+            c.int_at_least("threads_per_worker", 1)
+        if self.ray_address is not None and self.launcher != "ray":
+            raise c.fail("ray_address", "only applies with cluster.launcher=ray")
 
 
 @dataclass
-class LoggingCfg:
-    wandb: str = "offline"  # WANDB_MODES
-    project: str = "miles-k3"
-    run_name: Optional[str] = None
-    progress: bool = True
-    log_every: int = 1
+class LoggingCfg(Section):
+    """logging.*: metrics.jsonl is always written; these add wandb and the console."""
+
+    wandb: str = "offline"  # WANDB_MODES; online needs a W&B login (WANDB_API_KEY or `wandb login`)
+    project: str = "miles-k3"  # the wandb project
+    run_name: Optional[str] = None  # the wandb run name; None: the run directory's name
+    progress: bool = True  # a console progress bar (a log line per step either way)
+    log_every: int = 1  # write a metrics row every N steps (and at the last)
+
+    def check(self) -> None:
+        c = _Check(self)
+        c.choice("wandb", WANDB_MODES)
+        c.int_at_least("log_every", 1)
 
 
 @dataclass
-class TrainerCfg:
-    max_steps: int = 40
-    seed: int = 0
-    deterministic: bool = False
-    save_every: int = 10  # steps; 0: only at the end
-    keep_checkpoints: int = 2
-    resume: str = "auto"  # auto | never | a checkpoint dir
-    eval_every: int = 10  # steps; 0: only before and after
-    eval_before: bool = True
+class TrainerCfg(Section):
+    """trainer.*: the run's length, seeds, evaluation and checkpoint schedule."""
+
+    max_steps: int = 40  # GRPO steps
+    seed: int = 0  # torch seed per rank (seed + rank) and the root of every sample's engine seed
+    deterministic: bool = False  # torch.use_deterministic_algorithms (a resumed run reproduces exactly)
+    save_every: int = 10  # steps between checkpoints; 0: only at the end
+    keep_checkpoints: int = 2  # the newest N checkpoints are kept
+    resume: str = "auto"  # auto (the newest good checkpoint of the run directory) | never | a checkpoint dir
+    eval_every: int = 10  # steps between evaluations; 0: only before and after
+    eval_before: bool = True  # evaluate once before the first step
+
+    def check(self) -> None:
+        c = _Check(self)
+        c.int_at_least("max_steps", 1)
+        c.int_at_least("save_every", 0)
+        c.int_at_least("keep_checkpoints", 1)
+        c.int_at_least("eval_every", 0)
+        if self.resume not in RESUME_MODES and not Path(self.resume).is_dir():
+            raise c.fail("resume", f"must be one of {RESUME_MODES} or an existing checkpoint directory")
 
 
 @dataclass
@@ -193,7 +359,7 @@ def register_schema() -> None:
     ConfigStore.instance().store(name="miles_train_schema", node=TrainConfig)
 
 
-# ------------------------------------------------------------------ validation
+# ------------------------------------------------------------------ resolution
 def builtin_path(value: str) -> str:
     """`builtin:<relative path>` -> a path inside the installed package's assets (other values unchanged)."""
     if value.startswith(BUILTIN_PREFIX):
@@ -203,204 +369,104 @@ def builtin_path(value: str) -> str:
 
 @dataclass(frozen=True)
 class ResolvedConfig:
-    """Everything the run needs, validated. `raw` is the plain-dict form of the TrainConfig (for the run record)."""
+    """Everything the run needs, checked: the components' frozen configs and the trainer's own sections.
+    `raw` is the plain-dict form of the TrainConfig (for the run record)."""
 
     raw: dict[str, Any]
     model: ModelCfg
-    lora: Any  # miles_k3.model.lora_spec.LoraSpec
+    lora: LoraSpec
     parallel: ParallelCfg
-    rollout: RolloutCfg
-    engine: Any  # rollout.engine.EngineConfig
-    loss: Any  # miles_k3.algo.PolicyLossConfig
-    algo: AlgoCfg
+    rollout: RolloutCfg  # the run's own rollout.* options (sampling and engine: below)
+    sampling: SamplingParams
+    engine: EngineConfig
+    loss: PolicyLossConfig
+    algo: AlgoCfg  # the loop's group options (the loss: above)
     optim: OptimCfg
-    data: Any  # miles_k3.data.PromptDataConfig
-    eval_data: Any  # PromptDataConfig | None
+    data: PromptDataConfig
+    eval_data: PromptDataConfig | None
     eval_max_prompts: int | None
-    reward: Any  # miles_k3.rewards.RewardConfig
+    reward: RewardConfig
     cluster: ClusterCfg
     logging: LoggingCfg
     trainer: TrainerCfg
 
 
-class _Checker:
-    def __init__(self, section: str, obj: Any):
-        self.section, self.obj = section, obj
+def config_error(exc: Exception) -> str:
+    """One line for an OmegaConf / Hydra composition error: the key's path and the first line of the reason
+    (their messages run over several lines of reference and object types)."""
+    from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
-    def fail(self, name: str, rule: str) -> ValueError:
-        return ValueError(f"{self.section}.{name} {rule}, got {getattr(self.obj, name)!r}")
-
-    def int_at_least(self, name: str, low: int) -> None:
-        v = getattr(self.obj, name)
-        if isinstance(v, bool) or not isinstance(v, int) or v < low:
-            raise self.fail(name, f"must be an integer >= {low}")
-
-    def number(self, name: str, low: float | None = None, high: float | None = None, *, open_low: bool = False) -> None:
-        v = getattr(self.obj, name)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-            raise self.fail(name, "must be a finite number")
-        if low is not None and (v < low or (open_low and v == low)):
-            raise self.fail(name, f"must be {'>' if open_low else '>='} {low}")
-        if high is not None and v > high:
-            raise self.fail(name, f"must be <= {high}")
-
-    def choice(self, name: str, options: tuple[str, ...]) -> None:
-        if getattr(self.obj, name) not in options:
-            raise self.fail(name, f"must be one of {options}")
+    err = exc if isinstance(exc, OmegaConfBaseException) else exc.__cause__
+    if isinstance(err, OmegaConfBaseException) and getattr(err, "full_key", None):
+        key = err.full_key
+        if isinstance(err, MissingMandatoryValue):
+            return f"{key} must be set (it has no default), e.g. {key}=..."
+        reason = str(getattr(err, "msg", err)).strip().splitlines()[0]
+        return f"{key}: {reason}"
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    options = getattr(exc, "options", None)  # hydra's MissingConfigException: the group's files
+    text = lines[0] if lines else type(exc).__name__
+    return text + (f" (available: {', '.join(options)})" if options else "")
 
 
-def _same_fields(component: type, section: Any) -> Any:
-    """`component` (a frozen config with its own validation) from the schema section that mirrors its fields
-    (AlgoCfg holds PolicyLossConfig's fields plus the loop's, RewardCfg holds RewardConfig's)."""
-    return component(**{f.name: getattr(section, f.name) for f in fields(component)})
-
-
-def _nested(section: str, build):
-    """Run a component config's own validation and prefix its message with the section."""
+def in_section(section: str, fn: Callable[[], Any], component: type | None = None) -> Any:
+    """Run fn (a section's check, or building its component) and put the section's path on its ValueError:
+    "<field> ..." and "<Component>.<field> ..." become "<section>.<field> ..."."""
     try:
-        return build()
-    except (ValueError, TypeError) as e:
-        raise ValueError(f"{section}: {e}") from None
+        return fn()
+    except ValueError as e:
+        msg = str(e)
+        if component is not None and msg.startswith(f"{component.__name__}."):
+            msg = msg[len(component.__name__) + 1:]
+        if re.match(r"[a-z_][a-z0-9_]*\b", msg):
+            raise ValueError(f"{section}.{msg}") from None
+        raise ValueError(f"{section}: {msg}") from None
 
 
 def resolve(cfg: Any) -> ResolvedConfig:
-    """Validate a composed config (DictConfig or TrainConfig) and build the component configs."""
+    """Check a composed config (a DictConfig, a mapping or a TrainConfig) and build the component configs."""
     from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
 
-    if not isinstance(cfg, TrainConfig):
-        try:
-            cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), cfg))
-        except Exception as e:  # OmegaConf's errors name the key; keep the message, drop the type zoo
-            raise ValueError(f"config: {e}") from None
+    try:
+        cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), cfg))
+    except OmegaConfBaseException as e:  # unknown key, wrong type, missing value
+        raise ValueError(config_error(e)) from None
     raw = asdict(cfg)
-
-    from miles_k3.algo import PolicyLossConfig
-    from miles_k3.data import PromptDataConfig
-    from miles_k3.model.config import PRESETS
-    from miles_k3.model.lora_spec import LoraSpec
-    from miles_k3.rewards import RewardConfig
-    from rollout.config import MXFP4_MATMULS, OVERLAP_MODES, EngineConfig
-    from rollout.model_runner import QUANTIZE_MODES
-
-    m = _Checker("model", cfg.model)
-    m.choice("tokenizer", TOKENIZERS)
-    m.choice("train_dtype", DTYPES)
-    if (cfg.model.path is None) == (cfg.model.preset is None):
-        raise ValueError("model: set exactly one of model.path (a checkpoint) and model.preset (random init), "
-                         f"got path={cfg.model.path!r}, preset={cfg.model.preset!r}")
-    if cfg.model.preset is not None and cfg.model.preset not in PRESETS:
-        raise m.fail("preset", f"must be one of {sorted(PRESETS)}")
     if cfg.model.path is not None:
         cfg.model.path = builtin_path(cfg.model.path)
-        if not (Path(cfg.model.path) / "config.json").is_file():
-            raise m.fail("path", "must be a directory holding config.json (an HF checkpoint)")
-        if cfg.model.vocab_size is not None:
-            raise m.fail("vocab_size", "only applies with model.preset (a checkpoint fixes its vocabulary)")
-    if cfg.model.vocab_size is not None:
-        m.int_at_least("vocab_size", 2)
-    if cfg.model.tokenizer == "hf" and cfg.model.path is None:
-        raise m.fail("tokenizer", "'hf' needs model.path (the tokenizer is loaded from the checkpoint)")
+    for f in dataclasses.fields(cfg):
+        section = getattr(cfg, f.name)
+        if isinstance(section, Section):
+            in_section(f.name, section.check)
 
-    lora = _nested("lora", lambda: LoraSpec(rank=cfg.lora.rank, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout,
-                                            **({} if cfg.lora.targets is None else
-                                               {"targets": tuple(cfg.lora.targets)})))
+    r, a, c, d = cfg.rollout, cfg.algo, cfg.cluster, cfg.data
+    lora = in_section("lora", lambda: LoraSpec(**cfg.lora.values()), LoraSpec)
+    sampling = in_section("rollout", r.sampling, SamplingParams)
+    engine = in_section("rollout", r.engine, EngineConfig)
+    loss = in_section("algo", a.loss, PolicyLossConfig)
+    data = in_section("data", lambda: d.prompts(d.path), PromptDataConfig)
+    eval_data = None if d.eval_path is None else in_section(
+        "data", lambda: d.prompts(d.eval_path), PromptDataConfig)
+    reward = in_section("reward", lambda: RewardConfig(**cfg.reward.values()), RewardConfig)
 
-    p = _Checker("parallel", cfg.parallel)
-    for name in ("tp", "pp", "cp", "ep"):
-        p.int_at_least(name, 1)
-    for name in ("pp", "cp", "ep"):
-        if getattr(cfg.parallel, name) != 1:
-            raise p.fail(name, "must be 1: only tensor parallelism (tp, sp) is implemented so far")
-    if cfg.parallel.sp and cfg.parallel.tp == 1:
-        raise p.fail("sp", "needs parallel.tp > 1: sequence parallelism shards over the tensor-parallel group")
-
-    r = _Checker("rollout", cfg.rollout)
-    for name in ("prompts_per_step", "samples_per_prompt", "max_new_tokens", "page_size", "chunk_size",
-                 "max_prefill_tokens", "max_prefill_requests", "max_running"):
-        r.int_at_least(name, 1)
-    if cfg.rollout.samples_per_prompt < 2:
-        raise r.fail("samples_per_prompt", "must be >= 2 (group-normalized advantages need a group)")
-    r.number("temperature", 0.0, open_low=True)
-    r.number("memory_mb", 0.0, open_low=True)
-    r.choice("quantize", QUANTIZE_MODES)
-    r.choice("mxfp4_matmul", MXFP4_MATMULS)
-    r.choice("overlap", OVERLAP_MODES)
-    if cfg.rollout.compile_decode and (cfg.cluster.device != "cuda" or cfg.rollout.dtype != "bfloat16"):
-        raise r.fail("compile_decode", "compiles the CUDA-graph decode step: needs cluster.device=cuda and "
-                                       "rollout.dtype=bfloat16")
-    if cfg.rollout.mxfp4_matmul == "triton":
-        for ok, need in ((cfg.rollout.quantize != "none", "rollout.quantize=experts or all (MXFP4 experts)"),
-                         (cfg.cluster.device == "cuda", "cluster.device=cuda"),
-                         (cfg.rollout.dtype == "bfloat16", "rollout.dtype=bfloat16")):
+    # rules that span sections
+    if r.compile_decode and (c.device != "cuda" or r.dtype != "bfloat16"):
+        raise ValueError("rollout.compile_decode compiles the CUDA-graph decode step: needs cluster.device=cuda "
+                         "and rollout.dtype=bfloat16")
+    if r.mxfp4_matmul == "triton":
+        for ok, need in ((r.quantize != "none", "rollout.quantize=experts or all (MXFP4 experts)"),
+                         (c.device == "cuda", "cluster.device=cuda"), (r.dtype == "bfloat16", "rollout.dtype=bfloat16")):
             if not ok:
-                raise r.fail("mxfp4_matmul", f"'triton' needs {need}")
-    r.choice("dtype", DTYPES)
-    engine = _nested("rollout", lambda: EngineConfig(
-        memory_bytes=int(cfg.rollout.memory_mb * 2**20), page_size=cfg.rollout.page_size,
-        chunk_size=cfg.rollout.chunk_size, max_prefill_tokens=cfg.rollout.max_prefill_tokens,
-        max_prefill_requests=cfg.rollout.max_prefill_requests, max_running=cfg.rollout.max_running,
-        mxfp4_matmul=cfg.rollout.mxfp4_matmul, overlap=cfg.rollout.overlap, compile_decode=cfg.rollout.compile_decode))
+                raise ValueError(f"rollout.mxfp4_matmul 'triton' needs {need}")
+    if a.updates_per_step > r.prompts_per_step:
+        raise ValueError(f"algo.updates_per_step must be <= rollout.prompts_per_step ({r.prompts_per_step}): "
+                         f"each update takes whole groups, got {a.updates_per_step}")
+    if c.num_workers != cfg.parallel.tp:
+        raise ValueError(f"cluster.num_workers must equal parallel.tp ({cfg.parallel.tp}): one trainer rank per "
+                         f"worker, and data parallelism is not implemented yet, got {c.num_workers}")
 
-    a = cfg.algo
-    loss = _nested("algo", lambda: _same_fields(PolicyLossConfig, a))
-    ac = _Checker("algo", a)
-    ac.int_at_least("max_refill_rounds", 0)
-    ac.int_at_least("updates_per_step", 1)
-    if a.updates_per_step > cfg.rollout.prompts_per_step:
-        raise ac.fail("updates_per_step", f"must be <= rollout.prompts_per_step ({cfg.rollout.prompts_per_step}): "
-                                          "each update takes whole groups")
-
-    o = _Checker("optim", cfg.optim)
-    o.number("lr", 0.0, open_low=True)
-    o.number("weight_decay", 0.0)
-    o.number("beta1", 0.0, 1.0)
-    o.number("beta2", 0.0, 1.0)
-    o.number("grad_clip", 0.0)
-    o.int_at_least("warmup_steps", 0)
-
-    d = cfg.data
-
-    def data_config(path: str) -> Any:
-        return PromptDataConfig(path=builtin_path(path), prompt_key=d.prompt_key, label_key=d.label_key,
-                                metadata_keys="*" if d.metadata_keys is None else tuple(d.metadata_keys),
-                                chat_template=d.chat_template, system_prompt=d.system_prompt, shuffle=d.shuffle,
-                                seed=d.seed, drop_last=d.drop_last)
-
-    data = _nested("data", lambda: data_config(d.path))
-    eval_data = None if d.eval_path is None else _nested("data.eval_path", lambda: data_config(d.eval_path))
-    for section, dc in (("data.path", data), ("data.eval_path", eval_data)):
-        if dc is not None and not Path(dc.path).is_file():
-            raise ValueError(f"{section}: prompt dataset not found: {dc.path}")
-    if d.eval_max_prompts is not None:
-        _Checker("data", d).int_at_least("eval_max_prompts", 1)
-
-    reward = _nested("reward", lambda: _same_fields(RewardConfig, cfg.reward))
-
-    c = _Checker("cluster", cfg.cluster)
-    c.choice("launcher", LAUNCHERS)
-    c.choice("device", DEVICES)
-    c.int_at_least("num_workers", 1)
-    if cfg.cluster.threads_per_worker is not None:
-        c.int_at_least("threads_per_worker", 1)
-    if cfg.cluster.num_workers != cfg.parallel.tp:
-        raise c.fail("num_workers", f"must equal parallel.tp ({cfg.parallel.tp}): one trainer rank per worker, "
-                                    "and data parallelism is not implemented yet")
-    if cfg.cluster.ray_address is not None and cfg.cluster.launcher != "ray":
-        raise c.fail("ray_address", "only applies with cluster.launcher=ray")
-
-    lg = _Checker("logging", cfg.logging)
-    lg.choice("wandb", WANDB_MODES)
-    lg.int_at_least("log_every", 1)
-
-    t = _Checker("trainer", cfg.trainer)
-    t.int_at_least("max_steps", 1)
-    t.int_at_least("save_every", 0)
-    t.int_at_least("keep_checkpoints", 1)
-    t.int_at_least("eval_every", 0)
-    if cfg.trainer.resume not in RESUME_MODES and not Path(cfg.trainer.resume).is_dir():
-        raise t.fail("resume", f"must be one of {RESUME_MODES} or an existing checkpoint directory")
-
-    return ResolvedConfig(raw=raw, model=cfg.model, lora=lora, parallel=cfg.parallel, rollout=cfg.rollout,
-                          engine=engine, loss=loss, algo=cfg.algo, optim=cfg.optim, data=data, eval_data=eval_data,
-                          eval_max_prompts=d.eval_max_prompts, reward=reward, cluster=cfg.cluster,
-                          logging=cfg.logging, trainer=cfg.trainer)
+    return ResolvedConfig(raw=raw, model=cfg.model, lora=lora, parallel=cfg.parallel, rollout=r, sampling=sampling,
+                          engine=engine, loss=loss, algo=a, optim=cfg.optim, data=data, eval_data=eval_data,
+                          eval_max_prompts=d.eval_max_prompts, reward=reward, cluster=c, logging=cfg.logging,
+                          trainer=cfg.trainer)

@@ -17,14 +17,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from miles_k3.trainer.base import build_tokenizer, load_base
+from miles_k3.trainer.base import TORCH_DTYPES, load_base
 from miles_k3.trainer.config import ResolvedConfig
-from miles_k3.trainer.loop import GRPODriver, RunInputs
+from miles_k3.trainer.inputs import RunInputs, load_run_inputs
+from miles_k3.trainer.loop import GRPODriver
 from miles_k3.trainer.rollout_worker import RolloutWorker
 from miles_k3.trainer.train_worker import TrainWorker
 
 log = logging.getLogger(__name__)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def configure_process(rc: ResolvedConfig, rank: int = 0) -> None:
@@ -38,35 +38,40 @@ def configure_process(rc: ResolvedConfig, rank: int = 0) -> None:
 
 
 def device_for(rc: ResolvedConfig, local_rank: int) -> str:
+    """The device of a worker (`load_run_inputs` checked that the local ones exist; a Ray actor's is its
+    bundle's GPU)."""
     if rc.cluster.device == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError("cluster.device: 'cuda' but no CUDA device is available")
         torch.cuda.set_device(local_rank)
         return f"cuda:{local_rank}"
     return "cpu"
 
 
 def build_rollout_worker(rc: ResolvedConfig, config, state, device: str) -> RolloutWorker:
-    return RolloutWorker(config, state, rc.lora, quantize=rc.rollout.quantize, dtype=DTYPES[rc.rollout.dtype],
+    return RolloutWorker(config, state, rc.lora, quantize=rc.rollout.quantize, dtype=TORCH_DTYPES[rc.rollout.dtype],
                          device=device, engine=rc.engine)
 
 
 def build_train_worker(rc: ResolvedConfig, config, state, device: str) -> TrainWorker:
     return TrainWorker(config, state, rc.lora, loss=rc.loss, algo=rc.algo, optim=rc.optim,
-                       temperature=rc.rollout.temperature, dtype=DTYPES[rc.model.train_dtype], device=device,
+                       temperature=rc.rollout.temperature, dtype=TORCH_DTYPES[rc.model.train_dtype], device=device,
                        seed=rc.trainer.seed, sequence_parallel=rc.parallel.sp)
 
 
-def start_trainer_rank(rc: ResolvedConfig, rank: int, device: str, init_method: str):
+def start_trainer_rank(rc: ResolvedConfig, rank: int, device: str, init_method: str,
+                       inputs: RunInputs | None = None):
     """One trainer rank (local process or Ray actor; after `configure_process`): joins the torch.distributed
-    world, builds megatron's TP group over it, loads the base and the policy. Returns (config, base state,
-    worker); the caller drops the state once the engine (if it holds one) is built."""
+    world, builds megatron's TP group over it, loads the base (or takes the checkpoint `inputs` already
+    read) and the policy. Returns (config, base state, worker); the caller drops the state once the engine
+    (if it holds one) is built."""
     from megatron_patches.parallel import init_parallel
 
     backend = "nccl" if rc.cluster.device == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=rc.cluster.num_workers)
     init_parallel(rc.parallel.tp)
-    config, state = load_base(rc.model, rc.trainer.seed)
+    if inputs is not None and inputs.base_state is not None:
+        config, state = inputs.config, inputs.base_state
+    else:
+        config, state = load_base(rc.model, rc.trainer.seed)
     return config, state, build_train_worker(rc, config, state, device)
 
 
@@ -111,8 +116,6 @@ class LocalWorkers:
         return states
 
     def load_trainer_states(self, states, adapter) -> None:
-        if len(states) != self.world_size:
-            raise ValueError(f"checkpoint holds {len(states)} trainer ranks, this run has {self.world_size}")
         if self.world_size > 1:
             dist.broadcast_object_list(["_load_rank_state", (adapter,)], src=0)
             dist.scatter_object_list([None], states, src=0)  # each rank receives its own state only
@@ -146,13 +149,15 @@ def _rank_main(rank: int, rc: ResolvedConfig, run_dir: str, port: int, inputs: R
     configure_process(rc, rank)
     device = device_for(rc, rank)
     try:
-        config, state, trainer = start_trainer_rank(rc, rank, device, f"tcp://127.0.0.1:{port}")
+        config, state, trainer = start_trainer_rank(rc, rank, device, f"tcp://127.0.0.1:{port}", inputs)
         if rank == 0:
             engine = build_rollout_worker(rc, config, state, device)
-            del state  # trainer and engine hold their own copies; the fp32 base need not live through the run
-            _drive(rc, run_dir, config, engine, trainer, rc.cluster.num_workers, inputs)
+            # trainer and engine hold their own copies; the fp32 base need not live through the run (cleared,
+            # not just unnamed: `inputs` holds it too)
+            state.clear()
+            _drive(rc, run_dir, engine, trainer, rc.cluster.num_workers, inputs)
         else:
-            del state
+            state.clear()
             _serve(trainer, rank)
     finally:
         from megatron_patches.parallel import destroy_parallel
@@ -162,23 +167,25 @@ def _rank_main(rank: int, rc: ResolvedConfig, run_dir: str, port: int, inputs: R
             dist.destroy_process_group()
 
 
-def _drive(rc: ResolvedConfig, run_dir: str, config, engine: RolloutWorker, trainer: TrainWorker, world: int,
+def _drive(rc: ResolvedConfig, run_dir: str, engine: RolloutWorker, trainer: TrainWorker, world: int,
            inputs: RunInputs | None) -> None:
     workers = LocalWorkers(engine, trainer, world)
     try:
-        GRPODriver(rc, run_dir, workers, build_tokenizer(rc.model, config), inputs).run()
+        GRPODriver(rc, run_dir, workers, inputs).run()
     finally:
         workers.shutdown()
 
 
 def launch(rc: ResolvedConfig, run_dir: str | Path, inputs: RunInputs | None = None) -> None:
-    """Run the whole job (blocking). Pass `load_run_inputs(rc)` (read first, to fail fast on bad data or
-    plugins) as `inputs` to reuse it; spawned ranks read their own."""
+    """Run the whole job (blocking). `inputs`: what `load_run_inputs(rc, run_dir)` returned, if the caller
+    read them first (to report a bad input before anything starts); read here otherwise. Spawned ranks
+    read their own (rank 0 without the checkpoint's tensors, which every rank loads itself)."""
     run_dir = str(run_dir)
+    inputs = inputs or load_run_inputs(rc, run_dir)
     if rc.cluster.launcher == "ray":
         from miles_k3.trainer.ray_launch import launch_ray
 
-        launch_ray(rc, run_dir, inputs)
+        launch_ray(rc, run_dir, inputs._replace(base_state=None))
         return
     from megatron_patches.parallel import free_port  # not at import: Ray's engine actors never need megatron
 

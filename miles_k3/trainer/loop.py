@@ -3,8 +3,8 @@
 One step:
   1. sample prompts; the engine(s) generate n samples per prompt with the policy adapter (prefix-cached);
   2. reward plugins score them; failed samples are dropped or stop the run (reward.on_failure);
-     zero-variance groups are dropped and refilled with fresh prompts (algo.dynamic_sampling);
-     group-normalized advantages;
+     zero-variance groups are dropped and refilled with fresh prompts (algo.dynamic_sampling:
+     `algo.filters`); group-normalized advantages;
   3. the engines release their KV / state pools (unless rollout.release_memory=false); the trainer ranks
      run the GRPO update;
   4. the adapter (gathered over TP) is copied into every engine's adapter slot in place; engines resume;
@@ -15,27 +15,26 @@ One step:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-import math
 import time
 from pathlib import Path
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Protocol
 
 import torch
 
-from miles_k3.algo import group_advantages
-from miles_k3.data import PromptRecord, PromptSampler, load_prompts
-from miles_k3.rewards import RewardPlugin, Sample, load_plugin, score
+from miles_k3.algo import group_advantages, groups_to_refill, nonzero_variance_groups, reward_stats
+from miles_k3.data import PromptRecord, PromptSampler
+from miles_k3.rewards import Sample, score
 from miles_k3.trainer import checkpoint as ckpt
 from miles_k3.trainer.batch import TrainBatch
 from miles_k3.trainer.config import ResolvedConfig
+from miles_k3.trainer.inputs import RunInputs, load_run_inputs
 from miles_k3.trainer.rollout_worker import Generated
 from miles_k3.trainer.run_log import Progress, RunLog
 from rollout.request import SamplingParams
 
 log = logging.getLogger(__name__)
-STATE_FILE = "trainer_state.pt"
-ADAPTER_DIR = "adapter"
 
 
 class Workers(Protocol):
@@ -53,32 +52,6 @@ class Workers(Protocol):
     def shutdown(self) -> None: ...
 
 
-class RunInputs(NamedTuple):
-    """What a run reads before any model is built: the prompts, the held-out prompts (None: no evaluation)
-    and the reward plugin."""
-
-    train: list[PromptRecord]
-    heldout: list[PromptRecord] | None
-    plugin: RewardPlugin
-
-
-def load_run_inputs(rc: ResolvedConfig) -> RunInputs:
-    """Read the datasets and import the reward plugin, so a bad row or plugin reference fails in seconds
-    (ValueError naming the config field), not after model start-up."""
-    loaded = []
-    for section, data in (("data.path", rc.data), ("data.eval_path", rc.eval_data)):
-        try:
-            loaded.append(None if data is None else load_prompts(data))
-        except (ValueError, FileNotFoundError) as e:
-            raise ValueError(f"{section}: {e}") from None
-    try:
-        plugin = load_plugin(rc.reward)
-    except Exception as e:  # an import error inside a user's plugin module is a config problem too
-        raise ValueError(f"reward.fn: cannot load {rc.reward.fn!r}: {type(e).__name__}: {e}") from None
-    train, heldout = loaded
-    return RunInputs(train, None if heldout is None else heldout[:rc.eval_max_prompts], plugin)
-
-
 def sample_seed(run_seed: int, step: int, round_: int, index: int) -> int:
     """A distinct, reproducible engine seed per sample (so a resumed run redraws the same samples)."""
     h = run_seed
@@ -88,27 +61,27 @@ def sample_seed(run_seed: int, step: int, round_: int, index: int) -> int:
 
 
 class GRPODriver:
-    def __init__(self, rc: ResolvedConfig, run_dir: str | Path, workers: Workers, tokenizer,
-                 inputs: RunInputs | None = None):
-        """`inputs`: what `load_run_inputs(rc)` returned, if the caller already read it (else read here)."""
-        self.rc, self.workers, self.tok = rc, workers, tokenizer
+    def __init__(self, rc: ResolvedConfig, run_dir: str | Path, workers: Workers, inputs: RunInputs | None = None):
+        """`inputs`: what `load_run_inputs(rc, run_dir)` returned, if the caller already read it (else read
+        here, without the checkpoint's tensors: the driver holds none)."""
+        self.rc, self.workers = rc, workers
         self.run_dir = Path(run_dir)
         self.ckpt_root = self.run_dir / "checkpoints"
-        inputs = inputs or load_run_inputs(rc)
-        self.sampler = PromptSampler(inputs.train, shuffle=rc.data.shuffle, seed=rc.data.seed,
+        self.inputs = inputs or load_run_inputs(rc, run_dir, weights="skip")
+        self.tok = self.inputs.tokenizer
+        self.sampler = PromptSampler(self.inputs.train, shuffle=rc.data.shuffle, seed=rc.data.seed,
                                      drop_last=rc.data.drop_last)
-        self.eval_records = inputs.heldout
-        self.plugin = inputs.plugin
+        self.eval_records = self.inputs.heldout
+        self.plugin = self.inputs.plugin
         self.step = 0
 
     # ------------------------------------------------------------------ rollouts
     def _params(self, seed: int | None, greedy: bool = False) -> SamplingParams:
-        r = self.rc.rollout
-        stop = (self.tok.eos_token_id,) if r.stop_at_eos else ()
+        stop = (self.tok.eos_token_id,) if self.rc.rollout.stop_at_eos else ()
         if greedy:
-            return SamplingParams(temperature=0.0, max_new_tokens=r.max_new_tokens, stop_token_ids=stop)
-        return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                              max_new_tokens=r.max_new_tokens, stop_token_ids=stop, seed=seed)
+            return SamplingParams(temperature=0.0, max_new_tokens=self.rc.sampling.max_new_tokens,
+                                  stop_token_ids=stop)
+        return dataclasses.replace(self.rc.sampling, stop_token_ids=stop, seed=seed)
 
     def _score(self, records: list[PromptRecord], gens: list[Generated], group_of: list[int]):
         samples = [Sample(prompt=records[g].prompt, response=self.tok.decode(out.output_ids),
@@ -129,7 +102,7 @@ class GRPODriver:
         groups_seen = groups_flat = 0
         counters_before = self.workers.engine_counters()
         for round_ in range(a.max_refill_rounds + 1 if a.dynamic_sampling else 1):
-            records = self.sampler.next_batch(r.prompts_per_step - len(kept))
+            records = self.sampler.next_batch(groups_to_refill(len(kept), r.prompts_per_step))
             prompts = [self.tok.encode_prompt(rec.prompt) for rec in records]
             flat_prompts = [p for p in prompts for _ in range(n)]
             group_of = [g for g in range(len(records)) for _ in range(n)]
@@ -140,21 +113,27 @@ class GRPODriver:
             for kind, count in result.failure_counts.items():
                 failures[kind] = failures.get(kind, 0) + count
             groups_seen += len(records)
+            # failed samples are out of their groups; a group left with fewer than 2 carries no signal
+            keep = result.keep
+            signal = nonzero_variance_groups(result.rewards[keep],
+                                             group_ids=torch.tensor(group_of)[keep]).tolist()
+            signal += [False] * (len(records) - len(signal))  # trailing groups that lost every sample
             for g in range(len(records)):
-                idx = [g * n + j for j in range(n) if bool(result.keep[g * n + j])]
+                idx = [g * n + j for j in range(n) if bool(keep[g * n + j])]
                 rewards = [float(result.rewards[i]) for i in idx]
                 all_rewards += rewards
                 lengths += [len(gens[i].output_ids) for i in idx]
-                if len(idx) < 2 or max(rewards) == min(rewards):
+                if not signal[g]:
                     groups_flat += 1
                     if a.dynamic_sampling or len(idx) < 2:
                         continue
                 kept.append((prompts[g], [gens[i] for i in idx], rewards))
-            if len(kept) >= r.prompts_per_step:
+            if groups_to_refill(len(kept), r.prompts_per_step) == 0:
                 break
-        metrics = {"reward_mean": _mean(all_rewards), "reward_std": _std(all_rewards),
-                   "response_len_mean": _mean(lengths), "groups_sampled": groups_seen,
-                   "groups_kept": len(kept), "groups_zero_variance": groups_flat,
+        stats = reward_stats(torch.tensor(all_rewards, dtype=torch.float64))
+        metrics = {"reward_mean": float(stats["reward_mean"]), "reward_std": float(stats["reward_std"]),
+                   "response_len_mean": sum(lengths) / len(lengths) if lengths else float("nan"),
+                   "groups_sampled": groups_seen, "groups_kept": len(kept), "groups_zero_variance": groups_flat,
                    "samples_dropped": sum(failures.values())}
         metrics.update({f"reward_failures_{k}": v for k, v in failures.items()})
         metrics.update({f"rollout_{k}": v - counters_before[k] for k, v in self.workers.engine_counters().items()})
@@ -192,36 +171,28 @@ class GRPODriver:
         states = self.workers.trainer_states()
 
         def write(tmp: Path) -> None:
-            save_peft(tmp / ADAPTER_DIR, adapter, self.rc.lora)
+            save_peft(tmp / ckpt.ADAPTER_DIR, adapter, self.rc.lora)
             torch.save({"step": self.step, "sampler": self.sampler.state_dict(), "workers": states,
-                        "config": self.rc.raw}, tmp / STATE_FILE)
+                        "config": self.rc.raw}, tmp / ckpt.STATE_FILE)
 
         path = ckpt.save_checkpoint(self.ckpt_root, self.step, write)
         ckpt.prune_checkpoints(self.ckpt_root, self.rc.trainer.keep_checkpoints)
         return path
 
-    def try_resume(self) -> Path | None:
-        mode = self.rc.trainer.resume
-        if mode == "never":
+    def resume(self) -> Path | None:
+        """Continue from the checkpoint `load_run_inputs` found and checked (trainer.resume); its path, or None."""
+        found = self.inputs.resume
+        if found is None:
             return None
-        path = ckpt.latest_good(self.ckpt_root) if mode == "auto" else Path(mode)
-        if path is None:
-            return None
-        if mode != "auto" and (problem := ckpt.verify_checkpoint(path)) is not None:
-            raise ValueError(f"trainer.resume: checkpoint {path} is damaged: {problem}")
-        from megatron_patches.peft_io import load_peft
-
-        state = torch.load(path / STATE_FILE, weights_only=False)
-        adapter, _ = load_peft(path / ADAPTER_DIR)
-        self.sampler.load_state_dict(state["sampler"])
-        self.workers.load_trainer_states(state["workers"], adapter)
-        self.step = int(state["step"])
-        return path
+        self.sampler.load_state_dict(found.state["sampler"])
+        self.workers.load_trainer_states(found.state["workers"], found.adapter)
+        self.step = int(found.state["step"])
+        return found.path
 
     # ---------------------------------------------------------------------- run
     def run(self) -> list[dict[str, Any]]:
         t = self.rc.trainer
-        resumed = self.try_resume()
+        resumed = self.resume()
         if resumed is not None:
             log.info("resumed from %s (step %d)", resumed, self.step)
         runlog = RunLog(self.run_dir, wandb_mode=self.rc.logging.wandb, project=self.rc.logging.project,
@@ -284,13 +255,3 @@ class GRPODriver:
         log.info("step %d/%d  %s  %.1fs", self.step, t.max_steps, info, step_s)
         return rows
 
-
-def _mean(xs: list[float]) -> float:
-    return sum(xs) / len(xs) if xs else float("nan")
-
-
-def _std(xs: list[float]) -> float:
-    if not xs:
-        return float("nan")
-    m = _mean(xs)
-    return math.sqrt(sum((x - m) ** 2 for x in xs) / len(xs))

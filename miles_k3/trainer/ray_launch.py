@@ -12,9 +12,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from miles_k3.trainer.base import build_tokenizer, load_base_config
 from miles_k3.trainer.config import ResolvedConfig
-from miles_k3.trainer.loop import GRPODriver, RunInputs
+from miles_k3.trainer.inputs import RunInputs
+from miles_k3.trainer.loop import GRPODriver
 
 
 class _TrainerActor:
@@ -105,8 +105,6 @@ class RayWorkers:
     def load_trainer_states(self, states, adapter) -> None:
         import ray
 
-        if len(states) != len(self.trainers):
-            raise ValueError(f"checkpoint holds {len(states)} trainer ranks, this run has {len(self.trainers)}")
         ray.get([t.call.remote("load_state_dict", s, adapter) for t, s in zip(self.trainers, states)])
 
     def shutdown(self) -> None:
@@ -150,8 +148,7 @@ def launch_ray(rc: ResolvedConfig, run_dir: str | Path, inputs: RunInputs | None
     try:
         workers, pg = start_ray_workers(rc)
         try:
-            tokenizer = build_tokenizer(rc.model, load_base_config(rc.model))
-            GRPODriver(rc, run_dir, workers, tokenizer, inputs).run()
+            GRPODriver(rc, run_dir, workers, inputs).run()
         finally:
             workers.shutdown()
             ray.util.remove_placement_group(pg)

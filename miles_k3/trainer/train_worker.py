@@ -30,9 +30,7 @@ class TrainWorker:
         self.device = torch.device(device)
         self.policy = build_policy(config, base_state, lora, dtype=dtype, device=device, seed=seed,
                                    sequence_parallel=sequence_parallel)
-        self.params = lora_parameters(self.policy)
-        if not self.params:
-            raise ValueError("lora.targets: no module of this model matches; nothing would train")
+        self.params = lora_parameters(self.policy)  # non-empty: load_run_inputs checked lora.targets
         self.loss_config, self.algo, self.temperature = loss, algo, temperature
         self.optimizer = torch.optim.AdamW(self.params, lr=optim.lr, betas=(optim.beta1, optim.beta2),
                                            weight_decay=optim.weight_decay, eps=1e-8)

@@ -105,3 +105,12 @@ def test_expand_to_tokens():
     torch.testing.assert_close(expand_to_tokens(per_token, mask), torch.tensor([[1.0, 2.0, 0.0], [3.0, 0.0, 0.0]]))
     with pytest.raises(ValueError):
         expand_to_tokens(torch.zeros(3), mask)
+
+
+def test_sample_std_advantages_are_ours_times_sqrt_n_minus_1_over_n():
+    # TRL / verl divide by the sample std (ddof 1): their advantages are ours scaled by sqrt((n - 1) / n)
+    n = 8
+    rewards = torch.rand(3, n, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    theirs = (rewards - rewards.mean(1, keepdim=True)) / rewards.std(1, correction=1, keepdim=True)
+    ours = group_advantages(rewards, eps=0.0)
+    torch.testing.assert_close(theirs, ours * math.sqrt((n - 1) / n))

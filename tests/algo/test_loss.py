@@ -9,6 +9,8 @@ import torch
 from miles_k3.algo import PolicyLossConfig, group_advantages, kl_penalty, policy_loss, reduce_loss
 
 LN = math.log
+# PPO's symmetric clip without a rollout correction: the hand-computed cases below need no engine log-probs
+PLAIN = PolicyLossConfig(eps_high=0.2, rollout_correction="none")
 
 
 @pytest.fixture(autouse=True)
@@ -47,11 +49,18 @@ def test_config_errors_name_the_field(kwargs, field):
         PolicyLossConfig(**kwargs)
 
 
+def test_defaults_are_the_grpo_run():
+    # the trainer's algo.* takes these defaults unchanged (recipes/algo/grpo.yaml sets nothing)
+    cfg = PolicyLossConfig()
+    assert (cfg.eps_low, cfg.eps_high, cfg.ratio, cfg.reducer, cfg.kl) == (0.2, 0.28, "token", "token_mean", "none")
+    assert cfg.corrections == {"tis"} and cfg.tis_cap == 2.0
+
+
 def test_config_frozen_and_corrections():
     cfg = PolicyLossConfig(rollout_correction="tis+opsm", reducer="dr_grpo", max_response_len=16, kl="k3",
                            kl_coef=0.01, dual_clip_c=3.0, eps_high=0.28)
     assert cfg.corrections == {"tis", "opsm"}
-    assert PolicyLossConfig().corrections == frozenset()
+    assert PLAIN.corrections == frozenset()
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.eps_low = 0.1
 
@@ -63,7 +72,7 @@ def test_hand_computed_token_mean():
     old = torch.tensor([[-1.0, -2.0, 0.0]])
     logp = (old + torch.tensor([[LN(1.5), 0.0, 0.0]])).requires_grad_()
     mask = torch.tensor([[1, 1, 0]], dtype=torch.bool)
-    loss, m = policy_loss(logp, old, torch.tensor([1.0]), mask, PolicyLossConfig())
+    loss, m = policy_loss(logp, old, torch.tensor([1.0]), mask, PLAIN)
     torch.testing.assert_close(loss, torch.tensor(-1.1))
     torch.testing.assert_close(m["pg_clipfrac"], torch.tensor(0.5))
     torch.testing.assert_close(m["ratio_mean"], torch.tensor(1.25))
@@ -78,7 +87,7 @@ def test_hand_computed_kl_term():
     # ratios 1 (no clip), A = 0 -> pg 0; d = logp - ref = ln 2 on both tokens, k2 = ln2^2 / 2, coef 0.1
     logp = torch.full((1, 2), LN(0.5))
     ref = torch.full((1, 2), LN(0.25))
-    cfg = PolicyLossConfig(kl="k2", kl_coef=0.1)
+    cfg = dataclasses.replace(PLAIN, kl="k2", kl_coef=0.1)
     loss, m = policy_loss(logp, logp, torch.zeros(1), torch.ones(1, 2), cfg, ref_logp=ref)
     torch.testing.assert_close(m["kl_loss"], torch.tensor(LN(2) ** 2 / 2))
     torch.testing.assert_close(loss, torch.tensor(0.1 * LN(2) ** 2 / 2))
@@ -88,7 +97,8 @@ def test_dual_clip_through_config():
     # r = 5, A = -1, c = 3: 3 instead of 5
     old = torch.zeros(1, 1)
     logp = torch.full((1, 1), LN(5.0))
-    loss, m = policy_loss(logp, old, torch.tensor([-1.0]), torch.ones(1, 1), PolicyLossConfig(dual_clip_c=3.0))
+    loss, m = policy_loss(logp, old, torch.tensor([-1.0]), torch.ones(1, 1),
+                          dataclasses.replace(PLAIN, dual_clip_c=3.0))
     torch.testing.assert_close(loss, torch.tensor(3.0))
     torch.testing.assert_close(m["dual_clipfrac"], torch.tensor(1.0))
 
@@ -105,7 +115,7 @@ def test_ratio_one_equals_reinforce_with_baseline(reducer, ratio):
     mask = torch.rand(B, T) > 0.3
     mask[:, 0] = True
     adv = group_advantages(torch.rand(B), group_size=n, normalize_std=False)  # r - mean_group: the baseline
-    cfg = PolicyLossConfig(reducer=reducer, ratio=ratio, max_response_len=T, eps_low=0.2, eps_high=0.28)
+    cfg = PolicyLossConfig(reducer=reducer, ratio=ratio, max_response_len=T, rollout_correction="none")
     loss, m = policy_loss(logp, logp.detach(), adv, mask, cfg)
     assert m["pg_clipfrac"].item() == 0.0
     adv_t = adv[:, None].expand(B, T)
@@ -144,10 +154,10 @@ def test_tis_weight_is_detached_and_scales_gradient():
     rollout = (old - torch.tensor([[LN(3.0), LN(0.5), 0.0], [LN(1.5), LN(2.5), LN(0.25)]])).requires_grad_()
     mask = torch.ones(B, T, dtype=torch.bool)
     adv = torch.tensor([1.0, -1.0])
-    loss_tis, m = policy_loss(logp, old, adv, mask, PolicyLossConfig(rollout_correction="tis", tis_cap=2.0),
+    loss_tis, m = policy_loss(logp, old, adv, mask, dataclasses.replace(PLAIN, rollout_correction="tis"),
                               rollout_logp=rollout)
     (g_tis,) = torch.autograd.grad(loss_tis, logp)
-    loss_plain, _ = policy_loss(logp, old, adv, mask, PolicyLossConfig())
+    loss_plain, _ = policy_loss(logp, old, adv, mask, PLAIN)
     (g_plain,) = torch.autograd.grad(loss_plain, logp)
     w = torch.tensor([[2.0, 0.5, 1.0], [1.5, 2.0, 0.25]])  # min(ratio, 2)
     torch.testing.assert_close(g_tis, w * g_plain)
@@ -207,11 +217,11 @@ def test_missing_or_misshaped_inputs():
     with pytest.raises(ValueError, match="ref_logp"):
         policy_loss(x, x, torch.zeros(2), mask, PolicyLossConfig(kl="k3", kl_coef=0.1))
     with pytest.raises(ValueError, match="rollout_logp"):
-        policy_loss(x, x, torch.zeros(2), mask, PolicyLossConfig(rollout_correction="opsm"))
+        policy_loss(x, x, torch.zeros(2), mask, PolicyLossConfig())  # the default TIS needs the engine's
     with pytest.raises(ValueError, match="old_logp"):
-        policy_loss(x, torch.zeros(2, 4), torch.zeros(2), mask, PolicyLossConfig())
+        policy_loss(x, torch.zeros(2, 4), torch.zeros(2), mask, PLAIN)
     with pytest.raises(ValueError, match="advantages"):
-        policy_loss(x, x, torch.zeros(3), mask, PolicyLossConfig())
+        policy_loss(x, x, torch.zeros(3), mask, PLAIN)
 
 
 def test_kl_reduced_with_loss_mask_only():

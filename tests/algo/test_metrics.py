@@ -69,3 +69,9 @@ def test_reward_stats():
     # mean 0.25, population std sqrt(0.1875) = 0.4330127
     torch.testing.assert_close(stats["reward_mean"], torch.tensor(0.25))
     torch.testing.assert_close(stats["reward_std"], torch.tensor(math.sqrt(0.1875)))
+
+
+def test_reward_stats_keeps_fp64_and_is_nan_when_empty():
+    stats = reward_stats(torch.tensor([1.0, 0.0, 0.0, 0.0], dtype=torch.float64))
+    assert stats["reward_mean"].dtype == torch.float64 and float(stats["reward_std"]) == math.sqrt(0.1875)
+    assert all(math.isnan(float(v)) for v in reward_stats(torch.tensor([])).values())

@@ -91,7 +91,7 @@ def test_parquet_message_lists(tmp_path):
 ])
 def test_config_errors_name_the_field(kwargs, field):
     kwargs = {"path": "d.jsonl", **kwargs}
-    with pytest.raises(ValueError, match=f"^{field}:"):
+    with pytest.raises(ValueError, match=rf"^PromptDataConfig\.{field}\b"):
         PromptDataConfig(**kwargs)
 
 

@@ -1,33 +1,72 @@
-"""Hydra composition of the shipped recipes and whole-config validation (errors name the field)."""
+"""Hydra composition of the shipped recipes, the schema typed by the components (one source per default),
+and whole-config validation (errors name the field)."""
 
+import dataclasses
 import subprocess
 import sys
 
 import pytest
-from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
+from miles_k3.algo import PolicyLossConfig
+from miles_k3.data import PromptDataConfig
+from miles_k3.model.lora_spec import DEFAULT_TARGETS, LoraSpec
+from miles_k3.rewards import RewardConfig
 from miles_k3.trainer.base import load_base_config
-from miles_k3.trainer.config import register_schema, resolve
+from miles_k3.trainer.config import ENGINE_KEYS, SAMPLING_KEYS, TrainConfig, resolve
+from rollout.config import EngineConfig
+from rollout.request import SamplingParams
+from tests.trainer.recipes import composed
 
 
-def composed(*overrides):
-    register_schema()
-    with initialize_config_module(config_module="recipes", version_base=None):
-        return compose(config_name="train", overrides=list(overrides))
+def defaults(cls, names=None):
+    out = {}
+    for f in dataclasses.fields(cls):
+        if names is None or f.name in names:
+            out[f.name] = f.default if f.default is not dataclasses.MISSING else (
+                f.default_factory() if f.default_factory is not dataclasses.MISSING else "???")
+    return out
+
+
+def test_schema_sections_take_the_components_fields_and_defaults():
+    schema = TrainConfig()
+    for section, component, names in [("lora", LoraSpec, None), ("algo", PolicyLossConfig, None),
+                                      ("data", PromptDataConfig, None), ("reward", RewardConfig, None),
+                                      ("rollout", SamplingParams, SAMPLING_KEYS),
+                                      ("rollout", EngineConfig, ENGINE_KEYS)]:
+        node = getattr(schema, section)
+        assert {k: getattr(node, k) for k in defaults(component, names)} == defaults(component, names), section
+    assert schema.data.path == "???" and schema.reward.fn == "???"  # mandatory: no component default
 
 
 def test_default_recipe_resolves_to_the_embedded_run():
     rc = resolve(composed("recipe=k3_grpo"))
     assert rc.model.path.endswith("k3-tiny-arith") and rc.reward.fn == "arithmetic"
     assert rc.data.path.endswith("train.jsonl") and rc.eval_data.path.endswith("heldout.jsonl")
+    assert rc.loss == PolicyLossConfig()  # recipes/algo/grpo.yaml sets nothing: GRPO is the default
     assert rc.loss.rollout_correction == "tis" and rc.loss.eps_high == 0.28
-    assert rc.lora.rank == 8 and rc.engine.memory_bytes == 64 << 20
+    assert rc.lora == LoraSpec() and rc.lora.targets == DEFAULT_TARGETS
+    assert rc.engine == EngineConfig(memory_bytes=64 << 20, max_running=256)
+    assert rc.sampling == SamplingParams(max_new_tokens=6)
+    assert rc.data.metadata_keys is None and rc.reward.timeout_s == 10.0
+
+
+def test_user_keys_reach_the_components():
+    rc = resolve(composed("recipe=k3_grpo", "algo.eps_high=0.3", "rollout.top_p=0.9", "rollout.top_k=5",
+                          "lora.rank=4", "lora.targets=[q_proj$,o_proj$]", "data.metadata_keys=[src]",
+                          "rollout.page_size=32", "reward.headers={}"))
+    assert rc.loss.eps_high == 0.3 and rc.sampling.top_p == 0.9 and rc.sampling.top_k == 5
+    assert rc.lora.rank == 4 and rc.lora.targets == ("q_proj$", "o_proj$")  # a list becomes the tuple
+    assert rc.data.metadata_keys == ("src",) and rc.engine.page_size == 32
+    assert rc.lora.scale == 16.0 / 4
 
 
 def test_groups_swap_and_interpolate():
     rc = resolve(composed("recipe=k3_grpo", "algo=dr_grpo", "rollout.max_new_tokens=7"))
     assert rc.loss.reducer == "dr_grpo" and rc.loss.max_response_len == 7 and rc.loss.kl == "k3"
+    assert rc.loss.eps_high == 0.2 and rc.loss.rollout_correction == "tis" and not rc.algo.normalize_std
+    rc = resolve(composed("recipe=k3_grpo", "algo=gspo"))
+    assert (rc.loss.ratio, rc.loss.reducer, rc.loss.eps_low) == ("gspo", "sequence_mean", 3.0e-4)
     assert resolve(composed("recipe=k3_grpo", "parallel=tp2", "parallel.sp=true", "cluster.num_workers=2")).parallel.sp
     rc = resolve(composed("recipe=k3_grpo", "model=k3_small", "cluster=gpu_single"))
     assert rc.model.preset == "k3-small" and rc.model.path is None and rc.cluster.device == "cuda"
@@ -40,39 +79,68 @@ def test_groups_swap_and_interpolate():
     assert (config.vocab_size, config.pad_token_id, config.bos_token_id, config.eos_token_id) == (32, 0, 1, 2)
     assert rc.raw["algo"]["dynamic_sampling"] is False  # random init: every group has zero reward variance
     assert rc.engine.max_prefill_requests == 256 and rc.raw["rollout"]["release_memory"] is False
+    assert rc.sampling.max_new_tokens == 16 and rc.engine.max_running == 256
 
 
-@pytest.mark.parametrize("override, field", [
-    ("algo.eps_low=1.5", "algo: PolicyLossConfig.eps_low"),
-    ("algo.kl=k9", "algo: PolicyLossConfig.kl"),
-    ("rollout.samples_per_prompt=1", "rollout.samples_per_prompt"),
-    ("rollout.quantize=int3", "rollout.quantize"),
-    ("rollout.mxfp4_matmul=cutlass", "rollout.mxfp4_matmul"),
-    ("rollout.overlap=yes", "rollout.overlap"),
+@pytest.mark.parametrize("override, message", [
+    ("algo.eps_low=1.5", "algo.eps_low must be in [0, 1), got 1.5"),
+    ("algo.kl=k9", "algo.kl must be one of"),
+    ("algo.kl_coef=0.1", "algo.kl_coef must be 0 when kl is 'none'"),
+    ("algo.max_refill_rounds=-1", "algo.max_refill_rounds must be an integer >= 0"),
+    ("algo.updates_per_step=64", "algo.updates_per_step must be <= rollout.prompts_per_step (32)"),
+    ("rollout.samples_per_prompt=1", "rollout.samples_per_prompt must be an integer >= 2"),
+    ("rollout.temperature=0", "rollout.temperature must be > 0.0"),
+    ("rollout.top_p=1.5", "rollout.top_p must be in (0, 1]"),
+    ("rollout.top_p=0", "rollout.top_p must be in (0, 1]"),
+    ("rollout.top_k=-5", "rollout.top_k must be an integer >= 0"),
+    ("rollout.max_new_tokens=0", "rollout.max_new_tokens must be an integer >= 1"),
+    ("rollout.quantize=int3", "rollout.quantize must be one of"),
+    ("rollout.mxfp4_matmul=cutlass", "rollout.mxfp4_matmul must be one of"),
+    ("rollout.overlap=yes", "rollout.overlap must be one of"),
     ("rollout.compile_decode=true", "rollout.compile_decode compiles the CUDA-graph decode step"),
     ("rollout.mxfp4_matmul=triton", "rollout.mxfp4_matmul 'triton' needs rollout.quantize"),  # quantize none
-    ("rollout.chunk_size=24", "rollout: chunk_size"),
-    ("rollout.max_prefill_requests=0", "rollout.max_prefill_requests"),
-    ("optim.lr=0", "optim.lr"),
-    ("trainer.max_steps=0", "trainer.max_steps"),
-    ("trainer.resume=/no/such/dir", "trainer.resume"),
-    ("parallel.pp=2", "parallel.pp"),
+    ("rollout.chunk_size=24", "rollout.chunk_size must be a multiple of page_size (16)"),
+    ("rollout.page_size=0", "rollout.page_size must be an integer >= 1"),
+    ("rollout.max_prefill_requests=0", "rollout.max_prefill_requests must be an integer >= 1"),
+    ("rollout.memory_mb=0", "rollout.memory_mb must be > 0.0"),
+    ("optim.lr=0", "optim.lr must be > 0.0"),
+    ("optim.beta2=1.5", "optim.beta2 must be <= 1.0"),
+    ("trainer.max_steps=0", "trainer.max_steps must be an integer >= 1"),
+    ("trainer.resume=/no/such/dir", "trainer.resume must be one of"),
+    ("parallel.pp=2", "parallel.pp must be 1"),
     ("parallel.sp=true", "parallel.sp needs parallel.tp > 1"),
-    ("parallel.tp=2", "cluster.num_workers"),
-    ("cluster.device=tpu", "cluster.device"),
-    ("reward.on_failure=ignore", "reward: RewardConfig.on_failure"),
-    ("reward.url=http://x", "reward: RewardConfig.url"),
-    ("data.path=/no/such.jsonl", "data.path"),
-    ("data.path=prompts.csv", "data: path"),
-    ("model.path=/no/such/model", "model.path"),
-    ("model.preset=k3-small", "model: set exactly one"),
-    ("lora.rank=0", "lora:"),
-    ("logging.wandb=cloud", "logging.wandb"),
+    ("parallel.tp=2", "cluster.num_workers must equal parallel.tp (2)"),
+    ("cluster.device=tpu", "cluster.device must be one of"),
+    ("cluster.ray_address=auto", "cluster.ray_address only applies with cluster.launcher=ray"),
+    ("reward.on_failure=ignore", "reward.on_failure must be one of"),
+    ("reward.url=http://x", "reward.url only applies to fn='remote'"),
+    ("reward.fn=remote", "reward.url is required when fn='remote'"),
+    ("data.path=prompts.csv", "data.path must end in one of"),
+    ("data.prompt_key=label", "data.label_key must differ from prompt_key"),
+    ("data.system_prompt=hi", "data.system_prompt: set, but chat_template is None"),
+    ("data.eval_path=heldout.txt", "data.path must end in one of"),
+    ("data.eval_max_prompts=0", "data.eval_max_prompts must be an integer >= 1"),
+    ("model.path=/no/such/model", "model.path must be a directory holding config.json"),
+    ("model.preset=k3-small", "model.path or preset must be set, not both"),
+    ("model.preset=k3-huge", "model.path or preset must be set"),
+    ("lora.rank=0", "lora.rank must be an int >= 1"),
+    ("lora.dropout=1.0", "lora.dropout must lie in [0, 1)"),
+    ("lora.targets=[]", "lora.targets must name at least one module pattern"),
+    ("lora.targets=['q_proj(']", "lora.targets: bad regex"),
+    ("logging.wandb=cloud", "logging.wandb must be one of"),
 ])
-def test_bad_values_name_the_field(override, field):
+def test_bad_values_name_the_field(override, message):
     with pytest.raises(ValueError) as e:
         resolve(composed("recipe=k3_grpo", override))
-    assert str(e.value).startswith(field), str(e.value)
+    assert str(e.value).startswith(message), str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_hf_checkpoint_recipe_makes_the_path_mandatory():
+    with pytest.raises(ValueError, match=r"^model.path must be set \(it has no default\)"):
+        resolve(composed("model=hf_checkpoint"))
+    with pytest.raises(ValueError, match="^model.path must be a directory holding config.json"):
+        resolve(composed("model=hf_checkpoint", "model.path=/no/such/dir"))
 
 
 def test_unknown_key_and_wrong_type_fail_at_composition():
@@ -87,20 +155,28 @@ def test_unknown_key_and_wrong_type_fail_at_composition():
     assert "max_steps" in str(e.value)
 
 
-def test_resolve_accepts_a_plain_mapping_and_reports_bad_types():
-    cfg = OmegaConf.create({"trainer": {"max_steps": "x"}})
-    with pytest.raises(ValueError, match="max_steps"):
-        resolve(cfg)
+def test_resolve_accepts_a_plain_mapping_and_reports_bad_types_in_one_line():
+    with pytest.raises(ValueError, match=r"^trainer.max_steps: Value 'x' of type 'str' could not be converted"):
+        resolve(OmegaConf.create({"trainer": {"max_steps": "x"}}))
+    with pytest.raises(ValueError, match=r"^data.path must be set"):  # no data group: the path is mandatory
+        resolve(OmegaConf.create({"model": {"path": "builtin:k3-tiny-arith"}}))
 
 
-def test_cli_prints_the_resolved_config_and_rejects_bad_ones(tmp_path):
+def test_cli_prints_the_whole_config_and_rejects_bad_ones(tmp_path):
     out = subprocess.run([sys.executable, "-m", "miles_k3.cli.train", "recipe=k3_grpo", "--cfg", "job"],
                          capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert "recipe: k3_grpo" in out.stdout and "samples_per_prompt: 8" in out.stdout
+    printed = OmegaConf.create(out.stdout)
+    assert printed.recipe == "k3_grpo" and printed.rollout.samples_per_prompt == 8
+    # every field of every section is there, the components' defaults included
+    schema = OmegaConf.structured(TrainConfig)
+    for section in schema:
+        if section != "recipe":
+            assert set(printed[section]) == set(schema[section]), section
+    assert list(printed.lora.targets) == list(DEFAULT_TARGETS) and printed.algo.eps_high == 0.28
     bad = subprocess.run([sys.executable, "-m", "miles_k3.cli.train", "recipe=k3_grpo", "algo.eps_high=-1",
                           f"hydra.run.dir={tmp_path / 'run'}"], capture_output=True, text=True, cwd=tmp_path,
                          timeout=120)
     assert bad.returncode == 2
-    assert "config error: algo: PolicyLossConfig.eps_high" in bad.stderr
+    assert bad.stderr.strip() == "miles-train: error: algo.eps_high must be >= 0, got -1.0"
     assert not (tmp_path / "run" / "metrics.jsonl").exists()

@@ -7,17 +7,16 @@ import torch
 from megatron_patches.parallel import ensure_parallel
 from miles_k3.trainer.base import build_tokenizer, load_base
 from miles_k3.trainer.batch import TrainBatch
-from miles_k3.trainer.config import TrainConfig, resolve
+from miles_k3.trainer.config import resolve
 from miles_k3.trainer.launch import build_rollout_worker, build_train_worker
 from rollout.request import SamplingParams
+from tests.trainer.recipes import composed
 
 
 @pytest.fixture(scope="module")
 def setup():
     ensure_parallel()
-    cfg = TrainConfig()
-    cfg.optim.lr = 5e-2  # a visible update in one step
-    rc = resolve(cfg)
+    rc = resolve(composed("optim.lr=5e-2"))  # a visible update in one step
     config, state = load_base(rc.model, 0)
     tok = build_tokenizer(rc.model, config)
     return rc, config, state, tok
@@ -37,9 +36,7 @@ def rollouts(engine, tok, n=8, seed=0):
 def test_sync_equality_and_logprob_agreement_after_an_update(setup, overlap):
     rc, config, state, tok = setup
     trainer = build_train_worker(rc, config, state, "cpu")
-    cfg = TrainConfig()
-    cfg.rollout.overlap = overlap
-    engine = build_rollout_worker(resolve(cfg), config, state, "cpu")
+    engine = build_rollout_worker(resolve(composed(f"rollout.overlap={overlap}")), config, state, "cpu")
     engine.sync_adapter(trainer.adapter_state())
     batch = rollouts(engine, tok)
     metrics = trainer.train(batch)
@@ -64,7 +61,7 @@ def test_sync_equality_and_logprob_agreement_after_an_update(setup, overlap):
 def test_mxfp4_engine_gap_is_measured_and_bounded(setup):
     rc, config, state, tok = setup
     trainer = build_train_worker(rc, config, state, "cpu")
-    rc_fp4 = resolve(TrainConfig(rollout=type(rc.rollout)(quantize="experts")))
+    rc_fp4 = resolve(composed("rollout.quantize=experts"))
     engine = build_rollout_worker(rc_fp4, config, state, "cpu")
     engine.sync_adapter(trainer.adapter_state())
     batch = rollouts(engine, tok, n=16, seed=7)
@@ -77,10 +74,7 @@ def test_mxfp4_engine_gap_is_measured_and_bounded(setup):
 
 def test_several_updates_per_step_use_the_pre_update_policy_as_old(setup):
     rc, config, state, tok = setup
-    cfg = TrainConfig()
-    cfg.optim.lr = 5e-2
-    cfg.algo.updates_per_step = 2
-    rc2 = resolve(cfg)
+    rc2 = resolve(composed("optim.lr=5e-2", "algo.updates_per_step=2"))
     trainer = build_train_worker(rc2, config, state, "cpu")
     engine = build_rollout_worker(rc2, config, state, "cpu")
     engine.sync_adapter(trainer.adapter_state())

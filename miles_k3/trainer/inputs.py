@@ -1,0 +1,173 @@
+"""What a run reads before any model is built, each input checked so that a mistake is one ValueError
+naming its field or file (`miles-train` prints it as one line and exits with status 2):
+
+    cluster          a CUDA device per local worker; the ray package for launcher=ray
+    model.path       config.json (-> K3Config), then every tensor of the checkpoint (read last: the slowest)
+    lora.targets     select modules of this model (read off its tensor layout, no model built)
+    model.tokenizer  loads, and its eos id lies inside the model's vocabulary
+    rollout.memory_mb  the engine's pool holds at least one KV page and one state slot of this model
+    data.path, data.eval_path  every row (load_prompts); every prompt encodes to ids of the model's
+                     vocabulary and fits the engine with rollout.max_new_tokens (Engine.submit's rules, applied
+                     to the whole dataset now instead of to one batch mid-run)
+    reward.fn        imports and has a reward function's signature
+    trainer.resume   the checkpoint to continue from verifies and fits this run: its trainer ranks, adapter
+                     shape and modules, and the dataset its sampler position points into
+
+Only ValueError (and the loaders' own error types for unreadable files) is turned into a message naming the
+input; anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+
+from miles_k3.data import PromptRecord, PromptSampler, load_prompts
+from miles_k3.model.config import K3Config
+from miles_k3.model.lora_spec import adaptable_modules
+from miles_k3.rewards import RewardPlugin, load_plugin
+from miles_k3.trainer import checkpoint as ckpt
+from miles_k3.trainer.base import TORCH_DTYPES, Tokenizer, build_tokenizer, load_base_config
+from miles_k3.trainer.config import ResolvedConfig, in_section
+
+
+class Resume(NamedTuple):
+    """A checkpoint to continue from: its directory, trainer_state.pt's contents and the adapter tensors."""
+
+    path: Path
+    state: dict[str, Any]
+    adapter: dict[str, torch.Tensor]
+
+
+class RunInputs(NamedTuple):
+    config: K3Config  # the model's
+    tokenizer: Tokenizer
+    train: list[PromptRecord]
+    heldout: list[PromptRecord] | None  # None: no evaluation
+    plugin: RewardPlugin
+    base_state: dict[str, torch.Tensor] | None  # the checkpoint's fp32 tensors (None: a preset, or not kept)
+    resume: Resume | None
+
+
+def _named(field: str, fn, *errors: type[BaseException]):
+    """fn(), with a ValueError (or one of `errors`) re-raised as ValueError("<field>: <message>")."""
+    try:
+        return fn()
+    except (ValueError, *errors) as e:
+        raise ValueError(f"{field}: {e}") from None
+
+
+def check_cluster(rc: ResolvedConfig) -> None:
+    c = rc.cluster
+    if c.launcher == "ray" and importlib.util.find_spec("ray") is None:
+        raise ValueError("cluster.launcher 'ray' needs the ray package (pip install 'ray[default]')")
+    # Ray places its actors on the cluster's GPU nodes; the driver itself may have none
+    if c.device == "cuda" and c.launcher == "local":
+        if not torch.cuda.is_available():
+            raise ValueError(f"cluster.device is 'cuda' but torch sees no CUDA device (torch {torch.__version__}, "
+                             f"built for CUDA {torch.version.cuda or 'none'})")
+        if torch.cuda.device_count() < c.num_workers:
+            raise ValueError(f"cluster.num_workers ({c.num_workers}) needs one CUDA device each; this machine has "
+                             f"{torch.cuda.device_count()}")
+
+
+def _check_prompts(section: str, path: str, records: list[PromptRecord], tok: Tokenizer, rc: ResolvedConfig,
+                   config: K3Config, num_pages: int) -> None:
+    new, page, limit = rc.sampling.max_new_tokens, rc.engine.page_size, rc.engine.max_seq_len
+    for rec in records:
+        where = f"{section}: {path} record {rec.index} (0-based, {rec.prompt[:40]!r})"
+        ids = _named(where, lambda: tok.encode_prompt(rec.prompt))
+        if not ids:
+            raise ValueError(f"{where}: encodes to no tokens")
+        if max(ids) >= config.vocab_size or min(ids) < 0:
+            raise ValueError(f"{where}: token id {max(ids)} lies outside the model's vocabulary "
+                             f"({config.vocab_size}); is model.tokenizer the model's?")
+        if len(ids) + new > limit:
+            raise ValueError(f"{where}: {len(ids)} prompt tokens + rollout.max_new_tokens ({new}) exceed the "
+                             f"engine's max_seq_len ({limit})")
+        if -(-(len(ids) + new) // page) > num_pages:
+            raise ValueError(f"{where}: needs {-(-(len(ids) + new) // page)} KV pages but rollout.memory_mb "
+                             f"({rc.rollout.memory_mb}) holds {num_pages}")
+
+
+def _adapted(rc: ResolvedConfig, config: K3Config) -> set[str]:
+    return {m for m in adaptable_modules(config) if rc.lora.targets_module(m)}
+
+
+def find_resume(rc: ResolvedConfig, run_dir: str | Path, config: K3Config,
+                train: list[PromptRecord]) -> Resume | None:
+    """The checkpoint trainer.resume names (auto: the newest good one of the run directory), read and checked
+    against this run; None when there is none."""
+    from megatron_patches.peft_io import load_peft
+
+    mode = rc.trainer.resume
+    if mode == "never":
+        return None
+    path = ckpt.latest_good(Path(run_dir) / "checkpoints") if mode == "auto" else Path(mode)
+    if path is None:
+        return None
+    if mode != "auto" and (problem := ckpt.verify_checkpoint(path)) is not None:
+        raise ValueError(f"trainer.resume: checkpoint {path} is damaged: {problem}")
+    state = torch.load(path / ckpt.STATE_FILE, weights_only=False)
+    adapter, spec = _named(f"trainer.resume: checkpoint {path}", lambda: load_peft(path / ckpt.ADAPTER_DIR))
+    where = f"trainer.resume: checkpoint {path}"
+    if len(state["workers"]) != rc.cluster.num_workers:
+        raise ValueError(f"{where} holds {len(state['workers'])} trainer ranks; cluster.num_workers is "
+                         f"{rc.cluster.num_workers}")
+    if (spec.rank, spec.alpha) != (rc.lora.rank, rc.lora.alpha):
+        raise ValueError(f"{where} holds a rank-{spec.rank} adapter (alpha {spec.alpha}); this run has "
+                         f"lora.rank={rc.lora.rank}, lora.alpha={rc.lora.alpha}")
+    saved = {k.rsplit(".", 1)[0] for k in adapter}
+    if saved != _adapted(rc, config):
+        raise ValueError(f"{where}: its adapter covers {len(saved)} modules, lora.targets select "
+                         f"{len(_adapted(rc, config))} (e.g. {sorted(saved ^ _adapted(rc, config))[:2]})")
+    sampler = PromptSampler(train, shuffle=rc.data.shuffle, seed=rc.data.seed, drop_last=rc.data.drop_last)
+    _named(where, lambda: sampler.load_state_dict(state["sampler"]))
+    return Resume(path, state, adapter)
+
+
+def load_run_inputs(rc: ResolvedConfig, run_dir: str | Path, *, weights: str | None = None) -> RunInputs:
+    """Read and check every input of the run (module docstring), cheapest first. `weights`: "keep" returns
+    the checkpoint's tensors (an in-process run uses them), "check" reads them to check them and drops them
+    (the workers read their own), "skip" does not read them (the caller checked them already); None: "keep"
+    for the local launcher's single worker, else "check"."""
+    if weights is None:
+        weights = "keep" if rc.cluster.launcher == "local" and rc.cluster.num_workers == 1 else "check"
+    from rollout.memory import PoolSizes
+    from safetensors import SafetensorError
+
+    from miles_k3.model.checkpoint import load_state_dict
+
+    check_cluster(rc)
+    source = "model.path" if rc.model.path is not None else "model.preset"
+    config = _named(source, lambda: load_base_config(rc.model), OSError)
+    in_section("lora", lambda: rc.lora.check_matches(adaptable_modules(config)), type(rc.lora))
+    tok = _named("model.tokenizer", lambda: build_tokenizer(rc.model, config))
+    sizes = _named(f"rollout.memory_mb ({rc.rollout.memory_mb} MiB)", lambda: PoolSizes.from_budget(
+        config, rc.engine.memory_bytes, page_size=rc.engine.page_size, state_fraction=rc.engine.state_fraction,
+        dtype=TORCH_DTYPES[rc.rollout.dtype]))
+
+    loaded = []
+    for section, data in (("data.path", rc.data), ("data.eval_path", rc.eval_data)):
+        records = None if data is None else _named(section, lambda: load_prompts(data), FileNotFoundError,
+                                                   ImportError)
+        if records is not None:
+            _check_prompts(section, data.path, records, tok, rc, config, sizes.num_pages)
+        loaded.append(records)
+    train, heldout = loaded
+    if rc.data.drop_last and len(train) < rc.rollout.prompts_per_step:
+        raise ValueError(f"data.drop_last: the dataset's {len(train)} prompts cannot fill one step of "
+                         f"rollout.prompts_per_step ({rc.rollout.prompts_per_step}) without wrapping around")
+    plugin = _named("reward.fn", lambda: load_plugin(rc.reward))
+    resume = find_resume(rc, run_dir, config, train)
+
+    state = None
+    if rc.model.path is not None and weights != "skip":
+        # the loader raises ValueError naming the tensor; a file safetensors cannot parse is the same mistake
+        state = _named("model.path", lambda: load_state_dict(rc.model.path, config, torch.float32),
+                       SafetensorError, OSError)
+    return RunInputs(config, tok, train, None if heldout is None else heldout[:rc.eval_max_prompts], plugin,
+                     state if weights == "keep" else None, resume)

@@ -13,7 +13,7 @@ else is a bug of ours and keeps its traceback.
 
 Hydra would report the first two itself, over several lines and with status 1, before our task function
 runs: `precheck` composes the same config first (Hydra's compose API, the same overrides) to report them
-our way.
+our way, and resolves it, so that a bad value does not even create the run directory.
 """
 
 from __future__ import annotations
@@ -58,12 +58,13 @@ def check_run_dir(run_dir: str) -> None:
 
 
 def precheck(argv: list[str]) -> None:
-    """Compose the config as `hydra.main` will and check the run directory; ValueError (one line) for what
-    Hydra would otherwise report itself. Runs that Hydra handles differently (--help, --multirun, another
-    config) are left to it."""
+    """Compose the config as `hydra.main` will, resolve it and check the run directory; ValueError (one line)
+    for what Hydra would otherwise report itself, and for a bad value before Hydra creates the run directory.
+    Runs that Hydra handles differently (--help, --multirun, another config) are left to it."""
     from hydra import compose, initialize_config_module
     from hydra._internal.utils import get_args_parser
     from hydra.errors import HydraException
+    from omegaconf import OmegaConf, open_dict
     from omegaconf.errors import OmegaConfBaseException
 
     try:
@@ -81,6 +82,10 @@ def precheck(argv: list[str]) -> None:
         raise ValueError(config_error(e)) from None
     if run_dir is not None:
         check_run_dir(run_dir)
+    with open_dict(cfg):
+        del cfg["hydra"]
+    if "${hydra:" not in OmegaConf.to_yaml(cfg):  # (those resolve only inside Hydra's run: the task checks them)
+        resolve(cfg)
 
 
 @hydra.main(version_base=None, config_path="pkg://recipes", config_name="train")

@@ -404,8 +404,11 @@ def config_error(exc: Exception) -> str:
         reason = str(getattr(err, "msg", err)).strip().splitlines()[0]
         return f"{key}: {reason}"
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    options = getattr(exc, "options", None)  # hydra's MissingConfigException: the group's files
     text = lines[0] if lines else type(exc).__name__
+    override = getattr(exc, "override", None)  # hydra's OverrideParseException: the override as typed
+    if isinstance(override, str):
+        text = f"cannot parse the override {override!r}: {text}"
+    options = getattr(exc, "options", None)  # hydra's MissingConfigException: the group's files
     return text + (f" (available: {', '.join(options)})" if options else "")
 
 

@@ -1,0 +1,76 @@
+"""miles-serve (also `python -m rollout.server`): serve a K3 checkpoint over OpenAI's and SGLang's HTTP APIs.
+
+    miles-serve --model builtin:k3-tiny-arith --port 30000
+    miles-serve --model /path/to/checkpoint --adapter policy=runs/grpo/adapter --device cuda
+
+Reads the flags into a ServeConfig (its fields and help texts are the flags), loads the model, the
+tokenizer and the adapters, then serves until SIGINT/SIGTERM and exits 0. A bad flag, checkpoint or
+adapter stops it before anything is served, with one line naming it (exit status 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+
+from rollout.server.config import ServeConfig
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="miles-serve", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    for f in dataclasses.fields(ServeConfig):
+        help_text = f.metadata["help"]
+        if f.name == "model":
+            parser.add_argument(_flag(f.name), required=True, help=help_text)
+        elif f.name == "adapters":
+            parser.add_argument("--adapter", dest="adapters", action="append", default=[], metavar="NAME=PEFT_DIR",
+                                help=help_text)
+        else:
+            kind = {int: int, float: float}.get(type(f.default), str)
+            if f.name in ("max_running", "max_seq_len", "max_prefill_tokens"):
+                kind = int
+            parser.add_argument(_flag(f.name), type=kind, default=f.default, help=help_text)
+    return parser
+
+
+def parse_config(argv: list[str] | None = None) -> ServeConfig:
+    parser = build_parser()
+    args = vars(parser.parse_args(argv))
+    adapters = []
+    for item in args["adapters"]:
+        name, sep, path = item.partition("=")
+        if not sep:
+            parser.error(f"--adapter {item!r}: expected NAME=PEFT_DIR")
+        adapters.append((name, path))
+    args["adapters"] = tuple(adapters)
+    return ServeConfig(**args)
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = parse_config(argv)
+    logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from rollout.server.app import Server  # after the flags parse: --help stays fast
+    from rollout.server.loading import load_served
+
+    try:
+        served = load_served(cfg)
+        server = Server(served, max_queued=cfg.max_queued, host=cfg.host, port=cfg.port,
+                        shutdown_timeout=cfg.shutdown_timeout, log_level=cfg.log_level)
+    except (ValueError, OSError) as e:  # bad input, or the port is taken
+        print(f"miles-serve: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    print(f"miles-serve: serving {cfg.model_name} (adapters: {list(served.adapters) or 'none'}) on {server.url}",
+          flush=True)
+    server.run()
+    print("miles-serve: stopped", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,233 @@
+"""The one thread that drives the engine: every `submit`, `abort` and `step` of the server happens here.
+
+The engine is not thread-safe, and its continuous batching wants every request in one place: so the
+asyncio side never touches it. It hands commands to this thread through a queue (`submit`, `abort`,
+`call`), and the thread, between steps, applies them all, runs one `engine.step()` while there is work,
+and hands each request's new tokens back to the event loop that submitted it, one
+`call_soon_threadsafe` per step for all of them, into the request's `asyncio.Queue`. Requests from any
+number of connections so share every forward.
+
+What is safe to call from where:
+- `submit`, `abort`: from a coroutine (they capture the running event loop); never block.
+- `call(fn)`: awaitable from a coroutine; `fn(engine)` runs on the loop thread between two steps (tests
+  and stats read the engine this way).
+- `start`, `stop`: from the thread that owns the server (its startup and shutdown).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from rollout.engine import Engine
+from rollout.request import Completion, FinishReason, SamplingParams
+
+log = logging.getLogger("rollout.server")
+
+
+@dataclass
+class Update:
+    """What the engine produced for one sample since its last update."""
+
+    index: int  # the sample's position in its request (the ticket's index)
+    token_ids: list[int]
+    logprobs: list[float]
+    finish: FinishReason | None = None  # set on the sample's last update
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (with the last update)
+    error: str | None = None  # the engine refused the request (its ValueError), or failed
+    status: int = 400  # the HTTP status `error` maps to (500: the engine itself failed)
+
+
+@dataclass(eq=False)
+class Ticket:
+    """One sample as the caller holds it. Its updates arrive, tagged with `index`, in `queue` (which
+    several tickets of one request may share)."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    adapter: str | None
+    queue: asyncio.Queue
+    index: int = 0
+    loop: asyncio.AbstractEventLoop = field(default=None, repr=False)  # type: ignore[assignment]
+    # on the loop thread only
+    request_id: int | None = None
+    sent: int = 0  # output tokens already handed over
+    cancelled: bool = False  # aborted before (or while) it was submitted
+
+
+class _Outbox:
+    """The updates of one loop iteration, delivered per event loop in one call."""
+
+    def __init__(self):
+        self.by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Ticket, Update]]] = defaultdict(list)
+
+    def put(self, ticket: Ticket, update: Update) -> None:
+        self.by_loop[ticket.loop].append((ticket, update))
+
+    def send(self) -> None:
+        for loop, items in self.by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:  # that event loop is closed: nobody is waiting for these any more
+                pass
+        self.by_loop.clear()
+
+
+def _deliver(items: list[tuple[Ticket, Update]]) -> None:
+    for ticket, update in items:
+        ticket.queue.put_nowait(update)
+
+
+class EngineLoop:
+    def __init__(self, engine: Engine):
+        if not isinstance(getattr(engine, "_events", None), dict):
+            raise TypeError("EngineLoop streams tokens through Engine._events; this engine has none")
+        self.engine = engine
+        self._commands: list[Callable[[_Outbox], None]] = []
+        self._wake = threading.Condition()
+        self._tickets: dict[int, Ticket] = {}  # engine request id -> ticket (loop thread only)
+        self._closing = False
+        self.failure: str | None = None  # set when engine.step() raised: the engine is no longer used
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+
+    # ------------------------------------------------------------ any thread
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Abort whatever is still in flight (each gets a final ABORT update) and end the thread."""
+        with self._wake:
+            self._closing = True
+            self._commands.append(self._abort_all)
+            self._wake.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.failure is None
+
+    def _post(self, command: Callable[[_Outbox], None]) -> None:
+        with self._wake:
+            self._commands.append(command)
+            self._wake.notify()
+
+    # ------------------------------------------------------ from a coroutine
+    def submit(self, prompt_ids: list[int], params: SamplingParams, adapter: str | None,
+               queue: asyncio.Queue, index: int = 0) -> Ticket:
+        ticket = Ticket(prompt_ids, params, adapter, queue, index, asyncio.get_running_loop())
+        self._post(lambda out: self._submit(ticket, out))
+        return ticket
+
+    def abort(self, ticket: Ticket) -> None:
+        """Stop generating for `ticket` and free its pages and slots. Idempotent; a no-op once it finished."""
+        self._post(lambda out: self._abort(ticket, out))
+
+    async def call(self, fn: Callable[[Engine], Any]) -> Any:
+        """`fn(engine)` on the loop thread between steps; its result (or exception) comes back here."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+
+        def run(out: _Outbox) -> None:
+            try:
+                result, error = fn(self.engine), None
+            except BaseException as e:  # handed to the awaiting coroutine, not raised on this thread
+                result, error = None, e
+            loop.call_soon_threadsafe(_settle, future, result, error)
+
+        self._post(run)
+        return await future
+
+    # ---------------------------------------------------------- loop thread
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                while not self._commands and not self._has_work():
+                    if self._closing:
+                        return
+                    self._wake.wait()
+                commands, self._commands = self._commands, []
+            out = _Outbox()
+            for command in commands:
+                command(out)
+            if self._has_work():
+                self._step(out)
+            out.send()
+
+    def _has_work(self) -> bool:
+        return self.failure is None and self.engine.has_work()
+
+    def _step(self, out: _Outbox) -> None:
+        try:
+            done = self.engine.step()
+        except Exception as e:  # a bug in the engine: fail every request in flight, keep answering HTTP
+            log.exception("engine.step() failed; the server answers 503 from now on")
+            self.failure = f"{type(e).__name__}: {e}"
+            for ticket in self._tickets.values():
+                out.put(ticket, Update(ticket.index, [], [], error=f"engine failed: {self.failure}", status=500))
+            self._tickets.clear()
+            return
+        finished = {c.request_id: c for c in done}
+        for rid, ticket in list(self._tickets.items()):
+            if rid in finished:
+                self._finish(ticket, finished[rid], out)
+                continue
+            events = self.engine._events.get(rid)
+            if events:
+                self.engine._events[rid] = []
+                ticket.sent += len(events)
+                out.put(ticket, Update(ticket.index, [t for t, _ in events], [lp for _, lp in events]))
+
+    def _finish(self, ticket: Ticket, c: Completion, out: _Outbox) -> None:
+        """The sample's last update: every token not yet handed over (the completion is authoritative)."""
+        self._tickets.pop(c.request_id, None)
+        self.engine._events.pop(c.request_id, None)
+        new = slice(ticket.sent, None)
+        logprobs = (c.logprobs or [])[new] if c.logprobs is not None else []
+        ticket.sent = len(c.output_ids)
+        out.put(ticket, Update(ticket.index, c.output_ids[new], logprobs, c.finish_reason, c.cached_tokens))
+
+    def _submit(self, ticket: Ticket, out: _Outbox) -> None:
+        if ticket.cancelled:
+            return
+        if self.failure is not None or self._closing:
+            why = f"engine failed: {self.failure}" if self.failure else "the server is shutting down"
+            out.put(ticket, Update(ticket.index, [], [], error=why, status=503))
+            return
+        try:
+            rid = self.engine.submit(ticket.prompt_ids, ticket.params, ticket.adapter)
+        except ValueError as e:  # the engine's own checks (token ids, length, pool size, adapter)
+            out.put(ticket, Update(ticket.index, [], [], error=str(e)))
+            return
+        ticket.request_id = rid
+        self._tickets[rid] = ticket
+        self.engine._events[rid] = []  # the engine records this request's tokens as they are sampled
+
+    def _abort(self, ticket: Ticket, out: _Outbox) -> None:
+        ticket.cancelled = True
+        rid = ticket.request_id
+        if rid is None or rid not in self._tickets:
+            return  # not submitted yet (then never will be), or already finished
+        completion = self.engine.abort(rid)
+        if completion is not None:
+            self._finish(ticket, completion, out)
+        else:
+            self._tickets.pop(rid, None)
+            self.engine._events.pop(rid, None)
+
+    def _abort_all(self, out: _Outbox) -> None:
+        for ticket in list(self._tickets.values()):
+            self._abort(ticket, out)
+
+
+def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)

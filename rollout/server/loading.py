@@ -1,0 +1,91 @@
+"""From a ServeConfig to a serving engine: the model, its tokenizer, the adapters, the engine.
+
+The model is resolved as the trainer resolves `model.path` (`miles_k3.trainer.config.builtin_path`, the
+trainer's `ModelCfg` checks, `miles_k3.trainer.base.load_base` to read and validate the checkpoint), so
+`--model builtin:k3-tiny-arith` serves exactly the base a default training run starts from. A PEFT adapter
+directory is read by `megatron_patches.peft_io.load_peft` (the format the trainer saves); every adapter
+must share one rank and module set (the engine's adapter pool holds one shape) and keeps its own alpha.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from miles_k3.model.config import K3Config
+from miles_k3.model.lora_spec import LoraSpec, adaptable_modules
+from miles_k3.trainer.base import TORCH_DTYPES, load_base
+from miles_k3.trainer.config import ModelCfg
+from rollout.config import EngineConfig
+from rollout.engine import Engine
+from rollout.model_runner import build_engine_model
+from rollout.server.config import ServeConfig
+from rollout.server.tokenization import ServerTokenizer, build_server_tokenizer
+
+
+@dataclass
+class Served:
+    """What the server serves: the engine, its tokenizer, and the names the APIs select it by."""
+
+    engine: Engine
+    tokenizer: ServerTokenizer
+    model_name: str  # the base
+    adapters: tuple[str, ...]  # loaded adapter names (each also a model name)
+    model_path: str
+
+
+def read_adapters(adapters: tuple[tuple[str, str], ...]) -> tuple[LoraSpec | None, dict[str, dict], dict[str, float]]:
+    """(the pool's LoraSpec, tensors by name, alpha by name). ValueError names the adapter's flag."""
+    if not adapters:
+        return None, {}, {}
+    # imported here: the megatron_patches package imports megatron-core (seconds), which a base-only server
+    # never needs
+    from megatron_patches.peft_io import load_peft
+
+    spec, tensors, alphas = None, {}, {}
+    for name, path in adapters:
+        try:
+            t, s = load_peft(path)
+        except ValueError as e:
+            raise ValueError(f"--adapter {name}={path}: {e}") from None
+        if spec is None:
+            spec = s
+        elif (s.rank, s.targets) != (spec.rank, spec.targets):
+            raise ValueError(f"--adapter {name}={path}: rank {s.rank} over {len(s.targets)} modules differs from "
+                             f"the first adapter's (rank {spec.rank}, {len(spec.targets)} modules); "
+                             "one server's adapters share one rank and module set")
+        tensors[name], alphas[name] = t, s.alpha
+    return spec, tensors, alphas
+
+
+def build_engine(model: ModelCfg, cfg: ServeConfig, seed: int = 0) -> tuple[Engine, K3Config]:
+    """The engine over `model` (a checkpoint or a random-init preset) with `cfg`'s adapters and settings."""
+    model.check()
+    config, state = load_base(model, seed)
+    spec, tensors, alphas = read_adapters(cfg.adapters)
+    if spec is not None:
+        spec.check_matches(adaptable_modules(config))
+    dtype = TORCH_DTYPES[cfg.resolved_dtype]
+    engine_config = EngineConfig(memory_bytes=int(cfg.memory_mb * (1 << 20)), **cfg.engine_overrides())
+    em, pool = build_engine_model(config, state, quantize=cfg.quantize, lora=spec,
+                                  max_adapters=max(len(tensors), 1), dtype=dtype, device=cfg.device)
+    engine = Engine(em, engine_config, pool)
+    for name, t in tensors.items():
+        try:
+            engine.add_adapter(name, {k: v.to(device=pool.device, dtype=pool.dtype) for k, v in t.items()},
+                               alpha=alphas[name])
+        except ValueError as e:
+            raise ValueError(f"--adapter {name}: does not fit this model: {e}") from None
+    return engine, config
+
+
+def load_served(cfg: ServeConfig) -> Served:
+    """Check `cfg`, then build everything it names. ValueError (one line, naming the flag) on bad input."""
+    cfg.check()
+    path = str(cfg.model_path)
+    model = ModelCfg(path=path, tokenizer=cfg.tokenizer_kind)
+    tokenizer = build_server_tokenizer(cfg.tokenizer_kind, path)  # before the weights: it fails faster
+    engine, config = build_engine(model, cfg)
+    if not 0 <= tokenizer.eos_token_id < config.vocab_size:
+        raise ValueError(f"--tokenizer: eos id {tokenizer.eos_token_id} is outside the model's vocabulary "
+                         f"({config.vocab_size}); is it the model's tokenizer?")
+    return Served(engine, tokenizer, cfg.model_name, tuple(n for n, _ in cfg.adapters), path)

@@ -1,0 +1,337 @@
+"""OpenAI-compatible routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions.
+
+Field names follow OpenAI's API reference (and the `openai` package's types, which parse every response
+here). `model` selects the base (its served name) or a loaded adapter (the adapter's name).
+
+Supported request fields
+    both        model, n, seed (sample i of a prompt draws from seed + i), stop (a string or a list),
+                max_tokens, temperature, top_p, stream, stream_options.include_usage, user (ignored)
+    completions prompt (a string, a list of strings, a list of token ids, or a list of those), logprobs
+                (0: the sampled tokens' log-probs), best_of (= n only), echo (false only), suffix (null only)
+    chat        messages (through the tokenizer's chat template; text content only), logprobs (bool),
+                top_logprobs (0 only), max_completion_tokens, response_format ({"type": "text"} only),
+                metadata / store / service_tier / parallel_tool_calls / prompt_cache_key /
+                safety_identifier (ignored: they carry no meaning for generation here)
+    extensions  (vLLM's / SGLang's names, e.g. through the openai package's `extra_body`) top_k,
+                ignore_eos, stop_token_ids, skip_special_tokens, no_stop_trim
+Refused unless at their neutral value (400): frequency_penalty, presence_penalty, logit_bias, tools,
+tool_choice, functions, function_call, audio, modalities, prediction, and top alternatives
+(completions logprobs > 0, chat top_logprobs > 0): the engine returns only the sampled token's log-prob.
+Any other field is a 400 ("unknown field").
+
+Log-probs are those of the sampled token under the untruncated distribution at the request's temperature
+(temperature 1 when greedy), as the engine computes them for RL. `usage.prompt_tokens` counts each prompt
+once whatever n; `prompt_tokens_details.cached_tokens` the prompt tokens served from the prefix cache.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from rollout.request import SamplingParams
+from rollout.server.generation import Delta, Generation, GenerationRequest, RequestError, Sample
+from rollout.server.protocol import Fields, ServerContext, check_length, encode, error_body, parse_body, \
+    prompt_ids, sse
+from rollout.server.responses import ClientGone, EventStream, json_error, unless_disconnected
+from rollout.server.tokenization import message_text
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to what fits
+_IGNORED_CHAT = ("metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
+                 "safety_identifier", "user")
+
+
+def _sampling(f: Fields) -> dict[str, Any]:
+    """The sampling fields both endpoints share, checked; what SamplingParams and GenerationRequest take."""
+    for key in ("frequency_penalty", "presence_penalty"):
+        f.neutral(key, 0, 0.0)
+    f.neutral("logit_bias", {})
+    seed = f.int("seed", None, low=0, high=2**63 - 1)
+    top_k = f.int("top_k", 0, low=-1)
+    return dict(
+        temperature=f.number("temperature", 1.0, low=0.0),
+        top_p=f.number("top_p", 1.0, low=0.0, high=1.0, open_low=True),
+        top_k=0 if top_k == -1 else top_k,
+        seed=seed,
+        stop=f.strings("stop"),
+        stop_token_ids=f.token_ids("stop_token_ids"),
+        ignore_eos=f.bool("ignore_eos", False),
+        skip_special_tokens=f.bool("skip_special_tokens", True),
+        keep_stop=f.bool("no_stop_trim", False),
+    )
+
+
+def _requests(prompts: list[list[int]], s: dict[str, Any], n: int, adapter: str | None, max_new: int | None,
+              max_key: str, default_max: int | None, ctx: ServerContext) -> list[GenerationRequest]:
+    out = []
+    for ids in prompts:
+        tokens = check_length(len(ids), max_new, ctx.max_seq_len, max_key, default_max)
+        params = SamplingParams(temperature=s["temperature"], top_p=s["top_p"], top_k=s["top_k"],
+                                max_new_tokens=tokens, stop_token_ids=s["stop_token_ids"], seed=s["seed"])
+        out.append(GenerationRequest(ids, params, n, adapter, s["stop"], s["keep_stop"], s["ignore_eos"],
+                                     s["skip_special_tokens"]))
+    return out
+
+
+def _usage(gen: Generation, samples: list[Sample]) -> dict[str, Any]:
+    by_prompt: dict[int, list[Sample]] = {}
+    for st, s in zip(gen.states, samples):
+        by_prompt.setdefault(id(st.req), []).append(s)
+    prompt = sum(len(ss[0].prompt_ids) for ss in by_prompt.values())
+    completion = sum(len(s.token_ids) for s in samples)
+    cached = sum(min(s.cached_tokens for s in ss) for ss in by_prompt.values())
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _finish(reason: str | None) -> str | None:
+    if reason == "abort":  # only the server aborts a request whose client still listens: it is going away
+        raise RequestError("the request was aborted: the server is shutting down", status=503)
+    return reason
+
+
+# ------------------------------------------------------------------ log-prob layouts
+def _completion_logprobs(ctx: ServerContext, ids: list[int], lps: list[float], offset: int) -> dict[str, Any]:
+    tokens = [ctx.tokenizer.token_text(t) for t in ids]
+    offsets, at = [], offset
+    for t in tokens:
+        offsets.append(at)
+        at += len(t)
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": None, "text_offset": offsets}
+
+
+def _chat_logprobs(ctx: ServerContext, ids: list[int], lps: list[float]) -> dict[str, Any]:
+    content = []
+    for t, lp in zip(ids, lps):
+        text = ctx.tokenizer.token_text(t)
+        content.append({"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": []})
+    return {"content": content, "refusal": None}
+
+
+# ------------------------------------------------------------------ routes
+async def list_models(request: Request) -> JSONResponse:
+    ctx: ServerContext = request.app.state.ctx
+    base = {"id": ctx.model_name, "object": "model", "created": ctx.created, "owned_by": "miles-k3",
+            "root": ctx.model_path, "parent": None, "max_model_len": ctx.max_seq_len}
+    adapters = [{**base, "id": name, "root": name, "parent": ctx.model_name} for name in ctx.adapters]
+    return JSONResponse({"object": "list", "data": [base, *adapters]})
+
+
+def _completion_prompts(value: Any, ctx: ServerContext) -> list[list[int]]:
+    if isinstance(value, str):
+        return [encode(ctx.tokenizer.encode, value, "prompt")]
+    if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        return [prompt_ids(value, "prompt", ctx.vocab_size)]
+    if isinstance(value, list) and value:
+        out = []
+        for i, p in enumerate(value):
+            if isinstance(p, str):
+                out.append(encode(ctx.tokenizer.encode, p, f"prompt[{i}]"))
+            else:
+                out.append(prompt_ids(p, f"prompt[{i}]", ctx.vocab_size))
+        return out
+    raise RequestError("prompt must be a string, a list of strings, a list of token ids, or a list of those",
+                       param="prompt")
+
+
+async def completions(request: Request):
+    ctx: ServerContext = request.app.state.ctx
+    try:
+        f = Fields(parse_body(await request.body()))
+        adapter = ctx.adapter_for(f.required("model"))
+        prompts = _completion_prompts(f.required("prompt"), ctx)
+        n = f.int("n", 1, low=1)
+        best_of = f.int("best_of", None, low=1)
+        if best_of is not None and best_of != n:
+            raise f.fail("best_of", f"must equal n ({n}): this server returns every sample it draws")
+        f.neutral("echo", False)
+        f.neutral("suffix", "")
+        logprobs = f.int("logprobs", None, low=0, high=5)
+        if logprobs:
+            raise f.fail("logprobs", "> 0 asks for top alternatives, which this server does not compute; "
+                                     "logprobs=0 returns the sampled tokens' log-probs")
+        s = _sampling(f)
+        max_new = f.int("max_tokens", None, low=1)
+        stream, include_usage = f.bool("stream", False), _stream_options(f)
+        f.ignore("user")
+        f.finish()
+        reqs = _requests(prompts, s, n, adapter, max_new, "max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS, ctx)
+        gen = ctx.service.open(reqs)
+    except RequestError as e:
+        return json_error(e)
+    meta = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+            "model": f.obj["model"]}
+    want_lp = logprobs is not None
+    if stream:
+        return await _stream(request, gen, _completion_chunks(ctx, gen, meta, want_lp, include_usage))
+    samples = await _collect(request, gen)
+    if not isinstance(samples, list):
+        return samples
+    try:
+        choices = [{"index": s.index, "text": s.text, "finish_reason": _finish(s.finish_reason),
+                    "logprobs": _completion_logprobs(ctx, s.token_ids, s.logprobs, 0) if want_lp else None}
+                   for s in samples]
+    except RequestError as e:
+        return json_error(e)
+    return JSONResponse({**meta, "choices": choices, "usage": _usage(gen, samples), "system_fingerprint": None})
+
+
+async def chat_completions(request: Request):
+    ctx: ServerContext = request.app.state.ctx
+    try:
+        f = Fields(parse_body(await request.body()))
+        adapter = ctx.adapter_for(f.required("model"))
+        messages = f.required("messages")
+        if not isinstance(messages, list) or not messages:
+            raise RequestError("messages must be a non-empty list of {role, content} objects", param="messages")
+        try:
+            checked = [message_text(i, m) for i, m in enumerate(messages)]
+        except ValueError as e:
+            raise RequestError(str(e), param="messages") from None
+        ids = encode(ctx.tokenizer.encode_chat, checked, "messages")
+        n = f.int("n", 1, low=1)
+        want_lp = f.bool("logprobs", False)
+        f.neutral("top_logprobs", 0)
+        for key in ("tools", "functions"):
+            f.neutral(key, [])
+        for key in ("tool_choice", "function_call"):
+            f.neutral(key, "none")
+        for key in ("audio", "modalities", "prediction"):
+            f.neutral(key, ["text"] if key == "modalities" else None)
+        fmt = f.raw("response_format", None)
+        if fmt is not None and fmt != {"type": "text"}:
+            raise f.fail("response_format", "is not supported by this server (only {'type': 'text'})")
+        s = _sampling(f)
+        max_new = f.int("max_completion_tokens", None, low=1)
+        key = "max_completion_tokens"
+        if max_new is None:
+            max_new, key = f.int("max_tokens", None, low=1), "max_tokens"
+        stream, include_usage = f.bool("stream", False), _stream_options(f)
+        f.ignore(*_IGNORED_CHAT)
+        f.finish()
+        gen = ctx.service.open(_requests([ids], s, n, adapter, max_new, key, None, ctx))
+    except RequestError as e:
+        return json_error(e)
+    meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+            "model": f.obj["model"]}
+    if stream:
+        return await _stream(request, gen, _chat_chunks(ctx, gen, meta, want_lp, include_usage))
+    samples = await _collect(request, gen)
+    if not isinstance(samples, list):
+        return samples
+    try:
+        choices = [{"index": s.index, "message": {"role": "assistant", "content": s.text},
+                    "finish_reason": _finish(s.finish_reason),
+                    "logprobs": _chat_logprobs(ctx, s.token_ids, s.logprobs) if want_lp else None}
+                   for s in samples]
+    except RequestError as e:
+        return json_error(e)
+    return JSONResponse({**meta, "choices": choices, "usage": _usage(gen, samples), "system_fingerprint": None})
+
+
+def _stream_options(f: Fields) -> bool:
+    opts = f.raw("stream_options", None)
+    if opts is None:
+        return False
+    g = Fields(opts, "stream_options")
+    include = g.bool("include_usage", False)
+    g.ignore("include_obfuscation")
+    g.finish()
+    return include
+
+
+# ------------------------------------------------------------------ answering
+async def _collect(request: Request, gen: Generation):
+    """Every sample, or an error response; a client that disconnects first aborts them."""
+    try:
+        return await unless_disconnected(request, gen.result())
+    except ClientGone:
+        return JSONResponse({}, status_code=499)
+    except RequestError as e:
+        return json_error(e)
+    finally:
+        gen.close()
+
+
+async def _stream(request: Request, gen: Generation, chunks: AsyncIterator[bytes]):
+    """Server-sent events once the first one is ready (a request the engine refuses is a plain 4xx)."""
+    try:
+        first = await unless_disconnected(request, chunks.__anext__())
+    except ClientGone:
+        gen.close()
+        return JSONResponse({}, status_code=499)
+    except RequestError as e:
+        gen.close()
+        return json_error(e)
+
+    async def events() -> AsyncIterator[bytes]:
+        yield first
+        async for chunk in chunks:
+            yield chunk
+
+    return EventStream(events(), gen.close)
+
+
+async def _completion_chunks(ctx, gen: Generation, meta, want_lp: bool, include_usage: bool):
+    offsets = [0] * len(gen.states)
+    async for d in _deltas_first(gen):
+        if isinstance(d, RequestError):
+            yield sse(error_body(d))
+            break
+        lp = None
+        if want_lp:
+            lp = _completion_logprobs(ctx, d.token_ids, d.logprobs, offsets[d.index])
+        offsets[d.index] += len(d.text)
+        yield sse({**meta, "choices": [{"index": d.index, "text": d.text, "logprobs": lp,
+                                        "finish_reason": d.finish_reason}]})
+    else:
+        if include_usage:
+            yield sse({**meta, "choices": [], "usage": _usage(gen, [st.sample for st in gen.states])})
+    yield sse("[DONE]")
+
+
+async def _chat_chunks(ctx, gen: Generation, meta, want_lp: bool, include_usage: bool):
+    meta = {**meta, "object": "chat.completion.chunk"}
+    started: set[int] = set()
+    async for d in _deltas_first(gen):
+        if isinstance(d, RequestError):
+            yield sse(error_body(d))
+            break
+        delta: dict[str, Any] = {"content": d.text}
+        if d.index not in started:
+            started.add(d.index)
+            delta["role"] = "assistant"
+        lp = _chat_logprobs(ctx, d.token_ids, d.logprobs) if want_lp else None
+        yield sse({**meta, "choices": [{"index": d.index, "delta": delta, "logprobs": lp,
+                                        "finish_reason": d.finish_reason}]})
+    else:
+        if include_usage:
+            yield sse({**meta, "choices": [], "usage": _usage(gen, [st.sample for st in gen.states])})
+    yield sse("[DONE]")
+
+
+async def _deltas_first(gen: Generation) -> AsyncIterator[Delta | RequestError]:
+    """Deltas; an error before the first one is raised (the route answers 4xx), after it is yielded."""
+    started = False
+    try:
+        async for d in gen:
+            if d.finish_reason == "abort":
+                yield RequestError("the request was aborted: the server is shutting down", status=503)
+                return
+            started = True
+            yield d
+    except RequestError as e:
+        if not started:
+            raise
+        yield e
+
+
+def routes() -> list[Route]:
+    return [Route("/v1/models", list_models, methods=["GET"]),
+            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/chat/completions", chat_completions, methods=["POST"])]

@@ -1,0 +1,301 @@
+"""SGLang-native routes: POST /generate, GET /health, GET /health_generate, GET /get_model_info,
+POST /abort_request. Field names and layouts are SGLang's (`GenerateReqInput`, `SamplingParams`, the
+tokenizer manager's `meta_info`), so rollout code written for an SGLang server (miles', slime's
+`sglang_rollout.generate`) posts here unchanged.
+
+/generate request
+    text | input_ids        one prompt (a string / a list of ids) or a batch (a list of those)
+    sampling_params         an object, or one per prompt: max_new_tokens (default 128; null: all that fits),
+                            temperature, top_p, top_k (-1: off), n, stop, stop_token_ids, ignore_eos,
+                            sampling_seed, no_stop_trim, skip_special_tokens, stream_interval,
+                            spaces_between_special_tokens (no effect: fast tokenizers ignore it),
+                            custom_params (no effect without a custom logit processor, as in SGLang);
+                            refused unless neutral: min_p, frequency/presence/repetition_penalty,
+                            min_new_tokens, logit_bias, json_schema, regex, ebnf, structural_tag, stop_regex
+    return_logprob          bool (or one per prompt); return_text_in_logprobs; logprob_start_len (-1 only:
+                            prompt log-probs are not computed); top_logprobs_num (0 only)
+    stream                  server-sent events, each the sample's output so far (SGLang's default,
+                            non-incremental layout; "index" when several samples), then `data: [DONE]`
+    rid                     an id (or one per prompt) that /abort_request can stop the request by
+    lora_path               a loaded adapter's name (or one per prompt); null: the base
+    ignored                 log_metrics, session_id; refused unless null/false: multimodal inputs,
+                            input_embeds, token_ids_logprob, return_hidden_states, return_routed_experts,
+                            custom_logit_processor, session_params, priority, data_parallel_rank
+/generate answer: {"text", "output_ids", "meta_info": {"id", "finish_reason" ({"type": "stop", "matched":
+token id or string} | {"type": "length", "length": n} | {"type": "abort", ...}), "prompt_tokens",
+"completion_tokens", "cached_tokens", "e2e_latency", "weight_version", and with return_logprob
+"output_token_logprobs": [[logprob, token_id, text or null], ...]}}; one object for one prompt and n = 1,
+else a list, prompt-major.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from rollout.request import SamplingParams
+from rollout.server.generation import Generation, GenerationRequest, RequestError, Sample
+from rollout.server.protocol import Fields, ServerContext, check_length, encode, error_body, parse_body, \
+    prompt_ids, sse
+from rollout.server.responses import ClientGone, EventStream, empty, json_error, unless_disconnected
+
+SGLANG_DEFAULT_MAX_NEW_TOKENS = 128
+_NULL_ONLY = ("image_data", "video_data", "audio_data", "input_embeds", "token_ids_logprob", "custom_logit_processor",
+              "session_params", "priority", "bootstrap_host", "bootstrap_port", "bootstrap_room")
+_FALSE_ONLY = ("return_hidden_states", "return_routed_experts", "return_prompt_token_ids", "return_entropy")
+
+
+def _per_prompt(value: Any, count: int, key: str) -> list[Any]:
+    """A field given once for the whole batch or as one value per prompt."""
+    if isinstance(value, list):
+        if len(value) != count:
+            raise RequestError(f"{key} has {len(value)} entries for {count} prompts", param=key)
+        return value
+    return [value] * count
+
+
+def _prompts(f: Fields, ctx: ServerContext) -> tuple[list[list[int]], bool]:
+    """(prompt ids, whether a batch was sent)."""
+    text, ids = f.raw("text"), f.raw("input_ids")
+    if (text is None) == (ids is None):
+        raise RequestError("exactly one of text and input_ids is required", param="text")
+    if text is not None:
+        if isinstance(text, str):
+            return [encode(ctx.tokenizer.encode, text, "text")], False
+        if isinstance(text, list) and text and all(isinstance(t, str) for t in text):
+            return [encode(ctx.tokenizer.encode, t, f"text[{i}]") for i, t in enumerate(text)], True
+        raise RequestError("text must be a string or a non-empty list of strings", param="text")
+    if isinstance(ids, list) and ids and all(isinstance(p, list) for p in ids):
+        return [prompt_ids(p, f"input_ids[{i}]", ctx.vocab_size) for i, p in enumerate(ids)], True
+    return [prompt_ids(ids, "input_ids", ctx.vocab_size)], False
+
+
+def _sampling(sp: Any, where: str, prompt: list[int], ctx: ServerContext, adapter: str | None
+              ) -> tuple[GenerationRequest, int]:
+    """One prompt's GenerationRequest and its stream_interval."""
+    f = Fields({} if sp is None else sp, where)
+    for key, neutral in (("min_p", (0, 0.0)), ("frequency_penalty", (0, 0.0)), ("presence_penalty", (0, 0.0)),
+                         ("repetition_penalty", (1, 1.0)), ("min_new_tokens", (0,)), ("logit_bias", ({},)),
+                         ("stop_regex", ([], ""))):
+        f.neutral(key, *neutral)
+    for key in ("json_schema", "regex", "ebnf", "structural_tag"):
+        f.neutral(key)
+    top_k = f.int("top_k", -1, low=-1)
+    if top_k == 0:
+        raise f.fail("top_k", "must be -1 (off) or >= 1")
+    if "max_new_tokens" in f.obj and f.obj["max_new_tokens"] is None:
+        f.seen.add("max_new_tokens")
+        max_new, default = None, None  # SGLang: no limit but the context
+    else:
+        max_new, default = f.int("max_new_tokens", None, low=1), SGLANG_DEFAULT_MAX_NEW_TOKENS
+    tokens = check_length(len(prompt), max_new, ctx.max_seq_len, f.path("max_new_tokens"), default)
+    params = SamplingParams(temperature=f.number("temperature", 1.0, low=0.0),
+                            top_p=f.number("top_p", 1.0, low=0.0, high=1.0, open_low=True),
+                            top_k=max(top_k, 0), max_new_tokens=tokens,
+                            stop_token_ids=f.token_ids("stop_token_ids"),
+                            seed=f.int("sampling_seed", None, low=0, high=2**63 - 1))
+    req = GenerationRequest(prompt, params, n=f.int("n", 1, low=1), adapter=adapter, stop=f.strings("stop"),
+                            keep_stop=f.bool("no_stop_trim", False), ignore_eos=f.bool("ignore_eos", False),
+                            skip_special_tokens=f.bool("skip_special_tokens", True))
+    interval = f.int("stream_interval", 1, low=1)
+    f.bool("spaces_between_special_tokens", True)
+    custom = f.raw("custom_params", None)
+    if custom is not None and not isinstance(custom, dict):
+        raise f.fail("custom_params", "must be an object")
+    f.finish()
+    return req, interval
+
+
+def _finish_reason(s: Sample) -> dict[str, Any] | None:
+    if s.finish_reason == "stop":
+        return {"type": "stop", "matched": s.matched}
+    if s.finish_reason == "length":
+        return {"type": "length", "length": len(s.token_ids)}
+    if s.finish_reason == "abort":
+        return {"type": "abort", "message": "aborted", "status_code": 400, "err_type": None}
+    return None
+
+
+def _output(ctx: ServerContext, s: Sample, rid: str, logprob: bool, with_text: bool, started: float,
+            index: int | None) -> dict[str, Any]:
+    meta: dict[str, Any] = {"id": rid, "finish_reason": _finish_reason(s), "prompt_tokens": len(s.prompt_ids),
+                            "completion_tokens": len(s.token_ids), "cached_tokens": s.cached_tokens,
+                            "weight_version": "default", "e2e_latency": time.perf_counter() - started}
+    if logprob:
+        meta["output_token_logprobs"] = [[lp, t, ctx.tokenizer.token_text(t) if with_text else None]
+                                         for lp, t in zip(s.logprobs, s.token_ids)]
+    out = {"text": s.text, "output_ids": list(s.token_ids), "meta_info": meta}
+    if index is not None:
+        out["index"] = index
+    return out
+
+
+async def generate(request: Request):
+    ctx: ServerContext = request.app.state.ctx
+    started = time.perf_counter()
+    try:
+        f = Fields(parse_body(await request.body()))
+        prompts, batch = _prompts(f, ctx)
+        count = len(prompts)
+        sps = _per_prompt(f.raw("sampling_params"), count, "sampling_params")
+        lora = _per_prompt(f.raw("lora_path"), count, "lora_path")
+        adapters = [None if name is None else ctx.adapter_for(name, "lora_path") for name in lora]
+        logprob = [_bool(v, "return_logprob") for v in _per_prompt(f.raw("return_logprob", False), count,
+                                                                   "return_logprob")]
+        with_text = f.bool("return_text_in_logprobs", False)
+        f.neutral("logprob_start_len", -1)
+        f.neutral("top_logprobs_num", 0)
+        for key in _NULL_ONLY:
+            f.neutral(key)
+        for key in _FALSE_ONLY:
+            f.neutral(key, False)
+        f.neutral("data_parallel_rank", 0)
+        f.neutral("routed_dp_rank", 0)
+        f.ignore("log_metrics", "session_id")
+        stream = f.bool("stream", False)
+        rids = _per_prompt(f.raw("rid", None), count, "rid")
+        if any(r is not None and not isinstance(r, str) for r in rids):
+            raise RequestError("rid must be a string or a list of strings", param="rid")
+        f.finish()
+        built = [_sampling(sp, "sampling_params" + (f"[{i}]" if isinstance(f.obj.get("sampling_params"), list)
+                                                    else ""), p, ctx, a)
+                 for i, (sp, p, a) in enumerate(zip(sps, prompts, adapters))]
+        gen = ctx.service.open([r for r, _ in built], rids)
+    except RequestError as e:
+        return json_error(e)
+    # per sample: its prompt's rid (suffixed by the sample's number when n > 1) and log-prob choice
+    sample_rid, sample_lp, interval = [], [], []
+    for (req, every), rid, lp in zip(built, rids, logprob):
+        base = rid or uuid.uuid4().hex
+        for j in range(req.n):
+            sample_rid.append(base if req.n == 1 else f"{base}_{j}")
+            sample_lp.append(lp)
+            interval.append(every)
+    many = batch or len(gen.states) > 1
+    if stream:
+        return await _stream(request, ctx, gen, sample_rid, sample_lp, with_text, interval, started, many)
+    try:
+        samples = await unless_disconnected(request, gen.result())
+    except ClientGone:
+        return JSONResponse({}, status_code=499)
+    except RequestError as e:
+        return json_error(e)
+    finally:
+        gen.close()
+    outs = [_output(ctx, s, sample_rid[s.index], sample_lp[s.index], with_text, started, None) for s in samples]
+    return JSONResponse(outs if many else outs[0])
+
+
+def _bool(v: Any, key: str) -> bool:
+    if v is None:
+        return False
+    if not isinstance(v, bool):
+        raise RequestError(f"{key} must be true or false (or one per prompt), got {v!r}", param=key)
+    return v
+
+
+async def _stream(request, ctx, gen: Generation, rids, lps, with_text, interval, started, many):
+    async def chunks() -> AsyncIterator[bytes]:
+        pending = [0] * len(gen.states)  # tokens since the sample's last event (stream_interval)
+        begun = False
+        try:
+            async for d in gen:
+                begun = True
+                pending[d.index] += len(d.token_ids)
+                if d.finish_reason is None and pending[d.index] < interval[d.index]:
+                    continue
+                pending[d.index] = 0
+                s = gen.states[d.index].sample
+                partial = s if d.finish_reason is not None else _so_far(gen, d.index)
+                yield sse(_output(ctx, partial, rids[d.index], lps[d.index], with_text, started,
+                                  d.index if many else None))
+        except RequestError as e:
+            if not begun:
+                raise
+            yield sse(error_body(e))
+        yield sse("[DONE]")
+
+    it = chunks()
+    try:
+        first = await unless_disconnected(request, it.__anext__())
+    except ClientGone:
+        gen.close()
+        return JSONResponse({}, status_code=499)
+    except RequestError as e:
+        gen.close()
+        return json_error(e)
+
+    async def events() -> AsyncIterator[bytes]:
+        yield first
+        async for chunk in it:
+            yield chunk
+
+    return EventStream(events(), gen.close)
+
+
+def _so_far(gen: Generation, index: int) -> Sample:
+    """A sample's output so far, as a stream event shows it (the text up to what may not be a stop string)."""
+    st = gen.states[index]
+    s = st.sample
+    return Sample(s.index, s.prompt_ids, st.text[:st.emitted], list(s.token_ids), list(s.logprobs), None, None,
+                  s.cached_tokens)
+
+
+# ------------------------------------------------------------------ the other native routes
+async def health(request: Request):
+    ctx: ServerContext = request.app.state.ctx
+    return empty(200 if ctx.service.loop.alive else 503)
+
+
+async def health_generate(request: Request):
+    """Healthy when one token can be generated (SGLang's deep health check)."""
+    ctx: ServerContext = request.app.state.ctx
+    # a one-token prompt any tokenizer has: its eos
+    req = GenerationRequest([ctx.tokenizer.eos_token_id], SamplingParams(max_new_tokens=1), ignore_eos=True)
+    try:
+        gen = ctx.service.open([req])
+    except RequestError as e:
+        return empty(503 if e.status >= 500 else 429)
+    try:
+        samples = await unless_disconnected(request, gen.result())
+    except (RequestError, ClientGone):
+        return empty(503)
+    finally:
+        gen.close()
+    return empty(200 if samples[0].finish_reason in ("length", "stop") else 503)
+
+
+async def get_model_info(request: Request):
+    ctx: ServerContext = request.app.state.ctx
+    return JSONResponse({"model_path": ctx.model_path, "tokenizer_path": ctx.tokenizer.name_or_path,
+                         "is_generation": True, "preferred_sampling_params": None, "weight_version": "default",
+                         "served_model_name": ctx.model_name, "lora_adapters": list(ctx.adapters),
+                         "max_context_length": ctx.max_seq_len})
+
+
+async def abort_request(request: Request):
+    """{"rid": id} aborts that request, {"abort_all": true} every one; each answers with what it had."""
+    ctx: ServerContext = request.app.state.ctx
+    try:
+        f = Fields(parse_body(await request.body()))
+        rid, every = f.str("rid", None), f.bool("abort_all", False)
+        f.finish()
+        if (rid is None) == (not every):
+            raise RequestError("give rid or abort_all=true", param="rid")
+    except RequestError as e:
+        return json_error(e)
+    ctx.service.abort(None if every else rid)
+    return empty(200)
+
+
+def routes() -> list[Route]:
+    return [Route("/generate", generate, methods=["POST"]),
+            Route("/health", health, methods=["GET"]),
+            Route("/health_generate", health_generate, methods=["GET"]),
+            Route("/get_model_info", get_model_info, methods=["GET"]),
+            Route("/abort_request", abort_request, methods=["POST"])]

@@ -1,0 +1,174 @@
+"""Text <-> token ids for the server: prompts, chat messages, and decoding a stream of tokens.
+
+Built on the trainer's tokenizers (`miles_k3.trainer.base.build_tokenizer`), so a prompt string becomes
+the same ids in a training run and in a request: the arithmetic tokenizer adds `<bos>`; an HF tokenizer
+adds its special tokens (`add_special_tokens=True`).
+
+Chat messages: an HF checkpoint's own template (`apply_chat_template` of its tokenizer config, with the
+generation prompt), whose text is encoded without adding special tokens again (the template writes them).
+The embedded arithmetic models were pretrained on bare problems (`12+3=`), so their "template" is the
+messages' contents concatenated, then encoded as a prompt.
+
+Decoding is incremental (`Decoder`): text arrives as tokens do, never a partial UTF-8 character. Every
+error a request can cause is a ValueError whose message the HTTP layer returns as a 400.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from miles_k3.trainer.base import ArithmeticTextTokenizer, HFTokenizer
+
+CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
+def message_text(i: int, message: Any) -> dict[str, str]:
+    """One chat message as {role, content}: content a string or a list of text parts (OpenAI's layout)."""
+    if not isinstance(message, dict):
+        raise ValueError(f"messages[{i}] must be an object with role and content")
+    role, content = message.get("role"), message.get("content")
+    if role not in CHAT_ROLES:
+        raise ValueError(f"messages[{i}].role must be one of {CHAT_ROLES}, got {role!r}")
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError(f"messages[{i}].content[{j}] must be a text part {{\"type\": \"text\", \"text\": ...}} "
+                                 "(this server reads text only)")
+            texts.append(part["text"])
+        content = "".join(texts)
+    if not isinstance(content, str):
+        raise ValueError(f"messages[{i}].content must be a string or a list of text parts")
+    return {"role": role, "content": content}
+
+
+class Decoder:
+    """Text of a growing token sequence, delivered in pieces: `push(ids)` returns the text those tokens
+    complete (held back while the tail decodes to an incomplete character), `finish()` the rest."""
+
+    def __init__(self, decode):
+        self._decode = decode
+        self.ids: list[int] = []
+        self._prefix = 0  # ids[_prefix:_read] decode to the last `_prefix_text`; a window, not the whole text
+        self._read = 0
+
+    def push(self, ids: list[int]) -> str:
+        self.ids.extend(ids)
+        prefix_text = self._decode(self.ids[self._prefix:self._read])
+        text = self._decode(self.ids[self._prefix:])
+        if len(text) > len(prefix_text) and not text.endswith("\ufffd"):
+            # decode a window (the previous piece and the new tokens), not the whole text: O(1) per token,
+            # and both strings start at the same token, so context-dependent spacing cancels out
+            self._prefix, self._read = self._read, len(self.ids)
+            return text[len(prefix_text):]
+        return ""
+
+    def finish(self) -> str:
+        prefix_text = self._decode(self.ids[self._prefix:self._read])
+        text = self._decode(self.ids[self._prefix:])
+        self._prefix = self._read = len(self.ids)
+        return text[len(prefix_text):]
+
+
+class ServerTokenizer:
+    """The interface the server needs; `build_server_tokenizer` picks the implementation."""
+
+    eos_token_id: int
+    name_or_path: str
+
+    def encode(self, text: str) -> list[int]:
+        """A prompt string -> ids, special tokens added as training adds them."""
+        raise NotImplementedError
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """Checked chat messages (`message_text`) -> the prompt ids that ask for the assistant's next turn."""
+        raise NotImplementedError
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        raise NotImplementedError
+
+    def decoder(self, skip_special_tokens: bool = True) -> Decoder:
+        return Decoder(lambda ids: self.decode(ids, skip_special_tokens))
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text as logprob listings show it (special tokens included)."""
+        return self.decode([token_id], skip_special_tokens=False)
+
+
+class ArithmeticServerTokenizer(ServerTokenizer):
+    """The embedded models' character tokenizer. Its special tokens have no text (`<eos>` ends decoding),
+    so `skip_special_tokens` changes nothing here."""
+
+    def __init__(self, name_or_path: str):
+        self._tok = ArithmeticTextTokenizer()
+        self.eos_token_id = self._tok.eos_token_id
+        self.name_or_path = name_or_path
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode_prompt(text)
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        return self._tok.encode_prompt("".join(m["content"] for m in messages))
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids)
+
+    def decoder(self, skip_special_tokens: bool = True) -> Decoder:
+        return _CharDecoder(self._tok.decode, self.eos_token_id)
+
+
+class _CharDecoder(Decoder):
+    """One character per token, text ending at `<eos>` (as `decode` reads a whole sequence): no window to
+    keep, and an id outside the vocabulary (U+FFFD) is final, not a partial character."""
+
+    def __init__(self, decode, eos_token_id: int):
+        super().__init__(decode)
+        self._eos, self._ended = eos_token_id, False
+
+    def push(self, ids: list[int]) -> str:
+        self.ids.extend(ids)
+        out = []
+        for t in ids:
+            self._ended = self._ended or t == self._eos
+            if self._ended:
+                break
+            out.append(self._decode([t]))
+        return "".join(out)
+
+    def finish(self) -> str:
+        return ""
+
+
+class HFServerTokenizer(ServerTokenizer):
+    """transformers' AutoTokenizer of the checkpoint, with its chat template."""
+
+    def __init__(self, path: str):
+        base = HFTokenizer(path)
+        self._hf = base._tok  # the trainer's wrapper exposes encode/decode only; the template needs the tokenizer
+        self.eos_token_id = base.eos_token_id
+        self.name_or_path = path
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._hf.encode(text, add_special_tokens=True))
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        if not getattr(self._hf, "chat_template", None):
+            raise ValueError(f"the tokenizer in {self.name_or_path} has no chat template; "
+                             "send the prompt text to /v1/completions instead")
+        try:
+            text = self._hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as e:  # jinja's own errors (a template that rejects a role order, raise_exception)
+            raise ValueError(f"messages: the chat template rejected them: {e}") from None
+        return list(self._hf.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._hf.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def build_server_tokenizer(kind: str, path: str) -> ServerTokenizer:
+    """kind: "arithmetic" or "hf" (`miles_k3.trainer.config.TOKENIZERS`); path: the checkpoint directory."""
+    if kind == "arithmetic":
+        return ArithmeticServerTokenizer(path)
+    if kind == "hf":
+        return HFServerTokenizer(path)
+    raise ValueError(f"tokenizer must be 'arithmetic' or 'hf', got {kind!r}")

@@ -1,6 +1,23 @@
-"""The rollout engine: scheduler, memory pools and hybrid radix cache, model runner (MXFP4 + LoRA linears
-through `miles_k3.model.linear`, paged state through `miles_k3.model.cache.K3StateCache`), speculation,
-kernels.
+"""The rollout engine: serves the frozen K3 base (MXFP4 or BF16) with LoRA adapters updated in place, by
+continuous batching over paged MLA KV and KDA state slots with a hybrid radix prefix cache. It runs the
+shared `miles_k3.model` definition: engine linears through its factories, paged state through its
+`K3StateCache` protocol. A request's life through these files: docs/structures.md.
 
-Empty until the engine issue lands; the model it serves is `miles_k3.model`.
+    engine.py         Engine: wires the parts; submit / step / generate / stream / abort, adapters, colocation
+    config.py         EngineConfig: the engine's settings, defaults and checks
+    request.py        SamplingParams, Request, Completion
+    scheduler.py      Scheduler: queues, admission, a plan per step (prefill chunks or a decode batch)
+    cache_manager.py  CacheManager: per-request pages / slots and every handover with the radix cache
+    decode.py         DecodePipeline (overlap schedule) and the DecodeStrategy seam (OneToken)
+    model_runner.py   build_engine_model (HF tensors -> engine model) and ModelRunner (one forward)
+    forward.py        model_step and DecodeGraphs (CUDA-graph decode per batch / history bucket)
+    state_cache.py    BatchLayout and PoolStateCache: the K3StateCache over the pools
+    attention.py      absorbed MLA attention over the KV pages
+    memory.py         index allocators, KV page pool, KDA state pool, pool sizing
+    radix_cache.py    HybridRadixCache: KV pages shared by prefix, sparse KDA checkpoints
+    linears.py        EngineLinear / EngineExperts: MXFP4 or BF16 base plus the pool's LoRA term
+    lora.py           AdapterPool: named adapter slots of one LoraSpec
+    sampler.py        batched sampling with exact untruncated log-probs
+    transfer.py       host-to-device copies that never wait for the device
+    kernels/          Triton kernels: MXFP4 grouped GEMM, mixed-adapter LoRA rows
 """

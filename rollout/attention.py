@@ -10,25 +10,16 @@ the work per step no longer grows with S times the expansion width.
 A LoRA adapter on kv_b_proj (W + s B A per request) is absorbed the same way: the per-token low-rank
 terms are added to the mapped queries and outputs, so adapters keep working on this path.
 
-`install_paged_mla(model)` sets the engine forward on each MLA mixer as an instance attribute (module
-tree, parameters and state_dict untouched); it calls the reference forward for any cache that is not the
-engine's `PoolStateCache`, so the model still runs everywhere else exactly as before.
+`absorbed_attention` is the engine's side of the shared layer's seam: `MLAMixer.forward` computes its
+projections, output gate and o_proj itself and asks the cache for the attention over the history, which
+`PoolStateCache.mla_attention` answers with this. A change to the layer's projections needs no mirror here.
 """
 
 from __future__ import annotations
 
-import types
-
 import torch
 
 from miles_k3.model.layers import MLAMixer
-from rollout.state_cache import PoolStateCache
-
-
-def install_paged_mla(model: torch.nn.Module) -> None:
-    for module in model.modules():
-        if isinstance(module, MLAMixer) and "forward" not in module.__dict__:
-            module.forward = types.MethodType(_paged_mla_forward, module)
 
 
 def _dense_weight(linear: torch.nn.Module, dtype: torch.dtype) -> torch.Tensor:
@@ -52,22 +43,22 @@ def _lora_terms(linear: torch.nn.Module, num_tokens: int):
     return a[slots], b[slots], pool.device_scale[slots][:, None, None]
 
 
-def _paged_mla_forward(self: MLAMixer, x: torch.Tensor, cache=None, cu_seqlens=None) -> torch.Tensor:
-    if not isinstance(cache, PoolStateCache):
-        return MLAMixer.forward(self, x, cache, cu_seqlens)
-    c = self.config
-    b, t, _ = x.shape
-    h, nope, dv, r = c.mla_num_heads, c.qk_nope_head_dim, c.v_head_dim, c.kv_lora_rank
-    q = self.q_proj(x) if c.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+def absorbed_attention(mixer: MLAMixer, q: torch.Tensor, latent: torch.Tensor, rope: torch.Tensor, cache
+                       ) -> torch.Tensor:
+    """q [B, T, H, Dqk], this step's normed latent [B, T, R] and shared key part [B, T, Dr] -> attention
+    output [B, T, H, Dv]. Writes the step's rows into the pages (`cache.mla_write`, a `PoolStateCache`) and
+    attends over the history read back from them, per request of `cache.layout`."""
+    c = mixer.config
+    b, t = q.shape[:2]
+    h, nope, dv, r = mixer.heads, c.qk_nope_head_dim, c.v_head_dim, c.kv_lora_rank
     q = q.reshape(b * t, h, c.qk_head_dim)  # tokens in input order
-    latent, rope = self.kv_a_proj_with_mqa(x).split([r, c.qk_rope_head_dim], dim=-1)
-    hist = cache.mla_write(self.layer_idx, self.kv_a_layernorm(latent), rope).to(x.dtype)  # [N, S, R + Dr]
+    hist = cache.mla_write(mixer.layer_idx, latent, rope).to(q.dtype)  # [N, S, R + Dr]
 
-    w = _dense_weight(self.kv_b_proj, x.dtype).view(h, nope + dv, r)
+    w = _dense_weight(mixer.kv_b_proj, q.dtype).view(h, nope + dv, r)
     w_k, w_v = w[:, :nope], w[:, nope:]
     q_nope, q_rope = q.split([nope, c.qk_rope_head_dim], dim=-1)
     q_lat = torch.einsum("thd,hdr->thr", q_nope, w_k)
-    lora = _lora_terms(self.kv_b_proj, b * t)
+    lora = _lora_terms(mixer.kv_b_proj, b * t)
     if lora is not None:
         a, bb, s = lora
         bb = bb.unflatten(1, (h, nope + dv))  # [L, H, nope + dv, rank]; L = 1 broadcasts over tokens
@@ -79,18 +70,14 @@ def _paged_mla_forward(self: MLAMixer, x: torch.Tensor, cache=None, cu_seqlens=N
     # scores and softmax in fp32, as the reference's fused attention keeps them
     qf = torch.cat([q_lat, q_rope], dim=-1)[lay.q_index].float()  # [N, Tq, H, R + Dr]
     hist32 = hist.float()
-    scores = torch.einsum("nthe,nse->nhts", qf, hist32) * self.scale
-    key_pos = torch.arange(hist.shape[1], device=x.device)
+    scores = torch.einsum("nthe,nse->nhts", qf, hist32) * mixer.scale
+    key_pos = torch.arange(hist.shape[1], device=q.device)
     visible = key_pos[None, None, None, :] <= lay.q_pos[:, None, :, None]
     probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
-    o_lat = torch.einsum("nhts,nsr->nthr", probs, hist32[..., :r]).to(x.dtype).reshape(n * tq, h, r)
+    o_lat = torch.einsum("nhts,nsr->nthr", probs, hist32[..., :r]).to(q.dtype).reshape(n * tq, h, r)
     o_lat = o_lat[lay.out_index]
     o = torch.einsum("thr,hdr->thd", o_lat, w_v)
     if lora is not None:
         low = torch.einsum("thr,tkr->thk", o_lat.to(a.dtype), a)
         o = o + (torch.einsum("thk,thdk->thd", low, bb[:, :, nope:]).float() * s).to(o.dtype)
-    o = o.reshape(b, t, h * dv)
-    if c.mla_output_gate:
-        o = o * torch.sigmoid(self.g_proj(x))
-    return self.o_proj(o)
-
+    return o.reshape(b, t, h, dv)

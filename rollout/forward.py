@@ -1,9 +1,10 @@
 """The engine's model step: packed multi-request prefill, decode, and CUDA graphs for decode batches.
 
-`prepare_model(model)` installs the engine path once (paged absorbed MLA, `rollout.attention`).
-`model_step` runs one step over a `BatchLayout`: the reference `K3Model.forward` refuses packed sequences
-together with a cache, so the engine calls its unchecked body `K3Model.hidden` with `cu_seqlens`, and the
-KDA mixers then carry one state per packed request.
+`model_step` is the eager step over a `PoolStateCache` (`rollout.model_runner.ModelRunner.forward` runs it
+or a graph). The reference `K3Model.forward` refuses packed sequences together with a cache, so the engine
+calls its unchecked body `K3Model.hidden` with `cu_seqlens`, and the KDA mixers then carry one state per
+packed request; the MLA mixers take their attention from the cache (`PoolStateCache.mla_attention`:
+absorbed, over the KV pages).
 
 `DecodeGraphs` captures the decode step per (batch bucket, history bucket) and replays it: the ~2,700
 kernel launches of a k3-small step become one graph launch. A batch is padded to its bucket with rows that
@@ -24,17 +25,11 @@ import logging
 import torch
 
 from miles_k3.model.modeling import K3ForCausalLM
-from rollout.attention import install_paged_mla
 from rollout.lora import AdapterPool
 from rollout.memory import KDAStatePool, KVPagePool
 from rollout.state_cache import BatchLayout, PoolStateCache
 
 log = logging.getLogger(__name__)
-
-
-def prepare_model(model: K3ForCausalLM) -> None:
-    """Install the engine's forward paths on `model` (idempotent; parameters and state_dict untouched)."""
-    install_paged_mla(model)
 
 
 def model_step(model: K3ForCausalLM, ids: torch.Tensor, cache: PoolStateCache,

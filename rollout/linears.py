@@ -20,9 +20,10 @@ from rollout.lora import AdapterPool
 
 
 class EngineLinear(nn.Module):
-    """y = x W^T + scale_s B_s A_s x. W is a bf16 parameter, or `weight_packed` / `weight_scale` buffers."""
+    """y = x W^T + scale_s B_s A_s x. W is a bf16 parameter, or `weight_packed` / `weight_scale` buffers;
+    without an adapter pool (a model built with no LoRA spec), y = x W^T."""
 
-    def __init__(self, spec: LinearSpec, pool: AdapterPool, quantize: bool):
+    def __init__(self, spec: LinearSpec, pool: AdapterPool | None, quantize: bool):
         super().__init__()
         self.name, self.pool = spec.name, pool
         self.quantized = quantize and spec.in_features % 32 == 0
@@ -33,7 +34,8 @@ class EngineLinear(nn.Module):
             self.register_load_state_dict_pre_hook(_quantize_on_load)
         else:
             self.weight = nn.Parameter(torch.empty(shape), requires_grad=False)
-        pool.register(spec.name, spec.in_features, spec.out_features)
+        if pool is not None:
+            pool.register(spec.name, spec.in_features, spec.out_features)
 
     def base_weight(self, dtype: torch.dtype) -> torch.Tensor:
         if self.quantized:  # buffers come from quantize_mxfp4 at load: no per-forward checks
@@ -41,7 +43,8 @@ class EngineLinear(nn.Module):
         return self.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.pool.add_delta(self.name, x, F.linear(x, self.base_weight(x.dtype)), self.pool.lead_slots(x))
+        y = F.linear(x, self.base_weight(x.dtype))
+        return y if self.pool is None else self.pool.add_delta(self.name, x, y, self.pool.lead_slots(x))
 
 
 def _quantize_on_load(module, state_dict, prefix, *args) -> None:
@@ -51,9 +54,10 @@ def _quantize_on_load(module, state_dict, prefix, *args) -> None:
 
 
 class EngineExperts(RoutedExperts):
-    """Routed experts with MXFP4 (or BF16) stacked weights and per-expert LoRA for w1/w3/w2."""
+    """Routed experts with MXFP4 (or BF16) stacked weights and per-expert LoRA for w1/w3/w2 (none without a
+    pool)."""
 
-    def __init__(self, spec: ExpertsSpec, pool: AdapterPool, quantize: bool):
+    def __init__(self, spec: ExpertsSpec, pool: AdapterPool | None, quantize: bool):
         super().__init__(spec)
         self.pool = pool
         self.quantized = quantize and spec.width % 32 == 0 and spec.intermediate % 32 == 0
@@ -67,7 +71,8 @@ class EngineExperts(RoutedExperts):
                 self.register_buffer(f"{proj}_scale", torch.empty(*shape[:2], shape[2] // 32, dtype=torch.uint8))
             else:
                 getattr(self, proj).requires_grad_(False)
-            pool.register(f"{spec.name}.{proj}", shape[2], shape[1], num_experts=e)
+            if pool is not None:
+                pool.register(f"{spec.name}.{proj}", shape[2], shape[1], num_experts=e)
         if self.quantized:
             self.register_load_state_dict_pre_hook(self._quantize_stacked)
 
@@ -94,14 +99,14 @@ class EngineExperts(RoutedExperts):
     def groups(self, dtype: torch.dtype) -> bool:
         """bf16 and 16-byte aligned adapter rows (rank a multiple of 8); grouped only for batches whose rows
         share one adapter slot (`_experts`)."""
-        return super().groups(dtype) and self.pool.config.rank % 8 == 0
+        return super().groups(dtype) and (self.pool is None or self.pool.spec.rank % 8 == 0)
 
     def _experts(self, xs: torch.Tensor, counts: torch.Tensor, token_of: torch.Tensor) -> torch.Tensor:
         """Grouped GEMMs when `groups` and one adapter (or none) serves the batch, or rows of different
         adapters get their terms from the Triton kernel (`AdapterPool.mixed_kernel`); otherwise a loop
         over experts with per-token slots."""
         if self.groups(xs.dtype):
-            if self.pool.batch_slot is not None:
+            if self.pool is None or self.pool.batch_slot is not None:
                 return self._experts_grouped(xs, counts)
             if self.pool.mixed_kernel == "triton":
                 return self._experts_grouped(xs, counts, token_of)
@@ -153,6 +158,9 @@ class EngineExperts(RoutedExperts):
                                                 expert_of_row)
             return proj
 
+        if self.pool is None:
+            return base
+
         def proj(name: str, x: torch.Tensor) -> torch.Tensor:
             y = base(name, x)
             delta = self.pool.grouped_delta(f"{self.spec.name}.{name}", x, offs)
@@ -161,7 +169,7 @@ class EngineExperts(RoutedExperts):
         return proj
 
     def _experts_looped(self, xs: torch.Tensor, counts: torch.Tensor, token_of: torch.Tensor) -> torch.Tensor:
-        slots = self.pool.token_slots()
+        slots = self.pool.token_slots() if self.pool is not None else None
         copy_slots = slots[token_of.cpu()] if slots is not None else None
         ys = torch.empty_like(xs)
         start = 0
@@ -176,5 +184,5 @@ class EngineExperts(RoutedExperts):
         return ys
 
     def _proj(self, proj: str, e: int, x: torch.Tensor, slots: torch.Tensor | None) -> torch.Tensor:
-        return self.pool.add_delta(f"{self.spec.name}.{proj}", x, F.linear(x, self.expert_weight(proj, e, x.dtype)),
-                                   slots, expert=e)
+        y = F.linear(x, self.expert_weight(proj, e, x.dtype))
+        return y if self.pool is None else self.pool.add_delta(f"{self.spec.name}.{proj}", x, y, slots, expert=e)

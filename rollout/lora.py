@@ -17,40 +17,25 @@ their inputs' leading index to a slot through the pool (`lead_slots`, `token_slo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from miles_k3.model.lora_spec import DEFAULT_TARGETS, LoraSpec, matches_targets
+from miles_k3.model.lora_spec import LoraSpec
 from rollout.transfer import to_device
 
 
-@dataclass(frozen=True)
-class LoraConfig:
-    """The engine's adapter shape: rank, alpha and targets as the trainer's `LoraSpec` defines and checks
-    them (an engine built without adapters may have no targets), plus how many adapters the pool holds."""
-
-    rank: int = 8
-    alpha: float = 16.0
-    max_adapters: int = 4
-    # regexes over HF module names; experts match as "<prefix>.experts.w1" etc.
-    targets: tuple[str, ...] = DEFAULT_TARGETS
-
-    def __post_init__(self) -> None:
-        if self.max_adapters < 1:
-            raise ValueError(f"LoraConfig.max_adapters must be >= 1, got {self.max_adapters}")
-        LoraSpec(rank=self.rank, alpha=self.alpha, targets=self.targets or DEFAULT_TARGETS)
-        object.__setattr__(self, "targets", tuple(self.targets))
-
-    def targets_module(self, name: str) -> bool:
-        return matches_targets(self.targets, name)
-
-
 class AdapterPool:
-    def __init__(self, config: LoraConfig, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu"):
-        self.config = config
+    """Adapters of one shape (`spec`: the trainer's `LoraSpec`, so both sides adapt the same modules with the
+    same rank and default alpha; its dropout is training's only) in `max_adapters` named slots."""
+
+    def __init__(self, spec: LoraSpec, *, max_adapters: int, dtype: torch.dtype = torch.bfloat16,
+                 device: str | torch.device = "cpu"):
+        if not isinstance(spec, LoraSpec):
+            raise ValueError(f"AdapterPool spec must be a LoraSpec, got {type(spec).__name__}")
+        if isinstance(max_adapters, bool) or not isinstance(max_adapters, int) or max_adapters < 1:
+            raise ValueError(f"max_adapters must be an int >= 1, got {max_adapters!r}")
+        self.spec, self.max_adapters = spec, max_adapters
         self.dtype, self.device = dtype, torch.device(device)
-        self.slots = config.max_adapters + 1
+        self.slots = max_adapters + 1
         self.A: dict[str, torch.Tensor] = {}
         self.B: dict[str, torch.Tensor] = {}
         self.scale = torch.zeros(self.slots)
@@ -67,10 +52,10 @@ class AdapterPool:
 
     # ------------------------------------------------------------- modules
     def register(self, name: str, in_features: int, out_features: int, num_experts: int | None = None) -> bool:
-        """Allocate buffers for `name` if the config targets it; returns whether it is adapted."""
-        if not self.config.targets_module(name):
+        """Allocate buffers for `name` if the spec targets it; returns whether it is adapted."""
+        if not self.spec.targets_module(name):
             return False
-        r, lead = self.config.rank, (self.slots,) if num_experts is None else (self.slots, num_experts)
+        r, lead = self.spec.rank, (self.slots,) if num_experts is None else (self.slots, num_experts)
         self.A[name] = torch.zeros(*lead, r, in_features, dtype=self.dtype, device=self.device)
         self.B[name] = torch.zeros(*lead, out_features, r, dtype=self.dtype, device=self.device)
         return True
@@ -89,10 +74,10 @@ class AdapterPool:
             raise ValueError(f"adapter {name!r} is already loaded; use update_adapter")
         free = sorted(set(range(1, self.slots)) - set(self.names.values()))
         if not free:
-            raise ValueError(f"all {self.config.max_adapters} adapter slots are in use: {sorted(self.names)}")
+            raise ValueError(f"all {self.max_adapters} adapter slots are in use: {sorted(self.names)}")
         self._write(free[0], tensors)
         self.names[name] = free[0]
-        self.scale[free[0]] = (alpha if alpha is not None else self.config.alpha) / self.config.rank
+        self.scale[free[0]] = (alpha if alpha is not None else self.spec.alpha) / self.spec.rank
         self.device_scale = self.scale.to(self.device)
 
     def update_adapter(self, name: str, tensors: dict[str, torch.Tensor]) -> None:

@@ -1,6 +1,6 @@
 """Engine memory: index allocators, the paged MLA KV pool, the KDA state pool, sizing from a budget.
 
-Two kinds of state (see DESIGN.md, "Engine invariants"): MLA KV is append-only and paged (one page holds
+Two kinds of state (docs/design.md, "Engine invariants"): MLA KV is append-only and paged (one page holds
 `page_size` tokens of every MLA layer's latent + shared key part); KDA state is one fixed-size slot per
 request or cached checkpoint (every KDA layer's recurrent state and conv history), overwritten in place.
 
@@ -101,8 +101,8 @@ class KVPagePool:
     """MLA KV storage: per MLA layer a [num_pages * page_size, kv_lora_rank + rope_dim] buffer.
 
     Token position p of a request with page table `pages` lives at row pages[p // page_size] * page_size
-    + p % page_size. Rows hold the *normed* latent and the shared key part, as `K3StateCache.mla_extend`
-    receives them. Two extra pages past the allocator's range are never handed out: padding rows of a
+    + p % page_size. Rows hold the *normed* latent and the shared key part, as the MLA layer hands them
+    to the cache. Two extra pages past the allocator's range are never handed out: padding rows of a
     fixed-shape (CUDA-graph) batch write into `sink_page`; history positions past a request's end read
     from `zero_page`, which nothing writes (masked attention weights are 0, and 0 * garbage could be NaN).
     """

@@ -1,33 +1,53 @@
-"""Build the engine's K3 model from an HF checkpoint: shared definition, engine linears, adapter pool."""
+"""The engine's model: built from HF tensors (`build_engine_model`) and run one step at a time (`ModelRunner`).
+
+The model is the shared K3 definition with the engine's linears (MXFP4 or BF16 base, the adapter pool's LoRA
+terms). A checkpoint directory is two calls: `config = K3Config.from_json_file(path / "config.json")`, then
+`build_engine_model(config, load_state_dict(path, config, dtype), ...)` (`miles_k3.model.checkpoint`).
+"""
 
 from __future__ import annotations
 
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from miles_k3.model.checkpoint import keeps_fp32, load_state_dict
+from miles_k3.model.checkpoint import keeps_fp32
 from miles_k3.model.config import K3Config
+from miles_k3.model.lora_spec import LoraSpec
 from miles_k3.model.modeling import K3ForCausalLM
+from miles_k3.model.moe import RoutedExperts
+from rollout.config import EngineConfig
+from rollout.forward import DecodeGraphs, model_step
 from rollout.linears import EngineExperts, EngineLinear
-from rollout.lora import AdapterPool, LoraConfig
+from rollout.lora import AdapterPool
+from rollout.memory import KDAStatePool, KVPagePool
+from rollout.state_cache import BatchLayout, PoolStateCache
+from rollout.transfer import to_device
+
+if TYPE_CHECKING:
+    from rollout.cache_manager import Running
 
 QUANTIZE_MODES = ("none", "experts", "all")
 
 
 def build_engine_model(config: K3Config, state: dict[str, torch.Tensor], *, quantize: str = "experts",
-                       lora: LoraConfig | None = None, dtype: torch.dtype = torch.bfloat16,
-                       device: str | torch.device = "cpu") -> tuple[K3ForCausalLM, AdapterPool]:
+                       lora: LoraSpec | None = None, max_adapters: int = 4, dtype: torch.dtype = torch.bfloat16,
+                       device: str | torch.device = "cpu") -> tuple[K3ForCausalLM, AdapterPool | None]:
     """`state`: logical HF tensors (as `load_state_dict` returns). quantize: "none" keeps a BF16 (or `dtype`)
     base for parity runs; "experts" packs routed experts as MXFP4; "all" also packs every projection
     whose input width is a multiple of 32 (lm_head stays unquantized: it sets the log-probs).
 
     The model runs in `dtype` whatever dtype `state` arrives in (the trainer hands over its fp32 base):
     packed weights are quantized from the tensors as given, every other floating tensor is cast to `dtype`
-    except the router/decay parameters the checkpoint keeps in fp32."""
+    except the router/decay parameters the checkpoint keeps in fp32.
+
+    `lora`: the adapters' shape (the trainer's `LoraSpec`), with a pool of `max_adapters` slots; None builds a
+    model without adapter buffers and returns no pool."""
     if quantize not in QUANTIZE_MODES:
         raise ValueError(f"quantize must be one of {QUANTIZE_MODES}, got {quantize!r}")
-    pool = AdapterPool(lora or LoraConfig(targets=()), dtype=dtype, device=device)
+    if lora is not None and not isinstance(lora, LoraSpec):
+        raise ValueError(f"lora must be a LoraSpec or None, got {type(lora).__name__}")
+    pool = AdapterPool(lora, max_adapters=max_adapters, dtype=dtype, device=device) if lora is not None else None
 
     def linear(spec):
         return EngineLinear(spec, pool, quantize=quantize == "all" and spec.name != "lm_head")
@@ -56,7 +76,87 @@ def _cast_floating(model: torch.nn.Module, dtype: torch.dtype) -> None:
                         else cast
 
 
-def load_engine_model(path: str | Path, **kwargs) -> tuple[K3ForCausalLM, AdapterPool]:
-    config = K3Config.from_json_file(Path(path) / "config.json")
-    dtype = kwargs.get("dtype", torch.bfloat16)
-    return build_engine_model(config, load_state_dict(path, config, dtype), **kwargs)
+class ModelRunner:
+    """The model side of the engine: its settings (MXFP4 matmul, adapter kernel, CUDA graphs) and one
+    forward over a batch of running requests. Runs on the pools given to `use_pools`; the decode graphs
+    read those pools by address, so they are built and dropped with them."""
+
+    def __init__(self, model: K3ForCausalLM, config: EngineConfig, adapters: AdapterPool | None):
+        self.model, self.config, self.adapters = model.eval(), config, adapters
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self._set_mxfp4_matmul(config.mxfp4_matmul)
+        if config.lora_mixed == "triton" and (adapters is None or self.device.type != "cuda"):
+            raise ValueError(f"lora_mixed='triton' needs an adapter pool and the model on CUDA (model on "
+                             f"{self.device}, adapter pool {'given' if adapters is not None else 'missing'})")
+        if adapters is not None:  # lives on the pool: engines sharing one pool share the last one's
+            adapters.mixed_kernel = config.lora_mixed
+        if config.compile_decode and not self._graphs_apply():
+            raise ValueError("compile_decode=True compiles the CUDA-graph decode step: it needs the model on CUDA, "
+                             "cuda_graphs=True and routed experts that run grouped GEMMs (bf16)")
+        self.kv: KVPagePool | None = None
+        self.states: KDAStatePool | None = None
+        self.graphs: DecodeGraphs | None = None
+        self._dropped_graph_counts = (0, 0)  # (captures, replays) of graphs dropped with their pools
+
+    def _set_mxfp4_matmul(self, kind: str) -> None:
+        # The setting lives on the model's expert modules: engines sharing one model share the last one's.
+        if kind == "auto":
+            kind = "triton" if self.device.type == "cuda" else "torch"
+        if kind == "triton" and self.device.type != "cuda":
+            raise ValueError(f"mxfp4_matmul='triton' needs the model on CUDA, it is on {self.device}")
+        for m in self.model.modules():
+            if isinstance(m, EngineExperts):
+                m.mxfp4_matmul = kind
+
+    def _graphs_apply(self) -> bool:
+        """CUDA graphs need a decode step without host syncs: routed experts have one when they run grouped
+        GEMMs (`RoutedExperts.groups`: bf16; engine experts add their adapter rank), and `DecodeGraphs.usable`
+        keeps batches that mix adapters eager. So an fp32 engine decodes eagerly."""
+        return (self.config.cuda_graphs and self.device.type == "cuda"
+                and all(m.groups(self.dtype) for m in self.model.modules() if isinstance(m, RoutedExperts)))
+
+    # ----------------------------------------------------------- pools
+    def use_pools(self, kv: KVPagePool, states: KDAStatePool) -> None:
+        """Run on these pools from now on, with decode graphs over them where they apply."""
+        self.kv, self.states = kv, states
+        adapted = self.adapters if self.adapters is not None and self.adapters.A else None
+        self.graphs = DecodeGraphs(self.model, kv, states, max_batch=self.config.max_running,
+                                   max_seq_len=self.config.max_seq_len, capture=True, adapters=adapted,
+                                   compile=self.config.compile_decode) if self._graphs_apply() else None
+
+    def release_pools(self) -> None:
+        self._dropped_graph_counts = self.graph_counts()
+        self.kv = self.states = self.graphs = None
+
+    def graph_counts(self) -> tuple[int, int]:
+        """Decode graphs captured and replayed since the engine was built, dropped graphs included."""
+        captures, replays = self._dropped_graph_counts
+        if (g := self.graphs) is not None:
+            captures, replays = captures + g.captures, replays + g.replays
+        return captures, replays
+
+    # --------------------------------------------------------- forward
+    def forward(self, batch: list[Running], ids: list[int] | torch.Tensor, lengths: list[int]) -> torch.Tensor:
+        """One model step over `batch`: request n brings lengths[n] tokens (ids, request by request; a device
+        tensor [N] for a decode step fed from the previous step's samples) at positions from its `pos`,
+        its pages covering them. Returns logits [N, V] at each request's last new token. Enqueues work
+        without waiting for the device."""
+        if not torch.is_tensor(ids):
+            ids = to_device(ids, self.device)
+        packed = any(t > 1 for t in lengths)
+        if self.adapters is not None:
+            self.adapters.set_batch([self.adapters.slot_of(r.req.adapter) for r in batch],
+                                    lengths if packed else 1)
+        if not packed and self.graphs is not None and self.graphs.usable(len(batch), max(r.pos for r in batch) + 1):
+            return self.graphs.run(ids, [r.slot for r in batch], [r.pos for r in batch], [r.pages for r in batch])
+        layout = BatchLayout.build(self.kv, [r.slot for r in batch], [r.pos for r in batch], lengths,
+                                   [r.pages for r in batch], self.device)
+        cache = PoolStateCache(self.kv, self.states, layout)
+        if packed:
+            ids_t = ids[None, :]
+            cu = to_device(torch.tensor([0, *lengths]).cumsum(0), self.device)
+        else:
+            ids_t, cu = ids[:, None], None
+        with torch.inference_mode():
+            return model_step(self.model, ids_t, cache, cu)

@@ -1,4 +1,6 @@
-"""Hybrid radix cache: shared MLA KV pages by prefix, sparse KDA checkpoints on top (DESIGN.md, the post).
+"""Hybrid radix cache: shared MLA KV pages by prefix, sparse KDA checkpoints on top.
+
+docs/design.md ("Engine invariants") says why the cache has this shape.
 
 MLA KV is append-only, so any cached prefix's pages can be shared. KDA state cannot be sliced at an
 arbitrary token, so a prefix is *usable* only up to a KDA checkpoint: a state slot holding the recurrent

@@ -8,10 +8,9 @@ One model step runs N requests. Two layouts:
 Everything the layers need is a device tensor built once per step (`BatchLayout`), so a step pays a few
 host-to-device copies, not per-request indexing, and a decode step can be replayed as a CUDA graph with
 the layout's tensors as its static inputs. KDA state is gathered from and scattered back to each request's
-working slot. MLA KV rows are written into the request's pages; attention reads the history straight
-from the pages in the absorbed form (`rollout.attention`), so no per-step key/value expansion of the
-history is needed. `mla_extend` (the reference protocol) still works: it returns the history gathered
-from the pages, padded, with a mask.
+working slot. MLA KV rows are written into the request's pages, and the cache answers the MLA layer's
+`mla_attention` itself: attention in the absorbed form straight over the pages (`rollout.attention`), so
+no per-step key/value expansion of the history is needed and the layer never asks for `mla_extend`.
 """
 
 from __future__ import annotations
@@ -21,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from miles_k3.model.cache import KDAState
+from rollout.attention import absorbed_attention
 from rollout.memory import KDAStatePool, KVPagePool
 from rollout.transfer import to_device
 
@@ -113,16 +113,9 @@ class PoolStateCache:
         buf.index_copy_(0, self.layout.write_rows, new)
         return buf[self.layout.hist_rows]
 
-    def mla_extend(self, layer_idx, latent, rope):
-        """The reference protocol, for the layer's own forward: history padded to [N, S] and a mask hiding
-        padding and future positions. Needs the decode layout (input [N, T], one row per request)."""
-        lay = self.layout
-        b, t, r = latent.shape
-        assert b == lay.q_pos.shape[0] and t == lay.q_pos.shape[1], "mla_extend needs one input row per request"
-        hist = self.mla_write(layer_idx, latent, rope).to(latent.dtype)
-        key_pos = torch.arange(hist.shape[1], device=latent.device)
-        mask = key_pos[None, None, :] <= lay.q_pos[:, :, None]  # [N, T, S]
-        return hist[..., :r], hist[..., r:], mask[:, None]
+    def mla_attention(self, mixer, q: torch.Tensor, latent: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        """The absorbed attention over this step's requests' pages (writes the step's rows first)."""
+        return absorbed_attention(mixer, q, latent, rope, self)
 
     def advance(self, num_tokens: int) -> None:
         pass  # positions are the scheduler's; this cache lives for one step

@@ -22,7 +22,7 @@ pools, empty radix cache) sized by --memory-gb, so no workload sees another's ca
 - prefill: one cold prompt of --prefill-len, max_new_tokens=1, after one untimed run of the same shape.
 - group (GRPO): --group-prompts distinct prompts x --group-n samples, temperature 1, seeded, all submitted
   at once. The engine admits each group's first sample and holds the other n-1 back until its prefill has
-  donated the prompt's KDA checkpoints and KV pages to the radix cache (`Engine._admit`). Computed
+  donated the prompt's KDA checkpoints and KV pages to the radix cache (`Scheduler._admit`). Computed
   prompt tokens = sum(len(prompt) - cached_tokens) against sum(len(prompt)); target <= 1/n + 0.10.
   A hit can only restore a KDA checkpoint strictly before the last prompt token (that token must be
   computed for its logits), and checkpoints sit where prefill chunks end, so the result depends on
@@ -66,7 +66,8 @@ from miles_k3.model.config import PRESETS  # noqa: E402
 from miles_k3.model.moe import RoutedExperts  # noqa: E402
 from rollout.config import OVERLAP_MODES, EngineConfig  # noqa: E402
 from rollout.engine import Engine  # noqa: E402
-from rollout.lora import AdapterPool, LoraConfig  # noqa: E402
+from miles_k3.model.lora_spec import LoraSpec  # noqa: E402
+from rollout.lora import AdapterPool  # noqa: E402
 from rollout.memory import PoolSizes  # noqa: E402
 from rollout.model_runner import build_engine_model  # noqa: E402
 from rollout.request import Completion, SamplingParams  # noqa: E402
@@ -203,7 +204,8 @@ def free_memory(device: torch.device) -> None:
 
 def prefill_pending(engine: Engine) -> bool:
     """A request is past its prefill once it has sampled its first token (the last prefill chunk samples)."""
-    return bool(engine.waiting) or not all(r.req.output_ids for r in engine.running)
+    s = engine.scheduler
+    return bool(s.waiting) or not all(r.req.output_ids for r in s.running)
 
 
 def run_until_prefilled(engine: Engine, done: dict[int, Completion]) -> None:
@@ -272,8 +274,9 @@ def bench_decode(model: K3ForCausalLM, ecfg: EngineConfig, batch: int, args, dev
     done.update((c.request_id, c) for c in engine.step())  # first decode step: untimed warmup
     if engine.overlap:  # that step was only enqueued: its read-back (and the next launch) is warmup too
         done.update((c.request_id, c) for c in engine.step())
-    before = sum(len(r.req.output_ids) for r in engine.running) + sum(len(c.output_ids) for c in done.values())
-    retractions = engine.num_retractions
+    before = sum(len(r.req.output_ids) for r in engine.scheduler.running) + \
+        sum(len(c.output_ids) for c in done.values())
+    retractions = engine.counters()["retractions"]
     # The decode phase is timed whole: a device sync around each step would stall the overlap schedule,
     # which keeps the next step enqueued while the host reads the last one back.
     sync(device)
@@ -290,14 +293,14 @@ def bench_decode(model: K3ForCausalLM, ecfg: EngineConfig, batch: int, args, dev
     return {"batch": batch, "status": "ok", "batch_prefill_tok_s": batch * args.prompt_len / prefill_s,
             "decode_tokens": tokens, "decode_s": decode_s, "decode_tok_s": tokens / decode_s,
             "step_ms": decode_s / tokens * batch * 1e3,  # per token of every request: the step a batch needs
-            **engine.counters(), "retractions": engine.num_retractions - retractions}
+            **(counts := engine.counters()), "retractions": counts["retractions"] - retractions}
 
 
 def rl_engine_model(model: K3ForCausalLM, dtype: torch.dtype, device) -> tuple[K3ForCausalLM, AdapterPool]:
     """`model`'s weights as the GRPO loop's engine holds them: routed experts packed MXFP4, a rank-16 adapter
     pool on the default targets holding one random adapter "policy" (nonzero, so its term is computed)."""
     engine_model, pool = build_engine_model(model.config, model.state_dict(), quantize="experts",
-                                            lora=LoraConfig(rank=16), dtype=dtype, device=device)
+                                            lora=LoraSpec(rank=16), max_adapters=1, dtype=dtype, device=device)
     gen = torch.Generator().manual_seed(0)
     pool.add_adapter("policy", {f"{name}.lora_{part}": (torch.randn(store[name].shape[1:], generator=gen) * 0.01)
                                 .to(device, dtype)
@@ -349,7 +352,7 @@ def bench_group(model: K3ForCausalLM, ecfg: EngineConfig, args, device) -> dict:
             "ratio": computed / no_cache, "target_ratio": target, "meets_target": computed / no_cache <= target,
             "ratio_best_at_chunk": (length + (n - 1) * (length - best_hit)) / (n * length),
             "cached_tokens_per_sample": sorted({c.cached_tokens for c in outs}),
-            "retractions": engine.num_retractions, "wall_s": wall,
+            "retractions": engine.counters()["retractions"], "wall_s": wall,
             "gen_tok_s": sum(len(c.output_ids) for c in outs) / wall}
 
 

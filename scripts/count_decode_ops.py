@@ -25,10 +25,10 @@ from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from miles_k3.model.config import K3Config
+from miles_k3.model.lora_spec import LoraSpec
 from miles_k3.model.modeling import reference_state
 from rollout.config import EngineConfig
 from rollout.engine import Engine
-from rollout.lora import LoraConfig
 from rollout.model_runner import build_engine_model
 from rollout.request import SamplingParams
 
@@ -94,11 +94,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     config = K3Config.from_preset(args.preset, vocab_size=512, pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    lora = LoraConfig(rank=16, max_adapters=1) if args.adapter else None
-    model, pool = build_engine_model(config, reference_state(config, 0), quantize="experts" if args.adapter else "none",
-                                     lora=lora, dtype=torch.bfloat16)
+    lora = LoraSpec(rank=16) if args.adapter else None
+    model, pool = build_engine_model(config, reference_state(config, 0), lora=lora, max_adapters=1,
+                                     quantize="experts" if args.adapter else "none", dtype=torch.bfloat16)
     engine = Engine(model, EngineConfig(memory_bytes=256 << 20, max_running=4, chunk_size=32, max_prefill_tokens=64),
-                    adapters=pool if args.adapter else None)
+                    adapters=pool)
     adapter = None
     if args.adapter:
         g = torch.Generator().manual_seed(0)

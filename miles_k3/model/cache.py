@@ -6,17 +6,21 @@ paged KV and slot-indexed KDA state without touching the math. The reference
 
 Call order per forward (one model step over T new tokens): each KDA layer
 calls `kda_state` then `set_kda_state` once; each MLA layer calls
-`mla_extend` once; the model calls `advance(T)` after the last layer.
+`mla_attention` once and, when that returns None, `mla_extend` once; the
+model calls `advance(T)` after the last layer.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
 
 from miles_k3.model.config import K3Config
 from miles_k3.ops.mla import causal_mask
+
+if TYPE_CHECKING:
+    from miles_k3.model.layers import MLAMixer
 
 
 class KDAState(NamedTuple):
@@ -35,6 +39,15 @@ class K3StateCache(Protocol):
 
     def set_kda_state(self, layer_idx: int, state: KDAState) -> None:
         """Store the state after this step. The cache may copy into its own storage."""
+
+    def mla_attention(self, mixer: "MLAMixer", q: torch.Tensor, latent: torch.Tensor, rope: torch.Tensor
+                      ) -> torch.Tensor | None:
+        """The MLA layer's attention computed by the cache in its own storage form, or None to have the
+        layer run its reference attention over the history `mla_extend` returns. q [B, T, H, Dqk], this
+        step's normed latent [B, T, R] and shared key part [B, T, Dr] -> output [B, T, H, Dv]; the cache
+        stores the step's latent and key part itself. `mixer` gives the layer's weights and shapes
+        (kv_b_proj, heads, scale, layer_idx). The rollout engine answers with absorbed attention over its
+        KV pages; the dense reference returns None."""
 
     def mla_extend(self, layer_idx: int, latent: torch.Tensor, rope: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -61,6 +74,9 @@ class DenseStateCache:
 
     def set_kda_state(self, layer_idx: int, state: KDAState) -> None:
         self._kda[layer_idx] = state
+
+    def mla_attention(self, mixer, q, latent, rope) -> None:
+        return None  # the layer's reference attention over `mla_extend`'s history
 
     def mla_extend(self, layer_idx, latent, rope):
         if layer_idx in self._latent:

@@ -129,11 +129,26 @@ class MLAMixer(nn.Module):
                 cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         c = self.config
         b, t, _ = x.shape
-        h = self.heads
         q = self.q_proj(x) if c.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        q = q.view(b, t, h, c.qk_head_dim)
+        q = q.view(b, t, self.heads, c.qk_head_dim)
         latent, rope = self.kv_a_proj_with_mqa(x).split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
         latent = self.kv_a_layernorm(latent)
+        # the cache may attend over its history in its own form (the engine: absorbed, over paged KV)
+        o = cache.mla_attention(self, q, latent, rope) if cache is not None else None
+        if o is None:
+            o = self.expanded_attention(q, latent, rope, cache, cu_seqlens)
+        o = o.reshape(b, t, self.heads * c.v_head_dim)
+        if c.mla_output_gate:
+            o = o * torch.sigmoid(self.g_proj(x))
+        return self.o_proj(o)
+
+    def expanded_attention(self, q: torch.Tensor, latent: torch.Tensor, rope: torch.Tensor,
+                           cache: K3StateCache | None, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
+        """The reference attention: q [B, T, H, Dqk] over the history (this step's latent [B, T, R] and
+        shared key part [B, T, Dr], after the cache's past ones), expanded through kv_b_proj into per-head
+        keys and values -> [B, T, H, Dv]."""
+        c = self.config
+        b, h = q.shape[0], self.heads
         mask = None
         if cache is not None:
             latent, rope, mask = cache.mla_extend(self.layer_idx, latent, rope)
@@ -142,13 +157,8 @@ class MLAMixer(nn.Module):
         rope = self.tp.enter(rope)  # shared by all heads, this rank's included
         k = torch.cat([k_nope, rope[:, :, None, :].expand(b, s, h, c.qk_rope_head_dim)], dim=-1)
         if cu_seqlens is not None and cache is None:
-            o = packed_causal_attention(q, k, v, self.scale, cu_seqlens)
-        else:
-            o = mla_attention(q, k, v, self.scale, mask)
-        o = o.reshape(b, t, h * c.v_head_dim)
-        if c.mla_output_gate:
-            o = o * torch.sigmoid(self.g_proj(x))
-        return self.o_proj(o)
+            return packed_causal_attention(q, k, v, self.scale, cu_seqlens)
+        return mla_attention(q, k, v, self.scale, mask)
 
 
 class K3DecoderLayer(nn.Module):

@@ -1,7 +1,8 @@
 """The engine side of the colocated loop: one rollout engine serving the frozen base plus the policy adapter.
 
-Owns an `rollout.Engine` built from the same base weights as the trainer (MXFP4 or BF16 base, per
-`rollout.quantize`) with a one-slot adapter pool holding the adapter "policy". Safe to call from one thread.
+Owns a `rollout.engine.Engine` built from the same base weights as the trainer (MXFP4 or BF16 base, per
+`rollout.quantize`) with a one-slot adapter pool of the trainer's `LoraSpec`, holding the adapter "policy".
+Safe to call from one thread.
 """
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ from typing import NamedTuple
 import torch
 
 from miles_k3.model.config import K3Config
+from miles_k3.model.lora_spec import LoraSpec
 from rollout.config import EngineConfig
 from rollout.engine import Engine
-from rollout.lora import LoraConfig
 from rollout.model_runner import build_engine_model
 from rollout.request import SamplingParams
 
@@ -28,11 +29,10 @@ class Generated(NamedTuple):
 
 
 class RolloutWorker:
-    def __init__(self, config: K3Config, base_state: dict[str, torch.Tensor], lora, *, quantize: str,
+    def __init__(self, config: K3Config, base_state: dict[str, torch.Tensor], lora: LoraSpec, *, quantize: str,
                  dtype: torch.dtype, device: str, engine: EngineConfig):
-        pool_config = LoraConfig(rank=lora.rank, alpha=lora.alpha, max_adapters=1, targets=tuple(lora.targets))
-        model, pool = build_engine_model(config, base_state, quantize=quantize, lora=pool_config, dtype=dtype,
-                                         device=device)
+        model, pool = build_engine_model(config, base_state, quantize=quantize, lora=lora, max_adapters=1,
+                                         dtype=dtype, device=device)
         self.engine = Engine(model, engine, pool)
 
     def sync_adapter(self, tensors: dict[str, torch.Tensor]) -> float:

@@ -9,7 +9,6 @@ from megatron_patches.lora import (adapter_state, adapters_disabled, load_adapte
 from megatron_patches.model import build_policy
 from miles_k3.model import K3ForCausalLM
 from miles_k3.model.lora_spec import DEFAULT_TARGETS, LoraSpec
-from rollout.lora import LoraConfig
 from rollout.model_runner import build_engine_model
 from tests.megatron_patches.common import CONFIG, merged_state, random_like, reference, rel, token_ids
 
@@ -110,7 +109,7 @@ def test_adapter_state_drives_the_engine(ref, adapter):
     policy = build_policy(CONFIG, ref.state_dict(), SPEC).eval()
     load_adapter_state(policy, adapter)
     engine, pool = build_engine_model(CONFIG, ref.state_dict(), quantize="none", dtype=torch.float32,
-                                      lora=LoraConfig(rank=SPEC.rank, alpha=SPEC.alpha, targets=SPEC.targets))
+                                      lora=SPEC)
     state = adapter_state(policy)
     pool.add_adapter("a", state)
     ids = token_ids()

@@ -5,9 +5,10 @@ import torch
 
 from miles_k3.model import K3Config, K3ForCausalLM
 from miles_k3.model.generate import greedy_generate
+from miles_k3.model.lora_spec import LoraSpec
 from rollout.config import EngineConfig
 from rollout.engine import Engine
-from rollout.lora import LoraConfig
+from rollout.lora import AdapterPool
 from rollout.model_runner import build_engine_model
 from rollout.request import SamplingParams
 
@@ -19,7 +20,7 @@ GREEDY = SamplingParams(temperature=0, max_new_tokens=6)
 
 
 def engine_model(quantize="none", rank=4):
-    return build_engine_model(REF.config, REF.state_dict(), quantize=quantize, lora=LoraConfig(rank=rank),
+    return build_engine_model(REF.config, REF.state_dict(), quantize=quantize, lora=LoraSpec(rank=rank),
                               dtype=torch.float32)
 
 
@@ -72,7 +73,7 @@ def test_adapter_output_equals_merged_reference_and_updates_in_place():
     eng = Engine(model, EngineConfig(**ENGINE), adapters=pool)
     first = random_adapter(pool, 1)
     eng.add_adapter("policy", first)
-    scale = pool.config.alpha / pool.config.rank
+    scale = pool.spec.scale
     assert any("experts.w1" in k for k in first) and any("self_attn.q_proj" in k for k in first)
     prompt = IDS[0].tolist()
     got = eng.generate([prompt], GREEDY, adapter="policy")[0]
@@ -127,7 +128,7 @@ def test_grouped_expert_path_equals_per_expert_loop(quantize):
     from rollout.linears import EngineExperts
 
     state = {k: v.bfloat16() for k, v in REF.state_dict().items()}
-    model, pool = build_engine_model(REF.config, state, quantize=quantize, lora=LoraConfig(rank=8),
+    model, pool = build_engine_model(REF.config, state, quantize=quantize, lora=LoraSpec(rank=8),
                                      dtype=torch.bfloat16)
     pool.add_adapter("a", {k: v.bfloat16() for k, v in random_adapter(pool, 3, scale=0.2).items()})
     experts = next(m for m in model.modules() if isinstance(m, EngineExperts))
@@ -167,7 +168,7 @@ def test_fp32_state_builds_a_model_in_the_engine_dtype(quantize):
     from miles_k3.ops.mxfp4 import quantize_mxfp4
 
     state = REF.state_dict()
-    model, _ = build_engine_model(REF.config, state, quantize=quantize, lora=LoraConfig(rank=8),
+    model, _ = build_engine_model(REF.config, state, quantize=quantize, lora=LoraSpec(rank=8),
                                   dtype=torch.bfloat16)
     tensors = dict(model.named_parameters()) | dict(model.named_buffers())
     floating = {n: t.dtype for n, t in tensors.items() if t.is_floating_point()}
@@ -183,13 +184,22 @@ def test_fp32_state_builds_a_model_in_the_engine_dtype(quantize):
         assert torch.equal(experts.w1_packed, packed) and torch.equal(experts.w1_scale, scale)
 
 
-def test_engine_lora_config_is_checked_as_the_trainer_spec():
-    for bad, match in [(dict(rank=0), "rank"), (dict(alpha=-1.0), "alpha"), (dict(targets=("(",)), "bad regex"),
-                       (dict(max_adapters=0), "max_adapters")]:
+def test_the_engine_takes_the_trainer_lora_spec_and_its_own_pool_size():
+    """One LoRA spec type on both sides: the pool adapts what the spec targets; without a spec the model has
+    no adapter buffers and no pool; the pool size is the engine's own argument, checked."""
+    model, pool = build_engine_model(REF.config, REF.state_dict(), quantize="none", dtype=torch.float32,
+                                     lora=LoraSpec(rank=4, alpha=2.0, targets=(r"self_attn\.q_proj$",)), max_adapters=2)
+    assert pool.slots == 3 and pool.spec.scale == 0.5
+    assert pool.A and all(name.endswith("self_attn.q_proj") for name in pool.A)
+    bare, no_pool = build_engine_model(REF.config, REF.state_dict(), quantize="none", dtype=torch.float32)
+    assert no_pool is None and all(getattr(m, "pool", None) is None for m in bare.modules())
+    with torch.no_grad():
+        assert torch.equal(bare(IDS).logits, REF(IDS).logits)
+    for bad, match in [(dict(max_adapters=0), "max_adapters"), (dict(lora=dict(rank=4)), "LoraSpec")]:
         with pytest.raises(ValueError, match=match):
-            LoraConfig(**bad)
-    assert not LoraConfig(targets=()).targets_module("model.layers.0.self_attn.q_proj")  # no adapters
-    assert LoraConfig(targets=["q_proj$"]).targets == ("q_proj$",)
+            build_engine_model(REF.config, REF.state_dict(), **{"lora": LoraSpec(), **bad})
+    with pytest.raises(ValueError, match="max_adapters"):
+        AdapterPool(LoraSpec(), max_adapters=True)
 
 
 @pytest.mark.parametrize("rows", [3, 40])  # fewer rows than k3-tiny's experts: only their weights decoded

@@ -43,7 +43,7 @@ _CHECK = textwrap.dedent("""
     from miles_k3.model import K3Config, K3ForCausalLM
     from rollout.config import EngineConfig
     from rollout.engine import Engine
-    from rollout.lora import LoraConfig
+    from miles_k3.model.lora_spec import LoraSpec
     from rollout.model_runner import build_engine_model
     from rollout.request import SamplingParams
 
@@ -54,7 +54,7 @@ _CHECK = textwrap.dedent("""
     # once per adapted projection and expert, so fewer of them keep this to seconds
     small = K3Config.from_preset("k3-tiny", layer_kinds=hybrid_layer_kinds(3, mla_every=3), num_experts=8)
     ref = K3ForCausalLM(small).eval()
-    model, pool = build_engine_model(ref.config, ref.state_dict(), quantize="none", lora=LoraConfig(rank=4),
+    model, pool = build_engine_model(ref.config, ref.state_dict(), quantize="none", lora=LoraSpec(rank=4),
                                      dtype=torch.float32)
     for seed, name in [(1, "a"), (2, "b")]:
         g = torch.Generator().manual_seed(seed)
@@ -88,7 +88,7 @@ _CHECK = textwrap.dedent("""
     # matrix per row, against the per-expert loop with one product per slot
     from rollout.linears import EngineExperts
 
-    bf_model, bf_pool = build_engine_model(ref.config, ref.state_dict(), quantize="experts", lora=LoraConfig(rank=8),
+    bf_model, bf_pool = build_engine_model(ref.config, ref.state_dict(), quantize="experts", lora=LoraSpec(rank=8),
                                            dtype=torch.bfloat16)
     for seed, name in [(3, "a"), (4, "b")]:
         g = torch.Generator().manual_seed(seed)
@@ -126,14 +126,14 @@ def test_lora_mixed_is_validated():
     from miles_k3.model import K3Config, K3ForCausalLM
     from rollout.config import EngineConfig
     from rollout.engine import Engine
-    from rollout.lora import LoraConfig
+    from miles_k3.model.lora_spec import LoraSpec
     from rollout.model_runner import build_engine_model
 
     with pytest.raises(ValueError, match="lora_mixed must be one of"):
         EngineConfig(memory_bytes=1 << 20, lora_mixed="cutlass")
     torch.manual_seed(0)
     ref = K3ForCausalLM(K3Config.from_preset("k3-tiny"))
-    model, pool = build_engine_model(ref.config, ref.state_dict(), quantize="none", lora=LoraConfig(rank=4),
+    model, pool = build_engine_model(ref.config, ref.state_dict(), quantize="none", lora=LoraSpec(rank=4),
                                      dtype=torch.float32)
     with pytest.raises(ValueError, match="lora_mixed='triton' needs an adapter pool and the model on CUDA"):
         Engine(model, EngineConfig(memory_bytes=4 << 20, lora_mixed="triton"), pool)

@@ -39,12 +39,12 @@ _CHECK = textwrap.dedent("""
     # the engine's grouped expert path with the kernel (one block schedule for w1, w3, w2) equals the torch path
     from miles_k3.model import K3Config, K3ForCausalLM
     from rollout.linears import EngineExperts
-    from rollout.lora import LoraConfig
+    from miles_k3.model.lora_spec import LoraSpec
     from rollout.model_runner import build_engine_model
 
     torch.manual_seed(0)
     ref = K3ForCausalLM(K3Config.from_preset("k3-tiny"))
-    model, pool = build_engine_model(ref.config, ref.state_dict(), quantize="experts", lora=LoraConfig(rank=8),
+    model, pool = build_engine_model(ref.config, ref.state_dict(), quantize="experts", lora=LoraSpec(rank=8),
                                      dtype=torch.float32)
     experts = next(m for m in model.modules() if isinstance(m, EngineExperts))
     pool.set_batch([0] * 4, 1)

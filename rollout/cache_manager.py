@@ -1,0 +1,226 @@
+"""Per-request memory: KV pages and KDA state slots, and every handover between a request and the radix cache.
+
+The `CacheManager` owns the pools (`rollout.memory`) and one `HybridRadixCache` per adapter (KV and KDA
+state depend on the adapter), and is the only code that moves a page or slot id between the free lists, a
+running request and a tree. A request's life, as the scheduler and decode pipeline call it:
+
+1. `match` then `admit`: the longest usable prefix is locked, a working slot is allocated (evicting
+   checkpoints if needed) and the checkpoint restored into it, copy-on-write, before anything else can be
+   allocated (stream order makes the copy read the checkpoint before any later write to that slot).
+2. `grow` / `grow_all` before a forward: pages for the positions it writes, evicting unlocked tree leaves;
+   on failure the scheduler retracts a request and asks again.
+3. `donate` after a prefill chunk, `snapshot` + `donate_at` around a decode step: the page-aligned computed
+   prefix goes to the tree (by index, no copy) and, at a chunk boundary, a copy of the working state.
+4. `release`: a final KV insert, unlock, and the request's private pages and working slot back to the pools
+   (finish, abort and retraction alike).
+
+Between batches only (no request admitted): `release_pools` / `resume_pools` (colocation) and `drop_tree`
+(an adapter's weights changed, so its cached prefixes are stale).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from miles_k3.model.config import K3Config
+from rollout.config import EngineConfig
+from rollout.memory import IndexAllocator, KDAStatePool, KVPagePool, PoolSizes
+from rollout.radix_cache import HybridRadixCache, InsertResult, MatchResult, Node
+from rollout.request import Request
+
+
+@dataclass(eq=False)
+class Running:
+    """An admitted request and what it holds. KV and state are computed for tokens[:pos]."""
+
+    req: Request
+    cache: HybridRadixCache  # the prefix tree of this request's adapter
+    tokens: list[int]  # prompt + outputs fed so far or pending
+    slot: int  # working KDA state slot
+    node: Node  # locked in the radix cache
+    pos: int
+    pages: list[int]
+    tree_pages: int = 0  # pages[:tree_pages] belong to the radix tree (locked); the rest are the request's
+    fork_pos: int | None = None  # chunk-aligned branch point where a prefill chunk must end (Marconi)
+    generator: torch.Generator | None = None  # the request's own sampling noise (seeded requests)
+
+    @property
+    def private(self) -> list[int]:
+        return self.pages[self.tree_pages:]
+
+    @property
+    def prefilling(self) -> bool:
+        """More than the next input token is still to be computed."""
+        return len(self.tokens) - self.pos > 1
+
+
+class CacheManager:
+    def __init__(self, model_config: K3Config, config: EngineConfig, dtype: torch.dtype, device: torch.device):
+        self.model_config, self.config, self.dtype, self.device = model_config, config, dtype, device
+        self.sizes = PoolSizes.from_budget(model_config, config.memory_bytes, page_size=config.page_size,
+                                           state_fraction=config.state_fraction, dtype=dtype)
+        self.kv: KVPagePool | None = None
+        self.states: KDAStatePool | None = None
+        self.caches: dict[str | None, HybridRadixCache] = {}
+        self.resume_pools()
+
+    # ----------------------------------------------------------- pools
+    def release_pools(self) -> None:
+        """Drop the pools and every tree, so a colocated trainer can use the memory."""
+        self.kv = self.states = None
+        self.caches = {}
+
+    def resume_pools(self) -> None:
+        if self.kv is None:
+            self.kv = KVPagePool(self.model_config, self.sizes, self.dtype, self.device)
+            self.states = KDAStatePool(self.model_config, self.sizes, self.dtype, self.device)
+
+    def cache_for(self, adapter: str | None) -> HybridRadixCache:
+        if adapter not in self.caches:
+            c = self.config
+            self.caches[adapter] = HybridRadixCache(self.kv.allocator, self.states.allocator, page_size=c.page_size,
+                                                    chunk_size=c.chunk_size,
+                                                    max_checkpoints_per_path=c.max_checkpoints_per_path)
+        return self.caches[adapter]
+
+    def drop_tree(self, adapter: str) -> None:
+        """Forget `adapter`'s cached prefixes (no request using it may be running)."""
+        stale = self.caches.pop(adapter, None)
+        if stale is not None:
+            stale.evict_pages(10**18)
+            stale.evict_checkpoints(10**18)
+
+    # ------------------------------------------------------- admission
+    def match(self, adapter: str | None, tokens: list[int]) -> MatchResult:
+        """The longest usable cached prefix of `tokens` (touches it for LRU; allocates nothing)."""
+        return self.cache_for(adapter).match_prefix(tokens)
+
+    def admit(self, req: Request, tokens: list[int], m: MatchResult) -> Running | None:
+        """Lock `m`'s prefix, give the request a working slot restored from `m`'s checkpoint (zeroed on a
+        miss) and its pages. None when no slot can be freed: nothing is held then."""
+        cache = self.cache_for(req.adapter)
+        cache.lock(m.node)
+        slot = self._alloc(self.states.allocator, 1, self.evict_checkpoints)
+        if slot is None:
+            cache.unlock(m.node)
+            return None
+        # copy-on-write restore, enqueued before anything can reuse the checkpoint's slot
+        if m.checkpoint_slot is None:
+            self.states.zero_slots(slot)
+        else:
+            self.states.copy_slots([m.checkpoint_slot], slot)
+        req.cached_tokens = m.prefix_len
+        return Running(req, cache, tokens, slot[0], m.node, m.prefix_len, list(m.pages), tree_pages=len(m.pages),
+                       fork_pos=m.fork_pos)
+
+    # ----------------------------------------------------------- pages
+    def _pages_short(self, r: Running, end: int) -> int:
+        return -(-end // self.config.page_size) - len(r.pages)
+
+    def grow(self, r: Running, end: int) -> bool:
+        """Cover positions [0, end) of r with pages, evicting the trees if needed; False (nothing taken)
+        when even that does not free enough."""
+        need = self._pages_short(r, end)
+        if need <= 0:
+            return True
+        new = self._alloc(self.kv.allocator, need, self.evict_pages)
+        if new is None:
+            return False
+        r.pages += new
+        return True
+
+    def grow_all(self, rows: list[Running], ends: list[int]) -> bool:
+        """`grow` for every row at once, all or nothing."""
+        needs = [max(0, self._pages_short(r, end)) for r, end in zip(rows, ends)]
+        if not any(needs):
+            return True
+        new = self._alloc(self.kv.allocator, sum(needs), self.evict_pages)
+        if new is None:
+            return False
+        for r, n in zip(rows, needs):
+            r.pages += new[:n]
+            new = new[n:]
+        return True
+
+    def _alloc(self, allocator: IndexAllocator, n: int, evict: Callable[[int], int]) -> list[int] | None:
+        if allocator.num_free < n:
+            evict(n - allocator.num_free)
+        return allocator.alloc(n) if allocator.num_free >= n else None
+
+    def evict_pages(self, n: int) -> int:
+        """Free up to about `n` KV pages from the trees (unlocked leaves); returns how many were freed."""
+        return self._evict_across_trees(n, HybridRadixCache.evict_pages)
+
+    def evict_checkpoints(self, n: int) -> int:
+        """Free up to `n` checkpoint slots from the trees; returns how many were freed."""
+        return self._evict_across_trees(n, HybridRadixCache.evict_checkpoints)
+
+    def _evict_across_trees(self, n: int, evict) -> int:
+        freed = 0
+        for cache in list(self.caches.values()):
+            if freed >= n:
+                break
+            freed += evict(cache, n - freed)
+        return freed
+
+    # ------------------------------------------------------- handovers
+    def donate(self, r: Running) -> None:
+        """Give the tree r's page-aligned computed prefix and, at a chunk boundary, a snapshot of the
+        working state (a copy into a fresh slot; the tree then owns that slot by index)."""
+        self.donate_at(r, r.pos, self.snapshot(r) if r.pos % self.config.chunk_size == 0 else None)
+
+    def snapshot(self, r: Running) -> int | None:
+        """Copy r's working state into a fresh slot (None when no slot can be freed for it)."""
+        snap = self._alloc(self.states.allocator, 1, self.evict_checkpoints)
+        if snap is None:
+            return None
+        self.states.copy_slots([r.slot], snap)
+        return snap[0]
+
+    def donate_at(self, r: Running, pos: int, snap: int | None) -> None:
+        """Insert r's computed prefix up to `pos` (<= r.pos; its tokens known) with the checkpoint `snap`
+        taken at `pos`, and move r's lock to the node that ends there."""
+        res = self._insert(r, {} if snap is None else {pos: snap}, end=pos)
+        self.states.allocator.free(res.rejected_slots)
+        r.cache.lock(res.node)
+        r.cache.unlock(r.node)
+        r.node = res.node
+
+    def free_snapshot(self, snap: int | None) -> None:
+        """A snapshot whose request left before its tree insert."""
+        if snap is not None:
+            self.states.allocator.free([snap])
+
+    def release(self, r: Running) -> None:
+        """r stops running (finished, aborted or retracted): its computed KV goes to the tree, its private
+        pages and working slot back to the pools. Enqueued kernels still reading them run first."""
+        self._insert(r, {})
+        r.cache.unlock(r.node)
+        self.kv.allocator.free(r.private)
+        self.states.allocator.free([r.slot])
+
+    def _insert(self, r: Running, checkpoints: dict[int, int], end: int | None = None) -> InsertResult:
+        """Hand the page-aligned computed prefix to the tree. The request switches to the tree's pages and
+        its duplicates (KV it recomputed for positions the tree had) are freed at once, so a request never
+        holds two copies of a prefix: its footprint stays what `submit` checked against the pool. The
+        freed pages are only rewritten by later kernels on the same stream."""
+        full = (r.pos if end is None else end) // self.config.page_size
+        res = r.cache.insert(r.tokens, r.pages[:full], checkpoints)
+        r.pages[:full] = res.pages
+        self.kv.allocator.free(res.duplicate_pages)
+        r.tree_pages = full
+        return res
+
+    # ----------------------------------------------------------- check
+    def check(self, running: list[Running], pending_slots: set[int]) -> None:
+        """Rebuild the accounting: every page / slot is in exactly one place (a tree, a running request,
+        a snapshot waiting for its tree insert, free)."""
+        pages = {p for r in running for p in r.private}
+        slots = {r.slot for r in running} | pending_slots
+        for name, cache in self.caches.items():
+            others = [c for n, c in self.caches.items() if n != name]
+            cache.sanity_check(pages.union(*(c.owned_pages() for c in others)),
+                               slots.union(*(c.owned_slots() for c in others)))

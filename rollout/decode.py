@@ -1,0 +1,187 @@
+"""The decode pipeline: decode steps enqueued on the device and read back, with the overlap schedule.
+
+Overlap (`EngineConfig.overlap`, on by default on CUDA): a decode step is enqueued with its sampled tokens
+left on the device, and the next engine step enqueues the following decode of the same requests, fed from
+those device tokens, before the host reads the first step's tokens. So the host's bookkeeping for step k
+(token appends, stop checks, radix-tree inserts) and its preparation of step k+1 (pages, layout, graph
+inputs) run while the device computes. The price: a request that stops on a stop token has already been
+fed into one more step, whose row is discarded (its pages and slot are freed after that step in stream
+order). A request's length limit is known in advance, so it is not fed past it (`Scheduler.continue_decode`).
+Outputs are those of the plain schedule: every request draws one sample per step from its own generator
+either way.
+
+What a step computes per row is the `DecodeStrategy`'s: the pipeline decides when steps are enqueued and
+read, and does the radix-cache handovers around them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from rollout.cache_manager import CacheManager, Running
+from rollout.model_runner import ModelRunner
+from rollout.sampler import sample_on_device
+from rollout.scheduler import Scheduler
+from rollout.transfer import to_device
+
+
+@dataclass(eq=False)
+class DecodeLaunch:
+    """A decode step whose forward and sampling are enqueued; its tokens may not be on the host yet.
+
+    `batch[n]` was fed its input and its `pos` advanced. `tokens` [N] (device) are the samples, the next
+    step's input; `host` [2, N] float64 receives tokens and log-probs (pinned, filled asynchronously on
+    CUDA; `ready` marks the copy). `snapshots` holds (request, position, checkpoint slot or None) for rows
+    that reached a chunk boundary: the state was copied when the step was enqueued, the tree insert waits
+    for the tokens."""
+
+    batch: list[Running]
+    tokens: torch.Tensor
+    host: torch.Tensor
+    ready: torch.cuda.Event | None
+    snapshots: list[tuple[Running, int, int | None]] = field(default_factory=list)
+
+
+class DecodeStrategy:
+    """What one decode step computes for each row: the seam for decodes other than one token per row.
+
+    Speculative decoding would be one (draft k tokens, verify k + 1 in one forward, accept a prefix, roll the
+    KDA state back); `OneToken` is the engine's. The pipeline calls `launch` once per step, with `batch` the
+    scheduler's decode rows, each row's pages already covering [0, r.pos + lookahead), and later calls `read`
+    on what `launch` returned: at once without overlap, one engine step later with it.
+
+    What a strategy may touch, and when:
+    - pools: through `ModelRunner.forward` only, which writes each row's KV at positions [r.pos, r.pos +
+      lookahead) of its own pages and its working KDA slot. A strategy that must undo state (rejected draft
+      tokens) snapshots and restores working slots with slots it takes from and gives back to the cache
+      manager (`snapshot`, `free_snapshot`) within its own launch / read; rejected KV rows need nothing (the
+      positions are rewritten before anything reads them).
+    - radix cache: never. Locks, inserts and checkpoints are the pipeline's (chunk-boundary snapshots right
+      after `launch`, tree inserts after `read`), and finishing requests is the engine's.
+    - sampler: one draw per produced token from the row's own generator (`r.generator`), in order, so a
+      seeded request's outputs do not depend on the batch or the schedule.
+    - `launch` enqueues and must not wait for the device (no `.item()`, `.tolist()`, blocking copies): the
+      overlap schedule relies on it. It advances each row's `pos` past the positions it fed. `read` may wait.
+    - `ids` is each row's next input token: a host list, or with overlap the previous launch's device
+      `tokens` (rows selected). A strategy whose rows can advance by more than one token per step cannot be
+      fed that way: it must set `overlaps = False`.
+    """
+
+    lookahead = 1  # KV positions past r.pos one step may write per row
+    overlaps = True  # whether a launch's `tokens` [N] can feed the next launch before `read`
+
+    def launch(self, batch: list[Running], ids: list[int] | torch.Tensor) -> DecodeLaunch:
+        raise NotImplementedError
+
+    def read(self, launch: DecodeLaunch) -> tuple[list[list[int]], list[list[float]]]:
+        """Each row's new tokens and their log-probs, in order."""
+        raise NotImplementedError
+
+
+class OneToken(DecodeStrategy):
+    """One forward, one sampled token per row."""
+
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+
+    def launch(self, batch: list[Running], ids: list[int] | torch.Tensor) -> DecodeLaunch:
+        logits = self.runner.forward(batch, ids, [1] * len(batch))
+        tokens, logps = sample_on_device(logits, [r.req.params for r in batch], [r.generator for r in batch])
+        both = torch.stack([tokens.to(torch.float64), logps.to(torch.float64)])
+        ready = None
+        if both.is_cuda:
+            host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
+            host.copy_(both, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+        else:
+            host = both
+        for r in batch:
+            r.pos += 1
+        return DecodeLaunch(batch, tokens, host, ready)
+
+    def read(self, launch: DecodeLaunch) -> tuple[list[list[int]], list[list[float]]]:
+        if launch.ready is not None:
+            launch.ready.synchronize()
+        tokens, logps = launch.host.tolist()
+        return [[int(t)] for t in tokens], [[lp] for lp in logps]
+
+
+class DecodePipeline:
+    """Runs decode steps through a strategy; with `overlap`, keeps one step in flight across engine steps.
+
+    `on_tokens(batch, tokens, logps)` receives each read-back step's rows still running, with their new
+    tokens (the engine appends them and finishes requests)."""
+
+    def __init__(self, strategy: DecodeStrategy, scheduler: Scheduler, memory: CacheManager,
+                 on_tokens: Callable[[list[Running], list[list[int]], list[list[float]]], None], overlap: bool):
+        self.strategy, self.scheduler, self.memory, self.on_tokens = strategy, scheduler, memory, on_tokens
+        self.overlap = overlap and strategy.overlaps
+        self.inflight: DecodeLaunch | None = None  # the enqueued step not yet read back (overlap)
+
+    def run(self, batch: list[Running]) -> None:
+        """Decode `batch` (the scheduler's plan) one step."""
+        if not batch:
+            return
+        launch = self._launch(batch, [r.tokens[r.pos] for r in batch])
+        if self.overlap:
+            self.inflight = launch
+        else:
+            self.resolve(launch)
+
+    def advance(self) -> bool:
+        """With a step in flight: enqueue the next decode of its requests when the scheduler can plan it
+        without their tokens, then read the earlier step back. True when a step is in flight again (this
+        engine step's forward is done); False when the engine should schedule instead."""
+        if (prev := self.inflight) is None:
+            return False
+        self.inflight = self._continue(prev)  # enqueued before prev's tokens are read
+        self.resolve(prev)
+        if self.inflight is None:
+            return False
+        self.settle()
+        return True
+
+    def _launch(self, batch: list[Running], ids: list[int] | torch.Tensor) -> DecodeLaunch:
+        """Enqueue a step, then snapshot the working state of rows reaching a chunk boundary now, before a
+        later step overwrites it."""
+        launch = self.strategy.launch(batch, ids)
+        chunk = self.memory.config.chunk_size
+        launch.snapshots = [(r, r.pos, self.memory.snapshot(r)) for r in batch if r.pos % chunk == 0]
+        return launch
+
+    def _continue(self, prev: DecodeLaunch) -> DecodeLaunch | None:
+        keep = self.scheduler.continue_decode(prev.batch)
+        if keep is None:
+            return None
+        ids = prev.tokens if len(keep) == len(prev.batch) else prev.tokens[to_device(keep, prev.tokens.device)]
+        return self._launch([prev.batch[i] for i in keep], ids)
+
+    def resolve(self, launch: DecodeLaunch) -> None:
+        """Read a launched step's tokens back: tree inserts for its snapshots, then the tokens. Rows of
+        requests that left meanwhile (stopped a step earlier, aborted) are discarded."""
+        tokens, logps = self.strategy.read(launch)
+        running = set(self.scheduler.running)
+        for r, pos, snap in launch.snapshots:
+            if r in running:
+                self.memory.donate_at(r, pos, snap)
+            else:
+                self.memory.free_snapshot(snap)
+        live = [i for i, r in enumerate(launch.batch) if r in running]
+        self.on_tokens([launch.batch[i] for i in live], [tokens[i] for i in live], [logps[i] for i in live])
+
+    def settle(self) -> None:
+        """Read back an enqueued step none of whose requests is still running (they stopped or were
+        aborted): nothing would read it otherwise, and its snapshot slots must return to the pool."""
+        if self.inflight is not None and not any(r in self.scheduler.running for r in self.inflight.batch):
+            launch, self.inflight = self.inflight, None
+            self.resolve(launch)
+
+    def pending_slots(self) -> set[int]:
+        """Snapshot slots of the in-flight step, whose tree inserts wait for its tokens."""
+        if self.inflight is None:
+            return set()
+        return {snap for _, _, snap in self.inflight.snapshots if snap is not None}

@@ -47,7 +47,7 @@ def parse_config(argv: list[str] | None = None) -> ServeConfig:
     for item in args["adapters"]:
         name, sep, path = item.partition("=")
         if not sep:
-            parser.error(f"--adapter {item!r}: expected NAME=PEFT_DIR")
+            parser.exit(2, f"miles-serve: error: --adapter {item!r}: expected NAME=PEFT_DIR\n")
         adapters.append((name, path))
     args["adapters"] = tuple(adapters)
     return ServeConfig(**args)

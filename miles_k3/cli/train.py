@@ -18,16 +18,15 @@ our way, and resolves it, so that a bad value does not even create the run direc
 
 from __future__ import annotations
 
-import logging
 import sys
 import tempfile
-import warnings
 from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+from miles_k3.trainer.base import quiet_megatron
 from miles_k3.trainer.config import config_error, register_schema, resolve
 
 PROG = "miles-train"
@@ -108,10 +107,7 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 
 def main() -> None:
-    # megatron-core announces, on import, every optional CUDA library it falls back from; on a CPU laptop
-    # that is a screen of noise before the progress bar, and says nothing about this run.
-    warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
-    logging.getLogger("megatron").setLevel(logging.WARNING)
+    quiet_megatron()
     register_schema()
     try:
         precheck(sys.argv[1:])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import warnings
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -13,6 +15,14 @@ from miles_k3.model.modeling import reference_state
 from miles_k3.trainer.config import ModelCfg
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # config.DTYPES by name
+
+
+def quiet_megatron() -> None:
+    """megatron-core announces, on import, every optional CUDA library it falls back from; on a CPU laptop
+    that is a screen of noise before the progress bar, and says nothing about this run. Per process (a
+    spawned rank starts with fresh warning filters)."""
+    warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+    logging.getLogger("megatron").setLevel(logging.WARNING)
 
 
 def load_base(model: ModelCfg, seed: int) -> tuple[K3Config, dict[str, torch.Tensor]]:

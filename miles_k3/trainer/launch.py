@@ -17,7 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from miles_k3.trainer.base import TORCH_DTYPES, load_base
+from miles_k3.rewards import RewardPluginError
+from miles_k3.trainer.base import TORCH_DTYPES, load_base, quiet_megatron
 from miles_k3.trainer.config import ResolvedConfig
 from miles_k3.trainer.inputs import RunInputs, load_run_inputs
 from miles_k3.trainer.loop import GRPODriver
@@ -28,7 +29,8 @@ log = logging.getLogger(__name__)
 
 
 def configure_process(rc: ResolvedConfig, rank: int = 0) -> None:
-    """Threads, seeds and determinism for one process (the same on every rank)."""
+    """Threads, seeds, determinism and warning filters for one process (the same on every rank)."""
+    quiet_megatron()
     if rc.cluster.threads_per_worker is not None:
         torch.set_num_threads(rc.cluster.threads_per_worker)
     torch.manual_seed(rc.trainer.seed + rank)
@@ -145,7 +147,10 @@ def _serve(trainer: TrainWorker, rank: int) -> None:
             dist.gather_object(result, None, dst=0)
 
 
-def _rank_main(rank: int, rc: ResolvedConfig, run_dir: str, port: int, inputs: RunInputs | None = None) -> None:
+def _rank_main(rank: int, rc: ResolvedConfig, run_dir: str, port: int, inputs: RunInputs | None = None,
+               plugin_errors=None) -> None:
+    """One local rank. `plugin_errors`: in a spawned world, a queue that carries a RewardPluginError's
+    message from rank 0 (the driver) back to the launching process."""
     configure_process(rc, rank)
     device = device_for(rc, rank)
     try:
@@ -155,7 +160,12 @@ def _rank_main(rank: int, rc: ResolvedConfig, run_dir: str, port: int, inputs: R
             # trainer and engine hold their own copies; the fp32 base need not live through the run (cleared,
             # not just unnamed: `inputs` holds it too)
             state.clear()
-            _drive(rc, run_dir, engine, trainer, rc.cluster.num_workers, inputs)
+            try:
+                _drive(rc, run_dir, engine, trainer, rc.cluster.num_workers, inputs)
+            except RewardPluginError as e:
+                if plugin_errors is None:
+                    raise
+                plugin_errors.put(str(e))  # every rank ends normally (told to stop); the launcher raises it
         else:
             state.clear()
             _serve(trainer, rank)
@@ -192,5 +202,10 @@ def launch(rc: ResolvedConfig, run_dir: str | Path, inputs: RunInputs | None = N
     port = free_port()
     if rc.cluster.num_workers == 1:
         _rank_main(0, rc, run_dir, port, inputs)
-    else:
-        torch.multiprocessing.spawn(_rank_main, args=(rc, run_dir, port), nprocs=rc.cluster.num_workers, join=True)
+        return
+    # a reward plugin failing on rank 0 is the user's mistake: raise it here as itself, not as a child's traceback
+    plugin_errors = torch.multiprocessing.get_context("spawn").SimpleQueue()
+    torch.multiprocessing.spawn(_rank_main, args=(rc, run_dir, port, None, plugin_errors),
+                                nprocs=rc.cluster.num_workers, join=True)
+    if not plugin_errors.empty():
+        raise RewardPluginError(plugin_errors.get())

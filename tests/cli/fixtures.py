@@ -65,3 +65,37 @@ def run_cli(*argv: str) -> tuple[int, str]:
     finally:
         sys.argv = old
     return code, err.getvalue()
+
+
+def write_resume_checkpoint(root: Path, config, records, *, rank: int = 8, workers: int = 1,
+                            targets: tuple[str, ...] | None = None, step: int = 1) -> Path:
+    """A run checkpoint as GRPODriver.save writes one (PEFT adapter + trainer_state.pt + manifest), with
+    zero adapter tensors for the modules `targets` select in `config`'s layout, a fresh sampler position over
+    `records` and `workers` empty trainer-rank states."""
+    from megatron_patches.peft_io import save_peft
+    from miles_k3.data import PromptSampler
+    from miles_k3.model.layout import tensor_shapes
+    from miles_k3.model.lora_spec import LoraSpec, adaptable_modules
+    from miles_k3.trainer import checkpoint as ckpt
+
+    spec = LoraSpec(rank=rank) if targets is None else LoraSpec(rank=rank, targets=targets)
+    shapes = tensor_shapes(config)
+    adapter = {}
+    for m in adaptable_modules(config):
+        if not spec.targets_module(m):
+            continue
+        if ".experts.w" in m:
+            prefix, proj = m.rsplit(".", 1)
+            out, inp = shapes[f"{prefix}.0.{proj}.weight"]
+            lead = (config.num_experts,)
+        else:
+            (out, inp), lead = shapes[f"{m}.weight"], ()
+        adapter[f"{m}.lora_A"] = torch.zeros(*lead, rank, inp)
+        adapter[f"{m}.lora_B"] = torch.zeros(*lead, out, rank)
+
+    def write(tmp: Path) -> None:
+        save_peft(tmp / ckpt.ADAPTER_DIR, adapter, spec)
+        torch.save({"step": step, "sampler": PromptSampler(records).state_dict(), "workers": [{}] * workers,
+                    "config": {}}, tmp / ckpt.STATE_FILE)
+
+    return ckpt.save_checkpoint(root, step, write)

@@ -1,6 +1,6 @@
 """Every user mistake `miles-train` meets ends with exit status 2 and ONE line on stderr naming the field or
 the file, never a traceback: malformed configs, run directories, checkpoints, tokenizers, datasets and
-reward plugins (CASES, 90 of them).
+reward plugins, resume checkpoints (CASES, 94 of them).
 
 How they run: in this process through the console entry point (`miles_k3.cli.train.main` with sys.argv,
 SystemExit and stderr captured), since nearly all fail at config or input time, before any model is built;
@@ -22,7 +22,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.cli.fixtures import run_cli, spaced_arithmetic, write_checkpoint, write_prompts
+from miles_k3.data import PromptDataConfig, load_prompts
+from miles_k3.model import K3Config
+from tests.cli.fixtures import run_cli, spaced_arithmetic, write_checkpoint, write_prompts, write_resume_checkpoint
 
 ASSET = Path(__file__).resolve().parents[2] / "miles_k3" / "assets" / "k3-tiny-arith"
 REPO = Path(__file__).resolve().parents[2]
@@ -145,8 +147,12 @@ CASES = [
     ("plugin-raises", [f"reward.fn={PLUGINS}:raises"], "reward.fn"),
     ("plugin-returns-text", [f"reward.fn={PLUGINS}:returns_text"], "reward.fn"),
     ("plugin-returns-nan", [f"reward.fn={PLUGINS}:returns_nan"], "reward.fn"),
-    # --- resuming ---
+    # --- resuming (trainer.resume): a checkpoint that does not fit this run ---
     ("resume-not-a-checkpoint", ["trainer.resume={d}"], "trainer.resume"),
+    ("resume-other-world", ["trainer.resume={d}/resume_two_ranks/step_00000001"], "holds 2 trainer ranks"),
+    ("resume-other-rank", ["trainer.resume={d}/resume_rank4/step_00000001"], "rank-4 adapter"),
+    ("resume-other-modules", ["trainer.resume={d}/resume_q_only/step_00000001"], "lora.targets select"),
+    ("resume-other-dataset", ["trainer.resume={d}/resume_other_data/step_00000001"], "dataset"),
 ]
 MID_RUN = {"plugin-raises", "plugin-returns-text", "plugin-returns-nan"}
 SUBPROCESS = ["unknown-key", "run-dir-under-a-file", "cuda-without-gpu", "safetensors-corrupt", "plugin-raises"]
@@ -191,6 +197,12 @@ def bad(tmp_path_factory) -> Path:
     write_prompts(d / "long.jsonl", [{"prompt": "1+" * 2500 + "1=", "label": 2501}])
     (d / "garbage.parquet").write_bytes(b"PAR1 this is not parquet")
     write_prompts(d / "three_rows.jsonl", [{"prompt": f"{i}+1=", "label": i + 1} for i in range(3)])
+    config = K3Config.from_json_file(ASSET / "config.json")
+    train = load_prompts(PromptDataConfig(path=str(ASSET / "train.jsonl")))
+    write_resume_checkpoint(d / "resume_two_ranks", config, train, workers=2)
+    write_resume_checkpoint(d / "resume_rank4", config, train, rank=4)
+    write_resume_checkpoint(d / "resume_q_only", config, train, targets=(r"self_attn\.q_proj$",))
+    write_resume_checkpoint(d / "resume_other_data", config, train[:10])
     return d
 
 

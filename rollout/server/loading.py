@@ -81,11 +81,17 @@ def build_engine(model: ModelCfg, cfg: ServeConfig, seed: int = 0) -> tuple[Engi
 def load_served(cfg: ServeConfig) -> Served:
     """Check `cfg`, then build everything it names. ValueError (one line, naming the flag) on bad input."""
     cfg.check()
-    path = str(cfg.model_path)
-    model = ModelCfg(path=path, tokenizer=cfg.tokenizer_kind)
-    tokenizer = build_server_tokenizer(cfg.tokenizer_kind, path)  # before the weights: it fails faster
-    engine, config = build_engine(model, cfg)
+    model = ModelCfg(path=str(cfg.model_path), tokenizer=cfg.tokenizer_kind)
+    return build_served(model, cfg, cfg.model_name)
+
+
+def build_served(model: ModelCfg, cfg: ServeConfig, name: str, seed: int = 0) -> Served:
+    """`model` (a checkpoint, or a random-init preset: what benchmarks serve) with `cfg`'s engine settings
+    and adapters, its tokenizer loaded first (it fails faster than the weights)."""
+    where = model.path if model.path is not None else f"preset:{model.preset}"
+    tokenizer = build_server_tokenizer(model.tokenizer, where)
+    engine, config = build_engine(model, cfg, seed)
     if not 0 <= tokenizer.eos_token_id < config.vocab_size:
         raise ValueError(f"--tokenizer: eos id {tokenizer.eos_token_id} is outside the model's vocabulary "
                          f"({config.vocab_size}); is it the model's tokenizer?")
-    return Served(engine, tokenizer, cfg.model_name, tuple(n for n, _ in cfg.adapters), path)
+    return Served(engine, tokenizer, name, tuple(n for n, _ in cfg.adapters), where)

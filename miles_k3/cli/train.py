@@ -27,7 +27,8 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from miles_k3.trainer.base import quiet_megatron
-from miles_k3.trainer.config import config_error, register_schema, resolve
+from miles_k3.trainer.config import register_schema
+from miles_k3.trainer.resolve import config_error, resolve
 
 PROG = "miles-train"
 

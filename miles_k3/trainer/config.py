@@ -1,35 +1,29 @@
-"""The trainer's configuration: the Hydra schema, typed by the components it configures, and `resolve`.
+"""The Hydra schema of `miles-train`: `TrainConfig` and its sections (what recipes/ YAML and the command
+line may set).
 
 Hydra composes `recipes/` YAML onto `TrainConfig` (registered as the structured schema `miles_train_schema`),
 so a misspelled key or a wrong type fails in OmegaConf with the key's path. A section that configures a
-component takes that component's fields, types and defaults (`component_fields`; written once, in the
+component takes that component's fields, types and defaults (`component_fields`: written once, in the
 component): `lora.*` are LoraSpec's, `algo.*` PolicyLossConfig's plus the loop's group options, `data.*`
 PromptDataConfig's plus the held-out set, `reward.*` RewardConfig's, and `rollout.*` holds SamplingParams'
-and EngineConfig's fields beside the run's own. The component checks them when `resolve` builds it. The
-trainer's own sections (model, parallel, optim, cluster, logging, trainer) own their defaults and check
-themselves (`Section.check`). `resolve` adds only the rules that span sections.
-
-Every error is a ValueError whose message starts with the field's dotted path (`algo.eps_high must be >= 0,
-got -1.0`), raised before any model is built. Groups (one YAML file each under recipes/<group>/): model,
-parallel, algo, data, reward, cluster, logging; `recipe=<name>` picks recipes/recipe/<name>.yaml, a global
-override of the others.
+and EngineConfig's fields beside the run's own. The trainer's own sections (model, parallel, optim, cluster,
+logging, trainer) own their defaults and check themselves; `miles_k3.trainer.resolve` checks a composed
+config whole and builds the components' frozen configs. Groups (one YAML file each under
+recipes/<group>/): model, parallel, algo, data, reward, cluster, logging; `recipe=<name>` picks
+recipes/recipe/<name>.yaml, a global override of the others.
 """
 
 from __future__ import annotations
 
-import collections.abc
-import dataclasses
-import math
-import re
-import typing
-from dataclasses import asdict, dataclass, field, make_dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Optional
 
 from miles_k3.algo import PolicyLossConfig
 from miles_k3.data import PromptDataConfig
 from miles_k3.model.lora_spec import LoraSpec
 from miles_k3.rewards import RewardConfig
+from miles_k3.trainer.section import Check, Section, component_fields, field_names
 from rollout.config import EngineConfig
 from rollout.request import SamplingParams
 
@@ -47,79 +41,13 @@ ENGINE_KEYS = ("page_size", "chunk_size", "max_prefill_tokens", "max_prefill_req
                "mxfp4_matmul", "overlap", "compile_decode")
 
 
-# ------------------------------------------------------------------ how a section is typed and checked
-class Section:
-    """A schema section. `check` raises ValueError("<field> <rule>, got <value>") for a value that is wrong
-    on its own; `resolve` prefixes the section."""
-
-    def check(self) -> None:
-        pass
-
-    def values(self, names: tuple[str, ...] | None = None) -> dict[str, Any]:
-        """This section's values (those of `names`), as keyword arguments for a component."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if names is None or f.name in names}
+def builtin_path(value: str) -> str:
+    """`builtin:<relative path>` -> a path inside the installed package's assets (other values unchanged)."""
+    if value.startswith(BUILTIN_PREFIX):
+        return str(ASSETS_DIR / value[len(BUILTIN_PREFIX):])
+    return value
 
 
-def component_fields(component: type, names: tuple[str, ...] | None = None) -> type:
-    """A mutable dataclass (a Section) holding `component`'s fields, or those in `names`, with the component's
-    types and defaults: the schema node Hydra fills. A field without a default is mandatory (`???` until a
-    recipe sets it). The frozen component cannot be the node itself: OmegaConf makes a frozen dataclass's
-    node read-only, and no recipe or override could then be merged into it."""
-    hints = typing.get_type_hints(component)
-    specs = []
-    for f in dataclasses.fields(component):
-        if names is not None and f.name not in names:
-            continue
-        if f.default is not dataclasses.MISSING:
-            default = field(default=f.default)
-        elif f.default_factory is not dataclasses.MISSING:
-            default = field(default_factory=f.default_factory)
-        else:
-            default = field(default="???")  # OmegaConf's MISSING
-        specs.append((f.name, _schema_type(hints[f.name]), default))
-    unknown = set(names or ()) - {name for name, _, _ in specs}
-    if unknown:
-        raise TypeError(f"{component.__name__} has no field(s) {sorted(unknown)}")
-    return make_dataclass(f"{component.__name__}Fields", specs, bases=(Section,))
-
-
-def _schema_type(t: Any) -> Any:
-    # OmegaConf types dict values but not the abstract Mapping (RewardConfig.headers)
-    if typing.get_origin(t) is collections.abc.Mapping:
-        return dict[typing.get_args(t)]
-    return t
-
-
-class _Check:
-    """Value rules for one section's fields; each failure names the field and the value."""
-
-    def __init__(self, obj: Any):
-        self.obj = obj
-
-    def fail(self, name: str, rule: str) -> ValueError:
-        return ValueError(f"{name} {rule}, got {getattr(self.obj, name)!r}")
-
-    def int_at_least(self, name: str, low: int) -> None:
-        v = getattr(self.obj, name)
-        if isinstance(v, bool) or not isinstance(v, int) or v < low:
-            raise self.fail(name, f"must be an integer >= {low}")
-
-    def number(self, name: str, low: float | None = None, high: float | None = None, *, open_low: bool = False) -> None:
-        v = getattr(self.obj, name)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-            raise self.fail(name, "must be a finite number")
-        if low is not None and (v < low or (open_low and v == low)):
-            raise self.fail(name, f"must be {'>' if open_low else '>='} {low}")
-        if high is not None and v > high:
-            raise self.fail(name, f"must be <= {high}")
-
-    def choice(self, name: str, options: tuple[str, ...]) -> None:
-        if getattr(self.obj, name) not in options:
-            raise self.fail(name, f"must be one of {options}")
-
-
-# ------------------------------------------------------------------ schema (what YAML may set)
 @dataclass
 class ModelCfg(Section):
     """model.*: the base the run trains (a checkpoint, or a random-init preset) and its tokenizer."""
@@ -134,7 +62,7 @@ class ModelCfg(Section):
     def check(self) -> None:
         from miles_k3.model.config import PRESETS
 
-        c = _Check(self)
+        c = Check(self)
         c.choice("tokenizer", TOKENIZERS)
         c.choice("train_dtype", DTYPES)
         if (self.path is None) == (self.preset is None):
@@ -169,7 +97,7 @@ class ParallelCfg(Section):
     ep: int = 1  # expert parallel (not implemented: must be 1)
 
     def check(self) -> None:
-        c = _Check(self)
+        c = Check(self)
         for name in ("tp", "pp", "cp", "ep"):
             c.int_at_least(name, 1)
         for name in ("pp", "cp", "ep"):
@@ -198,7 +126,7 @@ class RolloutCfg(component_fields(EngineConfig, ENGINE_KEYS), component_fields(S
     def check(self) -> None:
         from rollout.model_runner import QUANTIZE_MODES
 
-        c = _Check(self)
+        c = Check(self)
         c.int_at_least("prompts_per_step", 1)
         c.int_at_least("samples_per_prompt", 2)
         c.number("temperature", 0.0, open_low=True)  # the trainer's log-probs divide by it: no greedy training
@@ -225,12 +153,12 @@ class AlgoCfg(component_fields(PolicyLossConfig)):
     updates_per_step: int = 1  # optimizer steps per rollout batch (minibatches of whole groups)
 
     def check(self) -> None:
-        c = _Check(self)
+        c = Check(self)
         c.int_at_least("max_refill_rounds", 0)
         c.int_at_least("updates_per_step", 1)
 
     def loss(self) -> PolicyLossConfig:
-        return PolicyLossConfig(**self.values(tuple(f.name for f in dataclasses.fields(PolicyLossConfig))))
+        return PolicyLossConfig(**self.values(field_names(PolicyLossConfig)))
 
 
 @dataclass
@@ -245,7 +173,7 @@ class OptimCfg(Section):
     warmup_steps: int = 0  # linear warmup from lr / warmup_steps to lr; 0: none
 
     def check(self) -> None:
-        c = _Check(self)
+        c = Check(self)
         c.number("lr", 0.0, open_low=True)
         c.number("weight_decay", 0.0)
         c.number("beta1", 0.0, 1.0)
@@ -264,11 +192,11 @@ class DataCfg(component_fields(PromptDataConfig)):
 
     def check(self) -> None:
         if self.eval_max_prompts is not None:
-            _Check(self).int_at_least("eval_max_prompts", 1)
+            Check(self).int_at_least("eval_max_prompts", 1)
 
     def prompts(self, path: str) -> PromptDataConfig:
-        return PromptDataConfig(**{**self.values(tuple(f.name for f in dataclasses.fields(PromptDataConfig))),
-                                   "path": builtin_path(path)})
+        """The training prompts' config (path: data.path) or the held-out prompts' (data.eval_path)."""
+        return PromptDataConfig(**{**self.values(field_names(PromptDataConfig)), "path": builtin_path(path)})
 
 
 @dataclass
@@ -287,7 +215,7 @@ class ClusterCfg(Section):
     ray_address: Optional[str] = None  # with launcher=ray: the cluster to join; None: start a local Ray instance
 
     def check(self) -> None:
-        c = _Check(self)
+        c = Check(self)
         c.choice("launcher", LAUNCHERS)
         c.choice("device", DEVICES)
         c.int_at_least("num_workers", 1)
@@ -308,7 +236,7 @@ class LoggingCfg(Section):
     log_every: int = 1  # write a metrics row every N steps (and at the last)
 
     def check(self) -> None:
-        c = _Check(self)
+        c = Check(self)
         c.choice("wandb", WANDB_MODES)
         c.int_at_least("log_every", 1)
 
@@ -327,7 +255,7 @@ class TrainerCfg(Section):
     eval_before: bool = True  # evaluate once before the first step
 
     def check(self) -> None:
-        c = _Check(self)
+        c = Check(self)
         c.int_at_least("max_steps", 1)
         c.int_at_least("save_every", 0)
         c.int_at_least("keep_checkpoints", 1)
@@ -357,119 +285,3 @@ def register_schema() -> None:
     from hydra.core.config_store import ConfigStore
 
     ConfigStore.instance().store(name="miles_train_schema", node=TrainConfig)
-
-
-# ------------------------------------------------------------------ resolution
-def builtin_path(value: str) -> str:
-    """`builtin:<relative path>` -> a path inside the installed package's assets (other values unchanged)."""
-    if value.startswith(BUILTIN_PREFIX):
-        return str(ASSETS_DIR / value[len(BUILTIN_PREFIX):])
-    return value
-
-
-@dataclass(frozen=True)
-class ResolvedConfig:
-    """Everything the run needs, checked: the components' frozen configs and the trainer's own sections.
-    `raw` is the plain-dict form of the TrainConfig (for the run record)."""
-
-    raw: dict[str, Any]
-    model: ModelCfg
-    lora: LoraSpec
-    parallel: ParallelCfg
-    rollout: RolloutCfg  # the run's own rollout.* options (sampling and engine: below)
-    sampling: SamplingParams
-    engine: EngineConfig
-    loss: PolicyLossConfig
-    algo: AlgoCfg  # the loop's group options (the loss: above)
-    optim: OptimCfg
-    data: PromptDataConfig
-    eval_data: PromptDataConfig | None
-    eval_max_prompts: int | None
-    reward: RewardConfig
-    cluster: ClusterCfg
-    logging: LoggingCfg
-    trainer: TrainerCfg
-
-
-def config_error(exc: Exception) -> str:
-    """One line for an OmegaConf / Hydra composition error: the key's path and the first line of the reason
-    (their messages run over several lines of reference and object types)."""
-    from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
-
-    err = exc if isinstance(exc, OmegaConfBaseException) else exc.__cause__
-    if isinstance(err, OmegaConfBaseException) and getattr(err, "full_key", None):
-        key = err.full_key
-        if isinstance(err, MissingMandatoryValue):
-            return f"{key} must be set (it has no default), e.g. {key}=..."
-        reason = str(getattr(err, "msg", err)).strip().splitlines()[0]
-        return f"{key}: {reason}"
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    text = lines[0] if lines else type(exc).__name__
-    override = getattr(exc, "override", None)  # hydra's OverrideParseException: the override as typed
-    if isinstance(override, str):
-        text = f"cannot parse the override {override!r}: {text}"
-    options = getattr(exc, "options", None)  # hydra's MissingConfigException: the group's files
-    return text + (f" (available: {', '.join(options)})" if options else "")
-
-
-def in_section(section: str, fn: Callable[[], Any], component: type | None = None) -> Any:
-    """Run fn (a section's check, or building its component) and put the section's path on its ValueError:
-    "<field> ..." and "<Component>.<field> ..." become "<section>.<field> ..."."""
-    try:
-        return fn()
-    except ValueError as e:
-        msg = str(e)
-        if component is not None and msg.startswith(f"{component.__name__}."):
-            msg = msg[len(component.__name__) + 1:]
-        if re.match(r"[a-z_][a-z0-9_]*\b", msg):
-            raise ValueError(f"{section}.{msg}") from None
-        raise ValueError(f"{section}: {msg}") from None
-
-
-def resolve(cfg: Any) -> ResolvedConfig:
-    """Check a composed config (a DictConfig, a mapping or a TrainConfig) and build the component configs."""
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
-    try:
-        cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), cfg))
-    except OmegaConfBaseException as e:  # unknown key, wrong type, missing value
-        raise ValueError(config_error(e)) from None
-    raw = asdict(cfg)
-    if cfg.model.path is not None:
-        cfg.model.path = builtin_path(cfg.model.path)
-    for f in dataclasses.fields(cfg):
-        section = getattr(cfg, f.name)
-        if isinstance(section, Section):
-            in_section(f.name, section.check)
-
-    r, a, c, d = cfg.rollout, cfg.algo, cfg.cluster, cfg.data
-    lora = in_section("lora", lambda: LoraSpec(**cfg.lora.values()), LoraSpec)
-    sampling = in_section("rollout", r.sampling, SamplingParams)
-    engine = in_section("rollout", r.engine, EngineConfig)
-    loss = in_section("algo", a.loss, PolicyLossConfig)
-    data = in_section("data", lambda: d.prompts(d.path), PromptDataConfig)
-    eval_data = None if d.eval_path is None else in_section(
-        "data", lambda: d.prompts(d.eval_path), PromptDataConfig)
-    reward = in_section("reward", lambda: RewardConfig(**cfg.reward.values()), RewardConfig)
-
-    # rules that span sections
-    if r.compile_decode and (c.device != "cuda" or r.dtype != "bfloat16"):
-        raise ValueError("rollout.compile_decode compiles the CUDA-graph decode step: needs cluster.device=cuda "
-                         "and rollout.dtype=bfloat16")
-    if r.mxfp4_matmul == "triton":
-        for ok, need in ((r.quantize != "none", "rollout.quantize=experts or all (MXFP4 experts)"),
-                         (c.device == "cuda", "cluster.device=cuda"), (r.dtype == "bfloat16", "rollout.dtype=bfloat16")):
-            if not ok:
-                raise ValueError(f"rollout.mxfp4_matmul 'triton' needs {need}")
-    if a.updates_per_step > r.prompts_per_step:
-        raise ValueError(f"algo.updates_per_step must be <= rollout.prompts_per_step ({r.prompts_per_step}): "
-                         f"each update takes whole groups, got {a.updates_per_step}")
-    if c.num_workers != cfg.parallel.tp:
-        raise ValueError(f"cluster.num_workers must equal parallel.tp ({cfg.parallel.tp}): one trainer rank per "
-                         f"worker, and data parallelism is not implemented yet, got {c.num_workers}")
-
-    return ResolvedConfig(raw=raw, model=cfg.model, lora=lora, parallel=cfg.parallel, rollout=r, sampling=sampling,
-                          engine=engine, loss=loss, algo=a, optim=cfg.optim, data=data, eval_data=eval_data,
-                          eval_max_prompts=d.eval_max_prompts, reward=reward, cluster=c, logging=cfg.logging,
-                          trainer=cfg.trainer)

@@ -31,7 +31,7 @@ from miles_k3.model.lora_spec import adaptable_modules
 from miles_k3.rewards import RewardPlugin, load_plugin
 from miles_k3.trainer import checkpoint as ckpt
 from miles_k3.trainer.base import TORCH_DTYPES, Tokenizer, build_tokenizer, load_base_config
-from miles_k3.trainer.config import ResolvedConfig, in_section
+from miles_k3.trainer.resolve import ResolvedConfig, in_section
 
 
 class Resume(NamedTuple):

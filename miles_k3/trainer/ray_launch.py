@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from miles_k3.trainer.config import ResolvedConfig
+from miles_k3.trainer.resolve import ResolvedConfig
 from miles_k3.trainer.inputs import RunInputs
 from miles_k3.trainer.loop import GRPODriver
 

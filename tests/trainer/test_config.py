@@ -13,7 +13,8 @@ from miles_k3.data import PromptDataConfig
 from miles_k3.model.lora_spec import DEFAULT_TARGETS, LoraSpec
 from miles_k3.rewards import RewardConfig
 from miles_k3.trainer.base import load_base_config
-from miles_k3.trainer.config import ENGINE_KEYS, SAMPLING_KEYS, TrainConfig, resolve
+from miles_k3.trainer.config import ENGINE_KEYS, SAMPLING_KEYS, TrainConfig
+from miles_k3.trainer.resolve import resolve
 from rollout.config import EngineConfig
 from rollout.request import SamplingParams
 from tests.trainer.recipes import composed

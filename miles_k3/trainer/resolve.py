@@ -1,0 +1,133 @@
+"""`resolve`: a composed config, checked whole, as the frozen configs the run's components take.
+
+Each section checks its own values (`Section.check`) and each component checks the fields it owns when it
+is built here (LoraSpec, SamplingParams, EngineConfig, PolicyLossConfig, PromptDataConfig, RewardConfig);
+`resolve` adds only the rules that span sections. Every error is a ValueError whose message starts with the
+field's dotted path (`algo.eps_high must be >= 0, got -1.0`), raised before any model is built. The schema
+itself: `miles_k3.trainer.config`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import asdict, dataclass
+from typing import Any, Callable
+
+from miles_k3.algo import PolicyLossConfig
+from miles_k3.data import PromptDataConfig
+from miles_k3.model.lora_spec import LoraSpec
+from miles_k3.rewards import RewardConfig
+from miles_k3.trainer.config import (AlgoCfg, ClusterCfg, LoggingCfg, ModelCfg, OptimCfg, ParallelCfg, RolloutCfg,
+                                     TrainConfig, TrainerCfg, builtin_path)
+from miles_k3.trainer.section import Section
+from rollout.config import EngineConfig
+from rollout.request import SamplingParams
+
+
+@dataclass(frozen=True)
+class ResolvedConfig:
+    """Everything the run needs, checked: the components' frozen configs and the trainer's own sections.
+    `raw` is the plain-dict form of the TrainConfig (for the run record)."""
+
+    raw: dict[str, Any]
+    model: ModelCfg
+    lora: LoraSpec
+    parallel: ParallelCfg
+    rollout: RolloutCfg  # the run's own rollout.* options (sampling and engine: below)
+    sampling: SamplingParams
+    engine: EngineConfig
+    loss: PolicyLossConfig
+    algo: AlgoCfg  # the loop's group options (the loss: above)
+    optim: OptimCfg
+    data: PromptDataConfig
+    eval_data: PromptDataConfig | None
+    eval_max_prompts: int | None
+    reward: RewardConfig
+    cluster: ClusterCfg
+    logging: LoggingCfg
+    trainer: TrainerCfg
+
+
+def config_error(exc: Exception) -> str:
+    """One line for an OmegaConf / Hydra composition error: the key's path and the first line of the reason
+    (their messages run over several lines of reference and object types)."""
+    from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
+
+    err = exc if isinstance(exc, OmegaConfBaseException) else exc.__cause__
+    if isinstance(err, OmegaConfBaseException) and getattr(err, "full_key", None):
+        key = err.full_key
+        if isinstance(err, MissingMandatoryValue):
+            return f"{key} must be set (it has no default), e.g. {key}=..."
+        reason = str(getattr(err, "msg", err)).strip().splitlines()[0]
+        return f"{key}: {reason}"
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    text = lines[0] if lines else type(exc).__name__
+    override = getattr(exc, "override", None)  # hydra's OverrideParseException: the override as typed
+    if isinstance(override, str):
+        text = f"cannot parse the override {override!r}: {text}"
+    options = getattr(exc, "options", None)  # hydra's MissingConfigException: the group's files
+    return text + (f" (available: {', '.join(options)})" if options else "")
+
+
+def in_section(section: str, fn: Callable[[], Any], component: type | None = None) -> Any:
+    """Run fn (a section's check, or building its component) and put the section's path on its ValueError:
+    "<field> ..." and "<Component>.<field> ..." become "<section>.<field> ..."."""
+    try:
+        return fn()
+    except ValueError as e:
+        msg = str(e)
+        if component is not None and msg.startswith(f"{component.__name__}."):
+            msg = msg[len(component.__name__) + 1:]
+        if re.match(r"[a-z_][a-z0-9_]*\b", msg):
+            raise ValueError(f"{section}.{msg}") from None
+        raise ValueError(f"{section}: {msg}") from None
+
+
+def resolve(cfg: Any) -> ResolvedConfig:
+    """Check a composed config (a DictConfig, a mapping or a TrainConfig) and build the component configs."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), cfg))
+    except OmegaConfBaseException as e:  # unknown key, wrong type, missing value
+        raise ValueError(config_error(e)) from None
+    raw = asdict(cfg)
+    if cfg.model.path is not None:
+        cfg.model.path = builtin_path(cfg.model.path)
+    for f in dataclasses.fields(cfg):
+        section = getattr(cfg, f.name)
+        if isinstance(section, Section):
+            in_section(f.name, section.check)
+
+    r, a, c, d = cfg.rollout, cfg.algo, cfg.cluster, cfg.data
+    lora = in_section("lora", lambda: LoraSpec(**cfg.lora.values()), LoraSpec)
+    sampling = in_section("rollout", r.sampling, SamplingParams)
+    engine = in_section("rollout", r.engine, EngineConfig)
+    loss = in_section("algo", a.loss, PolicyLossConfig)
+    data = in_section("data", lambda: d.prompts(d.path), PromptDataConfig)
+    eval_data = None if d.eval_path is None else in_section(
+        "data", lambda: d.prompts(d.eval_path), PromptDataConfig)
+    reward = in_section("reward", lambda: RewardConfig(**cfg.reward.values()), RewardConfig)
+
+    # rules that span sections
+    if r.compile_decode and (c.device != "cuda" or r.dtype != "bfloat16"):
+        raise ValueError("rollout.compile_decode compiles the CUDA-graph decode step: needs cluster.device=cuda "
+                         "and rollout.dtype=bfloat16")
+    if r.mxfp4_matmul == "triton":
+        for ok, need in ((r.quantize != "none", "rollout.quantize=experts or all (MXFP4 experts)"),
+                         (c.device == "cuda", "cluster.device=cuda"), (r.dtype == "bfloat16", "rollout.dtype=bfloat16")):
+            if not ok:
+                raise ValueError(f"rollout.mxfp4_matmul 'triton' needs {need}")
+    if a.updates_per_step > r.prompts_per_step:
+        raise ValueError(f"algo.updates_per_step must be <= rollout.prompts_per_step ({r.prompts_per_step}): "
+                         f"each update takes whole groups, got {a.updates_per_step}")
+    if c.num_workers != cfg.parallel.tp:
+        raise ValueError(f"cluster.num_workers must equal parallel.tp ({cfg.parallel.tp}): one trainer rank per "
+                         f"worker, and data parallelism is not implemented yet, got {c.num_workers}")
+
+    return ResolvedConfig(raw=raw, model=cfg.model, lora=lora, parallel=cfg.parallel, rollout=r, sampling=sampling,
+                          engine=engine, loss=loss, algo=a, optim=cfg.optim, data=data, eval_data=eval_data,
+                          eval_max_prompts=d.eval_max_prompts, reward=reward, cluster=c, logging=cfg.logging,
+                          trainer=cfg.trainer)

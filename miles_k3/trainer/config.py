@@ -167,8 +167,8 @@ class OptimCfg(Section):
 
     lr: float = 2e-3  # peak learning rate (> 0)
     weight_decay: float = 0.0  # AdamW's decoupled weight decay
-    beta1: float = 0.9
-    beta2: float = 0.99
+    beta1: float = 0.9  # AdamW's first-moment decay, in [0, 1]
+    beta2: float = 0.99  # AdamW's second-moment decay, in [0, 1]
     grad_clip: float = 1.0  # max global gradient norm; 0: measure, do not clip
     warmup_steps: int = 0  # linear warmup from lr / warmup_steps to lr; 0: none
 

@@ -13,8 +13,8 @@ naming its field or file (`miles-train` prints it as one line and exits with sta
     trainer.resume   the checkpoint to continue from verifies and fits this run: its trainer ranks, adapter
                      shape and modules, and the dataset its sampler position points into
 
-Only ValueError (and the loaders' own error types for unreadable files) is turned into a message naming the
-input; anything else is a bug and keeps its traceback.
+Only ValueError (and OSError for a file that cannot be read, FileNotFoundError for a dataset that is not
+there) is turned into a message naming the input; anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -137,7 +137,6 @@ def load_run_inputs(rc: ResolvedConfig, run_dir: str | Path, *, weights: str | N
     if weights is None:
         weights = "keep" if rc.cluster.launcher == "local" and rc.cluster.num_workers == 1 else "check"
     from rollout.memory import PoolSizes
-    from safetensors import SafetensorError
 
     from miles_k3.model.checkpoint import load_state_dict
 
@@ -166,8 +165,7 @@ def load_run_inputs(rc: ResolvedConfig, run_dir: str | Path, *, weights: str | N
 
     state = None
     if rc.model.path is not None and weights != "skip":
-        # the loader raises ValueError naming the tensor; a file safetensors cannot parse is the same mistake
-        state = _named("model.path", lambda: load_state_dict(rc.model.path, config, torch.float32),
-                       SafetensorError, OSError)
+        # the loader raises ValueError naming the file or tensor (a corrupt or truncated safetensors file too)
+        state = _named("model.path", lambda: load_state_dict(rc.model.path, config, torch.float32), OSError)
     return RunInputs(config, tok, train, None if heldout is None else heldout[:rc.eval_max_prompts], plugin,
                      state if weights == "keep" else None, resume)

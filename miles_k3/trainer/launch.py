@@ -19,9 +19,9 @@ import torch.distributed as dist
 
 from miles_k3.rewards import RewardPluginError
 from miles_k3.trainer.base import TORCH_DTYPES, load_base, quiet_megatron
-from miles_k3.trainer.resolve import ResolvedConfig
 from miles_k3.trainer.inputs import RunInputs, load_run_inputs
 from miles_k3.trainer.loop import GRPODriver
+from miles_k3.trainer.resolve import ResolvedConfig
 from miles_k3.trainer.rollout_worker import RolloutWorker
 from miles_k3.trainer.train_worker import TrainWorker
 

@@ -28,8 +28,8 @@ from miles_k3.data import PromptRecord, PromptSampler
 from miles_k3.rewards import Sample, score
 from miles_k3.trainer import checkpoint as ckpt
 from miles_k3.trainer.batch import TrainBatch
-from miles_k3.trainer.resolve import ResolvedConfig
 from miles_k3.trainer.inputs import RunInputs, load_run_inputs
+from miles_k3.trainer.resolve import ResolvedConfig
 from miles_k3.trainer.rollout_worker import Generated
 from miles_k3.trainer.run_log import Progress, RunLog
 from rollout.request import SamplingParams

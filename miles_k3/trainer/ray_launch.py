@@ -12,9 +12,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from miles_k3.trainer.resolve import ResolvedConfig
 from miles_k3.trainer.inputs import RunInputs
 from miles_k3.trainer.loop import GRPODriver
+from miles_k3.trainer.resolve import ResolvedConfig
 
 
 class _TrainerActor:

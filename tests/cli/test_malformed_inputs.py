@@ -226,8 +226,22 @@ def test_the_cases_cover_fifty_mistakes():
     assert MID_RUN | set(SUBPROCESS) <= {c[0] for c in CASES}
 
 
+def _end_world() -> None:
+    """The CLI starts its own torch.distributed world, as in the fresh process `miles-train` runs in: end
+    one an earlier test of this process left running (`ensure_parallel` starts a new one on demand)."""
+    import torch.distributed as dist
+
+    from megatron_patches.parallel import destroy_parallel
+
+    destroy_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 @pytest.mark.parametrize("case, overrides, expected", CASES, ids=[c[0] for c in CASES])
 def test_in_process(bad, tmp_path, case, overrides, expected):
+    if case in MID_RUN:
+        _end_world()
     code, stderr = run_cli(*_argv(overrides, bad, tmp_path / "run"))
     _check(code, stderr, expected)
     metrics = tmp_path / "run" / "metrics.jsonl"

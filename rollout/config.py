@@ -17,6 +17,9 @@ OVERLAP_MODES = ("auto", "on", "off")
 
 @dataclass(frozen=True)
 class EngineConfig:
+    """The engine's memory budget and scheduling limits. Checked on construction: ValueError starting with
+    `EngineConfig.<field>`."""
+
     memory_bytes: int  # KV pages + KDA state slots, split by state_fraction
     state_fraction: float = 0.5  # share of memory_bytes for KDA state slots, the rest for KV pages
     page_size: int = 16  # tokens per KV page

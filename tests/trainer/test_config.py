@@ -181,3 +181,18 @@ def test_cli_prints_the_whole_config_and_rejects_bad_ones(tmp_path):
     assert bad.returncode == 2
     assert bad.stderr.strip() == "miles-train: error: algo.eps_high must be >= 0, got -1.0"
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_why_sections_are_mutable_copies_of_the_frozen_components():
+    # OmegaConf makes a frozen dataclass's node read-only: no recipe or override could be merged into it
+    from omegaconf.errors import ReadonlyConfigError
+
+    @dataclasses.dataclass
+    class Holder:
+        lora: LoraSpec = dataclasses.field(default_factory=LoraSpec)
+
+    with pytest.raises(ReadonlyConfigError):
+        OmegaConf.merge(OmegaConf.structured(Holder), {"lora": {"rank": 4}})
+    # the derived section takes the override, and a tuple-typed field a list (the component makes it a tuple)
+    node = OmegaConf.merge(OmegaConf.structured(TrainConfig).lora, {"rank": 4, "targets": ["q_proj$"]})
+    assert LoraSpec(**OmegaConf.to_object(node).values()) == LoraSpec(rank=4, targets=("q_proj$",))

@@ -33,6 +33,8 @@ from typing import NamedTuple
 
 from rollout.memory import IndexAllocator
 
+_node_order = itertools.count()
+
 
 @dataclass(eq=False)
 class Node:
@@ -44,6 +46,9 @@ class Node:
     children: dict[tuple[int, ...], "Node"] = field(default_factory=dict)
     lock_ref: int = 0  # running requests whose locked node is this one or below
     last_access: int = 0
+    # creation order: breaks eviction ties between nodes of equal last_access, so the same request stream
+    # evicts the same nodes in every run (a memory address would not)
+    order: int = field(default_factory=_node_order.__next__)
 
 
 class MatchResult(NamedTuple):
@@ -241,7 +246,7 @@ class HybridRadixCache:
     def evict_checkpoints(self, num_slots: int) -> int:
         """Free up to `num_slots` checkpoint slots, least recently used first, branch points last; their
         nodes keep their KV (tombstones). Locks do not protect checkpoints (see the module docstring)."""
-        cands = [(len(n.children) >= 2, n.last_access, id(n), n) for n in self._nodes() if n.checkpoint is not None]
+        cands = [(len(n.children) >= 2, n.last_access, n.order, n) for n in self._nodes() if n.checkpoint is not None]
         freed = 0
         for *_, node in sorted(cands)[:num_slots]:
             self.slot_alloc.free([node.checkpoint])
@@ -253,7 +258,7 @@ class HybridRadixCache:
         """Free at least `num_pages` KV pages if possible by removing unlocked leaves, those without a
         checkpoint first (their KV can serve no hit), then least recently used. Returns pages freed."""
         def entry(n: Node):
-            return (n.checkpoint is not None, n.last_access, id(n), n)
+            return (n.checkpoint is not None, n.last_access, n.order, n)
 
         heap = [entry(n) for n in self._nodes() if n is not self.root and not n.children and n.lock_ref == 0]
         heapq.heapify(heap)

@@ -2,7 +2,7 @@
 
 A blocking host-to-device copy (`torch.tensor(values, device=cuda)`) synchronizes the stream first, so
 the host would stall until every enqueued step finished: exactly what the overlap schedule
-(`rollout.engine`) must avoid. `cudaMemcpyAsync` from pageable memory stages the bytes and returns
+(`rollout.decode`) must avoid. `cudaMemcpyAsync` from pageable memory stages the bytes and returns
 without a device sync, and the copy stays ordered on the stream before the kernels that read it.
 """
 

@@ -197,8 +197,10 @@ def bad(tmp_path_factory) -> Path:
     write_prompts(d / "long.jsonl", [{"prompt": "1+" * 2500 + "1=", "label": 2501}])
     (d / "garbage.parquet").write_bytes(b"PAR1 this is not parquet")
     write_prompts(d / "three_rows.jsonl", [{"prompt": f"{i}+1=", "label": i + 1} for i in range(3)])
+    (d / "small_train.jsonl").write_text("".join((ASSET / "train.jsonl").read_text().splitlines(True)[:64]))
+    (d / "small_heldout.jsonl").write_text("".join((ASSET / "heldout.jsonl").read_text().splitlines(True)[:8]))
     config = K3Config.from_json_file(ASSET / "config.json")
-    train = load_prompts(PromptDataConfig(path=str(ASSET / "train.jsonl")))
+    train = load_prompts(PromptDataConfig(path=str(d / "small_train.jsonl")))
     write_resume_checkpoint(d / "resume_two_ranks", config, train, workers=2)
     write_resume_checkpoint(d / "resume_rank4", config, train, rank=4)
     write_resume_checkpoint(d / "resume_q_only", config, train, targets=(r"self_attn\.q_proj$",))
@@ -207,10 +209,13 @@ def bad(tmp_path_factory) -> Path:
 
 
 def _argv(case_overrides: list[str], d: Path, run_dir: Path) -> list[str]:
+    """BASE, a small train / held-out split (reading 20,000 prompts per case would dominate the test's time)
+    and the run directory, each unless the case sets that key itself, then the case's overrides."""
     overrides = [o.format(d=d) for o in case_overrides]
-    if not any(o.startswith("hydra.run.dir=") for o in overrides):
-        overrides.append(f"hydra.run.dir={run_dir}")
-    return [*BASE, *overrides]
+    defaults = [*BASE, f"data.path={d}/small_train.jsonl", f"data.eval_path={d}/small_heldout.jsonl",
+                f"hydra.run.dir={run_dir}"]
+    mine = {o.split("=", 1)[0] for o in overrides}
+    return [o for o in defaults if o.split("=", 1)[0] not in mine] + overrides
 
 
 def _check(code: int, stderr: str, expected: str) -> None:

@@ -66,7 +66,7 @@ def test_prompt_files_load_with_the_task_keys(name, split):
     assert len(records) >= (1000 if split == "train" else 64)
     for r in records:
         # write_jsonl's rows are {"prompt", "label", "metadata": {"a", "b", "op"}}; the loader's default
-        # metadata_keys="*" keeps every key but prompt and label
+        # metadata_keys=None (the default) keeps every key but prompt and label
         assert set(r.metadata) == {"metadata"} and set(r.metadata["metadata"]) == {"a", "b", "op"}
         a, b, op = (r.metadata["metadata"][k] for k in ("a", "b", "op"))
         assert r.prompt == r.raw_prompt == f"{a}{op}{b}="

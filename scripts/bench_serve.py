@@ -12,9 +12,10 @@ graph capture per batch size).
 
 - http: the server runs in a child process (this script with --child: uvicorn in its main thread, the
   engine on its loop thread), so the client's own work does not share the server's interpreter. c client
-  coroutines (httpx, one connection each) stream --api: SGLang's /generate (default) or OpenAI's
-  /v1/completions. TTFT = request sent -> first event; ITL = the gap between consecutive events (one token
-  each); req/s = requests / wall seconds; tok/s = generated tokens / wall seconds.
+  coroutines (a minimal keep-alive HTTP/1.1 client, `Connection`, one connection each) stream --api:
+  SGLang's /generate (default) or OpenAI's /v1/completions. TTFT = request sent -> first event; ITL = the
+  gap between consecutive events (one token each); req/s = requests / wall seconds; tok/s = generated
+  tokens / wall seconds (every request makes gen_len: ignore_eos).
 - engine: the same token ids on an in-process Engine of the same settings (after the child has exited),
   c kept in flight by `submit` between `step`s. http / engine is the share of the engine's throughput the
   HTTP path keeps (client, tokenization, JSON, event streaming, thread hand-offs).
@@ -132,9 +133,43 @@ def start_child(argv: list[str]) -> tuple[subprocess.Popen, str, str]:
 
 
 # ------------------------------------------------------------------ the http client
-async def http_level(url: str, model: str, texts: list[str], c: int, gen_len: int, api: str) -> dict:
-    import httpx
+class Connection:
+    """A minimal HTTP/1.1 keep-alive client for one connection: POST a JSON body, read the chunked
+    event stream back. httpx, measured here, spent more CPU per event than the server did (2026-12-01, CPU:
+    16 req/s against 43 with this client on the same server), so the benchmark would time the client."""
 
+    def __init__(self, url: str):
+        self.host, port = url.split("//", 1)[1].rsplit(":", 1)
+        self.port = int(port)
+
+    async def __aenter__(self) -> "Connection":
+        self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.writer.close()
+
+    async def stream(self, path: str, body: dict):
+        """Yield each event's arrival time; raise on a status other than 200."""
+        data = json.dumps(body).encode()
+        self.writer.write(f"POST {path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\n"
+                          f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+        status = (await self.reader.readline()).split(b" ", 2)[1]
+        while (await self.reader.readline()) not in (b"\r\n", b""):
+            pass  # the headers: the server always answers a stream with chunked transfer encoding
+        if status != b"200":
+            raise RuntimeError(f"{path}: HTTP {status.decode()}")
+        while True:
+            size = int((await self.reader.readline()).strip(), 16)
+            if size == 0:
+                await self.reader.readline()
+                return
+            chunk = await self.reader.readexactly(size + 2)  # one event per chunk, as the server sends them
+            if chunk.startswith(b"data: ") and not chunk.startswith(b"data: [DONE]"):
+                yield time.perf_counter()
+
+
+async def http_level(url: str, model: str, texts: list[str], c: int, gen_len: int, api: str) -> dict:
     def body(text: str) -> tuple[str, dict]:
         if api == "openai":
             return "/v1/completions", {"model": model, "prompt": text, "max_tokens": gen_len, "temperature": 0,
@@ -142,41 +177,25 @@ async def http_level(url: str, model: str, texts: list[str], c: int, gen_len: in
         return "/generate", {"text": text, "stream": True, "sampling_params": {
             "temperature": 0, "max_new_tokens": gen_len, "ignore_eos": True}}
 
-    async def one(client, text, ttft, itl) -> int:
-        path, payload = body(text)
-        sent = time.perf_counter()
-        last, events = None, 0
-        async with client.stream("POST", path, json=payload) as r:
-            if r.status_code != 200:
-                raise RuntimeError(f"{path}: {r.status_code} {await r.aread()}")
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                now = time.perf_counter()
-                if last is None:
-                    ttft.append(now - sent)
-                else:
-                    itl.append(now - last)
-                last, events = now, events + 1
-        return gen_len
-
-    async def run(batch: list[str]) -> tuple[float, list[float], list[float], int]:
+    async def run(batch: list[str]) -> tuple[float, list[float], list[float]]:
         ttft, itl, queue = [], [], deque(batch)
-        limits = httpx.Limits(max_connections=c, max_keepalive_connections=c)
-        async with httpx.AsyncClient(base_url=url, limits=limits, timeout=600) as client:
-            async def worker() -> int:
-                made = 0
-                while queue:
-                    made += await one(client, queue.popleft(), ttft, itl)
-                return made
 
-            start = time.perf_counter()
-            tokens = sum(await asyncio.gather(*[worker() for _ in range(c)]))
-            return time.perf_counter() - start, ttft, itl, tokens
+        async def worker() -> None:
+            async with Connection(url) as conn:
+                while queue:
+                    path, payload = body(queue.popleft())
+                    last = sent = time.perf_counter()
+                    async for at in conn.stream(path, payload):
+                        (ttft if last is sent else itl).append(at - last)
+                        last = at
+
+        start = time.perf_counter()
+        await asyncio.gather(*[worker() for _ in range(c)])
+        return time.perf_counter() - start, ttft, itl
 
     await run(texts[:c])  # warmup wave
-    wall, ttft, itl, tokens = await run(texts)
-    return {"http_rps": len(texts) / wall, "http_tok_s": tokens / wall, "ttft_ms": percentiles(ttft),
+    wall, ttft, itl = await run(texts)
+    return {"http_rps": len(texts) / wall, "http_tok_s": len(texts) * gen_len / wall, "ttft_ms": percentiles(ttft),
             "itl_ms": percentiles(itl), "http_wall_s": wall}
 
 
@@ -231,7 +250,11 @@ def main(argv: list[str] | None = None) -> dict:
                          **asyncio.run(http_level(url, model, texts[:n], c, args.gen_len, args.api))})
     finally:
         proc.terminate()
-        status = proc.wait(120)
+        try:
+            status = proc.wait(120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
     if status != 0:
         raise RuntimeError(f"the server child exited {status} on SIGTERM (expected 0)")
     served = served_for(args)

@@ -64,6 +64,7 @@ class Server:
         self.socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.socket.bind((host, port))
+        self.socket.listen(2048)  # from here on a client that connects waits in the backlog, never refused
         self.host, self.port = self.socket.getsockname()[:2]
         config = uvicorn.Config(self.app, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout,
                                 lifespan="off", access_log=log_level == "debug")
@@ -79,9 +80,13 @@ class Server:
         timeout to finish, then whatever is left is aborted."""
         # uvicorn re-raises the signal it stopped for once it has shut down, to the handler that was there
         # before it: with the default one the process would die with status 128 + N after a clean
-        # shutdown. A handler that does nothing lets `miles-serve` exit 0.
+        # shutdown. This one asks uvicorn to stop (a signal before uvicorn took over still counts), and
+        # lets `miles-serve` exit 0.
+        def stop(*_) -> None:
+            self.uvicorn.should_exit = True
+
         for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: None)
+            signal.signal(sig, stop)
         self.loop.start()
         try:
             self.uvicorn.run(sockets=[self.socket])

@@ -39,7 +39,7 @@ class EngineConfig:
     # rollout/kernels/lora_rows.py for every row at once from slot indices on the device (CUDA only; opt-in
     # until timed on the GPU)
     lora_mixed: str = "torch"
-    # "auto": overlap consecutive decode steps on CUDA (rollout.engine's docstring); "on": also on CPU, where
+    # "auto": overlap consecutive decode steps on CUDA (rollout.decode's docstring); "on": also on CPU, where
     # it only reorders host work (the tests' way to run it); "off": every step waits for its tokens
     overlap: str = "auto"
     # torch.compile the CUDA-graph decode step (rollout.forward.DecodeGraphs); CUDA graphs only, opt-in

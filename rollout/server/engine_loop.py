@@ -51,8 +51,8 @@ class Ticket:
     params: SamplingParams
     adapter: str | None
     queue: asyncio.Queue
+    loop: asyncio.AbstractEventLoop = field(repr=False)  # the event loop `queue` belongs to
     index: int = 0
-    loop: asyncio.AbstractEventLoop = field(default=None, repr=False)  # type: ignore[assignment]
     # on the loop thread only
     request_id: int | None = None
     sent: int = 0  # output tokens already handed over
@@ -119,7 +119,7 @@ class EngineLoop:
     # ------------------------------------------------------ from a coroutine
     def submit(self, prompt_ids: list[int], params: SamplingParams, adapter: str | None,
                queue: asyncio.Queue, index: int = 0) -> Ticket:
-        ticket = Ticket(prompt_ids, params, adapter, queue, index, asyncio.get_running_loop())
+        ticket = Ticket(prompt_ids, params, adapter, queue, asyncio.get_running_loop(), index)
         self._post(lambda out: self._submit(ticket, out))
         return ticket
 
@@ -187,9 +187,9 @@ class EngineLoop:
         self._tickets.pop(c.request_id, None)
         self.engine._events.pop(c.request_id, None)
         new = slice(ticket.sent, None)
-        logprobs = (c.logprobs or [])[new] if c.logprobs is not None else []
         ticket.sent = len(c.output_ids)
-        out.put(ticket, Update(ticket.index, c.output_ids[new], logprobs, c.finish_reason, c.cached_tokens))
+        out.put(ticket, Update(ticket.index, c.output_ids[new], (c.logprobs or [])[new], c.finish_reason,
+                               c.cached_tokens))
 
     def _submit(self, ticket: Ticket, out: _Outbox) -> None:
         if ticket.cancelled:

@@ -92,6 +92,7 @@ class _SampleState:
         self.decoder = tokenizer.decoder(req.skip_special_tokens)
         self.text = ""  # decoded so far (before any stop match)
         self.emitted = 0  # characters of `text` already delivered
+        self.searched = 0  # characters of `text` already searched for stop strings (each new token: its tail)
         self.ticket: Ticket | None = None
 
     @property
@@ -127,12 +128,14 @@ class _SampleState:
         return Delta(s.index, piece, new_ids, new_lps, s.finish_reason, s.matched)
 
     def _match_stop(self) -> bool:
-        """Finish at the earliest stop string in the text: text cut before it (or after, keep_stop)."""
+        """Finish at the earliest stop string in the text: text cut before it (or after, keep_stop). Only
+        the new text and the stop-length tail before it are searched: an earlier match was found earlier."""
         best = None
         for stop in self.req.stop:
-            at = self.text.find(stop)
+            at = self.text.find(stop, max(0, self.searched - len(stop) + 1))
             if at >= 0 and (best is None or at < best[0]):
                 best = (at, stop)
+        self.searched = len(self.text)
         if best is None:
             return False
         at, stop = best
@@ -156,7 +159,7 @@ class Generation:
     context manager's exit) aborts whatever has not finished and frees the admission it held."""
 
     def __init__(self, service: GenerationService, reqs: list[GenerationRequest]):
-        self.service, self.reqs = service, reqs
+        self.service = service
         self.queue: asyncio.Queue = asyncio.Queue()
         self.states: list[_SampleState] = []
         for p, req in enumerate(reqs):

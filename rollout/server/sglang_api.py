@@ -162,8 +162,8 @@ async def generate(request: Request):
         if any(r is not None and not isinstance(r, str) for r in rids):
             raise RequestError("rid must be a string or a list of strings", param="rid")
         f.finish()
-        built = [_sampling(sp, "sampling_params" + (f"[{i}]" if isinstance(f.obj.get("sampling_params"), list)
-                                                    else ""), p, ctx, a)
+        per_prompt = isinstance(f.obj.get("sampling_params"), list)
+        built = [_sampling(sp, f"sampling_params[{i}]" if per_prompt else "sampling_params", p, ctx, a)
                  for i, (sp, p, a) in enumerate(zip(sps, prompts, adapters))]
         gen = ctx.service.open([r for r, _ in built], rids)
     except RequestError as e:

@@ -101,6 +101,11 @@ def test_stop_strings_cut_the_text(client):
     cut = client.completions.create(model=MODEL, prompt="12+3=", max_tokens=8, temperature=0, stop=[stop],
                                     extra_body={"ignore_eos": True}).choices[0]
     assert cut.finish_reason == "stop" and cut.text == full[:full.index(stop)]
+    # streamed, the stop string's first character is held back until the second one completes the match
+    chunks = list(client.completions.create(model=MODEL, prompt="12+3=", max_tokens=8, temperature=0, stop=[stop],
+                                            stream=True, extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in chunks) == cut.text
+    assert chunks[-1].choices[0].finish_reason == "stop"
 
 
 def test_async_client_requests_batch_together(server):

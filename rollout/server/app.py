@@ -49,6 +49,25 @@ def build_app(ctx: ServerContext) -> Starlette:
     return app
 
 
+class _Uvicorn(uvicorn.Server):
+    """uvicorn's server, which on shutdown also aborts the requests still running just before its graceful
+    timeout ends: their clients get a clean end (finish_reason "abort", or a 503) instead of a connection
+    cut when uvicorn cancels them."""
+
+    def __init__(self, config: uvicorn.Config, on_deadline):
+        super().__init__(config)
+        self.on_deadline = on_deadline
+
+    async def shutdown(self, sockets=None) -> None:
+        margin = min(0.5, self.config.timeout_graceful_shutdown / 2)
+        timer = asyncio.get_running_loop().call_later(self.config.timeout_graceful_shutdown - margin,
+                                                      self.on_deadline)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            timer.cancel()
+
+
 class Server:
     """The engine loop and an HTTP server over `served`. `capacity` = samples in flight before 429
     (the engine's max_running plus the queue allowed beyond it)."""
@@ -68,7 +87,7 @@ class Server:
         self.host, self.port = self.socket.getsockname()[:2]
         config = uvicorn.Config(self.app, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout,
                                 lifespan="off", access_log=log_level == "debug")
-        self.uvicorn = uvicorn.Server(config)
+        self.uvicorn = _Uvicorn(config, on_deadline=self.service.abort)
         self._thread: threading.Thread | None = None
 
     @property

@@ -27,7 +27,6 @@ once whatever n; `prompt_tokens_details.cached_tokens` the prompt tokens served 
 from __future__ import annotations
 
 import time
-import uuid
 from typing import Any, AsyncIterator
 
 from starlette.requests import Request
@@ -36,8 +35,8 @@ from starlette.routing import Route
 
 from rollout.request import SamplingParams
 from rollout.server.generation import Delta, Generation, GenerationRequest, RequestError, Sample
-from rollout.server.protocol import Fields, ServerContext, check_length, encode, error_body, parse_body, \
-    prompt_ids, sse
+from rollout.server.protocol import Fields, ServerContext, check_length, encode, error_body, new_id, \
+    parse_body, prompt_ids, sse
 from rollout.server.responses import ClientGone, EventStream, json_error, unless_disconnected
 from rollout.server.tokenization import message_text
 
@@ -164,7 +163,7 @@ async def completions(request: Request):
         gen = ctx.service.open(reqs)
     except RequestError as e:
         return json_error(e)
-    meta = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+    meta = {"id": f"cmpl-{new_id()}", "object": "text_completion", "created": int(time.time()),
             "model": f.obj["model"]}
     want_lp = logprobs is not None
     if stream:
@@ -217,7 +216,7 @@ async def chat_completions(request: Request):
         gen = ctx.service.open(_requests([ids], s, n, adapter, max_new, key, None, ctx))
     except RequestError as e:
         return json_error(e)
-    meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+    meta = {"id": f"chatcmpl-{new_id()}", "object": "chat.completion", "created": int(time.time()),
             "model": f.obj["model"]}
     if stream:
         return await _stream(request, gen, _chat_chunks(ctx, gen, meta, want_lp, include_usage))

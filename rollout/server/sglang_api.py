@@ -31,7 +31,6 @@ else a list, prompt-major.
 from __future__ import annotations
 
 import time
-import uuid
 from typing import Any, AsyncIterator
 
 from starlette.requests import Request
@@ -40,8 +39,8 @@ from starlette.routing import Route
 
 from rollout.request import SamplingParams
 from rollout.server.generation import Generation, GenerationRequest, RequestError, Sample
-from rollout.server.protocol import Fields, ServerContext, check_length, encode, error_body, parse_body, \
-    prompt_ids, sse
+from rollout.server.protocol import Fields, ServerContext, check_length, encode, error_body, new_id, \
+    parse_body, prompt_ids, sse
 from rollout.server.responses import ClientGone, EventStream, empty, json_error, unless_disconnected
 
 SGLANG_DEFAULT_MAX_NEW_TOKENS = 128
@@ -171,7 +170,7 @@ async def generate(request: Request):
     # per sample: its prompt's rid (suffixed by the sample's number when n > 1) and log-prob choice
     sample_rid, sample_lp, interval = [], [], []
     for (req, every), rid, lp in zip(built, rids, logprob):
-        base = rid or uuid.uuid4().hex
+        base = rid or new_id()
         for j in range(req.n):
             sample_rid.append(base if req.n == 1 else f"{base}_{j}")
             sample_lp.append(lp)

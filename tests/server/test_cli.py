@@ -35,36 +35,46 @@ def run_main(*argv: str) -> tuple[int, str]:
     return code, err.getvalue()
 
 
-def test_sigterm_lets_the_in_flight_stream_finish_then_exits_0():
+def test_sigterm_finishes_in_flight_streams_aborts_the_rest_at_the_deadline_and_exits_0():
     proc = subprocess.Popen([sys.executable, "-m", "rollout.server", "--model", "builtin:k3-tiny-arith", "--port", "0",
-                             "--quantize", "none", "--log-level", "warning"], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+                             "--quantize", "none", "--shutdown-timeout", "3", "--log-level", "warning"], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    streams = {"short": 10, "long": 3000}  # the short one ends within the timeout, the long one cannot
+    got: dict[str, list[str]] = {name: [] for name in streams}
+    started = {name: threading.Event() for name in streams}
     try:
         line = proc.stdout.readline()
         assert line.startswith("miles-serve: serving builtin:k3-tiny-arith"), line + proc.stderr.read()
         url = line.rsplit(" ", 1)[-1].strip()
-        got: list[str] = []
-        first = threading.Event()
 
-        def stream():
-            body = {"text": "1+1=", "stream": True, "sampling_params": {"max_new_tokens": 40, "ignore_eos": True}}
+        def stream(name: str) -> None:
+            body = {"text": "1+1=", "stream": True,
+                    "sampling_params": {"max_new_tokens": streams[name], "ignore_eos": True}}
             with httpx.stream("POST", f"{url}/generate", json=body, timeout=60) as r:
                 for data in r.iter_lines():
                     if data.startswith("data: "):
-                        got.append(data[6:])
-                        first.set()
+                        got[name].append(data[6:])
+                        started[name].set()
 
-        t = threading.Thread(target=stream)
-        t.start()
-        assert first.wait(30)
+        threads = [threading.Thread(target=stream, args=(name,)) for name in streams]
+        for t in threads:
+            t.start()
+        assert all(e.wait(30) for e in started.values())
         proc.send_signal(signal.SIGTERM)
-        t.join(60)
+        for t in threads:
+            t.join(60)
         assert proc.wait(60) == 0
         assert proc.stdout.read().strip() == "miles-serve: stopped"
+        assert "Traceback" not in proc.stderr.read()
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert got[-1] == "[DONE]" and len(json.loads(got[-2])["output_ids"]) == 40  # finished, not cut
+    short, long = (json.loads(got[name][-2]) for name in streams)
+    assert got["short"][-1] == "[DONE]" and len(short["output_ids"]) == 10  # finished, not cut
+    assert short["meta_info"]["finish_reason"]["type"] == "length"
+    assert got["long"][-1] == "[DONE]" and long["meta_info"]["finish_reason"]["type"] == "abort"
+    assert len(long["output_ids"]) < 3000
 
 
 @pytest.mark.parametrize("argv, fragment", [

@@ -1,8 +1,9 @@
 """ServeConfig: what `miles-serve` runs, with its defaults and checks.
 
 One field per command-line flag (`--max-queued` is `max_queued`); `rollout.server.__main__` builds its
-parser from these fields and their help texts, so a default lives here only. The engine's own knobs that the server exposes
-(`max_running`, `max_seq_len`, `max_prefill_tokens`) default to None: EngineConfig's defaults then apply.
+parser from these fields and their help texts, so a default lives here only. The engine's own knobs that
+the server exposes (`max_running`, `max_seq_len`, `max_prefill_tokens`) default to None: EngineConfig's
+defaults then apply.
 `check()` raises ValueError("--<flag> <rule>, got <value>") before any model is loaded.
 """
 

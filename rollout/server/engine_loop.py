@@ -7,6 +7,11 @@ and hands each request's new tokens back to the event loop that submitted it, on
 `call_soon_threadsafe` per step for all of them, into the request's `asyncio.Queue`. Requests from any
 number of connections so share every forward.
 
+The tokens of a request still running are read from `Engine._events`, the per-request record that
+`Engine.stream` keeps (registered here for every submitted request): the engine's public API hands back
+finished `Completion`s only. The completion stays authoritative: a request's last update carries every
+token not yet handed over.
+
 What is safe to call from where:
 - `submit`, `abort`: from a coroutine (they capture the running event loop); never block.
 - `call(fn)`: awaitable from a coroutine; `fn(engine)` runs on the loop thread between two steps (tests

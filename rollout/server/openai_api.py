@@ -37,7 +37,7 @@ from rollout.request import SamplingParams
 from rollout.server.generation import Delta, Generation, GenerationRequest, RequestError, Sample
 from rollout.server.protocol import Fields, ServerContext, check_length, encode, error_body, new_id, \
     parse_body, prompt_ids, sse
-from rollout.server.responses import ClientGone, EventStream, json_error, unless_disconnected
+from rollout.server.responses import ClientGone, EventStream, json_error, read_body, unless_disconnected
 from rollout.server.tokenization import message_text
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to what fits
@@ -141,7 +141,7 @@ def _completion_prompts(value: Any, ctx: ServerContext) -> list[list[int]]:
 async def completions(request: Request):
     ctx: ServerContext = request.app.state.ctx
     try:
-        f = Fields(parse_body(await request.body()))
+        f = Fields(parse_body(await read_body(request)))
         adapter = ctx.adapter_for(f.required("model"))
         prompts = _completion_prompts(f.required("prompt"), ctx)
         n = f.int("n", 1, low=1)
@@ -183,7 +183,7 @@ async def completions(request: Request):
 async def chat_completions(request: Request):
     ctx: ServerContext = request.app.state.ctx
     try:
-        f = Fields(parse_body(await request.body()))
+        f = Fields(parse_body(await read_body(request)))
         adapter = ctx.adapter_for(f.required("model"))
         messages = f.required("messages")
         if not isinstance(messages, list) or not messages:

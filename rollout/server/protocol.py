@@ -50,7 +50,8 @@ class ServerContext:
             return None
         if model in self.adapters:
             return model
-        raise RequestError(f"the model {model!r} does not exist; this server serves {[self.model_name, *self.adapters]}",
+        served = [self.model_name, *self.adapters]
+        raise RequestError(f"the model {model!r} does not exist; this server serves {served}",
                            status=404, param=key, code="model_not_found")
 
 

@@ -1,5 +1,6 @@
-"""HTTP plumbing both APIs answer through: JSON bodies, server-sent event streams, and what happens when
-the client goes away (its samples are aborted in the engine, freeing their pages and slots at once).
+"""HTTP plumbing both APIs go through: reading a bounded body, JSON answers, server-sent event streams,
+and what happens when the client goes away (its samples are aborted in the engine, freeing their pages
+and slots at once).
 
 Starlette's own StreamingResponse notices a disconnect only when a send fails, and a request still waiting
 for its first token sends nothing; so both answer paths here listen for `http.disconnect` themselves.
@@ -18,10 +19,21 @@ from rollout.server.generation import RequestError
 from rollout.server.protocol import error_body
 
 log = logging.getLogger("rollout.server")
+MAX_BODY_BYTES = 32 << 20  # a request body past this is refused (413) before it is all in memory
 
 
 class ClientGone(Exception):
     """The client disconnected before its answer was ready."""
+
+
+async def read_body(request: Request) -> bytes:
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise RequestError(f"the body is over {MAX_BODY_BYTES >> 20} MiB", status=413)
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def json_error(e: RequestError) -> JSONResponse:

@@ -41,7 +41,7 @@ from rollout.request import SamplingParams
 from rollout.server.generation import Generation, GenerationRequest, RequestError, Sample
 from rollout.server.protocol import Fields, ServerContext, check_length, encode, error_body, new_id, \
     parse_body, prompt_ids, sse
-from rollout.server.responses import ClientGone, EventStream, empty, json_error, unless_disconnected
+from rollout.server.responses import ClientGone, EventStream, empty, json_error, read_body, unless_disconnected
 
 SGLANG_DEFAULT_MAX_NEW_TOKENS = 128
 _NULL_ONLY = ("image_data", "video_data", "audio_data", "input_embeds", "token_ids_logprob", "custom_logit_processor",
@@ -138,7 +138,7 @@ async def generate(request: Request):
     ctx: ServerContext = request.app.state.ctx
     started = time.perf_counter()
     try:
-        f = Fields(parse_body(await request.body()))
+        f = Fields(parse_body(await read_body(request)))
         prompts, batch = _prompts(f, ctx)
         count = len(prompts)
         sps = _per_prompt(f.raw("sampling_params"), count, "sampling_params")
@@ -281,7 +281,7 @@ async def abort_request(request: Request):
     """{"rid": id} aborts that request, {"abort_all": true} every one; each answers with what it had."""
     ctx: ServerContext = request.app.state.ctx
     try:
-        f = Fields(parse_body(await request.body()))
+        f = Fields(parse_body(await read_body(request)))
         rid, every = f.str("rid", None), f.bool("abort_all", False)
         f.finish()
         if (rid is None) == (not every):

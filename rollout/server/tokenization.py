@@ -33,8 +33,8 @@ def message_text(i: int, message: Any) -> dict[str, str]:
         texts = []
         for j, part in enumerate(content):
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ValueError(f"messages[{i}].content[{j}] must be a text part {{\"type\": \"text\", \"text\": ...}} "
-                                 "(this server reads text only)")
+                raise ValueError(f"messages[{i}].content[{j}] must be a text part "
+                                 '{"type": "text", "text": ...} (this server reads text only)')
             texts.append(part["text"])
         content = "".join(texts)
     if not isinstance(content, str):

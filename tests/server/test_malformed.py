@@ -51,6 +51,7 @@ CASES = [
     ("POST", "/generate", {"text": "1+1=", "return_logprob": "yes"}, 400, "return_logprob"),
     ("POST", "/generate", {"text": "1+1=", "top_logprobs_num": 5}, 400, "top_logprobs_num"),
     ("POST", "/abort_request", {}, 400, "rid or abort_all"),
+    ("POST", "/generate", b" " * (33 << 20), 413, "over 32 MiB"),
     ("GET", "/v1/completions", None, 405, "Method Not Allowed"),
     ("GET", "/no/such/route", None, 404, "Not Found"),
 ]

@@ -42,7 +42,8 @@ class Engine:
         self.scheduler = Scheduler(config, self.memory, lookahead=strategy.lookahead)
         overlap = config.overlap == "on" or (config.overlap == "auto" and self.runner.device.type == "cuda")
         self.decoder = DecodePipeline(strategy, self.scheduler, self.memory, self._append, overlap)
-        self._events: dict[int, list[tuple[int, float]]] = {}  # only for streamed requests
+        self._events: dict[int, list[tuple[int, float]]] = {}  # submitted with stream=True: not yet taken
+        self._ended: set[int] = set()  # streamed requests that finished: take_tokens hands over the rest
         self._completed: list[Completion] = []
 
     @property
@@ -90,8 +91,10 @@ class Engine:
         return self.adapters
 
     # -------------------------------------------------------------------- API
-    def submit(self, prompt_ids: list[int], params: SamplingParams | None = None, adapter: str | None = None) -> int:
-        """Queue a request; returns its id. Bad requests raise ValueError and leave the engine untouched."""
+    def submit(self, prompt_ids: list[int], params: SamplingParams | None = None, adapter: str | None = None,
+               stream: bool = False) -> int:
+        """Queue a request; returns its id. Bad requests raise ValueError and leave the engine untouched.
+        With `stream`, the engine keeps the request's (token, log-prob) pairs for `take_tokens`."""
         params = params or SamplingParams()
         prompt_ids = [int(t) for t in prompt_ids]
         vocab = self.model.config.vocab_size
@@ -115,7 +118,22 @@ class Engine:
         if params.seed is not None:
             generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
         self.scheduler.add(req, generator)
+        if stream:
+            self._events[req.request_id] = []
         return req.request_id
+
+    def take_tokens(self, request_id: int) -> list[tuple[int, float]]:
+        """The (token, log-prob) pairs a request submitted with `stream=True` sampled since the last call (in
+        order, [] for any other id). Once it has finished (its Completion came out of `step` or `abort`), the
+        call hands over the rest and the engine forgets the request."""
+        if request_id in self._ended:
+            self._ended.discard(request_id)
+            return self._events.pop(request_id, [])
+        events = self._events.get(request_id)
+        if not events:
+            return []
+        self._events[request_id] = []
+        return events
 
     def abort(self, request_id: int) -> Completion | None:
         req = self.scheduler.abort(request_id)
@@ -141,17 +159,16 @@ class Engine:
 
     def stream(self, prompt_ids: list[int], params: SamplingParams | None = None) -> Iterator[tuple[int, float]]:
         """Yield (token, log-prob) as they are sampled, stepping the engine (other requests progress too)."""
-        rid = self.submit(prompt_ids, params)
-        self._events[rid] = []
+        rid = self.submit(prompt_ids, params, stream=True)
         try:
             while True:
                 finished = {c.request_id for c in self.step()}
-                yield from self._events[rid]
-                self._events[rid] = []
+                yield from self.take_tokens(rid)
                 if rid in finished:
                     return
-        finally:
+        finally:  # an abandoned stream's request runs on, unrecorded
             self._events.pop(rid, None)
+            self._ended.discard(rid)
 
     # ------------------------------------------------------------------- step
     def step(self) -> list[Completion]:
@@ -206,6 +223,8 @@ class Engine:
 
     def _complete(self, req: Request, reason: FinishReason) -> Completion:
         req.finish_reason = reason
+        if req.request_id in self._events:
+            self._ended.add(req.request_id)
         return req.completion()
 
     def check_invariants(self) -> None:

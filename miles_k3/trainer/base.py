@@ -78,6 +78,11 @@ class HFTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
 
+    @property
+    def hf(self) -> Any:
+        """The transformers tokenizer itself (its chat template, special tokens), for the engine's server."""
+        return self._tok
+
 
 def build_tokenizer(model: ModelCfg, config: K3Config) -> Any:
     tok = ArithmeticTextTokenizer() if model.tokenizer == "arithmetic" else HFTokenizer(model.path)

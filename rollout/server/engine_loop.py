@@ -7,10 +7,9 @@ and hands each request's new tokens back to the event loop that submitted it, on
 `call_soon_threadsafe` per step for all of them, into the request's `asyncio.Queue`. Requests from any
 number of connections so share every forward.
 
-The tokens of a request still running are read from `Engine._events`, the per-request record that
-`Engine.stream` keeps (registered here for every submitted request): the engine's public API hands back
-finished `Completion`s only. The completion stays authoritative: a request's last update carries every
-token not yet handed over.
+Every request is submitted with `stream=True`, and the tokens of one still running come from
+`Engine.take_tokens` after each step. The completion stays authoritative: a request's last update carries
+every token not yet handed over.
 
 What is safe to call from where:
 - `submit`, `abort`: from a coroutine (they capture the running event loop); never block.
@@ -89,8 +88,6 @@ def _deliver(items: list[tuple[Ticket, Update]]) -> None:
 
 class EngineLoop:
     def __init__(self, engine: Engine):
-        if not isinstance(getattr(engine, "_events", None), dict):
-            raise TypeError("EngineLoop streams tokens through Engine._events; this engine has none")
         self.engine = engine
         self._commands: list[Callable[[_Outbox], None]] = []
         self._wake = threading.Condition()
@@ -181,16 +178,15 @@ class EngineLoop:
             if rid in finished:
                 self._finish(ticket, finished[rid], out)
                 continue
-            events = self.engine._events.get(rid)
+            events = self.engine.take_tokens(rid)
             if events:
-                self.engine._events[rid] = []
                 ticket.sent += len(events)
                 out.put(ticket, Update(ticket.index, [t for t, _ in events], [lp for _, lp in events]))
 
     def _finish(self, ticket: Ticket, c: Completion, out: _Outbox) -> None:
         """The sample's last update: every token not yet handed over (the completion is authoritative)."""
         self._tickets.pop(c.request_id, None)
-        self.engine._events.pop(c.request_id, None)
+        self.engine.take_tokens(c.request_id)  # drops the engine's record (the completion is authoritative)
         new = slice(ticket.sent, None)
         ticket.sent = len(c.output_ids)
         out.put(ticket, Update(ticket.index, c.output_ids[new], (c.logprobs or [])[new], c.finish_reason,
@@ -204,13 +200,12 @@ class EngineLoop:
             out.put(ticket, Update(ticket.index, [], [], error=why, status=503))
             return
         try:
-            rid = self.engine.submit(ticket.prompt_ids, ticket.params, ticket.adapter)
+            rid = self.engine.submit(ticket.prompt_ids, ticket.params, ticket.adapter, stream=True)
         except ValueError as e:  # the engine's own checks (token ids, length, pool size, adapter)
             out.put(ticket, Update(ticket.index, [], [], error=str(e)))
             return
         ticket.request_id = rid
         self._tickets[rid] = ticket
-        self.engine._events[rid] = []  # the engine records this request's tokens as they are sampled
 
     def _abort(self, ticket: Ticket, out: _Outbox) -> None:
         ticket.cancelled = True
@@ -222,7 +217,7 @@ class EngineLoop:
             self._finish(ticket, completion, out)
         else:
             self._tickets.pop(rid, None)
-            self.engine._events.pop(rid, None)
+            self.engine.take_tokens(rid)
 
     def _abort_all(self, out: _Outbox) -> None:
         for ticket in list(self._tickets.values()):

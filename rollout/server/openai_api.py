@@ -37,7 +37,7 @@ from rollout.request import SamplingParams
 from rollout.server.generation import Delta, Generation, GenerationRequest, RequestError, Sample
 from rollout.server.protocol import Fields, ServerContext, check_length, encode, error_body, new_id, \
     parse_body, prompt_ids, sse
-from rollout.server.responses import ClientGone, EventStream, json_error, read_body, unless_disconnected
+from rollout.server.responses import ClientGone, json_error, read_body, stream_response, unless_disconnected
 from rollout.server.tokenization import message_text
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to what fits
@@ -167,7 +167,7 @@ async def completions(request: Request):
             "model": f.obj["model"]}
     want_lp = logprobs is not None
     if stream:
-        return await _stream(request, gen, _completion_chunks(ctx, gen, meta, want_lp, include_usage))
+        return await stream_response(request, gen, _completion_chunks(ctx, gen, meta, want_lp, include_usage))
     samples = await _collect(request, gen)
     if not isinstance(samples, list):
         return samples
@@ -219,7 +219,7 @@ async def chat_completions(request: Request):
     meta = {"id": f"chatcmpl-{new_id()}", "object": "chat.completion", "created": int(time.time()),
             "model": f.obj["model"]}
     if stream:
-        return await _stream(request, gen, _chat_chunks(ctx, gen, meta, want_lp, include_usage))
+        return await stream_response(request, gen, _chat_chunks(ctx, gen, meta, want_lp, include_usage))
     samples = await _collect(request, gen)
     if not isinstance(samples, list):
         return samples
@@ -255,25 +255,6 @@ async def _collect(request: Request, gen: Generation):
         return json_error(e)
     finally:
         gen.close()
-
-
-async def _stream(request: Request, gen: Generation, chunks: AsyncIterator[bytes]):
-    """Server-sent events once the first one is ready (a request the engine refuses is a plain 4xx)."""
-    try:
-        first = await unless_disconnected(request, chunks.__anext__())
-    except ClientGone:
-        gen.close()
-        return JSONResponse({}, status_code=499)
-    except RequestError as e:
-        gen.close()
-        return json_error(e)
-
-    async def events() -> AsyncIterator[bytes]:
-        yield first
-        async for chunk in chunks:
-            yield chunk
-
-    return EventStream(events(), gen.close)
 
 
 async def _completion_chunks(ctx, gen: Generation, meta, want_lp: bool, include_usage: bool):

@@ -59,6 +59,26 @@ async def unless_disconnected(request: Request, awaitable: Awaitable[Any]) -> An
     raise ClientGone
 
 
+async def stream_response(request: Request, gen: Any, chunks: AsyncIterator[bytes]) -> Any:
+    """Server-sent events from `chunks` once the first one is ready, so a request the engine refuses is still a
+    plain 4xx and a client gone before then a 499; `gen.close()` aborts what the stream was generating."""
+    try:
+        first = await unless_disconnected(request, chunks.__anext__())
+    except ClientGone:
+        gen.close()
+        return JSONResponse({}, status_code=499)
+    except RequestError as e:
+        gen.close()
+        return json_error(e)
+
+    async def events() -> AsyncIterator[bytes]:
+        yield first
+        async for chunk in chunks:
+            yield chunk
+
+    return EventStream(events(), gen.close)
+
+
 class EventStream:
     """An ASGI response of server-sent events from `chunks`. When the stream ends, fails or the client
     disconnects, `on_close()` runs (it aborts whatever the stream was still generating)."""

@@ -41,7 +41,7 @@ from rollout.request import SamplingParams
 from rollout.server.generation import Generation, GenerationRequest, RequestError, Sample
 from rollout.server.protocol import Fields, ServerContext, check_length, encode, error_body, new_id, \
     parse_body, prompt_ids, sse
-from rollout.server.responses import ClientGone, EventStream, empty, json_error, read_body, unless_disconnected
+from rollout.server.responses import ClientGone, empty, json_error, read_body, stream_response, unless_disconnected
 
 SGLANG_DEFAULT_MAX_NEW_TOKENS = 128
 _NULL_ONLY = ("image_data", "video_data", "audio_data", "input_embeds", "token_ids_logprob", "custom_logit_processor",
@@ -219,22 +219,7 @@ async def _stream(request, ctx, gen: Generation, rids, lps, with_text, interval,
             yield sse(error_body(e))
         yield sse("[DONE]")
 
-    it = chunks()
-    try:
-        first = await unless_disconnected(request, it.__anext__())
-    except ClientGone:
-        gen.close()
-        return JSONResponse({}, status_code=499)
-    except RequestError as e:
-        gen.close()
-        return json_error(e)
-
-    async def events() -> AsyncIterator[bytes]:
-        yield first
-        async for chunk in it:
-            yield chunk
-
-    return EventStream(events(), gen.close)
+    return await stream_response(request, gen, chunks())
 
 
 def _so_far(gen: Generation, index: int) -> Sample:

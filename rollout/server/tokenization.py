@@ -144,7 +144,7 @@ class HFServerTokenizer(ServerTokenizer):
 
     def __init__(self, path: str):
         base = HFTokenizer(path)
-        self._hf = base._tok  # the trainer's wrapper exposes encode/decode only; the template needs the tokenizer
+        self._hf = base.hf
         self.eos_token_id = base.eos_token_id
         self.name_or_path = path
 

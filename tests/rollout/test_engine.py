@@ -62,6 +62,26 @@ def test_abort_stop_tokens_and_stream(overlap):
     eng.check_invariants()
 
 
+@pytest.mark.parametrize("overlap", ["off", "on"])
+def test_take_tokens_hands_over_a_streamed_request_in_order_then_forgets_it(overlap):
+    eng = engine(overlap=overlap)
+    streamed, plain = eng.submit(prompt(12, 8), GREEDY, stream=True), eng.submit(prompt(9, 9), GREEDY)
+    taken, done = [], {}
+    while eng.has_work():
+        done.update({c.request_id: c for c in eng.step()})
+        taken += eng.take_tokens(streamed)
+        assert eng.take_tokens(plain) == []  # not submitted with stream=True: nothing is kept
+    taken += eng.take_tokens(streamed)
+    c = done[streamed]
+    assert [t for t, _ in taken] == c.output_ids and [lp for _, lp in taken] == c.logprobs
+    assert eng.take_tokens(streamed) == [] and not eng._events and not eng._ended  # forgotten once handed over
+    aborted = eng.submit(prompt(5, 5), GREEDY, stream=True)
+    eng.step()
+    eng.abort(aborted)
+    eng.take_tokens(aborted)
+    assert not eng._events and not eng._ended
+
+
 def test_truncated_sampling_reports_untruncated_logprobs():
     p = prompt(6, 11)
     top1 = engine().generate([p], SamplingParams(temperature=1.0, top_k=1, max_new_tokens=5, seed=0))[0]

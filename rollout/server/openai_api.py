@@ -37,7 +37,7 @@ from rollout.request import SamplingParams
 from rollout.server.generation import Delta, Generation, GenerationRequest, RequestError, Sample
 from rollout.server.protocol import Fields, ServerContext, check_length, encode, error_body, new_id, \
     parse_body, prompt_ids, sse
-from rollout.server.responses import ClientGone, json_error, read_body, stream_response, unless_disconnected
+from rollout.server.responses import collect, json_error, read_body, stream_response
 from rollout.server.tokenization import message_text
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to what fits
@@ -168,7 +168,7 @@ async def completions(request: Request):
     want_lp = logprobs is not None
     if stream:
         return await stream_response(request, gen, _completion_chunks(ctx, gen, meta, want_lp, include_usage))
-    samples = await _collect(request, gen)
+    samples = await collect(request, gen)
     if not isinstance(samples, list):
         return samples
     try:
@@ -220,7 +220,7 @@ async def chat_completions(request: Request):
             "model": f.obj["model"]}
     if stream:
         return await stream_response(request, gen, _chat_chunks(ctx, gen, meta, want_lp, include_usage))
-    samples = await _collect(request, gen)
+    samples = await collect(request, gen)
     if not isinstance(samples, list):
         return samples
     try:
@@ -245,18 +245,6 @@ def _stream_options(f: Fields) -> bool:
 
 
 # ------------------------------------------------------------------ answering
-async def _collect(request: Request, gen: Generation):
-    """Every sample, or an error response; a client that disconnects first aborts them."""
-    try:
-        return await unless_disconnected(request, gen.result())
-    except ClientGone:
-        return JSONResponse({}, status_code=499)
-    except RequestError as e:
-        return json_error(e)
-    finally:
-        gen.close()
-
-
 async def _completion_chunks(ctx, gen: Generation, meta, want_lp: bool, include_usage: bool):
     offsets = [0] * len(gen.states)
     async for d in _deltas_first(gen):

@@ -59,6 +59,19 @@ async def unless_disconnected(request: Request, awaitable: Awaitable[Any]) -> An
     raise ClientGone
 
 
+async def collect(request: Request, gen: Any) -> Any:
+    """Every sample of `gen` (a list), or the error response to send instead; a client that disconnects
+    first gets a 499, and `gen.close()` aborts what is still generating."""
+    try:
+        return await unless_disconnected(request, gen.result())
+    except ClientGone:
+        return JSONResponse({}, status_code=499)
+    except RequestError as e:
+        return json_error(e)
+    finally:
+        gen.close()
+
+
 async def stream_response(request: Request, gen: Any, chunks: AsyncIterator[bytes]) -> Any:
     """Server-sent events from `chunks` once the first one is ready, so a request the engine refuses is still a
     plain 4xx and a client gone before then a 499; `gen.close()` aborts what the stream was generating."""

@@ -41,7 +41,8 @@ from rollout.request import SamplingParams
 from rollout.server.generation import Generation, GenerationRequest, RequestError, Sample
 from rollout.server.protocol import Fields, ServerContext, check_length, encode, error_body, new_id, \
     parse_body, prompt_ids, sse
-from rollout.server.responses import ClientGone, empty, json_error, read_body, stream_response, unless_disconnected
+from rollout.server.responses import ClientGone, collect, empty, json_error, read_body, stream_response, \
+    unless_disconnected
 
 SGLANG_DEFAULT_MAX_NEW_TOKENS = 128
 _NULL_ONLY = ("image_data", "video_data", "audio_data", "input_embeds", "token_ids_logprob", "custom_logit_processor",
@@ -178,14 +179,9 @@ async def generate(request: Request):
     many = batch or len(gen.states) > 1
     if stream:
         return await _stream(request, ctx, gen, sample_rid, sample_lp, with_text, interval, started, many)
-    try:
-        samples = await unless_disconnected(request, gen.result())
-    except ClientGone:
-        return JSONResponse({}, status_code=499)
-    except RequestError as e:
-        return json_error(e)
-    finally:
-        gen.close()
+    samples = await collect(request, gen)
+    if not isinstance(samples, list):
+        return samples
     outs = [_output(ctx, s, sample_rid[s.index], sample_lp[s.index], with_text, started, None) for s in samples]
     return JSONResponse(outs if many else outs[0])
 

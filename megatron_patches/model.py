@@ -33,6 +33,7 @@ from miles_k3.model.layout import tensor_shapes
 from miles_k3.model.linear import ExpertsSpec, LinearSpec
 from miles_k3.model.lora_spec import LoraSpec
 from miles_k3.model.modeling import K3ForCausalLM, reference_state
+from megatron_patches.context_parallel import context_share
 from megatron_patches.linears import ColumnLinear, ParallelExperts, ReplicatedLinear, RowLinear
 from megatron_patches.lora import lora_modules
 from megatron_patches.parallel import MegatronTP, ensure_parallel
@@ -118,13 +119,13 @@ def build_policy(config: K3Config, base_state: dict[str, torch.Tensor] | None, l
     if not isinstance(lora, LoraSpec):
         raise ValueError(f"lora must be a LoraSpec, got {type(lora).__name__}")
     ensure_parallel()
-    tp = MegatronTP(sequence_parallel)
+    tp, cp = MegatronTP(sequence_parallel), context_share()
     _check_tp(config, tp)
     mp = ModelParallelConfig(tensor_model_parallel_size=tp.size, params_dtype=dtype,
                              use_cpu_initialization=True, perform_initialization=False)
     factory = PolicyFactory(mp, tp, lora)
     with torch.device("meta"):
-        model = K3ForCausalLM(config, linear=factory.linear, experts=factory.experts, tp=tp)
+        model = K3ForCausalLM(config, linear=factory.linear, experts=factory.experts, tp=tp, cp=cp)
 
     full = base_state if base_state is not None else reference_state(config, seed)
     expected = tensor_shapes(config)
@@ -136,9 +137,13 @@ def build_policy(config: K3Config, base_state: dict[str, torch.Tensor] | None, l
         if tuple(full[name].shape) != shape:
             raise ValueError(f"base_state[{name!r}]: shape {tuple(full[name].shape)}, expected {shape}")
 
+    # The local model names the tensors this rank holds (a pipeline stage's layers, an expert-parallel
+    # rank's experts); `_local_tensor` cuts the tensor-parallel slice of each.
     local_shapes = {k: tuple(v.shape) for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
     local = {}
     for name in expected:
+        if name not in local_shapes:
+            continue
         t = _local_tensor(name, full[name], factory, config)
         assert tuple(t.shape) == local_shapes[name], f"{name}: local {tuple(t.shape)} vs {local_shapes[name]}"
         local[name] = t.to(device=device, dtype=stored_dtype(name, dtype), copy=True)

@@ -5,10 +5,8 @@ the caller owns (`torch.distributed.init_process_group`, gloo on CPU, nccl on GP
 undoes only that. `single_process()` is the laptop path: when no world exists it starts a world of one
 (gloo, free localhost port), initializes TP=1, and tears down on exit exactly what it created.
 
-Tensor parallelism, and sequence parallelism over the TP group, are wired today. Pipeline, context
-and expert parallel sizes are parameters of `initialize_model_parallel` and will be passed through
-here; the model side reads its shares from `MegatronTP` (and, later, PP / CP / EP counterparts), never
-from globals, so adding them changes no layer code.
+`init_parallel` forms every group (TP, PP, CP, EP inside DP x CP, DP) as megatron does; the model side
+reads its shares from `MegatronTP` and its PP / CP / EP counterparts, never from globals.
 
 CPU note: megatron's `gather_from_tensor_model_parallel_region` allocates its buffer with
 `torch.cuda.current_device()`, so gathers here use `torch.distributed.all_gather` into per-rank lists
@@ -33,22 +31,36 @@ from megatron.core.tensor_parallel.mappings import (
 from miles_k3.model.linear import TensorParallel
 
 
-def init_parallel(tp_size: int = 1) -> None:
-    """Initialize megatron's model-parallel groups with tensor-parallel size `tp_size` on the current
-    torch.distributed world (which must exist and have a size divisible by tp_size; the rest is data
-    parallel)."""
+def init_parallel(tp_size: int = 1, pp_size: int = 1, cp_size: int = 1, ep_size: int = 1) -> None:
+    """Initialize megatron's model-parallel groups on the current torch.distributed world (which must exist).
+
+    Sizes as megatron takes them: world = tp * pp * cp * dp, and expert parallelism is formed inside
+    dp * cp (ep must divide it). Called again with the same sizes it does nothing; with other sizes it is
+    an error (tear down first)."""
     if not dist.is_initialized():
         raise ValueError("init_parallel needs torch.distributed initialized first "
                          "(init_process_group), or use megatron_patches.parallel.single_process()")
     world = dist.get_world_size()
-    if tp_size < 1 or world % tp_size:
-        raise ValueError(f"tensor-parallel size {tp_size} must be >= 1 and divide the world size {world}")
+    sizes = {"tensor-parallel": tp_size, "pipeline-parallel": pp_size, "context-parallel": cp_size,
+             "expert-parallel": ep_size}
+    for what, n in sizes.items():
+        if n < 1:
+            raise ValueError(f"{what} size must be >= 1, got {n}")
+    model = tp_size * pp_size * cp_size
+    if world % model:
+        raise ValueError(f"tp * pp * cp = {model} must divide the world size {world}")
+    dp_cp = world // model * cp_size
+    if dp_cp % ep_size:
+        raise ValueError(f"expert-parallel size {ep_size} must divide dp * cp = {dp_cp} (world {world})")
     if ps.model_parallel_is_initialized():
-        if ps.get_tensor_model_parallel_world_size() != tp_size:
-            raise ValueError(f"megatron parallel state is already initialized with TP="
-                             f"{ps.get_tensor_model_parallel_world_size()}, not {tp_size}")
+        found = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
+                 ps.get_context_parallel_world_size(), ps.get_expert_model_parallel_world_size())
+        if found != (tp_size, pp_size, cp_size, ep_size):
+            raise ValueError(f"megatron parallel state is already initialized with (tp, pp, cp, ep) = {found}, "
+                             f"not {(tp_size, pp_size, cp_size, ep_size)}")
         return
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp_size)
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp_size, pipeline_model_parallel_size=pp_size,
+                                 context_parallel_size=cp_size, expert_model_parallel_size=ep_size)
 
 
 def destroy_parallel() -> None:

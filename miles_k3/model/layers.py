@@ -12,6 +12,7 @@ from torch import nn
 
 from miles_k3.model.cache import K3StateCache, KDAState
 from miles_k3.model.config import K3Config
+from miles_k3.model.context import NO_CP, ContextParallel
 from miles_k3.model.layout import kda_a_log_shape
 from miles_k3.model.linear import SINGLE, ExpertsFactory, LinearFactory, LinearSpec, TensorParallel
 from miles_k3.model.moe import GLUMLP, LatentMoE
@@ -43,10 +44,11 @@ class KDAMixer(nn.Module):
     the row-parallel o_proj sums the ranks' outputs."""
 
     def __init__(self, config: K3Config, layer_idx: int, name: str, linear: LinearFactory,
-                 tp: TensorParallel = SINGLE):
+                 tp: TensorParallel = SINGLE, cp: ContextParallel = NO_CP):
         super().__init__()
         c = self.config = config
         self.layer_idx = layer_idx
+        self.cp = cp
         self.heads = tp.split(c.kda_num_heads, "kda_num_heads")
         d, hk, r = c.hidden_size, c.kda_dim, c.gate_rank
         local_hk = self.heads * c.kda_head_dim
@@ -102,12 +104,12 @@ class MLAMixer(nn.Module):
     projections); the latent projections are replicated and o_proj reduces across ranks."""
 
     def __init__(self, config: K3Config, layer_idx: int, name: str, linear: LinearFactory,
-                 tp: TensorParallel = SINGLE):
+                 tp: TensorParallel = SINGLE, cp: ContextParallel = NO_CP):
         super().__init__()
         c = self.config = config
         self.layer_idx = layer_idx
         self.heads = tp.split(c.mla_num_heads, "mla_num_heads")
-        self.tp = tp
+        self.tp, self.cp = tp, cp
         d, h = c.hidden_size, c.mla_num_heads
         if c.q_lora_rank is None:
             self.q_proj = linear(LinearSpec(f"{name}.q_proj", d, h * c.qk_head_dim, "column"))
@@ -167,7 +169,7 @@ class K3DecoderLayer(nn.Module):
     Under sequence parallelism h and blocks hold this rank's slice of the sequence."""
 
     def __init__(self, config: K3Config, layer_idx: int, linear: LinearFactory, experts: ExpertsFactory,
-                 tp: TensorParallel = SINGLE):
+                 tp: TensorParallel = SINGLE, cp: ContextParallel = NO_CP):
         super().__init__()
         c = self.config = config
         self.layer_idx = layer_idx
@@ -181,7 +183,7 @@ class K3DecoderLayer(nn.Module):
             self.mlp_res_proj = nn.Linear(d, 1, bias=False)
         self.input_layernorm = RMSNorm(d, c.rms_norm_eps)
         mixer = KDAMixer if c.layer_kinds[layer_idx] == "kda" else MLAMixer
-        self.self_attn = mixer(c, layer_idx, f"{name}.self_attn", linear, tp)
+        self.self_attn = mixer(c, layer_idx, f"{name}.self_attn", linear, tp, cp)
         self.post_attention_layernorm = RMSNorm(d, c.rms_norm_eps)
         if c.is_moe_layer(layer_idx):
             self.block_sparse_moe = LatentMoE(c, f"{name}.block_sparse_moe", linear, experts)

@@ -3,7 +3,8 @@
 `K3ForCausalLM(config)` builds with plain torch linears; pass `linear=` and
 `experts=` factories to build the same math on other weights (megatron
 parallel linears, MXFP4 + LoRA), and `tp=` for a tensor-parallel rank's share
-(see `miles_k3.model.linear.TensorParallel`). `from_pretrained` / `save_pretrained` read and
+(see `miles_k3.model.linear.TensorParallel`), `cp=` for a context-parallel one (see
+`miles_k3.model.context`). `from_pretrained` / `save_pretrained` read and
 write the HF layout (see `miles_k3.model.checkpoint`).
 """
 
@@ -19,6 +20,7 @@ from torch import nn
 
 from miles_k3.model.cache import K3StateCache
 from miles_k3.model.config import K3Config
+from miles_k3.model.context import NO_CP, ContextParallel
 from miles_k3.model.layers import K3DecoderLayer
 from miles_k3.model.linear import (SINGLE, ExpertsFactory, LinearFactory, LinearSpec, TensorParallel, torch_experts,
                                    torch_linear)
@@ -35,12 +37,12 @@ class K3Model(nn.Module):
     """Embedding, decoder layers, final AttnRes mix and norm. Names match HF's `model.*`."""
 
     def __init__(self, config: K3Config, linear: LinearFactory, experts: ExpertsFactory,
-                 tp: TensorParallel = SINGLE):
+                 tp: TensorParallel = SINGLE, cp: ContextParallel = NO_CP):
         super().__init__()
         c = self.config = config
-        self.tp = tp
+        self.tp, self.cp = tp, cp
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList(K3DecoderLayer(c, i, linear, experts, tp) for i in range(c.num_hidden_layers))
+        self.layers = nn.ModuleList(K3DecoderLayer(c, i, linear, experts, tp, cp) for i in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         if c.attn_res_block_size:
             self.output_attn_res_norm = RMSNorm(c.hidden_size, c.res_eps)
@@ -95,10 +97,11 @@ class K3Model(nn.Module):
 
 class K3ForCausalLM(nn.Module):
     def __init__(self, config: K3Config, linear: LinearFactory = torch_linear,
-                 experts: ExpertsFactory = torch_experts, tp: TensorParallel = SINGLE):
+                 experts: ExpertsFactory = torch_experts, tp: TensorParallel = SINGLE,
+                 cp: ContextParallel = NO_CP):
         super().__init__()
         self.config = config
-        self.model = K3Model(config, linear, experts, tp)
+        self.model = K3Model(config, linear, experts, tp, cp)
         if not config.tie_word_embeddings:
             self.lm_head = linear(LinearSpec("lm_head", config.hidden_size, config.vocab_size, "column"))
         if not any(p.is_meta for p in self.parameters()):

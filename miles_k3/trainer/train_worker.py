@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from miles_k3.algo import entropy_from_logits, policy_loss
+from miles_k3.algo import policy_loss
 from miles_k3.model.config import K3Config
 from miles_k3.trainer.batch import Packed, TrainBatch, pack
 
@@ -42,13 +42,10 @@ class TrainWorker:
     # ------------------------------------------------------------------ log-probs
     def _token_logprobs(self, packed: Packed, *, with_entropy: bool = False):
         """log pi(target | prefix) at temperature T for every response token, [M] fp32 (and entropy [M])."""
+        from megatron_patches.vocab_parallel import token_logprobs
+
         hidden = self.policy.model(packed.input_ids, cu_seqlens=packed.cu_seqlens)[0, packed.positions]
-        logits = self.policy.logits(hidden).float() / self.temperature
-        logp = logits.gather(-1, packed.targets[:, None]).squeeze(-1) - logits.logsumexp(-1)
-        if not with_entropy:
-            return logp, None
-        with torch.no_grad():
-            return logp, entropy_from_logits(logits.detach())
+        return token_logprobs(self.policy, hidden, packed.targets, self.temperature, with_entropy=with_entropy)
 
     def logprobs(self, batch: TrainBatch) -> list[list[float]]:
         """The current policy's log-probs of each response token (no grad); for tests and diagnostics."""

@@ -1,6 +1,6 @@
 """Kimi Delta Attention (KDA) ops.
 
-Pure-torch references (fp32 math, any device) and a CUDA fast path through
+Pure-torch references (fp32 math, fp64 for fp64 inputs, any device) and a CUDA fast path through
 fla's Triton kernels. The references are the ground truth that kernels and
 model code are tested against, so they favour clarity and numerical safety
 over speed.
@@ -12,8 +12,11 @@ Shapes used throughout (``N`` = number of sequences: ``B``, or
     v              [B, T, H, V]   any float dtype; ``o`` is returned in it
     g              [B, T, H, K]   log-space per-channel decay (fp32 preferred)
     beta           [B, T, H]      delta-rule write strength
-    initial_state  [N, H, K, V]   recurrent state, read as fp32
-    final_state    [N, H, K, V]   always fp32 (or None)
+    initial_state  [N, H, K, V]   recurrent state, read in the math dtype
+    final_state    [N, H, K, V]   in the math dtype: fp32, or fp64 when q, k or v is fp64 (or None)
+
+fp64 inputs keep fp64 math so that exactness tests (a context-parallel split against the unsplit op, whose
+chunk boundaries and so summation orders differ) can hold to 1e-10; every other dtype computes in fp32.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-__all__ = ["kda_gate", "l2norm", "kda_recurrent", "kda_chunked", "kda"]
+__all__ = ["kda_gate", "l2norm", "math_dtype", "kda_recurrent", "kda_chunked", "kda"]
 
 _GATE_FORMS = ("softplus", "lower_bound")
 _MODES = ("auto", "recurrent", "chunked")
@@ -65,9 +68,17 @@ def kda_gate(f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None,
     return lower_bound * torch.sigmoid(rate * x)
 
 
+def math_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    """The dtype the references compute in: fp32, or fp64 when any input is fp64."""
+    out = torch.float32
+    for t in tensors:
+        out = torch.promote_types(out, t.dtype)
+    return out
+
+
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """``x / sqrt(sum(x^2, -1) + eps)`` over the last dim; any dtype in, fp32 out."""
-    x = x.float()
+    """``x / sqrt(sum(x^2, -1) + eps)`` over the last dim; any dtype in, fp32 out (fp64 for fp64)."""
+    x = x.to(math_dtype(x))
     return x / torch.sqrt(x.pow(2).sum(-1, keepdim=True) + eps)
 
 
@@ -175,14 +186,14 @@ def _kda_reference(core: _Core, q, k, v, g, beta, scale, initial_state, output_f
     H, K = q.shape[2:]
     V = v.shape[-1]
     scale = K ** -0.5 if scale is None else scale
-    out_dtype = v.dtype
+    out_dtype, dtype = v.dtype, math_dtype(q, k, v)
     if use_qk_l2norm:
         q, k = l2norm(q), l2norm(k)
     # Head-major so the time axis sits next to the feature axis for per-chunk matmuls.
-    q, k, v, g = (x.float().transpose(1, 2) for x in (q, k, v, g))
+    q, k, v, g = (x.to(dtype).transpose(1, 2) for x in (q, k, v, g))
     q = q * scale
-    beta = beta.float().transpose(1, 2)
-    h0 = initial_state.float() if initial_state is not None else q.new_zeros(N, H, K, V)
+    beta = beta.to(dtype).transpose(1, 2)
+    h0 = initial_state.to(dtype) if initial_state is not None else q.new_zeros(N, H, K, V)
 
     if bounds is None:
         o, ht = core(q, k, v, g, beta, h0)
@@ -202,7 +213,7 @@ def _kda_reference(core: _Core, q, k, v, g, beta, scale, initial_state, output_f
 
 def kda_recurrent(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
                   cu_seqlens=None, use_qk_l2norm=False):
-    """Token-by-token KDA reference (fp32 math, any device).
+    """Token-by-token KDA reference (fp32 math, fp64 for fp64 inputs, any device).
 
     Per head, with state ``S [K, V]``:
     ``S = diag(exp g_t) S;  S += beta_t k_t (v_t - S^T k_t)^T;  o_t = S^T (q_t * scale)``.
@@ -210,7 +221,7 @@ def kda_recurrent(q, k, v, g, beta, *, scale=None, initial_state=None, output_fi
     to q and k first. See the module docstring for shapes and dtypes.
 
     Returns:
-        ``(o [B, T, H, V] in v.dtype, final_state [N, H, K, V] fp32 or None)``.
+        ``(o [B, T, H, V] in v.dtype, final_state [N, H, K, V] in the math dtype, or None)``.
     """
     return _kda_reference(_recurrent_core, q, k, v, g, beta, scale, initial_state, output_final_state,
                           cu_seqlens, use_qk_l2norm)

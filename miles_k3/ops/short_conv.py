@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from miles_k3.ops.kda import _cu_seqlens_bounds
+from miles_k3.ops.kda import _cu_seqlens_bounds, math_dtype
 
 __all__ = ["causal_short_conv"]
 
@@ -88,7 +88,7 @@ def causal_short_conv(x: torch.Tensor, weight: torch.Tensor, *, state: torch.Ten
         ``state``'s dtype (so a caller's cache dtype is stable), else x's. The
         final state is the last ``W-1`` inputs of each sequence, reaching back
         into the carried state when the sequence is shorter than ``W-1``.
-        Math is done in fp32.
+        Math is done in fp32 (fp64 for fp64 input).
     """
     if activation not in _ACTIVATIONS:
         raise ValueError(f"`activation` must be one of {_ACTIVATIONS}, got {activation!r}")
@@ -108,9 +108,10 @@ def causal_short_conv(x: torch.Tensor, weight: torch.Tensor, *, state: torch.Ten
         raise ValueError(f"`state` must be [N, D, W-1] = {(N, D, W - 1)}, got {tuple(state.shape)}")
 
     # Channel-major so the time axis is last, matching the state layout.
-    xt = x.float().transpose(1, 2)
-    w = weight.float()
-    s0 = state.float() if state is not None else xt.new_zeros(N, D, W - 1)
+    dtype = math_dtype(x)
+    xt = x.to(dtype).transpose(1, 2)
+    w = weight.to(dtype)
+    s0 = state.to(dtype) if state is not None else xt.new_zeros(N, D, W - 1)
     if cu_seqlens is None:
         y, s = _conv_core(xt, w, s0)
     else:

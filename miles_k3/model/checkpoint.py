@@ -5,7 +5,9 @@ model is built: a missing tensor, an unexpected one, a wrong shape, an
 unknown quantization or a file that is not safetensors raises ValueError naming
 the tensor or file. Routed experts may be compressed-tensors MXFP4
 (`weight_packed` uint8 [out, in/2], `weight_scale` E8M0 uint8 [out, in/32]);
-they are dequantized into the dense in-memory model. In K3's wrapper the text
+they are dequantized into the dense in-memory model. `CheckpointSource` reads lazily: shapes from the
+headers, then whole tensors or slices on demand (a rank of a sharded build reads only its slices);
+`load_state_dict` reads everything through it. In K3's wrapper the text
 weights carry `language_model.`; the vision tower and projector (`vision_tower.*`,
 `mm_projector.*`, unprefixed) are not part of the text model and are skipped. A
 KDA `A_log` may be stored in either published layout (`layout.a_log_heads`).
@@ -20,9 +22,10 @@ import os
 import re
 import shutil
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -30,7 +33,7 @@ from safetensors.torch import save_file
 
 from miles_k3.model.config import K3Config
 from miles_k3.model.layout import a_log_heads, hf_prefix, is_routed_expert_tensor, tensor_shapes
-from miles_k3.ops.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+from miles_k3.ops.mxfp4 import MXFP4_BLOCK_SIZE, dequantize_mxfp4, quantize_mxfp4
 
 INDEX_FILE = "model.safetensors.index.json"
 # Kept in fp32 whatever the model dtype: router and gate parameters whose precision steers routing/decay.
@@ -121,62 +124,205 @@ def _logical_names(config: K3Config, stored: dict[str, Path]) -> dict[str, dict[
     return grouped
 
 
-def load_state_dict(path: str | Path, config: K3Config, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    """Read and validate every tensor of the checkpoint at `path` for `config`. Returns logical names -> tensors
-    in `dtype` (fp32 for router/gate parameters), MXFP4 experts dequantized."""
-    path = Path(path)
-    expected = tensor_shapes(config)
-    grouped = _logical_names(config, _tensor_files(path))
-    tied_head = grouped.pop("lm_head.weight", None) if config.tie_word_embeddings else None
-    missing = [n for n in expected if n not in grouped]
-    if missing:
-        raise ValueError(f"checkpoint {path}: {len(missing)} tensor(s) missing, e.g. {missing[:5]}")
-    unexpected = [n for n in grouped if n not in expected]
-    if unexpected:
-        raise ValueError(f"checkpoint {path}: {len(unexpected)} tensor(s) not in the config's layout "
-                         f"(config inconsistent with tensors?), e.g. {unexpected[:5]}")
-    handles: dict[Path, object] = {}
+class TensorSource(Protocol):
+    """Where a build reads its base weights from: the logical tensors of a K3 checkpoint (HF names without
+    wrapper prefix, the config's layout, as `load_state_dict` returns them), read whole or in slices.
 
-    def read(stored: str, f: Path) -> torch.Tensor:
-        if f not in handles:
-            handles[f] = _open(f)
+    Every read returns a fresh tensor (never a view of the source's storage) on the CPU, in the source's
+    dtype (fp32 for router / decay parameters: `stored_dtype`). Implementations: `StateDictSource` (tensors
+    in memory) and `CheckpointSource` (a checkpoint on disk, read lazily)."""
+
+    shapes: Mapping[str, tuple[int, ...]]  # every logical name -> its full shape in the config's layout
+
+    def read(self, name: str) -> torch.Tensor:
+        """The whole tensor."""
+
+    def narrow(self, name: str, dim: int, start: int, length: int) -> torch.Tensor:
+        """`read(name).narrow(dim, start, length)`, without reading the rest."""
+
+    def a_log_heads(self, name: str, start: int, length: int) -> torch.Tensor:
+        """Decay rates of heads `start:start+length` of the KDA `A_log` `name`, flat [length] (A_log has two
+        published layouts, `layout.a_log_heads`)."""
+
+    def order(self, names: Iterable[str]) -> list[str]:
+        """`names` in the order that is cheapest to read (a checkpoint: grouped by file)."""
+
+    def release(self) -> None:
+        """Drop what the reads keep open (mapped files); later reads reopen it."""
+
+
+class StateDictSource:
+    """A `TensorSource` over logical tensors in memory (e.g. `reference_state`, or `load_state_dict`'s
+    result); the caller keeps ownership, reads copy."""
+
+    def __init__(self, state: Mapping[str, torch.Tensor], config: K3Config, dtype: torch.dtype = torch.float32):
+        self.state, self.num_heads, self.dtype = state, config.kda_num_heads, dtype
+        self.shapes = {name: tuple(t.shape) for name, t in state.items()}
+
+    def read(self, name: str) -> torch.Tensor:
+        return _fresh(name, self.state[name], self.dtype)
+
+    def narrow(self, name: str, dim: int, start: int, length: int) -> torch.Tensor:
+        return _fresh(name, self.state[name].narrow(dim, start, length), self.dtype)
+
+    def a_log_heads(self, name: str, start: int, length: int) -> torch.Tensor:
+        return _fresh(name, a_log_heads(self.state[name], self.num_heads)[start:start + length], self.dtype)
+
+    def order(self, names: Iterable[str]) -> list[str]:
+        return list(names)
+
+    def release(self) -> None:
+        return None
+
+
+def _fresh(name: str, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # a fresh (aligned) allocation: BLAS picks kernels by alignment, and a view into the mapped file
+    # would make a loaded model differ from the saved one in the last bit
+    return t.to(dtype=stored_dtype(name, dtype), memory_format=torch.contiguous_format, copy=True)
+
+
+class CheckpointSource:
+    """The checkpoint at `path` as a lazy `TensorSource`: shapes from the headers, data read on demand.
+
+    Opening reads only the safetensors headers and validates them against the config's layout (a missing,
+    unexpected or wrongly shaped tensor, an unknown quantization, a non-float dtype: ValueError naming the
+    tensor or file), so a bad checkpoint fails before any tensor data is read. A slice reads only its own
+    bytes (`safe_open(...).get_slice`); an MXFP4 expert decodes only its rows, or the 32-wide blocks that
+    cover its columns. At most one file is mapped at a time (a read from another file closes it, and
+    `release()` does), so the pages of the checkpoint a rank has mapped never exceed one shard file; use it
+    as a context manager, or call `release()`, to unmap the last one.
+
+    With `tie_word_embeddings` a stored `lm_head.weight` must equal the embedding: each read of (a slice of)
+    the embedding compares the same slice of the stored head.
+    """
+
+    def __init__(self, path: str | Path, config: K3Config, dtype: torch.dtype = torch.float32):
+        self.path, self.config, self.dtype = Path(path), config, dtype
+        self.shapes = tensor_shapes(config)
+        grouped = _logical_names(config, _tensor_files(self.path))
+        self._tied_head = grouped.pop("lm_head.weight", None) if config.tie_word_embeddings else None
+        missing = [n for n in self.shapes if n not in grouped]
+        if missing:
+            raise ValueError(f"checkpoint {self.path}: {len(missing)} tensor(s) missing, e.g. {missing[:5]}")
+        unexpected = [n for n in grouped if n not in self.shapes]
+        if unexpected:
+            raise ValueError(f"checkpoint {self.path}: {len(unexpected)} tensor(s) not in the config's layout "
+                             f"(config inconsistent with tensors?), e.g. {unexpected[:5]}")
+        self._parts = grouped  # logical -> {"weight" | "weight_packed" | "weight_scale": (stored, file)}
+        self._mapped: tuple[Path, object] | None = None
         try:
-            return handles[f].get_tensor(stored)  # type: ignore[attr-defined]
+            for name in self.order(self.shapes):
+                self._check_header(name)
+        finally:
+            self.release()
+
+    def read(self, name: str) -> torch.Tensor:
+        t = self._stored(name, ())
+        if name.endswith(".A_log") and tuple(t.shape) != self.shapes[name]:
+            t = _a_log_as(t, self.shapes[name], self.config.kda_num_heads, name)
+        return _fresh(name, t, self.dtype)
+
+    def narrow(self, name: str, dim: int, start: int, length: int) -> torch.Tensor:
+        shape = self.shapes[name]
+        if not (0 <= dim < len(shape) and start >= 0 and length >= 0 and start + length <= shape[dim]):
+            raise ValueError(f"tensor {name!r} of shape {shape}: no slice {start}:{start + length} along dim {dim}")
+        if name.endswith(".A_log"):  # tiny, and its stored layout may differ from the config's
+            return self.read(name).narrow(dim, start, length).clone()
+        return _fresh(name, self._stored(name, (slice(None),) * dim + (slice(start, start + length),)), self.dtype)
+
+    def a_log_heads(self, name: str, start: int, length: int) -> torch.Tensor:
+        heads = a_log_heads(self._stored(name, ()), self.config.kda_num_heads)
+        return _fresh(name, heads[start:start + length], self.dtype)
+
+    def order(self, names: Iterable[str]) -> list[str]:
+        return sorted(names, key=lambda n: str(next(iter(self._parts[n].values()))[1]))
+
+    def release(self) -> None:
+        if self._mapped is not None:
+            self._mapped[1].__exit__(None, None, None)  # type: ignore[attr-defined]
+            self._mapped = None
+
+    def __enter__(self) -> "CheckpointSource":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def _get(self, stored: str, f: Path, index: tuple = (), header: bool = False):
+        """Stored tensor `stored` of file `f` indexed by `index` (a view of the mapping; () = whole), or with
+        `header` its (shape, safetensors dtype) without reading data."""
+        if self._mapped is None or self._mapped[0] != f:
+            self.release()
+            handle = _open(f)
+            handle.__enter__()
+            self._mapped = (f, handle)
+        handle = self._mapped[1]
+        try:
+            if header:
+                s = handle.get_slice(stored)  # type: ignore[attr-defined]
+                return tuple(s.get_shape()), s.get_dtype()
+            return handle.get_slice(stored)[index] if index else handle.get_tensor(stored)  # type: ignore
         except (SafetensorError, OSError) as e:
             raise ValueError(f"{f}: tensor {stored!r} cannot be read ({e})") from None
 
-    state: dict[str, torch.Tensor] = {}
-    for name, shape in expected.items():
-        parts = grouped[name]
+    def _check_header(self, name: str) -> None:
+        shape, parts, heads = self.shapes[name], self._parts[name], self.config.kda_num_heads
         if "weight" in parts:
             if len(parts) > 1:
                 raise ValueError(f"tensor {name!r}: stored both dense and quantized")
-            t = read(*parts["weight"])
-        else:
-            if set(parts) != {"weight_packed", "weight_scale"}:
-                raise ValueError(f"tensor {name!r}: MXFP4 needs weight_packed and weight_scale, found {sorted(parts)}")
-            packed, scale = read(*parts["weight_packed"]), read(*parts["weight_scale"])
-            want_p, want_s = (shape[0], shape[1] // 2), (shape[0], shape[1] // 32)
-            if tuple(packed.shape) != want_p or tuple(scale.shape) != want_s:
-                raise ValueError(f"tensor {name!r}: MXFP4 shapes packed {tuple(packed.shape)} / scale "
-                                 f"{tuple(scale.shape)} do not match config (expected {want_p} / {want_s})")
-            if packed.dtype != torch.uint8 or scale.dtype != torch.uint8:
-                raise ValueError(f"tensor {name!r}: MXFP4 tensors must be uint8, got {packed.dtype} / {scale.dtype}")
-            t = dequantize_mxfp4(packed, scale, dtype=torch.float32)
-        if name.endswith(".A_log") and tuple(t.shape) != shape:
-            t = _a_log_as(t, shape, config.kda_num_heads, name)
-        if tuple(t.shape) != shape:
-            raise ValueError(f"tensor {name!r}: shape {tuple(t.shape)} does not match config (expected {shape})")
-        if not t.is_floating_point():
-            raise ValueError(f"tensor {name!r}: dtype {t.dtype} is not floating point")
-        # a fresh (aligned) allocation: BLAS picks kernels by alignment, and a view into the mapped file
-        # would make a loaded model differ from the saved one in the last bit
-        state[name] = t.to(stored_dtype(name, dtype), copy=True)
-    if tied_head is not None and not torch.equal(read(*tied_head["weight"]), read(*grouped[
-            "model.embed_tokens.weight"]["weight"])):
-        raise ValueError("tensor 'lm_head.weight': config has tie_word_embeddings=true but the stored lm_head "
-                         "differs from model.embed_tokens.weight")
-    return state
+            got, dtype = self._get(*parts["weight"], header=True)
+            if name.endswith(".A_log") and a_log_heads(torch.empty(got, device="meta"), heads) is None:
+                raise ValueError(f"tensor {name!r}: shape {got} is no A_log layout for {heads} heads "
+                                 f"(expected [1, 1, {heads}, 1] or a flat vector of >= {heads} entries)")
+            if got != shape and not name.endswith(".A_log"):
+                raise ValueError(f"tensor {name!r}: shape {got} does not match config (expected {shape})")
+            if not dtype.startswith(("F", "BF")):
+                raise ValueError(f"tensor {name!r}: dtype {dtype} is not floating point")
+            return
+        if set(parts) != {"weight_packed", "weight_scale"}:
+            raise ValueError(f"tensor {name!r}: MXFP4 needs weight_packed and weight_scale, found {sorted(parts)}")
+        (packed, p_dtype), (scale, s_dtype) = (self._get(*parts[k], header=True)
+                                               for k in ("weight_packed", "weight_scale"))
+        want_p, want_s = (shape[0], shape[1] // 2), (shape[0], shape[1] // 32)
+        if packed != want_p or scale != want_s:
+            raise ValueError(f"tensor {name!r}: MXFP4 shapes packed {packed} / scale {scale} do not match config "
+                             f"(expected {want_p} / {want_s})")
+        if p_dtype != "U8" or s_dtype != "U8":
+            raise ValueError(f"tensor {name!r}: MXFP4 tensors must be uint8, got {p_dtype} / {s_dtype}")
+
+    def _stored(self, name: str, index: tuple) -> torch.Tensor:
+        """`name` as stored (any dtype; MXFP4 decoded to fp32) indexed by `index`: () whole, else slices
+        along the leading dims. A view of the mapping (it keeps that file mapped while it lives, even after
+        another file is opened) or a fresh decode; callers copy it."""
+        parts = self._parts[name]
+        if "weight" not in parts:
+            return self._mxfp4(parts, index)
+        t = self._get(*parts["weight"], index)
+        if name == "model.embed_tokens.weight" and self._tied_head is not None:
+            if not torch.equal(self._get(*self._tied_head["weight"], index), t):
+                raise ValueError("tensor 'lm_head.weight': config has tie_word_embeddings=true but the stored "
+                                 "lm_head differs from model.embed_tokens.weight")
+        return t
+
+    def _mxfp4(self, parts: dict[str, tuple[str, Path]], index: tuple) -> torch.Tensor:
+        """Decode an MXFP4 [out, in] tensor's rows (index on dim 0), or the blocks covering its columns."""
+        packed, scale = parts["weight_packed"], parts["weight_scale"]
+        if len(index) < 2:  # whole, or rows: packed and scale share the row index
+            return dequantize_mxfp4(self._get(*packed, index), self._get(*scale, index),
+                                    dtype=torch.float32)
+        cols, block = index[1], MXFP4_BLOCK_SIZE
+        b0, b1 = cols.start // block, -(-cols.stop // block)  # the 32-wide blocks covering the columns
+        p = self._get(*packed, (slice(None), slice(b0 * block // 2, b1 * block // 2)))
+        s = self._get(*scale, (slice(None), slice(b0, b1)))
+        return dequantize_mxfp4(p, s, dtype=torch.float32)[:, cols.start - b0 * block:cols.stop - b0 * block]
+
+
+def load_state_dict(path: str | Path, config: K3Config, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Read and validate every tensor of the checkpoint at `path` for `config`. Returns logical names -> tensors
+    in `dtype` (fp32 for router/gate parameters), MXFP4 experts dequantized. (`CheckpointSource` reads slices.)"""
+    with CheckpointSource(path, config, dtype) as source:
+        state = {name: source.read(name) for name in source.order(source.shapes)}
+    return {name: state[name] for name in source.shapes}
 
 
 def _a_log_as(t: torch.Tensor, shape: tuple[int, ...], num_heads: int, name: str) -> torch.Tensor:

@@ -10,10 +10,11 @@ bias, base weight under `<name>.weight` (this rank's slice when TP > 1), frozen.
 - row (`RowLinear`, RowParallelLinear, input_is_parallel): this rank's input slice, full output summed
   across ranks by megatron.
 - replicated (`ReplicatedLinear`): the whole weight on every rank (low-rank latent / gate projections).
-- routed experts (`ParallelExperts`): the intermediate dim I is split across TP ranks (w1 / w3 column,
-  w2 row, one all-reduce of the expert outputs); every rank routes all tokens to all experts. Expert
-  parallelism (experts spread over ranks, all-to-all dispatch) replaces this split later without
-  changing the adapter naming or the LoRA math per expert.
+- routed experts (`ParallelExperts`): at EP=1 the intermediate dim I is split across TP ranks (w1 / w3
+  column, w2 row, one all-reduce of the expert outputs) and every rank runs all experts on all its
+  tokens. Under expert parallelism (`megatron_patches.expert_parallel`) each rank holds num_experts / ep
+  whole experts (expert TP is 1) and the token copies travel to them by all-to-all; the adapter naming and
+  the LoRA math per expert are the same either way.
 
 Megatron on CPU: the layers are built with `use_cpu_initialization=True, perform_initialization=False`
 (weights come from the checkpoint), under a meta device at build time; a frozen weight routes the
@@ -32,6 +33,7 @@ from torch import nn
 from miles_k3.model.linear import ExpertsSpec, LinearSpec
 from miles_k3.model.lora_spec import LoraSpec
 from miles_k3.model.moe import RoutedExperts
+from megatron_patches.expert_parallel import ExpertParallel, expert_share
 from megatron_patches.lora import LoraWeights
 from megatron_patches.parallel import MegatronTP
 
@@ -95,37 +97,57 @@ class ReplicatedLinear(nn.Module):
 
 
 class ParallelExperts(RoutedExperts):
-    """Routed experts with the intermediate dim split over TP ranks: w1 / w3 [E, I/tp, W], w2 [E, W, I/tp]
-    (HF per-expert names in state dicts, as the base class does), per-expert stacked LoRA `lora[proj]`.
+    """Routed experts of this rank, w1 / w3 [E_local, I_local, W], w2 [E_local, W, I_local] (HF per-expert
+    names with global indices in state dicts, as the base class does), per-expert stacked LoRA
+    `lora[proj]`. `ep` (megatron's expert-model-parallel share by default): EP=1 holds every expert with
+    I split over TP (I_local = I / tp); EP > 1 holds the experts `ep.local_experts(E)` whole (TP must be 1)
+    and dispatches token copies to them.
 
     Communication per forward (TP > 1): the routed token copies enter the split region once (gradient
     all-reduce), the w1 / w3 adapters' rank-space inputs enter once each, the w2 outputs and the w2
-    adapter's rank-space partials are all-reduced once each; never per expert.
+    adapter's rank-space partials are all-reduced once each; never per expert. EP > 1: the counts, the
+    copies and the outputs cross the EP group once each (`ExpertParallel.dispatch` / `combine`).
 
     Compute: bf16 uses grouped GEMMs (`torch._grouped_mm`, base and adapter factors); fp32 / fp64 loop
     over experts on contiguous slices (the exactness tests run that path).
     """
 
-    def __init__(self, spec: ExpertsSpec, config: ModelParallelConfig, tp: MegatronTP, lora: LoraSpec | None):
+    def __init__(self, spec: ExpertsSpec, config: ModelParallelConfig, tp: MegatronTP, lora: LoraSpec | None,
+                 ep: ExpertParallel | None = None):
         super().__init__(spec)
         self.tp = tp
+        self.ep = ep if ep is not None else expert_share(tp.size)  # refuses EP > 1 with TP > 1
+        self.local_experts = self.ep.local_experts(spec.num_experts)
         e, w, i = spec.num_experts, spec.width, spec.intermediate
-        local_i = tp.split(i, "moe_intermediate_size")
+        local_e, local_i = len(self.local_experts), tp.split(i, "moe_intermediate_size")
         dtype = config.params_dtype
-        self.w1 = nn.Parameter(torch.empty(e, local_i, w, dtype=dtype), requires_grad=False)
-        self.w3 = nn.Parameter(torch.empty(e, local_i, w, dtype=dtype), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(e, w, local_i, dtype=dtype), requires_grad=False)
+        self.w1 = nn.Parameter(torch.empty(local_e, local_i, w, dtype=dtype), requires_grad=False)
+        self.w3 = nn.Parameter(torch.empty(local_e, local_i, w, dtype=dtype), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(local_e, w, local_i, dtype=dtype), requires_grad=False)
         adapters = {}
         if lora is not None:
             r = lora.rank
-            full = {"w1": ((e, r, w), (e, i, r), None, 1), "w3": ((e, r, w), (e, i, r), None, 1),
-                    "w2": ((e, r, i), (e, w, r), 2, None)}
+            # full shapes and split dims: over TP (the intermediate dim) at EP=1, over EP (the expert dim) else
+            if self.ep.size > 1:
+                full = {"w1": ((e, r, w), (e, i, r), 0, 0), "w3": ((e, r, w), (e, i, r), 0, 0),
+                        "w2": ((e, r, i), (e, w, r), 0, 0)}
+            else:
+                full = {"w1": ((e, r, w), (e, i, r), None, 1), "w3": ((e, r, w), (e, i, r), None, 1),
+                        "w2": ((e, r, i), (e, w, r), 2, None)}
+            shards = self.ep if self.ep.size > 1 else tp
             for proj, (a_full, b_full, a_split, b_split) in full.items():
                 if lora.targets_module(f"{spec.name}.{proj}"):
-                    adapters[proj] = LoraWeights(f"{spec.name}.{proj}", lora, a_full, b_full, a_split, b_split, tp)
+                    adapters[proj] = LoraWeights(f"{spec.name}.{proj}", lora, a_full, b_full, a_split, b_split, tp,
+                                                 shards=shards, expert=True)
         self.lora = nn.ModuleDict(adapters)
         # grouped GEMMs on CUDA need 16-byte aligned rank-space rows
         self._rank_aligned = all(lw.spec.rank % 8 == 0 for lw in adapters.values())
+
+    def _routed(self, xs: torch.Tensor, counts: torch.Tensor, token_of: torch.Tensor) -> torch.Tensor:
+        if self.ep.size == 1:
+            return self._experts(xs, counts, token_of)
+        rows, local_counts, plan = self.ep.dispatch(xs, counts)
+        return self.ep.combine(self._experts(rows, local_counts, None), plan)
 
     def groups(self, dtype: torch.dtype) -> bool:
         return super().groups(dtype) and self._rank_aligned
@@ -165,6 +187,12 @@ class ParallelExperts(RoutedExperts):
 
     def _experts_loop(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         segments = [(e, start, n) for e, (start, n) in enumerate(_spans(counts.tolist())) if n]
+        if not segments:
+            # No rows for this rank's experts (expert parallelism). Stay in the graph, so this rank runs the
+            # backward exchanges too, and give the adapters a zero gradient (what they get from an empty
+            # batch of rows), not None, as the other ranks' adapters of the same tensors get theirs.
+            unused = [p.sum() for proj in self.lora if self._on(proj) for p in (self.lora[proj].A, self.lora[proj].B)]
+            return xs * 0 + (sum(unused) * 0 if unused else 0)
         # Base GEMMs read xs through `enter` (their input gradient is partial per rank); the adapters read
         # the raw xs and enter in rank space instead, so no gradient is all-reduced twice.
         xs_base = self.tp.enter(xs)

@@ -12,14 +12,28 @@ this rank's slices of A and B and knows how the full tensors split across tensor
 
 so every rank ends a module with the same full output and identical gradients for replicated slices,
 and a TP=n model computes what the TP=1 model does. delta = (alpha / rank) * B(A(dropout(x))).
+Under expert parallelism the stacked expert factors are split on dim 0 (the expert dim) over the EP group
+instead (expert TP is 1 there): each rank holds the adapters of its own experts (`shards`).
 
 Determinism across TP sizes: A is initialized from a generator seeded by (seed, module name) over the
 full shape and then sliced, and dropout masks are drawn over the full input width from one generator
 per model, in module order, and sliced; so TP=1 and TP=n start from the same adapter and draw the same
-masks.
+masks. (Data and expert parallelism give each rank other tokens, so their masks are those of its rows.)
+
+Replicas and their gradients (`reduce_lora_grads_`, called by the trainer after backward): a factor held
+whole by several ranks that see different tokens gets its gradient summed over them, since each rank's
+loss is already normalized by the global batch's denominators:
+    dense factors (every non-expert module)    over data-parallel x context-parallel
+    routed-expert factors                      over megatron's expert-data-parallel group
+Megatron does none of this for parameters outside its DDP wrapper. Tensor-parallel replicas need no
+reduction, with or without sequence parallelism: every linear reads the whole sequence (the decoder
+layer gathers it before each mixer / MLP), and the column / row rules above leave the same full gradient
+on every TP rank. Replicas start identical: A is drawn from (seed, name) alone, B is zero
+(`check_lora_replicas` verifies it).
 
 Engine naming (the contract with `rollout.lora`): `<module>.lora_A` / `<module>.lora_B`, `<module>` the HF
-module path; stacked experts `<prefix>.experts.w1.lora_A` [E, r, in], `.lora_B` [E, out, r].
+module path; stacked experts `<prefix>.experts.w1.lora_A` [E, r, in], `.lora_B` [E, out, r], E the global
+expert count (gathered over EP in global expert order).
 """
 
 from __future__ import annotations
@@ -35,19 +49,26 @@ from torch import nn
 
 from miles_k3.model.lora_spec import LoraSpec
 from miles_k3.model.linear import SINGLE, TensorParallel
+from megatron_patches.expert_parallel import ExpertParallel
 
 
 class LoraWeights(nn.Module):
     """A [*lead, r, in] and B [*lead, out, r] (this rank's slices; `lead` = (E,) for stacked experts).
 
-    `a_split` / `b_split`: the dim of the full tensor split across TP ranks, or None if replicated.
+    `a_split` / `b_split`: the dim of the full tensor split across the ranks of `shards`, or None if
+    replicated. `shards` is the TP share (default) or, for experts under expert parallelism, the EP share;
+    `tp` is always the TP share (the column / row communication of `delta`, the dropout mask slices).
+    `expert`: a stacked routed-expert factor (its data replicas are the expert-data-parallel group).
     Built on any device (meta included); `reset` materializes them on `device` as trainable params.
     """
 
     def __init__(self, name: str, spec: LoraSpec, a_full: tuple[int, ...], b_full: tuple[int, ...],
-                 a_split: int | None, b_split: int | None, tp: TensorParallel = SINGLE):
+                 a_split: int | None, b_split: int | None, tp: TensorParallel = SINGLE,
+                 shards: TensorParallel | ExpertParallel | None = None, expert: bool = False):
         super().__init__()
         self.name, self.spec, self.tp = name, spec, tp
+        self.shards = shards if shards is not None else tp
+        self.expert = expert
         self.a_full, self.b_full = tuple(a_full), tuple(b_full)
         self.a_split, self.b_split = a_split, b_split
         self.scale = spec.scale
@@ -60,12 +81,12 @@ class LoraWeights(nn.Module):
         if split is None:
             return full
         shape = list(full)
-        assert shape[split] % self.tp.size == 0, f"{self.name}: dim {split} of {full} does not split"
-        shape[split] //= self.tp.size
+        assert shape[split] % self.shards.size == 0, f"{self.name}: dim {split} of {full} does not split"
+        shape[split] //= self.shards.size
         return tuple(shape)
 
     def _slice(self, full: torch.Tensor, split: int | None) -> torch.Tensor:
-        return full if split is None else self.tp.shard(full, split)
+        return full if split is None else self.shards.shard(full, split)
 
     # ------------------------------------------------------------------ state
     def exports(self) -> dict[str, tuple[nn.Parameter, int | None, tuple[int, ...]]]:
@@ -100,7 +121,9 @@ class LoraWeights(nn.Module):
     def rank_space(self, x: torch.Tensor, a: torch.Tensor | None = None) -> torch.Tensor:
         """h = A dropout(x) (no TP communication). `a` selects one expert's A."""
         a = self.A if a is None else a
-        return F.linear(self.dropout(x, split_last=self.a_split is not None), a)
+        # x holds this rank's slice of its last dim when A's input dim is split over TP
+        split_last = self.shards is self.tp and self.a_split == len(self.a_full) - 1
+        return F.linear(self.dropout(x, split_last=split_last), a)
 
     def delta(self, x: torch.Tensor, kind: str) -> torch.Tensor:
         """scale * B(A dropout(x)) for a linear of `kind`; x is that linear's (local) input."""
@@ -127,86 +150,183 @@ def _exports(model: nn.Module) -> dict[str, tuple[LoraWeights, nn.Parameter, int
     return {name: (m, *entry) for m in lora_modules(model) for name, entry in m.exports().items()}
 
 
+def _gather(m: LoraWeights, t: torch.Tensor, split: int | None) -> torch.Tensor:
+    return t if split is None or m.shards.size == 1 else m.shards.all_gather_dim(t, split)
+
+
+def _over_stages(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The union of every pipeline stage's tensors (the same dict on every stage). The gather itself is
+    the pipeline module's (`megatron_patches.pipeline.gather_over_stages(tensors) -> dict`); with one
+    stage this is the identity."""
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized() or ps.get_pipeline_model_parallel_world_size() == 1:
+        return tensors
+    try:
+        from megatron_patches.pipeline import gather_over_stages
+    except ImportError as e:
+        raise ValueError("exporting adapters over pipeline stages needs "
+                         "megatron_patches.pipeline.gather_over_stages") from e
+    return gather_over_stages(tensors)
+
+
 def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Full adapter tensors in engine naming: detached copies, gathered across TP ranks (a collective:
-    every TP rank must call it, and gets the same dict). Dtype and device are the parameters'."""
-    out = {}
-    for name, (m, p, split, _) in _exports(model).items():
-        t = p.detach()
-        if split is not None and m.tp.size > 1:
-            t = m.tp.all_gather_dim(t, split)
-        out[name] = t.clone()
-    return out
+    """Full adapter tensors in engine naming: detached copies, gathered across TP ranks, across EP ranks
+    (experts stacked in global order) and across pipeline stages (a collective: every rank must call it,
+    and gets the same dict). Dtype and device are the parameters'."""
+    out = {name: _gather(m, p.detach(), split).clone() for name, (m, p, split, _) in _exports(model).items()}
+    return _over_stages(out)
 
 
 def adapter_grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
-    """Full gradients of the adapter tensors in engine naming (gathered across TP like `adapter_state`;
-    a collective). None where a parameter has no gradient."""
+    """Full gradients of the adapter tensors in engine naming (gathered like `adapter_state`; a
+    collective). None where a parameter has no gradient (on every rank of its split, as after
+    `reduce_lora_grads_`)."""
     out: dict[str, torch.Tensor | None] = {}
     for name, (m, p, split, _) in _exports(model).items():
-        g = p.grad
-        if g is not None and split is not None and m.tp.size > 1:
-            g = m.tp.all_gather_dim(g, split)
-        out[name] = None if g is None else g.detach().clone()
+        out[name] = None if p.grad is None else _gather(m, p.grad.detach(), split).clone()
+    return _over_stages(out)
+
+
+# --------------------------------------------------------------------------- replicas and gradients
+def _replica_groups(model: nn.Module) -> list[tuple[str, object, list[LoraWeights]]]:
+    """(what, group, adapters) for each group of ranks that hold the same adapters on different tokens:
+    the dense ones over data x context parallel, the routed-expert ones over expert data parallel. Groups
+    of one rank are left out. The same list, in the same order, on every rank of a group."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        return []
+    mods = lora_modules(model)
+    out = []
+    for what, group, chosen in (
+            ("data x context parallel", ps.get_data_parallel_group(with_context_parallel=True),
+             [m for m in mods if not m.expert]),
+            ("expert data parallel", ps.get_expert_data_parallel_group(), [m for m in mods if m.expert])):
+        if dist.get_world_size(group) > 1 and chosen:
+            out.append((what, group, chosen))
     return out
+
+
+def _sum_grads(group, mods: list[LoraWeights], scale: float = 1.0) -> None:
+    """Sum the gradients of `mods`' factors over `group` (one all-reduce of a flat buffer per dtype). A
+    factor with no gradient on a rank adds zeros; one with no gradient on any rank stays None (a flag per
+    factor travels in the same buffer), so the optimizer treats it as the single-process run does."""
+    import torch.distributed as dist
+
+    params = [p for m in mods for p in (m.A, m.B) if p.requires_grad]
+    for dtype in sorted({p.dtype for p in params}, key=str):
+        same = [p for p in params if p.dtype == dtype]
+        device = same[0].device
+        parts = [p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), dtype=dtype, device=device)
+                 for p in same]
+        flags = torch.tensor([float(p.grad is not None) for p in same], dtype=dtype, device=device)
+        flat = torch.cat(parts + [flags])
+        dist.all_reduce(flat, group=group)
+        offset = 0
+        for p, had in zip(same, flat[-len(same):].tolist()):
+            g = flat[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+            if not had:
+                p.grad = None
+            elif p.grad is None:
+                p.grad = g.mul(scale)
+            else:
+                p.grad.copy_(g).mul_(scale)
+
+
+@torch.no_grad()
+def reduce_lora_grads_(model: nn.Module) -> None:
+    """Sum every replicated adapter gradient over the ranks that hold the replica (see the module
+    docstring), in place. The trainer calls it after backward and before clipping, on every rank; each
+    rank's loss must already be normalized by the global batch's denominators (token count, groups), so
+    the sum is the gradient of the global loss. A no-op on one rank."""
+    for _, group, mods in _replica_groups(model):
+        _sum_grads(group, mods)
 
 
 @torch.no_grad()
 def average_lora_grads_(model: nn.Module, group=None) -> None:
-    """Average the adapters' gradients over the data-parallel group (megatron's, by default) in place:
-    one all-reduce of a flat buffer per dtype. A no-op with one data-parallel rank. Every DP rank must
-    call it with the same parameters having gradients."""
+    """Average the adapters' gradients over `group` (megatron's data-parallel group by default) in place.
+    The trainer reduces with `reduce_lora_grads_` (a sum, losses normalized globally); this mean is what
+    a per-rank-normalized loss would need."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     group = group if group is not None else ps.get_data_parallel_group()
     size = dist.get_world_size(group)
-    if size == 1:
-        return
-    grads = [p.grad for p in lora_parameters(model) if p.grad is not None]
-    for dtype in sorted({g.dtype for g in grads}, key=str):
-        same = [g for g in grads if g.dtype == dtype]
-        flat = torch.cat([g.reshape(-1) for g in same])
-        dist.all_reduce(flat, group=group)
-        flat /= size
-        offset = 0
-        for g in same:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
+    if size > 1:
+        _sum_grads(group, lora_modules(model), scale=1.0 / size)
+
+
+@torch.no_grad()
+def check_lora_replicas(model: nn.Module) -> None:
+    """ValueError naming the first adapter tensor that differs between ranks meant to hold the same values:
+    the data / expert-data replicas (`reduce_lora_grads_`) and the TP ranks of an unsplit factor. A
+    collective; call it once after building or loading the adapters."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    checks = [(what, group, [(f"{m.name}.lora_{ab}", p) for m in mods for ab, p in (("A", m.A), ("B", m.B))])
+              for what, group, mods in _replica_groups(model)]
+    if ps.model_parallel_is_initialized() and ps.get_tensor_model_parallel_world_size() > 1:
+        unsplit = [(f"{m.name}.lora_{ab}", p) for m in lora_modules(model)
+                   for ab, p, split in (("A", m.A, m.a_split), ("B", m.B, m.b_split))
+                   if split is None]
+        checks.append(("tensor parallel", ps.get_tensor_model_parallel_group(), unsplit))
+    for what, group, named in checks:
+        for dtype in sorted({p.dtype for _, p in named}, key=str):
+            same = [(n, p) for n, p in named if p.dtype == dtype]
+            flat = torch.cat([p.detach().reshape(-1) for _, p in same])
+            lo, hi = flat.clone(), flat.clone()
+            dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
+            dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
+            offset = 0
+            for n, p in same:
+                if not torch.equal(lo[offset:offset + p.numel()], hi[offset:offset + p.numel()]):
+                    raise ValueError(f"adapter tensor {n!r} differs between the {what} ranks that replicate it")
+                offset += p.numel()
 
 
 @torch.no_grad()
 def clip_lora_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
     """Clip the adapters' gradients to a global L2 norm of `max_norm`, in place; returns the norm before
-    clipping (fp32 scalar, fp64 for fp64 grads; identical on every TP rank). A split gradient's square sum is all-reduced
-    over TP; a replicated one (identical on every rank) counts once. Call after any data-parallel
-    gradient reduction."""
+    clipping (fp32 scalar, fp64 for fp64 grads; identical on every rank). The norm covers every rank that
+    holds distinct gradients: a split factor's square sum is all-reduced over its split (TP, or EP for
+    experts), every pipeline stage adds its own adapters, and a replicated factor counts once. Call after
+    `reduce_lora_grads_` (data replicas then hold the same gradients)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
     if not max_norm > 0:
         raise ValueError(f"max_norm must be > 0, got {max_norm}")
     mods = lora_modules(model)
-    split_sq = replicated_sq = None
+    grads = [p.grad for p in lora_parameters(model) if p.grad is not None]
+    dtype = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
+    device = mods[0].A.device if mods else torch.device("cpu")
+    # square sums: [split over TP, split over EP, replicated]
+    sq = [torch.zeros((), device=device, dtype=dtype) for _ in range(3)]
     for m in mods:
         for p, split in ((m.A, m.a_split), (m.B, m.b_split)):
             if p.grad is None:
                 continue
-            g = p.grad if p.grad.dtype == torch.float64 else p.grad.float()  # at least fp32
-            sq = g.pow(2).sum()
-            if split is not None and m.tp.size > 1:
-                split_sq = sq if split_sq is None else split_sq + sq
-            else:
-                replicated_sq = sq if replicated_sq is None else replicated_sq + sq
-    device = mods[0].A.device if mods else torch.device("cpu")
-    total = torch.zeros((), device=device, dtype=torch.float64 if any(
-        p.grad is not None and p.grad.dtype == torch.float64 for p in lora_parameters(model)) else torch.float32)
-    if split_sq is not None:
-        total = total + mods[0].tp.reduce(split_sq)
-    if replicated_sq is not None:
-        total = total + replicated_sq
+            slot = 2 if split is None or m.shards.size == 1 else 1 if isinstance(m.shards, ExpertParallel) else 0
+            sq[slot] += p.grad.to(dtype).pow(2).sum()
+    if ps.model_parallel_is_initialized():
+        for slot, size, group in ((0, ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_group),
+                                  (1, ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_group)):
+            if size > 1:
+                dist.all_reduce(sq[slot], group=group())
+        total = sq[0] + sq[1] + sq[2]
+        if ps.get_pipeline_model_parallel_world_size() > 1:
+            dist.all_reduce(total, group=ps.get_pipeline_model_parallel_group())
+    else:
+        total = sq[0] + sq[1] + sq[2]
     norm = total.sqrt()
     coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-    for p in lora_parameters(model):
-        if p.grad is not None:
-            p.grad.mul_(coef.to(p.grad.dtype))
+    for g in grads:
+        g.mul_(coef.to(g.dtype))
     return norm
 
 

@@ -35,12 +35,15 @@ class RoutedExperts(nn.Module):
     """Routed experts held stacked: w1 (gate), w3 (up) [E, I, W] and w2 (down) [E, W, I].
 
     In a state dict they appear in the HF layout, `experts.{e}.w1.weight` [I, W] and so on (hooks split and
-    stack them), so checkpoints and PEFT names never see the stacking.
+    stack them), so checkpoints and PEFT names never see the stacking. `e` is the global expert index: a
+    build that holds only some experts (expert parallelism) sets `local_experts` to their global indices
+    and names just those.
 
     forward(x [N, W], indices [N, k], weights [N, k] fp32) -> [N, W] in x's dtype: the sum over a token's
     k experts of weight * expert(x). Token copies are sorted by expert once; bf16 runs one grouped GEMM per
     projection (`torch._grouped_mm`, no host sync), other dtypes loop over experts on contiguous slices.
-    Contributions are added in expert order, as transformers' reference does.
+    Contributions are added in expert order, as transformers' reference does. `_routed` is the seam between
+    the sort and the experts: an expert-parallel build sends each expert's rows to the rank holding it there.
     """
 
     _PROJ = ("w1", "w2", "w3")
@@ -48,6 +51,7 @@ class RoutedExperts(nn.Module):
     def __init__(self, spec: ExpertsSpec):
         super().__init__()
         self.spec = spec
+        self.local_experts = range(spec.num_experts)  # global indices of the experts held here, in order
         e, w, i = spec.num_experts, spec.width, spec.intermediate
         self.w1 = nn.Parameter(torch.empty(e, i, w))
         self.w3 = nn.Parameter(torch.empty(e, i, w))
@@ -61,14 +65,14 @@ class RoutedExperts(nn.Module):
             stacked = state_dict.pop(prefix + proj, None)
             if stacked is None:  # a subclass stores this projection another way (e.g. packed MXFP4)
                 continue
-            for e in range(stacked.shape[0]):
-                state_dict[f"{prefix}{e}.{proj}.weight"] = stacked[e]
+            for i, e in enumerate(module.local_experts):
+                state_dict[f"{prefix}{e}.{proj}.weight"] = stacked[i]
 
     @staticmethod
     def _stack_experts(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                        error_msgs) -> None:
         for proj in RoutedExperts._PROJ:
-            names = [f"{prefix}{e}.{proj}.weight" for e in range(module.spec.num_experts)]
+            names = [f"{prefix}{e}.{proj}.weight" for e in module.local_experts]
             if all(n in state_dict for n in names):
                 state_dict[prefix + proj] = torch.stack([state_dict.pop(n) for n in names])
 
@@ -84,10 +88,15 @@ class RoutedExperts(nn.Module):
         # (a host sync per MoE layer) and cannot be captured in a CUDA graph
         counts = torch.zeros(self.spec.num_experts, dtype=torch.long, device=flat.device)
         counts.index_add_(0, flat, torch.ones_like(flat))
-        ys = self._experts(x[token_of], counts, token_of)
+        ys = self._routed(x[token_of], counts, token_of)
         out = torch.zeros_like(x)
         out.index_add_(0, token_of, (ys * weights.reshape(-1)[order, None]).to(out.dtype))
         return out
+
+    def _routed(self, xs: torch.Tensor, counts: torch.Tensor, token_of: torch.Tensor) -> torch.Tensor:
+        """xs [M, W]: the token copies sorted by global expert, counts [num_experts] -> their expert outputs
+        [M, W] in the same order. Here every expert is local; an expert-parallel subclass dispatches."""
+        return self._experts(xs, counts, token_of)
 
     def groups(self, dtype: torch.dtype) -> bool:
         """Whether batches in `dtype` can run grouped GEMMs (no host sync, so CUDA graphs can capture them):

@@ -1,27 +1,140 @@
-"""Token log-probs and entropy of the policy's next-token distribution, for the trainer's loss.
+"""The vocabulary split over the TP group: embedding, logits and the trainer's log-probs / entropy.
 
     logp, entropy = token_logprobs(policy, hidden, targets, temperature, with_entropy=True)
 
-hidden [M, D] are the final-normed hidden states that predict `targets` [M]; logp [M] fp32 carries the
-gradient, entropy [M] fp32 is detached (a metric).
+hidden [M, D] are the final-normed hidden states that predict `targets` [M]; logp [M] (fp32, or fp64 for an
+fp64 model) carries the gradient, entropy [M] is detached (a metric).
 
-Today the lm_head gathers the full vocabulary on every TP rank and this is the plain computation.
-Being built (issue 13 part 5): vocab-parallel logits (each TP rank its vocab slice) with the log-softmax and
-entropy reduced over the TP group and chunked over tokens, so no rank holds [M, V].
+Layout (TP = t ranks, vocabulary V, rank r holds rows [r V/t, (r+1) V/t), megatron's `VocabUtility` split):
+- `VocabParallelEmbedding`: megatron's own (it runs on CPU as shipped): each rank looks up the ids in its
+  rows, others give 0, and the outputs are summed over TP. Frozen weight [V/t, D]. `tied_logits(h)` is
+  the tied head: h @ E_local^T, this rank's vocab slice of the logits.
+- the untied head is a `ColumnLinear` with `gather=False`: this rank's vocab slice of the logits.
+- `token_logprobs` reads the local logits chunk by chunk over tokens ([chunk, V/t] at a time) and reduces
+  the log-softmax over the TP group (a max, then one sum of [exp sum, target logit, sum p z] per chunk), so
+  no rank holds [M, V] logits. Its gradient is the exact softmax gradient, computed per chunk from that
+  chunk's saved local logits (in the model's dtype) with no collective in backward; the hidden states'
+  gradient is all-reduced where it always is, in the head's own backward (megatron's copy-to region).
+  A head that gathers the full vocabulary (or TP = 1) is the same computation with a group of one.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
+from megatron.core.model_parallel_config import ModelParallelConfig
+from megatron.core.tensor_parallel import VocabParallelEmbedding as _MegatronVocabParallelEmbedding
+from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
-from miles_k3.algo import entropy_from_logits
+from megatron_patches.linears import ColumnLinear
+
+DEFAULT_CHUNK = 4096  # tokens per chunk: [chunk, V/t] logits at a time
+
+
+def _no_init(weight: torch.Tensor) -> None:
+    return None  # base weights come from the checkpoint
+
+
+class VocabParallelEmbedding(_MegatronVocabParallelEmbedding):
+    """megatron's vocab-parallel embedding, frozen: `weight` [V/t, D] holds rows
+    [vocab_start_index, vocab_end_index) (the TP slice of `model.embed_tokens.weight` along dim 0)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, config: ModelParallelConfig):
+        super().__init__(num_embeddings, embedding_dim, init_method=_no_init, config=config)
+        self.weight.requires_grad_(False)
+
+    def tied_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [.., D] -> this rank's logits [.., V/t] of the tied head (backward: hidden's gradient
+        summed over TP, since each rank's slice of the logits depends on all of hidden)."""
+        if self.tp_group.size() > 1:
+            hidden = copy_to_tensor_model_parallel_region(hidden, group=self.tp_group)
+        return hidden @ self.weight.t()
+
+
+def vocab_parallel_embedding(config: ModelParallelConfig):
+    """The embedding factory of a build: (num_embeddings, dim) -> VocabParallelEmbedding."""
+    return lambda num_embeddings, dim: VocabParallelEmbedding(num_embeddings, dim, config)
+
+
+def local_head(policy):
+    """(logits_fn, vocab_start, group) of the policy's head: logits_fn(h [.., D]) gives the logits of vocab
+    ids [vocab_start, vocab_start + width); `group` is the TP group they are split over, None if whole."""
+    if policy.config.tie_word_embeddings:
+        emb = policy.model.embed_tokens
+        if isinstance(emb, VocabParallelEmbedding) and emb.tp_group.size() > 1:
+            return emb.tied_logits, emb.vocab_start_index, emb.tp_group
+        return (lambda h: h @ emb.weight.t()), 0, None
+    head = policy.lm_head
+    if isinstance(head, ColumnLinear) and not head.gather and head.tp.size > 1:
+        return head, head.tp.rank * (policy.config.vocab_size // head.tp.size), head.tp.group
+    return head, 0, None
 
 
 def token_logprobs(policy, hidden: torch.Tensor, targets: torch.Tensor, temperature: float, *,
-                   with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    logits = policy.logits(hidden).float() / temperature
-    logp = logits.gather(-1, targets[:, None]).squeeze(-1) - logits.logsumexp(-1)
-    if not with_entropy:
-        return logp, None
-    with torch.no_grad():
-        return logp, entropy_from_logits(logits.detach())
+                   with_entropy: bool = False, chunk_size: int = DEFAULT_CHUNK
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log pi(target) at `temperature` for each row of hidden [M, D] (and the entropy of pi), from the
+    policy's (vocab-parallel or whole) head, `chunk_size` tokens at a time. Every rank of the TP group
+    calls it with the same hidden and targets and gets the same result."""
+    logits_fn, start, group = local_head(policy)
+    return vocab_parallel_logprobs(logits_fn, hidden, targets, temperature, vocab_start=start, group=group,
+                                   with_entropy=with_entropy, chunk_size=chunk_size)
+
+
+def vocab_parallel_logprobs(logits_fn, hidden: torch.Tensor, targets: torch.Tensor, temperature: float, *,
+                            vocab_start: int = 0, group=None, with_entropy: bool = False,
+                            chunk_size: int = DEFAULT_CHUNK) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`token_logprobs` for any head: logits_fn(h [c, D]) -> [c, V_local] logits of ids
+    [vocab_start, vocab_start + V_local), split over `group` (None: the whole vocabulary)."""
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
+        raise ValueError(f"hidden must be [M, D] and targets [M], got {tuple(hidden.shape)} / {tuple(targets.shape)}")
+    if group is not None and dist.get_world_size(group) == 1:
+        group = None
+    logps, entropies = [], []
+    for h, t in zip(hidden.split(chunk_size), targets.split(chunk_size)):
+        logp, entropy = _ShardedLogSoftmax.apply(logits_fn(h), t, vocab_start, float(temperature), group)
+        logps.append(logp)
+        entropies.append(entropy)
+    if not logps:  # no tokens
+        empty = hidden.new_zeros(0, dtype=torch.promote_types(hidden.dtype, torch.float32))
+        return empty, (empty if with_entropy else None)
+    return torch.cat(logps), (torch.cat(entropies) if with_entropy else None)
+
+
+class _ShardedLogSoftmax(torch.autograd.Function):
+    """(z [c, V_local] local logits, targets [c]) -> (log softmax(z / T)[target], entropy), softmax over the
+    whole vocabulary (the group's slices). Forward: two all-reduces; backward: local only,
+    dz = g (onehot(target) - p) / T. Saves z in its own dtype and the [c] log-normalizer."""
+
+    @staticmethod
+    def forward(ctx, z, targets, vocab_start: int, temperature: float, group):
+        zf = z.to(torch.promote_types(z.dtype, torch.float32)) / temperature  # [c, V_local]: one chunk's fp32
+        m = zf.max(dim=-1).values
+        if group is not None:
+            dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+        e = torch.exp(zf - m[:, None])
+        local = targets - vocab_start
+        mine = (local >= 0) & (local < z.shape[-1])
+        idx = torch.where(mine, local, 0)
+        zt = torch.where(mine, zf.gather(-1, idx[:, None]).squeeze(-1), 0.0)
+        sums = torch.stack([e.sum(-1), zt, (e * zf).sum(-1)])  # [3, c]: partial over this rank's vocab slice
+        if group is not None:
+            dist.all_reduce(sums, group=group)
+        s, zt, ez = sums
+        lse = m + s.log()
+        ctx.save_for_backward(z, lse, idx, mine)
+        ctx.temperature = temperature
+        ctx.mark_non_differentiable(entropy := lse - ez / s)
+        return zt - lse, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, _grad_entropy):
+        z, lse, idx, mine = ctx.saved_tensors
+        zf = z.to(lse.dtype) / ctx.temperature
+        grad = -torch.exp(zf - lse[:, None]) * grad_logp[:, None]
+        grad.scatter_add_(-1, idx[:, None], torch.where(mine, grad_logp, 0.0)[:, None])
+        return (grad / ctx.temperature).to(z.dtype), None, None, None, None

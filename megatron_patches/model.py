@@ -9,9 +9,11 @@ The model is `miles_k3.model.K3ForCausalLM` itself (same forward, packed `cu_seq
 built with this package's factories and a `MegatronTP` share. Every TP rank of a group calls
 `build_policy` with the same arguments and the same full `base_state`; each keeps its slices.
 
+Pipeline parallelism: each rank builds only its stage's decoder layers (`megatron_patches.pipeline`:
+megatron's PP rank and the `pp_layers` split), loads only those tensors, and runs through
+`megatron_patches.schedule`; the factories are unchanged.
+
 Placement of the other parallelisms (not built yet), so they add to this without rewrites:
-- PP: `K3Model` would build only a stage's layer range; the AttnRes block bank (`blocks`) travels
-  between stages with `h` (pack it into one tensor per p2p send). The factories are unchanged.
 - CP: the KDA / MLA mixers receive `cu_seqlens`-style context to hand fla's `chunk_kda(cp_context=)`
   and an all-gather of the MLA latent KV; linears and adapters see only local tokens and need no change.
 - EP: `ParallelExperts` splits the expert dim instead of (or besides) the intermediate dim, with an
@@ -37,6 +39,7 @@ from megatron_patches.context_parallel import context_share
 from megatron_patches.linears import ColumnLinear, ParallelExperts, ReplicatedLinear, RowLinear
 from megatron_patches.lora import lora_modules
 from megatron_patches.parallel import MegatronTP, ensure_parallel
+from megatron_patches.pipeline import this_stage
 
 # Per-head tensors of a KDA mixer that follow its heads across TP ranks (dim 0 of the full tensor).
 _KDA_HEAD_SPLIT = re.compile(r"\.self_attn\.([qkv]_conv1d\.weight|dt_bias)$")
@@ -98,7 +101,8 @@ def _local_tensor(name: str, full: torch.Tensor, factory: PolicyFactory, config:
 
 def build_policy(config: K3Config, base_state: dict[str, torch.Tensor] | None, lora: LoraSpec, *,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 seed: int = 0, sequence_parallel: bool = False) -> K3ForCausalLM:
+                 seed: int = 0, sequence_parallel: bool = False,
+                 pp_layers: list[int] | None = None) -> K3ForCausalLM:
     """The trainer's model for this rank.
 
     base_state: the logical HF state dict, full tensors, no wrapper prefix (as
@@ -111,21 +115,26 @@ def build_policy(config: K3Config, base_state: dict[str, torch.Tensor] | None, l
     single-process TP=1 world is started (see `megatron_patches.parallel.ensure_parallel`).
     sequence_parallel: shard the residual stream along the sequence over the TP group (needs TP > 1; see
         `miles_k3.model.linear`). Logits and hidden states still come back whole on every rank.
+    pp_layers: decoder layers per pipeline stage (None = even; see `megatron_patches.pipeline.stage_layers`);
+        this rank builds the stage of its megatron PP rank. With PP = 1 it is the whole model.
 
     Returns a K3ForCausalLM whose only trainable parameters are the adapters (`lora_parameters`),
     in train mode; `policy.tp` is its TP share, `policy.lora_spec` the spec and `policy.lora_generator` the
-    generator of the adapters' dropout masks (seeded by `seed`, identical on every TP rank).
+    generator of the adapters' dropout masks (seeded by `seed`, identical on every TP rank);
+    `policy.model.layer_range` its stage's layers and `policy.residual_dtype` (= dtype) the dtype of the
+    residual state its pipeline sends carry.
     """
     if not isinstance(lora, LoraSpec):
         raise ValueError(f"lora must be a LoraSpec, got {type(lora).__name__}")
     ensure_parallel()
     tp, cp = MegatronTP(sequence_parallel), context_share()
     _check_tp(config, tp)
+    layers = this_stage(config.num_hidden_layers, pp_layers)
     mp = ModelParallelConfig(tensor_model_parallel_size=tp.size, params_dtype=dtype,
                              use_cpu_initialization=True, perform_initialization=False)
     factory = PolicyFactory(mp, tp, lora)
     with torch.device("meta"):
-        model = K3ForCausalLM(config, linear=factory.linear, experts=factory.experts, tp=tp, cp=cp)
+        model = K3ForCausalLM(config, linear=factory.linear, experts=factory.experts, tp=tp, cp=cp, layers=layers)
 
     full = base_state if base_state is not None else reference_state(config, seed)
     expected = tensor_shapes(config)
@@ -158,6 +167,7 @@ def build_policy(config: K3Config, base_state: dict[str, torch.Tensor] | None, l
         m.generator = generator
     # `lora_generator` draws the LoRA dropout masks: save / restore its state for a bit-exact resume
     model.tp, model.lora_spec, model.lora_generator = tp, lora, generator
+    model.residual_dtype = dtype
     return model.train()
 
 

@@ -12,7 +12,7 @@ megatron's 1F1B over the micro-batches.
 
 Stages hold disjoint layers, so their adapters are disjoint: an export gathers them over the PP group
 (`gather_over_stages`, which `lora.adapter_state` / `adapter_grads` call), and the gradient norm sums the
-stages' square sums (`pipeline_sum`; `lora.clip_lora_grad_norm_` all-reduces over the PP group).
+stages' square sums (`lora.clip_lora_grad_norm_` all-reduces its total over the PP group).
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
-from torch import nn
 
 
 def stage_layers(num_layers: int, pp_size: int, pp_layers: Sequence[int] | None = None) -> list[range]:
@@ -57,16 +56,6 @@ def this_stage(num_layers: int, pp_layers: Sequence[int] | None = None) -> range
     """This rank's layer range from megatron's pipeline-parallel rank and size."""
     return stage_layers(num_layers, ps.get_pipeline_model_parallel_world_size(), pp_layers)[
         ps.get_pipeline_model_parallel_rank()]
-
-
-def pipeline_sum(x: torch.Tensor) -> torch.Tensor:
-    """Sum a tensor over the PP group (a collective; every stage calls it). For the adapters' gradient square
-    sum: stages hold disjoint adapters, so the global norm is sqrt of the sum of the stages' sums."""
-    if ps.get_pipeline_model_parallel_world_size() == 1:
-        return x
-    x = x.clone()
-    dist.all_reduce(x, group=ps.get_pipeline_model_parallel_group())
-    return x
 
 
 def broadcast_tensors(named: dict[str, torch.Tensor | None] | None, src_stage: int, device: torch.device | str

@@ -107,6 +107,9 @@ def _schedule_config(policy: nn.Module) -> TransformerConfig:
         pipeline_dtype=policy.residual_dtype, params_dtype=policy.residual_dtype,
         variable_seq_lengths=True, moe_token_dispatcher_type="alltoall",  # see the module docstring
         calculate_per_token_loss=True,  # megatron leaves our (globally normalized) loss undivided
+        # a sent stage output keeps only its autograd node (the packed bank is up to (1 + n_blocks) x the
+        # residual's bytes); its backward then runs through megatron's custom_backward
+        deallocate_pipeline_outputs=True,
         use_cpu_initialization=True)
 
 

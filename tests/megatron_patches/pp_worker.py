@@ -2,7 +2,8 @@
 
 Every case builds the policy (this rank's stage), loads one seeded random adapter, and runs micro-batches of
 packed sequences through `megatron_patches.schedule`: a training pass (loss per micro-batch normalized by the
-whole batch's token count, LoRA gradients) and a forward-only pass (log-probs). `reference` computes the same
+whole batch's token count, LoRA gradients, their norm by `clip_lora_grad_norm_`) and a forward-only pass
+(log-probs). `reference` computes the same
 with the whole model in one process and a plain forward / backward per micro-batch.
 """
 
@@ -15,9 +16,9 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from megatron_patches.lora import adapter_grads, adapter_state, load_adapter_state, lora_modules
+from megatron_patches.lora import (adapter_grads, adapter_state, clip_lora_grad_norm_, load_adapter_state,
+                                   lora_modules)
 from megatron_patches.model import build_policy, reference_state
-from megatron_patches.pipeline import pipeline_sum
 from megatron_patches.schedule import MicroBatch, forward_backward, forward_only
 from megatron_patches.vocab_parallel import token_logprobs
 from miles_k3.model import K3Config
@@ -106,11 +107,12 @@ def run_case(config: K3Config, pp_layers: list[int] | None) -> dict:
     mbs = micro_batches(config)
     trained = forward_backward(policy, mbs, loss_fn)
     local = {name: m.A if name.endswith("lora_A") else m.B for m in lora_modules(policy) for name in m.exports()}
-    sq = sum(p.grad.pow(2).sum() for p in local.values())
+    local_grads = {k: p.grad.clone() for k, p in local.items()}
+    grads = adapter_grads(policy)
+    norm = clip_lora_grad_norm_(policy, max_norm=1e9)  # global over the stages (no clipping at this bound)
     logp = forward_only(policy, mbs, logp_fn)
     return {"losses": [r["loss"] for r in trained], "train_logp": [r["logp"] for r in trained],
-            "logp": [r["logp"] for r in logp], "local_grads": {k: p.grad.clone() for k, p in local.items()},
-            "grads": adapter_grads(policy), "norm": pipeline_sum(sq).sqrt(),
+            "logp": [r["logp"] for r in logp], "local_grads": local_grads, "grads": grads, "norm": norm,
             "layers": list(policy.model.layer_range), "names": sorted(policy.state_dict()),
             "adapter": adapter_state(policy)}
 

@@ -88,23 +88,33 @@ class LoraCfg(component_fields(LoraSpec)):
 
 @dataclass
 class ParallelCfg(Section):
-    """parallel.*: how the trainer's model is split over cluster.num_workers ranks."""
+    """parallel.*: how the trainer's model is split over cluster.num_workers = tp * pp * cp * dp ranks (megatron's
+    order: TP innermost, then CP, then DP, then PP); expert parallelism is formed inside dp * cp."""
 
     tp: int = 1  # tensor-parallel ranks (megatron-core column/row parallel linears)
     sp: bool = False  # sequence parallel over the TP group: norms / residual / AttnRes hold a slice of the tokens
     pp: int = 1  # pipeline parallel (not implemented: must be 1)
     cp: int = 1  # context parallel (not implemented: must be 1)
     ep: int = 1  # expert parallel (not implemented: must be 1)
+    dp: int = 1  # data-parallel replicas: each trains on its share of every minibatch's groups
 
     def check(self) -> None:
         c = Check(self)
-        for name in ("tp", "pp", "cp", "ep"):
+        for name in ("tp", "pp", "cp", "ep", "dp"):
             c.int_at_least(name, 1)
         for name in ("pp", "cp", "ep"):
             if getattr(self, name) != 1:
-                raise c.fail(name, "must be 1: only tensor parallelism (tp, sp) is implemented so far")
+                raise c.fail(name, "must be 1: only tensor and data parallelism (tp, sp, dp) are implemented so far")
         if self.sp and self.tp == 1:
             raise c.fail("sp", "needs parallel.tp > 1: sequence parallelism shards over the tensor-parallel group")
+        if (self.dp * self.cp) % self.ep:
+            raise c.fail("ep", f"must divide dp * cp = {self.dp * self.cp}: expert parallelism is formed inside the "
+                               f"data x context parallel ranks")
+
+    @property
+    def world_size(self) -> int:
+        """The trainer ranks this layout needs (cluster.num_workers must equal it)."""
+        return self.tp * self.pp * self.cp * self.dp
 
 
 @dataclass
@@ -210,7 +220,7 @@ class ClusterCfg(Section):
 
     launcher: str = "local"  # LAUNCHERS: local processes, or Ray actors
     device: str = "cpu"  # DEVICES
-    num_workers: int = 1  # trainer ranks (= parallel.tp for now); one engine per worker
+    num_workers: int = 1  # trainer ranks (= parallel.world_size: tp * pp * cp * dp)
     threads_per_worker: Optional[int] = None  # torch intra-op threads; None: torch's default
     ray_address: Optional[str] = None  # with launcher=ray: the cluster to join; None: start a local Ray instance
 

@@ -2,7 +2,7 @@
 
 local, cluster.num_workers == 1: one process; the engine and the trainer share it (and its device).
 local, num_workers == N > 1: N processes on this machine (torch.multiprocessing, gloo on CPU / nccl on
-    GPU), one trainer rank each, forming the TP group; rank 0 also runs the driver and the engine. The other
+    GPU), one trainer rank each, in the layout of `parallel.*`; rank 0 also runs the driver and the engine. The other
     ranks execute the driver's trainer calls (broadcast from rank 0) in `_serve`.
 ray: see `miles_k3.trainer.ray_launch` (a placement group, a trainer and an engine actor per bundle).
 """
@@ -69,7 +69,8 @@ def start_trainer_rank(rc: ResolvedConfig, rank: int, device: str, init_method: 
 
     backend = "nccl" if rc.cluster.device == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=rc.cluster.num_workers)
-    init_parallel(rc.parallel.tp)
+    par = rc.parallel
+    init_parallel(par.tp, par.pp, par.cp, par.ep)
     if inputs is not None and inputs.base_state is not None:
         config, state = inputs.config, inputs.base_state
     else:

@@ -123,9 +123,14 @@ def resolve(cfg: Any) -> ResolvedConfig:
     if a.updates_per_step > r.prompts_per_step:
         raise ValueError(f"algo.updates_per_step must be <= rollout.prompts_per_step ({r.prompts_per_step}): "
                          f"each update takes whole groups, got {a.updates_per_step}")
-    if c.num_workers != cfg.parallel.tp:
-        raise ValueError(f"cluster.num_workers must equal parallel.tp ({cfg.parallel.tp}): one trainer rank per "
-                         f"worker, and data parallelism is not implemented yet, got {c.num_workers}")
+    par = cfg.parallel
+    if c.num_workers != par.world_size:
+        raise ValueError(f"cluster.num_workers must equal the layout's world size tp * pp * cp * dp = {par.tp} * {par.pp} "
+                         f"* {par.cp} * {par.dp} = {par.world_size} (one trainer rank per worker), got {c.num_workers}")
+    groups_per_update = r.prompts_per_step // a.updates_per_step
+    if groups_per_update < par.dp:
+        raise ValueError(f"parallel.dp={par.dp} needs at least that many groups per update: rollout.prompts_per_step "
+                         f"({r.prompts_per_step}) / algo.updates_per_step ({a.updates_per_step}) = {groups_per_update}")
 
     return ResolvedConfig(raw=raw, model=cfg.model, lora=lora, parallel=cfg.parallel, rollout=r, sampling=sampling,
                           engine=engine, loss=loss, algo=a, optim=cfg.optim, data=data, eval_data=eval_data,

@@ -57,12 +57,16 @@ class TrainWorker:
 
     # ---------------------------------------------------------------------- train
     def train(self, batch: TrainBatch) -> dict[str, float]:
-        """One GRPO update (algo.updates_per_step optimizer steps over group minibatches). Returns metrics
-        averaged over the minibatches, plus lr and grad_norm."""
-        from megatron_patches.lora import adapters_disabled, clip_lora_grad_norm_
+        """One GRPO update (algo.updates_per_step optimizer steps over group minibatches). Every rank gets
+        the whole batch; a data-parallel rank trains on its share of each minibatch's groups, with the loss
+        normalized by the whole minibatch's denominators so the summed gradients are the whole batch's.
+        Returns metrics of the whole batch averaged over the minibatches (the same on every rank), plus lr
+        and grad_norm."""
+        from megatron_patches.lora import adapters_disabled, clip_lora_grad_norm_, reduce_lora_grads_
 
         minibatches = batch.split_by_groups(self.algo.updates_per_step)
-        packed = [pack(mb, self.device) for mb in minibatches]
+        shares = [data_share(mb) for mb in minibatches]
+        packed = [pack(share, self.device) for share in shares]
         old = None
         if len(packed) > 1:  # pi_old is the policy before this step's first update (eval mode: no dropout)
             self.policy.eval()
@@ -70,7 +74,7 @@ class TrainWorker:
                 old = [self._token_logprobs(p)[0] for p in packed]
         self.policy.train()
         sums: dict[str, float] = {}
-        for k, (mb, p) in enumerate(zip(minibatches, packed)):
+        for k, (mb, share, p) in enumerate(zip(minibatches, shares, packed)):
             ref = None
             if self.loss_config.kl != "none":
                 with torch.no_grad(), adapters_disabled(self.policy):
@@ -78,17 +82,20 @@ class TrainWorker:
             logp, entropy = self._token_logprobs(p, with_entropy=True)
             mask = p.mask()
             old_logp = p.to_padded(old[k] if old is not None else logp.detach())
-            rollout = p.to_padded(torch.tensor([x for lp in mb.rollout_logprobs for x in lp],
+            rollout = p.to_padded(torch.tensor([x for lp in share.rollout_logprobs for x in lp],
                                                dtype=torch.float32, device=self.device))
-            adv = torch.tensor(mb.advantages, dtype=torch.float32, device=self.device)
+            adv = torch.tensor(share.advantages, dtype=torch.float32, device=self.device)
+            num_tokens = sum(len(r) for r in mb.responses)
             loss, metrics = policy_loss(p.to_padded(logp), old_logp, adv, mask, self.loss_config, ref_logp=ref,
-                                        rollout_logp=rollout)
+                                        rollout_logp=rollout, num_tokens=num_tokens, num_sequences=len(mb))
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
-            # global norm over the TP group, the same scale on every rank; grad_clip 0: measure, do not clip
+            reduce_lora_grads_(self.policy)  # data-parallel (and expert-data) replicas: summed
+            # the global norm over every rank's distinct gradients; grad_clip 0: measure, do not clip
             grad_norm = clip_lora_grad_norm_(self.policy, self.grad_clip or math.inf)
             self.optimizer.step()
             metrics["entropy"] = entropy.mean()
+            metrics = whole_batch_metrics(metrics, int(mask.sum()), num_tokens)
             metrics["grad_norm"] = grad_norm
             for name, v in metrics.items():
                 sums[name] = sums.get(name, 0.0) + float(v) / len(packed)
@@ -116,6 +123,36 @@ class TrainWorker:
         self.scheduler.load_state_dict(state["scheduler"])
         set_rng_state(state["rng"], self.device)
         self.policy.lora_generator.set_state(state["lora_dropout_rng"])
+
+
+# Metrics that are sums over the whole batch once each rank's loss is normalized by the batch's denominators;
+# every other metric is a per-token mean, combined over data-parallel ranks weighted by their token counts.
+_SUMMED = ("loss", "pg_loss", "kl_loss")
+
+
+def data_share(batch: TrainBatch) -> TrainBatch:
+    """This data-parallel rank's whole groups of `batch` (all of it without data parallelism)."""
+    from megatron.core import parallel_state as ps
+
+    size = ps.get_data_parallel_world_size()
+    return batch if size == 1 else batch.split_by_groups(size)[ps.get_data_parallel_rank()]
+
+
+def whole_batch_metrics(metrics: dict[str, torch.Tensor], tokens: int, total_tokens: int) -> dict[str, torch.Tensor]:
+    """One rank's metrics of its share (`tokens` of the minibatch's `total_tokens` response tokens) -> the whole
+    minibatch's, the same on every data-parallel rank: loss terms summed, per-token means weighted by the
+    ranks' token counts (exact for token means; a sequence-level statistic such as rollout_ess becomes the
+    token-weighted mean of the ranks' values)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    if ps.get_data_parallel_world_size() == 1:
+        return metrics
+    names = sorted(metrics)
+    weight = tokens / total_tokens
+    flat = torch.stack([metrics[n].detach().double() * (1.0 if n in _SUMMED else weight) for n in names])
+    dist.all_reduce(flat, group=ps.get_data_parallel_group())
+    return dict(zip(names, flat.float()))
 
 
 def rng_state(device: torch.device) -> dict[str, Any]:

@@ -101,7 +101,9 @@ def test_ray_launcher_runs_the_colocated_loop(tmp_path):
     assert rs[0]["train_rollout_logprob_abs_diff"] < 1e-4
 
 
-def test_local_tensor_parallel_matches_single_rank(tmp_path):
+def test_local_parallel_layouts_match_single_rank(tmp_path):
+    """TP=2, TP=2 with SP, and DP=2 through the CLI: the first step's rewards, loss and gradient norm are the
+    single rank's."""
     flags = ["trainer.max_steps=2", "logging.wandb=disabled", "trainer.eval_before=false"]
     one = cli(tmp_path / "tp1", *flags)
     two = cli(tmp_path / "tp2", *flags, "parallel=tp2", "cluster.num_workers=2")
@@ -119,6 +121,14 @@ def test_local_tensor_parallel_matches_single_rank(tmp_path):
     assert r3[0]["reward_mean"] == r1[0]["reward_mean"]
     assert r3[0]["loss"] == pytest.approx(r1[0]["loss"], abs=1e-5)
     assert r3[0]["grad_norm"] == pytest.approx(r1[0]["grad_norm"], rel=1e-4)
+    # data parallel: each rank half the groups, gradients summed, metrics of the whole batch
+    dp = cli(tmp_path / "dp", *flags, "parallel=dp2", "cluster.num_workers=2")
+    assert dp.returncode == 0, dp.stderr[-3000:]
+    r4 = rows(tmp_path / "dp")
+    assert r4[0]["reward_mean"] == r1[0]["reward_mean"]
+    assert r4[0]["loss"] == pytest.approx(r1[0]["loss"], abs=1e-5)
+    assert r4[0]["grad_norm"] == pytest.approx(r1[0]["grad_norm"], rel=1e-4)
+    assert r4[0]["entropy"] == pytest.approx(r1[0]["entropy"], rel=1e-4)
     # resuming a TP=2 run: rank 0 reads the checkpoint and hands each rank its own optimizer / RNG state
     more = cli(tmp_path / "tp2", "trainer.max_steps=3", "logging.wandb=disabled", "trainer.eval_before=false",
                "parallel=tp2", "cluster.num_workers=2", "trainer.resume=auto")

@@ -110,7 +110,10 @@ def test_groups_swap_and_interpolate():
     ("trainer.resume=/no/such/dir", "trainer.resume must be one of"),
     ("parallel.pp=2", "parallel.pp must be 1"),
     ("parallel.sp=true", "parallel.sp needs parallel.tp > 1"),
-    ("parallel.tp=2", "cluster.num_workers must equal parallel.tp (2)"),
+    ("parallel.tp=2", "cluster.num_workers must equal the layout's world size tp * pp * cp * dp = 2 * 1 * 1 * 1 = 2"),
+    ("parallel.dp=0", "parallel.dp must be an integer >= 1"),
+    ("parallel.dp=3", "cluster.num_workers must equal the layout's world size"),
+    ("parallel.dp=64 cluster.num_workers=64", "parallel.dp=64 needs at least that many groups per update"),
     ("cluster.device=tpu", "cluster.device must be one of"),
     ("cluster.ray_address=auto", "cluster.ray_address only applies with cluster.launcher=ray"),
     ("reward.on_failure=ignore", "reward.on_failure must be one of"),
@@ -132,7 +135,7 @@ def test_groups_swap_and_interpolate():
 ])
 def test_bad_values_name_the_field(override, message):
     with pytest.raises(ValueError) as e:
-        resolve(composed("recipe=k3_grpo", override))
+        resolve(composed("recipe=k3_grpo", *override.split()))
     assert str(e.value).startswith(message), str(e.value)
     assert "\n" not in str(e.value)
 

@@ -18,10 +18,9 @@ from miles_k3.model.linear import SINGLE, ExpertsFactory, LinearFactory, LinearS
 from miles_k3.model.moe import GLUMLP, LatentMoE
 from miles_k3.model.norm import RMSNorm
 from miles_k3.ops.attnres import attn_res_mix
-from miles_k3.ops.kda import kda, kda_gate
+from miles_k3.ops.kda import kda_gate, math_dtype
 from miles_k3.ops.mla import mla_attention, packed_causal_attention
 from miles_k3.ops.norm import gated_rms_norm
-from miles_k3.ops.short_conv import causal_short_conv
 
 
 def _conv_holder(channels: int, kernel: int) -> nn.Conv1d:
@@ -75,26 +74,30 @@ class KDAMixer(nn.Module):
 
     def forward(self, x: torch.Tensor, cache: K3StateCache | None = None,
                 cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
-        c = self.config
+        """Under context parallelism (`cp.size` > 1) the mixer runs on this rank's contiguous segment of the
+        row: `cp.to_segment` moves the zigzag-ordered input there, the conv and recurrence take what earlier
+        segments leave (`cp.short_conv`, `cp.kda`), and `cp.to_zigzag` moves the output back."""
+        c, cp = self.config, self.cp
+        x = cp.to_segment(x)
         b, t, _ = x.shape
         heads = (b, t, self.heads, c.kda_head_dim)
         prev = cache.kda_state(self.layer_idx) if cache is not None else None
         qkv, conv = [], []
         for p, state in zip("qkv", prev[:3] if prev is not None else (None,) * 3):
-            y, new_state = causal_short_conv(getattr(self, f"{p}_proj")(x), getattr(self, f"{p}_conv1d").weight,
-                                             state=state, cu_seqlens=cu_seqlens)
+            y, new_state = cp.short_conv(getattr(self, f"{p}_proj")(x), getattr(self, f"{p}_conv1d").weight,
+                                         state=state, cu_seqlens=cu_seqlens)
             qkv.append(y.view(heads))
             conv.append(new_state)
         g = kda_gate(self.f_b_proj(self.f_a_proj(x)), self.A_log, self.dt_bias, num_heads=self.heads,
                      form=c.kda_gate_form, lower_bound=c.kda_gate_lower_bound)
-        beta = torch.sigmoid(self.b_proj(x).float())
-        o, recurrent = kda(*qkv, g, beta,
-                           initial_state=prev.recurrent if prev is not None else None,
-                           output_final_state=cache is not None, cu_seqlens=cu_seqlens, use_qk_l2norm=True)
+        beta = torch.sigmoid(self.b_proj(x).to(math_dtype(x)))
+        o, recurrent = cp.kda(*qkv, g, beta,
+                              initial_state=prev.recurrent if prev is not None else None,
+                              output_final_state=cache is not None, cu_seqlens=cu_seqlens, use_qk_l2norm=True)
         if cache is not None:
             cache.set_kda_state(self.layer_idx, KDAState(*conv, recurrent))
         o = gated_rms_norm(o, self.output_gate(x).view(heads), self.o_norm.weight, c.rms_norm_eps)
-        return self.o_proj(o.reshape(b, t, self.heads * c.kda_head_dim))
+        return self.o_proj(cp.to_zigzag(o.reshape(b, t, self.heads * c.kda_head_dim)))
 
 
 class MLAMixer(nn.Module):
@@ -154,11 +157,13 @@ class MLAMixer(nn.Module):
         mask = None
         if cache is not None:
             latent, rope, mask = cache.mla_extend(self.layer_idx, latent, rope)
+        # context parallel: every rank's latent KV in sequence order (expanded here) and the mask over it
+        latent, rope, mask = self.cp.mla_keys(latent, rope, mask)
         s = latent.shape[1]
         k_nope, v = self.kv_b_proj(latent).view(b, s, h, -1).split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)
         rope = self.tp.enter(rope)  # shared by all heads, this rank's included
         k = torch.cat([k_nope, rope[:, :, None, :].expand(b, s, h, c.qk_rope_head_dim)], dim=-1)
-        if cu_seqlens is not None and cache is None:
+        if cu_seqlens is not None and cache is None and self.cp.size == 1:
             return packed_causal_attention(q, k, v, self.scale, cu_seqlens)
         return mla_attention(q, k, v, self.scale, mask)
 

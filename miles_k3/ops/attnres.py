@@ -1,4 +1,4 @@
-"""Attention Residuals mixing (arXiv 2603.15031), in fp32.
+"""Attention Residuals mixing (arXiv 2603.15031), in fp32 (fp64 for fp64 inputs).
 
     v = stack(blocks + [h])                       [L, ..., D]
     keys = v / sqrt(mean(v^2, -1) + eps)          (no weight)
@@ -22,8 +22,9 @@ def attn_res_mix(
     eps: float,
 ) -> torch.Tensor:
     """h [..., D] and each block [..., D] -> [..., D] in h's dtype. proj_weight [1, D] (a Linear(D, 1))."""
-    v = torch.stack([*blocks, h], dim=0).float()
+    dtype = torch.promote_types(h.dtype, torch.float32)
+    v = torch.stack([*blocks, h], dim=0).to(dtype)
     keys = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps)
-    query = norm_weight.float() * proj_weight.float()[0]
+    query = norm_weight.to(dtype) * proj_weight.to(dtype)[0]
     probs = torch.softmax(keys @ query, dim=0)
     return (probs.unsqueeze(-1) * v).sum(0).to(h.dtype)

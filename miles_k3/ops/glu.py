@@ -1,6 +1,6 @@
 """Gated linear unit activations: SiLU-GLU and K3's SiTU-GLU.
 
-SiTU-GLU (published formula, computed in fp32):
+SiTU-GLU (published formula, computed in fp32, or fp64 for fp64 inputs):
     out = [beta * tanh(gate / beta) * sigmoid(gate)] * [beta_lin * tanh(up / beta_lin)]
 a SiLU whose linear factor is soft-capped at +-beta, times an up branch
 soft-capped at +-beta_lin (K3: beta 4, beta_lin 25).
@@ -18,8 +18,9 @@ def silu_glu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float = 4.0, beta_lin: float = 25.0) -> torch.Tensor:
-    """SiTU-GLU in fp32; returns gate's dtype. gate, up [..., I]."""
-    g, u = gate.float(), up.float()
+    """SiTU-GLU in fp32 (fp64 for fp64); returns gate's dtype. gate, up [..., I]."""
+    dtype = torch.promote_types(gate.dtype, torch.float32)
+    g, u = gate.to(dtype), up.to(dtype)
     act = beta * torch.tanh(g / beta) * torch.sigmoid(g)
     return (act * (beta_lin * torch.tanh(u / beta_lin))).to(gate.dtype)
 

@@ -46,7 +46,7 @@ def kda_gate(f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None,
             ``"lower_bound"`` (K3): ``lower_bound * sigmoid(exp(A_log[h]) * (f + dt_bias))``.
 
     Returns:
-        ``[..., H, K]`` fp32 gate, ``<= 0``.
+        ``[..., H, K]`` fp32 gate (fp64 for fp64 ``f``), ``<= 0``.
     """
     if form not in _GATE_FORMS:
         raise ValueError(f"`form` must be one of {_GATE_FORMS}, got {form!r}")
@@ -59,10 +59,11 @@ def kda_gate(f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None,
     if dt_bias is not None and dt_bias.numel() != H * K:
         raise ValueError(f"`dt_bias` must have H*K={H * K} elements, got shape {tuple(dt_bias.shape)}")
 
-    x = f.float().unflatten(-1, (H, K))
+    dtype = math_dtype(f)
+    x = f.to(dtype).unflatten(-1, (H, K))
     if dt_bias is not None:
-        x = x + dt_bias.float().reshape(H, K)
-    rate = A_log.reshape(-1)[:H].unsqueeze(-1).float().exp()  # [H, 1]
+        x = x + dt_bias.to(dtype).reshape(H, K)
+    rate = A_log.reshape(-1)[:H].unsqueeze(-1).to(dtype).exp()  # [H, 1]
     if form == "softplus":
         return -rate * F.softplus(x)
     return lower_bound * torch.sigmoid(rate * x)

@@ -1,6 +1,6 @@
 """Sigmoid noaux_tc router: selection on scores + correction bias, weights from raw scores.
 
-    s = sigmoid(x @ W^T)                         (fp32)
+    s = sigmoid(x @ W^T)                         (fp32, fp64 for fp64 logits)
     choice = s + e_score_correction_bias         (selection only)
     groups: keep the topk_group groups whose top-2 choice scores sum highest
     idx = topk(choice within kept groups, k)
@@ -22,10 +22,10 @@ def route_tokens(
     renormalize: bool = True,
     scaling_factor: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """router_logits [N, E] -> (weights [N, k] fp32, indices [N, k] int64)."""
+    """router_logits [N, E] -> (weights [N, k] fp32 (fp64 for fp64 logits), indices [N, k] int64)."""
     n, e = router_logits.shape
-    scores = router_logits.float().sigmoid()
-    choice = scores if correction_bias is None else scores + correction_bias.float()
+    scores = router_logits.to(torch.promote_types(router_logits.dtype, torch.float32)).sigmoid()
+    choice = scores if correction_bias is None else scores + correction_bias.to(scores.dtype)
     if num_groups > 1:
         grouped = choice.view(n, num_groups, e // num_groups)
         group_scores = grouped.topk(min(2, e // num_groups), dim=-1).values.sum(-1)

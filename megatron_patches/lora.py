@@ -330,12 +330,27 @@ def clip_lora_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
     return norm
 
 
+def _other_stages(model: nn.Module, local: dict) -> set[str]:
+    """Engine names of the adapters that other pipeline stages hold (empty with one stage)."""
+    from megatron.core import parallel_state as ps
+
+    from miles_k3.model.lora_spec import adaptable_modules
+
+    if not ps.model_parallel_is_initialized() or ps.get_pipeline_model_parallel_world_size() == 1:
+        return set()
+    spec = model.lora_spec  # set by build_policy
+    names = {f"{m}.lora_{ab}" for m in adaptable_modules(model.config) if spec.targets_module(m) for ab in "AB"}
+    return names - set(local)
+
+
 @torch.no_grad()
 def load_adapter_state(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
     """Copy full adapter tensors (engine naming, as `adapter_state` returns) into the model's local
-    slices (every TP rank passes the same full tensors). Validates every name, shape, dtype and value
-    first and writes nothing on error (ValueError)."""
+    slices (every TP / EP rank passes the same full tensors). Validates every name, shape, dtype and value
+    first and writes nothing on error (ValueError). Under pipeline parallelism every stage may pass the
+    whole model's tensors: a stage takes its own and skips the adapters of the other stages' layers."""
     expected = _exports(model)
+    tensors = {k: v for k, v in tensors.items() if k in expected or k not in _other_stages(model, expected)}
     missing = sorted(set(expected) - set(tensors))
     unknown = sorted(set(tensors) - set(expected))
     if missing or unknown:

@@ -151,7 +151,11 @@ class Router(nn.Module):
 
 class LatentMoE(nn.Module):
     """Router on the full width; routed experts in the latent space (down -> experts -> norm -> up);
-    shared experts at full width on the original input. Without a latent size this is Kimi-Linear's MoE."""
+    shared experts at full width on the original input. Without a latent size this is Kimi-Linear's MoE.
+
+    Order of one forward: route, down-project, experts (an expert-parallel build dispatches the latent rows
+    to their experts' ranks and combines them back inside `experts`), latent norm, up-project, add the
+    shared experts. So expert parallelism moves latent-width rows, and everything else is per token."""
 
     def __init__(self, config: K3Config, name: str, linear: LinearFactory, experts: ExpertsFactory):
         super().__init__()

@@ -41,8 +41,9 @@ def segment_pass(q, k, v, g, beta, bounds: list[int], *, scale: float | None = N
     transition [H, K, K + V] = (M | b): the first piece's state map and the last piece's zero-start end state).
     """
     dtype = math_dtype(q, k, v)
+    q, k, v = (x.to(dtype) for x in (q, k, v))  # the references compute in it anyway; fla takes one dtype
     cu = torch.tensor(bounds, device=q.device)
-    o0, ends = kda(q, k, v.to(dtype), g, beta, scale=scale, output_final_state=True, cu_seqlens=cu,
+    o0, ends = kda(q, k, v, g, beta, scale=scale, output_final_state=True, cu_seqlens=cu,
                    use_qk_l2norm=use_qk_l2norm)
     n = bounds[1]
     first = [x[:, :n] for x in (q, k, g, beta)]

@@ -37,7 +37,7 @@ from miles_k3.model.lora_spec import LoraSpec
 from miles_k3.model.modeling import K3ForCausalLM, reference_state
 from megatron_patches.context_parallel import context_share
 from megatron_patches.linears import ColumnLinear, ParallelExperts, ReplicatedLinear, RowLinear
-from megatron_patches.lora import lora_modules
+from megatron_patches.lora import lora_modules, lora_parameters
 from megatron_patches.parallel import MegatronTP, ensure_parallel
 from megatron_patches.pipeline import this_stage
 
@@ -115,6 +115,8 @@ def build_policy(config: K3Config, base_state: dict[str, torch.Tensor] | None, l
     single-process TP=1 world is started (see `megatron_patches.parallel.ensure_parallel`).
     sequence_parallel: shard the residual stream along the sequence over the TP group (needs TP > 1; see
         `miles_k3.model.linear`). Logits and hidden states still come back whole on every rank.
+    device "meta": this rank's shapes only, for the layout planner (base_state must be None; nothing is read or
+        drawn, the adapters are trainable meta parameters).
     pp_layers: decoder layers per pipeline stage (None = even; see `megatron_patches.pipeline.stage_layers`);
         this rank builds the stage of its megatron PP rank. With PP = 1 it is the whole model.
 
@@ -136,6 +138,15 @@ def build_policy(config: K3Config, base_state: dict[str, torch.Tensor] | None, l
     with torch.device("meta"):
         model = K3ForCausalLM(config, linear=factory.linear, experts=factory.experts, tp=tp, cp=cp, layers=layers)
 
+    if torch.device(device).type == "meta":  # shapes only (the layout planner): nothing read, nothing drawn
+        if base_state is not None:
+            raise ValueError("build_policy on the meta device takes no base_state")
+        model.requires_grad_(False)
+        for p in lora_parameters(model):
+            p.requires_grad_(True)
+        model.tp, model.lora_spec, model.lora_generator = tp, lora, None
+        model.residual_dtype = dtype
+        return model.train()
     full = base_state if base_state is not None else reference_state(config, seed)
     expected = tensor_shapes(config)
     missing = sorted(set(expected) - set(full))

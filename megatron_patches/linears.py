@@ -191,8 +191,9 @@ class ParallelExperts(RoutedExperts):
             # No rows for this rank's experts (expert parallelism). Stay in the graph, so this rank runs the
             # backward exchanges too, and give the adapters a zero gradient (what they get from an empty
             # batch of rows), not None, as the other ranks' adapters of the same tensors get theirs.
-            unused = [p.sum() for proj in self.lora if self._on(proj) for p in (self.lora[proj].A, self.lora[proj].B)]
-            return xs * 0 + (sum(unused) * 0 if unused else 0)
+            on = [lw for lw in map(self._on, self.lora) if lw is not None]
+            zero = sum((lw.A.sum() + lw.B.sum() for lw in on), xs.new_zeros(())) * 0
+            return xs * 0 + zero
         # Base GEMMs read xs through `enter` (their input gradient is partial per rank); the adapters read
         # the raw xs and enter in rank space instead, so no gradient is all-reduced twice.
         xs_base = self.tp.enter(xs)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 from miles_k3.algo import PolicyLossConfig
 from miles_k3.data import PromptDataConfig
@@ -93,23 +93,35 @@ class ParallelCfg(Section):
 
     tp: int = 1  # tensor-parallel ranks (megatron-core column/row parallel linears)
     sp: bool = False  # sequence parallel over the TP group: norms / residual / AttnRes hold a slice of the tokens
-    pp: int = 1  # pipeline parallel (not implemented: must be 1)
+    pp: int = 1  # pipeline stages (megatron's 1F1B schedule; the AttnRes bank travels packed with the residual)
+    # decoder layers per stage, e.g. [11, 12, 12, 12, 12, 12, 12, 10] for 93 layers on 8; None: as even as possible
+    pp_layers: Optional[List[int]] = None
     cp: int = 1  # context parallel (not implemented: must be 1)
-    ep: int = 1  # expert parallel (not implemented: must be 1)
+    ep: int = 1  # expert-parallel ranks: each holds num_experts / ep routed experts (needs tp 1)
     dp: int = 1  # data-parallel replicas: each trains on its share of every minibatch's groups
+    # packed tokens per micro-batch (whole sequences; a longer one is a micro-batch of its own); None: one
+    # micro-batch per rank and minibatch. Pipelines want several micro-batches per stage to fill the 1F1B schedule.
+    micro_batch_tokens: Optional[int] = None
 
     def check(self) -> None:
         c = Check(self)
         for name in ("tp", "pp", "cp", "ep", "dp"):
             c.int_at_least(name, 1)
-        for name in ("pp", "cp", "ep"):
-            if getattr(self, name) != 1:
-                raise c.fail(name, "must be 1: only tensor and data parallelism (tp, sp, dp) are implemented so far")
+        if self.cp != 1:
+            raise c.fail("cp", "must be 1: context parallelism is not wired into the trainer yet")
         if self.sp and self.tp == 1:
             raise c.fail("sp", "needs parallel.tp > 1: sequence parallelism shards over the tensor-parallel group")
+        if self.ep > 1 and self.tp > 1:
+            raise c.fail("ep", "needs parallel.tp=1: the routed experts run with expert tensor parallelism 1")
         if (self.dp * self.cp) % self.ep:
             raise c.fail("ep", f"must divide dp * cp = {self.dp * self.cp}: expert parallelism is formed inside the "
                                f"data x context parallel ranks")
+        if self.pp_layers is not None:
+            counts = list(self.pp_layers)
+            if len(counts) != self.pp or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in counts):
+                raise c.fail("pp_layers", f"must list parallel.pp={self.pp} layer counts, each an integer >= 1")
+        if self.micro_batch_tokens is not None:
+            c.int_at_least("micro_batch_tokens", 1)
 
     @property
     def world_size(self) -> int:

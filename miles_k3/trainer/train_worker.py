@@ -1,8 +1,9 @@
 """The trainer side of the colocated loop: the megatron-core policy (frozen BF16 base + LoRA), its optimizer,
 and one GRPO update per call.
 
-Every rank of a tensor-parallel group holds one TrainWorker and calls `train` with the same batch (megatron's
-parallel linears do the communication). `adapter_state()` returns full (TP-gathered) adapter tensors in the
+Every trainer rank holds one TrainWorker and calls `train` with the same whole batch: a data-parallel rank takes
+its share of the groups (`micro_batches`), megatron's schedule runs its micro-batches through the pipeline
+stages, and megatron's parallel linears do the tensor-parallel communication. `adapter_state()` returns full (TP-gathered) adapter tensors in the
 engine's naming; `state_dict()` / `load_state_dict()` carry adapters, optimizer, LR schedule and RNG states for
 checkpoints.
 """
@@ -11,25 +12,28 @@ from __future__ import annotations
 
 import math
 import random
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from miles_k3.algo import policy_loss
 from miles_k3.model.config import K3Config
-from miles_k3.trainer.batch import Packed, TrainBatch, pack
+from miles_k3.trainer.batch import TrainBatch
+from miles_k3.trainer.micro_batches import Piece, combine_metrics, data_share, micro_batches
 
 
 class TrainWorker:
     def __init__(self, config: K3Config, base_state: dict[str, torch.Tensor], lora, *, loss, algo, optim,
                  temperature: float, dtype: torch.dtype, device: str, seed: int = 0,
-                 sequence_parallel: bool = False):
+                 sequence_parallel: bool = False, pp_layers: list[int] | None = None,
+                 micro_batch_tokens: int | None = None):
         from megatron_patches.lora import lora_parameters
         from megatron_patches.model import build_policy
 
         self.device = torch.device(device)
         self.policy = build_policy(config, base_state, lora, dtype=dtype, device=device, seed=seed,
-                                   sequence_parallel=sequence_parallel)
+                                   sequence_parallel=sequence_parallel,
+                                   pp_layers=None if pp_layers is None else list(pp_layers))
         self.params = lora_parameters(self.policy)  # non-empty: load_run_inputs checked lora.targets
         self.loss_config, self.algo, self.temperature = loss, algo, temperature
         self.optimizer = torch.optim.AdamW(self.params, lr=optim.lr, betas=(optim.beta1, optim.beta2),
@@ -38,71 +42,94 @@ class TrainWorker:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
         self.grad_clip = optim.grad_clip
+        self.micro_batch_tokens = micro_batch_tokens
 
     # ------------------------------------------------------------------ log-probs
-    def _token_logprobs(self, packed: Packed, *, with_entropy: bool = False):
-        """log pi(target | prefix) at temperature T for every response token, [M] fp32 (and entropy [M])."""
+    def _logprobs(self, hidden: torch.Tensor, piece: Piece, *, with_entropy: bool = False):
+        """log pi(target | prefix) at temperature T for every response token of `piece`, [M] fp32 (and entropy
+        [M]), from the last stage's hidden states [1, N, D]."""
         from megatron_patches.vocab_parallel import token_logprobs
 
-        hidden = self.policy.model(packed.input_ids, cu_seqlens=packed.cu_seqlens)[0, packed.positions]
-        return token_logprobs(self.policy, hidden, packed.targets, self.temperature, with_entropy=with_entropy)
+        packed = piece.packed
+        return token_logprobs(self.policy, hidden[0, packed.positions], packed.targets, self.temperature,
+                              with_entropy=with_entropy)
+
+    def _forward_logprobs(self, pieces: list[Piece]) -> list[torch.Tensor]:
+        """Each piece's log-probs [M_i] without grad, on every rank (megatron's schedule, forward only)."""
+        from megatron_patches.schedule import forward_only
+
+        outs = forward_only(self.policy, [_micro(p) for p in pieces],
+                            lambda policy, hidden, mb: {"logp": self._logprobs(hidden, mb.payload)[0]})
+        return [o["logp"] for o in outs]
 
     def logprobs(self, batch: TrainBatch) -> list[list[float]]:
         """The current policy's log-probs of each response token (no grad); for tests and diagnostics."""
-        packed = pack(batch, self.device)
-        with torch.no_grad():
-            logp, _ = self._token_logprobs(packed)
-        padded = packed.to_padded(logp).cpu()
-        return [padded[i, :len(r)].tolist() for i, r in enumerate(batch.responses)]
+        pieces = micro_batches(batch, self.micro_batch_tokens, self.device)
+        out: list[list[float]] = []
+        for piece, logp in zip(pieces, self._forward_logprobs(pieces)):
+            padded = piece.packed.to_padded(logp).cpu()
+            out += [padded[i, :len(r)].tolist() for i, r in enumerate(piece.batch.responses)]
+        return out
 
     # ---------------------------------------------------------------------- train
     def train(self, batch: TrainBatch) -> dict[str, float]:
         """One GRPO update (algo.updates_per_step optimizer steps over group minibatches). Every rank gets
-        the whole batch; a data-parallel rank trains on its share of each minibatch's groups, with the loss
-        normalized by the whole minibatch's denominators so the summed gradients are the whole batch's.
-        Returns metrics of the whole batch averaged over the minibatches (the same on every rank), plus lr
-        and grad_norm."""
+        the whole batch; a data-parallel rank trains on its share of each minibatch's groups, in micro-batches
+        through megatron's schedule, each loss normalized by the whole minibatch's denominators, so the
+        summed gradients are the whole minibatch's. Returns metrics of the whole batch averaged over the
+        minibatches (the same on every rank), plus lr and grad_norm."""
         from megatron_patches.lora import adapters_disabled, clip_lora_grad_norm_, reduce_lora_grads_
+        from megatron_patches.schedule import forward_backward
 
         minibatches = batch.split_by_groups(self.algo.updates_per_step)
-        shares = [data_share(mb) for mb in minibatches]
-        packed = [pack(share, self.device) for share in shares]
+        plans = [micro_batches(data_share(mb), self.micro_batch_tokens, self.device) for mb in minibatches]
         old = None
-        if len(packed) > 1:  # pi_old is the policy before this step's first update (eval mode: no dropout)
+        if len(plans) > 1:  # pi_old is the policy before this step's first update (eval mode: no dropout)
             self.policy.eval()
             with torch.no_grad():
-                old = [self._token_logprobs(p)[0] for p in packed]
+                old = [self._forward_logprobs(pieces) for pieces in plans]
         self.policy.train()
         sums: dict[str, float] = {}
-        for k, (mb, share, p) in enumerate(zip(minibatches, shares, packed)):
+        for k, (mb, pieces) in enumerate(zip(minibatches, plans)):
             ref = None
             if self.loss_config.kl != "none":
                 with torch.no_grad(), adapters_disabled(self.policy):
-                    ref = p.to_padded(self._token_logprobs(p)[0])
-            logp, entropy = self._token_logprobs(p, with_entropy=True)
-            mask = p.mask()
-            old_logp = p.to_padded(old[k] if old is not None else logp.detach())
-            rollout = p.to_padded(torch.tensor([x for lp in share.rollout_logprobs for x in lp],
-                                               dtype=torch.float32, device=self.device))
-            adv = torch.tensor(share.advantages, dtype=torch.float32, device=self.device)
-            num_tokens = sum(len(r) for r in mb.responses)
-            loss, metrics = policy_loss(p.to_padded(logp), old_logp, adv, mask, self.loss_config, ref_logp=ref,
-                                        rollout_logp=rollout, num_tokens=num_tokens, num_sequences=len(mb))
+                    ref = self._forward_logprobs(pieces)
+            total = Totals(sum(len(r) for r in mb.responses), len(mb))
+
+            def loss_fn(policy, hidden, micro, old_k=old[k] if old is not None else None, ref_k=ref, total=total):
+                return self._loss(hidden, micro.payload, total, old_k, ref_k)
+
             self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            results = forward_backward(self.policy, [_micro(p) for p in pieces], loss_fn)
             reduce_lora_grads_(self.policy)  # data-parallel (and expert-data) replicas: summed
             # the global norm over every rank's distinct gradients; grad_clip 0: measure, do not clip
             grad_norm = clip_lora_grad_norm_(self.policy, self.grad_clip or math.inf)
             self.optimizer.step()
-            metrics["entropy"] = entropy.mean()
-            metrics = whole_batch_metrics(metrics, int(mask.sum()), num_tokens)
+            metrics = combine_metrics(results, [p.tokens for p in pieces], total.tokens)
             metrics["grad_norm"] = grad_norm
             for name, v in metrics.items():
-                sums[name] = sums.get(name, 0.0) + float(v) / len(packed)
+                sums[name] = sums.get(name, 0.0) + float(v) / len(plans)
         sums["lr"] = self.scheduler.get_last_lr()[0]  # the rate this step used
         self.scheduler.step()
         self.policy.eval()
         return sums
+
+    def _loss(self, hidden: torch.Tensor, piece: Piece, total: Totals, old: list[torch.Tensor] | None,
+              ref: list[torch.Tensor] | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """One micro-batch's GRPO loss (normalized by the minibatch's `total`) and its metrics (last stage)."""
+        p, share = piece.packed, piece.batch
+        logp, entropy = self._logprobs(hidden, piece, with_entropy=True)
+        old_logp = p.to_padded(old[piece.index] if old is not None else logp.detach())
+        ref_logp = p.to_padded(ref[piece.index]) if ref is not None else None
+        rollout = p.to_padded(torch.tensor([x for lp in share.rollout_logprobs for x in lp], dtype=torch.float32,
+                                           device=self.device))
+        adv = torch.tensor(share.advantages, dtype=torch.float32, device=self.device)
+        loss, metrics = policy_loss(p.to_padded(logp), old_logp, adv, p.mask(), self.loss_config,
+                                    ref_logp=ref_logp, rollout_logp=rollout, num_tokens=total.tokens,
+                                    num_sequences=total.sequences)
+        metrics["entropy"] = entropy.mean()
+        return loss, metrics
 
     # ------------------------------------------------------------ adapter / state
     def adapter_state(self) -> dict[str, torch.Tensor]:
@@ -125,34 +152,17 @@ class TrainWorker:
         self.policy.lora_generator.set_state(state["lora_dropout_rng"])
 
 
-# Metrics that are sums over the whole batch once each rank's loss is normalized by the batch's denominators;
-# every other metric is a per-token mean, combined over data-parallel ranks weighted by their token counts.
-_SUMMED = ("loss", "pg_loss", "kl_loss")
+class Totals(NamedTuple):
+    """The whole minibatch's loss denominators (over every data-parallel rank and micro-batch)."""
+
+    tokens: int
+    sequences: int
 
 
-def data_share(batch: TrainBatch) -> TrainBatch:
-    """This data-parallel rank's whole groups of `batch` (all of it without data parallelism)."""
-    from megatron.core import parallel_state as ps
+def _micro(piece: Piece):
+    from megatron_patches.schedule import MicroBatch
 
-    size = ps.get_data_parallel_world_size()
-    return batch if size == 1 else batch.split_by_groups(size)[ps.get_data_parallel_rank()]
-
-
-def whole_batch_metrics(metrics: dict[str, torch.Tensor], tokens: int, total_tokens: int) -> dict[str, torch.Tensor]:
-    """One rank's metrics of its share (`tokens` of the minibatch's `total_tokens` response tokens) -> the whole
-    minibatch's, the same on every data-parallel rank: loss terms summed, per-token means weighted by the
-    ranks' token counts (exact for token means; a sequence-level statistic such as rollout_ess becomes the
-    token-weighted mean of the ranks' values)."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
-    if ps.get_data_parallel_world_size() == 1:
-        return metrics
-    names = sorted(metrics)
-    weight = tokens / total_tokens
-    flat = torch.stack([metrics[n].detach().double() * (1.0 if n in _SUMMED else weight) for n in names])
-    dist.all_reduce(flat, group=ps.get_data_parallel_group())
-    return dict(zip(names, flat.float()))
+    return MicroBatch(piece.packed.input_ids, piece.packed.cu_seqlens, payload=piece)
 
 
 def rng_state(device: torch.device) -> dict[str, Any]:

@@ -1,0 +1,74 @@
+"""How one minibatch is spread over the trainer's ranks and micro-batches, and how their metrics come back.
+
+A minibatch (whole GRPO groups) is split over the data-parallel ranks by group (`data_share`), and each rank's
+share into micro-batches of whole sequences under a token budget (`micro_batches`), which megatron's schedule
+runs (1F1B over the pipeline stages). Every piece's loss is normalized by the whole minibatch's denominators,
+so the gradients summed over micro-batches and ranks are the whole minibatch's, and so are the metrics that
+`combine_metrics` returns on every rank.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from miles_k3.trainer.batch import Packed, TrainBatch, pack
+
+# Metrics that are sums over the whole batch once each piece's loss is normalized by the batch's denominators;
+# every other metric is a per-token mean, combined weighted by the pieces' token counts.
+SUMMED = ("loss", "pg_loss", "kl_loss")
+
+
+class Piece(NamedTuple):
+    """One micro-batch: its sequences (`batch`), their packed form, and its index in this rank's list."""
+
+    batch: TrainBatch
+    packed: Packed
+    index: int
+
+    @property
+    def tokens(self) -> int:
+        return len(self.packed.targets)
+
+
+def data_share(batch: TrainBatch) -> TrainBatch:
+    """This data-parallel rank's whole groups of `batch` (all of it without data parallelism)."""
+    from megatron.core import parallel_state as ps
+
+    size = ps.get_data_parallel_world_size()
+    return batch if size == 1 else batch.split_by_groups(size)[ps.get_data_parallel_rank()]
+
+
+def micro_batches(batch: TrainBatch, max_tokens: int | None, device: torch.device) -> list[Piece]:
+    """`batch`'s sequences in order, cut into micro-batches of at most `max_tokens` packed tokens (prompt +
+    response; a longer sequence is a micro-batch of its own); None: one micro-batch."""
+    rows: list[list[int]] = [[]]
+    used = 0
+    for i, (p, r) in enumerate(zip(batch.prompts, batch.responses)):
+        n = len(p) + len(r)
+        if max_tokens is not None and rows[-1] and used + n > max_tokens:
+            rows.append([])
+            used = 0
+        rows[-1].append(i)
+        used += n
+    return [Piece(sub, pack(sub, device), k) for k, sub in enumerate(batch.select(r) for r in rows)]
+
+
+def combine_metrics(per_piece: list[dict[str, torch.Tensor]], tokens: list[int], total_tokens: int
+                    ) -> dict[str, torch.Tensor]:
+    """The metrics of this rank's micro-batches (`tokens[i]` response tokens each, of the minibatch's
+    `total_tokens` over every data-parallel rank) -> the whole minibatch's, the same on every rank: loss terms
+    summed, per-token means weighted by token counts (exact for token means; a sequence-level statistic such
+    as rollout_ess becomes the token-weighted mean of the pieces' values)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    names = sorted(per_piece[0])
+    flat = torch.zeros(len(names), dtype=torch.float64)
+    for metrics, n in zip(per_piece, tokens):
+        for j, name in enumerate(names):
+            flat[j] += float(metrics[name]) * (1.0 if name in SUMMED else n / total_tokens)
+    if ps.get_data_parallel_world_size() > 1:
+        dist.all_reduce(flat, group=ps.get_data_parallel_group())
+    return dict(zip(names, flat.float()))

@@ -48,7 +48,7 @@ backward in the same order on every rank of a stage, so gloo does not hang on th
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -60,6 +60,7 @@ from torch import nn
 
 from megatron_patches.cpu_device import use_cpu_devices
 from megatron_patches.pipeline import broadcast_tensors
+from miles_k3.model.context import ZigzagLayout
 
 
 @dataclass
@@ -70,6 +71,10 @@ class MicroBatch:
     input_ids: torch.Tensor  # [1, N]
     cu_seqlens: torch.Tensor | None = None  # [S + 1] int32, starts at 0, ends at N
     payload: Any = None
+    # Under context parallelism: this rank's zigzag share of the row (set by the schedule); the stages then run
+    # on its local tokens and `loss_fn` / `output_fn` get hidden states of those tokens ([1, 2c, D], in
+    # `layout.positions` order)
+    layout: ZigzagLayout | None = None
 
 
 LossFn = Callable[[nn.Module, torch.Tensor, MicroBatch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
@@ -91,8 +96,13 @@ class _MegatronStage(nn.Module):
         self.input_tensor = tensors[0]
 
     def forward(self, mb: MicroBatch) -> torch.Tensor:
-        out = self.module.model(mb.input_ids, cu_seqlens=mb.cu_seqlens,
-                                inputs=None if self.module.model.first else self.input_tensor)
+        model = self.module.model
+        inputs = None if model.first else self.input_tensor
+        if mb.layout is None:
+            out = model(mb.input_ids, cu_seqlens=mb.cu_seqlens, inputs=inputs)
+        else:  # the layout carries the sequence boundaries; the backward needs none
+            with model.cp.sharded(mb.layout):
+                out = model(mb.layout.shard(mb.input_ids), inputs=inputs)
         if not self.module.model.last and out.dtype != self.config.pipeline_dtype:
             raise ValueError(f"pipeline send of dtype {out.dtype}, but the receiving stage expects "
                              f"{self.config.pipeline_dtype} (build_policy's dtype)")
@@ -118,6 +128,9 @@ def _run(policy: nn.Module, micro_batches: Sequence[MicroBatch], fn, forward_onl
     if not micro_batches:
         raise ValueError("micro_batches is empty")
     use_cpu_devices()
+    cp = policy.model.cp
+    if cp.size > 1:
+        micro_batches = [replace(mb, layout=cp.split(mb.input_ids.shape[1], mb.cu_seqlens)) for mb in micro_batches]
     stage = _MegatronStage(policy, _schedule_config(policy))
     no_tokens = torch.zeros((), dtype=torch.int)  # megatron's token count (unused: no finalize func)
 

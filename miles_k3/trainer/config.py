@@ -96,7 +96,7 @@ class ParallelCfg(Section):
     pp: int = 1  # pipeline stages (megatron's 1F1B schedule; the AttnRes bank travels packed with the residual)
     # decoder layers per stage, e.g. [11, 12, 12, 12, 12, 12, 12, 10] for 93 layers on 8; None: as even as possible
     pp_layers: Optional[List[int]] = None
-    cp: int = 1  # context parallel (not implemented: must be 1)
+    cp: int = 1  # context-parallel ranks: each holds 2 of 2*cp zigzag chunks of every packed row
     ep: int = 1  # expert-parallel ranks: each holds num_experts / ep routed experts (needs tp 1)
     dp: int = 1  # data-parallel replicas: each trains on its share of every minibatch's groups
     # packed tokens per micro-batch (whole sequences; a longer one is a micro-batch of its own); None: one
@@ -107,8 +107,6 @@ class ParallelCfg(Section):
         c = Check(self)
         for name in ("tp", "pp", "cp", "ep", "dp"):
             c.int_at_least(name, 1)
-        if self.cp != 1:
-            raise c.fail("cp", "must be 1: context parallelism is not wired into the trainer yet")
         if self.sp and self.tp == 1:
             raise c.fail("sp", "needs parallel.tp > 1: sequence parallelism shards over the tensor-parallel group")
         if self.ep > 1 and self.tp > 1:

@@ -45,21 +45,36 @@ class TrainWorker:
         self.micro_batch_tokens = micro_batch_tokens
 
     # ------------------------------------------------------------------ log-probs
-    def _logprobs(self, hidden: torch.Tensor, piece: Piece, *, with_entropy: bool = False):
-        """log pi(target | prefix) at temperature T for every response token of `piece`, [M] fp32 (and entropy
-        [M]), from the last stage's hidden states [1, N, D]."""
+    def _logprobs(self, hidden: torch.Tensor, micro, *, with_entropy: bool = False):
+        """log pi(target | prefix) at temperature T for every response token of the micro-batch, [M] fp32 (and
+        entropy [M]), from the last stage's hidden states [1, N, D]. Under context parallelism `hidden` holds
+        this rank's tokens only: each rank computes its tokens' values and the CP group sums the [M] vectors
+        (backward: every rank keeps the gradient of its own tokens, so the LoRA gradients summed over CP are
+        the whole row's), so every CP rank computes the same loss."""
         from megatron_patches.vocab_parallel import token_logprobs
 
-        packed = piece.packed
-        return token_logprobs(self.policy, hidden[0, packed.positions], packed.targets, self.temperature,
-                              with_entropy=with_entropy)
+        packed, layout = micro.payload.packed, micro.layout
+        if layout is None:
+            return token_logprobs(self.policy, hidden[0, packed.positions], packed.targets, self.temperature,
+                                  with_entropy=with_entropy)
+        slot = torch.full((layout.padded,), -1, dtype=torch.long, device=hidden.device)
+        slot[packed.positions] = torch.arange(len(packed.positions), device=hidden.device)
+        mine = slot[layout.positions.to(hidden.device)]
+        local = mine >= 0
+        logp, entropy = token_logprobs(self.policy, hidden[0, local], packed.targets[mine[local]], self.temperature,
+                                       with_entropy=with_entropy)
+        where = (mine[local],)
+        logp = _sum_over_cp(torch.zeros(len(packed.positions), dtype=logp.dtype, device=logp.device).index_put(where, logp))
+        if entropy is not None:
+            entropy = _sum_over_cp(torch.zeros_like(logp).index_put(where, entropy.detach())).detach()
+        return logp, entropy
 
     def _forward_logprobs(self, pieces: list[Piece]) -> list[torch.Tensor]:
         """Each piece's log-probs [M_i] without grad, on every rank (megatron's schedule, forward only)."""
         from megatron_patches.schedule import forward_only
 
         outs = forward_only(self.policy, [_micro(p) for p in pieces],
-                            lambda policy, hidden, mb: {"logp": self._logprobs(hidden, mb.payload)[0]})
+                            lambda policy, hidden, mb: {"logp": self._logprobs(hidden, mb)[0]})
         return [o["logp"] for o in outs]
 
     def logprobs(self, batch: TrainBatch) -> list[list[float]]:
@@ -98,7 +113,7 @@ class TrainWorker:
             total = Totals(sum(len(r) for r in mb.responses), len(mb))
 
             def loss_fn(policy, hidden, micro, old_k=old[k] if old is not None else None, ref_k=ref, total=total):
-                return self._loss(hidden, micro.payload, total, old_k, ref_k)
+                return self._loss(hidden, micro, total, old_k, ref_k)
 
             self.optimizer.zero_grad(set_to_none=True)
             results = forward_backward(self.policy, [_micro(p) for p in pieces], loss_fn)
@@ -115,11 +130,12 @@ class TrainWorker:
         self.policy.eval()
         return sums
 
-    def _loss(self, hidden: torch.Tensor, piece: Piece, total: Totals, old: list[torch.Tensor] | None,
+    def _loss(self, hidden: torch.Tensor, micro, total: Totals, old: list[torch.Tensor] | None,
               ref: list[torch.Tensor] | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """One micro-batch's GRPO loss (normalized by the minibatch's `total`) and its metrics (last stage)."""
+        piece = micro.payload
         p, share = piece.packed, piece.batch
-        logp, entropy = self._logprobs(hidden, piece, with_entropy=True)
+        logp, entropy = self._logprobs(hidden, micro, with_entropy=True)
         old_logp = p.to_padded(old[piece.index] if old is not None else logp.detach())
         ref_logp = p.to_padded(ref[piece.index]) if ref is not None else None
         rollout = p.to_padded(torch.tensor([x for lp in share.rollout_logprobs for x in lp], dtype=torch.float32,
@@ -157,6 +173,15 @@ class Totals(NamedTuple):
 
     tokens: int
     sequences: int
+
+
+def _sum_over_cp(x: torch.Tensor) -> torch.Tensor:
+    """Sum over the context-parallel group, forward; identity backward (megatron's all-reduce mapping, on the CP
+    group): each rank's part of the sum gets the gradient of the whole."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+    return reduce_from_tensor_model_parallel_region(x, group=ps.get_context_parallel_group())
 
 
 def _micro(piece: Piece):

@@ -102,7 +102,7 @@ def test_ray_launcher_runs_the_colocated_loop(tmp_path):
 
 
 def test_local_parallel_layouts_match_single_rank(tmp_path):
-    """TP=2, TP=2 with SP, DP=2, PP=2 (several micro-batches), EP=2 (inside DP=2) and TP=2 x PP=2 through the
+    """TP=2, TP=2 with SP, DP=2, PP=2 (several micro-batches), EP=2 (inside DP=2), CP=2 and TP=2 x PP=2 through the
     CLI: the first step's rewards, loss and gradient norm are the single rank's."""
     flags = ["trainer.max_steps=2", "logging.wandb=disabled", "trainer.eval_before=false"]
     one = cli(tmp_path / "tp1", *flags)
@@ -131,6 +131,7 @@ def test_local_parallel_layouts_match_single_rank(tmp_path):
     assert r4[0]["entropy"] == pytest.approx(r1[0]["entropy"], rel=1e-4)
     for name, layout in (("pp2", ["parallel=pp2", "parallel.micro_batch_tokens=64", "cluster.num_workers=2"]),
                          ("ep2", ["parallel=ep2", "cluster.num_workers=2"]),
+                         ("cp2", ["parallel=cp2", "cluster.num_workers=2"]),
                          ("tp2_pp2", ["parallel=tp2_pp2", "parallel.micro_batch_tokens=64", "cluster.num_workers=4"])):
         out = cli(tmp_path / name, *flags, "trainer.max_steps=1", *layout, timeout=900)
         assert out.returncode == 0, (name, out.stderr[-3000:])

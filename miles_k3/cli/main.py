@@ -2,6 +2,7 @@
 
     miles-k3 info --preset k3                 # parameter counts, layer plan
     miles-k3 info --config path/to/config.json
+    miles-k3 plan --preset k3 --gpus 64 --gpu-memory-gb 288     # per-rank memory of parallel layouts
     miles-k3 smoke --preset k3-tiny --out outputs/k3-tiny-random
         builds a randomly initialized model, writes it as an HF checkpoint, loads it back, greedy-decodes
         with the incremental cache and checks every decode step against a full forward pass.
@@ -18,6 +19,7 @@ import torch
 
 from miles_k3.model import K3Config, K3ForCausalLM
 from miles_k3.model.generate import greedy_generate
+from miles_k3.cli.plan import add_arguments as add_plan_arguments, cmd_plan
 
 
 def _config(args) -> K3Config:
@@ -73,6 +75,9 @@ def main(argv: list[str] | None = None) -> int:
         p.set_defaults(fn=fn)
         p.add_argument("--preset", default="k3-tiny")
         p.add_argument("--config", type=Path, help="an HF config.json instead of a preset")
+    plan = sub.add_parser("plan", help="per-rank memory of parallel layouts (miles_k3.cli.plan)")
+    plan.set_defaults(fn=cmd_plan)
+    add_plan_arguments(plan)
     smoke = sub.choices["smoke"]
     smoke.add_argument("--out", default="outputs/k3-tiny-random")
     smoke.add_argument("--seed", type=int, default=0)

@@ -247,20 +247,6 @@ def reduce_lora_grads_(model: nn.Module) -> None:
 
 
 @torch.no_grad()
-def average_lora_grads_(model: nn.Module, group=None) -> None:
-    """Average the adapters' gradients over `group` (megatron's data-parallel group by default) in place.
-    The trainer reduces with `reduce_lora_grads_` (a sum, losses normalized globally); this mean is what
-    a per-rank-normalized loss would need."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
-    group = group if group is not None else ps.get_data_parallel_group()
-    size = dist.get_world_size(group)
-    if size > 1:
-        _sum_grads(group, lora_modules(model), scale=1.0 / size)
-
-
-@torch.no_grad()
 def check_lora_replicas(model: nn.Module) -> None:
     """ValueError naming the first adapter tensor that differs between ranks meant to hold the same values:
     the data / expert-data replicas (`reduce_lora_grads_`) and the TP ranks of an unsplit factor. A

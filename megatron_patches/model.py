@@ -1,45 +1,46 @@
 """build_policy: the trainer's K3 — the shared definition on megatron linears, frozen base, LoRA on top.
 
-    policy = build_policy(config, base_state, LoraSpec(rank=8), dtype=torch.bfloat16, device="cuda")
-    logits = policy(input_ids).logits          # [B, T, V], full vocab on every TP rank
+    policy = build_policy(config, CheckpointSource(path, config), LoraSpec(rank=8), dtype=torch.bfloat16,
+                          device="cuda", pp_layers=None)
     opt = torch.optim.AdamW(lora_parameters(policy))
-    with adapters_disabled(policy): ref_logits = policy(input_ids).logits   # the KL reference
+    # forward / backward through megatron_patches.schedule (every layout); log-probs through
+    # megatron_patches.vocab_parallel.token_logprobs (the logits are this TP rank's vocab slice)
 
-The model is `miles_k3.model.K3ForCausalLM` itself (same forward, packed `cu_seqlens`, decode cache),
-built with this package's factories and a `MegatronTP` share. Every TP rank of a group calls
-`build_policy` with the same arguments and the same full `base_state`; each keeps its slices.
-
-Pipeline parallelism: each rank builds only its stage's decoder layers (`megatron_patches.pipeline`:
-megatron's PP rank and the `pp_layers` split), loads only those tensors, and runs through
-`megatron_patches.schedule`; the factories are unchanged.
-
-Placement of the other parallelisms (not built yet), so they add to this without rewrites:
-- CP: the KDA / MLA mixers receive `cu_seqlens`-style context to hand fla's `chunk_kda(cp_context=)`
-  and an all-gather of the MLA latent KV; linears and adapters see only local tokens and need no change.
-- EP: `ParallelExperts` splits the expert dim instead of (or besides) the intermediate dim, with an
-  all-to-all token dispatch in `RoutedExperts.forward`; adapters stay per expert ([E, r, in] slices),
-  gathered along E for export.
+The model is `miles_k3.model.K3ForCausalLM` itself (same forward, packed `cu_seqlens`, decode cache), built
+with this package's factories and this rank's shares of every parallelism, all read from megatron's parallel
+state (`megatron_patches.parallel.init_parallel`):
+- TP (`MegatronTP`): column / row linears, per-head KDA / MLA tensors, the routed experts' intermediate dim,
+  and the vocabulary of the embedding and lm_head (`megatron_patches.vocab_parallel`).
+- PP (`megatron_patches.pipeline`): only this stage's decoder layers are built and loaded.
+- CP (`megatron_patches.context_parallel`): the mixers' share of each zigzag-split row.
+- EP (`megatron_patches.expert_parallel`): `ParallelExperts` holds num_experts / ep experts.
+Each rank reads only the tensors (and slices) it holds from the base's source.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 
 import torch
+from megatron.core import parallel_state as ps
 from megatron.core.model_parallel_config import ModelParallelConfig
 from torch import nn
 
-from miles_k3.model.checkpoint import stored_dtype
+from miles_k3.model.checkpoint import StateDictSource, TensorSource, stored_dtype
 from miles_k3.model.config import K3Config
 from miles_k3.model.layout import tensor_shapes
-from miles_k3.model.linear import ExpertsSpec, LinearSpec
+from miles_k3.model.linear import ExpertsSpec, LinearSpec, TensorParallel
 from miles_k3.model.lora_spec import LoraSpec
 from miles_k3.model.modeling import K3ForCausalLM, reference_state
 from megatron_patches.context_parallel import context_share
+from megatron_patches.expert_parallel import ExpertParallel
 from megatron_patches.linears import ColumnLinear, ParallelExperts, ReplicatedLinear, RowLinear
+from megatron_patches.loading import local_state
 from megatron_patches.lora import lora_modules, lora_parameters
 from megatron_patches.parallel import MegatronTP, ensure_parallel
-from megatron_patches.pipeline import this_stage
+from megatron_patches.pipeline import stage_layers, this_stage
+from megatron_patches.vocab_parallel import VocabParallelEmbedding
 
 # Per-head tensors of a KDA mixer that follow its heads across TP ranks (dim 0 of the full tensor).
 _KDA_HEAD_SPLIT = re.compile(r"\.self_attn\.([qkv]_conv1d\.weight|dt_bias)$")
@@ -56,22 +57,30 @@ class PolicyFactory:
     def linear(self, spec: LinearSpec) -> nn.Module:
         self.split_dim[f"{spec.name}.weight"] = {"column": 0, "row": 1, "replicated": None}[spec.parallel]
         if spec.parallel == "column":
-            return ColumnLinear(spec, self.config, self.tp, self.lora, gather=spec.name == "lm_head")
+            return ColumnLinear(spec, self.config, self.tp, self.lora)  # lm_head: this rank's vocab slice
         if spec.parallel == "row":
             return RowLinear(spec, self.config, self.tp, self.lora)
         return ReplicatedLinear(spec, self.config, self.tp, self.lora)
+
+    def embedding(self, num_embeddings: int, dim: int) -> nn.Module:
+        self.split_dim["model.embed_tokens.weight"] = 0  # vocab-parallel: this rank's rows
+        return VocabParallelEmbedding(num_embeddings, dim, self.config)
 
     def experts(self, spec: ExpertsSpec) -> nn.Module:
         return ParallelExperts(spec, self.config, self.tp, self.lora)
 
 
-def _check_tp(config: K3Config, tp: MegatronTP) -> None:
-    """Every dim that a column / row split divides must divide by the TP size (ValueError names it)."""
-    checks = {"kda_num_heads": config.kda_num_heads, "mla_num_heads": config.mla_num_heads}
+def check_layout(config: K3Config, tp: TensorParallel, ep_size: int = 1, pp_size: int = 1,
+                 pp_layers: list[int] | None = None) -> None:
+    """That `config` splits over the layout, before anything is built (ValueError naming the field): every dim a
+    column / row split divides by the TP size, the routed experts by the EP size, the layers into `pp_size`
+    stages (`pp_layers`)."""
+    stage_layers(config.num_hidden_layers, pp_size, pp_layers)
+    ExpertParallel(ep_size).split(config.num_experts)
+    checks = {"kda_num_heads": config.kda_num_heads, "mla_num_heads": config.mla_num_heads,
+              "vocab_size": config.vocab_size}
     if config.first_dense_layers > 0:
         checks["dense_intermediate_size"] = config.dense_intermediate_size
-    if not config.tie_word_embeddings:
-        checks["vocab_size"] = config.vocab_size
     if any(config.is_moe_layer(i) for i in range(config.num_hidden_layers)):
         checks["moe_intermediate_size"] = config.moe_intermediate_size
         if config.num_shared_experts > 0:
@@ -80,41 +89,49 @@ def _check_tp(config: K3Config, tp: MegatronTP) -> None:
         tp.split(n, field)
 
 
-def _local_tensor(name: str, full: torch.Tensor, factory: PolicyFactory, config: K3Config) -> torch.Tensor:
-    """This rank's slice of the full HF tensor `name`."""
+def _local_tensor(name: str, source: TensorSource, factory: PolicyFactory, config: K3Config) -> torch.Tensor:
+    """This rank's slice of the full HF tensor `name`, read from `source` (only that slice is read)."""
     tp = factory.tp
     if tp.size == 1:
-        return full
+        return source.read(name)
+
+    def shard(dim: int) -> torch.Tensor:
+        step = source.shapes[name][dim] // tp.size
+        return source.narrow(name, dim, tp.rank * step, step)
+
     if name in factory.split_dim:
         dim = factory.split_dim[name]
-        return full if dim is None else tp.shard(full, dim)
+        return source.read(name) if dim is None else shard(dim)
     if _KDA_HEAD_SPLIT.search(name):
-        return tp.shard(full, 0)
+        return shard(0)
     if name.endswith(".self_attn.A_log"):
         # checkpoint forms: [1, 1, H, 1] or [H zero-padded]; the rank keeps its heads' rates
-        return tp.shard(full.reshape(-1)[:config.kda_num_heads], 0)
+        step = config.kda_num_heads // tp.size
+        return source.a_log_heads(name, tp.rank * step, step)
     m = _EXPERT_SPLIT.search(name)
     if m:
-        return tp.shard(full, 0 if m.group(1) in ("w1", "w3") else 1)
-    return full  # replicated: embeddings, norms, AttnRes queries, router
+        return shard(0 if m.group(1) in ("w1", "w3") else 1)
+    return source.read(name)  # replicated: norms, AttnRes queries, router
 
 
-def build_policy(config: K3Config, base_state: dict[str, torch.Tensor] | None, lora: LoraSpec, *,
+def build_policy(config: K3Config, base_state: dict[str, torch.Tensor] | TensorSource | None, lora: LoraSpec, *,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                  seed: int = 0, sequence_parallel: bool = False,
                  pp_layers: list[int] | None = None) -> K3ForCausalLM:
     """The trainer's model for this rank.
 
-    base_state: the logical HF state dict, full tensors, no wrapper prefix (as
-        `miles_k3.model.checkpoint.load_state_dict` returns); None = the reference init for `seed`.
-        Tensors are sliced for this rank and cast to `dtype` (router / decay tensors stay fp32, as the
-        checkpoint loader keeps them). The caller keeps ownership; the model holds copies or views.
+    base_state: a `miles_k3.model.checkpoint.CheckpointSource` (each rank reads only its own slices from the
+        safetensors files), or the logical HF state dict (full tensors, no wrapper prefix, as `load_state_dict`
+        returns); None = the reference init for `seed`. Tensors are sliced for this rank and cast to `dtype`
+        (router / decay tensors stay fp32, as the checkpoint loader keeps them). The caller keeps ownership.
     lora: which modules get adapters. Adapters are created in `dtype`, A seeded by (seed, module name),
         B zero, so the fresh policy computes exactly the base model.
     Megatron's parallel state is used as found (TP size from it); with no torch.distributed world, a
     single-process TP=1 world is started (see `megatron_patches.parallel.ensure_parallel`).
     sequence_parallel: shard the residual stream along the sequence over the TP group (needs TP > 1; see
-        `miles_k3.model.linear`). Logits and hidden states still come back whole on every rank.
+        `miles_k3.model.linear`). Hidden states still come back whole on every rank.
+    Under TP the embedding and lm_head are vocab-parallel: `policy.logits(h)` is this rank's vocab slice
+    (`megatron_patches.vocab_parallel.token_logprobs` reduces over it; `policy.tp.gather_last_dim` gathers it).
     device "meta": this rank's shapes only, for the layout planner (base_state must be None; nothing is read or
         drawn, the adapters are trainable meta parameters).
     pp_layers: decoder layers per pipeline stage (None = even; see `megatron_patches.pipeline.stage_layers`);
@@ -130,43 +147,47 @@ def build_policy(config: K3Config, base_state: dict[str, torch.Tensor] | None, l
         raise ValueError(f"lora must be a LoraSpec, got {type(lora).__name__}")
     ensure_parallel()
     tp, cp = MegatronTP(sequence_parallel), context_share()
-    _check_tp(config, tp)
+    check_layout(config, tp, ps.get_expert_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
+                 pp_layers)
     layers = this_stage(config.num_hidden_layers, pp_layers)
     mp = ModelParallelConfig(tensor_model_parallel_size=tp.size, params_dtype=dtype,
                              use_cpu_initialization=True, perform_initialization=False)
     factory = PolicyFactory(mp, tp, lora)
     with torch.device("meta"):
-        model = K3ForCausalLM(config, linear=factory.linear, experts=factory.experts, tp=tp, cp=cp, layers=layers)
+        model = K3ForCausalLM(config, linear=factory.linear, experts=factory.experts, tp=tp, cp=cp, layers=layers,
+                              embedding=factory.embedding)
 
     if torch.device(device).type == "meta":  # shapes only (the layout planner): nothing read, nothing drawn
         if base_state is not None:
             raise ValueError("build_policy on the meta device takes no base_state")
+        # held as the real build holds them: base tensors in their stored dtype, adapters in `dtype`
+        for name, t in [*model.named_parameters(), *model.named_buffers()]:
+            t.data = t.data.to(dtype if ".lora." in name else stored_dtype(name, dtype))
         model.requires_grad_(False)
         for p in lora_parameters(model):
             p.requires_grad_(True)
         model.tp, model.lora_spec, model.lora_generator = tp, lora, None
         model.residual_dtype = dtype
         return model.train()
-    full = base_state if base_state is not None else reference_state(config, seed)
+    if base_state is None:
+        base_state = reference_state(config, seed)
+    source = StateDictSource(base_state, config, dtype) if isinstance(base_state, Mapping) else base_state
     expected = tensor_shapes(config)
-    missing = sorted(set(expected) - set(full))
-    unknown = sorted(set(full) - set(expected))
+    missing = sorted(set(expected) - set(source.shapes))
+    unknown = sorted(set(source.shapes) - set(expected))
     if missing or unknown:
         raise ValueError(f"base_state does not match the config: missing {missing[:4]}, unknown {unknown[:4]}")
     for name, shape in expected.items():
-        if tuple(full[name].shape) != shape:
-            raise ValueError(f"base_state[{name!r}]: shape {tuple(full[name].shape)}, expected {shape}")
+        if tuple(source.shapes[name]) != shape:
+            raise ValueError(f"base_state[{name!r}]: shape {tuple(source.shapes[name])}, expected {shape}")
 
     # The local model names the tensors this rank holds (a pipeline stage's layers, an expert-parallel
-    # rank's experts); `_local_tensor` cuts the tensor-parallel slice of each.
+    # rank's experts); `_local_tensor` reads the tensor-parallel slice of each, and only that, from the source.
     local_shapes = {k: tuple(v.shape) for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
-    local = {}
-    for name in expected:
-        if name not in local_shapes:
-            continue
-        t = _local_tensor(name, full[name], factory, config)
+    local = local_state(source, [n for n in expected if n in local_shapes],
+                        lambda name, src: _local_tensor(name, src, factory, config), dtype=dtype, device=device)
+    for name, t in local.items():
         assert tuple(t.shape) == local_shapes[name], f"{name}: local {tuple(t.shape)} vs {local_shapes[name]}"
-        local[name] = t.to(device=device, dtype=stored_dtype(name, dtype), copy=True)
     result = model.load_state_dict(local, strict=False, assign=True)
     left = [k for k in result.missing_keys if not _is_adapter_or_extra(k)]
     assert not left and not result.unexpected_keys, (left, result.unexpected_keys)

@@ -18,6 +18,7 @@ residual state packed into one tensor (`pack_residual`), the tensor a pipeline s
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -80,6 +81,14 @@ class LayerStack(nn.Module):
         return list(self._modules.values())[k]
 
 
+class Embedding(nn.Embedding):
+    """The token embedding; `tied_logits` is the tied head (logits = h E^T). A parallel build's embedding
+    factory returns a module with the same contract (`megatron_patches.vocab_parallel`)."""
+
+    def tied_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden @ self.weight.t()
+
+
 class K3Output(NamedTuple):
     logits: torch.Tensor  # [B, T, V]
     hidden_states: torch.Tensor  # [B, T, D], after the final norm
@@ -101,7 +110,8 @@ class K3Model(nn.Module):
     module docstring); `first` / `last` say whether it holds layer 0 / the last layer."""
 
     def __init__(self, config: K3Config, linear: LinearFactory, experts: ExpertsFactory,
-                 tp: TensorParallel = SINGLE, cp: ContextParallel = NO_CP, layers: range | None = None):
+                 tp: TensorParallel = SINGLE, cp: ContextParallel = NO_CP, layers: range | None = None,
+                 embedding: Callable[[int, int], nn.Module] = Embedding):
         super().__init__()
         c = self.config = config
         self.tp, self.cp = tp, cp
@@ -109,7 +119,7 @@ class K3Model(nn.Module):
         self.first = self.layer_range.start == 0
         self.last = self.layer_range.stop == c.num_hidden_layers
         if self.first or (self.last and c.tie_word_embeddings):
-            self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+            self.embed_tokens = embedding(c.vocab_size, c.hidden_size)
         self.layers = LayerStack({i: K3DecoderLayer(c, i, linear, experts, tp, cp) for i in self.layer_range})
         if self.last:
             self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
@@ -190,10 +200,11 @@ class K3ForCausalLM(nn.Module):
 
     def __init__(self, config: K3Config, linear: LinearFactory = torch_linear,
                  experts: ExpertsFactory = torch_experts, tp: TensorParallel = SINGLE,
-                 cp: ContextParallel = NO_CP, layers: range | None = None):
+                 cp: ContextParallel = NO_CP, layers: range | None = None,
+                 embedding: Callable[[int, int], nn.Module] = Embedding):
         super().__init__()
         self.config = config
-        self.model = K3Model(config, linear, experts, tp, cp, layers)
+        self.model = K3Model(config, linear, experts, tp, cp, layers, embedding)
         if self.model.last and not config.tie_word_embeddings:
             self.lm_head = linear(LinearSpec("lm_head", config.hidden_size, config.vocab_size, "column"))
         if not any(p.is_meta for p in self.parameters()):
@@ -226,7 +237,7 @@ class K3ForCausalLM(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.config.tie_word_embeddings:
-            return hidden @ self.model.embed_tokens.weight.t()
+            return self.model.embed_tokens.tied_logits(hidden)
         return self.lm_head(hidden)
 
     def forward(self, input_ids: torch.Tensor, cache: K3StateCache | None = None,

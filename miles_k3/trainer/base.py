@@ -9,7 +9,7 @@ from typing import Any, Protocol
 
 import torch
 
-from miles_k3.model.checkpoint import as_stored, load_state_dict
+from miles_k3.model.checkpoint import CheckpointSource, as_stored, load_state_dict
 from miles_k3.model.config import K3Config
 from miles_k3.model.modeling import reference_state
 from miles_k3.trainer.config import ModelCfg
@@ -25,12 +25,16 @@ def quiet_megatron() -> None:
     logging.getLogger("megatron").setLevel(logging.WARNING)
 
 
-def load_base(model: ModelCfg, seed: int) -> tuple[K3Config, dict[str, torch.Tensor]]:
-    """(config, logical HF state dict in fp32). A preset is initialized with `seed` (same weights on every
-    rank and on both the trainer and the engine) and stored as its checkpoint would be (MXFP4-grid routed
-    experts where the preset ships them); a path is read and validated by the checkpoint loader."""
+def load_base(model: ModelCfg, seed: int, whole: bool = True):
+    """(config, the base's tensors). A preset is initialized with `seed` (same weights on every rank and on
+    both the trainer and the engine) and stored as its checkpoint would be (MXFP4-grid routed experts where
+    the preset ships them), as a logical HF state dict in fp32. A path is validated by the checkpoint loader
+    and, with `whole`, read into such a dict (the engine needs every tensor); without it, returned as a lazy
+    `CheckpointSource` from which a trainer rank reads only its own slices."""
     config = load_base_config(model)
     if model.path is not None:
+        if not whole:
+            return config, CheckpointSource(model.path, config, torch.float32)
         return config, load_state_dict(model.path, config, torch.float32)
     return config, as_stored(reference_state(config, seed), config)
 

@@ -60,6 +60,14 @@ def _named(field: str, fn, *errors: type[BaseException]):
         raise ValueError(f"{field}: {e}") from None
 
 
+def _check_layout(rc: ResolvedConfig, config: K3Config) -> None:
+    from megatron_patches.model import check_layout  # megatron: only once the cheaper checks passed
+    from miles_k3.model.linear import TensorParallel
+
+    par = rc.parallel
+    check_layout(config, TensorParallel(par.tp), par.ep, par.pp, None if par.pp_layers is None else list(par.pp_layers))
+
+
 def check_cluster(rc: ResolvedConfig) -> None:
     c = rc.cluster
     if c.launcher == "ray" and importlib.util.find_spec("ray") is None:
@@ -144,6 +152,7 @@ def load_run_inputs(rc: ResolvedConfig, run_dir: str | Path, *, weights: str | N
     source = "model.path" if rc.model.path is not None else "model.preset"
     config = _named(source, lambda: load_base_config(rc.model), OSError)
     in_section("lora", lambda: rc.lora.check_matches(adaptable_modules(config)), type(rc.lora))
+    _named("parallel", lambda: _check_layout(rc, config))
     tok = _named("model.tokenizer", lambda: build_tokenizer(rc.model, config))
     sizes = _named(f"rollout.memory_mb ({rc.rollout.memory_mb} MiB)", lambda: PoolSizes.from_budget(
         config, rc.engine.memory_bytes, page_size=rc.engine.page_size, state_fraction=rc.engine.state_fraction,

@@ -61,11 +61,12 @@ def build_train_worker(rc: ResolvedConfig, config, state, device: str) -> TrainW
 
 
 def start_trainer_rank(rc: ResolvedConfig, rank: int, device: str, init_method: str,
-                       inputs: RunInputs | None = None):
+                       inputs: RunInputs | None = None, *, holds_engine: bool = False):
     """One trainer rank (local process or Ray actor; after `configure_process`): joins the torch.distributed
-    world, builds megatron's TP group over it, loads the base (or takes the checkpoint `inputs` already
-    read) and the policy. Returns (config, base state, worker); the caller drops the state once the engine
-    (if it holds one) is built."""
+    world, builds megatron's groups for `parallel.*` over it, loads the base (or takes the checkpoint `inputs`
+    already read) and the policy. A rank that also builds the engine (`holds_engine`) reads the whole base;
+    the others read only their own slices. Returns (config, base state, worker); the caller drops the state
+    once the engine (if it holds one) is built."""
     from megatron_patches.parallel import init_parallel
 
     backend = "nccl" if rc.cluster.device == "cuda" else "gloo"
@@ -75,7 +76,7 @@ def start_trainer_rank(rc: ResolvedConfig, rank: int, device: str, init_method: 
     if inputs is not None and inputs.base_state is not None:
         config, state = inputs.config, inputs.base_state
     else:
-        config, state = load_base(rc.model, rc.trainer.seed)
+        config, state = load_base(rc.model, rc.trainer.seed, whole=holds_engine)
     return config, state, build_train_worker(rc, config, state, device)
 
 
@@ -156,7 +157,8 @@ def _rank_main(rank: int, rc: ResolvedConfig, run_dir: str, port: int, inputs: R
     configure_process(rc, rank)
     device = device_for(rc, rank)
     try:
-        config, state, trainer = start_trainer_rank(rc, rank, device, f"tcp://127.0.0.1:{port}", inputs)
+        config, state, trainer = start_trainer_rank(rc, rank, device, f"tcp://127.0.0.1:{port}", inputs,
+                                                    holds_engine=rank == 0)
         if rank == 0:
             engine = build_rollout_worker(rc, config, state, device)
             # trainer and engine hold their own copies; the fp32 base need not live through the run (cleared,
@@ -169,7 +171,7 @@ def _rank_main(rank: int, rc: ResolvedConfig, run_dir: str, port: int, inputs: R
                     raise
                 plugin_errors.put(str(e))  # every rank ends normally (told to stop); the launcher raises it
         else:
-            state.clear()
+            del state  # a preset's dict or the checkpoint's lazy source: the policy holds its own slices
             _serve(trainer, rank)
     finally:
         from megatron_patches.parallel import destroy_parallel

@@ -27,7 +27,7 @@ class TrainWorker:
                  temperature: float, dtype: torch.dtype, device: str, seed: int = 0,
                  sequence_parallel: bool = False, pp_layers: list[int] | None = None,
                  micro_batch_tokens: int | None = None):
-        from megatron_patches.lora import lora_parameters
+        from megatron_patches.lora import check_lora_replicas, lora_parameters
         from megatron_patches.model import build_policy
 
         self.device = torch.device(device)
@@ -35,6 +35,7 @@ class TrainWorker:
                                    sequence_parallel=sequence_parallel,
                                    pp_layers=None if pp_layers is None else list(pp_layers))
         self.params = lora_parameters(self.policy)  # non-empty: load_run_inputs checked lora.targets
+        check_lora_replicas(self.policy)  # ranks that replicate an adapter start from the same values
         self.loss_config, self.algo, self.temperature = loss, algo, temperature
         self.optimizer = torch.optim.AdamW(self.params, lr=optim.lr, betas=(optim.beta1, optim.beta2),
                                            weight_decay=optim.weight_decay, eps=1e-8)
@@ -159,9 +160,10 @@ class TrainWorker:
                 "rng": rng_state(self.device), "lora_dropout_rng": self.policy.lora_generator.get_state()}
 
     def load_state_dict(self, state: dict[str, Any], adapter: dict[str, torch.Tensor]) -> None:
-        from megatron_patches.lora import load_adapter_state
+        from megatron_patches.lora import check_lora_replicas, load_adapter_state
 
         load_adapter_state(self.policy, adapter)
+        check_lora_replicas(self.policy)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         set_rng_state(state["rng"], self.device)

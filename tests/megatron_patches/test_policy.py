@@ -230,14 +230,18 @@ def test_bf16_grouped_experts_equal_the_expert_loop(ref):
     assert all(rel(a, b) < 2e-2 for a, b in zip(g1, g2))
 
 
-def test_tp_size_must_divide_the_split_dims():
-    from megatron_patches.model import _check_tp
+def test_layout_must_divide_the_split_dims():
+    from megatron_patches.model import check_layout
     from miles_k3.model.linear import TensorParallel
 
     with pytest.raises(ValueError, match="kda_num_heads=4 is not divisible by the tensor-parallel size 3"):
-        _check_tp(CONFIG, TensorParallel(3, 0))
+        check_layout(CONFIG, TensorParallel(3, 0))
     with pytest.raises(ValueError, match="moe_intermediate_size"):
-        _check_tp(CONFIG.replace(moe_intermediate_size=65), TensorParallel(2, 1))
+        check_layout(CONFIG.replace(moe_intermediate_size=65), TensorParallel(2, 1))
+    with pytest.raises(ValueError, match="num_experts=16 is not divisible by the expert-parallel size 3"):
+        check_layout(CONFIG, TensorParallel(1, 0), ep_size=3)
+    with pytest.raises(ValueError, match="pp_layers"):
+        check_layout(CONFIG, TensorParallel(1, 0), pp_size=2, pp_layers=[1, 1])
     with pytest.raises(ValueError, match="kda_num_heads"):  # the shared layers check their own share too
         K3ForCausalLM(CONFIG, tp=TensorParallel(3, 0))
     with pytest.raises(ValueError, match="TensorParallel"):

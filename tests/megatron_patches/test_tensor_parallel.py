@@ -1,5 +1,5 @@
 """TP=2 (two processes, gloo) computes what TP=1 computes: logits, LoRA gradients, clipping, export.
-The same two processes as DP=2 average their adapter gradients."""
+(Data parallelism's gradient sums: tests/megatron_patches/test_expert_parallel.py and test_lora_reduction.py.)"""
 
 import pytest
 import torch
@@ -52,12 +52,3 @@ def test_tp2_equals_tp1(tp1, tp2, case):
     # the clip scaled everything down to the global norm
     total = torch.sqrt(sum(g.pow(2).sum() for g in want["clipped"].values()))
     assert abs(float(total) - 1e-3) < 1e-8
-
-
-def test_dp2_averages_adapter_gradients(tp2):
-    r0, r1 = tp2[0]["dp"], tp2[1]["dp"]
-    for key, g0 in r0["before"].items():
-        g1 = r1["before"][key]
-        assert not torch.equal(g0, g1) or not g0.any()  # different batches, different gradients
-        assert torch.equal(r0["after"][key], r1["after"][key])
-        assert _close(r0["after"][key], (g0 + g1) / 2)

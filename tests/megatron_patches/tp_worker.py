@@ -14,8 +14,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from megatron_patches.lora import (adapter_grads, adapter_state, adapters_disabled, average_lora_grads_,
-                                   clip_lora_grad_norm_, load_adapter_state)
+from megatron_patches.lora import (adapter_grads, adapter_state, adapters_disabled, clip_lora_grad_norm_, load_adapter_state)
 from megatron_patches.model import build_policy, reference_state
 from miles_k3.model import K3Config
 from miles_k3.model.lora_spec import LoraSpec
@@ -66,7 +65,7 @@ def run_case(config: K3Config, seed: int = 0, dtype: torch.dtype = torch.float32
     load_adapter_state(policy, adapter)
     residual = []  # the sequence length of the residual stream (this rank's slice under sequence parallelism)
     policy.model.layers[0].input_layernorm.register_forward_hook(lambda m, a, out: residual.append(out.shape[1]))
-    logits = policy(ids, cu_seqlens=cu_seqlens).logits
+    logits = policy.tp.gather_last_dim(policy(ids, cu_seqlens=cu_seqlens).logits)  # vocab slices -> all
     loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
                                              target.reshape(-1).to(device))
     loss.backward()
@@ -74,7 +73,7 @@ def run_case(config: K3Config, seed: int = 0, dtype: torch.dtype = torch.float32
     norm = clip_lora_grad_norm_(policy, max_norm=1e-3)
     clipped = adapter_grads(policy)
     with torch.no_grad(), adapters_disabled(policy):
-        base = policy.eval()(ids, cu_seqlens=cu_seqlens).logits
+        base = policy.tp.gather_last_dim(policy.eval()(ids, cu_seqlens=cu_seqlens).logits)
     out = {"logits": logits.detach(), "base": base, "grads": grads, "norm": norm, "clipped": clipped,
            "adapter": adapter_state(policy), "residual_len": residual[0]}
     return _to_cpu(out)
@@ -84,19 +83,6 @@ def _to_cpu(x):
     if isinstance(x, dict):
         return {k: _to_cpu(v) for k, v in x.items()}
     return x.cpu() if isinstance(x, torch.Tensor) else x
-
-
-def run_data_parallel(rank: int) -> dict:
-    config = configs()["k3-tiny"]
-    policy = build_policy(config, reference_state(config), LoraSpec(rank=2), dtype=DTYPE)
-    g = torch.Generator().manual_seed(7)  # the same adapter on both ranks
-    load_adapter_state(policy, {k: torch.randn(v.shape, generator=g, dtype=DTYPE)
-                                for k, v in adapter_state(policy).items()})
-    ids = torch.randint(3, config.vocab_size, (1, 7), generator=torch.Generator().manual_seed(100 + rank))
-    policy(ids).logits.square().mean().backward()
-    before = adapter_grads(policy)
-    average_lora_grads_(policy)
-    return {"before": before, "after": adapter_grads(policy)}
 
 
 def worker(rank: int, world: int, port: int, tp: int, out: str, device: str = "cpu",
@@ -118,13 +104,6 @@ def worker(rank: int, world: int, port: int, tp: int, out: str, device: str = "c
         if tp > 1:
             results |= {name: run_case(c, dtype=dtype, device=device, sequence_parallel=True, packed=packed, lora=lora)
                         for name, (c, packed, lora) in sequence_parallel_cases().items()}
-        destroy_parallel()
-        if device.startswith("cuda"):
-            torch.save(results, f"{out}/rank{rank}.pt")
-            return
-        # the same world as data parallel (TP=1, DP=2): each rank its own batch, then averaged gradients
-        init_parallel(1)
-        results["dp"] = run_data_parallel(rank)
         destroy_parallel()
         torch.save(results, f"{out}/rank{rank}.pt")
     finally:

@@ -202,3 +202,21 @@ def test_why_sections_are_mutable_copies_of_the_frozen_components():
     # the derived section takes the override, and a tuple-typed field a list (the component makes it a tuple)
     node = OmegaConf.merge(OmegaConf.structured(TrainConfig).lora, {"rank": 4, "targets": ["q_proj$"]})
     assert LoraSpec(**OmegaConf.to_object(node).values()) == LoraSpec(rank=4, targets=("q_proj$",))
+
+
+def test_k3_gb300x64_recipe_resolves_and_the_real_k3_splits_over_its_layout(tmp_path):
+    """The documented 64-GPU recipe: Hydra composes it, every section checks, and the published K3 config
+    divides over TP=8 x PP=8 (heads, expert intermediate dim, vocabulary, 93 layers over 8 stages)."""
+    import shutil
+    from pathlib import Path
+
+    from megatron_patches.model import check_layout
+    from miles_k3.model.config import K3Config
+    from miles_k3.model.linear import TensorParallel
+
+    fixture = Path(__file__).parents[1] / "model" / "fixtures" / "kimi_k3_config.json"
+    shutil.copy(fixture, tmp_path / "config.json")
+    rc = resolve(composed("recipe=k3_gb300x64", f"model.path={tmp_path}"))
+    par = rc.parallel
+    assert (par.tp, par.pp, par.world_size, rc.cluster.num_workers) == (8, 8, 64, 64)
+    check_layout(K3Config.from_json_file(tmp_path / "config.json"), TensorParallel(par.tp), par.ep, par.pp, par.pp_layers)

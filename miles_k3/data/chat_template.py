@@ -1,24 +1,28 @@
-"""Chat templates without Jinja and without tokenizers.
+"""Chat templates: the tokenizer's own for HF checkpoints, built-in ones for the embedded tiny models.
 
-A template turns a dataset prompt into the exact string the engine tokenizes. Three choices:
+A template turns a dataset prompt into the exact string the engine tokenizes. The choices:
 
-- ``None``: the prompt string is used verbatim; a list of chat messages cannot be rendered (ValueError).
+- ``"hf"``: the checkpoint tokenizer's own template (``apply_chat_template`` of the tokenizer config on disk,
+  with the generation prompt; `miles_k3.data.hf_chat`). Renders strings (as one user message) and message
+  lists. The renderer is handed in by the caller that holds the tokenizer (``render_prompt(..., apply_chat)``):
+  nothing here imports transformers or reaches the network.
+- ``None``: the prompt string is used verbatim (the embedded models' bare problems, or a dataset templated
+  offline); a list of chat messages cannot be rendered (ValueError).
 - ``"chatml"``: the built-in ChatML layout (``<|im_start|>role\\ncontent<|im_end|>\\n`` per message, then the
-  generation prompt ``<|im_start|>assistant\\n``). Renders strings (as one user message) and message lists.
+  generation prompt ``<|im_start|>assistant\\n``), for the embedded tiny models, which ship no tokenizer
+  config (an HF checkpoint uses ``"hf"``; tests/data/test_hf_chat_template.py holds it equal to a ChatML
+  tokenizer's own template). Renders strings (as one user message) and message lists.
 - any other string: a Python format string with a ``{prompt}`` field and optionally a ``{system}`` field
   (literal braces doubled: ``{{``). Renders strings only.
-
-Why no Jinja / HF ``apply_chat_template``: that needs the model's tokenizer config from a hub, and nothing in
-the data path may reach the network. A user whose model needs its exact chat template renders it offline into
-the dataset (prompt column already templated, ``chat_template=None``) or writes it as a format string.
 """
 
 from __future__ import annotations
 
 import string
-from typing import Any
+from typing import Any, Callable
 
 CHATML = "chatml"
+HF = "hf"
 TEMPLATE_FIELDS = ("prompt", "system")
 ROLES = ("system", "user", "assistant")
 
@@ -49,20 +53,21 @@ def validate_template(template: str | None, system_prompt: str | None) -> None:
     system prompt would actually be used: a set system prompt that no template reads is an error, not a
     silent no-op."""
     if template is not None and not isinstance(template, str):
-        raise ValueError(f"chat_template: must be None, {CHATML!r} or a format string, got {type(template).__name__}")
+        raise ValueError(f"chat_template: must be None, {HF!r}, {CHATML!r} or a format string, "
+                         f"got {type(template).__name__}")
     if system_prompt is not None and not isinstance(system_prompt, str):
         raise ValueError(f"system_prompt: must be None or a string, got {type(system_prompt).__name__}")
     if template is None:
         if system_prompt is not None:
             raise ValueError("system_prompt: set, but chat_template is None, so it would be ignored; "
-                             "use chat_template='chatml' or a format string with {system}")
+                             "use chat_template='hf', 'chatml' or a format string with {system}")
         return
-    if template == CHATML:
+    if template in (CHATML, HF):
         return
     fields = template_fields(template)
     if "prompt" not in fields:
-        raise ValueError(f"chat_template: {template!r} is neither {CHATML!r} nor a format string with a "
-                         "{prompt} field")
+        raise ValueError(f"chat_template: {template!r} is neither {HF!r}, {CHATML!r} nor a format string with "
+                         "a {prompt} field")
     if system_prompt is not None and "system" not in fields:
         raise ValueError("system_prompt: set, but chat_template has no {system} field, so it would be ignored")
 
@@ -89,23 +94,39 @@ def validate_messages(messages: list[Any]) -> list[dict[str, str]]:
     return out
 
 
-def _chatml(messages: list[dict[str, str]], system_prompt: str | None) -> str:
-    # The record's own system message wins over the configured default: the dataset author put it there.
+def with_system(messages: list[dict[str, str]], system_prompt: str | None) -> list[dict[str, str]]:
+    """The configured system prompt first, unless the record has its own (the dataset author put it there)."""
     if system_prompt is not None and messages[0]["role"] != "system":
-        messages = [{"role": "system", "content": system_prompt}] + messages
+        return [{"role": "system", "content": system_prompt}] + messages
+    return messages
+
+
+def _chatml(messages: list[dict[str, str]], system_prompt: str | None) -> str:
+    messages = with_system(messages, system_prompt)
     turns = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
     return turns + "<|im_start|>assistant\n"
 
 
-def render_prompt(raw: str | list[Any], template: str | None, system_prompt: str | None = None) -> str:
+def render_prompt(raw: str | list[Any], template: str | None, system_prompt: str | None = None,
+                  apply_chat: Callable[[list[dict[str, str]]], str] | None = None) -> str:
     """Render a raw prompt (string or chat-message list) with a template already checked by
-    `validate_template`. ValueError when the template cannot render this prompt (messages without
-    ``chatml``, an empty string, a malformed message); the caller adds file and line."""
+    `validate_template`. `apply_chat`: the tokenizer's template (messages -> text ending in the generation
+    prompt), required by ``"hf"``. ValueError when the template cannot render this prompt (messages without
+    a chat template, an empty string, a malformed message); the caller adds file and line."""
+    if template == HF:
+        if apply_chat is None:
+            raise ValueError("chat_template: 'hf' renders with the tokenizer's own template, and none was given")
+        if isinstance(raw, str) and not raw:
+            raise ValueError("prompt: empty string")
+        messages = validate_messages(raw) if isinstance(raw, list) else None
+        if messages is None and not isinstance(raw, str):
+            raise ValueError(f"prompt: must be a string or a list of chat messages, got {type(raw).__name__}")
+        return apply_chat(with_system(messages or [{"role": "user", "content": raw}], system_prompt))
     if isinstance(raw, list):
         messages = validate_messages(raw)
         if template != CHATML:
-            raise ValueError(f"prompt: a chat-message list needs chat_template={CHATML!r}; "
-                             f"chat_template is {template!r}")
+            raise ValueError(f"prompt: a chat-message list needs chat_template={CHATML!r} (embedded models) or "
+                             f"{HF!r} (an HF tokenizer's own); chat_template is {template!r}")
         return _chatml(messages, system_prompt)
     if not isinstance(raw, str):
         raise ValueError(f"prompt: must be a string or a list of chat messages, got {type(raw).__name__}")

@@ -12,7 +12,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from miles_k3.data.chat_template import render_prompt, validate_template
 
@@ -33,7 +33,9 @@ class PromptDataConfig:
     # keys copied into PromptRecord.metadata, each required in every row; None: every key other than the
     # prompt and label keys
     metadata_keys: tuple[str, ...] | None = None
-    chat_template: str | None = None  # None, "chatml" or a format string with {prompt} (miles_k3.data.chat_template)
+    # "hf": the tokenizer's own template (HF checkpoints) | None: the prompt verbatim | "chatml": the built-in
+    # template (embedded tiny models) | a format string with {prompt} (miles_k3.data.chat_template)
+    chat_template: str | None = None
     system_prompt: str | None = None  # needs a template that reads it ({system}, or chatml)
     shuffle: bool = True  # PromptSampler: a fresh permutation each epoch; false: file order
     seed: int = 0  # PromptSampler: seeds the epoch permutations
@@ -105,8 +107,10 @@ class PromptRecord:
     metadata: dict[str, Any] = field(default_factory=dict)
 
 
-def load_prompts(config: PromptDataConfig) -> list[PromptRecord]:
-    """Read, check and render every row of ``config.path``.
+def load_prompts(config: PromptDataConfig, apply_chat: Callable[[list[dict[str, str]]], str] | None = None
+                 ) -> list[PromptRecord]:
+    """Read, check and render every row of ``config.path``. `apply_chat`: the tokenizer's chat template
+    (`miles_k3.data.hf_chat.hf_chat_renderer`), which chat_template "hf" needs.
 
     Raises FileNotFoundError for a missing file, and ValueError naming the file, the jsonl line (1-based) or
     the parquet row (0-based, as pyarrow and pandas count) and the key for: malformed JSON, a line that is not
@@ -118,7 +122,9 @@ def load_prompts(config: PromptDataConfig) -> list[PromptRecord]:
     if not path.is_file():
         raise FileNotFoundError(f"{path}: prompt dataset not found")
     rows = _read_jsonl(path) if config.format == "jsonl" else _read_parquet(path)
-    records = [_to_record(i, row, where, config) for i, (where, row) in enumerate(rows)]
+    if config.chat_template == "hf" and apply_chat is None:
+        raise ValueError("chat_template 'hf' needs the tokenizer's template (load_prompts(config, apply_chat))")
+    records = [_to_record(i, row, where, config, apply_chat) for i, (where, row) in enumerate(rows)]
     if not records:
         raise ValueError(f"{path}: empty dataset (no records)")
     return records
@@ -172,12 +178,12 @@ def _read_parquet(path: Path):
         yield f"{path} row {i} (0-based)", row
 
 
-def _to_record(index: int, row: dict[str, Any], where: str, c: PromptDataConfig) -> PromptRecord:
+def _to_record(index: int, row: dict[str, Any], where: str, c: PromptDataConfig, apply_chat=None) -> PromptRecord:
     if c.prompt_key not in row:
         raise ValueError(f"{where}: missing prompt key {c.prompt_key!r} (keys: {sorted(row)})")
     raw = row[c.prompt_key]
     try:
-        prompt = render_prompt(raw, c.chat_template, c.system_prompt)
+        prompt = render_prompt(raw, c.chat_template, c.system_prompt, apply_chat)
     except ValueError as e:
         # render_prompt's messages start with "prompt:"; name the configured key instead.
         msg = str(e).removeprefix("prompt: ")

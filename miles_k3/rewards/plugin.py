@@ -5,6 +5,9 @@ A reference (RewardConfig.fn) is resolved in this order:
 2. a built-in name (see `builtin.BUILTINS`; these names are reserved);
 3. a name in the `miles_k3.rewards` entry-point group of the installed distributions.
 Every way of failing raises ValueError naming the reference, before any model is built.
+
+`load_by_path` and `is_async` are shared with the trainer's rollout plugins (`rollout.fn`,
+`miles_k3.trainer.rollout_plugin`): one loader for every "module.path:function" reference.
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ def load_plugin(config: RewardConfig) -> RewardPlugin:
     """Resolve config.fn and check that it can be called as a reward function."""
     ref = config.fn
     if ":" in ref:
-        fn = _load_by_path(ref)
+        fn = load_by_path(ref)
     elif ref in BUILTINS:
         fn = BUILTINS[ref](config)
     else:
@@ -72,7 +75,7 @@ def as_plugin(fn: Callable[..., Any], config: RewardConfig, *, name: str | None 
         name=name,
         fn=fn,
         batched=getattr(fn, BATCHED_ATTR, False) is True,
-        is_async=_is_async(fn),
+        is_async=is_async(fn),
         timeout_s=timeout_s,
     )
 
@@ -82,7 +85,8 @@ def known_names() -> list[str]:
     return sorted(BUILTINS) + sorted(set(_entry_points()) - set(BUILTINS))
 
 
-def _is_async(fn: Callable[..., Any]) -> bool:
+def is_async(fn: Callable[..., Any]) -> bool:
+    """Whether calling fn returns an awaitable (an async function, partial of one, or async __call__)."""
     # iscoroutinefunction sees through functools.partial; a callable instance is async when its
     # __call__ is.
     if inspect.iscoroutinefunction(fn):
@@ -106,7 +110,10 @@ def _check_signature(fn: Callable[..., Any], name: str) -> None:
         ) from None
 
 
-def _load_by_path(ref: str) -> Callable[..., Any]:
+def load_by_path(ref: str, what: str = "reward function") -> Callable[..., Any]:
+    """The callable a "module.path:attribute" reference names; ValueError starting with `what` and the
+    reference for a malformed reference, a module that is missing or fails to import, a missing attribute
+    or one that is not callable."""
     module_name, _, attr_path = ref.partition(":")
     well_formed = (
         module_name
@@ -116,7 +123,7 @@ def _load_by_path(ref: str) -> Callable[..., Any]:
     )
     if not well_formed:
         raise ValueError(
-            f"reward function reference {ref!r} is malformed: expected 'module.path:function', "
+            f"{what} reference {ref!r} is malformed: expected 'module.path:function', "
             f"e.g. 'my_project.rewards:score'"
         )
     try:
@@ -125,12 +132,12 @@ def _load_by_path(ref: str) -> Callable[..., Any]:
         # Distinguish "the plugin's module does not exist" from "it exists but imports something missing".
         if exc.name and (module_name == exc.name or module_name.startswith(exc.name + ".")):
             raise ValueError(
-                f"reward function {ref!r}: module {module_name!r} not found (is it installed or on sys.path?)"
+                f"{what} {ref!r}: module {module_name!r} not found (is it installed or on sys.path?)"
             ) from exc
-        raise ValueError(f"reward function {ref!r}: importing {module_name!r} failed: {exc}") from exc
+        raise ValueError(f"{what} {ref!r}: importing {module_name!r} failed: {exc}") from exc
     except Exception as exc:
         raise ValueError(
-            f"reward function {ref!r}: importing {module_name!r} raised {type(exc).__name__}: {exc}"
+            f"{what} {ref!r}: importing {module_name!r} raised {type(exc).__name__}: {exc}"
         ) from exc
     obj: Any = module
     for part in attr_path.split("."):
@@ -138,10 +145,10 @@ def _load_by_path(ref: str) -> Callable[..., Any]:
             obj = getattr(obj, part)
         except AttributeError:
             raise ValueError(
-                f"reward function {ref!r}: module {module_name!r} has no attribute {attr_path!r}"
+                f"{what} {ref!r}: module {module_name!r} has no attribute {attr_path!r}"
             ) from None
     if not callable(obj):
-        raise ValueError(f"reward function {ref!r} is not callable (it is a {type(obj).__name__})")
+        raise ValueError(f"{what} {ref!r} is not callable (it is a {type(obj).__name__})")
     return obj
 
 

@@ -142,11 +142,24 @@ class RolloutCfg(component_fields(EngineConfig, ENGINE_KEYS), component_fields(S
     # runs. false keeps them, and the graphs captured once serve every later step: for a device that holds
     # both (k3-small on one H200), where recapturing each step cost most of the rollout time.
     release_memory: bool = True
+    # A rollout plugin "module.path:function" (multi-turn / tool use: miles_k3.trainer.rollout_plugin) that
+    # rolls out each sample against the policy and returns its tokens, loss mask and the engine's log-probs;
+    # None: one generation per sample
+    fn: Optional[str] = None
+    # how rollout.fn reaches the policy: engine (the colocated engine in-process) | http (miles-serve's app
+    # over the same engine on 127.0.0.1, SGLang's /generate and the OpenAI API)
+    client: str = "engine"
 
     def check(self) -> None:
+        from miles_k3.trainer.rollout_plugin import CLIENTS
         from rollout.model_runner import QUANTIZE_MODES
 
         c = Check(self)
+        c.choice("client", CLIENTS)
+        if self.fn is not None and ":" not in self.fn:
+            raise c.fail("fn", "must be 'module.path:function' (a rollout plugin) or null")
+        if self.client != "engine" and self.fn is None:
+            raise c.fail("client", "only applies with rollout.fn (a rollout plugin)")
         c.int_at_least("prompts_per_step", 1)
         c.int_at_least("samples_per_prompt", 2)
         c.number("temperature", 0.0, open_low=True)  # the trainer's log-probs divide by it: no greedy training
@@ -205,7 +218,15 @@ class OptimCfg(Section):
 @dataclass
 class DataCfg(component_fields(PromptDataConfig)):
     """data.*: PromptDataConfig's fields for the training prompts (the held-out prompts share every option
-    but the path), and the held-out set below."""
+    but the path), and the held-out set below.
+
+    data.chat_template: "hf" renders prompts (strings as one user message, or chat-message lists) with the
+    checkpoint tokenizer's own template (`apply_chat_template` of its tokenizer config on disk, with the
+    generation prompt; needs model.tokenizer=hf); None uses the prompt string verbatim (the embedded models'
+    bare problems, or a dataset already templated offline); "chatml" is the built-in ChatML template, kept
+    for the embedded tiny models only (model.tokenizer=arithmetic: an HF checkpoint uses its own, "hf"); any
+    other string is a format string with {prompt} (and {system}). A bad pairing with model.tokenizer is one
+    ValueError naming data.chat_template."""
 
     eval_path: Optional[str] = None  # held-out prompts for the greedy evaluation; None: no evaluation
     eval_max_prompts: Optional[int] = None  # evaluate on the first N held-out prompts; None: all

@@ -5,11 +5,13 @@ naming its field or file (`miles-train` prints it as one line and exits with sta
     model.path       config.json (-> K3Config), then every tensor of the checkpoint (read last: the slowest)
     lora.targets     select modules of this model (read off its tensor layout, no model built)
     model.tokenizer  loads, and its eos id lies inside the model's vocabulary
+    data.chat_template  "hf": the tokenizer has a chat template (prompts are rendered by it)
     rollout.memory_mb  the engine's pool holds at least one KV page and one state slot of this model
     data.path, data.eval_path  every row (load_prompts); every prompt encodes to ids of the model's
                      vocabulary and fits the engine with rollout.max_new_tokens (Engine.submit's rules, applied
                      to the whole dataset now instead of to one batch mid-run)
     reward.fn        imports and has a reward function's signature
+    rollout.fn       imports and has a rollout function's signature (fn(client, record))
     trainer.resume   the checkpoint to continue from verifies and fits this run: its trainer ranks, adapter
                      shape and modules, and the dataset its sampler position points into
 
@@ -26,12 +28,14 @@ from typing import Any, NamedTuple
 import torch
 
 from miles_k3.data import PromptRecord, PromptSampler, load_prompts
+from miles_k3.data.hf_chat import TemplatedPrompts, hf_chat_renderer
 from miles_k3.model.config import K3Config
 from miles_k3.model.lora_spec import adaptable_modules
 from miles_k3.rewards import RewardPlugin, load_plugin
 from miles_k3.trainer import checkpoint as ckpt
 from miles_k3.trainer.base import TORCH_DTYPES, Tokenizer, build_tokenizer, load_base_config
 from miles_k3.trainer.resolve import ResolvedConfig, in_section
+from miles_k3.trainer.rollout_plugin import load_rollout_fn
 
 
 class Resume(NamedTuple):
@@ -154,14 +158,18 @@ def load_run_inputs(rc: ResolvedConfig, run_dir: str | Path, *, weights: str | N
     in_section("lora", lambda: rc.lora.check_matches(adaptable_modules(config)), type(rc.lora))
     _named("parallel", lambda: _check_layout(rc, config))
     tok = _named("model.tokenizer", lambda: build_tokenizer(rc.model, config))
+    apply_chat = None
+    if rc.data.chat_template == "hf":  # resolve checked model.tokenizer=hf
+        apply_chat = in_section("data", lambda: hf_chat_renderer(tok.hf, rc.model.path))
+        tok = TemplatedPrompts(tok)
     sizes = _named(f"rollout.memory_mb ({rc.rollout.memory_mb} MiB)", lambda: PoolSizes.from_budget(
         config, rc.engine.memory_bytes, page_size=rc.engine.page_size, state_fraction=rc.engine.state_fraction,
         dtype=TORCH_DTYPES[rc.rollout.dtype]))
 
     loaded = []
     for section, data in (("data.path", rc.data), ("data.eval_path", rc.eval_data)):
-        records = None if data is None else _named(section, lambda: load_prompts(data), FileNotFoundError,
-                                                   ImportError)
+        records = None if data is None else _named(section, lambda: load_prompts(data, apply_chat),
+                                                   FileNotFoundError, ImportError)
         if records is not None:
             _check_prompts(section, data.path, records, tok, rc, config, sizes.num_pages)
         loaded.append(records)
@@ -170,6 +178,8 @@ def load_run_inputs(rc: ResolvedConfig, run_dir: str | Path, *, weights: str | N
         raise ValueError(f"data.drop_last: the dataset's {len(train)} prompts cannot fill one step of "
                          f"rollout.prompts_per_step ({rc.rollout.prompts_per_step}) without wrapping around")
     plugin = _named("reward.fn", lambda: load_plugin(rc.reward))
+    if rc.rollout.fn is not None:  # loaded again where the engine runs; here to fail before any model is built
+        _named("rollout.fn", lambda: load_rollout_fn(rc.rollout.fn))
     resume = find_resume(rc, run_dir, config, train)
 
     state = None

@@ -1,7 +1,9 @@
 """The colocated GRPO loop, run by the driver (the local launcher's rank 0, or the Ray driver).
 
 One step:
-  1. sample prompts; the engine(s) generate n samples per prompt with the policy adapter (prefix-cached);
+  1. sample prompts; the engine(s) generate n samples per prompt with the policy adapter (prefix-cached), or,
+     with rollout.fn, the rollout plugin runs each sample's turns against them (multi-turn: tool / environment
+     tokens masked out of the loss; `miles_k3.trainer.rollout_plugin`);
   2. reward plugins score them; failed samples are dropped or stop the run (reward.on_failure);
      zero-variance groups are dropped and refilled with fresh prompts (algo.dynamic_sampling:
      `algo.filters`); group-normalized advantages;
@@ -19,7 +21,7 @@ import dataclasses
 import logging
 import time
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -30,6 +32,7 @@ from miles_k3.trainer import checkpoint as ckpt
 from miles_k3.trainer.batch import TrainBatch
 from miles_k3.trainer.inputs import RunInputs, load_run_inputs
 from miles_k3.trainer.resolve import ResolvedConfig
+from miles_k3.trainer.rollout_plugin import RolloutJob, Trajectory
 from miles_k3.trainer.rollout_worker import Generated
 from miles_k3.trainer.run_log import Progress, RunLog
 from rollout.request import SamplingParams
@@ -41,6 +44,9 @@ class Workers(Protocol):
     """The engines and trainer ranks of a run, as the driver sees them."""
 
     def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[Generated]: ...
+    # rollout.fn's samples on the engine(s) (RolloutWorker.rollout), in job order
+    def rollout(self, fn: str, jobs: list[RolloutJob], *, tokenizer: tuple[str, str | None],
+                client: str) -> list[Trajectory]: ...
     def engine_counters(self) -> dict[str, int]: ...  # cumulative, summed over engines (Engine.counters)
     def release_engines(self) -> None: ...
     def resume_engines(self) -> None: ...
@@ -50,6 +56,20 @@ class Workers(Protocol):
     def trainer_states(self) -> list[dict[str, Any]]: ...
     def load_trainer_states(self, states: list[dict[str, Any]], adapter: dict[str, torch.Tensor]) -> None: ...
     def shutdown(self) -> None: ...
+
+
+class Rolled(NamedTuple):
+    """One sample as the loop scores and trains it (single-turn: every response token is the policy's)."""
+
+    prompt_ids: list[int]
+    output_ids: list[int]
+    logprobs: list[float]  # the engine's, per response token
+    loss_mask: list[bool] | None  # None: every response token carries loss
+    text: str  # what the reward scores
+
+    @property
+    def policy_tokens(self) -> int:
+        return len(self.output_ids) if self.loss_mask is None else sum(self.loss_mask)
 
 
 def sample_seed(run_seed: int, step: int, round_: int, index: int) -> int:
@@ -83,9 +103,26 @@ class GRPODriver:
                                   stop_token_ids=stop)
         return dataclasses.replace(self.rc.sampling, stop_token_ids=stop, seed=seed)
 
-    def _score(self, records: list[PromptRecord], gens: list[Generated], group_of: list[int]):
-        samples = [Sample(prompt=records[g].prompt, response=self.tok.decode(out.output_ids),
-                          label=records[g].label, metadata=records[g].metadata, group_index=g,
+    def _generate(self, records: list[PromptRecord], prompts: list[list[int]], params: list[SamplingParams],
+                  group_of: list[int]) -> list[Rolled]:
+        """One sample per (prompt, params) pair: the engine's completion, or rollout.fn's trajectory."""
+        r = self.rc.rollout
+        if r.fn is None:
+            gens = self.workers.generate(prompts, params)
+            return [Rolled(p, g.output_ids, g.logprobs, None, self.tok.decode(g.output_ids))
+                    for p, g in zip(prompts, gens)]
+        n = r.samples_per_prompt
+        jobs = [RolloutJob(records[g], p, sp, f"group {g} sample {i % n}")
+                for i, (g, p, sp) in enumerate(zip(group_of, prompts, params))]
+        # TODO(lead): LocalWorkers / RayWorkers forward `rollout` to their engine(s); until then the local one's
+        rollout = getattr(self.workers, "rollout", None) or self.workers.engine.rollout
+        trajs = rollout(r.fn, jobs, tokenizer=(self.rc.model.tokenizer, self.rc.model.path), client=r.client)
+        return [Rolled(t.prompt_ids, t.response_ids, t.logprobs, t.loss_mask,
+                       self.tok.decode(t.response_ids) if t.text is None else t.text) for t in trajs]
+
+    def _score(self, records: list[PromptRecord], gens: list[Rolled], group_of: list[int]):
+        samples = [Sample(prompt=records[g].prompt, response=out.text, label=records[g].label,
+                          metadata=records[g].metadata, group_index=g,
                           sample_index=i % self.rc.rollout.samples_per_prompt)
                    for i, (g, out) in enumerate(zip(group_of, gens))]
         return score(samples, self.rc.reward, self.plugin)
@@ -95,11 +132,11 @@ class GRPODriver:
         rounds run out); returns the batch and rollout metrics."""
         r, a = self.rc.rollout, self.rc.algo
         n = r.samples_per_prompt
-        kept: list[tuple[list[int], list[Generated], list[float]]] = []
+        kept: list[tuple[list[Rolled], list[float]]] = []
         all_rewards: list[float] = []
         lengths: list[int] = []
         failures: dict[str, int] = {}
-        groups_seen = groups_flat = 0
+        groups_seen = groups_flat = all_masked = env_tokens = 0
         counters_before = self.workers.engine_counters()
         for round_ in range(a.max_refill_rounds + 1 if a.dynamic_sampling else 1):
             records = self.sampler.next_batch(groups_to_refill(len(kept), r.prompts_per_step))
@@ -108,13 +145,17 @@ class GRPODriver:
             group_of = [g for g in range(len(records)) for _ in range(n)]
             params = [self._params(sample_seed(self.rc.trainer.seed, self.step, round_, i))
                       for i in range(len(flat_prompts))]
-            gens = self.workers.generate(flat_prompts, params)
+            gens = self._generate(records, flat_prompts, params, group_of)
             result = self._score(records, gens, group_of)
             for kind, count in result.failure_counts.items():
                 failures[kind] = failures.get(kind, 0) + count
             groups_seen += len(records)
+            # a response with no token of the policy's (all tool output, or none) carries no gradient: dropped
+            trainable = torch.tensor([g.policy_tokens > 0 for g in gens])
+            all_masked += int((~trainable).sum())
+            env_tokens += sum(len(g.output_ids) - g.policy_tokens for g in gens)
             # failed samples are out of their groups; a group left with fewer than 2 carries no signal
-            keep = result.keep
+            keep = result.keep & trainable
             signal = nonzero_variance_groups(result.rewards[keep],
                                              group_ids=torch.tensor(group_of)[keep]).tolist()
             signal += [False] * (len(records) - len(signal))  # trailing groups that lost every sample
@@ -127,7 +168,7 @@ class GRPODriver:
                     groups_flat += 1
                     if a.dynamic_sampling or len(idx) < 2:
                         continue
-                kept.append((prompts[g], [gens[i] for i in idx], rewards))
+                kept.append(([gens[i] for i in idx], rewards))
             if groups_to_refill(len(kept), r.prompts_per_step) == 0:
                 break
         stats = reward_stats(torch.tensor(all_rewards, dtype=torch.float64))
@@ -136,27 +177,31 @@ class GRPODriver:
                    "groups_sampled": groups_seen, "groups_kept": len(kept), "groups_zero_variance": groups_flat,
                    "samples_dropped": sum(failures.values())}
         metrics.update({f"reward_failures_{k}": v for k, v in failures.items()})
+        if r.fn is not None:
+            metrics.update(samples_all_masked=all_masked, response_env_tokens_mean=env_tokens / max(1, len(lengths)))
         metrics.update({f"rollout_{k}": v - counters_before[k] for k, v in self.workers.engine_counters().items()})
         return self._to_batch(kept), metrics
 
     def _to_batch(self, kept) -> TrainBatch:
-        prompts, responses, logprobs, advantages, group_ids = [], [], [], [], []
-        for g, (prompt, gens, rewards) in enumerate(kept):
+        prompts, responses, logprobs, advantages, group_ids, masks = [], [], [], [], [], []
+        for g, (gens, rewards) in enumerate(kept):
             adv = group_advantages(torch.tensor(rewards), len(rewards), normalize_std=self.rc.algo.normalize_std)
             for gen, a in zip(gens, adv.tolist()):
-                prompts.append(prompt)
+                prompts.append(gen.prompt_ids)
                 responses.append(gen.output_ids)
                 logprobs.append(gen.logprobs)
+                masks.append(gen.loss_mask if gen.loss_mask is not None else [True] * len(gen.output_ids))
                 advantages.append(a)
                 group_ids.append(g)
-        return TrainBatch(prompts, responses, logprobs, advantages, group_ids)
+        multi_turn = self.rc.rollout.fn is not None
+        return TrainBatch(prompts, responses, logprobs, advantages, group_ids, masks if multi_turn else None)
 
     def evaluate(self) -> dict[str, float]:
         """Greedy accuracy on the held-out prompts: the fraction of samples whose reward is >= 1 (binary
         verifiable rewards), and the mean reward."""
         recs = self.eval_records
-        gens = self.workers.generate([self.tok.encode_prompt(x.prompt) for x in recs],
-                                     [self._params(None, greedy=True)] * len(recs))
+        gens = self._generate(recs, [self.tok.encode_prompt(x.prompt) for x in recs],
+                              [self._params(None, greedy=True)] * len(recs), list(range(len(recs))))
         result = self._score(recs, gens, list(range(len(recs))))
         rewards = result.rewards[result.keep]
         return {"eval_accuracy": float((rewards >= 1.0).float().mean()) if len(rewards) else float("nan"),

@@ -29,7 +29,8 @@ class Piece(NamedTuple):
 
     @property
     def tokens(self) -> int:
-        return len(self.packed.targets)
+        """Response tokens that carry loss (environment tokens of multi-turn samples are not counted)."""
+        return self.packed.policy_tokens
 
 
 def data_share(batch: TrainBatch) -> TrainBatch:
@@ -57,7 +58,7 @@ def micro_batches(batch: TrainBatch, max_tokens: int | None, device: torch.devic
 
 def combine_metrics(per_piece: list[dict[str, torch.Tensor]], tokens: list[int], total_tokens: int
                     ) -> dict[str, torch.Tensor]:
-    """The metrics of this rank's micro-batches (`tokens[i]` response tokens each, of the minibatch's
+    """The metrics of this rank's micro-batches (`tokens[i]` loss-carrying response tokens each, of the minibatch's
     `total_tokens` over every data-parallel rank) -> the whole minibatch's, the same on every rank: loss terms
     summed, per-token means weighted by token counts (exact for token means; a sequence-level statistic such
     as rollout_ess becomes the token-weighted mean of the pieces' values)."""

@@ -123,6 +123,15 @@ def resolve(cfg: Any) -> ResolvedConfig:
     if a.updates_per_step > r.prompts_per_step:
         raise ValueError(f"algo.updates_per_step must be <= rollout.prompts_per_step ({r.prompts_per_step}): "
                          f"each update takes whole groups, got {a.updates_per_step}")
+    if d.chat_template == "hf" and cfg.model.tokenizer != "hf":
+        raise ValueError("data.chat_template 'hf' renders with the checkpoint tokenizer's own template: needs "
+                         f"model.tokenizer=hf, got model.tokenizer={cfg.model.tokenizer!r}")
+    if d.chat_template == "chatml" and cfg.model.tokenizer == "hf":
+        raise ValueError("data.chat_template 'chatml' is the embedded models' built-in template; an HF checkpoint "
+                         "renders with its tokenizer's own: use data.chat_template=hf")
+    if r.fn is not None and c.launcher != "local":
+        raise ValueError(f"rollout.fn runs on the local launcher's engine (cluster.launcher=local), got "
+                         f"cluster.launcher={c.launcher!r}")
     par = cfg.parallel
     if c.num_workers != par.world_size:
         raise ValueError(f"cluster.num_workers must equal the layout's world size tp * pp * cp * dp = {par.tp} * {par.pp} "

@@ -2,11 +2,14 @@
 
 Owns a `rollout.engine.Engine` built from the same base weights as the trainer (MXFP4 or BF16 base, per
 `rollout.quantize`) with a one-slot adapter pool of the trainer's `LoraSpec`, holding the adapter "policy".
-Safe to call from one thread.
+Safe to call from one thread. `rollout` runs a rollout plugin's samples (`miles_k3.trainer.rollout_plugin`)
+against this engine: an engine loop thread drives it for the call's duration (in-process client), or
+miles-serve's app over it on 127.0.0.1 (HTTP client); nothing else touches the engine meanwhile.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import NamedTuple
 
@@ -17,9 +20,9 @@ from miles_k3.model.lora_spec import LoraSpec
 from rollout.config import EngineConfig
 from rollout.engine import Engine
 from rollout.model_runner import build_engine_model
+from miles_k3.trainer.rollout_plugin import (ADAPTER, EngineClient, HTTPClient, RolloutJob, TextCodec, Trajectory,
+                                             load_rollout_fn, run_rollouts)
 from rollout.request import SamplingParams
-
-ADAPTER = "policy"
 
 
 class Generated(NamedTuple):
@@ -34,6 +37,7 @@ class RolloutWorker:
         model, pool = build_engine_model(config, base_state, quantize=quantize, lora=lora, max_adapters=1,
                                          dtype=dtype, device=device)
         self.engine = Engine(model, engine, pool)
+        self._plugins: dict = {}  # rollout.fn reference -> RolloutFn, and the tokenizers it needs, built once
 
     def sync_adapter(self, tensors: dict[str, torch.Tensor]) -> float:
         """Copy the trainer's adapter into the engine's slot in place; returns the milliseconds it took
@@ -53,6 +57,47 @@ class RolloutWorker:
         """Completions in prompt order, sampled with the policy adapter."""
         outs = self.engine.generate(prompts, params, adapter=ADAPTER)
         return [Generated(o.output_ids, o.logprobs or [], o.finish_reason.value) for o in outs]
+
+    def rollout(self, fn: str, jobs: list[RolloutJob], *, tokenizer: tuple[str, str | None],
+                client: str = "engine") -> list[Trajectory]:
+        """Each job's trajectory from the rollout function `fn` ("module:function"), in job order, every
+        sample's function running concurrently against this engine with the policy adapter. `tokenizer`:
+        (model.tokenizer, model.path); `client`: "engine" (in-process) or "http" (miles-serve on loopback)."""
+        if fn not in self._plugins:
+            from rollout.server.tokenization import build_server_tokenizer
+
+            kind, path = tokenizer
+            self._plugins[fn] = (load_rollout_fn(fn), TextCodec(kind, path),
+                                 build_server_tokenizer(kind, path or "builtin"))
+        plugin, codec, server_tok = self._plugins[fn]
+        return asyncio.run(self._rollout(plugin, codec, server_tok, jobs, client, tokenizer[1]))
+
+    async def _rollout(self, plugin, codec, server_tok, jobs, client, path) -> list[Trajectory]:
+        vocab = self.engine.model.config.vocab_size
+        if client == "http":
+            import httpx
+
+            from rollout.server.app import Server
+            from rollout.server.loading import Served
+
+            served = Served(self.engine, server_tok, "k3", (ADAPTER,), path or "builtin")
+            server = Server(served, max_queued=1 << 20).start()
+            try:
+                async with httpx.AsyncClient(timeout=None) as http:
+                    return await run_rollouts(plugin, jobs, lambda job, loop: HTTPClient(job, codec, loop, http,
+                                                                                         server.url), vocab)
+            finally:
+                server.stop()
+        from rollout.server.engine_loop import EngineLoop
+        from rollout.server.generation import GenerationService
+
+        loop = EngineLoop(self.engine)
+        service = GenerationService(loop, server_tok, capacity=1 << 30)  # the engine queues what it cannot run
+        loop.start()
+        try:
+            return await run_rollouts(plugin, jobs, lambda job, ev: EngineClient(job, codec, ev, service), vocab)
+        finally:
+            loop.stop(timeout=60)
 
     def engine_counters(self) -> dict[str, int]:
         """Since this worker was built: decode CUDA graphs captured and replayed, requests retracted."""

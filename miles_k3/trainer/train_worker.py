@@ -111,7 +111,7 @@ class TrainWorker:
             if self.loss_config.kl != "none":
                 with torch.no_grad(), adapters_disabled(self.policy):
                     ref = self._forward_logprobs(pieces)
-            total = Totals(sum(len(r) for r in mb.responses), len(mb))
+            total = Totals(mb.policy_tokens(), len(mb))  # loss-carrying tokens only (multi-turn masks)
 
             def loss_fn(policy, hidden, micro, old_k=old[k] if old is not None else None, ref_k=ref, total=total):
                 return self._loss(hidden, micro, total, old_k, ref_k)
@@ -145,7 +145,7 @@ class TrainWorker:
         loss, metrics = policy_loss(p.to_padded(logp), old_logp, adv, p.mask(), self.loss_config,
                                     ref_logp=ref_logp, rollout_logp=rollout, num_tokens=total.tokens,
                                     num_sequences=total.sequences)
-        metrics["entropy"] = entropy.mean()
+        metrics["entropy"] = entropy[p.loss_mask].mean()  # over the tokens the loss counts
         return loss, metrics
 
     # ------------------------------------------------------------ adapter / state
@@ -173,7 +173,7 @@ class TrainWorker:
 class Totals(NamedTuple):
     """The whole minibatch's loss denominators (over every data-parallel rank and micro-batch)."""
 
-    tokens: int
+    tokens: int  # response tokens that carry loss (a multi-turn sample's environment tokens are not counted)
     sequences: int
 
 

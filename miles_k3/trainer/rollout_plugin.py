@@ -1,0 +1,290 @@
+"""Rollout plugins: multi-turn (tool-use, agentic) rollouts written by the user, run against the policy.
+
+`rollout.fn=module.path:function` replaces the loop's one-call generation. The function is called once per
+sample (`rollout.samples_per_prompt` times per prompt), sync or `async def`:
+
+    async def rollout(client: PolicyClient, record: PromptRecord) -> Trajectory:
+        traj = Trajectory(client.prompt_ids)                   # the record's prompt as training encodes it
+        turn = await client.generate(traj.ids, stop_token_ids=[CALL])   # the policy's turn
+        traj.add_policy(turn)                                  # its tokens carry loss, with the engine's log-probs
+        traj.add_environment(client.encode(tool_output))       # read by the model, masked out of the loss
+        traj.add_policy(await client.generate(traj.ids))
+        return traj                                            # text: what the reward scores (decoded response)
+
+A sync function calls `client.generate_sync(...)` instead (it runs in a thread of its own). Every sample's
+function runs concurrently, so the turns of all samples are batched by the engine together. `client.generate`
+samples with the run's sampling parameters (rollout.temperature / top_p / top_k; at most
+rollout.max_new_tokens tokens a turn unless `max_new_tokens` is given; stopping at the tokenizer's eos when
+rollout.stop_at_eos), seeded per sample and turn (a resumed run redraws the same samples). The log-probs a
+turn returns are the engine's, in the engine's convention (log pi(token | context) at the run's
+temperature): the trainer compares them with its own (TIS / MIS, train_rollout_logprob_abs_diff), so a
+plugin must pass them on untouched, and must feed the model exactly the ids it trains on (`traj.ids`),
+never re-tokenized text.
+
+The client (`rollout.client`): "engine" talks to the colocated engine in-process through
+`rollout.server.generation.GenerationService` (the server's own client: continuous batching on the engine
+loop thread); "http" starts `miles-serve`'s app over the same engine on 127.0.0.1 for the step and samples
+through its SGLang-native `POST /generate` (`client.base_url` is there for agent code that speaks the
+OpenAI API: model "policy" is the adapter being trained).
+
+A trajectory whose every response token is masked (or which has none) carries no signal: the loop drops it
+and counts it (`samples_all_masked`). A function that raises, or returns something that is not a valid
+`Trajectory`, stops the run with `RolloutPluginError` naming the function and the sample.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import inspect
+import math
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable, NamedTuple
+
+from miles_k3.data import PromptRecord
+from rollout.request import SamplingParams
+
+ADAPTER = "policy"  # the engine's adapter slot the trainer syncs (rollout_worker.ADAPTER)
+CLIENTS = ("engine", "http")
+
+
+class RolloutPluginError(RuntimeError):
+    """A rollout function raised, or returned an invalid trajectory."""
+
+
+class Turn(NamedTuple):
+    """One generation: the policy's tokens and the engine's log-prob of each."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" (a stop token, kept as the last token) | "length" | "abort"
+
+
+@dataclass
+class Trajectory:
+    """A multi-turn sample: the prompt, then the response, each response token marked as the policy's (carries
+    loss, with the engine's log-prob) or the environment's (masked: read as context, no loss)."""
+
+    prompt_ids: list[int]
+    response_ids: list[int] = field(default_factory=list)
+    loss_mask: list[bool] = field(default_factory=list)  # per response token: True = the policy's
+    logprobs: list[float] = field(default_factory=list)  # per response token: the engine's (0.0 where masked)
+    text: str | None = None  # what the reward scores; None: the decoded response
+
+    @property
+    def ids(self) -> list[int]:
+        """Everything so far (prompt + response): the next turn's context."""
+        return self.prompt_ids + self.response_ids
+
+    def add_policy(self, turn: Turn) -> None:
+        self.response_ids += turn.token_ids
+        self.loss_mask += [True] * len(turn.token_ids)
+        self.logprobs += list(turn.logprobs)
+
+    def add_environment(self, token_ids: list[int]) -> None:
+        self.response_ids += list(token_ids)
+        self.loss_mask += [False] * len(token_ids)
+        self.logprobs += [0.0] * len(token_ids)
+
+    def check(self, vocab_size: int) -> None:
+        """ValueError saying what is wrong with a trajectory the trainer cannot use."""
+        if not self.prompt_ids:
+            raise ValueError("empty prompt_ids")
+        n = len(self.response_ids)
+        if len(self.loss_mask) != n or len(self.logprobs) != n:
+            raise ValueError(f"{n} response tokens, {len(self.loss_mask)} loss-mask entries, "
+                             f"{len(self.logprobs)} log-probs (one each per response token)")
+        for name, ids in (("prompt_ids", self.prompt_ids), ("response_ids", self.response_ids)):
+            bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size]
+            if bad:
+                raise ValueError(f"{name} holds {bad[0]!r}, not a token id of the model's vocabulary ({vocab_size})")
+        for lp, keep in zip(self.logprobs, self.loss_mask):
+            if keep and not (isinstance(lp, (int, float)) and math.isfinite(lp) and lp <= 0.0):
+                raise ValueError(f"a policy token's log-prob is {lp!r} (the engine's: finite, <= 0)")
+        if self.text is not None and not isinstance(self.text, str):
+            raise ValueError(f"text must be a string or None, got {type(self.text).__name__}")
+
+
+@dataclass(frozen=True)
+class RolloutJob:
+    """One sample to roll out: its prompt record, the prompt as training encodes it, and its sampling."""
+
+    record: PromptRecord
+    prompt_ids: list[int]
+    params: SamplingParams  # the run's, with this sample's seed and stop tokens
+    where: str  # "group g sample i" (messages)
+
+
+class RolloutFn(NamedTuple):
+    name: str
+    fn: Callable[..., Any]
+    is_async: bool
+
+
+def load_rollout_fn(ref: str) -> RolloutFn:
+    """Resolve a "module.path:function" reference (the reward plugins' loader) and check that it can be called
+    as fn(client, record); ValueError naming the reference."""
+    from miles_k3.rewards.plugin import is_async, load_by_path
+
+    fn = load_by_path(ref, what="rollout function")
+    if inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn):
+        raise ValueError(f"rollout function {ref!r} is a generator; it must return a Trajectory")
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        signature = None  # some C callables have no signature; the call itself will tell
+    if signature is not None:
+        try:
+            signature.bind(object(), object())
+        except TypeError:
+            raise ValueError(f"rollout function {ref!r} must accept two positional arguments (client, record); "
+                             f"its signature is {signature}") from None
+    return RolloutFn(ref, fn, is_async(fn))
+
+
+class TextCodec:
+    """Text <-> ids for plugins: `encode` without special tokens (tool output, continuation text),
+    `encode_prompt` with them, as training encodes a prompt string."""
+
+    def __init__(self, kind: str, path: str | None):
+        if kind == "arithmetic":
+            from miles_k3.tasks.arithmetic import ArithmeticTokenizer
+
+            tok = ArithmeticTokenizer()
+            self.encode = lambda text: tok.encode(text)
+            self.encode_prompt = lambda text: tok.encode(text, add_bos=True)
+            self.decode = tok.decode
+            self.eos_token_id = tok.eos_token_id
+        else:
+            from miles_k3.trainer.base import HFTokenizer
+
+            hf = HFTokenizer(path).hf
+            self.encode = lambda text: list(hf.encode(text, add_special_tokens=False))
+            self.encode_prompt = lambda text: list(hf.encode(text, add_special_tokens=True))
+            self.decode = lambda ids: hf.decode(ids, skip_special_tokens=True)
+            self.eos_token_id = int(hf.eos_token_id)
+
+
+def turn_seed(seed: int | None, turn: int) -> int | None:
+    """A distinct, reproducible seed per turn of a seeded sample."""
+    return None if seed is None else (seed * 1_000_003 + turn + 1) % (1 << 62)
+
+
+class PolicyClient:
+    """The policy as a rollout function sees it (module docstring). One per sample; `generate` is awaited on
+    the rollout's event loop, `generate_sync` called from the sync function's own thread."""
+
+    def __init__(self, job: RolloutJob, codec: TextCodec, loop: asyncio.AbstractEventLoop):
+        self.job, self.codec, self._loop = job, codec, loop
+        self.prompt_ids = list(job.prompt_ids)
+        self.eos_token_id = codec.eos_token_id
+        self.turns = 0
+
+    def encode(self, text: str) -> list[int]:
+        """Text -> ids without special tokens (a tool's output)."""
+        return self.codec.encode(text)
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """A prompt string -> ids, special tokens added as training adds them to a prompt."""
+        return self.codec.encode_prompt(text)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.codec.decode(ids)
+
+    def _params(self, max_new_tokens: int | None, stop_token_ids) -> SamplingParams:
+        p = self.job.params
+        stops = tuple(p.stop_token_ids) + tuple(t for t in stop_token_ids if t not in p.stop_token_ids)
+        params = dataclasses.replace(p, max_new_tokens=max_new_tokens or p.max_new_tokens, stop_token_ids=stops,
+                                     seed=turn_seed(p.seed, self.turns), return_logprobs=True)
+        self.turns += 1
+        return params
+
+    async def generate(self, ids: list[int], *, max_new_tokens: int | None = None,
+                       stop_token_ids: tuple[int, ...] | list[int] = ()) -> Turn:
+        """The policy's continuation of `ids` (prompt and every turn so far), ending at a stop token (kept)
+        or after max_new_tokens."""
+        return await self._generate(list(ids), self._params(max_new_tokens, tuple(stop_token_ids)))
+
+    def generate_sync(self, ids: list[int], *, max_new_tokens: int | None = None,
+                      stop_token_ids: tuple[int, ...] | list[int] = ()) -> Turn:
+        """`generate` for a sync rollout function (called from its thread, never from the event loop)."""
+        coro = self.generate(ids, max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids)
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    async def _generate(self, ids: list[int], params: SamplingParams) -> Turn:
+        raise NotImplementedError
+
+
+class EngineClient(PolicyClient):
+    """In-process: the colocated engine through `GenerationService` (shared by every sample of the step)."""
+
+    def __init__(self, job, codec, loop, service):
+        super().__init__(job, codec, loop)
+        self.service = service
+
+    async def _generate(self, ids: list[int], params: SamplingParams) -> Turn:
+        from rollout.server.generation import GenerationRequest
+
+        # the stop tokens are the params' (eos among them when rollout.stop_at_eos), as in the single-turn loop
+        req = GenerationRequest(ids, params, adapter=ADAPTER, ignore_eos=True)
+        async with self.service.open([req]) as gen:
+            (s,) = await gen.result()
+        return Turn(list(s.token_ids), list(s.logprobs), s.finish_reason or "abort")
+
+
+class HTTPClient(PolicyClient):
+    """Over HTTP: miles-serve's SGLang-native `POST /generate` at `base_url` (input ids in, output ids and
+    `meta_info.output_token_logprobs` out: the engine's log-probs, unchanged by JSON's float round trip)."""
+
+    def __init__(self, job, codec, loop, http, base_url: str):
+        super().__init__(job, codec, loop)
+        self.http, self.base_url = http, base_url
+
+    async def _generate(self, ids: list[int], params: SamplingParams) -> Turn:
+        body = {"input_ids": ids, "return_logprob": True, "lora_path": ADAPTER,
+                "sampling_params": {"max_new_tokens": params.max_new_tokens, "temperature": params.temperature,
+                                    "top_p": params.top_p, "top_k": params.top_k or -1,
+                                    "stop_token_ids": list(params.stop_token_ids), "ignore_eos": True,
+                                    "sampling_seed": params.seed}}
+        r = await self.http.post(f"{self.base_url}/generate", json=body)
+        out = r.json()
+        if r.status_code != 200:
+            raise RuntimeError(f"POST /generate answered {r.status_code}: {out}")
+        meta = out["meta_info"]
+        logprobs = [float(lp) for lp, _, _ in meta["output_token_logprobs"]]
+        return Turn(list(out["output_ids"]), logprobs, (meta["finish_reason"] or {}).get("type", "abort"))
+
+
+async def run_rollouts(plugin: RolloutFn, jobs: list[RolloutJob], make_client, vocab_size: int
+                       ) -> list[Trajectory]:
+    """Every job's trajectory, in order: all rollout functions run concurrently (sync ones in threads of
+    their own), each with its own client from `make_client(job, loop)`."""
+    loop = asyncio.get_running_loop()
+    pool = ThreadPoolExecutor(max_workers=max(1, len(jobs)), thread_name_prefix="rollout-fn") \
+        if not plugin.is_async else None
+
+    async def one(job: RolloutJob) -> Trajectory:
+        client = make_client(job, loop)
+        try:
+            if plugin.is_async:
+                out = await plugin.fn(client, job.record)
+            else:
+                out = await loop.run_in_executor(pool, plugin.fn, client, job.record)
+        except Exception as e:
+            raise RolloutPluginError(f"rollout.fn {plugin.name!r} raised on {job.where}: "
+                                     f"{type(e).__name__}: {e}") from e
+        if not isinstance(out, Trajectory):
+            raise RolloutPluginError(f"rollout.fn {plugin.name!r} returned a {type(out).__name__} on {job.where}; "
+                                     "it must return a Trajectory")
+        try:
+            out.check(vocab_size)
+        except ValueError as e:
+            raise RolloutPluginError(f"rollout.fn {plugin.name!r} on {job.where}: invalid trajectory: {e}") from None
+        return out
+
+    try:
+        return list(await asyncio.gather(*(one(j) for j in jobs)))
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)

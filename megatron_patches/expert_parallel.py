@@ -43,6 +43,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
+from megatron_patches.parallel import all_gather_cat
+
 
 class _AllToAll(torch.autograd.Function):
     """Rows of `x` in runs of `send` (one run per rank of the group) -> the runs every rank sent here, in
@@ -105,11 +107,7 @@ class ExpertParallel:
 
     def all_gather_dim(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """Concatenate the ranks' slices along `dim` in rank order (no autograd; for export)."""
-        if self.size == 1:
-            return x
-        parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x.contiguous(), group=self.group)
-        return torch.cat(parts, dim=dim)
+        return all_gather_cat(x, dim, self.group, self.size)
 
     # ------------------------------------------------------------------ dispatch
     def dispatch(self, xs: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, DispatchPlan]:

@@ -33,7 +33,6 @@ even, `build_policy` checks that they divide):
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 from collections.abc import Iterator
 from dataclasses import dataclass

@@ -182,8 +182,13 @@ class MegatronTP(TensorParallel):
 
     def all_gather_dim(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """Concatenate the ranks' slices along `dim` (no autograd; for exporting adapter tensors)."""
-        if self.size == 1:
-            return x
-        parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x.contiguous(), group=self.group)
-        return torch.cat(parts, dim=dim)
+        return all_gather_cat(x, dim, self.group, self.size)
+
+
+def all_gather_cat(x: torch.Tensor, dim: int, group, size: int) -> torch.Tensor:
+    """The `size` ranks' tensors of `group` concatenated along `dim` in rank order (no autograd)."""
+    if size == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(size)]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)

@@ -75,7 +75,8 @@ def run_rank(rank: int, world: int, port: int, args: argparse.Namespace, sequenc
                 torch.cuda.synchronize()
             start = time.perf_counter()
             with _saved_bytes_hooks(seen, weights):
-                loss = policy(ids).logits.float().logsumexp(-1).mean()
+                # the lm_head is vocab-parallel: gather the ranks' vocab slices for the full logsumexp
+                loss = policy.tp.gather_last_dim(policy(ids).logits).float().logsumexp(-1).mean()
             loss.backward()
             if device != "cpu":
                 torch.cuda.synchronize()

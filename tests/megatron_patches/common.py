@@ -1,8 +1,15 @@
-"""Shared fixtures: a seeded k3-tiny reference, random adapters, the merged-weights oracle."""
+"""Shared fixtures: a seeded k3-tiny reference, random adapters, the merged-weights oracle, and the set-up of
+one rank of a spawned multi-process test world."""
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
+import os
+from collections.abc import Iterator
+
 import torch
+import torch.distributed as dist
 
 from miles_k3.model import K3Config, K3ForCausalLM
 
@@ -43,3 +50,30 @@ def merged_state(base: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor]
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
+
+
+@contextlib.contextmanager
+def spawned_rank(rank: int, world: int, port: int, watchdog_s: float, backend: str = "gloo") -> Iterator[None]:
+    """One rank of a spawned test world: a watchdog (a rank stuck in a collective past `watchdog_s` prints every
+    thread's stack and exits, so a hang fails the test instead of stalling CI), one intra-op thread (as the
+    in-process references run), torch.distributed on 127.0.0.1:`port`, destroyed on exit."""
+    faulthandler.dump_traceback_later(watchdog_s, exit=True)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group(backend, rank=rank, world_size=world)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def layout(tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1) -> Iterator[None]:
+    """megatron's parallel groups of that layout on the running world, torn down on exit."""
+    from megatron_patches.parallel import destroy_parallel, init_parallel
+
+    init_parallel(tp, pp, cp, ep)
+    try:
+        yield
+    finally:
+        destroy_parallel()

@@ -9,8 +9,6 @@ ranks, and the LoRA gradients (replicated over CP) are all-reduced over the CP g
 
 from __future__ import annotations
 
-import faulthandler
-import os
 
 import torch
 import torch.distributed as dist
@@ -23,6 +21,7 @@ from megatron_patches.model import build_policy, reference_state
 from miles_k3.model import K3Config
 from miles_k3.model.context import ContextParallel
 from miles_k3.model.lora_spec import LoraSpec
+from tests.megatron_patches.common import layout, spawned_rank
 
 SPEC = LoraSpec(rank=4, alpha=8.0, dropout=0.0)
 DTYPE = torch.float64
@@ -118,18 +117,8 @@ def relayout_round_trip() -> dict:
 def worker(rank: int, world: int, port: int, out: str, watchdog_s: float = 400.0) -> None:
     """One rank of a CP=`world` world (gloo). A rank stuck in a collective past `watchdog_s` prints every
     thread's stack and exits, so a hang fails the test instead of stalling CI."""
-    faulthandler.dump_traceback_later(watchdog_s, exit=True)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        from megatron_patches.parallel import destroy_parallel, init_parallel
-
-        init_parallel(1, cp_size=world)
+    with spawned_rank(rank, world, port, watchdog_s), layout(cp=world):
         results = {name: run_case(config, row) for name, (config, row) in cases().items()}
         results["no-relayout"] = run_case(configs()["k3-tiny"], "padded", cp_class=NoRelayoutCP)
         results["round-trip"] = relayout_round_trip()
-        destroy_parallel()
-        torch.save(results, f"{out}/rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+    torch.save(results, f"{out}/rank{rank}.pt")

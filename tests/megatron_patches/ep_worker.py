@@ -9,12 +9,9 @@ data-parallel ranks draw masks over their own rows, which cannot equal the masks
 
 from __future__ import annotations
 
-import faulthandler
-import os
 import re
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron_patches.lora import (adapter_grads, adapter_state, check_lora_replicas, clip_lora_grad_norm_,
@@ -22,6 +19,7 @@ from megatron_patches.lora import (adapter_grads, adapter_state, check_lora_repl
 from megatron_patches.model import build_policy, reference_state
 from miles_k3.model import K3Config
 from miles_k3.model.lora_spec import LoraSpec
+from tests.megatron_patches.common import layout, spawned_rank
 
 SPEC = LoraSpec(rank=4, alpha=8.0, dropout=0.0)
 DTYPE = torch.float64
@@ -108,28 +106,16 @@ def run_replica_checks(rank: int) -> dict:
 def worker(rank: int, world: int, port: int, out: str, which: str, watchdog_s: float = 300.0) -> None:
     """which: "ep" (EP=2 and DP=2 cases, both forms) or "reduction" (DP=2 without the reduction, replica
     checks). A rank stuck in a collective past `watchdog_s` dumps its stacks and exits."""
-    faulthandler.dump_traceback_later(watchdog_s, exit=True)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        from megatron_patches.parallel import destroy_parallel, init_parallel
-
-        mine = slice(rank, rank + 1)
-        results = {}
+    mine = slice(rank, rank + 1)
+    results = {}
+    with spawned_rank(rank, world, port, watchdog_s):
         if which == "ep":
-            init_parallel(1, ep_size=world)
-            results |= {f"ep/{name}": run_case(c, skew, mine) for name, (c, skew) in cases().items()}
-            destroy_parallel()
-            init_parallel(1)
-            results |= {f"dp/{name}": run_case(c, False, mine) for name, c in configs().items()}
-            destroy_parallel()
+            with layout(ep=world):
+                results |= {f"ep/{name}": run_case(c, skew, mine) for name, (c, skew) in cases().items()}
+            with layout():
+                results |= {f"dp/{name}": run_case(c, False, mine) for name, c in configs().items()}
         else:
-            init_parallel(1)
-            c = configs()["k3-tiny"]
-            results["unreduced"] = run_case(c, False, mine, reduce=False)
-            results["replicas"] = run_replica_checks(rank)
-            destroy_parallel()
-        torch.save(results, f"{out}/rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+            with layout():
+                results["unreduced"] = run_case(configs()["k3-tiny"], False, mine, reduce=False)
+                results["replicas"] = run_replica_checks(rank)
+    torch.save(results, f"{out}/rank{rank}.pt")

@@ -9,12 +9,9 @@ with the whole model in one process and a plain forward / backward per micro-bat
 
 from __future__ import annotations
 
-import faulthandler
-import os
 import zlib
 
 import torch
-import torch.distributed as dist
 
 from megatron_patches.lora import (adapter_grads, adapter_state, clip_lora_grad_norm_, load_adapter_state,
                                    lora_modules)
@@ -23,6 +20,7 @@ from megatron_patches.schedule import MicroBatch, forward_backward, forward_only
 from megatron_patches.vocab_parallel import token_logprobs
 from miles_k3.model import K3Config
 from miles_k3.model.lora_spec import LoraSpec
+from tests.megatron_patches.common import layout, spawned_rank
 
 DTYPE = torch.float64  # exactness: PP vs one process differs in summation order only
 # No LoRA dropout: a stage draws its masks from its own generator in (micro-batch, its layers) order, the
@@ -145,16 +143,6 @@ def _reference(config: K3Config) -> dict:
 
 def worker(rank: int, world: int, port: int, out: str, watchdog_s: float = 300.0) -> None:
     """PP = world, TP = 1. A rank stuck past `watchdog_s` prints every thread's stack and exits."""
-    faulthandler.dump_traceback_later(watchdog_s, exit=True)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        from megatron_patches.parallel import destroy_parallel, init_parallel
-
-        init_parallel(1, pp_size=world)
+    with spawned_rank(rank, world, port, watchdog_s), layout(pp=world):
         results = {name: run_case(c, split) for name, (c, split) in cases(world).items()}
-        destroy_parallel()
-        torch.save(results, f"{out}/rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+    torch.save(results, f"{out}/rank{rank}.pt")

@@ -8,16 +8,14 @@ exported adapter.
 
 from __future__ import annotations
 
-import faulthandler
-import os
 
 import torch
-import torch.distributed as dist
 
 from megatron_patches.lora import (adapter_grads, adapter_state, adapters_disabled, clip_lora_grad_norm_, load_adapter_state)
 from megatron_patches.model import build_policy, reference_state
 from miles_k3.model import K3Config
 from miles_k3.model.lora_spec import LoraSpec
+from tests.megatron_patches.common import layout, spawned_rank
 
 SPEC = LoraSpec(rank=4, alpha=8.0, dropout=0.25)
 # fp64, so that TP=2 vs TP=1 differences are summation order only (~1e-12). In fp32 the gradients of
@@ -89,22 +87,12 @@ def worker(rank: int, world: int, port: int, tp: int, out: str, device: str = "c
            dtype: torch.dtype = DTYPE, watchdog_s: float = 300.0) -> None:
     """One rank: gloo on CPU, nccl with one GPU per rank on `device="cuda"`. A rank stuck in a collective
     past `watchdog_s` prints every thread's stack and exits, so a hang fails the test instead of CI."""
-    faulthandler.dump_traceback_later(watchdog_s, exit=True)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
     if device == "cuda":
         torch.cuda.set_device(rank)
         device = f"cuda:{rank}"
-    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", rank=rank, world_size=world)
-    try:
-        from megatron_patches.parallel import destroy_parallel, init_parallel
-
-        init_parallel(tp)
+    with spawned_rank(rank, world, port, watchdog_s, "nccl" if device.startswith("cuda") else "gloo"), layout(tp=tp):
         results = {name: run_case(c, dtype=dtype, device=device) for name, c in configs().items()}
         if tp > 1:
             results |= {name: run_case(c, dtype=dtype, device=device, sequence_parallel=True, packed=packed, lora=lora)
                         for name, (c, packed, lora) in sequence_parallel_cases().items()}
-        destroy_parallel()
-        torch.save(results, f"{out}/rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+    torch.save(results, f"{out}/rank{rank}.pt")

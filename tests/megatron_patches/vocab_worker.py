@@ -9,12 +9,9 @@ rank's slice of B), the embedding lookup, and the widest logits block any chunk 
 
 from __future__ import annotations
 
-import faulthandler
-import os
 from types import SimpleNamespace
 
 import torch
-import torch.distributed as dist
 from megatron.core.model_parallel_config import ModelParallelConfig
 from torch import nn
 
@@ -23,6 +20,7 @@ from megatron_patches.parallel import MegatronTP
 from megatron_patches.vocab_parallel import VocabParallelEmbedding, token_logprobs
 from miles_k3.model.linear import LinearSpec
 from miles_k3.model.lora_spec import LoraSpec
+from tests.megatron_patches.common import layout, spawned_rank
 
 V, D, M = 48, 12, 13  # vocabulary, width, tokens (chunks of 5 / 4 leave a ragged last chunk)
 DTYPE = torch.float64
@@ -86,15 +84,6 @@ def run_cases() -> dict:
 
 def worker(rank: int, world: int, port: int, out: str, watchdog_s: float = 240.0) -> None:
     """A rank stuck in a collective past `watchdog_s` prints every thread's stack and exits (the test fails)."""
-    faulthandler.dump_traceback_later(watchdog_s, exit=True)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        from megatron_patches.parallel import destroy_parallel, init_parallel
-
-        init_parallel(world)
-        torch.save(run_cases(), f"{out}/rank{rank}.pt")
-        destroy_parallel()
-    finally:
-        dist.destroy_process_group()
+    with spawned_rank(rank, world, port, watchdog_s), layout(tp=world):
+        results = run_cases()
+    torch.save(results, f"{out}/rank{rank}.pt")

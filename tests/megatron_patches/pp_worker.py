@@ -35,12 +35,14 @@ def configs() -> dict[str, K3Config]:
     return {"k3-tiny": tiny, "kimi-linear-form": tiny.kimi_linear_form().replace(tie_word_embeddings=True)}
 
 
-def cases(pp: int) -> dict[str, tuple[K3Config, list[int] | None]]:
+def cases(pp: int, tp: int = 1) -> dict[str, tuple[K3Config, list[int] | None]]:
     """name -> (config, pp_layers). PP=2, even (3 + 3): the block boundaries at layers 2 and 4 fall inside
     the stages. PP=3, [1, 3, 2]: layer 2 starts a block inside the middle stage, layer 4 starts one exactly
-    on a stage edge (the last stage receives a bank of 2 blocks)."""
+    on a stage edge (the last stage receives a bank of 2 blocks). With TP > 1 each stage is also split over
+    `tp` ranks (names "tp2_pp2/...")."""
     split = None if pp == 2 else [1, 3, 2]
-    return {f"pp{pp}/{name}": (c, split if name == "k3-tiny" else None) for name, c in configs().items()}
+    prefix = f"pp{pp}" if tp == 1 else f"tp{tp}_pp{pp}"
+    return {f"{prefix}/{name}": (c, split if name == "k3-tiny" else None) for name, c in configs().items()}
 
 
 def micro_batches(config: K3Config, seed: int = 0) -> list[MicroBatch]:
@@ -141,8 +143,10 @@ def _reference(config: K3Config) -> dict:
             "names": sorted(policy.state_dict()), "adapter": adapter_state(policy)}
 
 
-def worker(rank: int, world: int, port: int, out: str, watchdog_s: float = 300.0) -> None:
-    """PP = world, TP = 1. A rank stuck past `watchdog_s` prints every thread's stack and exits."""
-    with spawned_rank(rank, world, port, watchdog_s), layout(pp=world):
-        results = {name: run_case(c, split) for name, (c, split) in cases(world).items()}
+def worker(rank: int, world: int, port: int, out: str, tp: int = 1, watchdog_s: float = 300.0) -> None:
+    """PP = world / tp stages of `tp` tensor-parallel ranks each. A rank stuck past `watchdog_s` prints every
+    thread's stack and exits."""
+    pp = world // tp
+    with spawned_rank(rank, world, port, watchdog_s), layout(tp=tp, pp=pp):
+        results = {name: run_case(c, split) for name, (c, split) in cases(pp, tp).items()}
     torch.save(results, f"{out}/rank{rank}.pt")

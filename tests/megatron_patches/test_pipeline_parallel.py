@@ -1,4 +1,4 @@
-"""Pipeline parallelism: PP=2 and PP=3 (spawned gloo worlds) through megatron's 1F1B compute what the whole
+"""Pipeline parallelism: PP=2, PP=3 and TP=2 x PP=2 (spawned gloo worlds) through megatron's 1F1B compute what the whole
 model computes in one process (loss, log-probs, every LoRA gradient, the gradient norm, the gathered
 adapter); PP=1 through the same schedule equals a plain forward / backward; the AttnRes state packed for a
 stage edge round-trips, a wrong width is an error, and a broken packing breaks the equality."""
@@ -17,9 +17,9 @@ from miles_k3.model.modeling import bank_rows, pack_residual, unpack_residual
 from tests.megatron_patches import pp_worker
 
 
-def _spawn(tmp_path_factory, world: int) -> list[dict]:
-    out = tmp_path_factory.mktemp(f"pp{world}")
-    mp.spawn(pp_worker.worker, args=(world, free_port(), str(out)), nprocs=world, join=True)
+def _spawn(tmp_path_factory, world: int, tp: int = 1) -> list[dict]:
+    out = tmp_path_factory.mktemp(f"tp{tp}_world{world}")
+    mp.spawn(pp_worker.worker, args=(world, free_port(), str(out), tp), nprocs=world, join=True)
     return [torch.load(out / f"rank{r}.pt") for r in range(world)]
 
 
@@ -31,6 +31,11 @@ def pp2(tmp_path_factory):
 @pytest.fixture(scope="module")
 def pp3(tmp_path_factory):
     return _spawn(tmp_path_factory, 3)
+
+
+@pytest.fixture(scope="module")
+def tp2_pp2(tmp_path_factory):
+    return _spawn(tmp_path_factory, 4, tp=2)
 
 
 @pytest.fixture(scope="module")
@@ -202,3 +207,19 @@ def test_layer_splits():
     assert stage_layers(6, 3, [1, 3, 2]) == [range(0, 1), range(1, 4), range(4, 6)]
     with pytest.raises(ValueError, match="pp_layers: 2 layers cannot fill 3"):
         stage_layers(2, 3)
+
+
+def test_tp2_times_pp2_equals_one_process(tp2_pp2, reference):
+    """Four ranks: two stages of two tensor-parallel ranks (vocab-parallel head and embedding included). Every
+    rank ends with the whole model's losses, log-probs, gradient norm, gradients and adapter."""
+    for case in pp_worker.cases(2, tp=2):
+        want = reference[case.split("/", 1)[1]]
+        for rank, ranks in enumerate(tp2_pp2):
+            got = ranks[case]
+            assert all(_close(a, b) for a, b in zip(got["losses"], want["losses"])), (case, rank)
+            for name in ("train_logp", "logp"):
+                assert all(_close(a, b) for a, b in zip(got[name], want["logp"])), (case, rank, name)
+            assert _close(got["norm"], want["norm"]), (case, rank)
+            assert list(got["adapter"]) == list(want["adapter"])
+            assert all(torch.equal(got["adapter"][k], want["adapter"][k]) for k in want["adapter"])
+            assert all(_close(got["grads"][k], want["grads"][k]) for k in want["grads"]), (case, rank)

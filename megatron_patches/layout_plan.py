@@ -36,14 +36,12 @@ import contextlib
 import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
-from unittest import mock
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from torch import nn
 
-from miles_k3.model.checkpoint import stored_dtype
 from miles_k3.model.config import K3Config
 from miles_k3.model.lora_spec import LoraSpec
 from miles_k3.model.modeling import bank_rows
@@ -132,31 +130,12 @@ def fake_rank(layout: Layout, rank: int) -> Iterator[None]:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=layout.world)
-    no_gloo = functools.partial(ps.initialize_model_parallel, create_gloo_process_groups=False)
     try:
-        with mock.patch.object(ps, "initialize_model_parallel", no_gloo):
-            init_parallel(layout.tp, layout.pp, layout.cp, layout.ep)
+        init_parallel(layout.tp, layout.pp, layout.cp, layout.ep, gloo_groups=False)  # a fake world has no gloo
         yield
     finally:
         destroy_parallel()
         dist.destroy_process_group()
-
-
-def held_dtypes_(model: nn.Module, dtype: torch.dtype) -> nn.Module:
-    """Give a meta-built model's tensors the dtypes the real build holds (base: `stored_dtype`; adapters:
-    `dtype`), in place. A model already in them is unchanged."""
-    adapters = {id(p) for p in lora_parameters(model)}
-    for prefix, module in model.named_modules():
-        for name, p in list(module._parameters.items()):
-            if p is None:
-                continue
-            want = dtype if id(p) in adapters else stored_dtype(f"{prefix}.{name}", dtype)
-            if p.dtype != want:
-                module._parameters[name] = nn.Parameter(torch.empty_like(p, dtype=want), requires_grad=p.requires_grad)
-        for name, b in list(module._buffers.items()):
-            if b is not None and b.is_floating_point():
-                module._buffers[name] = b.to(stored_dtype(f"{prefix}.{name}", dtype))
-    return model
 
 
 def param_bytes(model: nn.Module) -> dict[str, int]:
@@ -233,7 +212,7 @@ def _build(config: K3Config, lora: LoraSpec, layout: Layout, stage: int, dtype: 
            pp_layers: list[int] | None) -> nn.Module:
     """The meta model of the first rank of stage `stage` (megatron's order puts PP outermost); inside fake_rank."""
     assert ps.get_pipeline_model_parallel_rank() == stage
-    return held_dtypes_(build_policy(config, None, lora, dtype=dtype, device="meta", pp_layers=pp_layers), dtype)
+    return build_policy(config, None, lora, dtype=dtype, device="meta", pp_layers=pp_layers)
 
 
 def _first_rank(layout: Layout, stage: int) -> int:

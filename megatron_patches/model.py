@@ -162,7 +162,8 @@ def build_policy(config: K3Config, base_state: dict[str, torch.Tensor] | TensorS
             raise ValueError("build_policy on the meta device takes no base_state")
         # held as the real build holds them: base tensors in their stored dtype, adapters in `dtype`
         for name, t in [*model.named_parameters(), *model.named_buffers()]:
-            t.data = t.data.to(dtype if ".lora." in name else stored_dtype(name, dtype))
+            if t.is_floating_point():
+                t.data = t.data.to(dtype if ".lora." in name else stored_dtype(name, dtype))
         model.requires_grad_(False)
         for p in lora_parameters(model):
             p.requires_grad_(True)

@@ -31,12 +31,14 @@ from megatron.core.tensor_parallel.mappings import (
 from miles_k3.model.linear import TensorParallel
 
 
-def init_parallel(tp_size: int = 1, pp_size: int = 1, cp_size: int = 1, ep_size: int = 1) -> None:
+def init_parallel(tp_size: int = 1, pp_size: int = 1, cp_size: int = 1, ep_size: int = 1, *,
+                  gloo_groups: bool = True) -> None:
     """Initialize megatron's model-parallel groups on the current torch.distributed world (which must exist).
 
     Sizes as megatron takes them: world = tp * pp * cp * dp, and expert parallelism is formed inside
     dp * cp (ep must divide it). Called again with the same sizes it does nothing; with other sizes it is
-    an error (tear down first)."""
+    an error (tear down first). `gloo_groups`: megatron's extra gloo groups (its CPU-side collectives); off
+    for a world that cannot create them (the layout planner's fake world)."""
     if not dist.is_initialized():
         raise ValueError("init_parallel needs torch.distributed initialized first "
                          "(init_process_group), or use megatron_patches.parallel.single_process()")
@@ -60,7 +62,8 @@ def init_parallel(tp_size: int = 1, pp_size: int = 1, cp_size: int = 1, ep_size:
                              f"not {(tp_size, pp_size, cp_size, ep_size)}")
         return
     ps.initialize_model_parallel(tensor_model_parallel_size=tp_size, pipeline_model_parallel_size=pp_size,
-                                 context_parallel_size=cp_size, expert_model_parallel_size=ep_size)
+                                 context_parallel_size=cp_size, expert_model_parallel_size=ep_size,
+                                 create_gloo_process_groups=gloo_groups)
 
 
 def destroy_parallel() -> None:

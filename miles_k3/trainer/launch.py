@@ -94,6 +94,9 @@ class LocalWorkers:
     def generate(self, prompts, params):
         return self.engine.generate(prompts, params)
 
+    def rollout(self, fn, jobs, *, tokenizer, client):
+        return self.engine.rollout(fn, jobs, tokenizer=tokenizer, client=client)
+
     def engine_counters(self) -> dict[str, int]:
         return self.engine.engine_counters()
 

@@ -114,9 +114,8 @@ class GRPODriver:
         n = r.samples_per_prompt
         jobs = [RolloutJob(records[g], p, sp, f"group {g} sample {i % n}")
                 for i, (g, p, sp) in enumerate(zip(group_of, prompts, params))]
-        # TODO(lead): LocalWorkers / RayWorkers forward `rollout` to their engine(s); until then the local one's
-        rollout = getattr(self.workers, "rollout", None) or self.workers.engine.rollout
-        trajs = rollout(r.fn, jobs, tokenizer=(self.rc.model.tokenizer, self.rc.model.path), client=r.client)
+        trajs = self.workers.rollout(r.fn, jobs, tokenizer=(self.rc.model.tokenizer, self.rc.model.path),
+                                     client=r.client)
         return [Rolled(t.prompt_ids, t.response_ids, t.logprobs, t.loss_mask,
                        self.tok.decode(t.response_ids) if t.text is None else t.text) for t in trajs]
 

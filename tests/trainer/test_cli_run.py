@@ -104,7 +104,7 @@ def test_ray_launcher_runs_the_colocated_loop(tmp_path):
 def test_local_parallel_layouts_match_single_rank(tmp_path):
     """TP=2, TP=2 with SP, DP=2, PP=2 (several micro-batches), EP=2 (inside DP=2), CP=2 and TP=2 x PP=2 through the
     CLI: the first step's rewards, loss and gradient norm are the single rank's."""
-    flags = ["trainer.max_steps=2", "logging.wandb=disabled", "trainer.eval_before=false"]
+    flags = ["trainer.max_steps=2", "logging.wandb=disabled", "trainer.eval_before=false", "trainer.deterministic=true"]
     one = cli(tmp_path / "tp1", *flags)
     two = cli(tmp_path / "tp2", *flags, "parallel=tp2", "cluster.num_workers=2")
     assert one.returncode == 0, one.stderr[-3000:]

@@ -6,10 +6,20 @@ One GPU: a NCCL world of one, the CP context of a one-rank group over a packed r
 non-CP varlen kernel. Two GPUs: CP=2 over NCCL, each rank its contiguous segment of a packed row whose
 sequences cross the segment boundary, fla's path and our torch scan (`kda_backend="torch"`) both against
 the reference, outputs and input gradients. Tolerances as tests/gpu/test_cuda_parity.py (bf16 q, k, v:
-2e-2 relative; gradients 5e-2)."""
+2e-2 relative; gradients 5e-2).
+
+Cost is Triton's autotuning (fla 0.6.0): its autotune keys hold every tensor argument's dtype, so each of
+bf16 with int32 cu_seqlens (what fla's CP context passes), bf16 with int64, and fp32 (our torch scan's
+segment pass) autotunes chunk_kda's forward and backward afresh, minutes each on a fresh machine. One rank
+therefore runs only the CP path and the varlen kernel on int32 boundaries (the same kernels and configs).
+Each rank logs its phases, any exception and the watchdog's stack dump to rank{r}.log, and a failure
+carries that log's tail, so a cut output still says where a rank stopped."""
 
 import faulthandler
 import os
+import time
+import traceback
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,6 +34,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 H, K = 4, 64
 N, BOUNDS = 1000, [0, 100, 101, 450, 700, 1000]  # padded to 1000 (size 1) / 1000 (2 * 2 divides it)
+WATCHDOG_S = 300  # a rank still running then dumps its stack to its log and exits
 
 
 def _inputs(seed: int = 0):
@@ -54,7 +65,15 @@ def _run_segment(fn, layout: ZigzagLayout, device) -> dict:
 
 
 def _worker(rank: int, world: int, port: int, out: str) -> None:
-    faulthandler.dump_traceback_later(300, exit=True)
+    log = open(f"{out}/rank{rank}.log", "w", buffering=1)
+    faulthandler.dump_traceback_later(WATCHDOG_S, exit=True, file=log)
+    start = time.monotonic()
+
+    def phase(name, fn):
+        result = fn()
+        print(f"{time.monotonic() - start:6.1f} s  {name} done", file=log)
+        return result
+
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)
@@ -68,17 +87,38 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         init_parallel(1, cp_size=world)
         group = ps.get_context_parallel_group()
         layout = ZigzagLayout.split(N, torch.tensor(BOUNDS), world, rank)
-        context = fla_context(layout, group, device)
-        results = {"fla": _run_segment(lambda *x: fla_segment_kda(*x, context, True), layout, device),
-                   "torch": _run_segment(lambda *x: torch_segment_kda(*x, layout, group, True), layout, device)}
-        if world == 1:  # fla's own varlen kernel, no CP context
-            cu = torch.tensor(BOUNDS, device=device)
-            results["varlen"] = _run_segment(
-                lambda *x: kda(*x, cu_seqlens=cu, use_qk_l2norm=True)[0], layout, device)
+        context = phase("fla CP context", lambda: fla_context(layout, group, device))
+        results = {"fla": phase("fla CP fwd+bwd",
+                                lambda: _run_segment(lambda *x: fla_segment_kda(*x, context, True), layout, device))}
+        if world == 1:  # fla's own varlen kernel, no CP context; int32 boundaries as the context's own
+            cu = torch.tensor(BOUNDS, device=device, dtype=torch.int32)
+            results["varlen"] = phase("fla varlen fwd+bwd", lambda: _run_segment(
+                lambda *x: kda(*x, cu_seqlens=cu, use_qk_l2norm=True)[0], layout, device))
+        else:
+            results["torch"] = phase("torch scan fwd+bwd", lambda: _run_segment(
+                lambda *x: torch_segment_kda(*x, layout, group, True), layout, device))
         destroy_parallel()
         torch.save(results, f"{out}/rank{rank}.pt")
+    except BaseException:
+        traceback.print_exc(file=log)
+        raise
     finally:
+        faulthandler.cancel_dump_traceback_later()
         dist.destroy_process_group()
+        log.close()
+
+
+def _spawn(world: int, out: Path) -> list[dict]:
+    """Every rank's results; a rank that raised or hung fails the test with the tail of its log."""
+    try:
+        mp.spawn(_worker, args=(world, free_port(), str(out)), nprocs=world, join=True)
+    except Exception as e:  # torch.multiprocessing's ProcessRaisedException / ProcessExitedException
+        logs = "".join(f"--- rank{r}.log (tail)\n{(out / f'rank{r}.log').read_text()[-3000:]}\n"
+                       for r in range(world) if (out / f"rank{r}.log").exists())
+        raise AssertionError(f"{type(e).__name__}: {str(e)[-1500:]}\n{logs}") from None
+    for r in range(world):
+        print((out / f"rank{r}.log").read_text())  # phase times, shown by pytest with -rP
+    return [torch.load(out / f"rank{r}.pt") for r in range(world)]
 
 
 def _reference() -> dict:
@@ -101,10 +141,9 @@ def _check(ranks: list[dict], path: str, want: dict, tol: float = 2e-2, grad_tol
 
 
 def test_fla_cp_context_of_one_rank(tmp_path):
-    mp.spawn(_worker, args=(1, free_port(), str(tmp_path)), nprocs=1, join=True)
-    ranks = [torch.load(tmp_path / "rank0.pt")]
+    ranks = _spawn(1, tmp_path)
     want = _reference()
-    for path in ("fla", "torch", "varlen"):
+    for path in ("fla", "varlen"):
         _check(ranks, path, want)
     # the CP context of one rank is fla's varlen kernel
     assert _rel(ranks[0]["fla"]["o"], ranks[0]["varlen"]["o"]) <= 1e-3
@@ -112,8 +151,7 @@ def test_fla_cp_context_of_one_rank(tmp_path):
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_fla_cp2_over_nccl(tmp_path):
-    mp.spawn(_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    ranks = _spawn(2, tmp_path)
     want = _reference()
     for path in ("fla", "torch"):
         _check(ranks, path, want)

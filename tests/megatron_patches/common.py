@@ -77,3 +77,14 @@ def layout(tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1) -> Iterator[None]
         yield
     finally:
         destroy_parallel()
+
+
+def spawn_world(worker, world: int, out, *args) -> list[dict]:
+    """Run `worker(rank, world, port, out, *args)` on `world` spawned processes; each saves its results as
+    `out/rank{r}.pt`, returned in rank order."""
+    import torch.multiprocessing as mp
+
+    from megatron_patches.parallel import free_port
+
+    mp.spawn(worker, args=(world, free_port(), str(out), *args), nprocs=world, join=True)
+    return [torch.load(out / f"rank{r}.pt") for r in range(world)]

@@ -4,19 +4,16 @@ boundaries; the KDA relayout round trip is the identity, and CP without the rela
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from megatron_patches.context_parallel import _chunk_plan
-from megatron_patches.parallel import free_port
 from miles_k3.model.context import ZigzagLayout
 from tests.megatron_patches import cp_worker
+from tests.megatron_patches.common import spawn_world
 
 
 @pytest.fixture(scope="module")
 def cp2(tmp_path_factory):
-    out = tmp_path_factory.mktemp("cp2")
-    mp.spawn(cp_worker.worker, args=(2, free_port(), str(out)), nprocs=2, join=True)
-    return [torch.load(out / f"rank{r}.pt") for r in range(2)]
+    return spawn_world(cp_worker.worker, 2, tmp_path_factory.mktemp("cp2"))
 
 
 @pytest.fixture(scope="module")

@@ -4,20 +4,17 @@ norm and the exported adapter; each EP rank holds and loads only its own experts
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from megatron_patches.expert_parallel import ExpertParallel, expert_share
-from megatron_patches.parallel import free_port
 from tests.megatron_patches import ep_worker
+from tests.megatron_patches.common import spawn_world
 
 WORLD = 2
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ep2")
-    mp.spawn(ep_worker.worker, args=(WORLD, free_port(), str(out), "ep"), nprocs=WORLD, join=True)
-    return [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]
+    return spawn_world(ep_worker.worker, WORLD, tmp_path_factory.mktemp("ep2"), "ep")
 
 
 @pytest.fixture(scope="module")

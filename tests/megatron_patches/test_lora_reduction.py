@@ -4,19 +4,16 @@ the union batch's; replicas are checked identical; a factor with no gradient on 
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from megatron_patches.parallel import free_port
 from tests.megatron_patches import ep_worker
+from tests.megatron_patches.common import spawn_world
 
 WORLD = 2
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("dp2")
-    mp.spawn(ep_worker.worker, args=(WORLD, free_port(), str(out), "reduction"), nprocs=WORLD, join=True)
-    return [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]
+    return spawn_world(ep_worker.worker, WORLD, tmp_path_factory.mktemp("dp2"), "reduction")
 
 
 @pytest.fixture(scope="module")

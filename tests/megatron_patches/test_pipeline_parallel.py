@@ -5,22 +5,19 @@ stage edge round-trips, a wrong width is an error, and a broken packing breaks t
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from megatron_patches.lora import adapter_grads
-from megatron_patches.parallel import free_port
 from megatron_patches.pipeline import stage_layers
 from megatron_patches.schedule import forward_backward, forward_only
 from miles_k3.model import K3Config, K3ForCausalLM
 from miles_k3.model import modeling
 from miles_k3.model.modeling import bank_rows, pack_residual, unpack_residual
 from tests.megatron_patches import pp_worker
+from tests.megatron_patches.common import spawn_world
 
 
 def _spawn(tmp_path_factory, world: int, tp: int = 1) -> list[dict]:
-    out = tmp_path_factory.mktemp(f"tp{tp}_world{world}")
-    mp.spawn(pp_worker.worker, args=(world, free_port(), str(out), tp), nprocs=world, join=True)
-    return [torch.load(out / f"rank{r}.pt") for r in range(world)]
+    return spawn_world(pp_worker.worker, world, tmp_path_factory.mktemp(f"tp{tp}_world{world}"), tp)
 
 
 @pytest.fixture(scope="module")

@@ -3,17 +3,14 @@ computation (fp64) in log-probs, entropy and every gradient, with no chunk wider
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from megatron_patches.parallel import free_port
 from tests.megatron_patches import vocab_worker as w
+from tests.megatron_patches.common import spawn_world
 
 
 @pytest.fixture(scope="module")
 def tp2(tmp_path_factory):
-    out = tmp_path_factory.mktemp("vocab_tp2")
-    mp.spawn(w.worker, args=(2, free_port(), str(out)), nprocs=2, join=True)
-    return [torch.load(out / f"rank{r}.pt") for r in range(2)]
+    return spawn_world(w.worker, 2, tmp_path_factory.mktemp("vocab_tp2"))
 
 
 @pytest.fixture(scope="module")

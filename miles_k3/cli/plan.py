@@ -28,7 +28,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-gb", type=float, required=True, help="memory of one GPU, GiB")
     p.add_argument("--layout", action="append", default=None, help="tp=,pp=,cp=,ep=[,dp=] (repeatable)")
     p.add_argument("--seq-len", type=int, default=4096, help="tokens of one sequence (a micro-batch holds whole ones)")
-    p.add_argument("--micro-batch-tokens", type=int, default=None, help="packed tokens per micro-batch (default --seq-len)")
+    p.add_argument("--micro-batch-tokens", type=int, default=None,
+                   help="packed tokens per micro-batch (default --seq-len)")
     p.add_argument("--lora-rank", type=int, default=16)
     p.add_argument("--engine-memory-gb", type=float, default=None, help="the engine's KV + KDA state budget, GiB")
     p.add_argument("--engine-seqs", type=int, default=None,

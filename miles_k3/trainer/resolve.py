@@ -134,8 +134,9 @@ def resolve(cfg: Any) -> ResolvedConfig:
                          f"cluster.launcher={c.launcher!r}")
     par = cfg.parallel
     if c.num_workers != par.world_size:
-        raise ValueError(f"cluster.num_workers must equal the layout's world size tp * pp * cp * dp = {par.tp} * {par.pp} "
-                         f"* {par.cp} * {par.dp} = {par.world_size} (one trainer rank per worker), got {c.num_workers}")
+        raise ValueError(f"cluster.num_workers must equal the layout's world size tp * pp * cp * dp = "
+                         f"{par.tp} * {par.pp} * {par.cp} * {par.dp} = {par.world_size} (one trainer rank per "
+                         f"worker), got {c.num_workers}")
     groups_per_update = r.prompts_per_step // a.updates_per_step
     if groups_per_update < par.dp:
         raise ValueError(f"parallel.dp={par.dp} needs at least that many groups per update: rollout.prompts_per_step "

@@ -3,9 +3,9 @@ and one GRPO update per call.
 
 Every trainer rank holds one TrainWorker and calls `train` with the same whole batch: a data-parallel rank takes
 its share of the groups (`micro_batches`), megatron's schedule runs its micro-batches through the pipeline
-stages, and megatron's parallel linears do the tensor-parallel communication. `adapter_state()` returns full (TP-gathered) adapter tensors in the
-engine's naming; `state_dict()` / `load_state_dict()` carry adapters, optimizer, LR schedule and RNG states for
-checkpoints.
+stages, and megatron's parallel linears do the tensor-parallel communication. `adapter_state()` returns full
+adapter tensors (gathered over TP, EP and PP) in the engine's naming; `state_dict()` / `load_state_dict()`
+carry adapters, optimizer, LR schedule and RNG states for checkpoints.
 """
 
 from __future__ import annotations
@@ -65,7 +65,8 @@ class TrainWorker:
         logp, entropy = token_logprobs(self.policy, hidden[0, local], packed.targets[mine[local]], self.temperature,
                                        with_entropy=with_entropy)
         where = (mine[local],)
-        logp = _sum_over_cp(torch.zeros(len(packed.positions), dtype=logp.dtype, device=logp.device).index_put(where, logp))
+        row = torch.zeros(len(packed.positions), dtype=logp.dtype, device=logp.device)
+        logp = _sum_over_cp(row.index_put(where, logp))
         if entropy is not None:
             entropy = _sum_over_cp(torch.zeros_like(logp).index_put(where, entropy.detach())).detach()
         return logp, entropy

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from megatron_patches.lora import (adapter_grads, adapter_state, adapters_disabled, clip_lora_grad_norm_, load_adapter_state)
+from megatron_patches.lora import (adapter_grads, adapter_state, adapters_disabled, clip_lora_grad_norm_,
+                                   load_adapter_state)
 from megatron_patches.model import build_policy, reference_state
 from miles_k3.model import K3Config
 from miles_k3.model.lora_spec import LoraSpec

@@ -219,4 +219,5 @@ def test_k3_gb300x64_recipe_resolves_and_the_real_k3_splits_over_its_layout(tmp_
     rc = resolve(composed("recipe=k3_gb300x64", f"model.path={tmp_path}"))
     par = rc.parallel
     assert (par.tp, par.pp, par.world_size, rc.cluster.num_workers) == (8, 8, 64, 64)
-    check_layout(K3Config.from_json_file(tmp_path / "config.json"), TensorParallel(par.tp), par.ep, par.pp, par.pp_layers)
+    config = K3Config.from_json_file(tmp_path / "config.json")
+    check_layout(config, TensorParallel(par.tp), par.ep, par.pp, par.pp_layers)

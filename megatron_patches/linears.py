@@ -5,8 +5,8 @@ its contract: `forward(x [..., in]) -> [..., out]` (a tensor, not megatron's (ou
 bias, base weight under `<name>.weight` (this rank's slice when TP > 1), frozen.
 
 - column (`ColumnLinear`, megatron ColumnParallelLinear): full input, this rank's output slice; the
-  base's input gradient is all-reduced by megatron (allreduce_dgrad). `gather=True` (lm_head)
-  all-gathers the output slices so callers see full logits.
+  base's input gradient is all-reduced by megatron (allreduce_dgrad). The lm_head is one too: its
+  output is this rank's vocab slice (`megatron_patches.vocab_parallel`).
 - row (`RowLinear`, RowParallelLinear, input_is_parallel): this rank's input slice, full output summed
   across ranks by megatron.
 - replicated (`ReplicatedLinear`): the whole weight on every rank (low-rank latent / gate projections).
@@ -52,20 +52,18 @@ def _adapter(spec: LinearSpec, lora: LoraSpec | None, tp: MegatronTP) -> LoraWei
 
 
 class ColumnLinear(ColumnParallelLinear):
-    def __init__(self, spec: LinearSpec, config: ModelParallelConfig, tp: MegatronTP, lora: LoraSpec | None,
-                 gather: bool = False):
+    def __init__(self, spec: LinearSpec, config: ModelParallelConfig, tp: MegatronTP, lora: LoraSpec | None):
         super().__init__(spec.in_features, spec.out_features, config=config, init_method=_no_init, bias=False,
                          gather_output=False, skip_bias_add=True)
         self.weight.requires_grad_(False)
-        self.tp, self.gather = tp, gather
+        self.tp = tp
         self.lora = _adapter(spec, lora, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y, _ = super().forward(x)
         if self.lora is not None and self.lora.enabled:
             y = y + self.lora.delta(x, "column")
-        # megatron's own gather_output allocates on CUDA; gather device-agnostically instead
-        return self.tp.gather_last_dim(y) if self.gather else y
+        return y
 
 
 class RowLinear(RowParallelLinear):

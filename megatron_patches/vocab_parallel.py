@@ -9,13 +9,13 @@ Layout (TP = t ranks, vocabulary V, rank r holds rows [r V/t, (r+1) V/t), megatr
 - `VocabParallelEmbedding`: megatron's own (it runs on CPU as shipped): each rank looks up the ids in its
   rows, others give 0, and the outputs are summed over TP. Frozen weight [V/t, D]. `tied_logits(h)` is
   the tied head: h @ E_local^T, this rank's vocab slice of the logits.
-- the untied head is a `ColumnLinear` with `gather=False`: this rank's vocab slice of the logits.
+- the untied head is a `ColumnLinear`: this rank's vocab slice of the logits.
 - `token_logprobs` reads the local logits chunk by chunk over tokens ([chunk, V/t] at a time) and reduces
   the log-softmax over the TP group (a max, then one sum of [exp sum, target logit, sum p z] per chunk), so
   no rank holds [M, V] logits. Its gradient is the exact softmax gradient, computed per chunk from that
   chunk's saved local logits (in the model's dtype) with no collective in backward; the hidden states'
   gradient is all-reduced where it always is, in the head's own backward (megatron's copy-to region).
-  A head that gathers the full vocabulary (or TP = 1) is the same computation with a group of one.
+  TP = 1 is the same computation with a group of one.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def local_head(policy):
             return emb.tied_logits, emb.vocab_start_index, emb.tp_group
         return (lambda h: h @ emb.weight.t()), 0, None
     head = policy.lm_head
-    if isinstance(head, ColumnLinear) and not head.gather and head.tp.size > 1:
+    if isinstance(head, ColumnLinear) and head.tp.size > 1:
         return head, head.tp.rank * (policy.config.vocab_size // head.tp.size), head.tp.group
     return head, 0, None
 

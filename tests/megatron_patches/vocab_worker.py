@@ -1,6 +1,6 @@
 """One rank of the vocab-parallel tests (spawned, gloo), also run in-process at TP=1.
 
-`run_cases` builds a small head in each form (an untied `ColumnLinear(gather=False)` with a LoRA adapter,
+`run_cases` builds a small head in each form (an untied `ColumnLinear` with a LoRA adapter,
 a tied `VocabParallelEmbedding`) from the same full fp64 tensors on every TP size, runs `token_logprobs`
 chunked, backpropagates a weighted sum of the log-probs and returns what the test compares with the full
 single-process computation: log-probs, entropies, the hidden states' and the adapter's gradients (this
@@ -50,7 +50,7 @@ def _policy(tied: bool, t: dict[str, torch.Tensor]) -> nn.Module:
     policy.model.embed_tokens = VocabParallelEmbedding(V, D, mp)
     policy.model.embed_tokens.weight.data.copy_(t["W"][rows])
     if not tied:
-        head = policy.lm_head = ColumnLinear(LinearSpec("lm_head", D, V, "column"), mp, tp, LORA, gather=False)
+        head = policy.lm_head = ColumnLinear(LinearSpec("lm_head", D, V, "column"), mp, tp, LORA)
         head.weight.data.copy_(t["W"][rows])
         head.lora.reset(0, DTYPE, "cpu")
         head.lora.A.data.copy_(t["A"])

@@ -36,11 +36,11 @@ from miles_k3.model.context import NO_CP, ContextParallel, ZigzagLayout
 from miles_k3.ops.kda_cp import correct, halo_state, segment_conv, segment_pass, start_states
 
 
-def context_share(kda_backend: str = "auto") -> ContextParallel:
+def context_share() -> ContextParallel:
     """This rank's CP share from megatron's parallel state (the base class when CP is 1)."""
     if ps.get_context_parallel_world_size() == 1:
         return NO_CP
-    return MegatronCP(kda_backend)
+    return MegatronCP()
 
 
 class _AllGather(torch.autograd.Function):
@@ -132,25 +132,19 @@ def fla_segment_kda(q, k, v, g, beta, context, use_qk_l2norm: bool) -> torch.Ten
     return o.to(v.dtype)
 
 
-_BACKENDS = ("auto", "torch")
-
-
 class MegatronCP(ContextParallel):
     """The CP share of this rank in megatron's context-parallel group, with its collectives.
 
     A forward runs inside `sharded(layout)`, which hands the mixers the row's layout; the model is called
     with the rank's local tokens and no `cu_seqlens` (the layout carries the boundaries) and no decode cache.
-    kda_backend: "auto" runs fla's CP kernels on CUDA and the exact torch pieces elsewhere; "torch" forces
-    the torch pieces (the CUDA test compares the two)."""
+    KDA's recurrence runs in fla's CP kernels on CUDA and in the exact torch pieces elsewhere (the CUDA test
+    compares the two through `torch_segment_kda`)."""
 
-    def __init__(self, kda_backend: str = "auto"):
+    def __init__(self):
         if not ps.model_parallel_is_initialized():
             raise ValueError("megatron's parallel state is not initialized: call init_parallel(..., cp_size)")
-        if kda_backend not in _BACKENDS:
-            raise ValueError(f"kda_backend must be one of {_BACKENDS}, got {kda_backend!r}")
         super().__init__(ps.get_context_parallel_world_size(), ps.get_context_parallel_rank())
         self.group = ps.get_context_parallel_group()
-        self.kda_backend = kda_backend
         self.layout: ZigzagLayout | None = None
         self._fla: tuple[ZigzagLayout, object] | None = None  # fla's CP context of the current layout
 
@@ -213,7 +207,7 @@ class MegatronCP(ContextParallel):
     def kda(self, q, k, v, g, beta, *, initial_state, output_final_state, cu_seqlens, use_qk_l2norm):
         self._training_only(cu_seqlens, initial_state, output_final_state)
         layout = self._current(q)
-        if q.is_cuda and self.kda_backend == "auto":
+        if q.is_cuda:
             if self._fla is None or self._fla[0] is not layout:
                 self._fla = layout, fla_context(layout, self.group, q.device)
             return fla_segment_kda(q, k, v, g, beta, self._fla[1], use_qk_l2norm), None
@@ -225,8 +219,7 @@ class MegatronCP(ContextParallel):
         self._training_only(None, mask)
         layout = self._current(latent)
         kv = _AllGather.apply(torch.cat([latent[0], rope[0]], dim=-1), self.group)  # [size, 2c, R + Dr]
-        order = torch.cat([layout.positions_of(r) for r in range(self.size)]).argsort().to(kv.device)
-        kv = kv.flatten(0, 1)[order][None]  # [1, padded, R + Dr] in row order
+        kv = kv.flatten(0, 1)[layout.row_order.to(kv.device)][None]  # [1, padded, R + Dr] in row order
         latent, rope = kv.split([latent.shape[-1], rope.shape[-1]], dim=-1)
         return latent, rope, layout.attention_mask.to(kv.device)
 

@@ -50,6 +50,7 @@ from torch import nn
 from miles_k3.model.lora_spec import LoraSpec
 from miles_k3.model.linear import SINGLE, TensorParallel
 from megatron_patches.expert_parallel import ExpertParallel
+from megatron_patches.pipeline import gather_over_stages
 
 
 class LoraWeights(nn.Module):
@@ -155,18 +156,12 @@ def _gather(m: LoraWeights, t: torch.Tensor, split: int | None) -> torch.Tensor:
 
 
 def _over_stages(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The union of every pipeline stage's tensors (the same dict on every stage). The gather itself is
-    the pipeline module's (`megatron_patches.pipeline.gather_over_stages(tensors) -> dict`); with one
-    stage this is the identity."""
+    """The union of every pipeline stage's tensors (the same dict on every stage; with one stage the
+    identity)."""
     from megatron.core import parallel_state as ps
 
-    if not ps.model_parallel_is_initialized() or ps.get_pipeline_model_parallel_world_size() == 1:
+    if not ps.model_parallel_is_initialized():
         return tensors
-    try:
-        from megatron_patches.pipeline import gather_over_stages
-    except ImportError as e:
-        raise ValueError("exporting adapters over pipeline stages needs "
-                         "megatron_patches.pipeline.gather_over_stages") from e
     return gather_over_stages(tensors)
 
 
@@ -209,7 +204,7 @@ def _replica_groups(model: nn.Module) -> list[tuple[str, object, list[LoraWeight
     return out
 
 
-def _sum_grads(group, mods: list[LoraWeights], scale: float = 1.0) -> None:
+def _sum_grads(group, mods: list[LoraWeights]) -> None:
     """Sum the gradients of `mods`' factors over `group` (one all-reduce of a flat buffer per dtype). A
     factor with no gradient on a rank adds zeros; one with no gradient on any rank stays None (a flag per
     factor travels in the same buffer), so the optimizer treats it as the single-process run does."""
@@ -231,9 +226,9 @@ def _sum_grads(group, mods: list[LoraWeights], scale: float = 1.0) -> None:
             if not had:
                 p.grad = None
             elif p.grad is None:
-                p.grad = g.mul(scale)
+                p.grad = g.clone()
             else:
-                p.grad.copy_(g).mul_(scale)
+                p.grad.copy_(g)
 
 
 @torch.no_grad()

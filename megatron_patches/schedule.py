@@ -47,6 +47,7 @@ backward in the same order on every rank of a stage, so gloo does not hang on th
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -109,7 +110,17 @@ class _MegatronStage(nn.Module):
         return out
 
 
+# a policy's TransformerConfig depends only on how it was built: validated once, not on every call
+_CONFIGS: weakref.WeakKeyDictionary[nn.Module, TransformerConfig] = weakref.WeakKeyDictionary()
+
+
 def _schedule_config(policy: nn.Module) -> TransformerConfig:
+    if policy not in _CONFIGS:
+        _CONFIGS[policy] = _build_schedule_config(policy)
+    return _CONFIGS[policy]
+
+
+def _build_schedule_config(policy: nn.Module) -> TransformerConfig:
     c = policy.config
     return TransformerConfig(
         num_layers=c.num_hidden_layers, hidden_size=c.hidden_size, num_attention_heads=1,

@@ -26,13 +26,9 @@ from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.tensor_parallel import VocabParallelEmbedding as _MegatronVocabParallelEmbedding
 from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
-from megatron_patches.linears import ColumnLinear
+from megatron_patches.linears import ColumnLinear, _no_init
 
 DEFAULT_CHUNK = 4096  # tokens per chunk: [chunk, V/t] logits at a time
-
-
-def _no_init(weight: torch.Tensor) -> None:
-    return None  # base weights come from the checkpoint
 
 
 class VocabParallelEmbedding(_MegatronVocabParallelEmbedding):
@@ -49,11 +45,6 @@ class VocabParallelEmbedding(_MegatronVocabParallelEmbedding):
         if self.tp_group.size() > 1:
             hidden = copy_to_tensor_model_parallel_region(hidden, group=self.tp_group)
         return hidden @ self.weight.t()
-
-
-def vocab_parallel_embedding(config: ModelParallelConfig):
-    """The embedding factory of a build: (num_embeddings, dim) -> VocabParallelEmbedding."""
-    return lambda num_embeddings, dim: VocabParallelEmbedding(num_embeddings, dim, config)
 
 
 def local_head(policy):

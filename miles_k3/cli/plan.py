@@ -36,7 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="size the engine's pools for this many --seq-len sequences instead (default 64)")
 
 
-def _positive(args, flag: str, value) -> None:
+def _positive(flag: str, value) -> None:
     if value is not None and not value > 0:
         raise ValueError(f"--{flag} must be > 0, got {value}")
 
@@ -90,7 +90,7 @@ def cmd_plan(args) -> int:
 
     for flag in ("gpus", "gpu_memory_gb", "seq_len", "micro_batch_tokens", "lora_rank", "engine_memory_gb",
                  "engine_seqs"):
-        _positive(args, flag.replace("_", "-"), getattr(args, flag))
+        _positive(flag.replace("_", "-"), getattr(args, flag))
     if args.engine_memory_gb is not None and args.engine_seqs is not None:
         raise ValueError("--engine-memory-gb and --engine-seqs size the same pools: give one")
     config = K3Config.from_json_file(args.config) if args.config else K3Config.from_preset(args.preset)

@@ -41,7 +41,3 @@ class TemplatedPrompts:
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids)
-
-    @property
-    def hf(self) -> Any:
-        return self._tok.hf

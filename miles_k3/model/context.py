@@ -147,8 +147,14 @@ class ZigzagLayout:
         """Every rank's local tensors (rank order, 2c along `dim`) -> the row's N entries in order."""
         if len(parts) != self.size:
             raise ValueError(f"unshard: need one part per rank ({self.size}), got {len(parts)}")
-        order = torch.cat([self.positions_of(r) for r in range(self.size)]).argsort()
-        return torch.cat(parts, dim=dim).index_select(dim, order.to(parts[0].device)).narrow(dim, 0, self.num_tokens)
+        return torch.cat(parts, dim=dim).index_select(dim, self.row_order.to(parts[0].device)).narrow(
+            dim, 0, self.num_tokens)
+
+    @cached_property
+    def row_order(self) -> torch.Tensor:
+        """Long [padded]: where each position of the padded row sits in the ranks' local tokens concatenated
+        in rank order (gather them, then index with this to get row order)."""
+        return torch.cat([self.positions_of(r) for r in range(self.size)]).argsort()
 
     # --- KDA's contiguous segments ---
 

@@ -29,8 +29,9 @@ class Piece(NamedTuple):
 
     @property
     def tokens(self) -> int:
-        """Response tokens that carry loss (environment tokens of multi-turn samples are not counted)."""
-        return self.packed.policy_tokens
+        """Response tokens that carry loss (environment tokens of multi-turn samples are not counted), counted
+        on the host from the batch's masks (no device sync)."""
+        return self.batch.policy_tokens()
 
 
 def data_share(batch: TrainBatch) -> TrainBatch:

@@ -4,7 +4,7 @@ CUDA against the unsplit fp64 reference on CPU (run on the device machine).
 One GPU: a NCCL world of one, the CP context of a one-rank group over a packed row; this holds the call
 (build_cp_context's arguments, chunk_kda's keywords, the contiguous layout) to fla 0.6.0 and to fla's own
 non-CP varlen kernel. Two GPUs: CP=2 over NCCL, each rank its contiguous segment of a packed row whose
-sequences cross the segment boundary, fla's path and our torch scan (`kda_backend="torch"`) both against
+sequences cross the segment boundary, fla's path and our torch scan (`torch_segment_kda`) both against
 the reference, outputs and input gradients. Tolerances as tests/gpu/test_cuda_parity.py (bf16 q, k, v:
 2e-2 relative; gradients 5e-2).
 

@@ -182,18 +182,19 @@ class GRPODriver:
         return self._to_batch(kept), metrics
 
     def _to_batch(self, kept) -> TrainBatch:
-        prompts, responses, logprobs, advantages, group_ids, masks = [], [], [], [], [], []
+        prompts, responses, logprobs, advantages, group_ids = [], [], [], [], []
+        masks = [] if self.rc.rollout.fn is not None else None  # a rollout plugin's trajectories carry masks
         for g, (gens, rewards) in enumerate(kept):
             adv = group_advantages(torch.tensor(rewards), len(rewards), normalize_std=self.rc.algo.normalize_std)
             for gen, a in zip(gens, adv.tolist()):
                 prompts.append(gen.prompt_ids)
                 responses.append(gen.output_ids)
                 logprobs.append(gen.logprobs)
-                masks.append(gen.loss_mask if gen.loss_mask is not None else [True] * len(gen.output_ids))
+                if masks is not None:
+                    masks.append(gen.loss_mask)
                 advantages.append(a)
                 group_ids.append(g)
-        multi_turn = self.rc.rollout.fn is not None
-        return TrainBatch(prompts, responses, logprobs, advantages, group_ids, masks if multi_turn else None)
+        return TrainBatch(prompts, responses, logprobs, advantages, group_ids, masks)
 
     def evaluate(self) -> dict[str, float]:
         """Greedy accuracy on the held-out prompts: the fraction of samples whose reward is >= 1 (binary

@@ -59,6 +59,12 @@ run_job() {
         --json "$STATE/bench_rollout_compile.json" ;;
     parity) job parity python -m pytest tests/gpu/test_cuda_parity.py tests/gpu/test_megatron_gpu.py -q -m gpu -rfE \
         --tb=short -p no:cacheprovider ;;
+    megatron) job megatron python -m pytest tests/gpu/test_megatron_gpu.py -q -m gpu -rfE --tb=short \
+        -p no:cacheprovider ;;
+    logprobs) job logprobs python scripts/bench_logprobs.py --device cuda --tokens 8192,32768 \
+        --json "$STATE/bench_logprobs.json" ;;
+    cp) job cp python -m pytest tests/gpu/test_context_parallel_gpu.py -q -m gpu -rA --tb=short \
+        -p no:cacheprovider ;;
     *) echo "unknown job $1"; return 1 ;;
     esac
 }

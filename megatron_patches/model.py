@@ -117,7 +117,7 @@ def _local_tensor(name: str, source: TensorSource, factory: PolicyFactory, confi
 def build_policy(config: K3Config, base_state: dict[str, torch.Tensor] | TensorSource | None, lora: LoraSpec, *,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                  seed: int = 0, sequence_parallel: bool = False,
-                 pp_layers: list[int] | None = None) -> K3ForCausalLM:
+                 pp_layers: list[int] | None = None, recompute: bool = False) -> K3ForCausalLM:
     """The trainer's model for this rank.
 
     base_state: a `miles_k3.model.checkpoint.CheckpointSource` (each rank reads only its own slices from the
@@ -136,6 +136,7 @@ def build_policy(config: K3Config, base_state: dict[str, torch.Tensor] | TensorS
         drawn, the adapters are trainable meta parameters).
     pp_layers: decoder layers per pipeline stage (None = even; see `megatron_patches.pipeline.stage_layers`);
         this rank builds the stage of its megatron PP rank. With PP = 1 it is the whole model.
+    recompute: recompute each decoder layer's activations in backward (activation checkpointing).
 
     Returns a K3ForCausalLM whose only trainable parameters are the adapters (`lora_parameters`),
     in train mode; `policy.tp` is its TP share, `policy.lora_spec` the spec and `policy.lora_generator` the
@@ -145,6 +146,8 @@ def build_policy(config: K3Config, base_state: dict[str, torch.Tensor] | TensorS
     """
     if not isinstance(lora, LoraSpec):
         raise ValueError(f"lora must be a LoraSpec, got {type(lora).__name__}")
+    if recompute:
+        raise ValueError("parallel.recompute=true: activation recompute is not built yet")
     ensure_parallel()
     tp, cp = MegatronTP(sequence_parallel), context_share()
     check_layout(config, tp, ps.get_expert_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),

@@ -58,10 +58,15 @@ class Running:
 
 
 class CacheManager:
-    def __init__(self, model_config: K3Config, config: EngineConfig, dtype: torch.dtype, device: torch.device):
+    def __init__(self, model_config: K3Config, config: EngineConfig, dtype: torch.dtype, device: torch.device,
+                 tp_size: int = 1):
+        """`tp_size`: the engine's tensor-parallel ranks (each rank's pools hold its share, `PoolSizes`)."""
         self.model_config, self.config, self.dtype, self.device = model_config, config, dtype, device
+        if config.unified_memory:
+            raise ValueError("EngineConfig.unified_memory=True: the unified state pool is not built yet")
         self.sizes = PoolSizes.from_budget(model_config, config.memory_bytes, page_size=config.page_size,
-                                           state_fraction=config.state_fraction, dtype=dtype)
+                                           state_fraction=config.state_fraction, dtype=dtype, tp_size=tp_size,
+                                           dcp_size=config.dcp_size)
         self.kv: KVPagePool | None = None
         self.states: KDAStatePool | None = None
         self.caches: dict[str | None, HybridRadixCache] = {}

@@ -44,13 +44,22 @@ class EngineConfig:
     overlap: str = "auto"
     # torch.compile the CUDA-graph decode step (rollout.forward.DecodeGraphs); CUDA graphs only, opt-in
     compile_decode: bool = False
+    # KDA state slots and MLA KV pages carved from one byte pool that grows from both ends, so capacity
+    # follows the workload instead of `state_fraction`'s split (rollout/cache_manager.py); off until measured
+    unified_memory: bool = False
+    # decode context parallelism inside the tensor-parallel group: MLA's latent KV sharded by token position
+    # over `dcp_size` ranks (rank r keeps positions p with p % dcp_size == r); 1: every rank keeps all of it
+    dcp_size: int = 1
+    # speculative decoding (rollout.decode.strategy_for builds the decode strategy from it); None: one token
+    # per row per step
+    speculation: object | None = None
 
     def __post_init__(self) -> None:
         def fail(name: str, rule: str) -> ValueError:
             return ValueError(f"EngineConfig.{name} {rule}, got {getattr(self, name)!r}")
 
         for name in ("memory_bytes", "page_size", "chunk_size", "max_prefill_tokens", "max_running",
-                     "max_seq_len", "max_checkpoints_per_path", "max_prefill_requests"):
+                     "max_seq_len", "max_checkpoints_per_path", "max_prefill_requests", "dcp_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise fail(name, "must be an integer >= 1")
@@ -60,10 +69,13 @@ class EngineConfig:
                               ("overlap", OVERLAP_MODES)):
             if getattr(self, name) not in options:
                 raise fail(name, f"must be one of {options}")
-        for name in ("cuda_graphs", "compile_decode"):
+        for name in ("cuda_graphs", "compile_decode", "unified_memory"):
             if not isinstance(getattr(self, name), bool):
                 raise fail(name, "must be a bool")
         if self.chunk_size % self.page_size:
             raise fail("chunk_size", f"must be a multiple of page_size ({self.page_size})")
         if self.max_prefill_tokens % self.chunk_size:
             raise fail("max_prefill_tokens", f"must be a multiple of chunk_size ({self.chunk_size})")
+        if self.page_size % self.dcp_size:
+            raise fail("dcp_size", f"must divide page_size ({self.page_size}): each rank keeps page_size / dcp_size "
+                                   f"rows of a page")

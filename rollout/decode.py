@@ -110,6 +110,13 @@ class OneToken(DecodeStrategy):
         return [[int(t)] for t in tokens], [[lp] for lp in logps]
 
 
+def strategy_for(runner: ModelRunner, config) -> DecodeStrategy:
+    """The engine's decode strategy for `config` (an EngineConfig): `OneToken` unless speculation is set."""
+    if config.speculation is not None:
+        raise ValueError("EngineConfig.speculation: speculative decoding is not built yet")
+    return OneToken(runner)
+
+
 class DecodePipeline:
     """Runs decode steps through a strategy; with `overlap`, keeps one step in flight across engine steps.
 

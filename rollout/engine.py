@@ -22,7 +22,7 @@ import torch
 from miles_k3.model.modeling import K3ForCausalLM
 from rollout.cache_manager import CacheManager, Running
 from rollout.config import EngineConfig
-from rollout.decode import DecodePipeline, OneToken
+from rollout.decode import DecodePipeline, strategy_for
 from rollout.forward import DecodeGraphs
 from rollout.lora import AdapterPool
 from rollout.memory import KDAStatePool, KVPagePool
@@ -35,10 +35,12 @@ from rollout.scheduler import Scheduler
 class Engine:
     def __init__(self, model: K3ForCausalLM, config: EngineConfig, adapters: AdapterPool | None = None):
         self.model, self.config, self.adapters = model, config, adapters
+        if config.dcp_size > 1:
+            raise ValueError("EngineConfig.dcp_size > 1: decode context parallelism is not built yet")
         self.runner = ModelRunner(model, config, adapters)  # checks the model-side settings first
         self.memory = CacheManager(model.config, config, self.runner.dtype, self.runner.device)
         self.runner.use_pools(self.memory.kv, self.memory.states)
-        strategy = OneToken(self.runner)
+        strategy = strategy_for(self.runner, config)
         self.scheduler = Scheduler(config, self.memory, lookahead=strategy.lookahead)
         overlap = config.overlap == "on" or (config.overlap == "auto" and self.runner.device.type == "cuda")
         self.decoder = DecodePipeline(strategy, self.scheduler, self.memory, self._append, overlap)

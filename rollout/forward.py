@@ -33,10 +33,12 @@ log = logging.getLogger(__name__)
 
 
 def model_step(model: K3ForCausalLM, ids: torch.Tensor, cache: PoolStateCache,
-               cu_seqlens: torch.Tensor | None) -> torch.Tensor:
+               cu_seqlens: torch.Tensor | None, every_token: bool = False) -> torch.Tensor:
     """ids [N, 1] (decode) or [1, sum T] with `cu_seqlens` (packed prefill) -> logits [N, V] at each
-    request's last new token."""
+    request's last new token; with `every_token`, logits [sum T, V] at every new token (a verify step)."""
     h = model.model.hidden(ids, cache, cu_seqlens)
+    if every_token:
+        return model.logits(h.flatten(0, 1))
     last = h[:, -1] if cu_seqlens is None else h[0, cu_seqlens[1:] - 1]
     return model.logits(last)
 

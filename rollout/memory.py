@@ -58,43 +58,58 @@ class IndexAllocator:
 
 @dataclass(frozen=True)
 class PoolSizes:
-    """How many KV pages and KDA state slots fit a memory budget."""
+    """How many KV pages and KDA state slots fit a memory budget, and what one rank stores of each.
+
+    A rank of a tensor-parallel engine (`tp_size` ranks) keeps its `kda_heads` = kda_num_heads / tp_size
+    heads of every KDA slot; under decode context parallelism (`dcp_size` ranks) it keeps `kv_rows_per_page`
+    = page_size / dcp_size rows of every KV page (the page's positions p with p % dcp_size == its DCP rank).
+    Page and slot ids are the same on every rank: one page table serves all of them."""
 
     num_pages: int
     num_slots: int
     page_size: int
-    page_bytes: int
-    slot_bytes: int
+    page_bytes: int  # one rank's bytes per page
+    slot_bytes: int  # one rank's bytes per slot
+    kda_heads: int  # KDA heads one slot holds on this rank
+    kv_rows_per_page: int  # KV rows one page holds on this rank
 
     @staticmethod
-    def bytes_per_page(config: K3Config, page_size: int, dtype: torch.dtype) -> int:
+    def bytes_per_page(config: K3Config, page_size: int, dtype: torch.dtype, dcp_size: int = 1) -> int:
         mla_layers = config.layer_kinds.count("mla")
         width = config.kv_lora_rank + config.qk_rope_head_dim
-        return mla_layers * page_size * width * torch.empty((), dtype=dtype).element_size()
+        return mla_layers * (page_size // dcp_size) * width * torch.empty((), dtype=dtype).element_size()
 
     @staticmethod
-    def bytes_per_slot(config: K3Config, conv_dtype: torch.dtype) -> int:
+    def bytes_per_slot(config: K3Config, conv_dtype: torch.dtype, tp_size: int = 1) -> int:
         kda_layers = config.layer_kinds.count("kda")
-        recurrent = config.kda_num_heads * config.kda_head_dim * config.kda_head_dim * 4  # fp32
-        conv = 3 * config.kda_dim * (config.kda_conv_kernel - 1) * torch.empty((), dtype=conv_dtype).element_size()
+        heads = config.kda_num_heads // tp_size
+        recurrent = heads * config.kda_head_dim * config.kda_head_dim * 4  # fp32
+        conv_channels = heads * config.kda_head_dim
+        conv = 3 * conv_channels * (config.kda_conv_kernel - 1) * torch.empty((), dtype=conv_dtype).element_size()
         return kda_layers * (recurrent + conv)
 
     @classmethod
     def from_budget(cls, config: K3Config, budget_bytes: int, *, page_size: int, state_fraction: float,
-                    dtype: torch.dtype = torch.bfloat16) -> "PoolSizes":
-        """Split `budget_bytes` between KDA slots (`state_fraction` of it) and KV pages (the rest)."""
+                    dtype: torch.dtype = torch.bfloat16, tp_size: int = 1, dcp_size: int = 1) -> "PoolSizes":
+        """Split one rank's `budget_bytes` between KDA slots (`state_fraction` of it) and KV pages (the rest)."""
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         if not 0.0 < state_fraction < 1.0:
             raise ValueError(f"state_fraction must be in (0, 1), got {state_fraction}")
-        page_bytes = cls.bytes_per_page(config, page_size, dtype)
-        slot_bytes = cls.bytes_per_slot(config, dtype)
+        if config.kda_num_heads % tp_size:
+            raise ValueError(f"K3Config.kda_num_heads={config.kda_num_heads} is not divisible by the tensor-parallel "
+                             f"size {tp_size}")
+        if page_size % dcp_size:
+            raise ValueError(f"page_size {page_size} is not divisible by dcp_size {dcp_size}")
+        page_bytes = cls.bytes_per_page(config, page_size, dtype, dcp_size)
+        slot_bytes = cls.bytes_per_slot(config, dtype, tp_size)
         num_slots = int(budget_bytes * state_fraction) // max(slot_bytes, 1)
         num_pages = int(budget_bytes * (1 - state_fraction)) // max(page_bytes, 1)
         if num_slots < 1 or num_pages < 1:
             raise ValueError(f"memory budget {budget_bytes} B holds {num_slots} state slots ({slot_bytes} B each) "
                              f"and {num_pages} KV pages ({page_bytes} B each); need at least one of each")
-        return cls(num_pages, num_slots, page_size, page_bytes, slot_bytes)
+        return cls(num_pages, num_slots, page_size, page_bytes, slot_bytes, config.kda_num_heads // tp_size,
+                   page_size // dcp_size)
 
 
 class KVPagePool:
@@ -113,11 +128,14 @@ class KVPagePool:
         self.mla_layers = [i for i, k in enumerate(config.layer_kinds) if k == "mla"]
         width = config.kv_lora_rank + config.qk_rope_head_dim
         self.sink_page, self.zero_page = sizes.num_pages, sizes.num_pages + 1
-        self.buffers = {i: torch.zeros((sizes.num_pages + 2) * sizes.page_size, width, dtype=dtype, device=device)
-                        for i in self.mla_layers}
+        self.rows_per_page = sizes.kv_rows_per_page  # page_size, or page_size / dcp_size under DCP
+        self.buffers = {i: torch.zeros((sizes.num_pages + 2) * self.rows_per_page, width, dtype=dtype,
+                                       device=device) for i in self.mla_layers}
 
     def rows(self, pages: list[int], start: int, end: int) -> torch.Tensor:
-        """Row indices (on the pool's device) of token positions [start, end) for a page table."""
+        """Row indices (on the pool's device) of token positions [start, end) for a page table (a pool that
+        keeps whole pages: no DCP)."""
+        assert self.rows_per_page == self.page_size, "under DCP a rank keeps only its positions' rows"
         pos = torch.arange(start, end)
         page_idx = torch.tensor(pages, dtype=torch.long)[pos // self.page_size]
         device = next(iter(self.buffers.values())).device if self.buffers else "cpu"
@@ -125,7 +143,8 @@ class KVPagePool:
 
 
 class KDAStatePool:
-    """KDA state slots: per KDA layer recurrent [num_slots, H, K, V] fp32 and conv [num_slots, 3, H*K, W-1].
+    """KDA state slots: per KDA layer recurrent [num_slots, H, K, V] fp32 and conv [num_slots, 3, H*K, W-1]
+    (H: this rank's heads, `PoolSizes.kda_heads`).
 
     Plus one `sink_slot` outside the allocator's range, the read/write target of padding rows."""
 
@@ -133,9 +152,9 @@ class KDAStatePool:
         self.allocator = IndexAllocator(sizes.num_slots, "kda state slots")
         self.kda_layers = [i for i, k in enumerate(config.layer_kinds) if k == "kda"]
         self.sink_slot = sizes.num_slots
-        n, h, d = sizes.num_slots + 1, config.kda_num_heads, config.kda_head_dim
+        n, h, d = sizes.num_slots + 1, sizes.kda_heads, config.kda_head_dim  # h: this rank's heads
         self.recurrent = {i: torch.zeros(n, h, d, d, dtype=torch.float32, device=device) for i in self.kda_layers}
-        self.conv = {i: torch.zeros(n, 3, config.kda_dim, config.kda_conv_kernel - 1, dtype=conv_dtype,
+        self.conv = {i: torch.zeros(n, 3, h * d, config.kda_conv_kernel - 1, dtype=conv_dtype,
                                     device=device) for i in self.kda_layers}
 
     def copy_slots(self, src: list[int], dst: list[int]) -> None:

@@ -137,18 +137,21 @@ class ModelRunner:
         return captures, replays
 
     # --------------------------------------------------------- forward
-    def forward(self, batch: list[Running], ids: list[int] | torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    def forward(self, batch: list[Running], ids: list[int] | torch.Tensor, lengths: list[int], *,
+                every_token: bool = False) -> torch.Tensor:
         """One model step over `batch`: request n brings lengths[n] tokens (ids, request by request; a device
         tensor [N] for a decode step fed from the previous step's samples) at positions from its `pos`,
-        its pages covering them. Returns logits [N, V] at each request's last new token. Enqueues work
-        without waiting for the device."""
+        its pages covering them. Returns logits [N, V] at each request's last new token, or with
+        `every_token` [sum lengths, V] at every new token, request by request (a speculative verify step;
+        eager, never from a decode graph). Enqueues work without waiting for the device."""
         if not torch.is_tensor(ids):
             ids = to_device(ids, self.device)
         packed = any(t > 1 for t in lengths)
         if self.adapters is not None:
             self.adapters.set_batch([self.adapters.slot_of(r.req.adapter) for r in batch],
                                     lengths if packed else 1)
-        if not packed and self.graphs is not None and self.graphs.usable(len(batch), max(r.pos for r in batch) + 1):
+        graphed = not packed and not every_token and self.graphs is not None
+        if graphed and self.graphs.usable(len(batch), max(r.pos for r in batch) + 1):
             return self.graphs.run(ids, [r.slot for r in batch], [r.pos for r in batch], [r.pages for r in batch])
         layout = BatchLayout.build(self.kv, [r.slot for r in batch], [r.pos for r in batch], lengths,
                                    [r.pages for r in batch], self.device)
@@ -159,4 +162,4 @@ class ModelRunner:
         else:
             ids_t, cu = ids[:, None], None
         with torch.inference_mode():
-            return model_step(self.model, ids_t, cache, cu)
+            return model_step(self.model, ids_t, cache, cu, every_token)

@@ -102,6 +102,9 @@ class ParallelCfg(Section):
     # packed tokens per micro-batch (whole sequences; a longer one is a micro-batch of its own); None: one
     # micro-batch per rank and minibatch. Pipelines want several micro-batches per stage to fill the 1F1B schedule.
     micro_batch_tokens: Optional[int] = None
+    # recompute each decoder layer's activations in backward instead of keeping them (activation
+    # checkpointing): memory for long micro-batches at the price of a second forward per layer
+    recompute: bool = False
 
     def check(self) -> None:
         c = Check(self)

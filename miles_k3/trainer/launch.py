@@ -57,7 +57,8 @@ def build_train_worker(rc: ResolvedConfig, config, state, device: str) -> TrainW
     return TrainWorker(config, state, rc.lora, loss=rc.loss, algo=rc.algo, optim=rc.optim,
                        temperature=rc.rollout.temperature, dtype=TORCH_DTYPES[rc.model.train_dtype], device=device,
                        seed=rc.trainer.seed, sequence_parallel=rc.parallel.sp,
-                       pp_layers=rc.parallel.pp_layers, micro_batch_tokens=rc.parallel.micro_batch_tokens)
+                       pp_layers=rc.parallel.pp_layers, micro_batch_tokens=rc.parallel.micro_batch_tokens,
+                       recompute=rc.parallel.recompute)
 
 
 def start_trainer_rank(rc: ResolvedConfig, rank: int, device: str, init_method: str,

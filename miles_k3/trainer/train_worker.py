@@ -26,14 +26,14 @@ class TrainWorker:
     def __init__(self, config: K3Config, base_state: dict[str, torch.Tensor], lora, *, loss, algo, optim,
                  temperature: float, dtype: torch.dtype, device: str, seed: int = 0,
                  sequence_parallel: bool = False, pp_layers: list[int] | None = None,
-                 micro_batch_tokens: int | None = None):
+                 micro_batch_tokens: int | None = None, recompute: bool = False):
         from megatron_patches.lora import check_lora_replicas, lora_parameters
         from megatron_patches.model import build_policy
 
         self.device = torch.device(device)
         self.policy = build_policy(config, base_state, lora, dtype=dtype, device=device, seed=seed,
                                    sequence_parallel=sequence_parallel,
-                                   pp_layers=None if pp_layers is None else list(pp_layers))
+                                   pp_layers=None if pp_layers is None else list(pp_layers), recompute=recompute)
         self.params = lora_parameters(self.policy)  # non-empty: load_run_inputs checked lora.targets
         check_lora_replicas(self.policy)  # ranks that replicate an adapter start from the same values
         self.loss_config, self.algo, self.temperature = loss, algo, temperature

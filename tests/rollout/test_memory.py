@@ -35,7 +35,7 @@ def test_pool_sizes_follow_the_budget():
 
 def test_state_slot_copy_and_zero():
     c = K3Config.from_preset("k3-tiny")
-    pool = KDAStatePool(c, PoolSizes(1, 4, 1, 1, 1), torch.float32, "cpu")
+    pool = KDAStatePool(c, PoolSizes(1, 4, 1, 1, 1, c.kda_num_heads, 1), torch.float32, "cpu")
     layer = pool.kda_layers[0]
     pool.recurrent[layer][1].normal_()
     pool.conv[layer][1].normal_()
@@ -48,7 +48,7 @@ def test_state_slot_copy_and_zero():
 
 def test_kv_rows_follow_the_page_table():
     c = K3Config.from_preset("k3-tiny")
-    pool = KVPagePool(c, PoolSizes(8, 1, 4, 1, 1), torch.float32, "cpu")
+    pool = KVPagePool(c, PoolSizes(8, 1, 4, 1, 1, c.kda_num_heads, 4), torch.float32, "cpu")
     rows = pool.rows([5, 2], 2, 7)
     assert rows.tolist() == [22, 23, 8, 9, 10]
     assert set(pool.buffers) == {i for i, k in enumerate(c.layer_kinds) if k == "mla"}

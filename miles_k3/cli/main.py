@@ -3,6 +3,7 @@
     miles-k3 info --preset k3                 # parameter counts, layer plan
     miles-k3 info --config path/to/config.json
     miles-k3 plan --preset k3 --gpus 64 --gpu-memory-gb 288     # per-rank memory of parallel layouts
+    miles-k3 generate --model builtin:k3-tiny-arith --prompts p.jsonl --json out.json   # batch generation
     miles-k3 smoke --preset k3-tiny --out outputs/k3-tiny-random
         builds a randomly initialized model, writes it as an HF checkpoint, loads it back, greedy-decodes
         with the incremental cache and checks every decode step against a full forward pass.
@@ -19,6 +20,7 @@ import torch
 
 from miles_k3.model import K3Config, K3ForCausalLM
 from miles_k3.model.generate import greedy_generate
+from miles_k3.cli.generate import __doc__ as generate_doc, add_arguments as add_generate_arguments, cmd_generate
 from miles_k3.cli.plan import add_arguments as add_plan_arguments, cmd_plan
 
 
@@ -78,6 +80,11 @@ def main(argv: list[str] | None = None) -> int:
     plan = sub.add_parser("plan", help="per-rank memory of parallel layouts (miles_k3.cli.plan)")
     plan.set_defaults(fn=cmd_plan)
     add_plan_arguments(plan)
+    generate = sub.add_parser("generate", help="offline batch generation through the engine (miles_k3.cli.generate)",
+                              description=generate_doc,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    generate.set_defaults(fn=cmd_generate)
+    add_generate_arguments(generate)
     smoke = sub.choices["smoke"]
     smoke.add_argument("--out", default="outputs/k3-tiny-random")
     smoke.add_argument("--seed", type=int, default=0)

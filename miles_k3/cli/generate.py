@@ -1,0 +1,218 @@
+"""`miles-k3 generate`: offline batch generation through the rollout engine, for scripts and tests.
+
+    miles-k3 generate --model builtin:k3-tiny-arith --prompts prompts.jsonl --json out.json
+    miles-k3 generate --model /ckpt --input-ids ids.jsonl --max-new-tokens 256 --temperature 0.7 --seed 1 \
+        --adapter runs/grpo/adapter --device cuda --tp 2 --json out.json
+
+Input, one JSON object per line: `{"input_ids": [...]}` (`--input-ids`), or with `--prompts` either
+`{"prompt": "text"}` or `{"messages": [{"role": ..., "content": ...}, ...]}` (the tokenizer's chat
+template). Output (`--json`, or stdout): `{"outputs": [{"output_ids", "logprobs", "finish_reason"}, ...]}`
+in input order (`text` too with `--prompts`). Log-probs are the engine's: the sampled token's under the
+untruncated distribution at the temperature.
+
+Sampling is reproducible: row i draws from its own generator seeded `--seed + i`, so its output does not
+depend on the batch, the schedule or the tensor-parallel size. With `--prompts` a row stops at the
+tokenizer's end-of-sequence token; `--stop-token-id` adds others (with `--input-ids` they are the only
+stops). `--tp N` starts N worker processes, one engine rank each (`rollout.parallel`), and rank 0 writes
+the output. Bad input (a flag, a row of a file, the checkpoint) stops it before any generation with one
+line naming it, exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class GenerateArgs:
+    """The command's flags, checked by `check` (ValueError "--flag ..." before any model is read)."""
+
+    model: str  # a checkpoint directory or builtin:<name>
+    input_ids: Path | None  # JSONL of {"input_ids": [...]}
+    prompts: Path | None  # JSONL of {"prompt": str} or {"messages": [...]}
+    out: Path | None  # --json: where the outputs go; None: stdout
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    stop_token_ids: tuple[int, ...]
+    adapter: Path | None  # a PEFT adapter directory (as the trainer saves it) the rows run with
+    tokenizer: str | None
+    tp: int
+    dcp: int
+    device: str
+    dtype: str | None
+    quantize: str
+    memory_mb: float
+    max_running: int | None
+    max_seq_len: int | None
+
+    def check(self) -> None:
+        if (self.input_ids is None) == (self.prompts is None):
+            raise ValueError("give exactly one of --input-ids FILE.jsonl and --prompts FILE.jsonl")
+        for flag, path in (("--input-ids", self.input_ids), ("--prompts", self.prompts)):
+            if path is not None and not path.is_file():
+                raise ValueError(f"{flag} {path}: no such file")
+        for flag, value in (("--tp", self.tp), ("--dcp", self.dcp)):
+            if value < 1:
+                raise ValueError(f"{flag} must be >= 1, got {value}")
+        if self.tp % self.dcp:
+            raise ValueError(f"--dcp {self.dcp} must divide --tp {self.tp}: decode context parallelism runs inside "
+                             f"the tensor-parallel group")
+        self.sampling(0, self.stop_token_ids)  # SamplingParams' own checks, before anything is loaded
+        self.serve_config().check()  # model, adapter, tokenizer, device, dtype, memory flags
+
+    def serve_config(self):
+        """The engine settings as the server's config (same flags, same checks, same loading)."""
+        from rollout.server.config import ServeConfig
+
+        return ServeConfig(model=self.model, adapters=(() if self.adapter is None else (("adapter", str(self.adapter)),)),
+                           tokenizer=self.tokenizer, device=self.device, dtype=self.dtype, quantize=self.quantize,
+                           memory_mb=self.memory_mb, max_running=self.max_running, max_seq_len=self.max_seq_len)
+
+    def sampling(self, row: int, stops: tuple[int, ...]):
+        from rollout.request import SamplingParams
+
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                              max_new_tokens=self.max_new_tokens, stop_token_ids=stops, seed=self.seed + row)
+
+
+def read_rows(path: Path, flag: str, encode) -> list[list[int]]:
+    """Each line's token ids. `encode(row) -> ids` for --prompts rows; None: rows carry input_ids."""
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{flag} {path} line {n}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: not JSON ({e.msg})") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
+            if encode is None:
+                ids = row.get("input_ids")
+                if not isinstance(ids, list) or not ids or not all(
+                        isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                    raise ValueError(f"{where}: input_ids must be a non-empty list of integers")
+            else:
+                try:
+                    ids = encode(row)
+                except ValueError as e:
+                    raise ValueError(f"{where}: {e}") from None
+            rows.append(ids)
+    if not rows:
+        raise ValueError(f"{flag} {path}: no rows")
+    return rows
+
+
+def prompt_encoder(tokenizer):
+    def encode(row: dict) -> list[int]:
+        if isinstance(row.get("prompt"), str):
+            ids = tokenizer.encode(row["prompt"])
+        elif isinstance(row.get("messages"), list):
+            ids = tokenizer.encode_chat(row["messages"])
+        else:
+            raise ValueError('expected {"prompt": "text"} or {"messages": [...]}')
+        if not ids:
+            raise ValueError("the prompt encodes to no tokens")
+        return ids
+    return encode
+
+
+def check_ids(rows: list[list[int]], vocab_size: int, max_seq_len: int, max_new_tokens: int, source: str) -> None:
+    for i, ids in enumerate(rows):
+        bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"{source} row {i + 1}: token id {bad} is outside the model's vocabulary ({vocab_size})")
+        if len(ids) + max_new_tokens > max_seq_len:
+            raise ValueError(f"{source} row {i + 1}: {len(ids)} prompt tokens + --max-new-tokens {max_new_tokens} "
+                             f"exceed the engine's max sequence length {max_seq_len} (--max-seq-len)")
+
+
+def generate_outputs(engine, rows: list[list[int]], args: GenerateArgs, stops: tuple[int, ...],
+                     adapter: str | None, tokenizer=None) -> list[dict]:
+    """Run every row to completion on `engine`; one output dict per row, in row order."""
+    completions = engine.generate(rows, [args.sampling(i, stops) for i in range(len(rows))], adapter)
+    outputs = []
+    for c in completions:
+        out = {"output_ids": c.output_ids, "logprobs": c.logprobs, "finish_reason": c.finish_reason.value}
+        if tokenizer is not None:
+            out["text"] = tokenizer.decode(c.output_ids)
+        outputs.append(out)
+    return outputs
+
+
+def run(args: GenerateArgs) -> list[dict]:
+    """Load, check every row, generate (tensor-parallel workers for --tp > 1). ValueError on bad input."""
+    from miles_k3.trainer.config import ModelCfg
+    from rollout.config import EngineConfig
+    from rollout.server.loading import build_engine
+    from rollout.server.tokenization import build_server_tokenizer
+
+    args.check()
+    cfg = args.serve_config()
+    tokenizer = None
+    if args.prompts is not None:
+        tokenizer = build_server_tokenizer(cfg.tokenizer_kind, str(cfg.model_path))
+        rows = read_rows(args.prompts, "--prompts", prompt_encoder(tokenizer))
+    else:
+        rows = read_rows(args.input_ids, "--input-ids", None)
+    stops = tuple(args.stop_token_ids) + ((tokenizer.eos_token_id,) if tokenizer is not None else ())
+    adapter = None if args.adapter is None else "adapter"
+    if args.tp > 1:
+        raise ValueError("--tp > 1: the tensor-parallel engine is not wired into generate yet")
+    model = ModelCfg(path=str(cfg.model_path), tokenizer=cfg.tokenizer_kind)
+    engine, config = build_engine(model, cfg, seed=args.seed)
+    max_seq_len = cfg.max_seq_len or EngineConfig.max_seq_len
+    check_ids(rows, config.vocab_size, max_seq_len, args.max_new_tokens,
+              "--prompts" if args.prompts is not None else "--input-ids")
+    return generate_outputs(engine, rows, args, stops, adapter, tokenizer)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="a checkpoint directory or builtin:<name>")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--input-ids", type=Path, help='JSONL rows {"input_ids": [...]}')
+    src.add_argument("--prompts", type=Path, help='JSONL rows {"prompt": "text"} or {"messages": [...]}')
+    p.add_argument("--json", dest="out", type=Path, help="write the outputs here (default: stdout)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=1.0, help="0: greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0: off")
+    p.add_argument("--seed", type=int, default=0, help="row i samples from a generator seeded seed + i")
+    p.add_argument("--stop-token-id", dest="stop_token_ids", type=int, action="append", default=[],
+                   help="also stop after this token (repeatable)")
+    p.add_argument("--adapter", type=Path, help="a PEFT LoRA adapter directory (as the trainer saves it)")
+    p.add_argument("--tokenizer", help="arithmetic | hf (default: arithmetic for builtin:, hf for a directory)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel engine ranks (worker processes)")
+    p.add_argument("--dcp", type=int, default=1, help="decode context-parallel ranks inside the TP group")
+    p.add_argument("--device", default="cpu", help="cpu | cuda")
+    p.add_argument("--dtype", help="float32 | bfloat16 (default: bfloat16 on cuda, float32 on cpu)")
+    p.add_argument("--quantize", default="experts", help="none | experts | all (MXFP4 base weights)")
+    p.add_argument("--memory-mb", type=float, default=256.0, help="KV pages + KDA state slots per rank, MiB")
+    p.add_argument("--max-running", type=int, help="rows decoding at once (default: the engine's)")
+    p.add_argument("--max-seq-len", type=int, help="prompt + generated tokens of a row (default: the engine's)")
+
+
+def cmd_generate(ns: argparse.Namespace) -> int:
+    fields = GenerateArgs.__dataclass_fields__
+    args = GenerateArgs(**{k: getattr(ns, k) for k in fields if k not in ("stop_token_ids",)},
+                        stop_token_ids=tuple(ns.stop_token_ids))
+    outputs = run(args)
+    text = json.dumps({"outputs": outputs})
+    if args.out is None:
+        sys.stdout.write(text + "\n")
+    else:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = args.out.with_name(args.out.name + ".tmp")
+        tmp.write_text(text)
+        tmp.replace(args.out)  # atomic: a reader never sees half a file
+        print(f"miles-k3 generate: {len(outputs)} outputs -> {args.out}", file=sys.stderr)
+    return 0

@@ -37,7 +37,7 @@ class TemplatedPrompts:
         self.eos_token_id = tokenizer.eos_token_id
 
     def encode_prompt(self, text: str) -> list[int]:
-        return list(self._tok.hf.encode(text, add_special_tokens=False))
+        return self._tok.encode(text)
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids)

@@ -40,14 +40,20 @@ def load_base(model: ModelCfg, seed: int, whole: bool = True):
 
 
 class Tokenizer(Protocol):
+    """The run's tokenizer, as the trainer, rollout plugins and the server (which wraps it) use it."""
+
     eos_token_id: int
 
-    def encode_prompt(self, text: str) -> list[int]: ...
-    def decode(self, ids: list[int]) -> str: ...
+    def encode_prompt(self, text: str) -> list[int]:
+        """A prompt string -> ids, special tokens added as training adds them."""
+    def encode(self, text: str) -> list[int]:
+        """Text inside a sequence (tool output, a continuation) -> ids, no special tokens."""
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
 
 class ArithmeticTextTokenizer:
-    """The arithmetic task's character tokenizer: prompts start with <bos>; decoding stops at <eos>."""
+    """The arithmetic task's character tokenizer: prompts start with <bos>; decoding stops at <eos>. Its
+    special tokens have no text, so `skip_special_tokens` changes nothing."""
 
     def __init__(self) -> None:
         from miles_k3.tasks.arithmetic import ArithmeticTokenizer
@@ -58,7 +64,10 @@ class ArithmeticTextTokenizer:
     def encode_prompt(self, text: str) -> list[int]:
         return self._tok.encode(text, add_bos=True)
 
-    def decode(self, ids: list[int]) -> str:
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids)
 
 
@@ -79,8 +88,11 @@ class HFTokenizer:
     def encode_prompt(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=True))
 
-    def decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=True)
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     @property
     def hf(self) -> Any:
@@ -88,8 +100,18 @@ class HFTokenizer:
         return self._tok
 
 
-def build_tokenizer(model: ModelCfg, config: K3Config) -> Any:
-    tok = ArithmeticTextTokenizer() if model.tokenizer == "arithmetic" else HFTokenizer(model.path)
+def load_tokenizer(kind: str, path: str | None) -> Tokenizer:
+    """kind: "arithmetic" or "hf" (`miles_k3.trainer.config.TOKENIZERS`); path: the checkpoint directory."""
+    if kind == "arithmetic":
+        return ArithmeticTextTokenizer()
+    if kind == "hf":
+        return HFTokenizer(path)
+    raise ValueError(f"tokenizer must be 'arithmetic' or 'hf', got {kind!r}")
+
+
+def build_tokenizer(model: ModelCfg, config: K3Config) -> Tokenizer:
+    """The run's tokenizer, its eos checked against the model's vocabulary."""
+    tok = load_tokenizer(model.tokenizer, model.path)
     if tok.eos_token_id >= config.vocab_size:
         raise ValueError(f"eos id {tok.eos_token_id} is outside the model's vocabulary ({config.vocab_size})")
     return tok

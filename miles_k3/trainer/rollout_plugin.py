@@ -40,10 +40,13 @@ import inspect
 import math
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 from miles_k3.data import PromptRecord
 from rollout.request import SamplingParams
+
+if TYPE_CHECKING:
+    from miles_k3.trainer.base import Tokenizer
 
 ADAPTER = "policy"  # the engine's adapter slot the trainer syncs (rollout_worker.ADAPTER)
 CLIENTS = ("engine", "http")
@@ -143,29 +146,6 @@ def load_rollout_fn(ref: str) -> RolloutFn:
     return RolloutFn(ref, fn, is_async(fn))
 
 
-class TextCodec:
-    """Text <-> ids for plugins: `encode` without special tokens (tool output, continuation text),
-    `encode_prompt` with them, as training encodes a prompt string."""
-
-    def __init__(self, kind: str, path: str | None):
-        if kind == "arithmetic":
-            from miles_k3.tasks.arithmetic import ArithmeticTokenizer
-
-            tok = ArithmeticTokenizer()
-            self.encode = lambda text: tok.encode(text)
-            self.encode_prompt = lambda text: tok.encode(text, add_bos=True)
-            self.decode = tok.decode
-            self.eos_token_id = tok.eos_token_id
-        else:
-            from miles_k3.trainer.base import HFTokenizer
-
-            hf = HFTokenizer(path).hf
-            self.encode = lambda text: list(hf.encode(text, add_special_tokens=False))
-            self.encode_prompt = lambda text: list(hf.encode(text, add_special_tokens=True))
-            self.decode = lambda ids: hf.decode(ids, skip_special_tokens=True)
-            self.eos_token_id = int(hf.eos_token_id)
-
-
 def turn_seed(seed: int | None, turn: int) -> int | None:
     """A distinct, reproducible seed per turn of a seeded sample."""
     return None if seed is None else (seed * 1_000_003 + turn + 1) % (1 << 62)
@@ -175,7 +155,7 @@ class PolicyClient:
     """The policy as a rollout function sees it (module docstring). One per sample; `generate` is awaited on
     the rollout's event loop, `generate_sync` called from the sync function's own thread."""
 
-    def __init__(self, job: RolloutJob, codec: TextCodec, loop: asyncio.AbstractEventLoop):
+    def __init__(self, job: RolloutJob, codec: Tokenizer, loop: asyncio.AbstractEventLoop):
         self.job, self.codec, self._loop = job, codec, loop
         self.prompt_ids = list(job.prompt_ids)
         self.eos_token_id = codec.eos_token_id

@@ -20,7 +20,7 @@ from miles_k3.model.lora_spec import LoraSpec
 from rollout.config import EngineConfig
 from rollout.engine import Engine
 from rollout.model_runner import build_engine_model
-from miles_k3.trainer.rollout_plugin import (ADAPTER, EngineClient, HTTPClient, RolloutJob, TextCodec, Trajectory,
+from miles_k3.trainer.rollout_plugin import (ADAPTER, EngineClient, HTTPClient, RolloutJob, Trajectory,
                                              load_rollout_fn, run_rollouts)
 from rollout.request import SamplingParams
 
@@ -64,11 +64,12 @@ class RolloutWorker:
         sample's function running concurrently against this engine with the policy adapter. `tokenizer`:
         (model.tokenizer, model.path); `client`: "engine" (in-process) or "http" (miles-serve on loopback)."""
         if fn not in self._plugins:
-            from rollout.server.tokenization import build_server_tokenizer
+            from miles_k3.trainer.base import load_tokenizer
+            from rollout.server.tokenization import server_tokenizer
 
             kind, path = tokenizer
-            self._plugins[fn] = (load_rollout_fn(fn), TextCodec(kind, path),
-                                 build_server_tokenizer(kind, path or "builtin"))
+            codec = load_tokenizer(kind, path)  # loaded once: the server's tokenizer wraps it
+            self._plugins[fn] = (load_rollout_fn(fn), codec, server_tokenizer(codec, path or "builtin"))
         plugin, codec, server_tok = self._plugins[fn]
         return asyncio.run(self._rollout(plugin, codec, server_tok, jobs, client, tokenizer[1]))
 

@@ -1,8 +1,9 @@
 """Text <-> token ids for the server: prompts, chat messages, and decoding a stream of tokens.
 
-Built on the trainer's tokenizers (`miles_k3.trainer.base.build_tokenizer`), so a prompt string becomes
-the same ids in a training run and in a request: the arithmetic tokenizer adds `<bos>`; an HF tokenizer
-adds its special tokens (`add_special_tokens=True`).
+Built on the trainer's tokenizers (`miles_k3.trainer.base.load_tokenizer`, wrapped by `server_tokenizer`:
+a caller that already holds the run's tokenizer does not load it again), so a prompt string becomes the
+same ids in a training run and in a request: the arithmetic tokenizer adds `<bos>`; an HF tokenizer adds
+its special tokens (`add_special_tokens=True`).
 
 Chat messages: an HF checkpoint's own template (`apply_chat_template` of its tokenizer config, with the
 generation prompt), whose text is encoded without adding special tokens again (the template writes them).
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from miles_k3.trainer.base import ArithmeticTextTokenizer, HFTokenizer
+from miles_k3.trainer.base import ArithmeticTextTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 
@@ -96,12 +97,12 @@ class ServerTokenizer:
 
 
 class ArithmeticServerTokenizer(ServerTokenizer):
-    """The embedded models' character tokenizer. Its special tokens have no text (`<eos>` ends decoding),
-    so `skip_special_tokens` changes nothing here."""
+    """The embedded models' character tokenizer (the run's `ArithmeticTextTokenizer`). Its special tokens
+    have no text (`<eos>` ends decoding), so `skip_special_tokens` changes nothing here."""
 
-    def __init__(self, name_or_path: str):
-        self._tok = ArithmeticTextTokenizer()
-        self.eos_token_id = self._tok.eos_token_id
+    def __init__(self, tok: ArithmeticTextTokenizer, name_or_path: str):
+        self._tok = tok
+        self.eos_token_id = tok.eos_token_id
         self.name_or_path = name_or_path
 
     def encode(self, text: str) -> list[int]:
@@ -140,16 +141,15 @@ class _CharDecoder(Decoder):
 
 
 class HFServerTokenizer(ServerTokenizer):
-    """transformers' AutoTokenizer of the checkpoint, with its chat template."""
+    """transformers' AutoTokenizer of the checkpoint (the run's `HFTokenizer`), with its chat template."""
 
-    def __init__(self, path: str):
-        base = HFTokenizer(path)
-        self._hf = base.hf
+    def __init__(self, base: HFTokenizer, path: str):
+        self._base, self._hf = base, base.hf
         self.eos_token_id = base.eos_token_id
         self.name_or_path = path
 
     def encode(self, text: str) -> list[int]:
-        return list(self._hf.encode(text, add_special_tokens=True))
+        return self._base.encode_prompt(text)
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
         if not getattr(self._hf, "chat_template", None):
@@ -162,13 +162,16 @@ class HFServerTokenizer(ServerTokenizer):
         return list(self._hf.encode(text, add_special_tokens=False))
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self._hf.decode(ids, skip_special_tokens=skip_special_tokens)
+        return self._base.decode(ids, skip_special_tokens)
+
+
+def server_tokenizer(tok: Tokenizer, path: str) -> ServerTokenizer:
+    """The server's view of an already-loaded run tokenizer (`miles_k3.trainer.base.load_tokenizer`)."""
+    if isinstance(tok, ArithmeticTextTokenizer):
+        return ArithmeticServerTokenizer(tok, path)
+    return HFServerTokenizer(tok, path)
 
 
 def build_server_tokenizer(kind: str, path: str) -> ServerTokenizer:
     """kind: "arithmetic" or "hf" (`miles_k3.trainer.config.TOKENIZERS`); path: the checkpoint directory."""
-    if kind == "arithmetic":
-        return ArithmeticServerTokenizer(path)
-    if kind == "hf":
-        return HFServerTokenizer(path)
-    raise ValueError(f"tokenizer must be 'arithmetic' or 'hf', got {kind!r}")
+    return server_tokenizer(load_tokenizer(kind, path), path)

@@ -86,12 +86,9 @@ def test_hf_template_renders_the_dataset_and_prompts_encode_without_a_second_bos
                                       add_generation_prompt=True)
         assert rec.prompt == want and rec.prompt.startswith("<s><|im_start|>system\nbe brief<|im_end|>")
 
-    class Run:  # the run's HF tokenizer as miles_k3.trainer.base.HFTokenizer exposes it
-        eos_token_id = hf.eos_token_id
-        decode = staticmethod(lambda ids: hf.decode(ids, skip_special_tokens=True))
+    from miles_k3.trainer.base import HFTokenizer
 
-    Run.hf = hf
-    ids = TemplatedPrompts(Run()).encode_prompt(records[0].prompt)
+    ids = TemplatedPrompts(HFTokenizer(str(tmp_path / "tok"))).encode_prompt(records[0].prompt)
     assert ids.count(1) == 1 and ids[0] == 1  # one BOS: the template's
     assert hf.encode(records[0].prompt, add_special_tokens=True).count(1) == 2  # what encode_prompt avoids
 

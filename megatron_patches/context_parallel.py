@@ -14,8 +14,10 @@ Collectives per layer (forward; each backward mirrors its own): KDA moves its in
 zigzag layout and the rank's contiguous segment (two all-to-alls of this rank's tokens, no rank receives
 more than its share), all-gathers the last W-1 conv inputs of q, k and v and one (M, b) transition
 [H, K, K + V] per rank (`miles_k3.ops.kda_cp`); MLA all-gathers the normalized latent KV (kv_lora_rank +
-rope dims a token) and expands every rank's keys locally. On CUDA the KDA recurrence runs in fla's
-`chunk_kda(cp_context=...)` (contiguous layout: the same segments), which exchanges the states itself.
+rope dims a token) and expands every rank's keys locally; its mask is a `SegmentCausalMask` (positions and
+sequence ids), so a long row's attention runs blockwise with no [2c, padded] tensor. On CUDA the KDA
+recurrence runs in fla's `chunk_kda(cp_context=...)` (contiguous layout: the same segments), which exchanges
+the states itself.
 
 Gloo pitfalls designed around: every collective sits in an autograd Function that every rank of the group
 reaches in the same order (the same ops on every rank; the rank only picks a slice by index, so the
@@ -34,6 +36,7 @@ from megatron.core import parallel_state as ps
 
 from miles_k3.model.context import NO_CP, ContextParallel, ZigzagLayout
 from miles_k3.ops.kda_cp import correct, halo_state, segment_conv, segment_pass, start_states
+from miles_k3.ops.mla import SegmentCausalMask
 
 
 def context_share() -> ContextParallel:
@@ -221,7 +224,10 @@ class MegatronCP(ContextParallel):
         kv = _AllGather.apply(torch.cat([latent[0], rope[0]], dim=-1), self.group)  # [size, 2c, R + Dr]
         kv = kv.flatten(0, 1)[layout.row_order.to(kv.device)][None]  # [1, padded, R + Dr] in row order
         latent, rope = kv.split([latent.shape[-1], rope.shape[-1]], dim=-1)
-        return latent, rope, layout.attention_mask.to(kv.device)
+        # which keys each local query sees, as positions and sequence ids (no [2c, padded] tensor)
+        seq = layout.sequence_ids
+        mask = SegmentCausalMask(layout.positions, torch.arange(layout.padded), seq[layout.positions], seq)
+        return latent, rope, mask
 
     # --- results ---
 

@@ -1,8 +1,9 @@
 """The layout planner's counts: build one rank of a layout on the meta device and count its bytes.
 
     layout = Layout.parse("tp=8,pp=8,ep=1,cp=1", gpus=64)
-    for stage in LayoutPlanner(config, LoraSpec(rank=16)).stages(layout, tokens=32768):
+    for stage in LayoutPlanner(config, LoraSpec(rank=16), recompute=True).stages(layout, tokens=32768):
         stage.base_experts, stage.lora, stage.optimizer, stage.activations   # bytes, per rank of that stage
+        stage.recompute_peak, stage.trainer_total
 
 No separate formula to drift: a rank is the trainer's own `build_policy(config, None, lora, device="meta")`
 inside a torch.distributed "fake" world of the layout's size (`FakeStore`, so N ranks need no N processes)
@@ -25,7 +26,12 @@ even, `build_policy` checks that they divide):
   [.., T, T] scores / mask of the CPU SDPA path (flash attention saves O(T)), and the per-chunk blocks of the
   torch chunked KDA, [B, H, n_chunks, C, ..] (5 dims or more), which fla's chunk_kda does not keep. The MoE,
   linears, norms, AttnRes and LoRA tensors are those the trainer saves on any device. `in_flight`: micro-batches whose
-  activations a stage holds at the peak of megatron's 1F1B schedule (pp - stage). Under expert parallelism
+  activations a stage holds at the peak of megatron's 1F1B schedule (pp - stage).
+  With activation recompute (`parallel.recompute`, `build_policy(recompute=True)`) a micro-batch in flight
+  holds only each decoder layer's inputs (the residual state and AttnRes bank entering it, counted once per
+  storage) and what is saved outside the layers (embedding, final norm, log-prob head); one layer's full
+  activations come back once, during that layer's backward (`recompute_peak`, the largest layer's). The same
+  meta forward counts both: each saved tensor is charged to the layer whose forward saved it. Under expert parallelism
   the probe runs the EP=1 build of the same stage (the dispatch's split sizes are data); with balanced
   routing a rank receives as many token copies as it sends.
 """
@@ -108,8 +114,9 @@ class StageBytes:
     lora: int
     lora_grads: int
     optimizer: int
-    activations: int  # one micro-batch
+    activations: int  # held per micro-batch in flight (with recompute: the layers' inputs and the rest)
     in_flight: int  # micro-batches held at the 1F1B peak
+    recompute_peak: int = 0  # with recompute: one layer's activations, rebuilt during its backward (once)
 
     @property
     def base(self) -> int:
@@ -117,7 +124,8 @@ class StageBytes:
 
     @property
     def trainer_total(self) -> int:
-        return self.base + self.lora + self.lora_grads + self.optimizer + self.activations * self.in_flight
+        return (self.base + self.lora + self.lora_grads + self.optimizer + self.activations * self.in_flight
+                + self.recompute_peak)
 
 
 @contextlib.contextmanager
@@ -173,32 +181,88 @@ def adamw_bytes_per_element(dtype: torch.dtype) -> int:
                if torch.is_tensor(t) and t.shape == p.shape) // p.numel()
 
 
-def saved_bytes(model: nn.Module, config: K3Config, tokens: int, dtype: torch.dtype) -> int:
+@dataclass(frozen=True)
+class ActivationBytes:
+    """What one micro-batch's forward of a stage saves for backward, split the way recompute needs it."""
+
+    layers: tuple[int, ...]  # per decoder layer: what its forward saves (storages first saved there)
+    inputs: int  # the decoder layers' inputs (residual state and AttnRes bank), each storage once
+    other: int  # saved outside the decoder layers: embedding, final mix and norm, log-prob head
+
+    def held(self, recompute: bool) -> int:
+        """Bytes a micro-batch in flight holds: everything, or (recompute) the layers' inputs and the rest."""
+        return self.inputs + self.other if recompute else sum(self.layers) + self.other
+
+    def peak(self, recompute: bool) -> int:
+        """Bytes rebuilt once, on top, during backward: the largest layer's activations under recompute."""
+        return max(self.layers, default=0) if recompute else 0
+
+    @staticmethod
+    def extend(a: "ActivationBytes", b: "ActivationBytes", t0: int, t1: int, t: int) -> "ActivationBytes":
+        """Each count extended linearly from `a` (at t0 tokens) and `b` (at t1) to t tokens."""
+        def line(x: int, y: int) -> int:
+            return max(0, round(x + (y - x) * (t - t0) / (t1 - t0)))
+
+        return ActivationBytes(tuple(line(x, y) for x, y in zip(a.layers, b.layers)), line(a.inputs, b.inputs),
+                               line(a.other, b.other))
+
+
+def saved_bytes(model: nn.Module, config: K3Config, tokens: int, dtype: torch.dtype) -> ActivationBytes:
     """Bytes autograd saves for one meta forward of this stage over one packed row of `tokens` tokens (the
-    last stage: through the chunked log-prob head); see the module docstring for what is left out."""
+    last stage: through the chunked log-prob head), per decoder layer and outside them, and the bytes of the
+    layers' inputs; see the module docstring for what is left out."""
     from megatron_patches.vocab_parallel import token_logprobs
 
     stage = model.model
     params = {id(p) for p in model.parameters()}
-    saved: dict[int, torch.Tensor] = {}
+    seen: dict[int, torch.Tensor] = {}  # held, so no id is reused while counting
+    per_layer: dict[int, int] = {}
+    inputs: dict[int, torch.Tensor] = {}
+    current: list[int | None] = [None]  # the decoder layer whose forward is running
+
+    def nbytes(t: torch.Tensor) -> int:
+        return t.numel() * t.element_size()
+
+    def base_of(t: torch.Tensor) -> torch.Tensor:
+        return t._base if t._base is not None else t
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        base = t._base if t._base is not None else t
+        base = base_of(t)
         kernel_internal = base.dim() >= 5 or (base.dim() >= 2 and base.shape[-1] == base.shape[-2] == tokens)
-        if id(base) not in params and not kernel_internal:
-            saved[id(base)] = base
+        if id(base) not in params and not kernel_internal and id(base) not in seen:
+            seen[id(base)] = base
+            per_layer[current[0]] = per_layer.get(current[0], 0) + nbytes(base)
         return t
 
+    def enter(i: int):
+        def hook(module, args):
+            current[0] = i
+            h, blocks = args[0], args[1]
+            for x in (h, *blocks):
+                inputs[id(base_of(x))] = base_of(x)
+        return hook
+
+    def leave(module, args, out):
+        current[0] = None
+
+    hooks = []
+    for i, layer in enumerate(stage.layers):
+        hooks += [layer.register_forward_pre_hook(enter(i)), layer.register_forward_hook(leave)]
     ids = torch.zeros(1, tokens, dtype=torch.long, device="meta")
-    inputs = None
+    inp = None
     if not stage.first:
         width = (1 + bank_rows(config, stage.layer_range.start)) * config.hidden_size
-        inputs = torch.empty(1, tokens, width, dtype=dtype, device="meta", requires_grad=True)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        hidden = stage(ids, cu_seqlens=None, inputs=inputs)
-        if stage.last:
-            token_logprobs(model, hidden[0], ids[0], 1.0, with_entropy=True)
-    return sum(t.numel() * t.element_size() for t in saved.values())
+        inp = torch.empty(1, tokens, width, dtype=dtype, device="meta", requires_grad=True)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            hidden = stage(ids, cu_seqlens=None, inputs=inp)
+            if stage.last:
+                token_logprobs(model, hidden[0], ids[0], 1.0, with_entropy=True)
+    finally:
+        for h in hooks:
+            h.remove()
+    return ActivationBytes(tuple(per_layer.get(i, 0) for i in range(len(stage.layers))),
+                           sum(nbytes(t) for t in inputs.values()), per_layer.get(None, 0))
 
 
 @dataclass(frozen=True)
@@ -224,10 +288,11 @@ class LayoutPlanner:
     them), so each stage is built in a fake world of tp * pp * ep ranks (dp = ep), once per (tp, pp, ep)."""
 
     def __init__(self, config: K3Config, lora: LoraSpec, *, dtype: torch.dtype = torch.bfloat16,
-                 pp_layers: list[int] | None = None):
+                 pp_layers: list[int] | None = None, recompute: bool = False):
         self.config, self.lora, self.dtype, self.pp_layers = config, lora, dtype, pp_layers
+        self.recompute = recompute  # count activations as `parallel.recompute` keeps them
         self._counts: dict[tuple[int, int, int, int], _Counts] = {}
-        self._probes: dict[tuple[int, int, int], tuple[int, int]] = {}
+        self._probes: dict[tuple[int, int, int], tuple[ActivationBytes, ActivationBytes]] = {}
 
     def _stage(self, layout: Layout, stage: int) -> _Counts:
         key = (layout.tp, layout.pp, layout.ep, stage)
@@ -239,7 +304,7 @@ class LayoutPlanner:
                                             sum(p.numel() for p in lora_parameters(model)))
         return self._counts[key]
 
-    def _probe(self, layout: Layout, stage: int) -> tuple[int, int]:
+    def _probe(self, layout: Layout, stage: int) -> tuple[ActivationBytes, ActivationBytes]:
         # EP's dispatch sizes are data (a meta forward cannot run them): probe the EP=1 build of this stage.
         # With balanced routing a rank receives as many token copies as it sends, so it saves the same.
         key = (layout.tp, layout.pp, stage)
@@ -250,20 +315,21 @@ class LayoutPlanner:
                 self._probes[key] = tuple(saved_bytes(model, self.config, t, self.dtype) for t in _PROBE_TOKENS)
         return self._probes[key]
 
-    def stages(self, layout: Layout, tokens: int | None) -> list[StageBytes]:
+    def stages(self, layout: Layout, tokens: int | None, *, recompute: bool | None = None) -> list[StageBytes]:
         """One entry per pipeline stage: the bytes one of its ranks holds with micro-batches of `tokens`
-        tokens (None: parameters only, activations 0, no forward run)."""
+        tokens (None: parameters only, activations 0, no forward run), with activation recompute or without
+        (None: as the planner was built)."""
+        recompute = self.recompute if recompute is None else recompute
         stage_layers(self.config.num_hidden_layers, layout.pp, self.pp_layers)  # ValueError names pp_layers
         opt_per = adamw_bytes_per_element(self.dtype)
         (t0, t1), out = _PROBE_TOKENS, []
         for stage in range(layout.pp):
             c = self._stage(layout, stage)
-            activations = 0
+            held = peak = 0
             if tokens is not None:
-                a, b = self._probe(layout, stage)
-                local = -(-tokens // layout.cp)
-                activations = max(0, round(a + (b - a) * (local - t0) / (t1 - t0)))
+                acts = ActivationBytes.extend(*self._probe(layout, stage), t0, t1, -(-tokens // layout.cp))
+                held, peak = acts.held(recompute), acts.peak(recompute)
             out.append(StageBytes(stage, c.layers, c.params["base_experts"], c.params["base_other"],
-                                  c.params["lora"], c.params["lora"], c.lora_elements * opt_per, activations,
-                                  layout.pp - stage))
+                                  c.params["lora"], c.params["lora"], c.lora_elements * opt_per, held,
+                                  layout.pp - stage, peak))
         return out

@@ -19,6 +19,7 @@ Each rank reads only the tensors (and slices) it holds from the base's source.
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections.abc import Mapping
 
@@ -33,7 +34,7 @@ from miles_k3.model.layout import tensor_shapes
 from miles_k3.model.linear import ExpertsSpec, LinearSpec, TensorParallel
 from miles_k3.model.lora_spec import LoraSpec
 from miles_k3.model.modeling import K3ForCausalLM, reference_state
-from megatron_patches.context_parallel import context_share
+from megatron_patches.context_parallel import MegatronCP, context_share
 from megatron_patches.expert_parallel import ExpertParallel
 from megatron_patches.linears import ColumnLinear, ParallelExperts, ReplicatedLinear, RowLinear
 from megatron_patches.loading import local_state
@@ -136,7 +137,8 @@ def build_policy(config: K3Config, base_state: dict[str, torch.Tensor] | TensorS
         drawn, the adapters are trainable meta parameters).
     pp_layers: decoder layers per pipeline stage (None = even; see `megatron_patches.pipeline.stage_layers`);
         this rank builds the stage of its megatron PP rank. With PP = 1 it is the whole model.
-    recompute: recompute each decoder layer's activations in backward (activation checkpointing).
+    recompute: recompute each decoder layer's activations in backward (activation checkpointing,
+        `recompute_layers`): the same gradients for the memory of the layers' inputs.
 
     Returns a K3ForCausalLM whose only trainable parameters are the adapters (`lora_parameters`),
     in train mode; `policy.tp` is its TP share, `policy.lora_spec` the spec and `policy.lora_generator` the
@@ -146,8 +148,6 @@ def build_policy(config: K3Config, base_state: dict[str, torch.Tensor] | TensorS
     """
     if not isinstance(lora, LoraSpec):
         raise ValueError(f"lora must be a LoraSpec, got {type(lora).__name__}")
-    if recompute:
-        raise ValueError("parallel.recompute=true: activation recompute is not built yet")
     ensure_parallel()
     tp, cp = MegatronTP(sequence_parallel), context_share()
     check_layout(config, tp, ps.get_expert_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
@@ -172,6 +172,8 @@ def build_policy(config: K3Config, base_state: dict[str, torch.Tensor] | TensorS
             p.requires_grad_(True)
         model.tp, model.lora_spec, model.lora_generator = tp, lora, None
         model.residual_dtype = dtype
+        if recompute:
+            recompute_layers(model)
         return model.train()
     if base_state is None:
         base_state = reference_state(config, seed)
@@ -204,7 +206,55 @@ def build_policy(config: K3Config, base_state: dict[str, torch.Tensor] | TensorS
     # `lora_generator` draws the LoRA dropout masks: save / restore its state for a bit-exact resume
     model.tp, model.lora_spec, model.lora_generator = tp, lora, generator
     model.residual_dtype = dtype
+    if recompute:
+        recompute_layers(model)
     return model.train()
+
+
+def recompute_layers(model: K3ForCausalLM) -> None:
+    """Wrap each decoder layer of `model` in torch's non-reentrant activation checkpoint: its forward keeps only
+    its inputs (the residual state), and its backward runs the layer's forward again to rebuild what it needs.
+
+    The recomputed forward is the same computation: torch restores the global (and CUDA) RNG; the wrapper
+    also replays the LoRA dropout generator (`model.lora_generator`: set to its state at this layer's forward,
+    put back after, so the masks match and later draws are unchanged) and, under context parallelism, the
+    row's layout (the backward runs outside `cp.sharded`). Collectives inside a layer (TP / SP / EP / CP)
+    run again in the backward, in the same order on every rank of their group. `state_dict()` and the
+    adapters' (engine) names are unchanged; module paths (`named_parameters()` of the policy) gain the
+    wrapper's `_checkpoint_wrapped_module.`, and attribute reads pass through it (`layers[0].self_attn`)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+
+    generator, cp = model.lora_generator, model.model.cp
+    stack = model.model.layers
+    for name, layer in list(stack.named_children()):
+        stack.add_module(name, checkpoint_wrapper(layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT,
+                                                  context_fn=lambda: _replay_contexts(generator, cp)))
+
+
+def _replay_contexts(generator: torch.Generator | None, cp) -> tuple:
+    """(forward context, recompute context) of one checkpointed layer call: the forward records the dropout
+    generator's state and the CP layout, the recompute replays them."""
+    seen: dict = {}
+
+    @contextlib.contextmanager
+    def forward():
+        seen["rng"] = None if generator is None else generator.get_state()
+        seen["layout"] = cp.layout if isinstance(cp, MegatronCP) else None
+        yield
+
+    @contextlib.contextmanager
+    def recompute():
+        now = None if generator is None else generator.get_state()
+        if generator is not None:
+            generator.set_state(seen["rng"])
+        try:
+            with cp.sharded(seen["layout"]) if seen["layout"] is not None else contextlib.nullcontext():
+                yield
+        finally:
+            if generator is not None:
+                generator.set_state(now)
+
+    return forward(), recompute()
 
 
 def _is_adapter_or_extra(key: str) -> bool:

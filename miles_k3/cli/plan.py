@@ -8,6 +8,10 @@ Each rank's parameter bytes come from the trainer's own build of that rank on th
 candidates are every tp in {1, 2, 4, 8}, pp a power of two up to 16 and cp in {1, 2, 4} that multiply into
 --gpus with the model's dims divisible, and the largest power-of-two EP that divides dp * cp and the experts
 when tp = 1 (expert TP is 1).
+
+Activations are counted with and without activation recompute (`parallel.recompute`): the table lists the
+mode of --recompute (with it, `act/mb` is the layers' inputs a micro-batch in flight keeps and `recomp` the
+one layer rebuilt during its backward), and each verdict gives the peak rank of both.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--micro-batch-tokens", type=int, default=None,
                    help="packed tokens per micro-batch (default --seq-len)")
     p.add_argument("--lora-rank", type=int, default=16)
+    p.add_argument("--recompute", action="store_true",
+                   help="list activations as parallel.recompute keeps them (each verdict gives both totals)")
     p.add_argument("--engine-memory-gb", type=float, default=None, help="the engine's KV + KDA state budget, GiB")
     p.add_argument("--engine-seqs", type=int, default=None,
                    help="size the engine's pools for this many --seq-len sequences instead (default 64)")
@@ -56,7 +62,8 @@ def engine_pool_bytes(config, args) -> tuple[int, str]:
         page, bf16 = defaults.page_size, torch.bfloat16
         num_pages = seqs * -(-args.seq_len // page)
         sizes = PoolSizes(num_pages, seqs, page, PoolSizes.bytes_per_page(config, page, bf16),
-                          PoolSizes.bytes_per_slot(config, bf16))
+                          PoolSizes.bytes_per_slot(config, bf16), kda_heads=config.kda_num_heads,
+                          kv_rows_per_page=page)
         how = f"{seqs} sequences of {args.seq_len}: {num_pages} KV pages, {seqs} KDA slots"
     return sizes.num_pages * sizes.page_bytes + sizes.num_slots * sizes.slot_bytes, how
 
@@ -105,8 +112,9 @@ def cmd_plan(args) -> int:
     limit = args.gpu_memory_gb * GiB
     print(f"per-rank GiB at micro-batches of {tokens} tokens (/cp per rank); engine pools {engine / GiB:.2f} GiB "
           f"({engine_how}); GPU {args.gpu_memory_gb:g} GiB")
+    mode = "with recompute" if args.recompute else "without recompute"
     print(f"{'layout':34} {'stages':>8} {'experts':>8} {'base':>7} {'lora':>6} {'grads':>6} {'adamw':>6} "
-          f"{'act/mb':>8} {'x':>2} {'engine':>6} {'total':>8}")
+          f"{'act/mb':>8} {'x':>2} {'recomp':>6} {'engine':>6} {'total':>8}   ({mode})")
     verdicts = []
     for layout in layouts:
         try:
@@ -118,28 +126,36 @@ def cmd_plan(args) -> int:
         if fixed > limit:  # no forward needed: the parameters and the pools alone are too much
             print(f"  -> {layout}: parameters + optimizer + engine pools {fixed / GiB:.1f} GiB of "
                   f"{args.gpu_memory_gb:g} on the fullest rank: does not fit")
-            verdicts.append((fixed, layout, False))
+            verdicts.append((fixed, fixed, layout))
             continue
-        stages = planner.stages(layout, tokens)
-        kinds: dict[tuple, list] = {}
-        for s in stages:
-            kinds.setdefault((s.base_experts, s.base_other, s.lora), []).append(s)
-        worst = 0
-        for group in kinds.values():
-            s = max(group, key=lambda g: g.trainer_total)  # the stage of this kind at its peak
-            total = s.trainer_total + engine
-            worst = max(worst, total)
-            names = ",".join(str(g.stage) for g in group)
-            print(f"{str(layout):34} {names:>8} {s.base_experts / GiB:8.2f} {s.base_other / GiB:7.2f} "
-                  f"{s.lora / GiB:6.2f} {s.lora_grads / GiB:6.2f} {s.optimizer / GiB:6.2f} "
-                  f"{s.activations / GiB:8.2f} {s.in_flight:2d} {engine / GiB:6.2f} {total / GiB:8.1f}")
-        fits = worst <= limit
-        verdicts.append((worst, layout, fits))
-        print(f"  -> {layout}: peak rank {worst / GiB:.1f} GiB of {args.gpu_memory_gb:g}: "
-              f"{'FITS' if fits else 'does not fit'}")
-    fitting = sorted((w, str(lay)) for w, lay, ok in verdicts if ok)
-    if fitting:
-        print(f"best fitting layout: {fitting[0][1]} (peak rank {fitting[0][0] / GiB:.1f} GiB)")
-        return 0
-    print("no candidate layout fits: fewer micro-batch tokens, more context parallelism or more GPUs")
+        peaks = {}
+        for recompute in (False, True):
+            stages = planner.stages(layout, tokens, recompute=recompute)
+            peaks[recompute] = max(s.trainer_total for s in stages) + engine
+            if recompute != args.recompute:
+                continue
+            kinds: dict[tuple, list] = {}
+            for s in stages:
+                kinds.setdefault((s.base_experts, s.base_other, s.lora), []).append(s)
+            for group in kinds.values():
+                s = max(group, key=lambda g: g.trainer_total)  # the stage of this kind at its peak
+                names = ",".join(str(g.stage) for g in group)
+                print(f"{str(layout):34} {names:>8} {s.base_experts / GiB:8.2f} {s.base_other / GiB:7.2f} "
+                      f"{s.lora / GiB:6.2f} {s.lora_grads / GiB:6.2f} {s.optimizer / GiB:6.2f} "
+                      f"{s.activations / GiB:8.2f} {s.in_flight:2d} {s.recompute_peak / GiB:6.2f} "
+                      f"{engine / GiB:6.2f} {(s.trainer_total + engine) / GiB:8.1f}")
+        verdicts.append((peaks[False], peaks[True], layout))
+        verdict = ("FITS" if peaks[False] <= limit else "FITS with recompute" if peaks[True] <= limit
+                   else "does not fit")
+        print(f"  -> {layout}: peak rank {peaks[False] / GiB:.1f} GiB without recompute, {peaks[True] / GiB:.1f} "
+              f"with, of {args.gpu_memory_gb:g}: {verdict}")
+    for recompute in (False, True):
+        peaks_of = [(with_rc if recompute else without, str(lay)) for without, with_rc, lay in verdicts]
+        fitting = sorted(p for p in peaks_of if p[0] <= limit)
+        if fitting:
+            how = " with recompute (parallel.recompute=true)" if recompute else ""
+            print(f"best fitting layout{how}: {fitting[0][1]} (peak rank {fitting[0][0] / GiB:.1f} GiB)")
+            return 0
+    print("no candidate layout fits, even with recompute: fewer micro-batch tokens, more context parallelism "
+          "or more GPUs")
     return 1

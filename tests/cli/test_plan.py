@@ -27,3 +27,49 @@ def test_tiny_plan_prints_a_fitting_layout(capsys):
     out = capsys.readouterr().out
     assert "tp=2,pp=1,cp=1,ep=1,dp=1: peak rank" in out and "FITS" in out
     assert "best fitting layout:" in out
+
+
+def test_plan_counts_activations_with_and_without_recompute(capsys):
+    """Between the two peaks the layout fits only with recompute, and the plan says so (and which layout)."""
+    argv = ["plan", "--preset", "k3-tiny", "--gpus", "2", "--seq-len", "1024", "--layout", "tp=2",
+            "--engine-seqs", "1"]
+    assert main([*argv, "--gpu-memory-gb", "0.2"]) == 0
+    out = capsys.readouterr().out
+    assert "FITS with recompute" in out and "best fitting layout with recompute (parallel.recompute=true)" in out
+    assert main([*argv, "--gpu-memory-gb", "0.05"]) == 1
+    assert "no candidate layout fits, even with recompute" in capsys.readouterr().out
+
+
+def test_recompute_keeps_the_layers_inputs_and_rebuilds_one_layer(no_world):
+    """Per micro-batch in flight recompute keeps the layers' inputs plus what lies outside the layers; one
+    layer's activations come back during its backward. Without it every layer's saved tensors are held."""
+    from megatron_patches.layout_plan import Layout, LayoutPlanner
+    from miles_k3.model import K3Config
+    from miles_k3.model.lora_spec import LoraSpec
+
+    planner = LayoutPlanner(K3Config.from_preset("k3-tiny"), LoraSpec(rank=8))
+    plain, = planner.stages(Layout(), 2048, recompute=False)
+    rc, = planner.stages(Layout(), 2048, recompute=True)
+    assert plain.recompute_peak == 0 and 0 < rc.recompute_peak < plain.activations
+    assert rc.activations < plain.activations / 3
+    assert rc.trainer_total < plain.trainer_total
+    (a, b), = planner._probes.values()  # the probe counts per layer and the layers' inputs
+    assert len(a.layers) == 6 and all(x > 0 for x in a.layers) and a.inputs > 0
+    assert a.held(False) == sum(a.layers) + a.other and a.peak(True) == max(a.layers)
+
+
+@pytest.fixture
+def no_world():
+    """The planner builds ranks in fake worlds of its own: lend it this process without the package's world."""
+    import torch.distributed as dist
+
+    from megatron_patches.parallel import destroy_parallel, init_parallel, start_single_process_world
+
+    if not dist.is_initialized():
+        yield
+        return
+    destroy_parallel()
+    dist.destroy_process_group()
+    yield
+    start_single_process_world()
+    init_parallel(1)

@@ -13,6 +13,10 @@ terms are added to the mapped queries and outputs, so adapters keep working on t
 `absorbed_attention` is the engine's side of the shared layer's seam: `MLAMixer.forward` computes its
 projections, output gate and o_proj itself and asks the cache for the attention over the history, which
 `PoolStateCache.mla_attention` answers with this. A change to the layer's projections needs no mirror here.
+
+Under tensor parallelism the mixer holds its heads (q, kv_b_proj's rows, o_proj's columns); under decode
+context parallelism q and kv_b_proj hold every head of the rank's DCP group, the history is this rank's
+positions only, and `rollout.dcp.dcp_attention` returns the merged latent outputs of the rank's own heads.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from miles_k3.model.layers import MLAMixer
+from rollout.dcp import dcp_attention
 
 
 def _dense_weight(linear: torch.nn.Module, dtype: torch.dtype) -> torch.Tensor:
@@ -49,35 +54,47 @@ def absorbed_attention(mixer: MLAMixer, q: torch.Tensor, latent: torch.Tensor, r
     output [B, T, H, Dv]. Writes the step's rows into the pages (`cache.mla_write`, a `PoolStateCache`) and
     attends over the history read back from them, per request of `cache.layout`."""
     c = mixer.config
-    b, t = q.shape[:2]
+    b, t, hq = q.shape[:3]  # hq: the query heads, this rank's (TP) or its DCP group's
     h, nope, dv, r = mixer.heads, c.qk_nope_head_dim, c.v_head_dim, c.kv_lora_rank
-    q = q.reshape(b * t, h, c.qk_head_dim)  # tokens in input order
+    q = q.reshape(b * t, hq, c.qk_head_dim)  # tokens in input order
     hist = cache.mla_write(mixer.layer_idx, latent, rope).to(q.dtype)  # [N, S, R + Dr]
 
-    w = _dense_weight(mixer.kv_b_proj, q.dtype).view(h, nope + dv, r)
-    w_k, w_v = w[:, :nope], w[:, nope:]
+    w = _dense_weight(mixer.kv_b_proj, q.dtype).view(hq, nope + dv, r)
+    own = slice(None) if hq == h else slice(mixer.tp.dcp_rank * h, (mixer.tp.dcp_rank + 1) * h)
+    w_k, w_v = w[:, :nope], w[own, nope:]
     q_nope, q_rope = q.split([nope, c.qk_rope_head_dim], dim=-1)
     q_lat = torch.einsum("thd,hdr->thr", q_nope, w_k)
     lora = _lora_terms(mixer.kv_b_proj, b * t)
     if lora is not None:
         a, bb, s = lora
-        bb = bb.unflatten(1, (h, nope + dv))  # [L, H, nope + dv, rank]; L = 1 broadcasts over tokens
+        bb = bb.unflatten(1, (hq, nope + dv))  # [L, H, nope + dv, rank]; L = 1 broadcasts over tokens
         low = torch.einsum("thd,thdk->thk", q_nope.to(a.dtype), bb[:, :, :nope])
         q_lat = q_lat + (torch.einsum("thk,tkr->thr", low, a).float() * s).to(q_lat.dtype)
+        lora = (a, bb, s)
 
     lay = cache.layout
     n, tq = lay.q_index.shape
     # scores and softmax in fp32, as the reference's fused attention keeps them
     qf = torch.cat([q_lat, q_rope], dim=-1)[lay.q_index].float()  # [N, Tq, H, R + Dr]
     hist32 = hist.float()
+    if hq != h:  # DCP: the group's heads over this rank's positions, merged into this rank's heads
+        o_lat = dcp_attention(qf, hist32, lay, mixer.scale, r, mixer.tp).to(q.dtype)
+        return _output(o_lat, w_v, lora, own, nope).reshape(b, t, h, dv)
     scores = torch.einsum("nthe,nse->nhts", qf, hist32) * mixer.scale
     key_pos = torch.arange(hist.shape[1], device=q.device)
     visible = key_pos[None, None, None, :] <= lay.q_pos[:, None, :, None]
     probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
     o_lat = torch.einsum("nhts,nsr->nthr", probs, hist32[..., :r]).to(q.dtype).reshape(n * tq, h, r)
     o_lat = o_lat[lay.out_index]
+    return _output(o_lat, w_v, lora, own, nope).reshape(b, t, h, dv)
+
+
+def _output(o_lat: torch.Tensor, w_v: torch.Tensor, lora, own: slice, nope: int) -> torch.Tensor:
+    """Latent outputs [T, H, R] of this rank's heads -> per-head values [T, H, Dv] through W_v (and the
+    adapter's value rows of those heads: lora's B unflattened to [L, heads, nope + dv, rank])."""
     o = torch.einsum("thr,hdr->thd", o_lat, w_v)
     if lora is not None:
+        a, bb, s = lora
         low = torch.einsum("thr,tkr->thk", o_lat.to(a.dtype), a)
-        o = o + (torch.einsum("thk,thdk->thd", low, bb[:, :, nope:]).float() * s).to(o.dtype)
-    return o.reshape(b, t, h, dv)
+        o = o + (torch.einsum("thk,thdk->thd", low, bb[:, own, nope:]).float() * s).to(o.dtype)
+    return o

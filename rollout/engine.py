@@ -11,6 +11,10 @@ decode token for every request in the decode phase, through the decode pipeline 
 on CUDA keeps one decode step in flight while the host does the previous one's bookkeeping. Memory and
 every radix-cache handover go through the cache manager (`rollout.cache_manager`), the model through the
 model runner (`rollout.model_runner`). A request's life through these parts: docs/structures.md.
+
+A sharded engine (a model built with an `EngineTP` of size > 1, `rollout.parallel.build_sharded_engine`) runs
+one Engine per rank as a replicated state machine: rank 0's calls are applied at once and broadcast before
+its next step, and the other ranks replay them in `follow()` (`rollout.parallel`, "One decision per step").
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from rollout.forward import DecodeGraphs
 from rollout.lora import AdapterPool
 from rollout.memory import KDAStatePool, KVPagePool
 from rollout.model_runner import ModelRunner
+from rollout.parallel import EngineTP, Leader, tensor_spec
 from rollout.request import Completion, FinishReason, Request, SamplingParams
 from rollout.sampler import sample
 from rollout.scheduler import Scheduler
@@ -35,10 +40,18 @@ from rollout.scheduler import Scheduler
 class Engine:
     def __init__(self, model: K3ForCausalLM, config: EngineConfig, adapters: AdapterPool | None = None):
         self.model, self.config, self.adapters = model, config, adapters
-        if config.dcp_size > 1:
-            raise ValueError("EngineConfig.dcp_size > 1: decode context parallelism is not built yet")
+        tp = self.tp = model.model.tp
+        if tp.size > 1 and not isinstance(tp, EngineTP):
+            raise ValueError("a tensor-parallel engine needs a model built with rollout.parallel.EngineTP")
+        if config.dcp_size != getattr(tp, "dcp_size", 1):
+            raise ValueError(f"EngineConfig.dcp_size={config.dcp_size}, but the model was built for DCP "
+                             f"{getattr(tp, 'dcp_size', 1)} (build_engine_model's tp=EngineTP(dcp_size=...))")
+        # rank 0 of a sharded engine logs its calls for the other ranks, which replay them (`follow`)
+        self.leader = Leader(tp) if tp.size > 1 else None
+        if self.leader is not None and tp.broadcast_object(config) != config:
+            raise ValueError(f"rank {tp.rank}: EngineConfig differs from rank 0's; build every rank alike")
         self.runner = ModelRunner(model, config, adapters)  # checks the model-side settings first
-        self.memory = CacheManager(model.config, config, self.runner.dtype, self.runner.device)
+        self.memory = CacheManager(model.config, config, self.runner.dtype, self.runner.device, tp_size=tp.size)
         self.runner.use_pools(self.memory.kv, self.memory.states)
         strategy = strategy_for(self.runner, config)
         self.scheduler = Scheduler(config, self.memory, lookahead=strategy.lookahead)
@@ -75,17 +88,31 @@ class Engine:
 
     # -------------------------------------------------------------- adapters
     def add_adapter(self, name: str, tensors: dict[str, torch.Tensor], alpha: float | None = None) -> None:
+        """Load an adapter (the trainer's full tensors: a sharded engine's ranks each copy in their slices)."""
+        self._caller()
         self._need_adapters().add_adapter(name, tensors, alpha)
+        self._broadcast_adapter("add_adapter", name, tensors, alpha)
 
     def update_adapter(self, name: str, tensors: dict[str, torch.Tensor]) -> None:
-        """New adapter weights, copied in place. Between batches only: every cached prefix computed with the
-        old weights is stale and is dropped."""
+        """New adapter weights (full tensors), copied in place. Between batches only: every cached prefix
+        computed with the old weights is stale and is dropped."""
+        self._caller()
         pool = self._need_adapters()
         s = self.scheduler
         if any(r.adapter == name for r in s.waiting) or any(r.req.adapter == name for r in s.running):
             raise RuntimeError(f"update_adapter({name!r}) while requests using it are in flight")
-        pool.update_adapter(name, tensors)
+        self._update_adapter(name, tensors)
+        self._broadcast_adapter("update_adapter", name, tensors)
+
+    def _update_adapter(self, name: str, tensors: dict[str, torch.Tensor]) -> None:
+        self._need_adapters().update_adapter(name, tensors)
         self.memory.drop_tree(name)
+
+    def _broadcast_adapter(self, command: str, name: str, tensors: dict[str, torch.Tensor], *args) -> None:
+        # after the local call validated and applied them: the followers receive only good tensors
+        if self.leader is not None:
+            self.leader.record(command, name, tensor_spec(tensors), *args)
+            self.leader.flush(tensors, self.runner.device)
 
     def _need_adapters(self) -> AdapterPool:
         if self.adapters is None:
@@ -97,6 +124,7 @@ class Engine:
                stream: bool = False) -> int:
         """Queue a request; returns its id. Bad requests raise ValueError and leave the engine untouched.
         With `stream`, the engine keeps the request's (token, log-prob) pairs for `take_tokens`."""
+        self._caller()
         params = params or SamplingParams()
         prompt_ids = [int(t) for t in prompt_ids]
         vocab = self.model.config.vocab_size
@@ -115,14 +143,23 @@ class Engine:
             if self.adapters is None:
                 raise ValueError(f"unknown adapter {adapter!r}: this engine has no adapter pool")
             self.adapters.slot_of(adapter)  # ValueError for an unknown name
+        seed = params.seed
+        if seed is None and self.leader is not None:
+            # every rank samples the request alike: from one generator, seeded by rank 0's stream
+            seed = int(torch.randint(0, 2**62, (1,)))
         req = Request(prompt_ids, params, adapter)
+        self._add(req, seed, stream)
+        if self.leader is not None:
+            self.leader.record("submit", prompt_ids, params, adapter, req.request_id, seed)
+        return req.request_id
+
+    def _add(self, req: Request, seed: int | None, stream: bool) -> None:
         generator = None
-        if params.seed is not None:
-            generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
+        if seed is not None:
+            generator = torch.Generator(device=self.runner.device).manual_seed(seed)
         self.scheduler.add(req, generator)
         if stream:
             self._events[req.request_id] = []
-        return req.request_id
 
     def take_tokens(self, request_id: int) -> list[tuple[int, float]]:
         """The (token, log-prob) pairs a request submitted with `stream=True` sampled since the last call (in
@@ -138,6 +175,12 @@ class Engine:
         return events
 
     def abort(self, request_id: int) -> Completion | None:
+        self._caller()
+        if self.leader is not None:
+            self.leader.record("abort", request_id)
+        return self._abort(request_id)
+
+    def _abort(self, request_id: int) -> Completion | None:
         req = self.scheduler.abort(request_id)
         if req is None:
             return None
@@ -177,8 +220,15 @@ class Engine:
         """One forward: a prefill batch or a decode batch. Returns the requests that finished. With overlap
         a decode step is only enqueued: its tokens (and the requests it finishes) arrive with the next call,
         which enqueues the following decode first."""
+        self._caller()
         if self.memory.kv is None:
             raise RuntimeError("engine memory is released; call resume_memory() first")
+        if self.leader is not None:
+            self.leader.record("step")
+            self.leader.flush()
+        return self._step()
+
+    def _step(self) -> list[Completion]:
         self._completed = []
         if not self.decoder.advance():  # True: decode k+1 enqueued, step k read back
             plan = self.scheduler.schedule()
@@ -243,14 +293,73 @@ class Engine:
     def release_memory(self) -> None:
         """Drop the KV and state pools (and the prefix cache) so a colocated trainer can use the memory.
         Only between batches: no request may be waiting or running."""
+        self._caller()
         if self.has_work():
             raise RuntimeError("release_memory() with requests in flight; finish or abort them first")
+        if self.leader is not None:
+            self.leader.record("release_memory")
+        self._release_memory()
+
+    def _release_memory(self) -> None:
         self.runner.release_pools()
         self.memory.release_pools()
         if self.runner.device.type == "cuda":
             torch.cuda.empty_cache()
 
     def resume_memory(self) -> None:
+        self._caller()
+        if self.leader is not None:
+            self.leader.record("resume_memory")
+        self._resume_memory()
+
+    def _resume_memory(self) -> None:
         if self.memory.kv is None:
             self.memory.resume_pools()
             self.runner.use_pools(self.memory.kv, self.memory.states)
+
+    # ------------------------------------------------------------- sharding
+    @property
+    def is_leader(self) -> bool:
+        """Whether this process drives the engine: always, except on the ranks > 0 of a sharded engine."""
+        return self.leader is None or self.tp.is_leader
+
+    def _caller(self) -> None:
+        if not self.is_leader:
+            raise RuntimeError(f"rank {self.tp.rank} of a sharded engine follows rank 0: call follow(), not the API")
+
+    def stop_followers(self) -> None:
+        """Rank 0: end the other ranks' `follow()` (the engine is not used after it)."""
+        self._caller()
+        if self.leader is not None:
+            self.leader.record("stop")
+            self.leader.flush()
+
+    def follow(self) -> None:
+        """Ranks > 0 of a sharded engine: replay rank 0's calls, step for step, until it calls
+        `stop_followers()`. Request ids, sampling seeds and adapter tensors come with the calls."""
+        if self.is_leader:
+            raise RuntimeError("follow() is for the ranks > 0 of a sharded engine")
+        while True:
+            for name, *args in self.leader.receive():
+                if name == "stop":
+                    return
+                if name == "step":
+                    self._step()
+                elif name == "submit":
+                    prompt_ids, params, adapter, request_id, seed = args
+                    self._add(Request(prompt_ids, params, adapter, request_id=request_id), seed, False)
+                elif name == "abort":
+                    self._abort(args[0])
+                elif name in ("add_adapter", "update_adapter"):
+                    adapter, spec, *alpha = args
+                    tensors = self.leader.receive_tensors(spec, self.runner.device)
+                    if name == "add_adapter":
+                        self._need_adapters().add_adapter(adapter, tensors, *alpha)
+                    else:
+                        self._update_adapter(adapter, tensors)
+                elif name == "release_memory":
+                    self._release_memory()
+                elif name == "resume_memory":
+                    self._resume_memory()
+                else:
+                    raise RuntimeError(f"follow(): unknown command {name!r} from rank 0")

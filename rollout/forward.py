@@ -71,6 +71,7 @@ class DecodeGraphs:
                  capture_after: int = CAPTURE_AFTER):
         assert capture_after >= 1
         self.model, self.kv, self.states, self.adapters = model, kv, states, adapters
+        self.dcp_rank = getattr(model.model.tp, "dcp_rank", 0)  # the KV positions this rank keeps (rollout.dcp)
         self.capture, self.capture_after = capture, capture_after
         # torch.compile of the padded decode step: inductor fuses the step's elementwise chains (norm and gate
         # upcasts, SiTU, AttnRes mixing) into fewer kernels; the graph then replays the compiled step. Shapes
@@ -125,7 +126,8 @@ class DecodeGraphs:
         # when a graph serves the step; to the device otherwise
         target = torch.device("cpu") if self.capture else self._device
         layout = BatchLayout.build(self.kv, slots + [self.states.sink_slot] * pad, positions + [0] * pad,
-                                   [1] * bb, page_tables + [[self.kv.sink_page]] * pad, target, hist_len=sb)
+                                   [1] * bb, page_tables + [[self.kv.sink_page]] * pad, target, hist_len=sb,
+                                   dcp_rank=self.dcp_rank)
         ids_t = (torch.cat([ids, ids.new_zeros(pad)]) if pad else ids)[:, None]
         if slot_key:
             self.adapters.set_batch([slot_key[0]] * bb, 1)  # sink rows take the batch's slot: same shapes, no mixing
@@ -163,7 +165,7 @@ class DecodeGraphs:
     def _capture(self, bb: int, sb: int):
         # Warm-up and capture run on sink-only inputs, so they touch no request's state or KV.
         layout = BatchLayout.build(self.kv, [self.states.sink_slot] * bb, [0] * bb, [1] * bb,
-                                   [[self.kv.sink_page]] * bb, self._device, hist_len=sb)
+                                   [[self.kv.sink_page]] * bb, self._device, hist_len=sb, dcp_rank=self.dcp_rank)
         ids = torch.zeros(bb, 1, dtype=torch.long, device=self._device)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())

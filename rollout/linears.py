@@ -5,29 +5,53 @@
 from the HF layout: a dense `<name>.weight` is quantized at load (MXFP4 is idempotent, so a checkpoint
 that shipped MXFP4 experts gets back its exact bytes). On CPU the base GEMM dequantizes on the fly;
 the CUDA path swaps in a fused dequant-GEMM kernel.
+
+Tensor parallelism (an `EngineTP` of size > 1, `rollout.parallel`): a linear holds the `Shard` of the full
+[out, in] weight its spec's split gives this rank (column: a block of output rows; row: a block of input
+columns, the output all-reduced after the LoRA term is added, so one collective covers base and adapter;
+replicated: the whole weight) and packs that slice as MXFP4. The lm_head is column-split over the vocabulary
+and `gather`s its logits. The adapter pool holds the matching slices of A and B (`rollout.lora`).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from miles_k3.model.linear import ExpertsSpec, LinearSpec
+from miles_k3.model.linear import SINGLE, ExpertsSpec, LinearSpec, TensorParallel
 from miles_k3.model.moe import RoutedExperts
 from miles_k3.ops.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 from rollout.lora import AdapterPool
 
 
+class Shard(NamedTuple):
+    """This rank's block of a full weight: `length` entries from `start` along `dim` (0: output rows, 1: input
+    columns of a linear's [out, in] weight)."""
+
+    dim: int
+    start: int
+    length: int
+
+
 class EngineLinear(nn.Module):
     """y = x W^T + scale_s B_s A_s x. W is a bf16 parameter, or `weight_packed` / `weight_scale` buffers;
-    without an adapter pool (a model built with no LoRA spec), y = x W^T."""
+    without an adapter pool (a model built with no LoRA spec), y = x W^T.
 
-    def __init__(self, spec: LinearSpec, pool: AdapterPool | None, quantize: bool):
+    `shard`: this rank's block of the full weight (None: the whole); `reduce`: all-reduce the output over
+    `tp` (a row split); `gather`: all-gather the output's last dim over `tp` (the vocab-split lm_head)."""
+
+    def __init__(self, spec: LinearSpec, pool: AdapterPool | None, quantize: bool, *, shard: Shard | None = None,
+                 tp: TensorParallel = SINGLE, reduce: bool = False, gather: bool = False):
         super().__init__()
-        self.name, self.pool = spec.name, pool
-        self.quantized = quantize and spec.in_features % 32 == 0
-        shape = (spec.out_features, spec.in_features)
+        self.name, self.pool, self.tp = spec.name, pool, tp
+        self.reduce, self.gather = reduce, gather
+        shape = [spec.out_features, spec.in_features]
+        if shard is not None:
+            shape[shard.dim] = shard.length
+        self.quantized = quantize and shape[1] % 32 == 0
         if self.quantized:
             self.register_buffer("weight_packed", torch.empty(shape[0], shape[1] // 2, dtype=torch.uint8))
             self.register_buffer("weight_scale", torch.empty(shape[0], shape[1] // 32, dtype=torch.uint8))
@@ -35,7 +59,10 @@ class EngineLinear(nn.Module):
         else:
             self.weight = nn.Parameter(torch.empty(shape), requires_grad=False)
         if pool is not None:
-            pool.register(spec.name, spec.in_features, spec.out_features)
+            # column: B's rows ([out, r], dim 0); row: A's columns ([r, in], dim 1)
+            pool.register(spec.name, shape[1], shape[0], full=(spec.in_features, spec.out_features),
+                          a_shard=shard if shard is not None and shard.dim == 1 else None,
+                          b_shard=shard if shard is not None and shard.dim == 0 else None)
 
     def base_weight(self, dtype: torch.dtype) -> torch.Tensor:
         if self.quantized:  # buffers come from quantize_mxfp4 at load: no per-forward checks
@@ -44,7 +71,11 @@ class EngineLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.base_weight(x.dtype))
-        return y if self.pool is None else self.pool.add_delta(self.name, x, y, self.pool.lead_slots(x))
+        if self.pool is not None:
+            y = self.pool.add_delta(self.name, x, y, self.pool.lead_slots(x))
+        if self.reduce:
+            y = self.tp.all_reduce(y)
+        return self.tp.gather_last_dim(y) if self.gather else y
 
 
 def _quantize_on_load(module, state_dict, prefix, *args) -> None:
@@ -55,26 +86,73 @@ def _quantize_on_load(module, state_dict, prefix, *args) -> None:
 
 class EngineExperts(RoutedExperts):
     """Routed experts with MXFP4 (or BF16) stacked weights and per-expert LoRA for w1/w3/w2 (none without a
-    pool)."""
+    pool).
 
-    def __init__(self, spec: ExpertsSpec, pool: AdapterPool | None, quantize: bool):
+    Under tensor parallelism (`tp`, an `EngineTP` of size > 1) with `tp.ep_size` = 1 every rank holds every
+    expert with the intermediate dim split (w1 / w3 their block of rows, w2 of columns) and the combined
+    output is all-reduced once; with `tp.ep_size` = tp size a rank holds num_experts / ep whole experts
+    (`local_experts`, global indices), runs the token copies routed to them (all of them: dropless) and the
+    same one all-reduce sums the ranks' experts (why not an all-to-all: `rollout.parallel`)."""
+
+    def __init__(self, spec: ExpertsSpec, pool: AdapterPool | None, quantize: bool, tp: TensorParallel = SINGLE):
         super().__init__(spec)
-        self.pool = pool
-        self.quantized = quantize and spec.width % 32 == 0 and spec.intermediate % 32 == 0
+        self.pool, self.tp = pool, tp
         self.mxfp4_matmul = "torch"  # the engine sets EngineConfig.mxfp4_matmul
         e, w, i = spec.num_experts, spec.width, spec.intermediate
-        shapes = {"w1": (e, i, w), "w3": (e, i, w), "w2": (e, w, i)}
+        ep = getattr(tp, "ep_size", 1) > 1
+        split_e, split_i = (tp.split(e, "num_experts"), i) if ep else (e, tp.split(i, "moe_intermediate_size"))
+        if ep:
+            self.local_experts = range(tp.rank * split_e, (tp.rank + 1) * split_e)
+        self.quantized = quantize and w % 32 == 0 and split_i % 32 == 0
+        shapes = {"w1": (split_e, split_i, w), "w3": (split_e, split_i, w), "w2": (split_e, w, split_i)}
+        # the full adapter shapes ([E, r, in], [E, out, r]) and this rank's shard of A / B (dim, start, length)
+        experts = Shard(0, self.local_experts.start, split_e) if ep else None
+        inter = None if ep or tp.size == 1 else Shard(1, tp.rank * split_i, split_i)
         for proj, shape in shapes.items():
             if self.quantized:
                 delattr(self, proj)
                 self.register_buffer(f"{proj}_packed", torch.empty(*shape[:2], shape[2] // 2, dtype=torch.uint8))
                 self.register_buffer(f"{proj}_scale", torch.empty(*shape[:2], shape[2] // 32, dtype=torch.uint8))
             else:
-                getattr(self, proj).requires_grad_(False)
+                setattr(self, proj, nn.Parameter(torch.empty(shape), requires_grad=False))
             if pool is not None:
-                pool.register(f"{spec.name}.{proj}", shape[2], shape[1], num_experts=e)
+                full_in, full_out = (i, w) if proj == "w2" else (w, i)
+                if experts is not None:
+                    a_shard = b_shard = experts
+                elif inter is not None:  # w1 / w3: B's rows (dim 1 of [E, I, r]); w2: A's columns (dim 2)
+                    a_shard, b_shard = (Shard(2, inter.start, inter.length), None) if proj == "w2" else \
+                        (None, inter)
+                else:
+                    a_shard = b_shard = None
+                pool.register(f"{spec.name}.{proj}", shape[2], shape[1], num_experts=split_e,
+                              full=(full_in, full_out, e), a_shard=a_shard, b_shard=b_shard)
         if self.quantized:
             self.register_load_state_dict_pre_hook(self._quantize_stacked)
+
+    def forward(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return super().forward(x, indices, weights)
+        out = self._local_expert_forward(x, indices, weights) if self.tp.ep_size > 1 else \
+            super().forward(x, indices, weights)
+        return self.tp.all_reduce(out)
+
+    def _local_expert_forward(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Expert parallelism: this rank's experts' weighted outputs for every token ([N, W], zero for tokens
+        routed elsewhere). Copies routed to other ranks sort after the local ones (a static shape: no host
+        read of the counts) and their rows are dropped from the sum."""
+        k, n_local = indices.shape[1], len(self.local_experts)
+        local = indices.reshape(-1) - self.local_experts.start
+        key = torch.where((local >= 0) & (local < n_local), local, n_local)
+        order = key.argsort(stable=True)
+        token_of = order // k
+        counts = torch.zeros(n_local + 1, dtype=torch.long, device=key.device)
+        counts.index_add_(0, key, torch.ones_like(key))
+        ys = self._experts(x[token_of], counts[:n_local], token_of)
+        keep = (key[order] < n_local)[:, None]
+        contrib = torch.where(keep, ys * weights.reshape(-1)[order, None], 0.0)
+        out = torch.zeros_like(x)
+        out.index_add_(0, token_of, contrib.to(out.dtype))
+        return out
 
     @staticmethod
     def _quantize_stacked(module, state_dict, prefix, *args) -> None:
@@ -121,7 +199,13 @@ class EngineExperts(RoutedExperts):
 
     def _expert_of_row(self, counts: torch.Tensor, num_rows: int) -> torch.Tensor:
         # output_size keeps repeat_interleave from reading the counts on the host (no sync, capturable)
-        experts = torch.arange(self.spec.num_experts, device=counts.device)
+        n = counts.numel()
+        experts = torch.arange(n, device=counts.device)
+        if self.tp.size > 1 and self.tp.ep_size > 1:
+            # expert parallelism: rows past the local experts' (copies routed elsewhere) take the last local
+            # expert; their outputs are dropped
+            counts = torch.cat([counts, (num_rows - counts.sum()).reshape(1)])
+            experts = torch.arange(n + 1, device=counts.device).clamp(max=n - 1)
         return torch.repeat_interleave(experts, counts, output_size=num_rows)
 
     def _grouped_proj(self, num_rows: int, counts: torch.Tensor, offs: torch.Tensor,
@@ -137,7 +221,7 @@ class EngineExperts(RoutedExperts):
             def base(name: str, x: torch.Tensor) -> torch.Tensor:
                 return mxfp4_grouped_matmul(x, counts, getattr(self, f"{name}_packed"), getattr(self, f"{name}_scale"),
                                             block_m=bm, schedule=schedule)
-        elif self.quantized and num_rows < self.spec.num_experts:
+        elif self.quantized and num_rows < counts.numel():
             # Fewer rows than experts (small-batch decode: bs=1 routes top-k rows): decode only the weights
             # the rows use, one per row, instead of every expert. The row count is a static shape, so the
             # choice needs no look at the routing.

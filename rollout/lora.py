@@ -7,6 +7,10 @@ on a token routed to it is scale * B_s (A_s x), added on top of the base GEMM in
 
 `update_adapter(name, tensors)` copies new values into the existing buffers (same storage before and
 after, no reallocation): it validates every name, shape and dtype first and writes nothing on error.
+The tensors are always the trainer's full (logical) ones. A rank of a tensor-parallel engine holds only its
+slices (`register`'s `a_shard` / `b_shard`: a column split keeps B's rows of its output block, a row split
+A's columns of its input block, expert parallelism its experts of both, a replicated module the whole) and
+copies in only those.
 Tensor names are `<module>.lora_A` / `<module>.lora_B` with `<module>` the HF module path
 (`model.layers.0.self_attn.q_proj` -> A [r, in], B [out, r]); routed experts are stacked per projection
 (`model.layers.1.block_sparse_moe.experts.w1` -> A [E, r, in], B [E, out, r]).
@@ -49,15 +53,28 @@ class AdapterPool:
         # EngineConfig.lora_mixed).
         self.mixed_kernel = "torch"
         self._device_slots: dict[int, torch.Tensor] = {}  # id(host slot tensor) -> its copy on self.device
+        # sharded modules (a tensor-parallel rank): tensor name -> full (trainer) shape, and the block of it
+        # this rank keeps ((dim, start, length), None: whole)
+        self.full_shapes: dict[str, tuple[int, ...]] = {}
+        self.shards: dict[str, tuple[int, int, int] | None] = {}
 
     # ------------------------------------------------------------- modules
-    def register(self, name: str, in_features: int, out_features: int, num_experts: int | None = None) -> bool:
-        """Allocate buffers for `name` if the spec targets it; returns whether it is adapted."""
+    def register(self, name: str, in_features: int, out_features: int, num_experts: int | None = None, *,
+                 full: tuple[int, ...] | None = None, a_shard=None, b_shard=None) -> bool:
+        """Allocate buffers for `name` if the spec targets it; returns whether it is adapted. The sizes are
+        this rank's. A sharded module also gives `full` = (in, out) or (in, out, num_experts) of the whole
+        module and the block of the full A / B this rank keeps (`a_shard` / `b_shard`: (dim, start, length)
+        in the unslotted tensor, [E,] r, in / [E,] out, r; None: the whole)."""
         if not self.spec.targets_module(name):
             return False
         r, lead = self.spec.rank, (self.slots,) if num_experts is None else (self.slots, num_experts)
         self.A[name] = torch.zeros(*lead, r, in_features, dtype=self.dtype, device=self.device)
         self.B[name] = torch.zeros(*lead, out_features, r, dtype=self.dtype, device=self.device)
+        if a_shard is not None or b_shard is not None:
+            f_in, f_out, *f_e = full
+            self.full_shapes[f"{name}.lora_A"] = (*f_e, r, f_in)
+            self.full_shapes[f"{name}.lora_B"] = (*f_e, f_out, r)
+            self.shards[f"{name}.lora_A"], self.shards[f"{name}.lora_B"] = a_shard, b_shard
         return True
 
     # ------------------------------------------------------------- adapters
@@ -100,12 +117,15 @@ class AdapterPool:
                              f"{' ...' if len(missing) > 4 else ''}, unknown {unknown[:4]}")
         for key, t in tensors.items():
             dst = expected[key]
-            if tuple(t.shape) != tuple(dst.shape):
-                raise ValueError(f"adapter tensor {key!r}: shape {tuple(t.shape)}, expected {tuple(dst.shape)}")
+            want = self.full_shapes.get(key, tuple(dst.shape))
+            if tuple(t.shape) != want:
+                raise ValueError(f"adapter tensor {key!r}: shape {tuple(t.shape)}, expected {want}")
             if t.dtype != dst.dtype:
                 raise ValueError(f"adapter tensor {key!r}: dtype {t.dtype}, expected {dst.dtype}")
         with torch.no_grad():
             for key, t in tensors.items():
+                if (shard := self.shards.get(key)) is not None:
+                    t = t.narrow(*shard)  # this rank's block of the trainer's full tensor
                 expected[key].copy_(t)
 
     # ---------------------------------------------------------------- batch

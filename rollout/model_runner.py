@@ -2,24 +2,36 @@
 
 The model is the shared K3 definition with the engine's linears (MXFP4 or BF16 base, the adapter pool's LoRA
 terms). A checkpoint directory is two calls: `config = K3Config.from_json_file(path / "config.json")`, then
-`build_engine_model(config, load_state_dict(path, config, dtype), ...)` (`miles_k3.model.checkpoint`).
+`build_engine_model(config, CheckpointSource(path, config), ...)` (`miles_k3.model.checkpoint`: tensors are
+read lazily, and a rank of a sharded build reads only its slices), or with `load_state_dict(path, config)`.
+
+A sharded build (`tp=`, an `EngineTP`, `rollout.parallel`) builds this rank's share: each linear's block by
+its spec's split (`EngineFactory`), the KDA heads' conv / decay tensors, the routed experts' intermediate
+block (EP = 1) or whole local experts (EP), and under DCP the MLA query and kv_b projections for the heads of
+the rank's whole DCP group (each DCP rank attends every head of its group over its own positions,
+`rollout.dcp`).
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import torch
 
-from miles_k3.model.checkpoint import keeps_fp32
+from miles_k3.model.checkpoint import StateDictSource, TensorSource, keeps_fp32
 from miles_k3.model.config import K3Config
+from miles_k3.model.layout import tensor_shapes
+from miles_k3.model.linear import SINGLE, ExpertsSpec, LinearSpec, TensorParallel
 from miles_k3.model.lora_spec import LoraSpec
 from miles_k3.model.modeling import K3ForCausalLM
 from miles_k3.model.moe import RoutedExperts
 from rollout.config import EngineConfig
 from rollout.forward import DecodeGraphs, model_step
-from rollout.linears import EngineExperts, EngineLinear
+from rollout.linears import EngineExperts, EngineLinear, Shard
 from rollout.lora import AdapterPool
+from rollout.parallel import EngineTP
 from rollout.memory import KDAStatePool, KVPagePool
 from rollout.state_cache import BatchLayout, PoolStateCache
 from rollout.transfer import to_device
@@ -30,34 +42,138 @@ if TYPE_CHECKING:
 QUANTIZE_MODES = ("none", "experts", "all")
 
 
-def build_engine_model(config: K3Config, state: dict[str, torch.Tensor], *, quantize: str = "experts",
-                       lora: LoraSpec | None = None, max_adapters: int = 4, dtype: torch.dtype = torch.bfloat16,
-                       device: str | torch.device = "cpu") -> tuple[K3ForCausalLM, AdapterPool | None]:
-    """`state`: logical HF tensors (as `load_state_dict` returns). quantize: "none" keeps a BF16 (or `dtype`)
-    base for parity runs; "experts" packs routed experts as MXFP4; "all" also packs every projection
-    whose input width is a multiple of 32 (lm_head stays unquantized: it sets the log-probs).
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_KDA_HEAD_SPLIT = re.compile(r"\.self_attn\.([qkv]_conv1d\.weight|dt_bias)$")
+_EXPERT = re.compile(r"\.experts\.(\d+)\.(w[123])\.weight$")
+
+
+class EngineFactory:
+    """The linear / experts factories of one build, and this rank's block of every tensor it loads."""
+
+    def __init__(self, config: K3Config, pool: AdapterPool | None, quantize: str, tp: TensorParallel):
+        self.config, self.pool, self.quantize, self.tp = config, pool, quantize, tp
+        self.shards: dict[str, Shard | None] = {}  # "<linear>.weight" -> its block of the full weight
+
+    def _group_query(self, spec: LinearSpec) -> bool:
+        """Under DCP: an MLA projection whose rows this rank holds for its whole DCP group's heads."""
+        m = _LAYER.match(spec.name)
+        return (getattr(self.tp, "dcp_size", 1) > 1 and m is not None
+                and self.config.layer_kinds[int(m.group(1))] == "mla"
+                and spec.name.rsplit(".", 1)[-1] in ("q_proj", "q_b_proj", "kv_b_proj"))
+
+    def linear(self, spec: LinearSpec) -> EngineLinear:
+        quantize = self.quantize == "all" and spec.name != "lm_head"
+        tp = self.tp
+        if tp.size == 1:
+            return EngineLinear(spec, self.pool, quantize=quantize)
+        shard = None
+        if spec.parallel == "column":
+            block = tp.dcp_block if self._group_query(spec) else tp.column_block
+            shard = Shard(0, *block(spec.out_features))
+        elif spec.parallel == "row":
+            shard = Shard(1, *tp.column_block(spec.in_features))
+        self.shards[f"{spec.name}.weight"] = shard
+        return EngineLinear(spec, self.pool, quantize=quantize, shard=shard, tp=tp, reduce=spec.parallel == "row",
+                            gather=spec.name == "lm_head")
+
+    def experts(self, spec: ExpertsSpec) -> EngineExperts:
+        return EngineExperts(spec, self.pool, quantize=self.quantize != "none", tp=self.tp)
+
+    def local_names(self) -> list[str]:
+        """The logical tensors this rank reads: all of them, but only its own experts under EP."""
+        names = list(tensor_shapes(self.config))
+        tp = self.tp
+        if tp.size == 1 or tp.ep_size == 1:
+            return names
+        per_rank = self.config.num_experts // tp.size
+
+        def mine(name: str) -> bool:
+            m = _EXPERT.search(name)
+            return m is None or int(m.group(1)) // per_rank == tp.rank
+        return [n for n in names if mine(n)]
+
+    def read(self, name: str, source: TensorSource) -> torch.Tensor:
+        """This rank's block of logical tensor `name`, read from `source` (only that block is read)."""
+        tp = self.tp
+        if tp.size == 1:
+            return source.read(name)
+
+        def rows(dim: int) -> torch.Tensor:
+            return source.narrow(name, dim, *tp.column_block(source.shapes[name][dim]))
+
+        if name in self.shards:
+            shard = self.shards[name]
+            return source.read(name) if shard is None else source.narrow(name, *shard)
+        if _KDA_HEAD_SPLIT.search(name):
+            return rows(0)
+        if name.endswith(".self_attn.A_log"):  # its heads' decay rates, flat
+            return source.a_log_heads(name, *tp.column_block(self.config.kda_num_heads))
+        m = _EXPERT.search(name)
+        if m and tp.ep_size == 1:  # the intermediate block: w1 / w3 [I, W] rows, w2 [W, I] columns
+            return rows(1 if m.group(2) == "w2" else 0)
+        return source.read(name)  # replicated: norms, AttnRes queries, router, embedding; EP: whole experts
+
+
+def check_layout(config: K3Config, tp: TensorParallel) -> None:
+    """That `config` splits over the sharded build (ValueError naming the field), before anything is built."""
+    if tp.size == 1:
+        return
+    checks = {"kda_num_heads": config.kda_num_heads, "mla_num_heads": config.mla_num_heads,
+              "vocab_size": config.vocab_size}
+    if config.first_dense_layers > 0:
+        checks["dense_intermediate_size"] = config.dense_intermediate_size
+    if any(config.is_moe_layer(i) for i in range(config.num_hidden_layers)):
+        checks["num_experts" if tp.ep_size > 1 else "moe_intermediate_size"] = \
+            config.num_experts if tp.ep_size > 1 else config.moe_intermediate_size
+        if config.num_shared_experts > 0:
+            checks["shared experts (moe_intermediate_size * num_shared_experts)"] = config.shared_intermediate
+    for field, n in checks.items():
+        tp.split(n, field)
+
+
+def build_engine_model(config: K3Config, state: Mapping[str, torch.Tensor] | TensorSource, *,
+                       quantize: str = "experts", lora: LoraSpec | None = None, max_adapters: int = 4,
+                       dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
+                       tp: TensorParallel = SINGLE) -> tuple[K3ForCausalLM, AdapterPool | None]:
+    """`state`: logical HF tensors (as `load_state_dict` returns), or a `TensorSource` such as
+    `CheckpointSource(path, config)` (read lazily: a sharded rank reads only its blocks). quantize: "none"
+    keeps a BF16 (or `dtype`) base for parity runs; "experts" packs routed experts as MXFP4; "all" also packs
+    every projection whose (local) input width is a multiple of 32 (lm_head stays unquantized: it sets the
+    log-probs).
 
     The model runs in `dtype` whatever dtype `state` arrives in (the trainer hands over its fp32 base):
     packed weights are quantized from the tensors as given, every other floating tensor is cast to `dtype`
     except the router/decay parameters the checkpoint keeps in fp32.
 
     `lora`: the adapters' shape (the trainer's `LoraSpec`), with a pool of `max_adapters` slots; None builds a
-    model without adapter buffers and returns no pool."""
+    model without adapter buffers and returns no pool. `tp`: this rank's `rollout.parallel.EngineTP` for a
+    sharded build (the pool then holds this rank's slices of the adapters)."""
     if quantize not in QUANTIZE_MODES:
         raise ValueError(f"quantize must be one of {QUANTIZE_MODES}, got {quantize!r}")
     if lora is not None and not isinstance(lora, LoraSpec):
         raise ValueError(f"lora must be a LoraSpec or None, got {type(lora).__name__}")
+    if tp.size > 1 and not isinstance(tp, EngineTP):
+        raise ValueError("build_engine_model: a sharded build takes tp=rollout.parallel.EngineTP(...)")
+    check_layout(config, tp)
     pool = AdapterPool(lora, max_adapters=max_adapters, dtype=dtype, device=device) if lora is not None else None
-
-    def linear(spec):
-        return EngineLinear(spec, pool, quantize=quantize == "all" and spec.name != "lm_head")
-
-    def experts(spec):
-        return EngineExperts(spec, pool, quantize=quantize != "none")
-
+    factory = EngineFactory(config, pool, quantize, tp)
     with torch.device("meta"):
-        model = K3ForCausalLM(config, linear=linear, experts=experts)
-    model.load_state_dict({k: v.to(device) for k, v in state.items()}, strict=True, assign=True)
+        model = K3ForCausalLM(config, linear=factory.linear, experts=factory.experts, tp=tp)
+    if isinstance(state, Mapping) and tp.size == 1:  # the whole model from tensors in memory, as given
+        local = {k: v.to(device) for k, v in state.items()}
+    else:
+        source = StateDictSource(state, config) if isinstance(state, Mapping) else state
+        names = factory.local_names()
+        unknown = [n for n in names if n not in source.shapes]
+        if unknown:
+            raise ValueError(f"build_engine_model: the base holds no {unknown[:4]} (config inconsistent with it?)")
+        local = {}
+        try:
+            for name in source.order(names):
+                local[name] = factory.read(name, source).to(device)
+        finally:
+            source.release()
+    model.load_state_dict(local, strict=True, assign=True)
     _cast_floating(model, dtype)
     for p in model.parameters():
         p.requires_grad_(False)
@@ -85,6 +201,7 @@ class ModelRunner:
         self.model, self.config, self.adapters = model.eval(), config, adapters
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
+        self.dcp_rank = getattr(model.model.tp, "dcp_rank", 0)  # the KV positions this rank keeps (rollout.dcp)
         self._set_mxfp4_matmul(config.mxfp4_matmul)
         if config.lora_mixed == "triton" and (adapters is None or self.device.type != "cuda"):
             raise ValueError(f"lora_mixed='triton' needs an adapter pool and the model on CUDA (model on "
@@ -154,7 +271,7 @@ class ModelRunner:
         if graphed and self.graphs.usable(len(batch), max(r.pos for r in batch) + 1):
             return self.graphs.run(ids, [r.slot for r in batch], [r.pos for r in batch], [r.pages for r in batch])
         layout = BatchLayout.build(self.kv, [r.slot for r in batch], [r.pos for r in batch], lengths,
-                                   [r.pages for r in batch], self.device)
+                                   [r.pages for r in batch], self.device, dcp_rank=self.dcp_rank)
         cache = PoolStateCache(self.kv, self.states, layout)
         if packed:
             ids_t = ids[None, :]

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from miles_k3.model.cache import KDAState
+from rollout import dcp
 from rollout.attention import absorbed_attention
 from rollout.memory import KDAStatePool, KVPagePool
 from rollout.transfer import to_device
@@ -31,7 +32,8 @@ class BatchLayout:
 
     slot_index [N]       KDA working slot per request (padding rows: the pool's sink slot)
     write_rows [Ttok]    KV row for each new token, in input order (padding rows: the sink page)
-    hist_rows  [N, S]    KV row of each history position 0..S-1 (beyond a request's end: the zero page)
+    hist_rows  [N, S]    KV row of each history position 0..S-1 (beyond a request's end: the zero page); under
+                         DCP (n ranks) S = ceil(S / n) and slot j is this rank's position j * n + rank
     q_pos      [N, Tq]   absolute position of each (padded) query; a padded query gets 0 and so sees only
                          key 0, which keeps its softmax finite; its output is discarded
     q_index    [N, Tq]   input token index of each padded query (padding: 0)
@@ -47,10 +49,13 @@ class BatchLayout:
 
     @staticmethod
     def build(kv: KVPagePool, slots: list[int], positions: list[int], lengths: list[int],
-              page_tables: list[list[int]], device: torch.device, hist_len: int | None = None) -> "BatchLayout":
+              page_tables: list[list[int]], device: torch.device, hist_len: int | None = None,
+              dcp_rank: int = 0) -> "BatchLayout":
         """Request n has computed positions [0, positions[n]) and brings lengths[n] new tokens; its page
         table must cover [0, positions[n] + lengths[n]). Inputs are ordered request by request. `hist_len`
-        pads the history to a fixed S (CUDA-graph buckets); default: the longest request."""
+        pads the history to a fixed S (CUDA-graph buckets); default: the longest request. A pool that keeps
+        a DCP rank's rows (`kv.rows_per_page` < page_size) maps only the positions of `dcp_rank`
+        (`rollout.dcp`)."""
         page = kv.page_size
         n = len(slots)
         ends = [p + t for p, t in zip(positions, lengths)]
@@ -71,6 +76,10 @@ class BatchLayout:
         q_index = torch.where(q_valid, starts[:, None] + t[None, :], 0)
         q_pos = torch.where(q_valid, torch.tensor(positions)[:, None] + t[None, :], 0)
         write = hist.gather(1, q_pos.clamp(max=s - 1))[q_valid]  # rows of the new tokens, input order
+        if kv.rows_per_page != page:  # DCP: this rank's positions only
+            size, ends_t = page // kv.rows_per_page, torch.tensor(ends)
+            hist = dcp.history_rows(table, ends_t, s, page, size, dcp_rank, zero)
+            write = dcp.write_rows(table, q_pos, q_valid, page, size, dcp_rank, kv.sink_page)
         out_index = (torch.arange(n)[:, None] * tq + t[None, :])[q_valid]
         host = BatchLayout(torch.tensor(slots), write, hist, q_pos, q_index, out_index)
         return host if torch.device(device).type == "cpu" else host.to(device)

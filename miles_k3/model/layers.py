@@ -135,7 +135,8 @@ class MLAMixer(nn.Module):
         c = self.config
         b, t, _ = x.shape
         q = self.q_proj(x) if c.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        q = q.view(b, t, self.heads, c.qk_head_dim)
+        # this rank's heads; an engine under decode context parallelism projects its DCP group's (rollout.dcp)
+        q = q.view(b, t, -1, c.qk_head_dim)
         latent, rope = self.kv_a_proj_with_mqa(x).split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
         latent = self.kv_a_layernorm(latent)
         # the cache may attend over its history in its own form (the engine: absorbed, over paged KV)

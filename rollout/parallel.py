@@ -1,0 +1,206 @@
+"""The engine sharded over a torch.distributed group: this rank's shares (TP, EP, DCP), their collectives, the
+leader / follower protocol that keeps one scheduler decision per step, and `build_sharded_engine`.
+
+Layout, as the seed deploys K3 (`EngineTP`): attention is tensor-parallel over the whole group (KDA and MLA
+heads split, row-parallel output projections all-reduced); the routed experts are either split by their
+intermediate dim (EP = 1: w1 / w3 column, w2 row, one all-reduce) or held whole, num_experts / ep per rank,
+with EP over the same ranks as TP (`ep_size` = tp size); MLA's latent KV is sharded by token position over
+DCP groups of `dcp_size` consecutive TP ranks (`rollout.dcp`).
+
+The lm_head is vocab-parallel, its logits all-gathered before sampling: the sampler needs the whole
+distribution (the reported log-prob is the untruncated one), and the gather reassembles exactly the logits
+one device computes, column for column, so log-probs equal TP=1's, while each rank holds and multiplies
+only vocab / tp rows of the largest matrix of a decode step. The embedding (a lookup) is replicated. With
+tied embeddings the logits come from the replicated embedding, whole, with no gather.
+
+Why EP combines with an all-reduce here, not an all-to-all: every TP rank holds the same tokens at the MoE
+(attention is tensor-parallel, not data-parallel), so each rank already has every token copy routed to its
+own experts. It runs them (dropless: every copy, no capacity) and one all-reduce of the [tokens, width]
+output sums the ranks' experts. An all-to-all dispatch would move top-k copies of tokens the receiver
+already holds, and its uneven splits need a host read of the counts per MoE layer, which CUDA graphs and
+the overlap schedule cannot have. (The trainer's EP is an all-to-all because its EP ranks hold different
+tokens: `megatron_patches.expert_parallel`.)
+
+One decision per step (`Leader`): every rank runs the same engine (scheduler, cache manager, radix trees,
+pools) as a replicated state machine. Rank 0 is the caller's: its `submit` / `abort` / adapter / memory
+calls are applied at once and logged, and each `step()` first broadcasts the log (control plane: a gloo
+group, so it never waits on the device stream). The other ranks sit in `Engine.follow()`, apply the same
+calls in the same order and step. Everything the scheduler reads is then the same on every rank: request
+ids come with the submit, page / slot allocation and the trees' logical clocks are deterministic, the
+logits are all-gathered (the same bytes everywhere), and every request samples from its own generator
+(under TP an unseeded request gets a seed drawn by rank 0), so the tokens agree without being sent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from miles_k3.model.linear import TensorParallel
+
+if TYPE_CHECKING:
+    from rollout.config import EngineConfig
+    from rollout.engine import Engine
+
+
+class EngineTP(TensorParallel):
+    """This rank's share of a sharded engine (inference only: no autograd, `enter` stays the identity).
+
+    group: the TP group (default: the whole world); its rank 0 is the leader. `ep_size`: 1 (routed experts
+    split by intermediate dim) or the TP size (whole experts, num_experts / ep per rank). `dcp_size`: ranks
+    per DCP group (divides the TP size); DCP group g is TP ranks [g * dcp_size, (g + 1) * dcp_size) and this
+    rank's DCP rank is its TP rank mod dcp_size. `control`: a gloo group over the same ranks for host-side
+    broadcasts (default: `group` itself when it is gloo, else a new gloo group). Build it on every rank of
+    the group at the same point (it creates process groups)."""
+
+    def __init__(self, group=None, *, ep_size: int = 1, dcp_size: int = 1, control=None):
+        if not dist.is_initialized():
+            raise ValueError("EngineTP needs torch.distributed initialized (init_process_group) on every rank")
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        super().__init__(size, rank)
+        self.group = group
+        if ep_size not in (1, size):
+            raise ValueError(f"ep_size={ep_size}: expert parallelism runs over the tensor-parallel ranks "
+                             f"(ep_size 1 or {size})")
+        if isinstance(dcp_size, bool) or not isinstance(dcp_size, int) or dcp_size < 1 or size % dcp_size:
+            raise ValueError(f"EngineConfig.dcp_size={dcp_size} must divide the tensor-parallel size {size}")
+        self.ep_size, self.dcp_size = ep_size, dcp_size
+        self.dcp_rank = rank % dcp_size
+        self.leader_rank = dist.get_global_rank(group, 0) if group is not None else 0
+        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(size))
+        self.dcp_group = None
+        if dcp_size > 1:  # every rank creates every group, in the same order
+            for g in range(size // dcp_size):
+                pg = dist.new_group(ranks[g * dcp_size:(g + 1) * dcp_size])
+                if g == rank // dcp_size:
+                    self.dcp_group = pg
+        if control is None:
+            control = group if dist.get_backend(group) == "gloo" else dist.new_group(ranks, backend="gloo")
+        self.control = control
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == 0
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum over the TP group, in place (a row-parallel output)."""
+        if self.size > 1:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
+        """The ranks' slices along the last dim concatenated in rank order (the vocab-parallel logits)."""
+        if self.size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=-1)
+
+    def broadcast_object(self, obj=None):
+        """Rank 0's `obj` on every rank (host side, over the gloo control group)."""
+        box = [obj]
+        dist.broadcast_object_list(box, src=self.leader_rank, group=self.control)
+        return box[0]
+
+    def broadcast_tensor(self, t: torch.Tensor) -> torch.Tensor:
+        """Rank 0's tensor `t` (followers pass an empty one of the same shape / dtype / device), in place."""
+        dist.broadcast(t, src=self.leader_rank, group=self.group)
+        return t
+
+    # ------------------------------------------------------------ shards of the checkpoint
+    def column_block(self, n: int) -> tuple[int, int]:
+        """(start, length) of this rank's block of n output rows."""
+        step = n // self.size
+        return self.rank * step, step
+
+    def dcp_block(self, n: int) -> tuple[int, int]:
+        """(start, length) of this rank's DCP group's block of n rows (its dcp_size TP ranks' heads)."""
+        step = n // self.size * self.dcp_size
+        return self.rank // self.dcp_size * step, step
+
+
+class Leader:
+    """Rank 0's log of the calls the followers must replay, flushed by `Engine.step` and the adapter calls.
+
+    A message is a list of commands (name, args); `("step",)` runs one engine step, `("stop",)` ends the
+    followers' loop. Adapter tensors do not travel in the message: each is broadcast over the TP group right
+    after it (`EngineTP.broadcast_tensor`), so a large adapter moves at collective speed."""
+
+    def __init__(self, tp: EngineTP):
+        self.tp = tp
+        self.log: list[tuple] = []
+
+    def record(self, *command) -> None:
+        self.log.append(command)
+
+    def flush(self, tensors: Mapping[str, torch.Tensor] | None = None, device: torch.device | str = "cpu") -> None:
+        """Send the log (and then `tensors`, in order, from `device`: the TP group's) to the followers."""
+        message, self.log = self.log, []
+        self.tp.broadcast_object(message)
+        for t in (tensors or {}).values():
+            self.tp.broadcast_tensor(t.to(device).contiguous())
+
+    def receive(self) -> list[tuple]:
+        """A follower's next message."""
+        return self.tp.broadcast_object()
+
+    def receive_tensors(self, spec: list[tuple[str, tuple[int, ...], torch.dtype]], device) -> dict:
+        """The tensors rank 0 broadcast after a message, from their (name, shape, dtype) spec."""
+        out = {}
+        for name, shape, dtype in spec:
+            out[name] = self.tp.broadcast_tensor(torch.empty(shape, dtype=dtype, device=device))
+        return out
+
+
+def tensor_spec(tensors: Mapping[str, torch.Tensor]) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    return [(k, tuple(t.shape), t.dtype) for k, t in tensors.items()]
+
+
+def build_sharded_engine(path_or_state: str | Path | Mapping[str, torch.Tensor], config: "EngineConfig", *,
+                         model_config=None, group=None, ep: bool = False, quantize: str = "experts", lora=None,
+                         max_adapters: int = 4, dtype: torch.dtype = torch.bfloat16,
+                         device: str | torch.device = "cpu") -> "Engine":
+    """This process's rank of a TP engine over `group` (default: the whole torch.distributed world). Call it
+    on every rank of the group with the same arguments, after `init_process_group` (gloo on CPU, nccl with
+    one GPU per rank: set the device first).
+
+    path_or_state: a checkpoint directory (config.json + safetensors; each rank reads only its slices through
+    `miles_k3.model.checkpoint.CheckpointSource`) or a logical HF state dict with `model_config`. `ep`: whole
+    routed experts, num_experts / tp per rank (else split by intermediate dim). `config.dcp_size`: the DCP
+    group size. The rest as `rollout.model_runner.build_engine_model`.
+
+    How it runs: rank 0 is the engine's caller (`submit`, `step`, `generate`, `stream`, `abort`,
+    `add_adapter` / `update_adapter` with the trainer's full tensors, `release_memory` / `resume_memory`)
+    and gets the completions; when done it calls `engine.stop_followers()`. Every other rank calls
+    `engine.follow()`, which replays rank 0's calls step by step and returns once rank 0 stops:
+
+        engine = build_sharded_engine(path, EngineConfig(memory_bytes=...), device=f"cuda:{rank}")
+        if engine.is_leader:
+            outs = engine.generate(prompts, SamplingParams(temperature=0))
+            engine.stop_followers()
+        else:
+            engine.follow()
+    """
+    from miles_k3.model.checkpoint import CheckpointSource
+    from miles_k3.model.config import K3Config
+    from rollout.engine import Engine
+    from rollout.model_runner import build_engine_model
+
+    if isinstance(path_or_state, (str, Path)):
+        path = Path(path_or_state)
+        if not (path / "config.json").exists():
+            raise ValueError(f"{path}: no config.json")
+        model_config = K3Config.from_json_file(path / "config.json")
+        source = CheckpointSource(path, model_config)
+    else:
+        if model_config is None:
+            raise ValueError("build_sharded_engine: a state dict needs model_config (its K3Config)")
+        source = path_or_state
+    tp = EngineTP(group, ep_size=dist.get_world_size(group) if ep else 1, dcp_size=config.dcp_size)
+    model, pool = build_engine_model(model_config, source, quantize=quantize, lora=lora, max_adapters=max_adapters,
+                                     dtype=dtype, device=device, tp=tp)
+    return Engine(model, config, pool)

@@ -15,9 +15,12 @@ recipes/recipe/<name>.yaml, a global override of the others.
 
 from __future__ import annotations
 
+import os
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import List, Optional
+from typing import List, NamedTuple, Optional
 
 from miles_k3.algo import PolicyLossConfig
 from miles_k3.data import PromptDataConfig
@@ -31,7 +34,7 @@ BUILTIN_PREFIX = "builtin:"
 ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets"
 DTYPES = ("float32", "bfloat16")
 DEVICES = ("cpu", "cuda")
-LAUNCHERS = ("local", "ray")
+LAUNCHERS = ("local", "ray", "external")
 WANDB_MODES = ("offline", "online", "disabled")
 TOKENIZERS = ("arithmetic", "hf")
 RESUME_MODES = ("auto", "never")
@@ -248,25 +251,95 @@ class RewardCfg(component_fields(RewardConfig)):
     """reward.*: RewardConfig's fields (fn, timeout, failure policy, remote options), its defaults and checks."""
 
 
+class Rendezvous(NamedTuple):
+    """One rank of a world started by someone else (cluster.launcher=external): where it sits and where rank 0
+    listens."""
+
+    rank: int
+    world_size: int
+    local_rank: int  # this rank's index on its node (its GPU with cluster.device=cuda)
+    master_addr: str
+    master_port: int
+
+    @property
+    def init_method(self) -> str:
+        return f"tcp://{self.master_addr}:{self.master_port}"
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a Slurm hostlist: "gpu[07-09,12],cpu3" -> "gpu07" (zero padding kept)."""
+    head = re.match(r"([^,\[]*)(?:\[([^\]]*)\])?([^,]*)", nodelist.strip())
+    if head is None or not (head.group(1) or head.group(2)):
+        raise ValueError(f"not a Slurm hostlist: {nodelist!r}")
+    prefix, ranges, suffix = head.groups()
+    first = ranges.split(",")[0].split("-")[0] if ranges else ""
+    return prefix + first + suffix
+
+
+# With cluster.launcher=external each process is one rank; its place comes from torchrun's variables, else
+# from srun's. rank 0's address: MASTER_ADDR, else the first host of the step's (or job's) node list; the
+# port: MASTER_PORT, else one derived from the job id (the same on every rank, distinct between jobs).
+_TORCHRUN = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+_SRUN = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")
+
+
+def rendezvous_from_env(env: Mapping[str, str]) -> Rendezvous:
+    """This process's place in an externally started world (ValueError naming the variable that is missing
+    or malformed)."""
+    names = _TORCHRUN if "RANK" in env else _SRUN
+    missing = [n for n in names if n not in env]
+    if missing:
+        raise ValueError("cluster.launcher 'external' runs one rank per process, started by srun (SLURM_PROCID, "
+                         "SLURM_NTASKS, SLURM_LOCALID) or torchrun (RANK, WORLD_SIZE, LOCAL_RANK); missing "
+                         f"{', '.join(missing)}: use cluster.launcher=local to start the ranks here")
+    try:
+        rank, world, local = (int(env[n]) for n in names)
+        port = int(env["MASTER_PORT"]) if "MASTER_PORT" in env else 20000 + int(env.get("SLURM_JOB_ID", 0)) % 20000
+    except ValueError as e:
+        raise ValueError(f"cluster.launcher 'external': a rank variable is not an integer ({e})") from None
+    addr = env.get("MASTER_ADDR")
+    if addr is None:
+        nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
+        if nodes is None:
+            raise ValueError("cluster.launcher 'external': no MASTER_ADDR and no SLURM_JOB_NODELIST to find rank 0")
+        addr = first_host(nodes)
+    return Rendezvous(rank, world, local, addr, port)
+
+
 @dataclass
 class ClusterCfg(Section):
     """cluster.*: where the workers run."""
 
-    launcher: str = "local"  # LAUNCHERS: local processes, or Ray actors
+    # LAUNCHERS: local (this process, or num_workers processes it starts on this machine), ray (Ray actors in a
+    # placement group), external (this process is one rank of a world that srun or torchrun started: its rank,
+    # world size and rank 0's address come from the environment; scripts/slurm/train_multinode.sbatch)
+    launcher: str = "local"
     device: str = "cpu"  # DEVICES
     num_workers: int = 1  # trainer ranks (= parallel.world_size: tp * pp * cp * dp)
     threads_per_worker: Optional[int] = None  # torch intra-op threads; None: torch's default
     ray_address: Optional[str] = None  # with launcher=ray: the cluster to join; None: start a local Ray instance
+    # with launcher=ray: seconds to wait for the cluster to hold every bundle (nodes still joining); then a
+    # ValueError names the resources missing
+    ray_placement_timeout_s: float = 600.0
 
     def check(self) -> None:
         c = Check(self)
         c.choice("launcher", LAUNCHERS)
         c.choice("device", DEVICES)
         c.int_at_least("num_workers", 1)
+        c.number("ray_placement_timeout_s", 0.0, open_low=True)
         if self.threads_per_worker is not None:
             c.int_at_least("threads_per_worker", 1)
         if self.ray_address is not None and self.launcher != "ray":
             raise c.fail("ray_address", "only applies with cluster.launcher=ray")
+        if self.launcher == "external":
+            world = self.rendezvous().world_size
+            if world != self.num_workers:
+                raise c.fail("num_workers", f"must equal the world the launcher started ({world} processes)")
+
+    def rendezvous(self, env: Mapping[str, str] | None = None) -> Rendezvous:
+        """With launcher=external: this process's rank and rank 0's address (`rendezvous_from_env`)."""
+        return rendezvous_from_env(os.environ if env is None else env)
 
 
 @dataclass

@@ -4,7 +4,13 @@ local, cluster.num_workers == 1: one process; the engine and the trainer share i
 local, num_workers == N > 1: N processes on this machine (torch.multiprocessing, gloo on CPU / nccl on
     GPU), one trainer rank each, in the layout of `parallel.*`; rank 0 also runs the driver and the engine. The other
     ranks execute the driver's trainer calls (broadcast from rank 0) in `_serve`.
+external: this process is one rank of a world that srun (one task per GPU, over any number of nodes) or
+    torchrun started; its rank and rank 0's address come from the environment (`ClusterCfg.rendezvous`).
+    Rank 0 runs the driver and the engine, as above. scripts/slurm/train_multinode.sbatch starts it.
 ray: see `miles_k3.trainer.ray_launch` (a placement group, a trainer and an engine actor per bundle).
+
+Every process watches for preemption signals (`miles_k3.trainer.preempt`); when the driver stopped on one,
+`launch` raises `Preempted` once every rank has ended (in the external world: on rank 0).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import torch.distributed as dist
 from miles_k3.rewards import RewardPluginError
 from miles_k3.trainer.base import TORCH_DTYPES, load_base, quiet_megatron
 from miles_k3.trainer.inputs import RunInputs, load_run_inputs
+from miles_k3.trainer import preempt
 from miles_k3.trainer.loop import GRPODriver
 from miles_k3.trainer.resolve import ResolvedConfig
 from miles_k3.trainer.rollout_worker import RolloutWorker
@@ -40,11 +47,13 @@ def configure_process(rc: ResolvedConfig, rank: int = 0) -> None:
 
 
 def device_for(rc: ResolvedConfig, local_rank: int) -> str:
-    """The device of a worker (`load_run_inputs` checked that the local ones exist; a Ray actor's is its
-    bundle's GPU)."""
+    """The device of a worker: its local rank's GPU, or the only one it sees (`load_run_inputs` checked that
+    the local launcher's exist; a Ray actor's is its bundle's GPU)."""
     if rc.cluster.device == "cuda":
-        torch.cuda.set_device(local_rank)
-        return f"cuda:{local_rank}"
+        # one visible device: the launcher bound one GPU to this process (srun --gpus-per-task=1, Ray's bundle)
+        index = 0 if torch.cuda.device_count() == 1 else local_rank
+        torch.cuda.set_device(index)
+        return f"cuda:{index}"
     return "cpu"
 
 
@@ -154,50 +163,59 @@ def _serve(trainer: TrainWorker, rank: int) -> None:
             dist.gather_object(result, None, dst=0)
 
 
-def _rank_main(rank: int, rc: ResolvedConfig, run_dir: str, port: int, inputs: RunInputs | None = None,
-               plugin_errors=None) -> None:
-    """One local rank. `plugin_errors`: in a spawned world, a queue that carries a RewardPluginError's
-    message from rank 0 (the driver) back to the launching process."""
-    configure_process(rc, rank)
-    device = device_for(rc, rank)
-    try:
-        config, state, trainer = start_trainer_rank(rc, rank, device, f"tcp://127.0.0.1:{port}", inputs,
-                                                    holds_engine=rank == 0)
-        if rank == 0:
-            engine = build_rollout_worker(rc, config, state, device)
-            # trainer and engine hold their own copies; the fp32 base need not live through the run (cleared,
-            # not just unnamed: `inputs` holds it too)
-            state.clear()
-            try:
-                _drive(rc, run_dir, engine, trainer, rc.cluster.num_workers, inputs)
-            except RewardPluginError as e:
-                if plugin_errors is None:
-                    raise
-                plugin_errors.put(str(e))  # every rank ends normally (told to stop); the launcher raises it
-        else:
-            del state  # a preset's dict or the checkpoint's lazy source: the policy holds its own slices
-            _serve(trainer, rank)
-    finally:
-        from megatron_patches.parallel import destroy_parallel
+def _rank_main(rank: int, rc: ResolvedConfig, run_dir: str, init_method: str, inputs: RunInputs | None = None,
+               outcome=None, local_rank: int | None = None) -> None:
+    """One trainer rank (rank 0 also the driver and the engine). `outcome`: in a spawned world, a queue that
+    carries how rank 0's run ended (a RewardPluginError's message, or a preemption) back to the launching
+    process; None: raised here. `local_rank`: the rank's device index on its node (default: `rank`)."""
+    with preempt.watch():
+        configure_process(rc, rank)
+        device = device_for(rc, rank if local_rank is None else local_rank)
+        try:
+            config, state, trainer = start_trainer_rank(rc, rank, device, init_method, inputs, holds_engine=rank == 0)
+            if rank == 0:
+                engine = build_rollout_worker(rc, config, state, device)
+                # trainer and engine hold their own copies; the fp32 base need not live through the run (cleared,
+                # not just unnamed: `inputs` holds it too)
+                state.clear()
+                try:
+                    driver = _drive(rc, run_dir, engine, trainer, rc.cluster.num_workers, inputs)
+                except RewardPluginError as e:
+                    if outcome is None:
+                        raise
+                    outcome.put(("reward", str(e)))  # every rank ends normally (told to stop); the launcher raises
+                else:
+                    if driver.preempted is not None:
+                        if outcome is None:
+                            raise preempt.Preempted(driver.preempted, driver.step)
+                        outcome.put(("preempted", (driver.preempted, driver.step)))
+            else:
+                del state  # a preset's dict or the checkpoint's lazy source: the policy holds its own slices
+                _serve(trainer, rank)
+        finally:
+            from megatron_patches.parallel import destroy_parallel
 
-        destroy_parallel()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+            destroy_parallel()
+            if dist.is_initialized():
+                dist.destroy_process_group()
 
 
 def _drive(rc: ResolvedConfig, run_dir: str, engine: RolloutWorker, trainer: TrainWorker, world: int,
-           inputs: RunInputs | None) -> None:
+           inputs: RunInputs | None) -> GRPODriver:
     workers = LocalWorkers(engine, trainer, world)
+    driver = GRPODriver(rc, run_dir, workers, inputs)
     try:
-        GRPODriver(rc, run_dir, workers, inputs).run()
+        driver.run()
     finally:
         workers.shutdown()
+    return driver
 
 
 def launch(rc: ResolvedConfig, run_dir: str | Path, inputs: RunInputs | None = None) -> None:
     """Run the whole job (blocking). `inputs`: what `load_run_inputs(rc, run_dir)` returned, if the caller
     read them first (to report a bad input before anything starts); read here otherwise. Spawned ranks
-    read their own (rank 0 without the checkpoint's tensors, which every rank loads itself)."""
+    read their own (rank 0 without the checkpoint's tensors, which every rank loads itself). Raises
+    `preempt.Preempted` (a SystemExit with PREEMPTED_EXIT) when a signal stopped the run early."""
     run_dir = str(run_dir)
     inputs = inputs or load_run_inputs(rc, run_dir)
     if rc.cluster.launcher == "ray":
@@ -205,15 +223,26 @@ def launch(rc: ResolvedConfig, run_dir: str | Path, inputs: RunInputs | None = N
 
         launch_ray(rc, run_dir, inputs._replace(base_state=None))
         return
+    if rc.cluster.launcher == "external":
+        world = rc.cluster.rendezvous()  # ClusterCfg.check matched its world size to num_workers
+        # rank 0 keeps what the caller read (the driver's inputs); the others read only their own slices
+        _rank_main(world.rank, rc, run_dir, world.init_method, inputs if world.rank == 0 else None,
+                   local_rank=world.local_rank)
+        return
     from megatron_patches.parallel import free_port  # not at import: Ray's engine actors never need megatron
 
-    port = free_port()
+    init_method = f"tcp://127.0.0.1:{free_port()}"
     if rc.cluster.num_workers == 1:
-        _rank_main(0, rc, run_dir, port, inputs)
+        _rank_main(0, rc, run_dir, init_method, inputs)
         return
-    # a reward plugin failing on rank 0 is the user's mistake: raise it here as itself, not as a child's traceback
-    plugin_errors = torch.multiprocessing.get_context("spawn").SimpleQueue()
-    torch.multiprocessing.spawn(_rank_main, args=(rc, run_dir, port, None, plugin_errors),
-                                nprocs=rc.cluster.num_workers, join=True)
-    if not plugin_errors.empty():
-        raise RewardPluginError(plugin_errors.get())
+    # how rank 0's run ended, raised here as itself (a reward plugin failing is the user's mistake, not a
+    # child's traceback; a preemption is this process's exit status)
+    outcome = torch.multiprocessing.get_context("spawn").SimpleQueue()
+    with preempt.watch():  # Slurm signals this process too: it waits for the ranks' checkpoint, not dies
+        torch.multiprocessing.spawn(_rank_main, args=(rc, run_dir, init_method, None, outcome),
+                                    nprocs=rc.cluster.num_workers, join=True)
+    if not outcome.empty():
+        kind, detail = outcome.get()
+        if kind == "reward":
+            raise RewardPluginError(detail)
+        raise preempt.Preempted(*detail)

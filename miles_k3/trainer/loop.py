@@ -12,6 +12,10 @@ One step:
   4. the adapter (gathered over TP) is copied into every engine's adapter slot in place; engines resume;
   5. a metrics row; evaluation and an atomic checkpoint at their intervals.
 
+A preemption signal (`miles_k3.trainer.preempt`) stops the run between steps: the step in flight finishes,
+a checkpoint of it is written (unless its interval just wrote one) and `run` returns with `preempted` set
+to the signal's name; the launcher turns that into `Preempted` (the batch files requeue the job on it).
+
 `Workers` hides where the engines and trainer ranks live (in this process, other processes, Ray actors).
 """
 
@@ -29,6 +33,7 @@ from miles_k3.algo import group_advantages, groups_to_refill, nonzero_variance_g
 from miles_k3.data import PromptRecord, PromptSampler
 from miles_k3.rewards import Sample, score
 from miles_k3.trainer import checkpoint as ckpt
+from miles_k3.trainer import preempt
 from miles_k3.trainer.batch import TrainBatch
 from miles_k3.trainer.inputs import RunInputs, load_run_inputs
 from miles_k3.trainer.resolve import ResolvedConfig
@@ -94,6 +99,8 @@ class GRPODriver:
         self.eval_records = self.inputs.heldout
         self.plugin = self.inputs.plugin
         self.step = 0
+        self.saved_step: int | None = None  # the step of the newest checkpoint this driver wrote or resumed
+        self.preempted: str | None = None  # the signal that stopped the run early (after its checkpoint)
 
     # ------------------------------------------------------------------ rollouts
     def _params(self, seed: int | None, greedy: bool = False) -> SamplingParams:
@@ -222,6 +229,7 @@ class GRPODriver:
 
         path = ckpt.save_checkpoint(self.ckpt_root, self.step, write)
         ckpt.prune_checkpoints(self.ckpt_root, self.rc.trainer.keep_checkpoints)
+        self.saved_step = self.step
         return path
 
     def resume(self) -> Path | None:
@@ -231,7 +239,7 @@ class GRPODriver:
             return None
         self.sampler.load_state_dict(found.state["sampler"])
         self.workers.load_trainer_states(found.state["workers"], found.adapter)
-        self.step = int(found.state["step"])
+        self.step = self.saved_step = int(found.state["step"])
         return found.path
 
     # ---------------------------------------------------------------------- run
@@ -251,12 +259,24 @@ class GRPODriver:
                 rows.append({"step": 0, **self.evaluate()})
                 runlog.log(rows[-1])
                 log.info("step 0  eval acc %.3f (before training)", rows[-1]["eval_accuracy"])
-            while self.step < t.max_steps:
+            while self.step < t.max_steps and preempt.requested() is None:
                 rows += self._one_step(runlog, progress)
+            if self.step < t.max_steps:
+                self._stop_preempted()
         finally:
             progress.close()
             runlog.close()
         return rows
+
+    def _stop_preempted(self) -> None:
+        """A preemption signal came: make sure a checkpoint holds the last finished step, then stop. Before
+        the first step there is nothing to keep (a restart begins again, its rows replacing these)."""
+        self.preempted = preempt.requested()
+        if self.step > 0 and self.saved_step != self.step:
+            self.save()
+        log.warning("%s: stopping after step %d/%d (checkpoint %s); a requeued job resumes from it",
+                    self.preempted, self.step, self.rc.trainer.max_steps,
+                    ckpt.checkpoint_dir(self.ckpt_root, self.step) if self.step else "none: nothing to keep")
 
     def _one_step(self, runlog: RunLog, progress: Progress) -> list[dict[str, Any]]:
         t = self.rc.trainer

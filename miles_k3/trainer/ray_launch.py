@@ -5,13 +5,24 @@ The trainer actors form one torch.distributed world (gloo on CPU, nccl on GPU; r
 free port, found by rank 0's actor) and megatron's TP group over it. Every engine actor generates a
 contiguous share of each rollout batch. The driver (this process) runs `GRPODriver` with `RayWorkers`;
 adapter tensors travel trainer rank 0 -> object store -> every engine (one `ray.put`).
+
+The placement group packs its bundles onto as few nodes as hold them (PACK), so a run larger than one node
+spans several: scripts/slurm/train_multinode.sbatch starts a Ray head and a worker per Slurm node, waits for
+every node (`python -m miles_k3.trainer.ray_launch wait ADDRESS NODES`), then runs the driver with
+cluster.ray_address. A placement group the cluster cannot hold within cluster.ray_placement_timeout_s is
+a ValueError naming the resources. The driver watches for preemption signals like the local launcher's
+(`miles_k3.trainer.preempt`; the batch file forwards its own to it) and `launch_ray` raises `Preempted`
+after the actors are gone.
 """
 
 from __future__ import annotations
 
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
+from miles_k3.trainer import preempt
 from miles_k3.trainer.inputs import RunInputs
 from miles_k3.trainer.loop import GRPODriver
 from miles_k3.trainer.resolve import ResolvedConfig
@@ -123,7 +134,13 @@ def start_ray_workers(rc: ResolvedConfig) -> tuple[RayWorkers, Any]:
     gpu = rc.cluster.device == "cuda"
     bundle = {"CPU": 2, **({"GPU": 1} if gpu else {})}
     pg = placement_group([dict(bundle) for _ in range(rc.cluster.num_workers)], strategy="PACK")
-    ray.get(pg.ready())
+    try:
+        ray.get(pg.ready(), timeout=rc.cluster.ray_placement_timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        ray.util.remove_placement_group(pg)
+        raise ValueError(f"cluster.num_workers: {rc.cluster.num_workers} bundles of {bundle} not placed within "
+                         f"cluster.ray_placement_timeout_s ({rc.cluster.ray_placement_timeout_s} s); the Ray "
+                         f"cluster holds {ray.cluster_resources()}") from None
     share = {"num_cpus": 1, "num_gpus": 0.5 if gpu else 0}
     threads = rc.cluster.threads_per_worker or 1
     env = {"env_vars": {"OMP_NUM_THREADS": str(threads)}}
@@ -145,13 +162,41 @@ def launch_ray(rc: ResolvedConfig, run_dir: str | Path, inputs: RunInputs | None
     own = not ray.is_initialized()
     if own:
         ray.init(address=rc.cluster.ray_address, include_dashboard=False, log_to_driver=True)
-    try:
-        workers, pg = start_ray_workers(rc)
+    with preempt.watch():
         try:
-            GRPODriver(rc, run_dir, workers, inputs).run()
+            workers, pg = start_ray_workers(rc)
+            try:
+                driver = GRPODriver(rc, run_dir, workers, inputs)
+                driver.run()
+            finally:
+                workers.shutdown()
+                ray.util.remove_placement_group(pg)
         finally:
-            workers.shutdown()
-            ray.util.remove_placement_group(pg)
+            if own:
+                ray.shutdown()
+    if driver.preempted is not None:
+        raise preempt.Preempted(driver.preempted, driver.step)
+
+
+def wait_for_nodes(address: str, nodes: int, timeout_s: float) -> int:
+    """Block until the Ray cluster at `address` has `nodes` live nodes (the batch file's workers joining);
+    returns how many it has. TimeoutError after `timeout_s`."""
+    import ray
+
+    ray.init(address=address, include_dashboard=False, log_to_driver=False)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while (alive := sum(n["Alive"] for n in ray.nodes())) < nodes:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the Ray cluster at {address} has {alive} of {nodes} nodes after {timeout_s} s")
+            time.sleep(1.0)
+        return alive
     finally:
-        if own:
-            ray.shutdown()
+        ray.shutdown()
+
+
+if __name__ == "__main__":  # python -m miles_k3.trainer.ray_launch wait ADDRESS NODES [TIMEOUT_S]
+    if len(sys.argv) not in (4, 5) or sys.argv[1] != "wait":
+        sys.exit("usage: python -m miles_k3.trainer.ray_launch wait ADDRESS NODES [TIMEOUT_S]")
+    timeout = float(sys.argv[4]) if len(sys.argv) == 5 else 600.0
+    print(f"ray cluster: {wait_for_nodes(sys.argv[2], int(sys.argv[3]), timeout)} nodes up")

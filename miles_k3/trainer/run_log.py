@@ -3,8 +3,14 @@
 metrics.jsonl holds one JSON object per line: a training row per step (`step`, `reward_mean`,
 `train_rollout_logprob_abs_diff`, ...) and evaluation rows (`step`, `eval_accuracy`, ...). Each line is
 flushed when written. On resume from checkpoint step S, rows with step > S (written by the interrupted run
-after its last checkpoint) are moved to metrics.orphaned.jsonl, so metrics.jsonl reads as one uninterrupted
-run and nothing is thrown away.
+after its last checkpoint) are moved to metrics.orphaned.jsonl; a run that starts from step 0 in a directory
+that already holds rows (killed before its first checkpoint, or trainer.resume=never) moves them all. So
+metrics.jsonl reads as one uninterrupted run, each step's rows once, and nothing is thrown away.
+
+wandb: one run per run directory, its id kept in <run_dir>/wandb_id and resumed (`resume="allow"`) by
+every restart, so a requeued job logs into the same run. A preemption stops right after a checkpoint, so
+wandb never sees a step twice; after a hard kill (SIGKILL, a node lost) wandb already holds the rows past
+the checkpoint and keeps its first copy (it ignores a step logged again; metrics.jsonl is the reference).
 """
 
 from __future__ import annotations
@@ -54,17 +60,19 @@ def truncate_metrics(run_dir: str | Path, last_step: int) -> int:
 
 
 class RunLog:
-    """Appends rows to metrics.jsonl and mirrors them to wandb. One per run, on the driver process."""
+    """Appends rows to metrics.jsonl and mirrors them to wandb. One per run, on the driver process.
+    `resume_step`: the checkpoint step the run continues from; None: it starts at step 0."""
 
     def __init__(self, run_dir: str | Path, *, wandb_mode: str, project: str, run_name: str | None,
                  config: dict[str, Any], resume_step: int | None):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        if resume_step is not None:
-            moved = truncate_metrics(self.run_dir, resume_step)
-            if moved:
-                log.warning("resuming at step %d: moved %d metrics rows of the interrupted run to %s",
-                            resume_step, moved, ORPHANED)
+        # rows after the checkpoint resumed from (or any, starting over) were written by an interrupted run
+        moved = truncate_metrics(self.run_dir, -1 if resume_step is None else resume_step)
+        if moved:
+            log.warning("%s: moved %d metrics rows of the interrupted run to %s",
+                        "starting at step 0" if resume_step is None else f"resuming at step {resume_step}",
+                        moved, ORPHANED)
         self._file = open(self.run_dir / METRICS, "a")
         self._wandb = None
         if wandb_mode != "disabled":
@@ -76,7 +84,9 @@ class RunLog:
         # One wandb run per run directory, resumed across restarts.
         id_file = self.run_dir / "wandb_id"
         run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:12]
-        id_file.write_text(run_id)
+        tmp = id_file.with_suffix(".tmp")
+        tmp.write_text(run_id)
+        os.replace(tmp, id_file)  # a kill mid-write must not leave an empty id (a new wandb run next time)
         return wandb.init(mode=mode, project=project, name=run_name or self.run_dir.name, id=run_id,
                           resume="allow", dir=str(self.run_dir), config=config,
                           settings=wandb.Settings(console="off", silent=True))

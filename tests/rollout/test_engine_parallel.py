@@ -183,13 +183,16 @@ def worker(rank: int, world: int, port: int, out: str, checkpoint: str) -> None:
                                               max_adapters=2, quantize="none", dtype=torch.float32)
             else:
                 engine = build(EngineTP(dcp_size=case["dcp"]), case["dcp"])
+            buffers = [*engine.adapters.A.values(), *engine.adapters.B.values()]
+            ptrs = [t.data_ptr() for t in buffers]
             if engine.is_leader:
                 summary = _summary(workload(engine, first, second), engine)
                 engine.stop_followers()
             else:
                 summary = {}
-                engine.follow()
-            results[name] = summary | {"rank": _rank_state(engine)}
+                engine.follow()  # the adapter's add and update arrive here too
+            same_storage = [t.data_ptr() for t in buffers] == ptrs
+            results[name] = summary | {"rank": _rank_state(engine) | {"same_storage": same_storage}}
         # negative controls: without the row-parallel all-reduce, or without the DCP merge, the logits differ
         results["controls"] = _controls(rank)
         results["reads"] = _reads(checkpoint)
@@ -278,6 +281,7 @@ def test_ranks_agree_and_hold_only_their_shares(sharded, case):
     lead, follow = sharded[0][case]["rank"], sharded[1][case]["rank"]
     for key in ("counters", "free_pages", "free_slots", "rows_per_page", "state_heads"):
         assert lead[key] == follow[key], key
+    assert lead["same_storage"] and follow["same_storage"]  # add / update copied in place on every rank
     assert lead["state_heads"] == CONFIG.kda_num_heads // 2  # KDA state pool: this rank's heads
     assert lead["rows_per_page"] == SETTINGS["page_size"] // CASES[case]["dcp"]  # DCP: its positions' rows
     # the adapter update reached each rank's slices of the trainer's full tensors

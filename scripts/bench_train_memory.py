@@ -156,22 +156,24 @@ def main(argv: list[str] | None = None) -> dict:
           f"{'bf16 cuda' if args.device == 'cuda' else 'fp32 cpu'}")
     print(f"{'tokens':>7} {'variant':>10} {'peak MiB':>10} {'vs base':>8} {'step s':>8} {'tok/s':>8} {'loss':>9}")
     rows = []
+    device = torch.cuda.get_device_name() if args.device == "cuda" else f"{platform.machine()} {os.cpu_count()} cpus"
+    result = {"rows": rows, "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+              "command": "python scripts/bench_train_memory.py " + " ".join(argv),
+              "env": {"torch": torch.__version__, "device": device,
+                      "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}}
     for length in args.lengths:
         base = None
         for variant in args.variants:
             r = run(variant, length, args)
             rows.append(r)
+            if args.json:  # after every row: a run cut short keeps what it measured
+                args.json.write_text(json.dumps(result, indent=2) + "\n")
             if "peak_bytes" not in r:
                 print(f"{length:>7} {variant:>10} {'OOM' if r.get('oom') else 'failed':>10}", flush=True)
                 continue
             base = base or r["peak_bytes"]
             print(f"{length:>7} {variant:>10} {r['peak_bytes'] / 2**20:10.1f} {r['peak_bytes'] / base:7.2f}x "
                   f"{r['step_s']:8.2f} {r['tokens_per_s']:8.0f} {r['loss']:9.5f}", flush=True)
-    device = torch.cuda.get_device_name() if args.device == "cuda" else f"{platform.machine()} {os.cpu_count()} cpus"
-    result = {"rows": rows, "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-              "command": "python scripts/bench_train_memory.py " + " ".join(argv),
-              "env": {"torch": torch.__version__, "device": device,
-                      "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}}
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     return result

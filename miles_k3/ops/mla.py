@@ -42,7 +42,7 @@ def causal_mask(q_len: int, k_len: int, device: torch.device) -> torch.Tensor:
 @dataclass(frozen=True)
 class SegmentCausalMask:
     """Query i sees key j iff q_seg[i] == k_seg[j] and k_pos[j] <= q_pos[i]. Long tensors q_pos / q_seg [T],
-    k_pos / k_seg [S], on the host (block planning reads them; each block's mask is built on the device).
+    k_pos / k_seg [S], on the host (block planning reads them; `on(device)` for building block masks there).
     Every query must see at least one key (in every use here it sees itself)."""
 
     q_pos: torch.Tensor
@@ -64,14 +64,17 @@ class SegmentCausalMask:
         seg = torch.repeat_interleave(torch.arange(len(bounds) - 1), cu.diff())
         return cls(pos, pos, seg, seg)
 
+    def on(self, device: torch.device | str) -> "SegmentCausalMask":
+        """The same mask with its tensors on `device` (one copy each, for building block masks there)."""
+        return SegmentCausalMask(*(x.to(device) for x in (self.q_pos, self.k_pos, self.q_seg, self.k_seg)))
+
     def dense(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """Bool [T, S] (for the dense path and for tests)."""
-        return self.block(slice(None), slice(None), device)
+        return self.on(device).block(slice(None), slice(None))
 
-    def block(self, qs: slice, ks: slice, device: torch.device | str) -> torch.Tensor:
-        q_pos, q_seg = self.q_pos[qs].to(device), self.q_seg[qs].to(device)
-        k_pos, k_seg = self.k_pos[ks].to(device), self.k_seg[ks].to(device)
-        return (k_pos[None, :] <= q_pos[:, None]) & (k_seg[None, :] == q_seg[:, None])
+    def block(self, qs: slice, ks: slice) -> torch.Tensor:
+        """Bool [len(qs), len(ks)] on the tensors' device: which of those keys each of those queries sees."""
+        return (self.k_pos[None, ks] <= self.q_pos[qs, None]) & (self.k_seg[None, ks] == self.q_seg[qs, None])
 
     def plan(self, block: int) -> list[tuple[slice, list[slice]]]:
         """(query block, the key blocks any of its queries may see) for blocks of `block` tokens, from each
@@ -103,7 +106,7 @@ class _BlockwiseAttention(torch.autograd.Function):
         b, h, t, _ = qh.shape
         out = qh.new_empty(b, h, t, vh.shape[-1], dtype=dt)
         lse = qh.new_empty(b, h, t, dtype=dt)
-        plan = mask.plan(block)
+        plan, on_device = mask.plan(block), mask.on(qh.device)
         for qs, key_blocks in plan:
             q = qh[:, :, qs].to(dt)
             m = q.new_full(q.shape[:-1], float("-inf"))
@@ -111,7 +114,7 @@ class _BlockwiseAttention(torch.autograd.Function):
             acc = q.new_zeros(*q.shape[:-1], vh.shape[-1])
             for ks in key_blocks:
                 s = (q @ kh[:, :, ks].to(dt).transpose(-1, -2)) * scale
-                s = s.masked_fill(~mask.block(qs, ks, qh.device), float("-inf"))
+                s = s.masked_fill(~on_device.block(qs, ks), float("-inf"))
                 m_new = torch.maximum(m, s.amax(-1))
                 m_safe = torch.where(torch.isinf(m_new), 0.0, m_new)  # rows that saw no key yet
                 p = torch.exp(s - m_safe[..., None])
@@ -122,7 +125,7 @@ class _BlockwiseAttention(torch.autograd.Function):
             out[:, :, qs] = acc / denom[..., None]
             lse[:, :, qs] = m + denom.log()
         ctx.save_for_backward(qh, kh, vh, out, lse)
-        ctx.scale, ctx.mask, ctx.plan = scale, mask, plan
+        ctx.scale, ctx.mask, ctx.plan = scale, on_device, plan
         return out.to(vh.dtype)
 
     @staticmethod
@@ -138,7 +141,7 @@ class _BlockwiseAttention(torch.autograd.Function):
             for ks in key_blocks:
                 k, v = kh[:, :, ks].to(dt), vh[:, :, ks].to(dt)
                 s = (q @ k.transpose(-1, -2)) * scale
-                s = s.masked_fill(~ctx.mask.block(qs, ks, qh.device), float("-inf"))
+                s = s.masked_fill(~ctx.mask.block(qs, ks), float("-inf"))
                 p = torch.exp(s - lse_q)
                 dv[:, :, ks] += p.transpose(-1, -2) @ do_q
                 ds = p * (do_q @ v.transpose(-1, -2) - delta_q) * scale

@@ -13,15 +13,17 @@ variants, each adding one saving to the one before:
   on CUDA);
 - recompute: + activation recompute per decoder layer (`parallel.recompute=true`);
 - logprobs: + each chunk's logits recomputed in backward (the trainer's default since issue 18).
-Each (length, variant) runs in a fresh process. Peak memory: on CUDA `max_memory_allocated` above what
-the built policy holds; on CPU the process's peak resident set (VmHWM, reset after the build) above its
-resident set then. Step time: the median of `--steps` steps after one warm-up. The loss is printed so the
+Each (length, variant) runs in a fresh process. Peak memory, the largest over the steps (the warm-up
+included): on CUDA `max_memory_allocated` above what is allocated before the step; on CPU the process's peak
+resident set (VmHWM, reset before the step) above its resident set then, with glibc's mmap threshold fixed so
+freed tensors leave the resident set. Step time: the median of `--steps` steps after one warm-up. The loss is printed so the
 variants can be seen to compute the same thing (they differ in summation order only).
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import datetime
 import json
 import multiprocessing as mp
@@ -81,23 +83,24 @@ def measure(variant: str, length: int, args: argparse.Namespace) -> dict:
         loss.backward()
         return float(loss.detach())
 
-    step()  # warm-up (allocator, autotuning)
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-    else:
-        _reset_peak_rss()
-        base = _rss_kib("VmRSS") * 1024
-    times = []
-    for _ in range(args.steps):
+    times, peak = [], 0
+    for i in range(args.steps + 1):  # step 0 warms up (allocator, autotuning): timed no, measured yes
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+        else:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)  # what the heap holds free goes back first
+            _reset_peak_rss()
+            base = _rss_kib("VmRSS") * 1024
         start = time.perf_counter()
         loss = step()
         if cuda:
             torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    peak = torch.cuda.max_memory_allocated() if cuda else _rss_kib("VmHWM") * 1024
-    return {"variant": variant, "tokens": length, "peak_bytes": peak - base, "step_s": statistics.median(times),
+        if i:
+            times.append(time.perf_counter() - start)
+        peak = max(peak, (torch.cuda.max_memory_allocated() if cuda else _rss_kib("VmHWM") * 1024) - base)
+    return {"variant": variant, "tokens": length, "peak_bytes": peak, "step_s": statistics.median(times),
             "tokens_per_s": length / statistics.median(times), "loss": loss}
 
 
@@ -111,6 +114,9 @@ def _child(conn, variant: str, length: int, args: argparse.Namespace) -> None:
 
 
 def run(variant: str, length: int, args: argparse.Namespace) -> dict:
+    # a fixed mmap threshold: glibc then maps every large tensor on its own and unmaps it when freed, so the
+    # child's resident set follows the tensors alive (its dynamic threshold would keep freed ones in the heap)
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 16))
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=_child, args=(child, variant, length, args))
@@ -171,7 +177,7 @@ def main(argv: list[str] | None = None) -> dict:
             if "peak_bytes" not in r:
                 print(f"{length:>7} {variant:>10} {'OOM' if r.get('oom') else 'failed':>10}", flush=True)
                 continue
-            base = base or r["peak_bytes"]
+            base = base or max(r["peak_bytes"], 1)
             print(f"{length:>7} {variant:>10} {r['peak_bytes'] / 2**20:10.1f} {r['peak_bytes'] / base:7.2f}x "
                   f"{r['step_s']:8.2f} {r['tokens_per_s']:8.0f} {r['loss']:9.5f}", flush=True)
     if args.json:

@@ -5,11 +5,13 @@
 The trainer's loss needs log pi(target) (and the entropy) at every response token. The full path computes
 logits [M, V] in the model's dtype, upcasts them to fp32 and takes log_softmax: with K3's vocabulary
 (163,840) that is 640 KB a token in fp32, 21 GB at 32k tokens, plus its gradient. `token_logprobs`
-(megatron_patches/vocab_parallel.py) reads [chunk, V] logits at a time and saves each chunk in the model's
-dtype for its exact softmax backward. Both run here on the same bf16 head (K3's vocab and hidden size,
-random weights) and hidden states, forward and backward; the table has the peak memory above the inputs,
-the median time of `--steps` steps after one warm-up, and the largest difference of log-probs and of the
-hidden states' gradient between the two (fp32 maths in both; the difference is summation order).
+(megatron_patches/vocab_parallel.py) reads [chunk, V] logits at a time; its default ("chunked") keeps only
+each chunk's hidden rows and log-normalizer and computes the chunk's logits again in backward, the earlier
+form ("saved", `recompute_logits=False`) saves each chunk's logits in the model's dtype (10 GiB at 32k
+tokens). All run here on the same bf16 head (K3's vocab and hidden size, random weights) and hidden
+states, forward and backward; the table has the peak memory above the inputs, the median time of `--steps`
+steps after one warm-up, and the largest difference of log-probs and of the hidden states' gradient against
+the full path (fp32 maths in all; the difference is summation order).
 TP = 1: the vocab-parallel reduction over a TP group is the same code with a group of one (CPU tests hold
 TP = 2 exact against it).
 """
@@ -35,9 +37,9 @@ def full_logprobs(weight: torch.Tensor, hidden: torch.Tensor, targets: torch.Ten
     return logp_all.gather(-1, targets[:, None]).squeeze(-1), entropy
 
 
-def chunked_logprobs(weight, hidden, targets, temperature, chunk):
+def chunked_logprobs(weight, hidden, targets, temperature, chunk, recompute_logits=True):
     return vocab_parallel_logprobs(lambda h: h @ weight.t(), hidden, targets, temperature, with_entropy=True,
-                                   chunk_size=chunk)
+                                   chunk_size=chunk, recompute_logits=recompute_logits)
 
 
 def measure(fn, hidden: torch.Tensor, steps: int, device: str) -> dict:
@@ -82,6 +84,8 @@ def main() -> None:
         targets = torch.randint(0, args.vocab, (m,), generator=g).to(args.device)
         results = {}
         for name, fn in [("chunked", lambda h: chunked_logprobs(weight, h, targets, args.temperature, args.chunk)),
+                         ("saved", lambda h: chunked_logprobs(weight, h, targets, args.temperature, args.chunk,
+                                                              recompute_logits=False)),
                          ("full", lambda h: full_logprobs(weight, h, targets, args.temperature))]:
             try:
                 results[name] = measure(fn, hidden, args.steps, args.device)
@@ -89,10 +93,10 @@ def main() -> None:
                 results[name] = None
                 torch.cuda.empty_cache()
         for name, r in results.items():
-            row = {"tokens": m, "path": name, "chunk": args.chunk if name == "chunked" else None,
+            row = {"tokens": m, "path": name, "chunk": None if name == "full" else args.chunk,
                    "peak_bytes": None if r is None else r["peak_bytes"],
                    "step_ms": None if r is None else r["step_ms"]}
-            if r is not None and results.get("full") is not None and name == "chunked":
+            if r is not None and results.get("full") is not None and name != "full":
                 full = results["full"]
                 row["max_abs_logp_diff"] = float((r["logp"] - full["logp"]).abs().max())
                 row["max_abs_entropy_diff"] = float((r["entropy"] - full["entropy"]).abs().max())

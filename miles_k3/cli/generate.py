@@ -13,8 +13,9 @@ untruncated distribution at the temperature.
 Sampling is reproducible: row i draws from its own generator seeded `--seed + i`, so its output does not
 depend on the batch, the schedule or the tensor-parallel size. With `--prompts` a row stops at the
 tokenizer's end-of-sequence token; `--stop-token-id` adds others (with `--input-ids` they are the only
-stops). `--tp N` starts N worker processes, one engine rank each (`rollout.parallel`), and rank 0 writes
-the output. Bad input (a flag, a row of a file, the checkpoint) stops it before any generation with one
+stops). `--tp N` starts N worker processes, one engine rank each (`rollout.parallel`: attention heads
+split, routed experts split by intermediate dim or with `--ep` whole per rank, `--dcp M` MLA's KV sharded
+by position over groups of M ranks), and rank 0 writes the output. Bad input (a flag, a row of a file, the checkpoint) stops it before any generation with one
 line naming it, exit status 2.
 """
 
@@ -25,6 +26,8 @@ import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+ADAPTER = "adapter"  # the name the rows' adapter is loaded under
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,7 @@ class GenerateArgs:
     tokenizer: str | None
     tp: int
     dcp: int
+    ep: bool  # with --tp: whole routed experts, num_experts / tp per rank (else split by intermediate dim)
     device: str
     dtype: str | None
     quantize: str
@@ -61,6 +65,8 @@ class GenerateArgs:
         for flag, value in (("--tp", self.tp), ("--dcp", self.dcp)):
             if value < 1:
                 raise ValueError(f"{flag} must be >= 1, got {value}")
+        if self.ep and self.tp == 1:
+            raise ValueError("--ep needs --tp > 1: expert parallelism runs over the tensor-parallel ranks")
         if self.tp % self.dcp:
             raise ValueError(f"--dcp {self.dcp} must divide --tp {self.tp}: decode context parallelism runs inside "
                              f"the tensor-parallel group")
@@ -71,7 +77,8 @@ class GenerateArgs:
         """The engine settings as the server's config (same flags, same checks, same loading)."""
         from rollout.server.config import ServeConfig
 
-        return ServeConfig(model=self.model, adapters=(() if self.adapter is None else (("adapter", str(self.adapter)),)),
+        adapters = () if self.adapter is None else ((ADAPTER, str(self.adapter)),)
+        return ServeConfig(model=self.model, adapters=adapters,
                            tokenizer=self.tokenizer, device=self.device, dtype=self.dtype, quantize=self.quantize,
                            memory_mb=self.memory_mb, max_running=self.max_running, max_seq_len=self.max_seq_len)
 
@@ -151,9 +158,9 @@ def generate_outputs(engine, rows: list[list[int]], args: GenerateArgs, stops: t
 
 def run(args: GenerateArgs) -> list[dict]:
     """Load, check every row, generate (tensor-parallel workers for --tp > 1). ValueError on bad input."""
+    from miles_k3.trainer.base import load_base_config
     from miles_k3.trainer.config import ModelCfg
     from rollout.config import EngineConfig
-    from rollout.server.loading import build_engine
     from rollout.server.tokenization import build_server_tokenizer
 
     args.check()
@@ -165,15 +172,79 @@ def run(args: GenerateArgs) -> list[dict]:
     else:
         rows = read_rows(args.input_ids, "--input-ids", None)
     stops = tuple(args.stop_token_ids) + ((tokenizer.eos_token_id,) if tokenizer is not None else ())
-    adapter = None if args.adapter is None else "adapter"
-    if args.tp > 1:
-        raise ValueError("--tp > 1: the tensor-parallel engine is not wired into generate yet")
     model = ModelCfg(path=str(cfg.model_path), tokenizer=cfg.tokenizer_kind)
-    engine, config = build_engine(model, cfg, seed=args.seed)
-    max_seq_len = cfg.max_seq_len or EngineConfig.max_seq_len
-    check_ids(rows, config.vocab_size, max_seq_len, args.max_new_tokens,
+    config = load_base_config(model)
+    check_ids(rows, config.vocab_size, cfg.max_seq_len or EngineConfig.max_seq_len, args.max_new_tokens,
               "--prompts" if args.prompts is not None else "--input-ids")
-    return generate_outputs(engine, rows, args, stops, adapter, tokenizer)
+    if args.tp == 1:
+        from rollout.server.loading import build_engine
+
+        engine, _ = build_engine(model, cfg, seed=args.seed)
+        return generate_outputs(engine, rows, args, stops, None if args.adapter is None else ADAPTER, tokenizer)
+    outputs = run_workers(args, rows, stops)
+    if tokenizer is not None:
+        for out in outputs:
+            out["text"] = tokenizer.decode(out["output_ids"])
+    return outputs
+
+
+def run_workers(args: GenerateArgs, rows: list[list[int]], stops: tuple[int, ...]) -> list[dict]:
+    """--tp N: N worker processes, one engine rank each (gloo on CPU, nccl with a GPU per rank); rank 0
+    generates and hands the outputs back through a file. A worker's ValueError comes back as this one."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    from megatron_patches.parallel import free_port
+
+    with tempfile.TemporaryDirectory(prefix="miles-k3-generate-") as tmp:
+        result = Path(tmp) / "result.json"
+        mp.spawn(_worker, args=(args.tp, free_port(), args, rows, stops, str(result)), nprocs=args.tp, join=True)
+        answer = json.loads(result.read_text())
+    if "error" in answer:
+        raise ValueError(answer["error"])
+    return answer["outputs"]
+
+
+def _worker(rank: int, world: int, port: int, args: GenerateArgs, rows: list[list[int]], stops: tuple[int, ...],
+            result: str) -> None:
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    from miles_k3.trainer.base import TORCH_DTYPES
+    from rollout.config import EngineConfig
+    from rollout.parallel import build_sharded_engine
+    from rollout.server.loading import read_adapters
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    device = "cpu"
+    if args.device == "cuda":
+        torch.cuda.set_device(rank)
+        device = f"cuda:{rank}"
+    dist.init_process_group("nccl" if args.device == "cuda" else "gloo", rank=rank, world_size=world)
+    try:
+        cfg = args.serve_config()
+        spec, tensors, alphas = read_adapters(cfg.adapters)
+        engine_config = EngineConfig(memory_bytes=int(cfg.memory_mb * (1 << 20)), dcp_size=args.dcp,
+                                     **cfg.engine_overrides())
+        engine = build_sharded_engine(cfg.model_path, engine_config, ep=args.ep, quantize=cfg.quantize, lora=spec,
+                                      max_adapters=1, dtype=TORCH_DTYPES[cfg.resolved_dtype], device=device)
+        if not engine.is_leader:
+            engine.follow()
+            return
+        try:
+            for name, t in tensors.items():  # rank 0's calls reach every rank (the leader's log)
+                engine.add_adapter(ADAPTER, t, alpha=alphas[name])
+            answer = {"outputs": generate_outputs(engine, rows, args, stops, ADAPTER if tensors else None)}
+        except ValueError as e:
+            answer = {"error": str(e)}
+        finally:
+            engine.stop_followers()
+        Path(result).write_text(json.dumps(answer))
+    finally:
+        dist.destroy_process_group()
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -193,6 +264,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", help="arithmetic | hf (default: arithmetic for builtin:, hf for a directory)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel engine ranks (worker processes)")
     p.add_argument("--dcp", type=int, default=1, help="decode context-parallel ranks inside the TP group")
+    p.add_argument("--ep", action="store_true", help="with --tp: whole routed experts, num_experts / tp per rank")
     p.add_argument("--device", default="cpu", help="cpu | cuda")
     p.add_argument("--dtype", help="float32 | bfloat16 (default: bfloat16 on cuda, float32 on cpu)")
     p.add_argument("--quantize", default="experts", help="none | experts | all (MXFP4 base weights)")

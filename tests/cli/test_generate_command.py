@@ -84,6 +84,7 @@ def test_an_adapter_changes_the_outputs(tmp_path):
     (['[1, 2]'], (), "line 1: expected a JSON object"),
     ([], (), "no rows"),
     (['{"input_ids": [1]}'], ("--dcp", "2"), "--dcp 2 must divide --tp 1"),
+    (['{"input_ids": [1]}'], ("--ep",), "--ep needs --tp > 1"),
     (['{"input_ids": [1]}'], ("--max-new-tokens", "0"), "SamplingParams.max_new_tokens"),
     (['{"input_ids": [1, 2, 3]}'], ("--max-seq-len", "4", "--max-new-tokens", "2"), "exceed the engine's max"),
 ])
@@ -103,3 +104,23 @@ def test_a_missing_model_or_file_is_named(tmp_path, capsys):
     assert "--model" in capsys.readouterr().err
     assert main(["generate", "--model", MODEL, "--input-ids", str(tmp_path / "missing.jsonl")]) == 2
     assert "--input-ids" in capsys.readouterr().err
+
+
+SAMPLINGS = {"greedy": ("--temperature", "0"), "seeded": ("--temperature", "1", "--seed", "5")}
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory) -> dict[str, list[dict]]:
+    tmp = tmp_path_factory.mktemp("one_rank")
+    return {k: generate(tmp, *flags, "--max-new-tokens", "6", name=f"{k}.json") for k, flags in SAMPLINGS.items()}
+
+
+@pytest.mark.parametrize("flags", [("--tp", "2", "--dcp", "2"), ("--tp", "2", "--ep")], ids=["tp2-dcp2", "tp2-ep"])
+def test_tensor_parallel_workers_equal_one_rank(tmp_path, flags, one_rank):
+    """Two gloo worker processes give one process's tokens and log-probs, greedy and seeded sampling (the
+    engine's own tests cover plain TP=2, tests/rollout/test_engine_parallel.py)."""
+    for kind, sampling in SAMPLINGS.items():
+        many = generate(tmp_path, *sampling, "--max-new-tokens", "6", *flags, name=f"{kind}.json")
+        assert [o["output_ids"] for o in many] == [o["output_ids"] for o in one_rank[kind]]
+        for a, b in zip(one_rank[kind], many):
+            torch.testing.assert_close(torch.tensor(b["logprobs"]), torch.tensor(a["logprobs"]), atol=1e-4, rtol=0)

@@ -1,7 +1,8 @@
 """scripts/slurm/train_multinode.sbatch on the test cluster's two emulated nodes (two slurmd on this host):
-the srun launcher runs a real two-rank run with one rank on each node; the Ray launcher places its head and
-worker steps on both nodes, runs the driver with the cluster's address and stops only its own Ray processes
-(placeholder `ray` and python: two-node Ray cannot run on one host, it rebinds to the external address)."""
+the srun launcher runs a real two-rank run with one rank on each node; the Ray launcher runs the loop on a
+real one-node Ray cluster, and places its head and worker steps on both nodes, runs the driver with the
+cluster's address and stops only its own Ray processes (placeholder `ray` and python: two-node Ray cannot
+run on one host, it rebinds to the external address)."""
 
 import os
 import re
@@ -19,10 +20,11 @@ REPO = Path(__file__).resolve().parents[2]
 MULTI = REPO / "scripts" / "slurm" / "train_multinode.sbatch"
 
 
-def submit(slurm, tmp_path: Path, run_dir: Path, launcher: str, *overrides: str, env: dict | None = None) -> str:
+def submit(slurm, tmp_path: Path, run_dir: Path, launcher: str, *overrides: str, env: dict | None = None,
+           nodes: int = 2, cpus: int = 1) -> str:
     env = {**slurm.env(), "MILES_K3_PYTHON": sys.executable, "MILES_K3_LAUNCHER": launcher, "WANDB_SILENT": "true",
            **(env or {})}
-    out = subprocess.run(["sbatch", "--parsable", "--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=1",
+    out = subprocess.run(["sbatch", "--parsable", f"--nodes={nodes}", "--ntasks-per-node=1", f"--cpus-per-task={cpus}",
                           f"--output={tmp_path}/slurm-%j.out", str(MULTI), *overrides, f"hydra.run.dir={run_dir}"],
                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60)
     assert out.returncode == 0, out.stderr
@@ -46,6 +48,19 @@ def test_srun_launcher_trains_with_one_rank_on_each_node(slurm, tmp_path):
     # srun's labels: rank 0 (the driver's step lines) and rank 1 both wrote to the job's log
     assert re.search(r"^0: .*step 2/2", log(), re.M) and re.search(r"^1: ", log(), re.M)
     assert job_field(slurm, job, "NumNodes") == "2"
+
+
+def test_ray_launcher_runs_the_loop_on_a_real_single_node_ray_cluster(slurm, tmp_path):
+    # one node: the file's real `ray start --head`, the node wait, the driver with cluster.ray_address and
+    # the teardown (this Ray build needs RAY_AUTH_MODE=disabled for a cluster started by `ray start`)
+    run = tmp_path / "run"
+    job = submit(slurm, tmp_path, run, "ray", *SMALL, "cluster=ray_cpu", "trainer.max_steps=2",
+                 "logging.wandb=disabled", nodes=1, cpus=2, env={"RAY_AUTH_MODE": "disabled"})
+    log = lambda: (run / f"slurm-{job}.out").read_text()  # noqa: E731
+    assert finish(slurm, job) == "COMPLETED", log()[-4000:]
+    assert [r["step"] for r in rows(run)] == [1, 2]
+    assert "ray cluster: 1 nodes up" in log() and "stopping this job's Ray processes" in log()
+    assert rows(run)[0]["train_rollout_logprob_abs_diff"] < 1e-4
 
 
 FAKE_RAY = """#!/usr/bin/env bash

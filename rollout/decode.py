@@ -48,23 +48,31 @@ class DecodeLaunch:
 class DecodeStrategy:
     """What one decode step computes for each row: the seam for decodes other than one token per row.
 
-    Speculative decoding would be one (draft k tokens, verify k + 1 in one forward, accept a prefix, roll the
-    KDA state back); `OneToken` is the engine's. The pipeline calls `launch` once per step, with `batch` the
-    scheduler's decode rows, each row's pages already covering [0, r.pos + lookahead), and later calls `read`
-    on what `launch` returned: at once without overlap, one engine step later with it.
+    `OneToken` is the engine's; speculative decoding (`rollout.spec.strategy.SpecDecode`: draft gamma tokens,
+    verify gamma + 1 in one forward, keep a prefix, fold the KDA state over it) is the other. The pipeline
+    calls `use_memory` once, then `launch` once per step, with `batch` the scheduler's decode rows, each
+    row's pages already covering [0, r.pos + lookahead), and later calls `read` on what `launch` returned:
+    at once without overlap, one engine step later with it.
 
     What a strategy may touch, and when:
-    - pools: through `ModelRunner.forward` only, which writes each row's KV at positions [r.pos, r.pos +
-      lookahead) of its own pages and its working KDA slot. A strategy that must undo state (rejected draft
-      tokens) snapshots and restores working slots with slots it takes from and gives back to the cache
-      manager (`snapshot`, `free_snapshot`) within its own launch / read; rejected KV rows need nothing (the
-      positions are rewritten before anything reads them).
-    - radix cache: never. Locks, inserts and checkpoints are the pipeline's (chunk-boundary snapshots right
-      after `launch`, tree inserts after `read`), and finishing requests is the engine's.
-    - sampler: one draw per produced token from the row's own generator (`r.generator`), in order, so a
-      seeded request's outputs do not depend on the batch or the schedule.
-    - `launch` enqueues and must not wait for the device (no `.item()`, `.tolist()`, blocking copies): the
-      overlap schedule relies on it. It advances each row's `pos` past the positions it fed. `read` may wait.
+    - pools: through `ModelRunner.forward` (or, for a step that must not commit its KDA state, a forward
+      over a cache of its own, `rollout.spec.replay`), writing each row's KV at positions [r.pos, r.pos +
+      lookahead) of its own pages and its working KDA slot. A strategy that must undo state takes slots
+      from and gives them back to the cache manager (`snapshot`, `free_snapshot`) within its own launch /
+      read; rejected KV rows need nothing (they lie past the row's pos and are rewritten before anything
+      reads them).
+    - radix cache: never directly. Locks, inserts and checkpoints are the pipeline's: after `launch` it
+      snapshots every row whose new `pos` is a chunk boundary, and after `read` it inserts the launch's
+      `snapshots`. A row that advances several tokens can cross a boundary inside its step: the strategy
+      takes that snapshot itself (`CacheManager.snapshot`, when its working slot holds the state at the
+      boundary) and lists it in `launch.snapshots` as (row, boundary position, slot).
+    - sampler: draws from the row's own generator (`r.generator`), in a fixed order per step that depends
+      only on the row, so a seeded request's outputs do not depend on the batch or the schedule.
+    - `launch` of a strategy with `overlaps` enqueues and must not wait for the device (no `.item()`,
+      `.tolist()`, blocking copies): the overlap schedule relies on it. A strategy without `overlaps` may
+      wait (a verify step needs its accepted lengths). `launch` advances each row's `pos` past the
+      positions it committed: the new `pos` never exceeds the row's token count after `read`'s tokens are
+      appended (tokens past a stop token or the length limit are neither returned nor committed).
     - `ids` is each row's next input token: a host list, or with overlap the previous launch's device
       `tokens` (rows selected). A strategy whose rows can advance by more than one token per step cannot be
       fed that way: it must set `overlaps = False`.
@@ -72,6 +80,9 @@ class DecodeStrategy:
 
     lookahead = 1  # KV positions past r.pos one step may write per row
     overlaps = True  # whether a launch's `tokens` [N] can feed the next launch before `read`
+
+    def use_memory(self, memory: CacheManager) -> None:
+        """The cache manager whose `snapshot` / `free_snapshot` the strategy may call (see above)."""
 
     def launch(self, batch: list[Running], ids: list[int] | torch.Tensor) -> DecodeLaunch:
         raise NotImplementedError
@@ -111,10 +122,17 @@ class OneToken(DecodeStrategy):
 
 
 def strategy_for(runner: ModelRunner, config) -> DecodeStrategy:
-    """The engine's decode strategy for `config` (an EngineConfig): `OneToken` unless speculation is set."""
-    if config.speculation is not None:
-        raise ValueError("EngineConfig.speculation: speculative decoding is not built yet")
-    return OneToken(runner)
+    """The engine's decode strategy for `config` (an EngineConfig): `OneToken`, or `SpecDecode` when
+    `speculation` is a `rollout.spec.SpecConfig`."""
+    if config.speculation is None:
+        return OneToken(runner)
+    from rollout.spec.config import SpecConfig  # the spec package builds on this module
+    from rollout.spec.strategy import SpecDecode
+
+    if not isinstance(config.speculation, SpecConfig):
+        raise ValueError(f"EngineConfig.speculation must be a rollout.spec.SpecConfig or None, got "
+                         f"{type(config.speculation).__name__}")
+    return SpecDecode(runner, config.speculation)
 
 
 class DecodePipeline:
@@ -126,6 +144,7 @@ class DecodePipeline:
     def __init__(self, strategy: DecodeStrategy, scheduler: Scheduler, memory: CacheManager,
                  on_tokens: Callable[[list[Running], list[list[int]], list[list[float]]], None], overlap: bool):
         self.strategy, self.scheduler, self.memory, self.on_tokens = strategy, scheduler, memory, on_tokens
+        strategy.use_memory(memory)
         self.overlap = overlap and strategy.overlaps
         self.inflight: DecodeLaunch | None = None  # the enqueued step not yet read back (overlap)
 
@@ -154,10 +173,10 @@ class DecodePipeline:
 
     def _launch(self, batch: list[Running], ids: list[int] | torch.Tensor) -> DecodeLaunch:
         """Enqueue a step, then snapshot the working state of rows reaching a chunk boundary now, before a
-        later step overwrites it."""
+        later step overwrites it (after the strategy's own snapshots of boundaries crossed inside the step)."""
         launch = self.strategy.launch(batch, ids)
         chunk = self.memory.config.chunk_size
-        launch.snapshots = [(r, r.pos, self.memory.snapshot(r)) for r in batch if r.pos % chunk == 0]
+        launch.snapshots += [(r, r.pos, self.memory.snapshot(r)) for r in batch if r.pos % chunk == 0]
         return launch
 
     def _continue(self, prev: DecodeLaunch) -> DecodeLaunch | None:
@@ -169,16 +188,27 @@ class DecodePipeline:
 
     def resolve(self, launch: DecodeLaunch) -> None:
         """Read a launched step's tokens back: tree inserts for its snapshots, then the tokens. Rows of
-        requests that left meanwhile (stopped a step earlier, aborted) are discarded."""
+        requests that left meanwhile (stopped a step earlier, aborted) are discarded. A snapshot past the
+        row's known tokens (a multi-token step's) is inserted once its tokens are appended, if the row is
+        still running then."""
         tokens, logps = self.strategy.read(launch)
         running = set(self.scheduler.running)
+        later = []
         for r, pos, snap in launch.snapshots:
+            if r not in running:
+                self.memory.free_snapshot(snap)
+            elif pos <= len(r.tokens):
+                self.memory.donate_at(r, pos, snap)
+            else:
+                later.append((r, pos, snap))
+        live = [i for i, r in enumerate(launch.batch) if r in running]
+        self.on_tokens([launch.batch[i] for i in live], [tokens[i] for i in live], [logps[i] for i in live])
+        running = set(self.scheduler.running)
+        for r, pos, snap in later:
             if r in running:
                 self.memory.donate_at(r, pos, snap)
             else:
                 self.memory.free_snapshot(snap)
-        live = [i for i, r in enumerate(launch.batch) if r in running]
-        self.on_tokens([launch.batch[i] for i in live], [tokens[i] for i in live], [logps[i] for i in live])
 
     def settle(self) -> None:
         """Read back an enqueued step none of whose requests is still running (they stopped or were

@@ -1,0 +1,14 @@
+"""Speculative decoding for the engine: DSpark block drafts, lossless verification, ReplaySSM for KDA state.
+
+    config.py    SpecConfig: what `EngineConfig.speculation` takes (drafter, block size, planner)
+    strategy.py  SpecDecode: the decode strategy (draft, verify gamma + 1 in one forward, keep a prefix, fold)
+    verify.py    lossless verification (min(1, p'/q) acceptance, residual draws; greedy argmax agreement)
+    replay.py    the verify forward that never writes KDA state, and the fold over the accepted tokens
+    drafter.py   the Drafter seam and the DSpark block drafter
+    planner.py   the cost-aware verify planner (lagged-confidence budget on a measured cost surface)
+"""
+
+from rollout.spec.config import SpecConfig
+from rollout.spec.drafter import Drafter
+
+__all__ = ["SpecConfig", "Drafter"]

@@ -1,0 +1,57 @@
+"""SpecConfig: the speculative-decoding settings `EngineConfig.speculation` takes, with their defaults and checks.
+
+    Engine(model, EngineConfig(memory_bytes=64 << 20, speculation=SpecConfig(drafter="path/to/drafter")))
+
+Invalid values raise ValueError on construction, the message starting with `SpecConfig.<field>`; a drafter
+directory is read (and its files checked) when the engine builds its decode strategy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from rollout.spec import drafter as drafters
+from rollout.spec.drafter import Drafter
+
+PLANNERS = ("verify_all", "cost_aware")
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Draft `gamma` tokens per request, verify gamma + 1 in one target forward, keep a prefix (lossless)."""
+
+    # the drafter: a directory holding a DSpark drafter (`config.json` + `model.safetensors`, written by
+    # scripts/train_drafter.py), or a `Drafter` instance (tests, a drafter built in the same process)
+    drafter: str | Path | Drafter
+    # drafts per block; one verify step feeds the anchor and these, so a row may advance 1..gamma + 1 tokens
+    # per step and its pages must cover gamma + 1 positions past its computed ones (`lookahead`)
+    gamma: int = 4
+    # how many of each row's drafts a verify step checks: "verify_all" (gamma per row), or "cost_aware"
+    # (rollout.spec.planner: a token budget from the previous step's confidences against a verify cost
+    # surface measured when the engine starts, filled by the current confidences; needs a drafter with a
+    # confidence head)
+    planner: str = "verify_all"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.drafter, (str, Path, Drafter)):
+            raise ValueError(f"SpecConfig.drafter must be a drafter directory or a Drafter, got "
+                             f"{type(self.drafter).__name__}")
+        if isinstance(self.gamma, bool) or not isinstance(self.gamma, int) or self.gamma < 1:
+            raise ValueError(f"SpecConfig.gamma must be an integer >= 1, got {self.gamma!r}")
+        if self.planner not in PLANNERS:
+            raise ValueError(f"SpecConfig.planner must be one of {PLANNERS}, got {self.planner!r}")
+
+    def build_drafter(self, runner) -> Drafter:
+        """The drafter for the engine's `ModelRunner`, loaded when `drafter` is a directory."""
+        if isinstance(self.drafter, Drafter):
+            drafter = self.drafter
+        else:
+            drafter = drafters.DSparkDrafter.load(self.drafter, runner.model)
+        if self.gamma > drafter.max_gamma:
+            raise ValueError(f"SpecConfig.gamma ({self.gamma}) exceeds the drafter's block ({drafter.max_gamma})")
+        if self.planner == "cost_aware" and not drafter.has_confidence:
+            raise ValueError("SpecConfig.planner='cost_aware' needs a drafter with a confidence head "
+                             f"({type(drafter).__name__} has none)")
+        drafter.attach(runner)
+        return drafter

@@ -1,0 +1,294 @@
+"""Drafters: what proposes a block of tokens for the target to verify.
+
+`Drafter` is the seam the speculative strategy (`rollout.spec.strategy`) calls; `DSparkDrafter` is the
+block drafter of DSpark.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from rollout.request import SamplingParams
+from rollout.spec.replay import hooks
+from rollout.spec.verify import draw
+
+
+class Drafter:
+    """Proposes `gamma` tokens per row after each row's anchor (its next input token), with the exact
+    distribution q each draft was drawn from (verification is lossless only against the true q).
+
+    Call order, per engine: `attach(runner)` once; then per speculative step `propose` before the verify
+    forward and `observe` after the accepted lengths are known. `taps` (filled by `attach`) are target
+    modules whose outputs the strategy reads during the verify forward and hands to `observe`.
+
+    Draws: a sampled row's drafts come from its own generator (`rollout.spec.verify.draw`: one [V]
+    exponential draw per draft, left to right), greedy rows draft the argmax and draw nothing.
+    """
+
+    max_gamma: int = 1 << 30  # the longest block this drafter can propose
+    has_confidence = False  # whether `propose` also returns confidences (the cost-aware planner needs them)
+    taps: dict[str, torch.nn.Module] = {}
+
+    def attach(self, runner) -> None:
+        """Meet the engine's `ModelRunner` (read the target's shared weights, name `taps`)."""
+
+    def propose(self, batch: list, anchors: torch.Tensor, gamma: int, params: list[SamplingParams],
+                generators: list[torch.Generator | None]) -> tuple[torch.Tensor, torch.Tensor]:
+        """batch: the rows (`Running`); anchors [N] their next input tokens (device) -> (drafts [N, gamma]
+        long, q [N, gamma, V]: row n's draft j was drawn from q[n, j] given drafts[n, :j]), and with
+        `has_confidence` a third item, confidences [N, gamma]: c[n, j] estimates that draft j survives
+        given the earlier ones did, and reads only the drafts before j."""
+        raise NotImplementedError
+
+    def observe(self, batch: list, tapped: dict[str, torch.Tensor], lengths: list[int], counts: list[int]) -> None:
+        """After a verify forward: `tapped[name]` the outputs of `taps` at every fed token ([1, sum lengths,
+        ...], row by row, lengths[n] each: the anchor then the drafts), counts[n] the tokens row n committed
+        (the anchor and its surviving drafts)."""
+
+
+# ----------------------------------------------------------------------------------------- DSpark
+@dataclass(frozen=True)
+class DSparkConfig:
+    """A DSpark block drafter's shape; stored as the drafter directory's `config.json`. Checked on
+    construction (ValueError starting with `DSparkConfig.<field>`) and against the target at load."""
+
+    target_layers: tuple[int, ...]  # target decoder layers whose outputs (residual stream) are concatenated
+    hidden_size: int  # the target's hidden size (the shared embedding and lm_head fix it)
+    vocab_size: int  # the target's vocabulary
+    block_size: int = 4  # the most drafts one block proposes (SpecConfig.gamma may be smaller)
+    num_layers: int = 2  # draft transformer layers
+    num_heads: int = 4  # attention heads per draft layer (hidden_size must divide by it)
+    intermediate_size: int = 256  # the draft layers' SiLU-gated MLP width
+    markov_rank: int = 16  # rank r of the sequential head's bias W1[x_{k-1}] W2 (W1 [V, r], W2 [r, V])
+    context_window: int = 64  # target positions before the anchor a block sees (the latest ones)
+    rms_norm_eps: float = 1e-5  # the drafter's RMSNorm epsilon
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "target_layers", tuple(int(i) for i in self.target_layers))
+        for name in ("hidden_size", "vocab_size", "block_size", "num_layers", "num_heads", "intermediate_size",
+                     "markov_rank", "context_window"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"DSparkConfig.{name} must be an integer >= 1, got {value!r}")
+        if not self.target_layers:
+            raise ValueError("DSparkConfig.target_layers must name at least one target layer")
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"DSparkConfig.num_heads ({self.num_heads}) must divide hidden_size ({self.hidden_size})")
+
+    def check_target(self, target_config) -> None:
+        """ValueError naming the field when this drafter does not fit the target model."""
+        for name in ("hidden_size", "vocab_size"):
+            if getattr(self, name) != getattr(target_config, name):
+                raise ValueError(f"DSparkConfig.{name} ({getattr(self, name)}) differs from the target's "
+                                 f"({getattr(target_config, name)})")
+        bad = [i for i in self.target_layers if not 0 <= i < target_config.num_hidden_layers]
+        if bad:
+            raise ValueError(f"DSparkConfig.target_layers {bad} outside the target's "
+                             f"{target_config.num_hidden_layers} layers")
+
+
+class _DraftLayer(nn.Module):
+    """Pre-norm attention (queries from the block; keys / values from the projected target context, then
+    the block, all visible: bidirectional inside the block) and a SiLU-gated MLP."""
+
+    def __init__(self, c: DSparkConfig):
+        super().__init__()
+        d = c.hidden_size
+        self.heads = c.num_heads
+        self.attn_norm = nn.RMSNorm(d, eps=c.rms_norm_eps)
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d, bias=False) for _ in range(4))
+        self.ctx_k, self.ctx_v = nn.Linear(d, d, bias=False), nn.Linear(d, d, bias=False)
+        self.mlp_norm = nn.RMSNorm(d, eps=c.rms_norm_eps)
+        self.gate = nn.Linear(d, c.intermediate_size, bias=False)
+        self.up = nn.Linear(d, c.intermediate_size, bias=False)
+        self.down = nn.Linear(c.intermediate_size, d, bias=False)
+
+    def forward(self, x: torch.Tensor, ctx: torch.Tensor, ctx_mask: torch.Tensor) -> torch.Tensor:
+        n, t, d = x.shape
+        h = self.attn_norm(x)
+
+        def split(y):
+            return y.view(n, -1, self.heads, d // self.heads).transpose(1, 2)
+
+        keys = torch.cat([self.ctx_k(ctx), self.k(h)], dim=1)
+        values = torch.cat([self.ctx_v(ctx), self.v(h)], dim=1)
+        visible = torch.cat([ctx_mask, ctx_mask.new_ones(n, t)], dim=1)[:, None, None, :]
+        o = F.scaled_dot_product_attention(split(self.q(h)), split(keys), split(values), attn_mask=visible)
+        x = x + self.o(o.transpose(1, 2).reshape(n, t, d))
+        h = self.mlp_norm(x)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+class DSparkDrafter(nn.Module, Drafter):
+    """DSpark's parallel block drafter, conditioned on the target.
+
+    Target hidden states at `target_layers` (the decoder layers' outputs) are concatenated and projected
+    (`fc`) into context features, which every draft layer takes as extra keys / values. The block is the
+    anchor's embedding at position 0 and a learned mask embedding at positions 1..gamma (plus position
+    embeddings), attended bidirectionally; the target's embedding and lm_head are shared and frozen (read
+    from the target, not stored). Position k's logits are the lm_head's on the block's output h_k plus the
+    low-rank Markov bias W1[x_{k-1}] W2 (x_0 the anchor), divided by the calibrated temperature of position
+    k, and sampled left to right, so q_k is exact given the drafts before it. The confidence head
+    c_k = sigmoid(w . [h_k ; W1[x_{k-1}]]) estimates that draft k survives given the earlier ones did.
+
+    In the engine the context is the target's states at the request's latest `context_window` computed
+    positions: those of each verify forward's committed tokens (`observe`, from the tapped layers), and, for
+    a request the drafter has not seen (its prompt was prefilled by the engine), one target pass over its
+    computed tokens (`_catch_up`: the prefill forward's hidden states are not exposed to strategies)."""
+
+    def __init__(self, config: DSparkConfig):
+        nn.Module.__init__(self)
+        c = self.config = config
+        d = c.hidden_size
+        self.max_gamma = c.block_size
+        self.has_confidence = True
+        self.fc = nn.Linear(len(c.target_layers) * d, d, bias=False)
+        self.fc_norm = nn.RMSNorm(d, eps=c.rms_norm_eps)
+        self.mask_embed = nn.Parameter(torch.zeros(d))
+        self.pos_embed = nn.Parameter(torch.zeros(c.block_size + 1, d))
+        self.layers = nn.ModuleList(_DraftLayer(c) for _ in range(c.num_layers))
+        self.norm = nn.RMSNorm(d, eps=c.rms_norm_eps)
+        self.markov_in = nn.Embedding(c.vocab_size, c.markov_rank)  # W1
+        self.markov_out = nn.Linear(c.markov_rank, c.vocab_size, bias=False)  # W2
+        self.confidence = nn.Linear(d + c.markov_rank, 1)
+        self.register_buffer("log_temperature", torch.zeros(c.block_size))  # per position, calibrated
+        nn.init.zeros_(self.markov_out.weight)  # starts as the plain block drafter
+        self._shared: tuple[torch.Tensor, torch.Tensor] | None = None  # (embedding [V, D], lm_head [V, D])
+        self._runner = None
+        self._contexts: dict[int, tuple] = {}  # request id -> (request, target features [m, F])
+        self.taps = {}
+
+    # ------------------------------------------------------------ the target
+    def share(self, target) -> None:
+        """Read (never store) the target's embedding and lm_head; name the target layers to tap."""
+        self.config.check_target(target.config)
+        embed = target.model.embed_tokens.weight
+        head = embed if target.config.tie_word_embeddings else target.lm_head.weight
+        self._shared = (embed.detach(), head.detach())
+        layers = {layer.layer_idx: layer for layer in target.model.layers}
+        self.taps = {f"layer{i}": layers[i] for i in self.config.target_layers}
+
+    def attach(self, runner) -> None:
+        self.share(runner.model)
+        self._runner = runner
+        self.to(runner.device).eval()
+
+    # ------------------------------------------------------------- the math
+    def block_hidden(self, ctx: torch.Tensor, ctx_mask: torch.Tensor, anchors: torch.Tensor, gamma: int
+                     ) -> torch.Tensor:
+        """ctx [N, C, F] target features (ctx_mask [N, C] True where real), anchors [N] -> the block's
+        outputs [N, gamma + 1, D] (position 0 the anchor)."""
+        embed, _ = self._shared
+        n, d = anchors.shape[0], self.config.hidden_size
+        dtype = self.fc.weight.dtype
+        c = self.fc_norm(self.fc(ctx.to(dtype)))
+        x = torch.cat([embed[anchors].to(dtype)[:, None], self.mask_embed.expand(n, gamma, d)], dim=1)
+        x = x + self.pos_embed[:gamma + 1]
+        for layer in self.layers:
+            x = layer(x, c, ctx_mask)
+        return self.norm(x)
+
+    def position_logits(self, h: torch.Tensor, prev: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft position k (1-based) from its block output h [.., D] and the token before it prev [..]:
+        (logits [.., V] after the Markov bias and position k's temperature, confidence [..])."""
+        _, head = self._shared
+        w1 = self.markov_in(prev)
+        logits = h @ head.to(h.dtype).t() + self.markov_out(w1)
+        conf = torch.sigmoid(self.confidence(torch.cat([h, w1], dim=-1)))[..., 0]
+        return logits / self.log_temperature[k - 1].exp(), conf
+
+    def teacher_forced(self, ctx, ctx_mask, anchors, block_tokens) -> tuple[torch.Tensor, torch.Tensor]:
+        """Training: logits [N, G, V] and confidences [N, G] with the true previous tokens (block_tokens
+        [N, G], the tokens after the anchor) in the Markov head."""
+        g = block_tokens.shape[1]
+        h = self.block_hidden(ctx, ctx_mask, anchors, g)
+        prev = torch.cat([anchors[:, None], block_tokens[:, :-1]], dim=1)
+        outs = [self.position_logits(h[:, k], prev[:, k - 1], k) for k in range(1, g + 1)]
+        return torch.stack([o[0] for o in outs], 1), torch.stack([o[1] for o in outs], 1)
+
+    # ----------------------------------------------------------- the engine
+    @torch.inference_mode()
+    def propose(self, batch, anchors, gamma, params, generators):
+        live = {r.req.request_id for r in batch}
+        self._contexts = {k: v for k, v in self._contexts.items() if k in live or v[0].finish_reason is None}
+        feats = [self._context(r) for r in batch]
+        width = max(f.shape[0] for f in feats)
+        ctx = torch.zeros(len(batch), max(width, 1), feats[0].shape[1], device=anchors.device)
+        mask = torch.zeros(len(batch), max(width, 1), dtype=torch.bool, device=anchors.device)
+        for i, f in enumerate(feats):
+            ctx[i, :f.shape[0]] = f
+            mask[i, :f.shape[0]] = True
+        h = self.block_hidden(ctx, mask, anchors, gamma)
+        drafts, qs, confs, prev = [], [], [], anchors
+        for k in range(1, gamma + 1):
+            logits, conf = self.position_logits(h[:, k], prev, k)  # reads the drafts before k only
+            prev, q = draw(logits, params, generators)
+            drafts.append(prev)
+            qs.append(q)
+            confs.append(conf)
+        return torch.stack(drafts, 1), torch.stack(qs, 1), torch.stack(confs, 1)
+
+    def observe(self, batch, tapped, lengths, counts):
+        feats = _features(tapped, self.config.target_layers)[0]
+        start = 0
+        for r, length, c in zip(batch, lengths, counts):
+            req, old = self._contexts[r.req.request_id]
+            new = torch.cat([old, feats[start:start + c].float()])[-self.config.context_window:]
+            self._contexts[r.req.request_id] = (req, new)
+            start += length
+
+    def _context(self, r) -> torch.Tensor:
+        """The request's target features at its latest computed positions, [<= context_window, F]."""
+        rid = r.req.request_id
+        if rid not in self._contexts:
+            self._contexts[rid] = (r.req, self._catch_up(r))
+        return self._contexts[rid][1]
+
+    def _catch_up(self, r) -> torch.Tensor:
+        runner = self._runner
+        ids = torch.tensor(r.tokens[:r.pos], device=runner.device)[None]
+        if runner.adapters is not None:
+            runner.adapters.set_batch([runner.adapters.slot_of(r.req.adapter)], [r.pos])
+        store: dict[str, torch.Tensor] = {}
+        with hooks(self.taps, store):
+            runner.model.model.hidden(ids, None, None)
+        return _features(store, self.config.target_layers)[0, -self.config.context_window:].float()
+
+    # ------------------------------------------------------------ save / load
+    def save(self, path: str | Path) -> None:
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "config.json").write_text(json.dumps(asdict(self.config), indent=2) + "\n")
+        save_file({k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()},
+                  str(path / "model.safetensors"))
+
+    @classmethod
+    def load(cls, path: str | Path, target=None) -> "DSparkDrafter":
+        """A drafter directory (`config.json` + `model.safetensors`); checked against `target` when given."""
+        path = Path(path)
+        for name in ("config.json", "model.safetensors"):
+            if not (path / name).is_file():
+                raise ValueError(f"SpecConfig.drafter: {path / name} not found (a DSpark drafter directory holds "
+                                 f"config.json and model.safetensors, written by scripts/train_drafter.py)")
+        try:
+            config = DSparkConfig(**json.loads((path / "config.json").read_text()))
+        except TypeError as e:
+            raise ValueError(f"{path / 'config.json'}: not a DSpark drafter config ({e})") from None
+        if target is not None:
+            config.check_target(target.config)
+        drafter = cls(config)
+        drafter.load_state_dict(load_file(str(path / "model.safetensors")))
+        return drafter
+
+
+def _features(tapped: dict[str, torch.Tensor | tuple], layers: tuple[int, ...]) -> torch.Tensor:
+    """The tapped decoder layers' outputs (their residual stream h) concatenated: [B, T, len(layers) * D]."""
+    outs = [tapped[f"layer{i}"] for i in layers]
+    return torch.cat([o[0] if isinstance(o, tuple) else o for o in outs], dim=-1)

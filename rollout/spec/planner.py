@@ -1,0 +1,110 @@
+"""The cost-aware verify planner: how many of each row's drafts one verify forward checks.
+
+Verifying every draft of every row (`verify_all`) pays for tokens that will be rejected, and a verify
+forward's time is not linear in its tokens: measured on a device it is a staircase of flat shelves (the
+kernels' tiles fill up) and steep risers. The planner spends tokens where they are expected to survive
+and stops where the next token costs more than it returns:
+
+- the budget (how many draft tokens in total) is set from the previous step's confidences (lagged):
+  each row's survival estimates s_{n,k} = c_{n,1} ... c_{n,k}, sorted, are added one by one to the
+  expected tokens (rows + sum of the taken s) over the measured step time `CostSurface.seconds(rows,
+  rows + taken)`; the budget is the count before the first addition that lowers tokens per second;
+- the current step's confidences only rank which positions fill that budget: the top positions by
+  current survival, earlier positions first on ties, so each row gets a prefix.
+
+Lossless: the confidence of draft k reads the drafts before k only (`DSparkDrafter`: the block output
+h_k and W1[x_{k-1}]), survival along a row never increases, and ties go to the earlier position, so
+whether draft j is verified depends on the drafts before j and on other rows, never on draft j itself:
+verification then keeps each emitted token's distribution the target's. A rule that read draft j (say,
+verifying it only when q(x_j) is high) would bias what is emitted.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class CostSurface:
+    """Step seconds of a verify forward by (rows, total tokens), measured once on the device it runs on.
+    `seconds` reads the staircase: the smallest measured batch >= rows, then the smallest measured total
+    >= tokens at that batch (the shelf the step lands on)."""
+
+    table: dict[int, list[tuple[int, float]]]  # rows -> [(total tokens, seconds)] sorted by tokens
+
+    def seconds(self, rows: int, tokens: int) -> float:
+        sizes = sorted(self.table)
+        b = sizes[min(bisect.bisect_left(sizes, rows), len(sizes) - 1)]
+        shelf = self.table[b]
+        i = min(bisect.bisect_left([t for t, _ in shelf], tokens), len(shelf) - 1)
+        return shelf[i][1]
+
+    @classmethod
+    def measure(cls, step, batches: list[int], gamma: int, repeats: int = 3) -> "CostSurface":
+        """`step(rows, tokens_per_row)` runs one verify forward of that shape; the median of `repeats`
+        timed runs after one warm-up, for every batch and 1..gamma + 1 tokens per row."""
+        table = {}
+        for b in batches:
+            shelf = []
+            for per in range(1, gamma + 2):
+                step(b, per)
+                times = []
+                for _ in range(repeats):
+                    t0 = time.perf_counter()
+                    step(b, per)
+                    times.append(time.perf_counter() - t0)
+                shelf.append((b * per, sorted(times)[len(times) // 2]))
+            table[b] = shelf
+        return cls(table)
+
+
+def survival(conf: torch.Tensor) -> torch.Tensor:
+    """Confidences [N, G] (c_k: draft k survives given the earlier ones did) -> cumulative survival [N, G]."""
+    return conf.float().cumprod(dim=1)
+
+
+def budget(lagged: torch.Tensor, surface: CostSurface) -> int:
+    """Draft tokens to verify this step, from the previous step's survival estimates [N, G]: the count
+    before the first addition that lowers expected tokens per second."""
+    n = lagged.shape[0]
+    gains = lagged.flatten().sort(descending=True).values.tolist()
+    expected, best = float(n), float(n) / surface.seconds(n, n)
+    for taken, gain in enumerate(gains):
+        rate = (expected + gain) / surface.seconds(n, n + taken + 1)
+        if rate < best:
+            return taken
+        expected, best = expected + gain, rate
+    return len(gains)
+
+
+def fill(current: torch.Tensor, tokens: int) -> list[int]:
+    """Drafts to verify per row: the `tokens` positions of highest current survival [N, G], earlier
+    positions first on ties (then lower rows): a prefix of each row."""
+    n, g = current.shape
+    keys = sorted(((-float(s), k, row) for row, ss in enumerate(current.tolist()) for k, s in enumerate(ss)))
+    counts = [0] * n
+    for _, _, row in keys[:tokens]:
+        counts[row] += 1
+    return counts
+
+
+class VerifyPlanner:
+    """Per step: `plan(rows, current confidences)` -> drafts to verify per row; `record` keeps the step's
+    confidences per request for the next step's budget (a request with none yet counts `prior` per
+    draft)."""
+
+    def __init__(self, surface: CostSurface, prior: float = 0.5):
+        self.surface, self.prior = surface, prior
+        self.lagged: dict[int, torch.Tensor] = {}  # request id -> its previous step's survival [G]
+
+    def plan(self, request_ids: list[int], conf: torch.Tensor) -> list[int]:
+        g = conf.shape[1]
+        prior = survival(torch.full((1, g), self.prior))[0]
+        lagged = torch.stack([self.lagged.get(rid, prior)[:g] for rid in request_ids])
+        counts = fill(survival(conf), budget(lagged, self.surface))
+        self.lagged = {rid: s for rid, s in zip(request_ids, survival(conf))}
+        return counts

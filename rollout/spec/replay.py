@@ -1,0 +1,162 @@
+"""ReplaySSM: a verify forward that never writes the committed KDA state, and the fold that commits only
+the accepted tokens.
+
+The verify forward runs the row's anchor and drafts through the target over the pools (`verify_forward`):
+MLA writes the block's KV rows into the row's pages (rows past the accepted length are rewritten before
+anything reads them: MLA's KV is append-only), while every KDA layer reads the working slot and its new
+state is dropped (`VerifyStateCache`). What the fold needs is kept instead: each KDA layer's raw per-token
+inputs, the q / k / v projections before the short conv, the gate projection `f` and the beta projection
+`b` (`KDAInputs`, read with forward hooks on those projections: the mixer's later values are not
+reachable from outside it). About (3 H K + H K + H) numbers per token and layer against a state snapshot
+of H K V + 3 H K (W - 1): for k3-small's K = V = 128 about 32x less per drafted token.
+
+`fold` then replays, token by token and for the accepted prefix only, exactly what a plain decode step
+does after those projections (short conv step, gate, beta, one recurrent KDA step, through the mixer's
+own ops and weights) and writes conv and recurrent state into the working slot: the state is the one a
+plain decode computes from the same projections, bit for bit (same ops, same shapes per row). The gate is
+recomputed from `f` by the decode's own op rather than stored, since the fp32 gate only exists inside the
+mixer (storing it needs a seam in `KDAMixer`). A fold that crosses a chunk boundary hands the state there
+to `at_boundary`, which takes the prefix cache's checkpoint.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+from miles_k3.model.layers import KDAMixer
+from miles_k3.model.modeling import K3ForCausalLM
+from miles_k3.ops.kda import kda_gate, math_dtype
+from rollout.forward import model_step
+from rollout.memory import KDAStatePool
+from rollout.model_runner import ModelRunner
+from rollout.state_cache import BatchLayout, PoolStateCache
+from rollout.transfer import to_device
+
+_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "f_b_proj", "b_proj")
+
+
+class VerifyStateCache(PoolStateCache):
+    """`PoolStateCache` for a verify forward: KDA layers read the committed working state and their new
+    state is dropped (the fold commits the accepted part); MLA rows are written as in any step."""
+
+    def set_kda_state(self, layer_idx, state) -> None:
+        pass
+
+
+@dataclass
+class KDAInputs:
+    """One verify forward's raw KDA inputs: layer index -> projection name -> [1, T, C] in input order
+    (request by request, `lengths[n]` tokens each)."""
+
+    lengths: list[int]
+    layers: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for per in self.layers.values() for t in per.values())
+
+
+@contextmanager
+def hooks(modules: dict[str, torch.nn.Module], store: dict[str, torch.Tensor]) -> Iterator[None]:
+    """While open, each module's forward output lands in store[name] (the last call's)."""
+
+    def keep(name):
+        def hook(_module, _inputs, output):
+            store[name] = output
+        return hook
+
+    handles = [m.register_forward_hook(keep(name)) for name, m in modules.items()]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def kda_mixers(model: K3ForCausalLM) -> dict[int, KDAMixer]:
+    return {layer.layer_idx: layer.self_attn for layer in model.model.layers if isinstance(layer.self_attn, KDAMixer)}
+
+
+def verify_forward(runner: ModelRunner, batch, ids: list[int], lengths: list[int],
+                   taps: dict[str, torch.nn.Module] | None = None) -> tuple[torch.Tensor, KDAInputs,
+                                                                            dict[str, torch.Tensor]]:
+    """One packed target forward over each row's `lengths[n]` new tokens at positions from its `pos` (pages
+    covering them), through `VerifyStateCache`. Returns logits at every new token [sum lengths, V], the
+    KDA layers' raw inputs, and the outputs of `taps` (extra modules to read, e.g. a drafter's target
+    layers). The eager packed branch of `ModelRunner.forward`, with the verify cache in place of
+    `PoolStateCache` (ModelRunner builds its cache itself; a cache-class argument there would remove
+    this copy)."""
+    ids_t = to_device(ids, runner.device)
+    if runner.adapters is not None:
+        runner.adapters.set_batch([runner.adapters.slot_of(r.req.adapter) for r in batch], lengths)
+    layout = BatchLayout.build(runner.kv, [r.slot for r in batch], [r.pos for r in batch], lengths,
+                               [r.pages for r in batch], runner.device)
+    cache = VerifyStateCache(runner.kv, runner.states, layout)
+    cu = to_device(torch.tensor([0, *lengths]).cumsum(0), runner.device)
+    captured: dict[str, torch.Tensor] = {}
+    watched = {f"{i}.{p}": getattr(m, p) for i, m in kda_mixers(runner.model).items() for p in _PROJECTIONS}
+    watched.update({f"tap.{k}": m for k, m in (taps or {}).items()})
+    with hooks(watched, captured), torch.inference_mode():
+        logits = model_step(runner.model, ids_t[None, :], cache, cu, every_token=True)
+    inputs = KDAInputs(lengths)
+    for key, t in captured.items():
+        if not key.startswith("tap."):
+            layer, proj = key.split(".")
+            inputs.layers.setdefault(int(layer), {})[proj] = t
+    tapped = {k[4:]: t for k, t in captured.items() if k.startswith("tap.")}
+    return logits, inputs, tapped
+
+
+def decode_kda_step(mixer: KDAMixer, raw: dict[str, torch.Tensor], conv: torch.Tensor, recurrent: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """What `KDAMixer.forward` does to the state for one decode token per row, from that token's raw
+    projections raw[name] [R, 1, C] and the rows' state (conv [R, 3, HK, W-1], recurrent [R, H, K, V]):
+    returns the new (conv, recurrent)."""
+    c, cp = mixer.config, mixer.cp
+    r = conv.shape[0]
+    heads = (r, 1, mixer.heads, c.kda_head_dim)
+    qkv, new_conv = [], []
+    for i, p in enumerate("qkv"):
+        y, st = cp.short_conv(raw[f"{p}_proj"], getattr(mixer, f"{p}_conv1d").weight, state=conv[:, i],
+                              cu_seqlens=None)
+        qkv.append(y.view(heads))
+        new_conv.append(st)
+    g = kda_gate(raw["f_b_proj"], mixer.A_log, mixer.dt_bias, num_heads=mixer.heads, form=c.kda_gate_form,
+                 lower_bound=c.kda_gate_lower_bound)
+    beta = torch.sigmoid(raw["b_proj"].to(math_dtype(raw["b_proj"])))
+    _, state = cp.kda(*qkv, g, beta, initial_state=recurrent, output_final_state=True, cu_seqlens=None,
+                      use_qk_l2norm=True)
+    return torch.stack(new_conv, dim=1), state
+
+
+def fold(model: K3ForCausalLM, states: KDAStatePool, inputs: KDAInputs, slots: list[int], counts: list[int],
+         positions: list[int], chunk_size: int, at_boundary: Callable[[int, int], None] | None = None) -> None:
+    """Commit row n's first counts[n] verified tokens (n's inputs start at offset sum(lengths[:n])) into its
+    working slot slots[n], whose state stands at positions[n]. Token by token, every KDA layer; after a
+    token that puts a row on a chunk boundary before its last committed token, `at_boundary(n, pos)` is
+    called with the slot holding the state at `pos` (the end boundary is the pipeline's)."""
+    mixers = kda_mixers(model)
+    starts = torch.tensor([0, *inputs.lengths]).cumsum(0)[:-1].tolist()
+    for t in range(max(counts, default=0)):
+        rows = [n for n, c in enumerate(counts) if c > t]
+        slot_idx = to_device([slots[n] for n in rows], _device(states))
+        tok_idx = to_device([starts[n] + t for n in rows], _device(states))
+        for layer, mixer in mixers.items():
+            raw = {p: inputs.layers[layer][p][0].index_select(0, tok_idx)[:, None] for p in _PROJECTIONS}
+            conv = states.conv[layer].index_select(0, slot_idx)
+            rec = states.recurrent[layer].index_select(0, slot_idx)
+            new_conv, new_rec = decode_kda_step(mixer, raw, conv, rec)
+            states.conv[layer].index_copy_(0, slot_idx, new_conv.to(states.conv[layer].dtype))
+            states.recurrent[layer].index_copy_(0, slot_idx, new_rec.float())
+        if at_boundary is not None:
+            for n in rows:
+                pos = positions[n] + t + 1
+                if pos % chunk_size == 0 and t + 1 < counts[n]:
+                    at_boundary(n, pos)
+
+
+def _device(states: KDAStatePool) -> torch.device:
+    return next(iter(states.recurrent.values())).device

@@ -1,0 +1,148 @@
+"""Speculative decoding as a decode strategy: draft a block, verify it in one target forward, keep a prefix.
+
+Per step and row: the drafter proposes gamma tokens after the anchor (the row's next input token); the
+planner (`SpecConfig.planner`) picks how many of them to verify (all, or the cost-aware planner's prefix),
+never past the row's length limit; one packed target forward feeds the anchor and those drafts
+(`rollout.spec.replay.verify_forward`, which leaves the committed KDA state untouched); `rollout.spec.verify.verify` keeps the surviving drafts
+and draws the token after them; the emitted tokens are cut at a stop token or the length limit; the KDA
+state is then folded forward over the committed tokens only (ReplaySSM, `rollout.spec.replay.fold`), with
+a prefix-cache checkpoint wherever the fold crosses a chunk boundary. The row's `pos` advances by the
+tokens committed (1..gamma + 1) and the last emitted token is its next anchor.
+
+MLA rows written for rejected drafts lie past `pos` and are rewritten by the next step before anything
+reads them. The step waits for its accepted lengths on the host (`overlaps = False`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from rollout.cache_manager import CacheManager, Running
+from rollout.decode import DecodeLaunch, DecodeStrategy
+from rollout.model_runner import ModelRunner
+from rollout.spec.config import SpecConfig
+from rollout.spec.planner import CostSurface, VerifyPlanner
+from rollout.spec.replay import fold, verify_forward
+from rollout.spec.verify import verify
+from rollout.transfer import to_device
+
+
+@dataclass
+class SpecStats:
+    """Counted since the strategy was built: verify steps, rows verified, drafts verified, drafts kept,
+    tokens emitted (kept drafts plus one per row, before a stop cut), and the KDA-input bytes per row of the
+    last step (ReplaySSM's draft window)."""
+
+    steps: int = 0
+    rows: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    emitted: int = 0
+    window_bytes: int = 0
+
+    @property
+    def mean_accepted(self) -> float:
+        """Mean tokens a row advances per verify step (accepted drafts + 1)."""
+        return self.emitted / max(self.rows, 1)
+
+
+@dataclass(eq=False)
+class SpecLaunch(DecodeLaunch):
+    """A verify step, already read back: each row's emitted tokens and log-probs."""
+
+    out_tokens: list[list[int]] = field(default_factory=list)
+    out_logps: list[list[float]] = field(default_factory=list)
+
+
+class SpecDecode(DecodeStrategy):
+    overlaps = False
+
+    def __init__(self, runner: ModelRunner, spec: SpecConfig):
+        self.runner, self.gamma = runner, spec.gamma
+        self.lookahead = spec.gamma + 1
+        self.drafter = spec.build_drafter(runner)
+        self.memory: CacheManager | None = None
+        self.stats = SpecStats()
+        self.planner = None
+        if spec.planner == "cost_aware":
+            sizes = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < runner.config.max_running]
+            self.planner = VerifyPlanner(CostSurface.measure(self._probe, sizes + [runner.config.max_running],
+                                                             spec.gamma))
+
+    def use_memory(self, memory: CacheManager) -> None:
+        self.memory = memory
+
+    def launch(self, batch: list[Running], ids: list[int] | torch.Tensor) -> SpecLaunch:
+        n, g, device = len(batch), self.gamma, self.runner.device
+        anchors = ids if torch.is_tensor(ids) else to_device(ids, device)
+        params, gens = [r.req.params for r in batch], [r.generator for r in batch]
+        drafts, q, *conf = self.drafter.propose(batch, anchors, g, params, gens)
+        num = [g] * n if self.planner is None else self.planner.plan([r.req.request_id for r in batch], conf[0])
+        # a row emits at most its remaining tokens, so it verifies no drafts past its length limit
+        num = [min(k, r.req.params.max_new_tokens - len(r.req.output_ids) - 1) for k, r in zip(num, batch)]
+        block = torch.cat([anchors[:, None], drafts], dim=1)
+        lengths = [k + 1 for k in num]
+        ragged = any(k < g for k in num)
+        feed = torch.cat([block[i, :k] for i, k in enumerate(lengths)]) if ragged else block.flatten()
+        logits, inputs, tapped = verify_forward(self.runner, batch, feed, lengths, self.drafter.taps)
+        if ragged:  # rows of lengths[n] logits -> [N, g + 1, V], unverified positions zero
+            rows = torch.cat([torch.arange(k) + i * (g + 1) for i, k in enumerate(lengths)]).to(device)
+            logits = logits.new_zeros(n * (g + 1), logits.shape[-1]).index_copy(0, rows, logits)
+        tokens, logps, counts = verify(logits.view(n, g + 1, -1), drafts, q, params, gens, num)
+        host = torch.stack([tokens.to(torch.float64), logps.to(torch.float64)]).cpu()  # the step's one sync
+        out_t, out_l = [], []
+        for r, toks, lps, c in zip(batch, host[0].long().tolist(), host[1].tolist(), counts.tolist()):
+            keep = _cut(r, toks[:c])
+            out_t.append(toks[:keep])
+            out_l.append(lps[:keep])
+        committed = [len(t) for t in out_t]  # the anchor and the kept drafts before the last emitted token
+        snapshots = []
+
+        def checkpoint(i: int, pos: int) -> None:
+            snapshots.append((batch[i], pos, self.memory.snapshot(batch[i])))
+
+        fold(self.runner.model, self.runner.states, inputs, [r.slot for r in batch], committed,
+             [r.pos for r in batch], self.memory.config.chunk_size, checkpoint)
+        self.drafter.observe(batch, tapped, lengths, committed)
+        for r, c in zip(batch, committed):
+            r.pos += c
+        s = self.stats
+        s.steps, s.rows, s.drafted = s.steps + 1, s.rows + n, s.drafted + sum(num)
+        s.accepted += int(counts.sum()) - n
+        s.emitted += int(counts.sum())
+        s.window_bytes = inputs.nbytes() // n
+        return SpecLaunch(batch, tokens, host, None, snapshots, out_t, out_l)
+
+    def _probe(self, rows: int, per: int) -> None:
+        """A verify forward of `rows` rows of `per` tokens on the pools' sink slot and sink page (they hold no
+        request's state): the cost surface's measurement."""
+        kv, states = self.runner.kv, self.runner.states
+        pages = [kv.sink_page] * -(-per // kv.page_size)
+        fake = [_Probe(states.sink_slot, pages) for _ in range(rows)]
+        verify_forward(self.runner, fake, [0] * (rows * per), [per] * rows)
+        if self.runner.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def read(self, launch: SpecLaunch) -> tuple[list[list[int]], list[list[float]]]:
+        return launch.out_tokens, launch.out_logps
+
+
+@dataclass
+class _Probe:
+    """What a verify forward reads of a row, for the cost probe: slot, position 0, pages, no adapter."""
+
+    slot: int
+    pages: list[int]
+    pos: int = 0
+    req: object = field(default_factory=lambda: type("NoAdapter", (), {"adapter": None})())
+
+
+def _cut(r: Running, tokens: list[int]) -> int:
+    """How many of `tokens` the request takes: up to its first stop token or its length limit."""
+    params, done = r.req.params, len(r.req.output_ids)
+    for k, tok in enumerate(tokens):
+        if tok in params.stop_token_ids or done + k + 1 >= params.max_new_tokens:
+            return k + 1
+    return len(tokens)

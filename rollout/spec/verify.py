@@ -1,0 +1,121 @@
+"""Lossless verification of a drafted block: which drafts survive, and the token that follows them.
+
+A row brings its verify forward's logits at gamma + 1 positions (the anchor's, then each draft's), its
+drafts x_1..x_gamma and q, the exact distribution each draft was drawn from. Position j's target is p'_j:
+softmax(logits_j / temperature) truncated by top-k / top-p and renormalized, exactly as `rollout.sampler`
+shapes a draw. Draft j survives with probability min(1, p'_j(x_j) / q_j(x_j)); at the first rejection the
+row's next token is drawn from norm(max(p'_j - q_j, 0)) and the block ends; when every draft survives, a
+bonus token is drawn from p'_gamma. Each emitted token is then distributed as p' given what precedes it,
+whatever q is (speculative sampling's identity). Greedy rows (temperature 0) accept a draft while it equals
+the first argmax of the logits and emit the argmax where it first differs: the plain engine's tokens.
+
+Draws: a sampled row takes, from its own generator and in this order, gamma uniforms (one per draft) and
+one [V] exponential noise draw for its final token (the sampler's exponential race), whatever survives, so
+a seeded request's draws depend only on its own seed and step count, never on its batch. Greedy rows draw
+nothing.
+
+Log-probs: at every emitted position, the verify forward's untruncated log-prob of the emitted token at
+the request's temperature (temperature 1 when greedy): the sampler's convention.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rollout.request import SamplingParams
+from rollout.sampler import _truncate
+from rollout.transfer import to_device
+
+
+def _math(t: torch.Tensor) -> torch.Tensor:
+    # fp32 like the sampler, fp64 kept for fp64 inputs (the exactness tests)
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
+def warp(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [B, V] (row b under params[b]) -> (log-probs [B, V] of softmax(logits / temperature), the
+    sampler's reported distribution; p' [B, V], that distribution truncated by top-k / top-p and
+    renormalized, what a draw follows). Greedy rows use temperature 1 and their p' is not meaningful."""
+    logits = _math(logits)
+    temps = [p.temperature if p.temperature > 0 else 1.0 for p in params]
+    logp = torch.log_softmax(logits / to_device(temps, logits.device, logits.dtype)[:, None], dim=-1)
+    probs = _truncate(logp.exp(), params)
+    return logp, probs / probs.sum(-1, keepdim=True)
+
+
+def race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """The exponential race: argmax_i probs_i / E_i picks i with probability probs_i / sum(probs)."""
+    return (probs / noise).argmax(dim=-1)
+
+
+def draw(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A drafter's draw at one position: logits [B, V] -> (tokens [B], q [B, V] the exact distribution each
+    token came from). Sampled rows take p' of their logits (the request's temperature / top-k / top-p) and
+    one [V] exponential draw from their generator; greedy rows take the first argmax (q one-hot on it)."""
+    _, q = warp(logits, params)
+    tokens = _math(logits).argmax(dim=-1)
+    noise = torch.ones_like(q)
+    sampled = [i for i, p in enumerate(params) if p.temperature > 0]
+    for i in sampled:
+        noise[i].exponential_(generator=generators[i])
+    if sampled:
+        rows = to_device(sampled, q.device)
+        tokens = tokens.index_copy(0, rows, race(q[rows], noise[rows]))
+    greedy = [i for i, p in enumerate(params) if p.temperature == 0]
+    if greedy:
+        rows = to_device(greedy, q.device)
+        q = q.index_copy(0, rows, torch.nn.functional.one_hot(tokens[rows], q.shape[-1]).to(q.dtype))
+    return tokens, q
+
+
+def verify(logits: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor, params: list[SamplingParams],
+           generators: list[torch.Generator | None], num_drafts: list[int] | None = None
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One verify step for N rows (see the module docstring).
+
+    logits [N, G + 1, V]: the verify forward's, at the anchor and each draft; drafts [N, G]; q [N, G, V];
+    `num_drafts[n]` (<= G, default G): how many of row n's drafts are verified (the rest count as rejected
+    and are never read). Returns device tensors: tokens [N, G + 1] (row n emits tokens[n, :counts[n]]: its
+    surviving drafts, then the correction or bonus token), their log-probs [N, G + 1], counts [N]."""
+    n, g1, vocab = logits.shape
+    g = g1 - 1
+    device = logits.device
+    limit = torch.full((n,), g, dtype=torch.long) if num_drafts is None else torch.tensor(num_drafts)
+    limit = to_device(limit, device)
+    rows_params = [p for p in params for _ in range(g1)]
+    logp, target = warp(logits.reshape(n * g1, vocab), rows_params)
+    logp, target = logp.view(n, g1, vocab), target.view(n, g1, vocab)
+    greedy_rows = torch.tensor([p.temperature == 0 for p in params], device=device)
+    argmax = _math(logits).argmax(dim=-1)  # [N, G + 1]
+
+    uniforms = torch.zeros(n, g, dtype=target.dtype, device=device)
+    noise = torch.ones(n, vocab, dtype=target.dtype, device=device)
+    for i, p in enumerate(params):
+        if p.temperature > 0:
+            uniforms[i].uniform_(generator=generators[i])
+            noise[i].exponential_(generator=generators[i])
+
+    # which drafts survive
+    q = _math(q).to(target.dtype)
+    p_x = target[:, :g].gather(2, drafts[..., None])[..., 0]
+    q_x = q.gather(2, drafts[..., None])[..., 0]
+    sampled_ok = uniforms * q_x < p_x  # u < p'(x) / q(x), without dividing by a zero q
+    greedy_ok = drafts == argmax[:, :g]
+    ok = torch.where(greedy_rows[:, None], greedy_ok, sampled_ok)
+    ok &= torch.arange(g, device=device)[None, :] < limit[:, None]
+    accepted = ok.long().cumprod(dim=1).sum(dim=1)  # [N]: the surviving prefix
+
+    # the final token at position `accepted`: the residual after a rejection, p' after a full block
+    at = accepted[:, None, None].expand(n, 1, vocab)
+    p_final = target.gather(1, at)[:, 0]
+    q_final = torch.cat([q, torch.zeros_like(q[:, :1])], dim=1).gather(1, at)[:, 0]
+    rejected = (accepted < limit)[:, None]
+    residual = torch.where(rejected, (p_final - q_final).clamp_min(0), p_final)
+    # a residual with no mass (p' == q up to rounding) can only be reached by rounding: draw from p'
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_final)
+    final = torch.where(greedy_rows, argmax.gather(1, accepted[:, None])[:, 0], race(residual, noise))
+
+    tokens = torch.cat([drafts, drafts.new_zeros(n, 1)], dim=1)
+    tokens = tokens.scatter(1, accepted[:, None], final[:, None])
+    return tokens, logp.gather(2, tokens[..., None])[..., 0], accepted + 1

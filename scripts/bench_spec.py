@@ -1,0 +1,130 @@
+"""Speculative decoding against plain decoding on the same engine settings, same run: tokens/s, acceptance,
+verify tokens per step, and the draft window's bytes (ReplaySSM's KDA inputs against a state snapshot per
+draft step).
+
+    python scripts/bench_spec.py --drafter runs/drafter-arith                  # the embedded tiny K3, CPU
+    python scripts/bench_spec.py --drafter DIR --target DIR --batch-sizes 1,8,64,256 --json bench_spec.json
+
+Per batch size B: B held-out prompts of the target's task (cycled), --gen-len new tokens at most, greedy
+and at temperature 1 (seeded per request). Each row gets fresh engines (plain, then speculative); each is
+warmed up by one untimed request first. tok_s = generated tokens / wall seconds of `generate` (prefill
+included: identical work in both engines). Greedy rows check losslessness (outputs equal token for token).
+mean_tokens_per_verify = tokens a row advances per verify step (accepted drafts + 1); verify_tokens_per_step
+= rows x (gamma + 1) per step. window bytes per request: ReplaySSM keeps each KDA layer's raw per-token
+inputs of one verify (measured from the strategy), a snapshot scheme keeps gamma state snapshots
+(recurrent H K V fp32 + conv 3 H K (W - 1) per layer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from miles_k3.model import K3Config  # noqa: E402
+from miles_k3.model.checkpoint import load_state_dict  # noqa: E402
+from miles_k3.tasks import ArithmeticTokenizer  # noqa: E402
+from rollout.config import EngineConfig  # noqa: E402
+from rollout.engine import Engine  # noqa: E402
+from rollout.model_runner import build_engine_model  # noqa: E402
+from rollout.request import SamplingParams  # noqa: E402
+from rollout.spec import SpecConfig  # noqa: E402
+from rollout.spec.drafter import DSparkDrafter  # noqa: E402
+
+ASSET = Path(__file__).resolve().parents[1] / "miles_k3" / "assets" / "k3-tiny-arith"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", type=Path, default=ASSET, help="target checkpoint directory (with heldout.jsonl)")
+    ap.add_argument("--drafter", type=Path, required=True, help="DSpark drafter directory (scripts/train_drafter.py)")
+    ap.add_argument("--gamma", type=int, default=None, help="drafts per block (default: the drafter's block)")
+    ap.add_argument("--batch-sizes", default="1,8,64")
+    ap.add_argument("--gen-len", type=int, default=12)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--memory-gb", type=float, default=0.25)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", type=Path, default=None, help="write the rows here")
+    return ap.parse_args(argv)
+
+
+def prompts_for(target: Path, n: int) -> list[list[int]]:
+    tok = ArithmeticTokenizer()
+    rows = [json.loads(line)["prompt"] for line in (target / "heldout.jsonl").read_text().splitlines()]
+    return [tok.encode(rows[i % len(rows)], add_bos=True) for i in range(n)]
+
+
+def run(engine: Engine, prompts, params) -> tuple[list, float]:
+    engine.generate(prompts[:1], params[:1])  # warm-up, untimed
+    t0 = time.perf_counter()
+    outs = engine.generate(prompts, params)
+    if engine.runner.device.type == "cuda":
+        torch.cuda.synchronize()
+    return outs, time.perf_counter() - t0
+
+
+def snapshot_bytes(config: K3Config, gamma: int) -> int:
+    """A state snapshot per draft step, per request: gamma x every KDA layer's recurrent + conv state."""
+    h, k, w = config.kda_num_heads, config.kda_head_dim, config.kda_conv_kernel
+    layers = sum(kind == "kda" for kind in config.layer_kinds)
+    return gamma * layers * (h * k * k * 4 + 3 * h * k * (w - 1) * 4)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    config = K3Config.from_json_file(args.target / "config.json")
+    model, _ = build_engine_model(config, load_state_dict(args.target, config), quantize="none", dtype=dtype,
+                                  device=args.device)
+    drafter = DSparkDrafter.load(args.drafter, model)
+    gamma = args.gamma or drafter.config.block_size
+    rows = []
+    for b in [int(x) for x in args.batch_sizes.split(",")]:
+        prompts = prompts_for(args.target, b)
+        for temp in (0.0, 1.0):
+            params = [SamplingParams(temperature=temp, max_new_tokens=args.gen_len, stop_token_ids=(2,), seed=i)
+                      for i in range(b)]
+            ecfg = dict(memory_bytes=int(args.memory_gb * 2**30), max_running=max(b, 1), max_seq_len=256)
+            plain_out, plain_s = run(Engine(model, EngineConfig(**ecfg)), prompts, params)
+            spec = Engine(model, EngineConfig(**ecfg, overlap="off", speculation=SpecConfig(drafter=drafter,
+                                                                                          gamma=gamma)))
+            spec.decoder.strategy.stats.__init__()
+            spec_out, spec_s = run(spec, prompts, params)
+            st = spec.decoder.strategy.stats
+            plain_tok = sum(len(c.output_ids) for c in plain_out)
+            spec_tok = sum(len(c.output_ids) for c in spec_out)
+            rows.append(dict(
+                batch=b, temperature=temp, gamma=gamma,
+                plain_tok_s=round(plain_tok / plain_s, 1), spec_tok_s=round(spec_tok / spec_s, 1),
+                speedup=round((spec_tok / spec_s) / (plain_tok / plain_s), 3),
+                mean_tokens_per_verify=round(st.mean_accepted, 3),
+                draft_acceptance=round(st.accepted / max(st.drafted, 1), 3),
+                verify_tokens_per_step=round(st.rows * (gamma + 1) / max(st.steps, 1), 1),
+                lossless=all(a.output_ids == c.output_ids for a, c in zip(plain_out, spec_out)) if temp == 0 else None,
+                replay_window_bytes_per_request=st.window_bytes,
+                snapshot_window_bytes_per_request=snapshot_bytes(config, gamma)))
+            print(json.dumps(rows[-1]), flush=True)
+    head = ("batch", "temperature", "plain_tok_s", "spec_tok_s", "speedup", "mean_tokens_per_verify",
+            "draft_acceptance", "verify_tokens_per_step", "lossless", "replay_window_bytes_per_request",
+            "snapshot_window_bytes_per_request")
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
+    for r in rows:
+        print("| " + " | ".join("-" if r[h] is None else str(r[h]) for h in head) + " |")
+    meta = dict(target=str(args.target), drafter=str(args.drafter), device=args.device, dtype=args.dtype,
+                threads=args.threads, machine=platform.machine(), torch=torch.__version__, gen_len=args.gen_len)
+    if args.json:
+        args.json.write_text(json.dumps(dict(meta=meta, rows=rows), indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""The DSpark drafter (rollout/spec/drafter.py): the q it reports is the distribution it drew from, the
+target context it keeps per request equals a fresh target pass over the request's tokens, a saved drafter
+loads to the same drafts, bad directories and mismatched targets fail by name, and the engine stays
+lossless with it."""
+
+import json
+
+import pytest
+import torch
+
+from rollout.request import SamplingParams
+from rollout.spec import SpecConfig
+from rollout.spec.drafter import DSparkConfig, DSparkDrafter, _features
+from rollout.spec.replay import hooks
+from tests.rollout.common import MODEL, engine, prompt
+
+C = MODEL.config
+
+
+def drafter(seed: int = 0, **kw) -> DSparkDrafter:
+    torch.manual_seed(seed)
+    d = DSparkDrafter(DSparkConfig(target_layers=(1, 4), hidden_size=C.hidden_size, vocab_size=C.vocab_size,
+                                   block_size=3, context_window=16, **kw))
+    with torch.no_grad():  # a drafter with something to say: non-zero Markov head and temperatures
+        d.markov_out.weight.normal_(0, 0.5)
+        d.pos_embed.normal_(0, 0.1)
+        d.log_temperature.copy_(torch.tensor([0.1, -0.2, 0.3]))
+    return d
+
+
+def test_the_reported_q_is_the_distribution_each_draft_was_drawn_from():
+    """Drafts are drawn left to right through the Markov head; q from `propose` equals the teacher-forced
+    softmax of the same block given those drafts (temperature 1, fp32), greedy drafts are its argmax, and
+    the confidences are the teacher-forced ones."""
+    d = drafter()
+    d.share(MODEL)
+    ctx = torch.randn(5, 7, 2 * C.hidden_size)
+    mask = torch.ones(5, 7, dtype=torch.bool)
+    mask[2, 4:] = False
+    anchors = torch.tensor([5, 9, 11, 40, 3])
+    feats = [ctx[i, mask[i]] for i in range(5)]
+
+    class Row:  # what propose reads of a Running: its request id and the context it keeps
+        def __init__(self, i):
+            self.req = type("R", (), {"request_id": i, "finish_reason": None})()
+
+    rows = [Row(i) for i in range(5)]
+    d._contexts = {i: (rows[i].req, feats[i]) for i in range(5)}
+    params = [SamplingParams(temperature=1.0)] * 4 + [SamplingParams(temperature=0)]
+    gens = [torch.Generator().manual_seed(i) for i in range(5)]
+    drafts, q, reported_conf = d.propose(rows, anchors, 3, params, gens)
+    with torch.no_grad():
+        logits, conf = d.teacher_forced(ctx, mask, anchors, drafts)
+    torch.testing.assert_close(q[:4], logits[:4].softmax(-1), atol=1e-6, rtol=1e-5)
+    assert drafts[4].tolist() == logits[4].argmax(-1).tolist()
+    torch.testing.assert_close(reported_conf, conf, atol=1e-6, rtol=1e-5)  # c_k reads drafts before k only
+    assert ((conf > 0) & (conf < 1)).all()
+
+
+def test_engine_context_equals_a_fresh_target_pass_and_greedy_stays_lossless():
+    """With a (random) DSpark drafter the engine's greedy output is the plain engine's; the context the
+    drafter kept for a request (a catch-up pass for its prompt, then each verify's committed tokens) equals
+    the tapped states of one target pass over the request's computed tokens."""
+    d = drafter(1)
+    prompts = [prompt(7, 20), prompt(12, 21)]
+    params = SamplingParams(temperature=0, max_new_tokens=9)
+    want = engine().generate(prompts, params)
+    eng = engine(speculation=SpecConfig(drafter=d, gamma=3))
+    rid = eng.submit(prompts[1], params)
+    for _ in range(3):
+        eng.step()
+    r = eng.scheduler.running[0]
+    store: dict = {}
+    with hooks(d.taps, store), torch.inference_mode():
+        MODEL.model.hidden(torch.tensor(r.tokens[:r.pos])[None], None, None)
+    fresh = _features(store, d.config.target_layers)[0, -16:]
+    kept = d._contexts[rid][1]
+    assert kept.shape == fresh.shape
+    torch.testing.assert_close(kept, fresh, atol=1e-4, rtol=1e-4)
+    while eng.has_work():
+        eng.step()
+    got = eng.generate(prompts, params)
+    for a, b in zip(want, got):
+        assert a.output_ids == b.output_ids
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+    assert not d._contexts.keys() - {c.request_id for c in got}  # finished requests' contexts are dropped
+
+
+def test_save_load_round_trip_and_bad_directories(tmp_path):
+    d = drafter(2)
+    d.save(tmp_path / "dr")
+    back = DSparkDrafter.load(tmp_path / "dr", MODEL)
+    assert back.config == d.config
+    for (k, a), (_, b) in zip(d.state_dict().items(), back.state_dict().items()):
+        assert torch.equal(a, b), k
+    with pytest.raises(ValueError, match="model.safetensors"):
+        (tmp_path / "half").mkdir()
+        (tmp_path / "half" / "config.json").write_text(json.dumps({}))
+        DSparkDrafter.load(tmp_path / "half")
+    cfg = json.loads((tmp_path / "dr" / "config.json").read_text())
+    (tmp_path / "dr" / "config.json").write_text(json.dumps({**cfg, "vocab_size": 7}))
+    with pytest.raises(ValueError, match="DSparkConfig.vocab_size"):
+        DSparkDrafter.load(tmp_path / "dr", MODEL)
+    with pytest.raises(ValueError, match="DSparkConfig.target_layers"):
+        DSparkConfig(target_layers=(9,), hidden_size=C.hidden_size, vocab_size=C.vocab_size).check_target(C)
+    with pytest.raises(ValueError, match="SpecConfig.drafter"):
+        engine(speculation=SpecConfig(drafter=tmp_path / "nowhere"))

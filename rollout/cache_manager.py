@@ -16,6 +16,16 @@ running request and a tree. A request's life, as the scheduler and decode pipeli
 
 Between batches only (no request admitted): `release_pools` / `resume_pools` (colocation) and `drop_tree`
 (an adapter's weights changed, so its cached prefixes are stale).
+
+Unified memory (`EngineConfig.unified_memory`): both pools live in one `UnifiedArena`
+(`rollout.unified_memory`), so a kind that runs short evicts the other kind too (same kind first: tree
+leaves for pages, checkpoints for slots; then the other), and a free can move blocks. The manager renames
+every holder it knows when the arena moves a block (`_renamed`: the trees and the admitted requests, which
+it tracks from `admit` to `release`); a snapshot slot handed out by `snapshot` is pinned until it comes
+back through `donate_at` or `free_snapshot` (the decode pipeline holds it in between, where nothing can
+rename it). A `MatchResult` is a host copy of ids: `admit` matches again when its own allocations freed or
+moved anything. Admission takes the working slot and the pages of the rest of the prompt together, so a
+request that cannot prefill waits instead of taking bytes the running requests' pages need.
 """
 
 from __future__ import annotations
@@ -30,6 +40,7 @@ from rollout.config import EngineConfig
 from rollout.memory import IndexAllocator, KDAStatePool, KVPagePool, PoolSizes
 from rollout.radix_cache import HybridRadixCache, InsertResult, MatchResult, Node
 from rollout.request import Request
+from rollout.unified_memory import RegionAllocator, UnifiedArena
 
 
 @dataclass(eq=False)
@@ -62,26 +73,33 @@ class CacheManager:
                  tp_size: int = 1):
         """`tp_size`: the engine's tensor-parallel ranks (each rank's pools hold its share, `PoolSizes`)."""
         self.model_config, self.config, self.dtype, self.device = model_config, config, dtype, device
-        if config.unified_memory:
-            raise ValueError("EngineConfig.unified_memory=True: the unified state pool is not built yet")
-        self.sizes = PoolSizes.from_budget(model_config, config.memory_bytes, page_size=config.page_size,
-                                           state_fraction=config.state_fraction, dtype=dtype, tp_size=tp_size,
-                                           dcp_size=config.dcp_size)
+        shares = dict(page_size=config.page_size, dtype=dtype, tp_size=tp_size, dcp_size=config.dcp_size)
+        if config.unified_memory:  # `state_fraction` does not apply: the arena has no fixed split
+            self.sizes = PoolSizes.unified(model_config, config.memory_bytes, **shares)
+        else:
+            self.sizes = PoolSizes.from_budget(model_config, config.memory_bytes,
+                                               state_fraction=config.state_fraction, **shares)
+        self.arena: UnifiedArena | None = None
         self.kv: KVPagePool | None = None
         self.states: KDAStatePool | None = None
         self.caches: dict[str | None, HybridRadixCache] = {}
+        self.admitted: dict[Running, None] = {}  # from admit to release (insertion-ordered set)
         self.resume_pools()
 
     # ----------------------------------------------------------- pools
     def release_pools(self) -> None:
         """Drop the pools and every tree, so a colocated trainer can use the memory."""
-        self.kv = self.states = None
+        self.kv = self.states = self.arena = None
         self.caches = {}
+        self.admitted = {}
 
     def resume_pools(self) -> None:
         if self.kv is None:
-            self.kv = KVPagePool(self.model_config, self.sizes, self.dtype, self.device)
-            self.states = KDAStatePool(self.model_config, self.sizes, self.dtype, self.device)
+            if self.config.unified_memory:
+                self.arena = UnifiedArena(self.config.memory_bytes, self.sizes.slot_bytes, self.sizes.page_bytes,
+                                          self.device, on_move=self._renamed)
+            self.kv = KVPagePool(self.model_config, self.sizes, self.dtype, self.device, self.arena)
+            self.states = KDAStatePool(self.model_config, self.sizes, self.dtype, self.device, self.arena)
 
     def cache_for(self, adapter: str | None) -> HybridRadixCache:
         if adapter not in self.caches:
@@ -93,10 +111,11 @@ class CacheManager:
 
     def drop_tree(self, adapter: str) -> None:
         """Forget `adapter`'s cached prefixes (no request using it may be running)."""
-        stale = self.caches.pop(adapter, None)
-        if stale is not None:
+        stale = self.caches.get(adapter)
+        if stale is not None:  # evicted while still listed: its frees may move its own other blocks
             stale.evict_pages(10**18)
             stale.evict_checkpoints(10**18)
+            del self.caches[adapter]
 
     # ------------------------------------------------------- admission
     def match(self, adapter: str | None, tokens: list[int]) -> MatchResult:
@@ -105,21 +124,70 @@ class CacheManager:
 
     def admit(self, req: Request, tokens: list[int], m: MatchResult) -> Running | None:
         """Lock `m`'s prefix, give the request a working slot restored from `m`'s checkpoint (zeroed on a
-        miss) and its pages. None when no slot can be freed: nothing is held then."""
+        miss) and its pages. None when no slot can be freed: nothing is held then.
+
+        Unified memory: the slot and the pages of the rest of the prompt are taken together (`_reserve`),
+        since the two kinds share the bytes: a request is admitted only when it can prefill without
+        pushing running requests out."""
         cache = self.cache_for(req.adapter)
         cache.lock(m.node)
-        slot = self._alloc(self.states.allocator, 1, self.evict_checkpoints)
+        reserved: list[int] = []
+        if self.arena is None:
+            slot = self._alloc(self.states.allocator, 1, self.evict_checkpoints)
+        else:
+            version = self.arena.version
+            slot, reserved = self._reserve(m, len(tokens)) or (None, [])
         if slot is None:
             cache.unlock(m.node)
             return None
+        if self.arena is not None and self.arena.version != version:
+            # blocks were freed or moved since the match, so m's ids may be stale: match again (the lock kept
+            # m's pages, nothing was inserted: the new hit is m's, renamed, or shallower)
+            fresh = cache.match_prefix(tokens)
+            cache.lock(fresh.node)
+            cache.unlock(m.node)
+            m = fresh
         # copy-on-write restore, enqueued before anything can reuse the checkpoint's slot
         if m.checkpoint_slot is None:
             self.states.zero_slots(slot)
         else:
             self.states.copy_slots([m.checkpoint_slot], slot)
         req.cached_tokens = m.prefix_len
-        return Running(req, cache, tokens, slot[0], m.node, m.prefix_len, list(m.pages), tree_pages=len(m.pages),
-                       fork_pos=m.fork_pos)
+        r = Running(req, cache, tokens, slot[0], m.node, m.prefix_len, list(m.pages) + reserved,
+                    tree_pages=len(m.pages), fork_pos=m.fork_pos)
+        self.admitted[r] = None
+        if self.arena is not None:  # r holds them now, and moves rename them there
+            self.arena.slots.unpin(slot)
+            self.arena.pages.unpin(reserved)
+        return r
+
+    def _reserve(self, m: MatchResult, num_tokens: int) -> tuple[list[int], list[int]] | None:
+        """Unified memory: a working slot and the pages for positions [len(m.pages) * page_size, num_tokens),
+        all or nothing. The checkpoint `m` restores is kept out of eviction's reach meanwhile, unless nothing
+        else frees room; both come back pinned (nothing holds them yet that a move could rename)."""
+        need = -(-num_tokens // self.config.page_size) - len(m.pages)
+        node, keep = m.node, m.node.checkpoint
+        if keep is not None:
+            node.checkpoint = None  # out of eviction's reach; pinned, since no rename can reach it now
+            self.arena.slots.pin([keep])
+            got = self._take(need)
+            node.checkpoint = keep
+            self.arena.slots.unpin([keep])
+            if got is not None:
+                return got
+        return self._take(need)
+
+    def _take(self, num_pages: int) -> tuple[list[int], list[int]] | None:
+        slot = self._alloc(self.states.allocator, 1, self.evict_checkpoints)
+        if slot is None:
+            return None
+        self.arena.slots.pin(slot)
+        pages = self._alloc(self.kv.allocator, num_pages, self.evict_pages) if num_pages > 0 else []
+        if pages is None:
+            self.states.allocator.free(slot)  # ends its pin
+            return None
+        self.arena.pages.pin(pages)
+        return slot, pages
 
     # ----------------------------------------------------------- pages
     def _pages_short(self, r: Running, end: int) -> int:
@@ -150,10 +218,25 @@ class CacheManager:
             new = new[n:]
         return True
 
-    def _alloc(self, allocator: IndexAllocator, n: int, evict: Callable[[int], int]) -> list[int] | None:
+    def _alloc(self, allocator: IndexAllocator | RegionAllocator, n: int, evict: Callable[[int], int]
+               ) -> list[int] | None:
         if allocator.num_free < n:
             evict(n - allocator.num_free)
+        if allocator.num_free < n and self.arena is not None:
+            self._evict_other_kind(allocator, n)
         return allocator.alloc(n) if allocator.num_free >= n else None
+
+    def _evict_other_kind(self, allocator: RegionAllocator, n: int) -> None:
+        """Unified memory: evict blocks of the other kind until `n` of `allocator`'s kind fit (or nothing
+        more can be evicted). Each free compacts its region, so the free region between them grows."""
+        arena = self.arena
+        pages = allocator is arena.pages
+        block, other = (arena.page_bytes, arena.slot_bytes) if pages else (arena.slot_bytes, arena.page_bytes)
+        evict = self.evict_checkpoints if pages else self.evict_pages
+        while allocator.num_free < n:
+            short = (n - allocator.num_free) * block - arena.free_bytes % block  # bytes the free region lacks
+            if not evict(-(-short // other)):
+                return
 
     def evict_pages(self, n: int) -> int:
         """Free up to about `n` KV pages from the trees (unlocked leaves); returns how many were freed."""
@@ -183,6 +266,8 @@ class CacheManager:
         if snap is None:
             return None
         self.states.copy_slots([r.slot], snap)
+        if self.arena is not None:  # held by the caller until donate_at / free_snapshot: it must not move
+            self.arena.slots.pin(snap)
         return snap[0]
 
     def donate_at(self, r: Running, pos: int, snap: int | None) -> None:
@@ -190,6 +275,8 @@ class CacheManager:
         taken at `pos`, and move r's lock to the node that ends there."""
         res = self._insert(r, {} if snap is None else {pos: snap}, end=pos)
         self.states.allocator.free(res.rejected_slots)
+        if self.arena is not None and snap is not None and self.arena.is_pinned("slots", snap):
+            self.arena.slots.unpin([snap])  # the tree holds it now (a free, above, ended the pin otherwise)
         r.cache.lock(res.node)
         r.cache.unlock(r.node)
         r.node = res.node
@@ -206,6 +293,7 @@ class CacheManager:
         r.cache.unlock(r.node)
         self.kv.allocator.free(r.private)
         self.states.allocator.free([r.slot])
+        self.admitted.pop(r, None)
 
     def _insert(self, r: Running, checkpoints: dict[int, int], end: int | None = None) -> InsertResult:
         """Hand the page-aligned computed prefix to the tree. The request switches to the tree's pages and
@@ -219,10 +307,31 @@ class CacheManager:
         r.tree_pages = full
         return res
 
+    # ----------------------------------------------------------- moves
+    def _renamed(self, kind: str, moves: dict[int, int]) -> None:
+        """The arena moved blocks of `kind` ({old id: new id}): rename them in every tree and admitted request."""
+        if kind == "pages":
+            for cache in self.caches.values():
+                cache.rename_pages(moves)
+            for r in self.admitted:
+                r.pages[:] = [moves.get(p, p) for p in r.pages]
+        else:
+            for cache in self.caches.values():
+                cache.rename_slots(moves)
+            for r in self.admitted:
+                r.slot = moves.get(r.slot, r.slot)
+
     # ----------------------------------------------------------- check
     def check(self, running: list[Running], pending_slots: set[int]) -> None:
         """Rebuild the accounting: every page / slot is in exactly one place (a tree, a running request,
-        a snapshot waiting for its tree insert, free)."""
+        a snapshot waiting for its tree insert, free). Unified memory: also the arena's layout, and the
+        pinned slots are exactly the pending snapshots."""
+        if self.arena is not None:
+            self.arena.check()
+            assert set(running) == set(self.admitted), "the running requests are not the admitted ones"
+            assert self.arena.pinned("slots") == pending_slots, \
+                f"pinned slots {self.arena.pinned('slots')} != pending snapshots {pending_slots}"
+            assert not self.arena.pinned("pages"), "pages pinned between steps"
         pages = {p for r in running for p in r.private}
         slots = {r.slot for r in running} | pending_slots
         for name, cache in self.caches.items():

@@ -6,16 +6,26 @@ request or cached checkpoint (every KDA layer's recurrent state and conv history
 
 Indices are plain ints on the host; tensors live on the pool's device. Copies between slots are single
 `index_copy_` launches on the current stream, so stream order is their happens-before: no sync, no lock.
+
+By default each pool owns its tensors (`memory_bytes` split by `state_fraction`). Built over a
+`rollout.unified_memory.UnifiedArena` (`EngineConfig.unified_memory`), both pools are views into one byte
+pool and their allocators are its two regions: the same tensors by id, the same interface.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from miles_k3.model.config import K3Config
 from rollout.transfer import to_device
+
+if TYPE_CHECKING:
+    from rollout.unified_memory import UnifiedArena
+
+BLOCK_ALIGN = 16  # bytes: a unified pool's slots are padded to this, so every typed view of a block is aligned
 
 
 class OutOfSlots(RuntimeError):
@@ -89,25 +99,45 @@ class PoolSizes:
         return kda_layers * (recurrent + conv)
 
     @classmethod
-    def from_budget(cls, config: K3Config, budget_bytes: int, *, page_size: int, state_fraction: float,
-                    dtype: torch.dtype = torch.bfloat16, tp_size: int = 1, dcp_size: int = 1) -> "PoolSizes":
-        """Split one rank's `budget_bytes` between KDA slots (`state_fraction` of it) and KV pages (the rest)."""
+    def _block_bytes(cls, config: K3Config, page_size: int, dtype: torch.dtype, tp_size: int,
+                     dcp_size: int) -> tuple[int, int]:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
-        if not 0.0 < state_fraction < 1.0:
-            raise ValueError(f"state_fraction must be in (0, 1), got {state_fraction}")
         if config.kda_num_heads % tp_size:
             raise ValueError(f"K3Config.kda_num_heads={config.kda_num_heads} is not divisible by the tensor-parallel "
                              f"size {tp_size}")
         if page_size % dcp_size:
             raise ValueError(f"page_size {page_size} is not divisible by dcp_size {dcp_size}")
-        page_bytes = cls.bytes_per_page(config, page_size, dtype, dcp_size)
-        slot_bytes = cls.bytes_per_slot(config, dtype, tp_size)
+        return cls.bytes_per_page(config, page_size, dtype, dcp_size), cls.bytes_per_slot(config, dtype, tp_size)
+
+    @classmethod
+    def from_budget(cls, config: K3Config, budget_bytes: int, *, page_size: int, state_fraction: float,
+                    dtype: torch.dtype = torch.bfloat16, tp_size: int = 1, dcp_size: int = 1) -> "PoolSizes":
+        """Split one rank's `budget_bytes` between KDA slots (`state_fraction` of it) and KV pages (the rest)."""
+        if not 0.0 < state_fraction < 1.0:
+            raise ValueError(f"state_fraction must be in (0, 1), got {state_fraction}")
+        page_bytes, slot_bytes = cls._block_bytes(config, page_size, dtype, tp_size, dcp_size)
         num_slots = int(budget_bytes * state_fraction) // max(slot_bytes, 1)
         num_pages = int(budget_bytes * (1 - state_fraction)) // max(page_bytes, 1)
         if num_slots < 1 or num_pages < 1:
             raise ValueError(f"memory budget {budget_bytes} B holds {num_slots} state slots ({slot_bytes} B each) "
                              f"and {num_pages} KV pages ({page_bytes} B each); need at least one of each")
+        return cls(num_pages, num_slots, page_size, page_bytes, slot_bytes, config.kda_num_heads // tp_size,
+                   page_size // dcp_size)
+
+    @classmethod
+    def unified(cls, config: K3Config, budget_bytes: int, *, page_size: int, dtype: torch.dtype = torch.bfloat16,
+                tp_size: int = 1, dcp_size: int = 1) -> "PoolSizes":
+        """One rank's `budget_bytes` as one byte pool for both kinds (`rollout.unified_memory`): slots are
+        padded to `BLOCK_ALIGN` bytes, and `num_pages` / `num_slots` are the most of each kind that fit next
+        to one block of the other (a request alone holds its working slot and its pages)."""
+        page_bytes, slot_bytes = cls._block_bytes(config, page_size, dtype, tp_size, dcp_size)
+        slot_bytes = -(-slot_bytes // BLOCK_ALIGN) * BLOCK_ALIGN
+        budget = budget_bytes // BLOCK_ALIGN * BLOCK_ALIGN
+        num_pages, num_slots = (budget - slot_bytes) // page_bytes, (budget - page_bytes) // slot_bytes
+        if num_slots < 1 or num_pages < 1:
+            raise ValueError(f"memory budget {budget_bytes} B holds no KDA state slot ({slot_bytes} B) next to a "
+                             f"KV page ({page_bytes} B); need at least one of each")
         return cls(num_pages, num_slots, page_size, page_bytes, slot_bytes, config.kda_num_heads // tp_size,
                    page_size // dcp_size)
 
@@ -120,17 +150,29 @@ class KVPagePool:
     to the cache. Two extra pages past the allocator's range are never handed out: padding rows of a
     fixed-shape (CUDA-graph) batch write into `sink_page`; history positions past a request's end read
     from `zero_page`, which nothing writes (masked attention weights are 0, and 0 * garbage could be NaN).
+
+    Over a `UnifiedArena` the buffers are views of its page blocks (a page's rows position-major, layer
+    minor, so each layer's rows are one stride apart) and the allocator is the arena's page region.
     """
 
-    def __init__(self, config: K3Config, sizes: PoolSizes, dtype: torch.dtype, device: torch.device | str):
+    def __init__(self, config: K3Config, sizes: PoolSizes, dtype: torch.dtype, device: torch.device | str,
+                 arena: UnifiedArena | None = None):
         self.page_size = sizes.page_size
-        self.allocator = IndexAllocator(sizes.num_pages, "kv pages")
         self.mla_layers = [i for i, k in enumerate(config.layer_kinds) if k == "mla"]
         width = config.kv_lora_rank + config.qk_rope_head_dim
-        self.sink_page, self.zero_page = sizes.num_pages, sizes.num_pages + 1
         self.rows_per_page = sizes.kv_rows_per_page  # page_size, or page_size / dcp_size under DCP
-        self.buffers = {i: torch.zeros((sizes.num_pages + 2) * self.rows_per_page, width, dtype=dtype,
-                                       device=device) for i in self.mla_layers}
+        if arena is None:
+            self.allocator = IndexAllocator(sizes.num_pages, "kv pages")
+            self.sink_page, self.zero_page = sizes.num_pages, sizes.num_pages + 1
+            self.buffers = {i: torch.zeros((sizes.num_pages + 2) * self.rows_per_page, width, dtype=dtype,
+                                           device=device) for i in self.mla_layers}
+            return
+        assert arena.page_bytes == sizes.page_bytes
+        self.allocator = arena.pages
+        self.sink_page, self.zero_page = arena.sink_page, arena.zero_page
+        rows = arena.page_blocks.view(dtype).view(arena.max_pages + 2, self.rows_per_page, len(self.mla_layers),
+                                                  width)
+        self.buffers = {i: rows[:, :, j].view(-1, width) for j, i in enumerate(self.mla_layers)}
 
     def rows(self, pages: list[int], start: int, end: int) -> torch.Tensor:
         """Row indices (on the pool's device) of token positions [start, end) for a page table (a pool that
@@ -146,34 +188,49 @@ class KDAStatePool:
     """KDA state slots: per KDA layer recurrent [num_slots, H, K, V] fp32 and conv [num_slots, 3, H*K, W-1]
     (H: this rank's heads, `PoolSizes.kda_heads`).
 
-    Plus one `sink_slot` outside the allocator's range, the read/write target of padding rows."""
+    Plus one `sink_slot` outside the allocator's range, the read/write target of padding rows.
 
-    def __init__(self, config: K3Config, sizes: PoolSizes, conv_dtype: torch.dtype, device: torch.device | str):
-        self.allocator = IndexAllocator(sizes.num_slots, "kda state slots")
+    Over a `UnifiedArena` the tensors are views of its slot blocks (every layer's recurrent state, then every
+    layer's conv history, in one block), the allocator is the arena's slot region, and a slot copy or zero
+    is one launch over whole blocks."""
+
+    def __init__(self, config: K3Config, sizes: PoolSizes, conv_dtype: torch.dtype, device: torch.device | str,
+                 arena: UnifiedArena | None = None):
         self.kda_layers = [i for i, k in enumerate(config.layer_kinds) if k == "kda"]
-        self.sink_slot = sizes.num_slots
-        n, h, d = sizes.num_slots + 1, sizes.kda_heads, config.kda_head_dim  # h: this rank's heads
-        self.recurrent = {i: torch.zeros(n, h, d, d, dtype=torch.float32, device=device) for i in self.kda_layers}
-        self.conv = {i: torch.zeros(n, 3, h * d, config.kda_conv_kernel - 1, dtype=conv_dtype,
-                                    device=device) for i in self.kda_layers}
+        h, d, w = sizes.kda_heads, config.kda_head_dim, config.kda_conv_kernel - 1  # h: this rank's heads
+        if arena is None:
+            self.allocator = IndexAllocator(sizes.num_slots, "kda state slots")
+            self.sink_slot = sizes.num_slots
+            n = sizes.num_slots + 1
+            self.recurrent = {i: torch.zeros(n, h, d, d, dtype=torch.float32, device=device) for i in self.kda_layers}
+            self.conv = {i: torch.zeros(n, 3, h * d, w, dtype=conv_dtype, device=device) for i in self.kda_layers}
+            self._tensors = [*self.recurrent.values(), *self.conv.values()]
+            return
+        assert arena.slot_bytes == sizes.slot_bytes
+        self.allocator = arena.slots
+        self.sink_slot, n = arena.sink_slot, arena.max_slots + 1
+        rec, conv = h * d * d, 3 * h * d * w  # elements per layer
+        f32, cv = arena.slot_blocks.view(torch.float32), arena.slot_blocks.view(conv_dtype)
+        conv_start = len(self.kda_layers) * rec * 4 // cv.element_size()
+        self.recurrent = {i: f32[:, j * rec:(j + 1) * rec].view(n, h, d, d) for j, i in enumerate(self.kda_layers)}
+        self.conv = {i: cv[:, conv_start + j * conv:conv_start + (j + 1) * conv].view(n, 3, h * d, w)
+                     for j, i in enumerate(self.kda_layers)}
+        self._tensors = [arena.slot_blocks]
 
     def copy_slots(self, src: list[int], dst: list[int]) -> None:
         """dst[j] <- src[j] for every layer: one gather + index_copy_ per tensor on the current stream."""
         assert len(src) == len(dst)
         if not src:
             return
-        device = next(iter(self.recurrent.values())).device
+        device = self._tensors[0].device
         s, d = to_device(src, device, torch.long), to_device(dst, device, torch.long)
-        for table in (self.recurrent, self.conv):
-            for buf in table.values():
-                buf.index_copy_(0, d, buf.index_select(0, s))
+        for buf in self._tensors:
+            buf.index_copy_(0, d, buf.index_select(0, s))
 
     def zero_slots(self, slots: list[int]) -> None:
         """A fresh request starts from zero history."""
         if not slots:
             return
-        device = next(iter(self.recurrent.values())).device
-        idx = to_device(slots, device, torch.long)
-        for table in (self.recurrent, self.conv):
-            for buf in table.values():
-                buf.index_fill_(0, idx, 0)
+        idx = to_device(slots, self._tensors[0].device, torch.long)
+        for buf in self._tensors:
+            buf.index_fill_(0, idx, 0)

@@ -21,6 +21,11 @@ Request lifecycle (what is safe to call when):
    fresh slot and `insert(...)` the page-aligned prefix with that slot: the tree takes pages and slots it
    lacks (ownership moves, no copy: donate by index). Move the lock to the returned node.
 3. At finish or abort: a final `insert`, `unlock`, then free what the result says the request still owns.
+
+Over a unified pool (`rollout.unified_memory`) a free can move blocks and rename their ids: the pool's
+owner calls `rename_pages` / `rename_slots`, which rewrite the ids in every node. The tree itself holds ids
+only in its nodes, so a rename in the middle of its own evictions is safe; a `MatchResult` is a copy and
+is stale after one.
 """
 
 from __future__ import annotations
@@ -274,6 +279,19 @@ class HybridRadixCache:
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, entry(parent))
         return freed
+
+    # ----------------------------------------------------------------- renames
+    def rename_pages(self, moves: dict[int, int]) -> None:
+        """KV pages moved to new ids ({old: new}): every node's edge follows."""
+        for node in self._nodes():
+            if node.pages:
+                node.pages[:] = [moves.get(p, p) for p in node.pages]
+
+    def rename_slots(self, moves: dict[int, int]) -> None:
+        """State slots moved to new ids ({old: new}): every checkpoint follows."""
+        for node in self._nodes():
+            if node.checkpoint is not None:
+                node.checkpoint = moves.get(node.checkpoint, node.checkpoint)
 
     # ------------------------------------------------------------------ checks
     def owned_pages(self) -> set[int]:

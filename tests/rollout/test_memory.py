@@ -33,6 +33,19 @@ def test_pool_sizes_follow_the_budget():
         PoolSizes.from_budget(c, 10**9, page_size=16, state_fraction=1.0)
 
 
+def test_unified_sizes_count_each_kind_next_to_one_block_of_the_other():
+    c = K3Config.from_preset("k3-tiny")
+    page = PoolSizes.bytes_per_page(c, 16, torch.bfloat16)
+    slot = PoolSizes.bytes_per_slot(c, torch.bfloat16)  # a multiple of 16 already: no padding
+    sizes = PoolSizes.unified(c, 10 * slot + 100 * page, page_size=16)
+    assert (sizes.slot_bytes, sizes.page_bytes) == (slot, page)
+    assert sizes.num_slots == (10 * slot + 99 * page) // slot and sizes.num_pages == 9 * slot // page + 100
+    half = PoolSizes.unified(c, 10 * slot + 100 * page, page_size=16, tp_size=2, dcp_size=2)
+    assert (half.kda_heads, half.kv_rows_per_page) == (c.kda_num_heads // 2, 8) and half.page_bytes == page // 2
+    with pytest.raises(ValueError, match="need at least one of each"):
+        PoolSizes.unified(c, slot, page_size=16)
+
+
 def test_state_slot_copy_and_zero():
     c = K3Config.from_preset("k3-tiny")
     pool = KDAStatePool(c, PoolSizes(1, 4, 1, 1, 1, c.kda_num_heads, 1), torch.float32, "cpu")

@@ -19,11 +19,12 @@ REPO = Path(__file__).resolve().parents[2]
 TRAIN = REPO / "scripts" / "slurm" / "train.sbatch"
 
 
-def submit(slurm, run_dir: Path, *overrides: str, wait: bool = False, name: str = "mk3"):
-    """sbatch train.sbatch with the test's python (MILES_K3_PYTHON); the job id, or with `wait` the
-    finished sbatch (its return code is the job's exit code)."""
+def submit(slurm, run_dir: Path, *overrides: str, wait: bool = False, name: str = "mk3", bare: bool = False):
+    """sbatch train.sbatch; the job id, or with `wait` the finished sbatch (its return code is the job's exit
+    code). The test's python is named by MILES_K3_PYTHON; `bare`: no environment at all (--export=NONE), the
+    file finds the python itself."""
     env = {**slurm.env(), "MILES_K3_PYTHON": sys.executable, "WANDB_SILENT": "true"}
-    cmd = ["sbatch", "--parsable", f"--job-name={name}", "--cpus-per-task=1",
+    cmd = ["sbatch", "--parsable", f"--job-name={name}", "--cpus-per-task=1", *(["--export=NONE"] if bare else []),
            f"--output={run_dir.parent}/{run_dir.name}.slurm-%j.out", *(["--wait"] if wait else []),
            str(TRAIN), *SMALL, *overrides, f"hydra.run.dir={run_dir}"]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=run_dir.parent, timeout=900)
@@ -39,7 +40,9 @@ def log_of(run_dir: Path, job_id: str) -> str:
 
 def test_sbatch_wait_runs_a_short_embedded_run_and_writes_its_metrics(slurm, tmp_path):
     run = tmp_path / "run"
-    out = submit(slurm, run, "trainer.max_steps=2", "logging.wandb=disabled", wait=True)
+    # with the checkout's .venv (as README sets up), from an empty environment: the file finds it unedited
+    venv = (REPO / ".venv" / "bin" / "python").exists()
+    out = submit(slurm, run, "trainer.max_steps=2", "logging.wandb=disabled", wait=True, bare=venv)
     assert out.returncode == 0, (out.stderr, *(p.read_text()[-3000:] for p in run.glob("slurm-*.out")))
     assert [r["step"] for r in rows(run)] == [1, 2]
     assert all(0.0 <= r["reward_mean"] <= 1.0 for r in rows(run))
@@ -47,6 +50,8 @@ def test_sbatch_wait_runs_a_short_embedded_run_and_writes_its_metrics(slurm, tmp
     # the trainer's output is in the run directory; Slurm's own file says where
     assert "step 2/2" in log_of(run, job_id)
     assert f"run directory {run}" in (tmp_path / f"run.slurm-{job_id}.out").read_text()
+    if venv:
+        assert f": {REPO}/scripts/slurm/../../.venv/bin/python" in log_of(run, job_id)  # the file's own checkout
     assert ckpt.verify_checkpoint(run / "checkpoints" / "step_00000002") is None
 
 

@@ -140,8 +140,9 @@ class DSparkDrafter(nn.Module, Drafter):
 
     In the engine the context is the target's states at the request's latest `context_window` computed
     positions: those of each verify forward's committed tokens (`observe`, from the tapped layers), and, for
-    a request the drafter has not seen (its prompt was prefilled by the engine), one target pass over its
-    computed tokens (`_catch_up`: the prefill forward's hidden states are not exposed to strategies)."""
+    requests the drafter has not seen (their prompts were prefilled by the engine), one packed target pass
+    over their computed tokens (`_catch_up`: the prefill forward's hidden states are not exposed to
+    strategies)."""
 
     def __init__(self, config: DSparkConfig):
         nn.Module.__init__(self)
@@ -218,7 +219,8 @@ class DSparkDrafter(nn.Module, Drafter):
     def propose(self, batch, anchors, gamma, params, generators):
         live = {r.req.request_id for r in batch}
         self._contexts = {k: v for k, v in self._contexts.items() if k in live or v[0].finish_reason is None}
-        feats = [self._context(r) for r in batch]
+        self._catch_up([r for r in batch if r.req.request_id not in self._contexts])
+        feats = [self._contexts[r.req.request_id][1] for r in batch]
         width = max(f.shape[0] for f in feats)
         ctx = torch.zeros(len(batch), max(width, 1), feats[0].shape[1], device=anchors.device)
         mask = torch.zeros(len(batch), max(width, 1), dtype=torch.bool, device=anchors.device)
@@ -244,22 +246,23 @@ class DSparkDrafter(nn.Module, Drafter):
             self._contexts[r.req.request_id] = (req, new)
             start += length
 
-    def _context(self, r) -> torch.Tensor:
-        """The request's target features at its latest computed positions, [<= context_window, F]."""
-        rid = r.req.request_id
-        if rid not in self._contexts:
-            self._contexts[rid] = (r.req, self._catch_up(r))
-        return self._contexts[rid][1]
-
-    def _catch_up(self, r) -> torch.Tensor:
+    def _catch_up(self, rows) -> None:
+        """Contexts for requests the drafter has not seen: one packed target pass over their computed
+        tokens (no cache: the pools are not touched), the tapped states of the latest positions kept."""
+        if not rows:
+            return
         runner = self._runner
-        ids = torch.tensor(r.tokens[:r.pos], device=runner.device)[None]
+        lengths = [r.pos for r in rows]
+        ids = torch.tensor([t for r in rows for t in r.tokens[:r.pos]], device=runner.device)[None]
+        cu = torch.tensor([0, *lengths], device=runner.device).cumsum(0)
         if runner.adapters is not None:
-            runner.adapters.set_batch([runner.adapters.slot_of(r.req.adapter)], [r.pos])
+            runner.adapters.set_batch([runner.adapters.slot_of(r.req.adapter) for r in rows], lengths)
         store: dict[str, torch.Tensor] = {}
         with hooks(self.taps, store):
-            runner.model.model.hidden(ids, None, None)
-        return _features(store, self.config.target_layers)[0, -self.config.context_window:].float()
+            runner.model.model.hidden(ids, None, cu)
+        feats = _features(store, self.config.target_layers)[0].float()
+        for r, start, end in zip(rows, cu[:-1].tolist(), cu[1:].tolist()):
+            self._contexts[r.req.request_id] = (r.req, feats[max(start, end - self.config.context_window):end])
 
     # ------------------------------------------------------------ save / load
     def save(self, path: str | Path) -> None:

@@ -1,5 +1,6 @@
 """scripts/slurm/train_multinode.sbatch on the test cluster's two emulated nodes (two slurmd on this host):
-the srun launcher runs a real two-rank run with one rank on each node; the Ray launcher runs the loop on a
+the srun launcher runs a real two-rank run with one rank on each node, stopped by the time-limit warning,
+requeued and resumed; the Ray launcher runs the loop on a
 real one-node Ray cluster, and places its head and worker steps on both nodes, runs the driver with the
 cluster's address and stops only its own Ray processes (placeholder `ray` and python: two-node Ray cannot
 run on one host, it rebinds to the external address)."""
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.slurm.jobs import SMALL, finish, job_field, rows
+from tests.slurm.jobs import SMALL, finish, job_field, rows, wait_for
 
 pytestmark = pytest.mark.slurm
 
@@ -37,16 +38,22 @@ def nodes_that_ran(slurm, job: str) -> set[str]:
             if re.search(rf"launch task StepId={job}\.\d+", (slurm.root / f"slurmd-{n}.log").read_text())}
 
 
-def test_srun_launcher_trains_with_one_rank_on_each_node(slurm, tmp_path):
+def test_srun_launcher_trains_with_one_rank_on_each_node_and_resumes_after_the_time_limit_warning(slurm, tmp_path):
     run = tmp_path / "run"
-    job = submit(slurm, tmp_path, run, "srun", *SMALL, "parallel=tp2", "trainer.max_steps=2",
+    job = submit(slurm, tmp_path, run, "srun", *SMALL, "parallel=tp2", "trainer.max_steps=3", "trainer.save_every=0",
                  "logging.wandb=disabled")
     log = lambda: (run / f"slurm-{job}.out").read_text()  # noqa: E731
+    wait_for("step 1's row", lambda: (run / "metrics.jsonl").exists() and rows(run), timeout=400)
+    # the warning reaches the batch shell, which passes it to srun, which passes it to both ranks: rank 0
+    # checkpoints, the job exits 75 (rank 1 is left to exit, not killed) and requeues itself
+    slurm.run("scancel", "--batch", "--signal=USR1", job)
     assert finish(slurm, job) == "COMPLETED", log()[-4000:]
-    assert [r["step"] for r in rows(run)] == [1, 2]
+    assert job_field(slurm, job, "Restarts") == "1"
+    assert "trainer exited 75" in log() and "resumed from" in log()
+    assert [r["step"] for r in rows(run)] == [1, 2, 3]
     assert nodes_that_ran(slurm, job) == {"n1", "n2"}
     # srun's labels: rank 0 (the driver's step lines) and rank 1 both wrote to the job's log
-    assert re.search(r"^0: .*step 2/2", log(), re.M) and re.search(r"^1: ", log(), re.M)
+    assert re.search(r"^0: .*step 3/3", log(), re.M) and re.search(r"^1: ", log(), re.M)
     assert job_field(slurm, job, "NumNodes") == "2"
 
 

@@ -10,7 +10,7 @@ and at temperature 1 (seeded per request). Each row gets fresh engines (plain, t
 warmed up by one untimed request first. tok_s = generated tokens / wall seconds of `generate` (prefill
 included: identical work in both engines). Greedy rows check losslessness (outputs equal token for token).
 mean_tokens_per_verify = tokens a row advances per verify step (accepted drafts + 1); verify_tokens_per_step
-= rows x (gamma + 1) per step. window bytes per request: ReplaySSM keeps each KDA layer's raw per-token
+= anchors + drafts verified per step. window bytes per request: ReplaySSM keeps each KDA layer's raw per-token
 inputs of one verify (measured from the strategy), a snapshot scheme keeps gamma state snapshots
 (recurrent H K V fp32 + conv 3 H K (W - 1) per layer).
 """
@@ -37,6 +37,7 @@ from rollout.model_runner import build_engine_model  # noqa: E402
 from rollout.request import SamplingParams  # noqa: E402
 from rollout.spec import SpecConfig  # noqa: E402
 from rollout.spec.drafter import DSparkDrafter  # noqa: E402
+from rollout.spec.strategy import SpecDecode, SpecStats  # noqa: E402
 
 ASSET = Path(__file__).resolve().parents[1] / "miles_k3" / "assets" / "k3-tiny-arith"
 
@@ -47,6 +48,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--drafter", type=Path, required=True, help="DSpark drafter directory (scripts/train_drafter.py)")
     ap.add_argument("--gamma", type=int, default=None, help="drafts per block (default: the drafter's block)")
     ap.add_argument("--batch-sizes", default="1,8,64")
+    ap.add_argument("--planners", default="verify_all", help="SpecConfig.planner values to run, comma-separated "
+                    "(cost_aware measures its cost surface when each engine starts)")
     ap.add_argument("--gen-len", type=int, default=12)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
@@ -64,6 +67,8 @@ def prompts_for(target: Path, n: int) -> list[list[int]]:
 
 def run(engine: Engine, prompts, params) -> tuple[list, float]:
     engine.generate(prompts[:1], params[:1])  # warm-up, untimed
+    if isinstance(engine.decoder.strategy, SpecDecode):
+        engine.decoder.strategy.stats = SpecStats()  # count the timed requests only
     t0 = time.perf_counter()
     outs = engine.generate(prompts, params)
     if engine.runner.device.type == "cuda":
@@ -95,25 +100,26 @@ def main(argv=None) -> None:
                       for i in range(b)]
             ecfg = dict(memory_bytes=int(args.memory_gb * 2**30), max_running=max(b, 1), max_seq_len=256)
             plain_out, plain_s = run(Engine(model, EngineConfig(**ecfg)), prompts, params)
-            spec = Engine(model, EngineConfig(**ecfg, overlap="off", speculation=SpecConfig(drafter=drafter,
-                                                                                          gamma=gamma)))
-            spec.decoder.strategy.stats.__init__()
-            spec_out, spec_s = run(spec, prompts, params)
-            st = spec.decoder.strategy.stats
             plain_tok = sum(len(c.output_ids) for c in plain_out)
-            spec_tok = sum(len(c.output_ids) for c in spec_out)
-            rows.append(dict(
-                batch=b, temperature=temp, gamma=gamma,
-                plain_tok_s=round(plain_tok / plain_s, 1), spec_tok_s=round(spec_tok / spec_s, 1),
-                speedup=round((spec_tok / spec_s) / (plain_tok / plain_s), 3),
-                mean_tokens_per_verify=round(st.mean_accepted, 3),
-                draft_acceptance=round(st.accepted / max(st.drafted, 1), 3),
-                verify_tokens_per_step=round(st.rows * (gamma + 1) / max(st.steps, 1), 1),
-                lossless=all(a.output_ids == c.output_ids for a, c in zip(plain_out, spec_out)) if temp == 0 else None,
-                replay_window_bytes_per_request=st.window_bytes,
-                snapshot_window_bytes_per_request=snapshot_bytes(config, gamma)))
-            print(json.dumps(rows[-1]), flush=True)
-    head = ("batch", "temperature", "plain_tok_s", "spec_tok_s", "speedup", "mean_tokens_per_verify",
+            for planner in args.planners.split(","):
+                spec = Engine(model, EngineConfig(**ecfg, overlap="off", speculation=SpecConfig(
+                    drafter=drafter, gamma=gamma, planner=planner)))
+                spec_out, spec_s = run(spec, prompts, params)
+                st = spec.decoder.strategy.stats
+                spec_tok = sum(len(c.output_ids) for c in spec_out)
+                rows.append(dict(
+                    batch=b, temperature=temp, gamma=gamma, planner=planner,
+                    plain_tok_s=round(plain_tok / plain_s, 1), spec_tok_s=round(spec_tok / spec_s, 1),
+                    speedup=round((spec_tok / spec_s) / (plain_tok / plain_s), 3),
+                    mean_tokens_per_verify=round(st.mean_accepted, 3),
+                    draft_acceptance=round(st.accepted / max(st.drafted, 1), 3),
+                    verify_tokens_per_step=round((st.rows + st.drafted) / max(st.steps, 1), 1),
+                    lossless=all(a.output_ids == c.output_ids for a, c in zip(plain_out, spec_out))
+                    if temp == 0 else None,
+                    replay_window_bytes_per_request=st.window_bytes,
+                    snapshot_window_bytes_per_request=snapshot_bytes(config, gamma)))
+                print(json.dumps(rows[-1]), flush=True)
+    head = ("batch", "temperature", "planner", "plain_tok_s", "spec_tok_s", "speedup", "mean_tokens_per_verify",
             "draft_acceptance", "verify_tokens_per_step", "lossless", "replay_window_bytes_per_request",
             "snapshot_window_bytes_per_request")
     print("| " + " | ".join(head) + " |")

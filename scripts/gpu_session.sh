@@ -65,6 +65,11 @@ run_job() {
         --json "$STATE/bench_logprobs.json" ;;
     cp) job cp python -m pytest tests/gpu/test_context_parallel_gpu.py -q -m gpu -rA --tb=short \
         -p no:cacheprovider ;;
+    engine) job engine python scripts/bench_rollout.py --device cuda --batch-sizes 1,8,64 --rl-path \
+        --json "$STATE/bench_rollout_engine.json" ;;
+    unified) job unified python scripts/bench_unified_memory.py --device cuda --json "$STATE/bench_unified_memory.json" ;;
+    trainmem) job trainmem python scripts/bench_train_memory.py --device cuda --preset k3-small \
+        --lengths 1024,4096,16384 --json "$STATE/bench_train_memory.json" ;;
     *) echo "unknown job $1"; return 1 ;;
     esac
 }

@@ -31,7 +31,7 @@ from rollout.forward import DecodeGraphs
 from rollout.lora import AdapterPool
 from rollout.memory import KDAStatePool, KVPagePool
 from rollout.model_runner import ModelRunner
-from rollout.parallel import EngineTP, Leader, tensor_spec
+from rollout.parallel import CallChannel, EngineTP, tensor_spec
 from rollout.request import Completion, FinishReason, Request, SamplingParams
 from rollout.sampler import sample
 from rollout.scheduler import Scheduler
@@ -47,8 +47,8 @@ class Engine:
             raise ValueError(f"EngineConfig.dcp_size={config.dcp_size}, but the model was built for DCP "
                              f"{getattr(tp, 'dcp_size', 1)} (build_engine_model's tp=EngineTP(dcp_size=...))")
         # rank 0 of a sharded engine logs its calls for the other ranks, which replay them (`follow`)
-        self.leader = Leader(tp) if tp.size > 1 else None
-        if self.leader is not None and tp.broadcast_object(config) != config:
+        self.channel = CallChannel(tp) if tp.size > 1 else None
+        if self.channel is not None and tp.broadcast_object(config) != config:
             raise ValueError(f"rank {tp.rank}: EngineConfig differs from rank 0's; build every rank alike")
         self.runner = ModelRunner(model, config, adapters)  # checks the model-side settings first
         self.memory = CacheManager(model.config, config, self.runner.dtype, self.runner.device, tp_size=tp.size)
@@ -97,7 +97,7 @@ class Engine:
         """New adapter weights (full tensors), copied in place. Between batches only: every cached prefix
         computed with the old weights is stale and is dropped."""
         self._caller()
-        pool = self._need_adapters()
+        self._need_adapters()
         s = self.scheduler
         if any(r.adapter == name for r in s.waiting) or any(r.req.adapter == name for r in s.running):
             raise RuntimeError(f"update_adapter({name!r}) while requests using it are in flight")
@@ -110,9 +110,9 @@ class Engine:
 
     def _broadcast_adapter(self, command: str, name: str, tensors: dict[str, torch.Tensor], *args) -> None:
         # after the local call validated and applied them: the followers receive only good tensors
-        if self.leader is not None:
-            self.leader.record(command, name, tensor_spec(tensors), *args)
-            self.leader.flush(tensors, self.runner.device)
+        if self.channel is not None:
+            self.channel.record(command, name, tensor_spec(tensors), *args)
+            self.channel.flush(tensors, self.runner.device)
 
     def _need_adapters(self) -> AdapterPool:
         if self.adapters is None:
@@ -144,13 +144,13 @@ class Engine:
                 raise ValueError(f"unknown adapter {adapter!r}: this engine has no adapter pool")
             self.adapters.slot_of(adapter)  # ValueError for an unknown name
         seed = params.seed
-        if seed is None and self.leader is not None:
+        if seed is None and self.channel is not None:
             # every rank samples the request alike: from one generator, seeded by rank 0's stream
             seed = int(torch.randint(0, 2**62, (1,)))
         req = Request(prompt_ids, params, adapter)
         self._add(req, seed, stream)
-        if self.leader is not None:
-            self.leader.record("submit", prompt_ids, params, adapter, req.request_id, seed)
+        if self.channel is not None:
+            self.channel.record("submit", prompt_ids, params, adapter, req.request_id, seed)
         return req.request_id
 
     def _add(self, req: Request, seed: int | None, stream: bool) -> None:
@@ -176,8 +176,8 @@ class Engine:
 
     def abort(self, request_id: int) -> Completion | None:
         self._caller()
-        if self.leader is not None:
-            self.leader.record("abort", request_id)
+        if self.channel is not None:
+            self.channel.record("abort", request_id)
         return self._abort(request_id)
 
     def _abort(self, request_id: int) -> Completion | None:
@@ -223,9 +223,9 @@ class Engine:
         self._caller()
         if self.memory.kv is None:
             raise RuntimeError("engine memory is released; call resume_memory() first")
-        if self.leader is not None:
-            self.leader.record("step")
-            self.leader.flush()
+        if self.channel is not None:
+            self.channel.record("step")
+            self.channel.flush()
         return self._step()
 
     def _step(self) -> list[Completion]:
@@ -296,8 +296,8 @@ class Engine:
         self._caller()
         if self.has_work():
             raise RuntimeError("release_memory() with requests in flight; finish or abort them first")
-        if self.leader is not None:
-            self.leader.record("release_memory")
+        if self.channel is not None:
+            self.channel.record("release_memory")
         self._release_memory()
 
     def _release_memory(self) -> None:
@@ -308,8 +308,8 @@ class Engine:
 
     def resume_memory(self) -> None:
         self._caller()
-        if self.leader is not None:
-            self.leader.record("resume_memory")
+        if self.channel is not None:
+            self.channel.record("resume_memory")
         self._resume_memory()
 
     def _resume_memory(self) -> None:
@@ -321,7 +321,7 @@ class Engine:
     @property
     def is_leader(self) -> bool:
         """Whether this process drives the engine: always, except on the ranks > 0 of a sharded engine."""
-        return self.leader is None or self.tp.is_leader
+        return self.channel is None or self.tp.is_leader
 
     def _caller(self) -> None:
         if not self.is_leader:
@@ -330,9 +330,9 @@ class Engine:
     def stop_followers(self) -> None:
         """Rank 0: end the other ranks' `follow()` (the engine is not used after it)."""
         self._caller()
-        if self.leader is not None:
-            self.leader.record("stop")
-            self.leader.flush()
+        if self.channel is not None:
+            self.channel.record("stop")
+            self.channel.flush()
 
     def follow(self) -> None:
         """Ranks > 0 of a sharded engine: replay rank 0's calls, step for step, until it calls
@@ -340,7 +340,7 @@ class Engine:
         if self.is_leader:
             raise RuntimeError("follow() is for the ranks > 0 of a sharded engine")
         while True:
-            for name, *args in self.leader.receive():
+            for name, *args in self.channel.receive():
                 if name == "stop":
                     return
                 if name == "step":
@@ -352,7 +352,7 @@ class Engine:
                     self._abort(args[0])
                 elif name in ("add_adapter", "update_adapter"):
                     adapter, spec, *alpha = args
-                    tensors = self.leader.receive_tensors(spec, self.runner.device)
+                    tensors = self.channel.receive_tensors(spec, self.runner.device)
                     if name == "add_adapter":
                         self._need_adapters().add_adapter(adapter, tensors, *alpha)
                     else:

@@ -31,8 +31,8 @@ from rollout.config import EngineConfig
 from rollout.forward import DecodeGraphs, model_step
 from rollout.linears import EngineExperts, EngineLinear, Shard
 from rollout.lora import AdapterPool
-from rollout.parallel import EngineTP
 from rollout.memory import KDAStatePool, KVPagePool
+from rollout.parallel import EngineTP
 from rollout.state_cache import BatchLayout, PoolStateCache
 from rollout.transfer import to_device
 

@@ -21,7 +21,7 @@ already holds, and its uneven splits need a host read of the counts per MoE laye
 the overlap schedule cannot have. (The trainer's EP is an all-to-all because its EP ranks hold different
 tokens: `megatron_patches.expert_parallel`.)
 
-One decision per step (`Leader`): every rank runs the same engine (scheduler, cache manager, radix trees,
+One decision per step (`CallChannel`): every rank runs the same engine (scheduler, cache manager, radix trees,
 pools) as a replicated state machine. Rank 0 is the caller's: its `submit` / `abort` / adapter / memory
 calls are applied at once and logged, and each `step()` first broadcasts the log (control plane: a gloo
 group, so it never waits on the device stream). The other ranks sit in `Engine.follow()`, apply the same
@@ -70,7 +70,7 @@ class EngineTP(TensorParallel):
             raise ValueError(f"EngineConfig.dcp_size={dcp_size} must divide the tensor-parallel size {size}")
         self.ep_size, self.dcp_size = ep_size, dcp_size
         self.dcp_rank = rank % dcp_size
-        self.leader_rank = dist.get_global_rank(group, 0) if group is not None else 0
+        self.channel_rank = dist.get_global_rank(group, 0) if group is not None else 0
         ranks = dist.get_process_group_ranks(group) if group is not None else list(range(size))
         self.dcp_group = None
         if dcp_size > 1:  # every rank creates every group, in the same order
@@ -103,12 +103,12 @@ class EngineTP(TensorParallel):
     def broadcast_object(self, obj=None):
         """Rank 0's `obj` on every rank (host side, over the gloo control group)."""
         box = [obj]
-        dist.broadcast_object_list(box, src=self.leader_rank, group=self.control)
+        dist.broadcast_object_list(box, src=self.channel_rank, group=self.control)
         return box[0]
 
     def broadcast_tensor(self, t: torch.Tensor) -> torch.Tensor:
         """Rank 0's tensor `t` (followers pass an empty one of the same shape / dtype / device), in place."""
-        dist.broadcast(t, src=self.leader_rank, group=self.group)
+        dist.broadcast(t, src=self.channel_rank, group=self.group)
         return t
 
     # ------------------------------------------------------------ shards of the checkpoint
@@ -123,8 +123,10 @@ class EngineTP(TensorParallel):
         return self.rank // self.dcp_size * step, step
 
 
-class Leader:
-    """Rank 0's log of the calls the followers must replay, flushed by `Engine.step` and the adapter calls.
+class CallChannel:
+    """The calls rank 0 makes that the other ranks must replay. On rank 0: `record` logs a call (after it was
+    applied there), `flush` sends the log (`Engine.step` before each step, the adapter calls at once, and
+    `stop_followers`). On the others: `receive` waits for the next message (inside `Engine.follow` only).
 
     A message is a list of commands (name, args); `("step",)` runs one engine step, `("stop",)` ends the
     followers' loop. Adapter tensors do not travel in the message: each is broadcast over the TP group right

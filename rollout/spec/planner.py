@@ -8,7 +8,7 @@ and stops where the next token costs more than it returns:
 - the budget (how many draft tokens in total) is set from the previous step's confidences (lagged):
   each row's survival estimates s_{n,k} = c_{n,1} ... c_{n,k}, sorted, are added one by one to the
   expected tokens (rows + sum of the taken s) over the measured step time `CostSurface.seconds(rows,
-  rows + taken)`; the budget is the count before the first addition that lowers tokens per second;
+  rows + taken)`; the budget is the count before the first addition that does not raise tokens per second;
 - the current step's confidences only rank which positions fill that budget: the top positions by
   current survival, earlier positions first on ties, so each row gets a prefix.
 
@@ -69,13 +69,13 @@ def survival(conf: torch.Tensor) -> torch.Tensor:
 
 def budget(lagged: torch.Tensor, surface: CostSurface) -> int:
     """Draft tokens to verify this step, from the previous step's survival estimates [N, G]: the count
-    before the first addition that lowers expected tokens per second."""
+    before the first addition that does not raise expected tokens per second (the first loss)."""
     n = lagged.shape[0]
     gains = lagged.flatten().sort(descending=True).values.tolist()
     expected, best = float(n), float(n) / surface.seconds(n, n)
     for taken, gain in enumerate(gains):
         rate = (expected + gain) / surface.seconds(n, n + taken + 1)
-        if rate < best:
+        if rate <= best:
             return taken
         expected, best = expected + gain, rate
     return len(gains)

@@ -4,10 +4,11 @@ Per step and row: the drafter proposes gamma tokens after the anchor (the row's 
 planner (`SpecConfig.planner`) picks how many of them to verify (all, or the cost-aware planner's prefix),
 never past the row's length limit; one packed target forward feeds the anchor and those drafts
 (`rollout.spec.replay.verify_forward`, which leaves the committed KDA state untouched);
-`rollout.spec.verify.verify` keeps the surviving drafts and draws the token after them; the emitted tokens are cut at a stop token or the length limit; the KDA
-state is then folded forward over the committed tokens only (ReplaySSM, `rollout.spec.replay.fold`), with
-a prefix-cache checkpoint wherever the fold crosses a chunk boundary. The row's `pos` advances by the
-tokens committed (1..gamma + 1) and the last emitted token is its next anchor.
+`rollout.spec.verify.verify` keeps the surviving drafts and draws the token after them; the emitted
+tokens are cut at a stop token or the length limit; the KDA state is then folded forward over the
+committed tokens only (ReplaySSM, `rollout.spec.replay.fold`), with a prefix-cache checkpoint wherever
+the fold crosses a chunk boundary. The row's `pos` advances by the tokens committed (1..gamma + 1) and
+the last emitted token is its next anchor.
 
 MLA rows written for rejected drafts lie past `pos` and are rewritten by the next step before anything
 reads them. The step waits for its accepted lengths on the host (`overlaps = False`).

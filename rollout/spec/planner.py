@@ -17,6 +17,9 @@ h_k and W1[x_{k-1}]), survival along a row never increases, and ties go to the e
 whether draft j is verified depends on the drafts before j and on other rows, never on draft j itself:
 verification then keeps each emitted token's distribution the target's. A rule that read draft j (say,
 verifying it only when q(x_j) is high) would bias what is emitted.
+
+The budget is the batch's, so with this planner a seeded request's tokens (not their distribution) can
+depend on what it is batched with; `verify_all` keeps them batch-independent.
 """
 
 from __future__ import annotations

@@ -21,30 +21,44 @@ SUMMED = ("loss", "pg_loss", "kl_loss")
 
 
 class Piece(NamedTuple):
-    """One micro-batch: its sequences (`batch`), their packed form, and its index in this rank's list."""
+    """One micro-batch: its sequences (`batch`), their packed form, its index in this rank's list, and the
+    weight of its loss: 1, or 0 for a stand-in (`data_share`) that runs the step's collectives and adds
+    nothing."""
 
     batch: TrainBatch
     packed: Packed
     index: int
+    weight: float = 1.0
 
     @property
     def tokens(self) -> int:
         """Response tokens that carry loss (environment tokens of multi-turn samples are not counted), counted
-        on the host from the batch's masks (no device sync)."""
-        return self.batch.policy_tokens()
+        on the host from the batch's masks (no device sync); none for a stand-in."""
+        return self.batch.policy_tokens() if self.weight else 0
 
 
-def data_share(batch: TrainBatch) -> TrainBatch:
-    """This data-parallel rank's whole groups of `batch` (all of it without data parallelism)."""
-    from megatron.core import parallel_state as ps
+def data_share(batch: TrainBatch, size: int | None = None, rank: int | None = None) -> tuple[TrainBatch, float]:
+    """(this data-parallel rank's whole groups of `batch`, the weight of their loss): all of it without data
+    parallelism. A minibatch can hold fewer groups than there are ranks (dynamic sampling keeps only groups
+    that carry a signal); a rank left without one gets the first share as a stand-in of weight 0: it still
+    runs the forward and backward, whose collectives (expert dispatch, gradient reductions) need every rank,
+    and adds nothing to the loss, the gradients or the metrics. `size` / `rank`: megatron's data-parallel
+    group by default."""
+    if size is None or rank is None:
+        from megatron.core import parallel_state as ps
 
-    size = ps.get_data_parallel_world_size()
-    return batch if size == 1 else batch.split_by_groups(size)[ps.get_data_parallel_rank()]
+        size, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    if size == 1:
+        return batch, 1.0
+    shares = batch.split_by_groups(size)
+    return (shares[rank], 1.0) if rank < len(shares) else (shares[0], 0.0)
 
 
-def micro_batches(batch: TrainBatch, max_tokens: int | None, device: torch.device) -> list[Piece]:
+def micro_batches(batch: TrainBatch, max_tokens: int | None, device: torch.device, weight: float = 1.0
+                  ) -> list[Piece]:
     """`batch`'s sequences in order, cut into micro-batches of at most `max_tokens` packed tokens (prompt +
-    response; a longer sequence is a micro-batch of its own); None: one micro-batch."""
+    response; a longer sequence is a micro-batch of its own); None: one micro-batch. `weight`: each piece's
+    (`Piece.weight`)."""
     rows: list[list[int]] = [[]]
     used = 0
     for i, (p, r) in enumerate(zip(batch.prompts, batch.responses)):
@@ -54,7 +68,7 @@ def micro_batches(batch: TrainBatch, max_tokens: int | None, device: torch.devic
             used = 0
         rows[-1].append(i)
         used += n
-    return [Piece(sub, pack(sub, device), k) for k, sub in enumerate(batch.select(r) for r in rows)]
+    return [Piece(sub, pack(sub, device), k, weight) for k, sub in enumerate(batch.select(r) for r in rows)]
 
 
 def combine_metrics(per_piece: list[dict[str, torch.Tensor]], tokens: list[int], total_tokens: int

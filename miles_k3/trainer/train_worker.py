@@ -99,7 +99,8 @@ class TrainWorker:
         from megatron_patches.schedule import forward_backward
 
         minibatches = batch.split_by_groups(self.algo.updates_per_step)
-        plans = [micro_batches(data_share(mb), self.micro_batch_tokens, self.device) for mb in minibatches]
+        plans = [micro_batches(share, self.micro_batch_tokens, self.device, weight)
+                 for share, weight in map(data_share, minibatches)]
         old = None
         if len(plans) > 1:  # pi_old is the policy before this step's first update (eval mode: no dropout)
             self.policy.eval()
@@ -147,6 +148,8 @@ class TrainWorker:
                                     ref_logp=ref_logp, rollout_logp=rollout, num_tokens=total.tokens,
                                     num_sequences=total.sequences)
         metrics["entropy"] = entropy[p.loss_mask].mean()  # over the tokens the loss counts
+        if piece.weight != 1.0:  # a stand-in (`data_share`): the collectives run, nothing is added
+            loss, metrics = loss * piece.weight, {k: v * piece.weight for k, v in metrics.items()}
         return loss, metrics
 
     # ------------------------------------------------------------ adapter / state

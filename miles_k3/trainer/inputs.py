@@ -77,6 +77,9 @@ def check_cluster(rc: ResolvedConfig) -> None:
     if c.launcher == "ray" and importlib.util.find_spec("ray") is None:
         raise ValueError("cluster.launcher 'ray' needs the ray package (pip install 'ray[default]')")
     # Ray places its actors on the cluster's GPU nodes; the driver itself may have none
+    if c.device == "cuda" and c.launcher == "external" and not torch.cuda.is_available():
+        raise ValueError(f"cluster.device is 'cuda' but this rank's node has no CUDA device torch can see (torch "
+                         f"{torch.__version__}, built for CUDA {torch.version.cuda or 'none'})")
     if c.device == "cuda" and c.launcher == "local":
         if not torch.cuda.is_available():
             raise ValueError(f"cluster.device is 'cuda' but torch sees no CUDA device (torch {torch.__version__}, "

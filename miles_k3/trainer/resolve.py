@@ -129,9 +129,9 @@ def resolve(cfg: Any) -> ResolvedConfig:
     if d.chat_template == "chatml" and cfg.model.tokenizer == "hf":
         raise ValueError("data.chat_template 'chatml' is the embedded models' built-in template; an HF checkpoint "
                          "renders with its tokenizer's own: use data.chat_template=hf")
-    if r.fn is not None and c.launcher != "local":
-        raise ValueError(f"rollout.fn runs on the local launcher's engine (cluster.launcher=local), got "
-                         f"cluster.launcher={c.launcher!r}")
+    if r.fn is not None and c.launcher == "ray":
+        raise ValueError("rollout.fn runs on rank 0's engine (cluster.launcher=local or external), got "
+                         "cluster.launcher='ray'")
     par = cfg.parallel
     if c.num_workers != par.world_size:
         raise ValueError(f"cluster.num_workers must equal the layout's world size tp * pp * cp * dp = "

@@ -16,7 +16,9 @@ tokenizer's end-of-sequence token; `--stop-token-id` adds others (with `--input-
 stops). `--tp N` starts N worker processes, one engine rank each (`rollout.parallel`: attention heads
 split, routed experts split by intermediate dim or with `--ep` whole per rank, `--dcp M` MLA's KV sharded
 by position over groups of M ranks), and rank 0 writes the output. Bad input (a flag, a row of a file, the checkpoint) stops it before any generation with one
-line naming it, exit status 2.
+line naming it, exit status 2. `--speculative dspark --drafter DIR` drafts `--gamma` tokens a step with a
+DSpark drafter (scripts/train_drafter.py) and verifies them in one target forward: the same tokens and
+log-probs as without it (lossless; `rollout.spec`).
 """
 
 from __future__ import annotations
@@ -49,6 +51,9 @@ class GenerateArgs:
     tp: int
     dcp: int
     ep: bool  # with --tp: whole routed experts, num_experts / tp per rank (else split by intermediate dim)
+    speculative: str  # "off" or "dspark" (draft with --drafter, verify in one target forward: lossless)
+    drafter: Path | None  # a DSpark drafter directory (scripts/train_drafter.py)
+    gamma: int  # drafts per verify block
     device: str
     dtype: str | None
     quantize: str
@@ -67,10 +72,20 @@ class GenerateArgs:
                 raise ValueError(f"{flag} must be >= 1, got {value}")
         if self.ep and self.tp == 1:
             raise ValueError("--ep needs --tp > 1: expert parallelism runs over the tensor-parallel ranks")
+        if self.speculative not in ("off", "dspark"):
+            raise ValueError(f"--speculative must be off or dspark, got {self.speculative!r}")
+        if (self.speculative == "dspark") != (self.drafter is not None):
+            raise ValueError("--speculative dspark and --drafter DIR go together")
+        if self.drafter is not None and not (self.drafter / "config.json").is_file():
+            raise ValueError(f"--drafter {self.drafter}: no drafter here (config.json; scripts/train_drafter.py "
+                             f"writes one)")
+        if self.drafter is not None and self.tp > 1:
+            raise ValueError("--speculative dspark runs on one engine rank (--tp 1)")
         if self.tp % self.dcp:
             raise ValueError(f"--dcp {self.dcp} must divide --tp {self.tp}: decode context parallelism runs inside "
                              f"the tensor-parallel group")
         self.sampling(0, self.stop_token_ids)  # SamplingParams' own checks, before anything is loaded
+        self.speculation()
         self.serve_config().check()  # model, adapter, tokenizer, device, dtype, memory flags
 
     def serve_config(self):
@@ -81,6 +96,14 @@ class GenerateArgs:
         return ServeConfig(model=self.model, adapters=adapters,
                            tokenizer=self.tokenizer, device=self.device, dtype=self.dtype, quantize=self.quantize,
                            memory_mb=self.memory_mb, max_running=self.max_running, max_seq_len=self.max_seq_len)
+
+    def speculation(self):
+        """EngineConfig.speculation for these flags (None: off); SpecConfig checks its fields."""
+        if self.drafter is None:
+            return None
+        from rollout.spec import SpecConfig
+
+        return SpecConfig(drafter=self.drafter, gamma=self.gamma)
 
     def sampling(self, row: int, stops: tuple[int, ...]):
         from rollout.request import SamplingParams
@@ -179,7 +202,7 @@ def run(args: GenerateArgs) -> list[dict]:
     if args.tp == 1:
         from rollout.server.loading import build_engine
 
-        engine, _ = build_engine(model, cfg, seed=args.seed)
+        engine, _ = build_engine(model, cfg, seed=args.seed, speculation=args.speculation())
         return generate_outputs(engine, rows, args, stops, None if args.adapter is None else ADAPTER, tokenizer)
     outputs = run_workers(args, rows, stops)
     if tokenizer is not None:
@@ -265,6 +288,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel engine ranks (worker processes)")
     p.add_argument("--dcp", type=int, default=1, help="decode context-parallel ranks inside the TP group")
     p.add_argument("--ep", action="store_true", help="with --tp: whole routed experts, num_experts / tp per rank")
+    p.add_argument("--speculative", default="off", help="off | dspark: speculative decoding (lossless)")
+    p.add_argument("--drafter", type=Path, help="with --speculative dspark: the drafter directory")
+    p.add_argument("--gamma", type=int, default=4, help="with --speculative: drafts per verify block")
     p.add_argument("--device", default="cpu", help="cpu | cuda")
     p.add_argument("--dtype", help="float32 | bfloat16 (default: bfloat16 on cuda, float32 on cpu)")
     p.add_argument("--quantize", default="experts", help="none | experts | all (MXFP4 base weights)")

@@ -57,15 +57,16 @@ def read_adapters(adapters: tuple[tuple[str, str], ...]) -> tuple[LoraSpec | Non
     return spec, tensors, alphas
 
 
-def build_engine(model: ModelCfg, cfg: ServeConfig, seed: int = 0) -> tuple[Engine, K3Config]:
-    """The engine over `model` (a checkpoint or a random-init preset) with `cfg`'s adapters and settings."""
+def build_engine(model: ModelCfg, cfg: ServeConfig, seed: int = 0, **engine_fields) -> tuple[Engine, K3Config]:
+    """The engine over `model` (a checkpoint or a random-init preset) with `cfg`'s adapters and settings;
+    `engine_fields`: further EngineConfig fields (`speculation`, for `miles-k3 generate`)."""
     model.check()
     config, state = load_base(model, seed)
     spec, tensors, alphas = read_adapters(cfg.adapters)
     if spec is not None:
         spec.check_matches(adaptable_modules(config))
     dtype = TORCH_DTYPES[cfg.resolved_dtype]
-    engine_config = EngineConfig(memory_bytes=int(cfg.memory_mb * (1 << 20)), **cfg.engine_overrides())
+    engine_config = EngineConfig(memory_bytes=int(cfg.memory_mb * (1 << 20)), **cfg.engine_overrides(), **engine_fields)
     em, pool = build_engine_model(config, state, quantize=cfg.quantize, lora=spec,
                                   max_adapters=max(len(tensors), 1), dtype=dtype, device=cfg.device)
     engine = Engine(em, engine_config, pool)

@@ -85,6 +85,8 @@ def test_an_adapter_changes_the_outputs(tmp_path):
     ([], (), "no rows"),
     (['{"input_ids": [1]}'], ("--dcp", "2"), "--dcp 2 must divide --tp 1"),
     (['{"input_ids": [1]}'], ("--ep",), "--ep needs --tp > 1"),
+    (['{"input_ids": [1]}'], ("--speculative", "dspark"), "--speculative dspark and --drafter DIR go together"),
+    (['{"input_ids": [1]}'], ("--speculative", "dspark", "--drafter", "/nonexistent"), "--drafter /nonexistent"),
     (['{"input_ids": [1]}'], ("--max-new-tokens", "0"), "SamplingParams.max_new_tokens"),
     (['{"input_ids": [1, 2, 3]}'], ("--max-seq-len", "4", "--max-new-tokens", "2"), "exceed the engine's max"),
 ])
@@ -124,3 +126,21 @@ def test_tensor_parallel_workers_equal_one_rank(tmp_path, flags, one_rank):
         assert [o["output_ids"] for o in many] == [o["output_ids"] for o in one_rank[kind]]
         for a, b in zip(one_rank[kind], many):
             torch.testing.assert_close(torch.tensor(b["logprobs"]), torch.tensor(a["logprobs"]), atol=1e-4, rtol=0)
+
+
+def test_speculative_decoding_is_lossless_through_the_command(tmp_path):
+    """A DSpark drafter (random: it drafts badly, so verification rejects and replays often) changes neither the
+    greedy tokens nor their log-probs."""
+    from rollout.spec.drafter import DSparkConfig, DSparkDrafter
+
+    config, _ = load_base(ModelCfg(path=builtin_path(MODEL)), 0)
+    torch.manual_seed(0)
+    DSparkDrafter(DSparkConfig(target_layers=(0, config.num_hidden_layers - 1), hidden_size=config.hidden_size,
+                               vocab_size=config.vocab_size, block_size=3, context_window=16)).save(tmp_path / "dr")
+    flags = ("--temperature", "0", "--max-new-tokens", "8")
+    plain = generate(tmp_path, *flags, name="plain.json")
+    spec = generate(tmp_path, *flags, "--speculative", "dspark", "--drafter", str(tmp_path / "dr"), "--gamma", "3",
+                    name="spec.json")
+    assert [o["output_ids"] for o in spec] == [o["output_ids"] for o in plain]
+    for a, b in zip(plain, spec):
+        torch.testing.assert_close(torch.tensor(b["logprobs"]), torch.tensor(a["logprobs"]), atol=1e-4, rtol=0)

@@ -23,14 +23,17 @@ leaves for pages, checkpoints for slots; then the other), and a free can move bl
 every holder it knows when the arena moves a block (`_renamed`: the trees and the admitted requests, which
 it tracks from `admit` to `release`); a snapshot slot handed out by `snapshot` is pinned until it comes
 back through `donate_at` or `free_snapshot` (the decode pipeline holds it in between, where nothing can
-rename it). A `MatchResult` is a host copy of ids: `admit` matches again when its own allocations freed or
+rename it). `snapshot` and `free_snapshot` never move a block (the arena defers their compactions to the
+next other call), since a decode strategy calls them in the middle of its step, holding its rows' slot ids
+and page tables as it gathered them. A `MatchResult` is a host copy of ids: `admit` matches again when its own allocations freed or
 moved anything. Admission takes the working slot and the pages of the rest of the prompt together, so a
 request that cannot prefill waits instead of taking bytes the running requests' pages need.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -129,6 +132,7 @@ class CacheManager:
         Unified memory: the slot and the pages of the rest of the prompt are taken together (`_reserve`),
         since the two kinds share the bytes: a request is admitted only when it can prefill without
         pushing running requests out."""
+        self._settle()
         cache = self.cache_for(req.adapter)
         cache.lock(m.node)
         reserved: list[int] = []
@@ -196,6 +200,7 @@ class CacheManager:
     def grow(self, r: Running, end: int) -> bool:
         """Cover positions [0, end) of r with pages, evicting the trees if needed; False (nothing taken)
         when even that does not free enough."""
+        self._settle()
         need = self._pages_short(r, end)
         if need <= 0:
             return True
@@ -207,6 +212,7 @@ class CacheManager:
 
     def grow_all(self, rows: list[Running], ends: list[int]) -> bool:
         """`grow` for every row at once, all or nothing."""
+        self._settle()
         needs = [max(0, self._pages_short(r, end)) for r, end in zip(rows, ends)]
         if not any(needs):
             return True
@@ -222,8 +228,8 @@ class CacheManager:
                ) -> list[int] | None:
         if allocator.num_free < n:
             evict(n - allocator.num_free)
-        if allocator.num_free < n and self.arena is not None:
-            self._evict_other_kind(allocator, n)
+        if allocator.num_free < n and self.arena is not None and not self.arena.deferring:
+            self._evict_other_kind(allocator, n)  # only compaction turns the other kind's frees into room
         return allocator.alloc(n) if allocator.num_free >= n else None
 
     def _evict_other_kind(self, allocator: RegionAllocator, n: int) -> None:
@@ -261,8 +267,9 @@ class CacheManager:
         self.donate_at(r, r.pos, self.snapshot(r) if r.pos % self.config.chunk_size == 0 else None)
 
     def snapshot(self, r: Running) -> int | None:
-        """Copy r's working state into a fresh slot (None when no slot can be freed for it)."""
-        snap = self._alloc(self.states.allocator, 1, self.evict_checkpoints)
+        """Copy r's working state into a fresh slot (None when no slot can be freed for it). Moves no block."""
+        with self._no_moves():
+            snap = self._alloc(self.states.allocator, 1, self.evict_checkpoints)
         if snap is None:
             return None
         self.states.copy_slots([r.slot], snap)
@@ -273,6 +280,7 @@ class CacheManager:
     def donate_at(self, r: Running, pos: int, snap: int | None) -> None:
         """Insert r's computed prefix up to `pos` (<= r.pos; its tokens known) with the checkpoint `snap`
         taken at `pos`, and move r's lock to the node that ends there."""
+        self._settle()
         res = self._insert(r, {} if snap is None else {pos: snap}, end=pos)
         self.states.allocator.free(res.rejected_slots)
         if self.arena is not None and snap is not None and self.arena.is_pinned("slots", snap):
@@ -282,13 +290,15 @@ class CacheManager:
         r.node = res.node
 
     def free_snapshot(self, snap: int | None) -> None:
-        """A snapshot whose request left before its tree insert."""
+        """A snapshot whose request left before its tree insert (or a strategy's undo slot). Moves no block."""
         if snap is not None:
-            self.states.allocator.free([snap])
+            with self._no_moves():
+                self.states.allocator.free([snap])
 
     def release(self, r: Running) -> None:
         """r stops running (finished, aborted or retracted): its computed KV goes to the tree, its private
         pages and working slot back to the pools. Enqueued kernels still reading them run first."""
+        self._settle()
         self._insert(r, {})
         r.cache.unlock(r.node)
         self.kv.allocator.free(r.private)
@@ -308,6 +318,22 @@ class CacheManager:
         return res
 
     # ----------------------------------------------------------- moves
+    @contextmanager
+    def _no_moves(self) -> Iterator[None]:
+        """Unified memory: frees inside leave holes; the next other call compacts them (`_settle`)."""
+        if self.arena is None:
+            yield
+            return
+        outer, self.arena.deferring = self.arena.deferring, True
+        try:
+            yield
+        finally:
+            self.arena.deferring = outer
+
+    def _settle(self) -> None:
+        if self.arena is not None:
+            self.arena.settle()
+
     def _renamed(self, kind: str, moves: dict[int, int]) -> None:
         """The arena moved blocks of `kind` ({old id: new id}): rename them in every tree and admitted request."""
         if kind == "pages":

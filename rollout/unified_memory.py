@@ -32,6 +32,9 @@ What is safe to call when (the rule for every id this arena hands out):
 - Freeing a pinned id ends its pin (its holder gave it up, or handed it to a tree that then evicted it).
   The sink and zero blocks are never handed out.
 - Device kernels already enqueued may keep reading any id: moves are enqueued behind them.
+- While `deferring` is set, frees and unpins only leave holes (`pending`); `settle()` compacts them later.
+  The owner sets it around calls made in the middle of a decode step, whose caller may hold ids it
+  gathered before (`CacheManager.snapshot` / `free_snapshot`).
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ class _Region:
     """One end of the arena: blocks of `block_bytes` at ranks 0, 1, ... counted from the arena's edge.
 
     Rank k is id `first + step * k` (slots count up from 1, pages down from P - 1). Ranks [0, extent) are
-    the region; `holes` are free ranks inside it (only while a pinned block holds the end)."""
+    the region; `holes` are free ranks inside it (while a pinned block holds the end, or compaction waits)."""
 
     def __init__(self, name: str, block_bytes: int, first: int, step: int):
         self.name, self.block_bytes, self.first, self.step = name, block_bytes, first, step
@@ -96,6 +99,8 @@ class UnifiedArena:
         self._regions = {"slots": _Region("kda state slots", slot_bytes, 1, 1),
                          "pages": _Region("kv pages", page_bytes, self.max_pages - 1, -1)}
         self.on_move = on_move
+        self.deferring = False  # frees leave holes; compaction waits for settle()
+        self.pending = {"slots": False, "pages": False}  # a kind with holes left by a deferred compaction
         self.moves = 0  # blocks moved so far
         self.version = 0  # bumped by every free and every move: host copies of ids taken before may be stale
         self.slots = RegionAllocator(self, "slots", "kda state slots")
@@ -153,7 +158,7 @@ class UnifiedArena:
             region.holes.add(region.rank_of(i))
         if indices:
             self.version += 1
-            self._compact(kind)
+            self._compact_or_defer(kind)
 
     def pin(self, kind: str, indices: list[int]) -> None:
         """These ids are held where `on_move` cannot rename them: never move them until `unpin`."""
@@ -173,6 +178,19 @@ class UnifiedArena:
         for i in indices:
             region.pinned.remove(i)
         if region.holes:
+            self._compact_or_defer(kind)
+
+    def settle(self) -> None:
+        """Run the compactions `deferring` held back (nothing while it is still set)."""
+        for kind, pending in self.pending.items():
+            if pending and not self.deferring:
+                self.pending[kind] = False
+                self._compact(kind)
+
+    def _compact_or_defer(self, kind: str) -> None:
+        if self.deferring:
+            self.pending[kind] = True
+        else:
             self._compact(kind)
 
     def _compact(self, kind: str) -> None:
@@ -211,10 +229,10 @@ class UnifiedArena:
         """The layout's invariants: regions within bounds and apart, one free region between them, holes only
         behind a pinned end block, pins on live blocks."""
         assert self.bottom <= self.low_end <= self.high_start <= self.top, "the regions overlap"
-        for region in self._regions.values():
+        for kind, region in self._regions.items():
             assert all(0 <= k < region.extent for k in region.holes)
             assert all(region.is_live(i) for i in region.pinned), f"{region.name}: a pinned block is free"
-            if region.holes:
+            if region.holes and not self.pending[kind]:
                 assert region.id_of(region.extent - 1) in region.pinned, \
                     f"{region.name}: holes {sorted(region.holes)} behind an unpinned end block"
 

@@ -129,6 +129,24 @@ def test_a_pinned_end_block_stays_put_and_leaves_holes_the_next_allocation_fills
     h.check()
 
 
+def test_deferring_leaves_holes_without_moves_until_settle():
+    arena = UnifiedArena(2000, slot_bytes=160, page_bytes=32, device="cpu")
+    h = Holders(arena)
+    h.alloc("pages", 6, random.Random(1))
+    arena.deferring = True  # the middle of a decode step: ids held on the host must stay valid
+    victims = sorted(h.held["pages"])[3:5]
+    for i in victims:
+        del h.held["pages"][i]
+    arena.free("pages", victims)
+    arena.settle()  # still deferring: nothing moves
+    h.check()
+    assert h.renames == 0 and len(arena._regions["pages"].holes) == 2
+    arena.deferring = False
+    arena.settle()
+    h.check()
+    assert h.renames == 2 and not arena._regions["pages"].holes and not arena.pending["pages"]
+
+
 def test_each_kind_takes_the_free_region_the_other_leaves():
     arena = UnifiedArena(1600, slot_bytes=160, page_bytes=32, device="cpu")
     assert arena.num_free("slots") == 10 and arena.num_free("pages") == 50

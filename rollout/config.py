@@ -21,7 +21,8 @@ class EngineConfig:
     `EngineConfig.<field>`."""
 
     memory_bytes: int  # KV pages + KDA state slots, split by state_fraction
-    state_fraction: float = 0.5  # share of memory_bytes for KDA state slots, the rest for KV pages (two pools; unified_memory ignores it)
+    # share of memory_bytes for KDA state slots, the rest for KV pages (two pools; unified_memory ignores it)
+    state_fraction: float = 0.5
     page_size: int = 16  # tokens per KV page
     chunk_size: int = 64  # KDA checkpoint granularity and prefill chunk alignment (a multiple of page_size)
     max_prefill_tokens: int = 512  # prompt tokens prefilled per step (a multiple of chunk_size)

@@ -114,18 +114,11 @@ class GenerateArgs:
 
 def read_rows(path: Path, flag: str, encode) -> list[list[int]]:
     """Each line's token ids. `encode(row) -> ids` for --prompts rows; None: rows carry input_ids."""
+    from miles_k3.data.prompts import read_jsonl_rows
+
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{flag} {path} line {n}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: not JSON ({e.msg})") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
+    try:
+        for where, row in read_jsonl_rows(path):
             if encode is None:
                 ids = row.get("input_ids")
                 if not isinstance(ids, list) or not ids or not all(
@@ -137,6 +130,8 @@ def read_rows(path: Path, flag: str, encode) -> list[list[int]]:
                 except ValueError as e:
                     raise ValueError(f"{where}: {e}") from None
             rows.append(ids)
+    except ValueError as e:
+        raise ValueError(f"{flag} {e}") from None
     if not rows:
         raise ValueError(f"{flag} {path}: no rows")
     return rows

@@ -121,7 +121,7 @@ def load_prompts(config: PromptDataConfig, apply_chat: Callable[[list[dict[str, 
     path = Path(config.path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: prompt dataset not found")
-    rows = _read_jsonl(path) if config.format == "jsonl" else _read_parquet(path)
+    rows = read_jsonl_rows(path) if config.format == "jsonl" else _read_parquet(path)
     if config.chat_template == "hf" and apply_chat is None:
         raise ValueError("chat_template 'hf' needs the tokenizer's template (load_prompts(config, apply_chat))")
     records = [_to_record(i, row, where, config, apply_chat) for i, (where, row) in enumerate(rows)]
@@ -145,7 +145,9 @@ def dataset_fingerprint(records: list[PromptRecord]) -> str:
     return h.hexdigest()
 
 
-def _read_jsonl(path: Path):
+def read_jsonl_rows(path: Path):
+    """(where, row) for each non-blank line of a JSONL file, `where` = "<path> line <n>"; ValueError naming the
+    line for bad UTF-8, bad JSON or a value that is not an object."""
     # Decode line by line from bytes so an encoding error can name its line too.
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, start=1):

@@ -77,7 +77,7 @@ def test_an_adapter_changes_the_outputs(tmp_path):
 
 
 @pytest.mark.parametrize("lines, flags, needle", [
-    (['{"input_ids": [1, 2]}', "not json"], (), "line 2: not JSON"),
+    (['{"input_ids": [1, 2]}', "not json"], (), "line 2: malformed JSON"),
     (['{"ids": [1, 2]}'], (), "line 1: input_ids must be a non-empty list of integers"),
     (['{"input_ids": []}'], (), "line 1: input_ids must be a non-empty list"),
     (['{"input_ids": [1, 100000]}'], (), "row 1: token id 100000 is outside the model's vocabulary"),

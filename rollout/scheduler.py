@@ -161,7 +161,7 @@ class Scheduler:
         batch = []
         for r in candidates:
             # a member may have been retracted to make room for an earlier one
-            if r in self.running and self._cover(r, r.pos + self.lookahead):
+            if r in self.running and self._cover(r, self._decode_end(r)):
                 batch.append(r)
         return [r for r in batch if r in self.running]
 
@@ -181,9 +181,15 @@ class Scheduler:
         if not keep:
             return None
         batch = [prev[i] for i in keep]
-        if not self.memory.grow_all(batch, [r.pos + self.lookahead for r in batch]):
+        if not self.memory.grow_all(batch, [self._decode_end(r) for r in batch]):
             return None
         return keep
+
+    def _decode_end(self, r: Running) -> int:
+        """The KV positions a decode step may write for r: `lookahead` past its computed ones, but never past
+        the request's length limit (a multi-token strategy does not feed past it), so a request that `submit`
+        sized to the whole pool still fits alone."""
+        return min(r.pos + self.lookahead, len(r.req.prompt_ids) + r.req.params.max_new_tokens)
 
     # ------------------------------------------------------ lifecycle
     def _cover(self, r: Running, end: int) -> bool:

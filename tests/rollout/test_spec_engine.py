@@ -203,3 +203,20 @@ def test_bad_speculation_settings_fail_by_field_name():
 
     with pytest.raises(ValueError, match="SpecConfig.gamma"):
         Engine(MODEL, EngineConfig(memory_bytes=ROOMY, speculation=SpecConfig(drafter=Short(), gamma=3)))
+
+
+def test_a_request_sized_to_the_whole_pool_finishes_near_its_length_limit():
+    """The pool holds exactly prompt + max_new_tokens positions: a verify block near the end must not ask for
+    pages past the limit (the request would retract itself, then crawl a token per retraction)."""
+    pool_tokens = 11 * 4  # TIGHT: 11 pages of 4 tokens
+    params = SamplingParams(temperature=0, max_new_tokens=14)
+    p = prompt(pool_tokens - params.max_new_tokens, 7)
+    eng = spec_engine(ScriptedDrafter(script_for([p], params), wrong=0.0), **TIGHT)
+    rid = eng.submit(p, params)
+    done = {}
+    for _ in range(100):
+        done.update({c.request_id: c for c in eng.step()})
+        if rid in done:
+            break
+    assert rid in done and eng.counters()["retractions"] == 0
+    assert done[rid].output_ids == engine().generate([p], params)[0].output_ids

@@ -46,7 +46,7 @@ def sample_on_device(logits: torch.Tensor, params: list[SamplingParams],
     if drawn:
         rows = drawn if len(drawn) < b else slice(None)
         probs = logprobs[rows].exp()
-        probs = _truncate(probs, [params[i] for i in drawn])
+        probs = truncate_probs(probs, [params[i] for i in drawn])
         noise = torch.empty_like(probs)
         for j, i in enumerate(drawn):
             noise[j].exponential_(generator=generators[i])
@@ -58,7 +58,7 @@ def sample_on_device(logits: torch.Tensor, params: list[SamplingParams],
     return tokens, logprobs.gather(1, tokens[:, None])[:, 0]
 
 
-def _truncate(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+def truncate_probs(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Zero what top-k (keep values >= the k-th largest, ties included) and then top-p (keep the smallest
     prefix of the top-k-truncated distribution whose mass reaches top_p; the crossing token stays) exclude."""
     vocab = probs.shape[-1]

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from rollout.request import SamplingParams
-from rollout.sampler import _truncate
+from rollout.sampler import truncate_probs
 from rollout.transfer import to_device
 
 
@@ -39,7 +39,7 @@ def warp(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Tens
     logits = _math(logits)
     temps = [p.temperature if p.temperature > 0 else 1.0 for p in params]
     logp = torch.log_softmax(logits / to_device(temps, logits.device, logits.dtype)[:, None], dim=-1)
-    probs = _truncate(logp.exp(), params)
+    probs = truncate_probs(logp.exp(), params)
     return logp, probs / probs.sum(-1, keepdim=True)
 
 

@@ -161,7 +161,9 @@ def launch_ray(rc: ResolvedConfig, run_dir: str | Path, inputs: RunInputs | None
 
     own = not ray.is_initialized()
     if own:
-        ray.init(address=rc.cluster.ray_address, include_dashboard=False, log_to_driver=True)
+        # no cluster.ray_address means a local instance of our own: address=None would join whatever cluster
+        # /tmp/ray/ray_current_cluster names, a dead one included (where it waits for good)
+        ray.init(address=rc.cluster.ray_address or "local", include_dashboard=False, log_to_driver=True)
     with preempt.watch():
         try:
             workers, pg = start_ray_workers(rc)

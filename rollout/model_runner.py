@@ -255,24 +255,26 @@ class ModelRunner:
 
     # --------------------------------------------------------- forward
     def forward(self, batch: list[Running], ids: list[int] | torch.Tensor, lengths: list[int], *,
-                every_token: bool = False) -> torch.Tensor:
+                every_token: bool = False, cache_class: type[PoolStateCache] = PoolStateCache) -> torch.Tensor:
         """One model step over `batch`: request n brings lengths[n] tokens (ids, request by request; a device
         tensor [N] for a decode step fed from the previous step's samples) at positions from its `pos`,
         its pages covering them. Returns logits [N, V] at each request's last new token, or with
         `every_token` [sum lengths, V] at every new token, request by request (a speculative verify step;
-        eager, never from a decode graph). Enqueues work without waiting for the device."""
+        eager, never from a decode graph). `cache_class`: the eager step's cache over the pools (a speculative
+        verify passes one that writes no KDA state; it implies an eager step). Enqueues work without waiting
+        for the device."""
         if not torch.is_tensor(ids):
             ids = to_device(ids, self.device)
-        packed = any(t > 1 for t in lengths)
+        packed = every_token or any(t > 1 for t in lengths)  # a verify step is always one packed row
         if self.adapters is not None:
             self.adapters.set_batch([self.adapters.slot_of(r.req.adapter) for r in batch],
                                     lengths if packed else 1)
-        graphed = not packed and not every_token and self.graphs is not None
+        graphed = not packed and cache_class is PoolStateCache and self.graphs is not None
         if graphed and self.graphs.usable(len(batch), max(r.pos for r in batch) + 1):
             return self.graphs.run(ids, [r.slot for r in batch], [r.pos for r in batch], [r.pages for r in batch])
         layout = BatchLayout.build(self.kv, [r.slot for r in batch], [r.pos for r in batch], lengths,
                                    [r.pages for r in batch], self.device, dcp_rank=self.dcp_rank)
-        cache = PoolStateCache(self.kv, self.states, layout)
+        cache = cache_class(self.kv, self.states, layout)
         if packed:
             ids_t = ids[None, :]
             cu = to_device(torch.tensor([0, *lengths]).cumsum(0), self.device)

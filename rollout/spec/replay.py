@@ -30,10 +30,9 @@ import torch
 from miles_k3.model.layers import KDAMixer
 from miles_k3.model.modeling import K3ForCausalLM
 from miles_k3.ops.kda import kda_gate, math_dtype
-from rollout.forward import model_step
 from rollout.memory import KDAStatePool
 from rollout.model_runner import ModelRunner
-from rollout.state_cache import BatchLayout, PoolStateCache
+from rollout.state_cache import PoolStateCache
 from rollout.transfer import to_device
 
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "f_b_proj", "b_proj")
@@ -86,21 +85,12 @@ def verify_forward(runner: ModelRunner, batch, ids: list[int], lengths: list[int
     """One packed target forward over each row's `lengths[n]` new tokens at positions from its `pos` (pages
     covering them), through `VerifyStateCache`. Returns logits at every new token [sum lengths, V], the
     KDA layers' raw inputs, and the outputs of `taps` (extra modules to read, e.g. a drafter's target
-    layers). The eager packed branch of `ModelRunner.forward`, with the verify cache in place of
-    `PoolStateCache` (ModelRunner builds its cache itself; a cache-class argument there would remove
-    this copy)."""
-    ids_t = to_device(ids, runner.device)
-    if runner.adapters is not None:
-        runner.adapters.set_batch([runner.adapters.slot_of(r.req.adapter) for r in batch], lengths)
-    layout = BatchLayout.build(runner.kv, [r.slot for r in batch], [r.pos for r in batch], lengths,
-                               [r.pages for r in batch], runner.device)
-    cache = VerifyStateCache(runner.kv, runner.states, layout)
-    cu = to_device(torch.tensor([0, *lengths]).cumsum(0), runner.device)
+    layers). `ModelRunner.forward` with the verify cache in place of `PoolStateCache`."""
     captured: dict[str, torch.Tensor] = {}
     watched = {f"{i}.{p}": getattr(m, p) for i, m in kda_mixers(runner.model).items() for p in _PROJECTIONS}
     watched.update({f"tap.{k}": m for k, m in (taps or {}).items()})
-    with hooks(watched, captured), torch.inference_mode():
-        logits = model_step(runner.model, ids_t[None, :], cache, cu, every_token=True)
+    with hooks(watched, captured):
+        logits = runner.forward(batch, ids, lengths, every_token=True, cache_class=VerifyStateCache)
     inputs = KDAInputs(lengths)
     for key, t in captured.items():
         if not key.startswith("tap."):

@@ -3,14 +3,22 @@
     python scripts/train_drafter.py --out runs/drafter-arith             # the embedded tiny K3 (CPU minutes)
     python scripts/train_drafter.py --out runs/drafter-arith --resume    # continue from the last checkpoint
 
+    python scripts/train_drafter.py --target DIR --max-new-tokens 200 --out DIR/drafter   # another asset
+
+`--target` is any asset folder holding an HF checkpoint (`config.json`, `model.safetensors`) and
+`train.jsonl` / `heldout.jsonl` prompt rows (`{"prompt": ...}`, the arithmetic tokenizer's characters);
+`--max-new-tokens` bounds its responses (long-output targets need more than the default).
+
 1. The target (default: the embedded `miles_k3/assets/k3-tiny-arith`) samples responses to its train-split
    prompts through the rollout engine (its own generations: what the drafter will be asked to predict).
 2. One teacher-forced target pass over each sequence gives the drafter's inputs (the tapped layers' hidden
-   states) and its targets (the target's next-token distributions).
+   states) and its targets (the target's next-token distributions): `rollout.spec.distill.teacher`.
 3. Training examples are blocks: an anchor at a generated position p, the target states of the
    `context_window` positions before it, the next `block_size` tokens and distributions. Loss per position
    k: 0.1 cross-entropy on the sampled token + 0.9 total variation to the target distribution + 1.0 binary
    cross-entropy of the confidence head against 1 - 0.5 ||q_k - p_k||_1, positions weighted decay^(k-1).
+   Blocks, loss and optimizer step are `rollout.spec.distill`'s (the RL loop's online distillation runs
+   the same ones).
 4. Per-position temperatures are fitted on held-out sequences (a grid over log T minimizing the total
    variation, i.e. maximizing temperature-1 acceptance); greedy acceptance does not depend on them.
 5. Saved as `config.json` + `model.safetensors` (`DSparkDrafter.load`); `checkpoint.safetensors` +
@@ -29,7 +37,6 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
@@ -43,27 +50,31 @@ from rollout.engine import Engine  # noqa: E402
 from rollout.model_runner import build_engine_model  # noqa: E402
 from rollout.request import SamplingParams  # noqa: E402
 from rollout.spec import SpecConfig  # noqa: E402
-from rollout.spec.drafter import DSparkConfig, DSparkDrafter, _features  # noqa: E402
-from rollout.spec.replay import hooks  # noqa: E402
+from rollout.spec import distill  # noqa: E402
+from rollout.spec.distill import Blocks, DistillConfig, Distiller, anchors, make_blocks, teacher  # noqa: E402
+from rollout.spec.drafter import DSparkConfig, DSparkDrafter  # noqa: E402
 
 ASSET = Path(__file__).resolve().parents[1] / "miles_k3" / "assets" / "k3-tiny-arith"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", type=Path, default=ASSET, help="target checkpoint directory (HF layout)")
+    ap.add_argument("--target", type=Path, default=ASSET,
+                    help="target asset folder: an HF checkpoint with train.jsonl / heldout.jsonl prompts")
     ap.add_argument("--out", type=Path, required=True, help="drafter directory to write")
     ap.add_argument("--resume", action="store_true", help="continue from --out's checkpoint")
     ap.add_argument("--train-prompts", type=int, default=1500, help="train-split prompts the target answers")
     ap.add_argument("--heldout-prompts", type=int, default=200, help="held-out prompts (calibration, evaluation)")
     ap.add_argument("--temperature", type=float, default=1.0, help="the target's sampling temperature")
-    ap.add_argument("--max-new-tokens", type=int, default=12)
-    ap.add_argument("--target-layers", default="1,3,5", help="target decoder layers to tap, comma-separated")
+    ap.add_argument("--max-new-tokens", type=int, default=12, help="the longest response the target samples")
+    ap.add_argument("--target-layers", default=None,
+                    help="target decoder layers to tap, comma-separated (default: three evenly spaced, 1,3,5 of 6)")
     ap.add_argument("--block-size", type=int, default=4, help="drafts per block (SpecConfig.gamma's bound)")
     ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--batch", type=int, default=128, help="blocks per step")
     ap.add_argument("--lr", type=float, default=2e-3)
-    ap.add_argument("--decay", type=float, default=0.8, help="loss weight ratio of each later block position")
+    ap.add_argument("--decay", type=float, default=DistillConfig.decay,
+                    help="loss weight ratio of each later block position")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--save-every", type=int, default=100, help="steps between resumable checkpoints")
     ap.add_argument("--threads", type=int, default=2)
@@ -71,79 +82,35 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def read_prompts(path: Path, n: int, tok: ArithmeticTokenizer) -> list[list[int]]:
+    if not path.is_file():
+        raise SystemExit(f"--target: {path} not found (an asset folder holds train.jsonl and heldout.jsonl)")
     rows = [json.loads(line) for line in path.read_text().splitlines()[:n]]
     return [tok.encode(r["prompt"], add_bos=True) for r in rows]
+
+
+def default_layers(num_layers: int) -> tuple[int, ...]:
+    """Three evenly spaced target layers (1, 3, 5 of 6), fewer on a shallower target."""
+    return tuple(sorted({(2 * k + 1) * num_layers // 6 for k in range(3)}))
 
 
 def target_engine(args, drafter=None, gamma: int = 4) -> Engine:
     config = K3Config.from_json_file(args.target / "config.json")
     model, _ = build_engine_model(config, load_state_dict(args.target, config), quantize="none", dtype=torch.float32)
     spec = SpecConfig(drafter=drafter, gamma=gamma) if drafter is not None else None
-    return Engine(model, EngineConfig(memory_bytes=64 << 20, max_running=256, max_seq_len=256, overlap="off",
-                                      speculation=spec))
+    return Engine(model, EngineConfig(memory_bytes=64 << 20, max_running=256, max_seq_len=args.max_seq_len,
+                                      overlap="off", speculation=spec))
 
 
 def generate(engine: Engine, prompts: list[list[int]], args, seed: int) -> list[tuple[int, list[int]]]:
     """(prompt length, prompt + response) per prompt, sampled by the target (seeded per request)."""
-    params = [SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens, stop_token_ids=(2,),
-                             seed=seed + i) for i in range(len(prompts))]
+    params = [SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens,
+                             stop_token_ids=(args.eos,), seed=seed + i) for i in range(len(prompts))]
     outs = engine.generate(prompts, params)
     return [(len(p), p + o.output_ids) for p, o in zip(prompts, outs)]
 
 
 @torch.no_grad()
-def teacher(target: K3ForCausalLM, seqs, layers: tuple[int, ...]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per sequence: the tapped layers' states [T, F] and the target's next-token distributions [T, V]
-    (right-padded batches: the model is causal)."""
-    taps = {f"layer{i}": target.model.layers[i] for i in layers}
-    out = []
-    for s in range(0, len(seqs), 256):
-        chunk = [t for _, t in seqs[s:s + 256]]
-        width = max(map(len, chunk))
-        ids = torch.tensor([t + [0] * (width - len(t)) for t in chunk])
-        store: dict = {}
-        with hooks(taps, store):
-            logits = target(ids).logits
-        feats, probs = _features(store, layers), logits.float().softmax(-1)
-        out += [(feats[i, :len(t)], probs[i, :len(t)]) for i, t in enumerate(chunk)]
-    return out
-
-
-def blocks(seqs, teach, examples, window: int, g: int):
-    """Batch the (sequence, anchor position) examples: context, mask, anchors, tokens, target probs, valid."""
-    f_dim, vocab = teach[0][0].shape[1], teach[0][1].shape[1]
-    n = len(examples)
-    ctx, mask = torch.zeros(n, window, f_dim), torch.zeros(n, window, dtype=torch.bool)
-    anchors, tokens = torch.zeros(n, dtype=torch.long), torch.zeros(n, g, dtype=torch.long)
-    probs, valid = torch.full((n, g, vocab), 1.0 / vocab), torch.zeros(n, g, dtype=torch.bool)
-    for i, (s, p) in enumerate(examples):
-        seq, (feats, pr) = seqs[s][1], teach[s]
-        c = feats[max(0, p - window):p]
-        ctx[i, :len(c)], mask[i, :len(c)] = c, True
-        anchors[i] = seq[p]
-        nxt = seq[p + 1:p + 1 + g]
-        tokens[i, :len(nxt)] = torch.tensor(nxt)
-        probs[i, :len(nxt)] = pr[p:p + len(nxt)]
-        valid[i, :len(nxt)] = True
-    return ctx, mask, anchors, tokens, probs, valid
-
-
-def losses(drafter: DSparkDrafter, batch, decay: float) -> tuple[torch.Tensor, dict]:
-    ctx, mask, anchors, tokens, probs, valid = batch
-    logits, conf = drafter.teacher_forced(ctx, mask, anchors, tokens)
-    q = logits.softmax(-1)
-    ce = F.cross_entropy(logits.flatten(0, 1), tokens.flatten(), reduction="none").view(tokens.shape)
-    tv = 0.5 * (q - probs).abs().sum(-1)
-    bce = F.binary_cross_entropy(conf.clamp(1e-6, 1 - 1e-6), (1 - tv).detach(), reduction="none")
-    w = decay ** torch.arange(tokens.shape[1], dtype=torch.float32)[None] * valid
-    per = 0.1 * ce + 0.9 * tv + 1.0 * bce
-    loss = (w * per).sum() / w.sum()
-    ce, tv = ce.detach(), tv.detach()
-    return loss, {"ce": float((ce * valid).sum() / valid.sum()), "tv": float((tv * valid).sum() / valid.sum())}
-
-
-@torch.no_grad()
-def calibrate(drafter: DSparkDrafter, batch) -> list[float]:
+def calibrate(drafter: DSparkDrafter, batch: Blocks) -> list[float]:
     """Per position, the temperature minimizing held-out total variation (a grid over log T in [-1, 1])."""
     ctx, mask, anchors, tokens, probs, valid = batch
     drafter.log_temperature.zero_()
@@ -162,7 +129,8 @@ def calibrate(drafter: DSparkDrafter, batch) -> list[float]:
 def evaluate(args, drafter: DSparkDrafter, prompts) -> list[dict]:
     rows = []
     for temp in (0.0, 1.0):
-        params = [SamplingParams(temperature=temp, max_new_tokens=args.max_new_tokens, stop_token_ids=(2,), seed=i)
+        params = [SamplingParams(temperature=temp, max_new_tokens=args.max_new_tokens, stop_token_ids=(args.eos,),
+                                 seed=i)
                   for i in range(len(prompts))]
         plain = target_engine(args)
         t0 = time.perf_counter()
@@ -191,23 +159,22 @@ def main(argv=None) -> None:
     tok = ArithmeticTokenizer()
     train_p = read_prompts(args.target / "train.jsonl", args.train_prompts, tok)
     held_p = read_prompts(args.target / "heldout.jsonl", args.heldout_prompts, tok)
+    args.eos = tok.eos_token_id
+    args.max_seq_len = max(256, max(map(len, train_p + held_p)) + args.max_new_tokens + 1)
     engine = target_engine(args)
     print(f"sampling {len(train_p)} + {len(held_p)} responses from {args.target.name} at T={args.temperature}")
     train_s, held_s = generate(engine, train_p, args, 0), generate(engine, held_p, args, 10**6)
     target = K3ForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
-    layers = tuple(int(i) for i in args.target_layers.split(","))
+    layers = (default_layers(target.config.num_hidden_layers) if args.target_layers is None
+              else tuple(int(i) for i in args.target_layers.split(",")))
     train_t, held_t = teacher(target, train_s, layers), teacher(target, held_s, layers)
-
-    def examples(seqs):
-        return [(s, p) for s, (plen, t) in enumerate(seqs) for p in range(plen, len(t) - 1)]
-
-    train_x, held_x = examples(train_s), examples(held_s)
+    train_x, held_x = anchors(train_s), anchors(held_s)
     config = DSparkConfig(target_layers=layers, hidden_size=target.config.hidden_size,
                           vocab_size=target.config.vocab_size, block_size=args.block_size)
     drafter = DSparkDrafter(config)
     drafter.share(target)
-    opt = torch.optim.AdamW(drafter.parameters(), lr=args.lr, weight_decay=0.01)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 50))
+    distiller = Distiller(drafter, DistillConfig(steps=args.steps, lr=args.lr, blocks=args.batch, decay=args.decay,
+                                                 warmup_steps=50))
     step = 0
     ckpt, state_file = args.out / "checkpoint.safetensors", args.out / "trainer.json"
     if args.resume and ckpt.is_file():
@@ -216,24 +183,18 @@ def main(argv=None) -> None:
         print(f"resumed at step {step}")
     args.out.mkdir(parents=True, exist_ok=True)
     rng = random.Random(args.seed + step)
-    held_batch = blocks(held_s, held_t, held_x, config.context_window, config.block_size)
+    held_batch = make_blocks(held_s, held_t, held_x, config)
     bar = tqdm(range(step, args.steps), initial=step, total=args.steps, desc="distil")
     for step in bar:
-        batch = blocks(train_s, train_t, rng.sample(train_x, min(args.batch, len(train_x))), config.context_window,
-                       config.block_size)
-        loss, parts = losses(drafter, batch, args.decay)
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        bar.set_postfix(loss=f"{loss.item():.3f}", tv=f"{parts['tv']:.3f}")
+        parts = distiller.step(make_blocks(train_s, train_t, rng.sample(train_x, min(args.batch, len(train_x))),
+                                           config))
+        bar.set_postfix(loss=f"{parts['loss']:.3f}", tv=f"{parts['tv']:.3f}")
         if (step + 1) % args.save_every == 0 or step + 1 == args.steps:
             save_file({k: v.detach().contiguous() for k, v in drafter.state_dict().items()}, str(ckpt))
             state_file.write_text(json.dumps({"step": step + 1}) + "\n")
     drafter.eval()
-    with torch.no_grad():
-        _, held_parts = losses(drafter, held_batch, args.decay)
+    held_parts = distill.evaluate(drafter, held_batch, args.decay)
+    held_parts.pop("loss")
     temps = calibrate(drafter, held_batch)
     drafter.save(args.out)
     rows = evaluate(args, drafter, held_p)

@@ -15,6 +15,7 @@ recipes/recipe/<name>.yaml, a global override of the others.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from collections.abc import Mapping
@@ -29,6 +30,9 @@ from miles_k3.rewards import RewardConfig
 from miles_k3.trainer.section import Check, Section, component_fields, field_names
 from rollout.config import EngineConfig
 from rollout.request import SamplingParams
+from rollout.spec import SpecConfig
+from rollout.spec.distill import DistillConfig
+from rollout.spec.drafter import DSparkConfig
 
 BUILTIN_PREFIX = "builtin:"
 ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets"
@@ -133,6 +137,66 @@ class ParallelCfg(Section):
         return self.tp * self.pp * self.cp * self.dp
 
 
+def _renamed(build, component: type, prefix: str = ""):
+    """build(); a ValueError "<Component>.<field> ..." becomes "<prefix><field> ..." (the schema's name)."""
+    try:
+        return build()
+    except ValueError as e:
+        msg, head = str(e), f"{component.__name__}."
+        raise ValueError(prefix + msg[len(head):] if msg.startswith(head) else msg) from None
+
+
+@dataclass
+class SpeculativeCfg(component_fields(SpecConfig, ("gamma", "planner"))):
+    """rollout.speculative.*: DSpark speculation in the rollout engine (lossless: each sample's tokens and
+    log-probs follow the policy with or without it, only faster) and the online distillation that keeps the
+    drafter in step with the policy as RL moves it. Off unless `drafter` is set. `gamma` and `planner` are
+    SpecConfig's (its defaults and checks); the distill_* fields are DistillConfig's, under the trainer's
+    names (its defaults and checks)."""
+
+    # a DSpark drafter directory (config.json + model.safetensors, written by scripts/train_drafter.py), or
+    # builtin:<asset>/drafter; None: no speculation
+    drafter: Optional[str] = None
+    # every N steps, after the update, distil the drafter on that step's rollouts against the policy with its
+    # new adapter (the engine's own target), in place; 0: never (the drafter stays as loaded)
+    distill_every: int = 0
+    distill_steps: int = DistillConfig.steps  # optimizer steps per distillation
+    distill_lr: float = DistillConfig.lr  # AdamW learning rate of the drafter (its optimizer persists)
+    distill_blocks: int = DistillConfig.blocks  # blocks (anchor + next gamma tokens) per optimizer step
+    distill_decay: float = DistillConfig.decay  # loss weight ratio of each later block position
+
+    def check(self) -> None:
+        c = Check(self)
+        c.int_at_least("distill_every", 0)
+        _renamed(self.distill, DistillConfig, "distill_")
+        if self.drafter is None:
+            if self.distill_every:
+                raise c.fail("distill_every", "needs rollout.speculative.drafter (the drafter to distil)")
+            return
+        path = Path(builtin_path(self.drafter))
+        if not ((path / "config.json").is_file() and (path / "model.safetensors").is_file()):
+            raise c.fail("drafter", "must be a DSpark drafter directory holding config.json and model.safetensors "
+                                    "(scripts/train_drafter.py writes one)")
+        try:
+            block = DSparkConfig(**json.loads((path / "config.json").read_text())).block_size
+        except (TypeError, ValueError) as e:
+            raise c.fail("drafter", f"holds no DSpark drafter config ({str(e).splitlines()[0]})") from None
+        self.spec()
+        if self.gamma > block:
+            raise c.fail("gamma", f"must be <= the drafter's block_size ({block})")
+
+    def spec(self) -> SpecConfig | None:
+        """What EngineConfig.speculation takes (None: off)."""
+        if self.drafter is None:
+            return None
+        return _renamed(lambda: SpecConfig(drafter=builtin_path(self.drafter), gamma=self.gamma,
+                                           planner=self.planner), SpecConfig)
+
+    def distill(self) -> DistillConfig:
+        return DistillConfig(steps=self.distill_steps, lr=self.distill_lr, blocks=self.distill_blocks,
+                             decay=self.distill_decay)
+
+
 @dataclass
 class RolloutCfg(component_fields(EngineConfig, ENGINE_KEYS), component_fields(SamplingParams, SAMPLING_KEYS)):
     """rollout.*: SamplingParams' sampling fields and EngineConfig's scheduling fields (their defaults and
@@ -155,6 +219,8 @@ class RolloutCfg(component_fields(EngineConfig, ENGINE_KEYS), component_fields(S
     # how rollout.fn reaches the policy: engine (the colocated engine in-process) | http (miles-serve's app
     # over the same engine on 127.0.0.1, SGLang's /generate and the OpenAI API)
     client: str = "engine"
+    # speculative decoding in the engine and the drafter's online distillation (off by default)
+    speculative: SpeculativeCfg = field(default_factory=SpeculativeCfg)
 
     def check(self) -> None:
         from miles_k3.trainer.rollout_plugin import CLIENTS
@@ -172,13 +238,18 @@ class RolloutCfg(component_fields(EngineConfig, ENGINE_KEYS), component_fields(S
         c.number("memory_mb", 0.0, open_low=True)
         c.choice("quantize", QUANTIZE_MODES)
         c.choice("dtype", DTYPES)
+        try:
+            self.speculative.check()
+        except ValueError as e:  # "<field> ..." of the subsection: resolve puts "rollout." in front
+            raise ValueError(f"speculative.{e}") from None
 
     def sampling(self) -> SamplingParams:
         """The sampling parameters of every training sample (the loop adds its seed and stop token)."""
         return SamplingParams(**self.values(SAMPLING_KEYS))
 
     def engine(self) -> EngineConfig:
-        return EngineConfig(memory_bytes=int(self.memory_mb * 2**20), **self.values(ENGINE_KEYS))
+        return EngineConfig(memory_bytes=int(self.memory_mb * 2**20), speculation=self.speculative.spec(),
+                            **self.values(ENGINE_KEYS))
 
 
 @dataclass

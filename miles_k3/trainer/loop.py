@@ -10,7 +10,11 @@ One step:
   3. the engines release their KV / state pools (unless rollout.release_memory=false); the trainer ranks
      run the GRPO update;
   4. the adapter (gathered over TP) is copied into every engine's adapter slot in place; engines resume;
-  5. a metrics row; evaluation and an atomic checkpoint at their intervals.
+     with speculation and rollout.speculative.distill_every, every N steps the engine's drafter is distilled
+     on this step's rollouts against the policy with its new adapter (in place: the next rollout drafts
+     with it);
+  5. a metrics row (with speculation: mean accepted length, draft acceptance, verify tokens, from the
+     engines' SpecStats over the step's rollouts); evaluation and an atomic checkpoint at their intervals.
 
 A preemption signal (`miles_k3.trainer.preempt`) stops the run between steps: the step in flight finishes,
 a checkpoint of it is written (unless its interval just wrote one) and `run` returns with `preempted` set
@@ -41,6 +45,7 @@ from miles_k3.trainer.rollout_plugin import RolloutJob, Trajectory
 from miles_k3.trainer.rollout_worker import Generated
 from miles_k3.trainer.run_log import Progress, RunLog
 from rollout.request import SamplingParams
+from rollout.spec.distill import DistillConfig
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +57,10 @@ class Workers(Protocol):
     # rollout.fn's samples on the engine(s) (RolloutWorker.rollout), in job order
     def rollout(self, fn: str, jobs: list[RolloutJob], *, tokenizer: tuple[str, str | None],
                 client: str) -> list[Trajectory]: ...
-    def engine_counters(self) -> dict[str, int]: ...  # cumulative, summed over engines (Engine.counters)
+    def engine_counters(self) -> dict[str, int]: ...  # cumulative, summed over engines (RolloutWorker's)
+    # distil every engine's drafter on the step's sequences (RolloutWorker.distill_drafter); speculation only
+    def distill_drafter(self, sequences: list[tuple[int, list[int]]], config: DistillConfig,
+                        seed: int) -> dict[str, float]: ...
     def release_engines(self) -> None: ...
     def resume_engines(self) -> None: ...
     def train(self, batch: TrainBatch) -> dict[str, float]: ...
@@ -75,6 +83,27 @@ class Rolled(NamedTuple):
     @property
     def policy_tokens(self) -> int:
         return len(self.output_ids) if self.loss_mask is None else sum(self.loss_mask)
+
+
+def spec_metrics(counters: dict[str, int | float]) -> dict[str, float]:
+    """A step's speculation metrics from its engine counter differences (`rollout_spec_*`): mean accepted
+    length (tokens a row advances per verify: its kept drafts + 1), draft acceptance (kept / verified
+    drafts), verify tokens (fed to the verify forwards: anchors + verified drafts). Empty without
+    speculation."""
+    if "rollout_spec_rows" not in counters:
+        return {}
+    rows, drafted = counters["rollout_spec_rows"], counters["rollout_spec_drafted"]
+    return {"spec_accept_len": counters["rollout_spec_emitted"] / rows if rows else float("nan"),
+            "spec_draft_acceptance": counters["rollout_spec_accepted"] / drafted if drafted else float("nan"),
+            "spec_verify_tokens": rows + drafted}
+
+
+def _drafter_distiller(workers: Workers):
+    """`workers.distill_drafter`. Workaround: launch.LocalWorkers does not pass it through yet, so its engine
+    (`LocalWorkers.engine`, a RolloutWorker) is called directly; None when neither exists (ray_launch's
+    RayWorkers)."""
+    call = getattr(workers, "distill_drafter", None)
+    return call if call is not None else getattr(getattr(workers, "engine", None), "distill_drafter", None)
 
 
 def sample_seed(run_seed: int, step: int, round_: int, index: int) -> int:
@@ -101,6 +130,13 @@ class GRPODriver:
         self.step = 0
         self.saved_step: int | None = None  # the step of the newest checkpoint this driver wrote or resumed
         self.preempted: str | None = None  # the signal that stopped the run early (after its checkpoint)
+        spec = rc.rollout.speculative
+        self.distill_every = spec.distill_every if spec.drafter is not None else 0
+        self._distill = _drafter_distiller(workers) if self.distill_every else None
+        if self.distill_every and self._distill is None:
+            raise ValueError("rollout.speculative.distill_every: these workers cannot distil the drafter yet "
+                             "(cluster.launcher=local or external; not ray)")
+        self._step_sequences: list[tuple[int, list[int]]] = []  # this step's rollouts, for the distillation
 
     # ------------------------------------------------------------------ rollouts
     def _params(self, seed: int | None, greedy: bool = False) -> SamplingParams:
@@ -152,6 +188,8 @@ class GRPODriver:
             params = [self._params(sample_seed(self.rc.trainer.seed, self.step, round_, i))
                       for i in range(len(flat_prompts))]
             gens = self._generate(records, flat_prompts, params, group_of)
+            if self._distill is not None:
+                self._step_sequences += [(len(g.prompt_ids), g.prompt_ids + g.output_ids) for g in gens]
             result = self._score(records, gens, group_of)
             for kind, count in result.failure_counts.items():
                 failures[kind] = failures.get(kind, 0) + count
@@ -186,6 +224,7 @@ class GRPODriver:
         if r.fn is not None:
             metrics.update(samples_all_masked=all_masked, response_env_tokens_mean=env_tokens / max(1, len(lengths)))
         metrics.update({f"rollout_{k}": v - counters_before[k] for k, v in self.workers.engine_counters().items()})
+        metrics.update(spec_metrics(metrics))
         return self._to_batch(kept), metrics
 
     def _to_batch(self, kept) -> TrainBatch:
@@ -299,6 +338,10 @@ class GRPODriver:
         else:
             log.warning("step %d: no group with reward variance; skipping the update", self.step)
             train_s = 0.0
+        if self.distill_every and self.step % self.distill_every == 0 and self._step_sequences:
+            metrics.update(self._distill(self._step_sequences, self.rc.rollout.speculative.distill(),
+                                         sample_seed(self.rc.trainer.seed, self.step, -1, 0)))
+        self._step_sequences = []
         step_s = time.perf_counter() - start
         metrics.update(step=self.step, rollout_s=rollout_s, train_s=train_s, step_s=step_s,
                        samples_per_s=metrics["groups_sampled"] * self.rc.rollout.samples_per_prompt / step_s)

@@ -5,11 +5,16 @@ Owns a `rollout.engine.Engine` built from the same base weights as the trainer (
 Safe to call from one thread. `rollout` runs a rollout plugin's samples (`miles_k3.trainer.rollout_plugin`)
 against this engine: an engine loop thread drives it for the call's duration (in-process client), or
 miles-serve's app over it on 127.0.0.1 (HTTP client); nothing else touches the engine meanwhile.
+
+With speculation (`EngineConfig.speculation`, from rollout.speculative), `engine_counters` adds the decode
+strategy's `SpecStats` and `distill_drafter` distils the engine's drafter, in place, on sequences the loop
+hands it, against the engine's own model with the policy adapter: the target the drafter is verified by.
 """
 
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from typing import NamedTuple
 
@@ -23,6 +28,13 @@ from rollout.model_runner import build_engine_model
 from miles_k3.trainer.rollout_plugin import (ADAPTER, EngineClient, HTTPClient, RolloutJob, Trajectory,
                                              load_rollout_fn, run_rollouts)
 from rollout.request import SamplingParams
+from rollout.spec.distill import DistillConfig, Distiller, Sequences, teacher
+from rollout.spec.drafter import DSparkDrafter
+from rollout.spec.strategy import SpecDecode
+
+# SpecStats' counters, as engine_counters names them
+SPEC_COUNTERS = {"spec_verify_steps": "steps", "spec_rows": "rows", "spec_drafted": "drafted",
+                 "spec_accepted": "accepted", "spec_emitted": "emitted"}
 
 
 class Generated(NamedTuple):
@@ -38,6 +50,7 @@ class RolloutWorker:
                                          dtype=dtype, device=device)
         self.engine = Engine(model, engine, pool)
         self._plugins: dict = {}  # rollout.fn reference -> RolloutFn, and the tokenizers it needs, built once
+        self._distiller: Distiller | None = None  # the drafter's optimizer, built by the first distill_drafter
 
     def sync_adapter(self, tensors: dict[str, torch.Tensor]) -> float:
         """Copy the trainer's adapter into the engine's slot in place; returns the milliseconds it took
@@ -101,8 +114,44 @@ class RolloutWorker:
             loop.stop(timeout=60)
 
     def engine_counters(self) -> dict[str, int]:
-        """Since this worker was built: decode CUDA graphs captured and replayed, requests retracted."""
-        return self.engine.counters()
+        """Since this worker was built: decode CUDA graphs captured and replayed, requests retracted, and
+        with speculation the verify steps, rows verified, drafts verified, drafts kept and tokens emitted
+        (`SPEC_COUNTERS`)."""
+        counters = self.engine.counters()
+        strategy = self.engine.decoder.strategy
+        if isinstance(strategy, SpecDecode):
+            counters.update({k: getattr(strategy.stats, f) for k, f in SPEC_COUNTERS.items()})
+        return counters
+
+    def distill_drafter(self, sequences: Sequences, config: DistillConfig, seed: int) -> dict[str, float]:
+        """Distil the engine's drafter on `sequences` ((prompt length, prompt + response): the step's
+        rollouts), the target being the engine's model with the policy adapter as it is now: `config.steps`
+        optimizer steps (`rollout.spec.distill.Distiller.distil`, its optimizer kept across calls, `config`
+        the same on every call), the drafter's tensors updated in place, so the engine's next step drafts
+        with them. Between engine calls only. Returns drafter_tv_before / drafter_tv_after (held-out
+        sequences of this batch), drafter_distill_loss, drafter_distill_blocks, drafter_distill_ms."""
+        strategy = self.engine.decoder.strategy
+        if not isinstance(strategy, SpecDecode) or not isinstance(strategy.drafter, DSparkDrafter):
+            raise ValueError("distill_drafter needs an engine speculating with a DSpark drafter "
+                             "(rollout.speculative.drafter)")
+        start = time.perf_counter()
+        drafter, runner = strategy.drafter, self.engine.runner
+        if self._distiller is None:
+            self._distiller = Distiller(drafter, config)
+        elif self._distiller.config != config:
+            raise ValueError("distill_drafter: the DistillConfig changed between calls (the optimizer is built once)")
+        slot = runner.adapters.slot_of(ADAPTER)
+
+        def policy_batch(lengths: list[int]) -> None:  # every packed sequence through the policy's slot
+            runner.adapters.set_batch([slot] * len(lengths), lengths)
+
+        teach = teacher(runner.model, sequences, drafter.config.target_layers, before_forward=policy_batch)
+        out = self._distiller.distil(sequences, teach, random.Random(seed))
+        if runner.device.type == "cuda":
+            torch.cuda.synchronize(runner.device)
+        return {"drafter_tv_before": out["tv_before"], "drafter_tv_after": out["tv_after"],
+                "drafter_distill_loss": out["loss"], "drafter_distill_blocks": out["blocks"],
+                "drafter_distill_ms": (time.perf_counter() - start) * 1e3}
 
     def release_memory(self) -> None:
         self.engine.release_memory()

@@ -182,7 +182,7 @@ class Distiller:
         self.opt.step()
         self.sched.step()
         self.opt.zero_grad(set_to_none=True)  # no gradient buffers kept between distillations
-        return {"loss": float(loss), **parts}
+        return {"loss": float(loss.detach()), **parts}
 
     def distil(self, seqs: Sequences, teach, rng: random.Random) -> dict[str, float]:
         """An online distillation on one batch of sequences (an RL step's rollouts): every

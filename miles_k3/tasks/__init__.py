@@ -2,6 +2,7 @@
 
 from miles_k3.tasks.arithmetic import (HELDOUT_MODULUS, ArithmeticProblem, ArithmeticTokenizer, check_answer,
                                        final_integer, make_problems, split_of, write_jsonl)
+from miles_k3.tasks.worked import make_step_problems, worked_solution
 
 __all__ = ["HELDOUT_MODULUS", "ArithmeticProblem", "ArithmeticTokenizer", "check_answer", "final_integer",
-           "make_problems", "split_of", "write_jsonl"]
+           "make_problems", "make_step_problems", "split_of", "worked_solution", "write_jsonl"]

@@ -27,6 +27,10 @@ fresh GPU machine spends minutes in fla's autotuning: give the call 10 minutes, 
 With --reuse and --work-dir, a system whose run in --work-dir already has --steps steps is read back, not
 run again: a device call cut by its time limit is continued by the same command in the next call.
 
+--ignore-eos makes every completion --max-new-tokens long on both sides (ours: `rollout.stop_at_eos=false`;
+TRL: `min_new_tokens` in its generation kwargs), the RL-length workload (a random base stops at a random eos
+after ~vocab-size tokens otherwise).
+
 Steps after the first --warmup are timed; the table gives the median step time, samples/s and the ratio
 to TRL. Writes JSON with --json.
 """
@@ -78,6 +82,7 @@ def run_ours(args, run_dir: Path, model_overrides: list[str], engine_overrides: 
            *model_overrides, f"model.train_dtype={dtype}", f"rollout.dtype={dtype}",
            f"rollout.prompts_per_step={args.prompts}", f"rollout.samples_per_prompt={args.samples}",
            f"rollout.max_new_tokens={args.max_new_tokens}", "rollout.temperature=1.0",
+           f"rollout.stop_at_eos={str(not args.ignore_eos).lower()}",
            f"lora.rank={args.rank}", f"lora.alpha={args.alpha}", f"optim.lr={args.lr}",
            "algo.dynamic_sampling=false", "algo.kl=none", "algo.reducer=token_mean",
            "algo.eps_low=0.2", "algo.eps_high=0.28", "algo.updates_per_step=1",
@@ -152,14 +157,18 @@ def run_trl(args, base_dir: Path, out_dir: Path) -> dict:
     model = KimiLinearForCausalLM.from_pretrained(base_dir, dtype=dtype).to(args.device)
     lora = LoraConfig(r=args.rank, lora_alpha=args.alpha, lora_dropout=0.0, target_modules=PEFT_TARGET_MODULES,
                       target_parameters=PEFT_TARGET_PARAMETERS, task_type="CAUSAL_LM")
-    cfg = GRPOConfig(output_dir=str(out_dir), per_device_train_batch_size=args.prompts * args.samples,
-                     gradient_accumulation_steps=1, num_generations=args.samples,
+    per_step = args.prompts * args.samples
+    micro = args.trl_micro_batch or per_step  # sequences per forward / backward; the optimizer step takes them all
+    cfg = GRPOConfig(output_dir=str(out_dir), per_device_train_batch_size=micro,
+                     gradient_accumulation_steps=per_step // micro, num_generations=args.samples,
                      max_completion_length=args.max_new_tokens, temperature=1.0, top_p=1.0, top_k=0,
                      learning_rate=args.lr, beta=0.0, epsilon=0.2, epsilon_high=0.28, loss_type="dapo",
                      num_iterations=1, max_steps=args.steps, lr_scheduler_type="constant", warmup_steps=0,
                      max_grad_norm=1.0, adam_beta2=0.99, weight_decay=0.0, bf16=args.device == "cuda",
                      use_cpu=args.device != "cuda", logging_steps=1, report_to="none", save_strategy="no",
-                     seed=0, dataloader_num_workers=0, log_completions=False)
+                     seed=0, dataloader_num_workers=0, log_completions=False,
+                     # --ignore-eos: eos is masked until the last token, so every completion is full length
+                     generation_kwargs={"min_new_tokens": args.max_new_tokens} if args.ignore_eos else None)
 
     class StepTimer(TrainerCallback):
         def __init__(self):
@@ -181,27 +190,43 @@ def run_trl(args, base_dir: Path, out_dir: Path) -> dict:
     if args.reuse and saved.exists():
         res = json.loads(saved.read_text())
         if res["steps"] >= args.steps:
-            return {**res, "step_s": res["step_s_all"][args.warmup:args.steps]}
+            return {**res, "step_s": res["step_s_all"][args.warmup:args.steps],
+                    "rollout_s": res.get("generate_s_all", [])[args.warmup:args.steps]}
+    class TimedGRPOTrainer(GRPOTrainer):
+        """GRPOTrainer with its generation (transformers `generate`, rewards, the old log-probs pass) timed
+        apart from the rest of the step (loss, backward, optimizer)."""
+
+        def _generate_and_score_completions(self, *a, **kw):
+            timer._sync()
+            t0 = time.perf_counter()
+            out = super()._generate_and_score_completions(*a, **kw)
+            timer._sync()
+            timer.generate.append(time.perf_counter() - t0)
+            return out
+
     timer = StepTimer()
-    trainer = GRPOTrainer(model=model, reward_funcs=arithmetic_reward, args=cfg, train_dataset=dataset,
+    timer.generate = []
+    trainer = TimedGRPOTrainer(model=model, reward_funcs=arithmetic_reward, args=cfg, train_dataset=dataset,
                           processing_class=hf_tokenizer(), peft_config=lora, callbacks=[timer])
     adapted = sum(1 for n, _ in trainer.model.named_parameters() if "lora_A" in n)
     start = time.perf_counter()
     trainer.train()
     wall = time.perf_counter() - start
     rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
-    res = {"steps": args.steps, "step_s_all": timer.times, "reward_mean": rewards, "wall_s": wall,
-           "lora_modules": adapted}
+    res = {"steps": args.steps, "step_s_all": timer.times, "generate_s_all": timer.generate, "reward_mean": rewards,
+           "wall_s": wall, "lora_modules": adapted}
     saved.write_text(json.dumps(res))
-    return {**res, "step_s": timer.times[args.warmup:]}
+    return {**res, "step_s": timer.times[args.warmup:], "rollout_s": timer.generate[args.warmup:args.steps]}
 
 
 def summarize(name: str, res: dict, samples_per_step: int) -> dict:
     med = statistics.median(res["step_s"])
     row = {"system": name, "step_s": med, "steps_per_s": 1.0 / med, "samples_per_s": samples_per_step / med}
     for key in ("rollout_s", "train_s", "adapter_sync_ms"):
-        if key in res:
+        if res.get(key):
             row[key] = statistics.median(res[key])
+    if "rollout_s" in row and "train_s" not in row:  # TRL: the step less its generation
+        row["train_s"] = med - row["rollout_s"]
     return row
 
 
@@ -214,6 +239,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=16)
+    ap.add_argument("--ignore-eos", action="store_true", help="every completion runs to --max-new-tokens on both "
+                    "sides (RL-length rollouts from a random base, which would otherwise stop at a random eos)")
+    ap.add_argument("--trl-micro-batch", type=int, default=None, help="TRL's sequences per forward / backward "
+                    "(gradient accumulation over the step's samples; default: all at once). Ours micro-batches by "
+                    "the recipe's parallel.micro_batch_tokens")
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--alpha", type=float, default=32.0)
     ap.add_argument("--lr", type=float, default=1e-4)
@@ -227,6 +257,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     if args.reuse and args.work_dir is None:
         raise ValueError("--reuse needs --work-dir: the runs to reuse live there")
+    if args.trl_micro_batch is not None and (args.prompts * args.samples) % args.trl_micro_batch:
+        raise ValueError(f"--trl-micro-batch ({args.trl_micro_batch}) must divide --prompts x --samples")
     if args.steps <= args.warmup:
         raise ValueError(f"--steps ({args.steps}) must exceed --warmup ({args.warmup})")
 
@@ -255,11 +287,15 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"\nGRPO step, {args.preset} (vocab {args.vocab_size}), {args.device}: {args.prompts} prompts x "
           f"{args.samples} samples, <= {args.max_new_tokens} new tokens, LoRA r={args.rank}; "
           f"median of steps {args.warmup + 1}..{args.steps}")
-    print(f"{'system':44s} {'step s':>8s} {'samples/s':>10s} {'sync ms':>8s} {'vs TRL':>7s}")
+    print(f"{'system':44s} {'step s':>8s} {'rollout s':>9s} {'train s':>8s} {'samples/s':>10s} {'sync ms':>8s} "
+          f"{'vs TRL':>7s}")
+
+    def cell(r, key, width, spec):
+        return f"{r[key]:{width}{spec}}" if r.get(key) is not None else f"{'-':>{width}s}"
+
     for r in rows:
-        sync = f"{r['adapter_sync_ms']:8.2f}" if "adapter_sync_ms" in r else f"{'-':>8s}"
-        ratio = f"{r['speedup_vs_trl']:6.2f}x" if r["speedup_vs_trl"] else f"{'-':>7s}"
-        print(f"{r['system']:44s} {r['step_s']:8.3f} {r['samples_per_s']:10.1f} {sync} {ratio}")
+        print(f"{r['system']:44s} {r['step_s']:8.3f} {cell(r, 'rollout_s', 9, '.3f')} {cell(r, 'train_s', 8, '.3f')} "
+              f"{r['samples_per_s']:10.1f} {cell(r, 'adapter_sync_ms', 8, '.2f')} {cell(r, 'speedup_vs_trl', 6, '.2f') + 'x' if r['speedup_vs_trl'] else '-':>7s}")
 
     import importlib.metadata as md
 

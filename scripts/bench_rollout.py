@@ -28,9 +28,11 @@ pools, empty radix cache) sized by --memory-gb, so no workload sees another's ca
   computed for its logits), and checkpoints sit where prefill chunks end, so the result depends on
   --chunk-size and --max-prefill-tokens; `ratio_best_at_chunk` is the ratio with a checkpoint at the
   last chunk boundary below the prompt's end, the best this cache design allows.
-- bs=1 floor: the bs=1 decode step (step_ms) against the bytes one decode step must read (weights minus
-  the embedding table and the routed experts a token does not select) / bandwidth measured here by a
-  large device-to-device copy (HBM on cuda, DRAM on cpu). The all-weights floor is reported as well.
+- floor, per decode row: the bytes one step of that batch must move (the weights it reads: all but the
+  embedding table, routed experts at the share the batch selects under uniform routing; every row's MLA
+  latent KV at its mean context, prompt + gen_len / 2; every row's KDA state read and written) / bandwidth
+  measured here by a large device-to-device copy (HBM on cuda, DRAM on cpu): floor_ms, and x floor =
+  step_ms / floor_ms. The bs=1 line also gives the all-weights floor.
 - --peer hf: the Kimi-Linear form of the preset (what transformers can run), our engine on it and
   transformers' `generate` (greedy, use_cache=True, same prompts and lengths) on the same weights, in
   this run. HF decode seconds = time(generate gen_len tokens) - time(generate 1 token), after a warmup
@@ -240,20 +242,39 @@ def measure_bandwidth(device: torch.device) -> float | None:
     return 2 * n / statistics.median(times)
 
 
-def weight_bytes(model: K3ForCausalLM) -> tuple[int, int]:
-    """(all parameter bytes, bytes one bs=1 decode step reads): the latter skips the embedding table (one
-    row is read) unless tied, and counts routed experts at top-k / num_experts."""
+def _tensor_bytes(module: torch.nn.Module) -> int:
+    """Bytes of a module's parameters and buffers (packed MXFP4 experts live in buffers)."""
+    return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
+
+
+def weight_bytes(model: K3ForCausalLM, batch: int = 1) -> tuple[int, int]:
+    """(all weight bytes, weight bytes one decode step of `batch` rows reads): the latter skips the embedding
+    table (a row per token is read) unless tied, and counts each MoE layer's routed experts at the expected
+    share a batch selects under uniform routing, 1 - (1 - k / E)^batch (k / E at batch 1)."""
     c = model.config
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    total = _tensor_bytes(model)
     read = total
     if not c.tie_word_embeddings:
         w = model.model.embed_tokens.weight
         read -= w.numel() * w.element_size()
+    share = 1 - (1 - c.num_experts_per_token / c.num_experts) ** batch
     for m in model.modules():
         if isinstance(m, RoutedExperts):
-            routed = sum(p.numel() * p.element_size() for p in m.parameters())
-            read -= routed - routed * c.num_experts_per_token // c.num_experts
+            read -= round(_tensor_bytes(m) * (1 - share))
     return total, read
+
+
+def step_floor(model: K3ForCausalLM, batch: int, context: float, kv_dtype: torch.dtype, bandwidth: float | None) -> dict:
+    """The memory floor of one decode step of `batch` rows whose mean context is `context` tokens: the weight
+    bytes the batch reads (`weight_bytes`), every row's MLA latent KV read once, and every row's KDA state
+    (fp32 recurrent + conv) read and written, over the measured bandwidth."""
+    c = model.config
+    _, weights = weight_bytes(model, batch)
+    kv = round(batch * context * PoolSizes.bytes_per_page(c, 1, kv_dtype))
+    state = 2 * batch * PoolSizes.bytes_per_slot(c, kv_dtype)
+    floor_bytes = weights + kv + state
+    return {"floor_bytes": floor_bytes, "floor_weight_bytes": weights, "floor_kv_bytes": kv,
+            "floor_state_bytes": state, "floor_ms": floor_bytes / bandwidth * 1e3 if bandwidth else None}
 
 
 # -------------------------------------------------------------- workloads
@@ -444,20 +465,30 @@ def main(argv: list[str] | None = None) -> dict:
     warm = Engine(model, ecfg).generate(random_prompts(2, 8, config.vocab_size, args.seed),
                                         SamplingParams(temperature=0, max_new_tokens=4))  # first-call costs
     assert all(len(c.output_ids) == 4 for c in warm)
-    decode = [{"model": "miles-k3", **guarded(lambda: bench_decode(model, ecfg, b, args, device), device, batch=b)}
-              for b in batch_sizes]
+    context = args.prompt_len + args.gen_len / 2  # a decode row's mean context over its timed steps
+
+    def floored(row: dict, m: K3ForCausalLM) -> dict:
+        """`row` with its step's memory floor (`step_floor`) and step_ms over it."""
+        if row.get("status") != "ok":
+            return row
+        f = step_floor(m, row["batch"], context, dtype, bandwidth)
+        return {**row, **f, "vs_floor": row["step_ms"] / f["floor_ms"] if f["floor_ms"] else None}
+
+    decode = [floored({"model": "miles-k3", **guarded(lambda: bench_decode(model, ecfg, b, args, device), device,
+                                                      batch=b)}, model) for b in batch_sizes]
     if device.type == "cuda" and args.overlap != "off":
         plain = dataclasses.replace(ecfg, overlap="off")
-        decode += [{"model": "miles-k3 (overlap off)",
-                    **guarded(lambda: bench_decode(model, plain, b, args, device), device, batch=b)}
+        decode += [floored({"model": "miles-k3 (overlap off)",
+                            **guarded(lambda: bench_decode(model, plain, b, args, device), device, batch=b)}, model)
                    for b in batch_sizes]
     if args.rl_path:
         rl_model, pool = rl_engine_model(model, dtype, device)
         kinds = ["torch", "triton"] if device.type == "cuda" else ["torch"]  # the Triton kernel needs CUDA
         for kind in kinds:
             rl_cfg = dataclasses.replace(ecfg, mxfp4_matmul=kind)
-            decode += [{"model": f"miles-k3 RL (mxfp4 {kind}, lora)",
-                        **guarded(lambda: bench_decode(rl_model, rl_cfg, b, args, device, pool), device, batch=b)}
+            decode += [floored({"model": f"miles-k3 RL (mxfp4 {kind}, lora)",
+                                **guarded(lambda: bench_decode(rl_model, rl_cfg, b, args, device, pool), device,
+                                          batch=b)}, rl_model)
                        for b in batch_sizes]
         del rl_model, pool
         free_memory(device)
@@ -472,8 +503,9 @@ def main(argv: list[str] | None = None) -> dict:
     if args.peer == "hf":
         kimi = build_ours(kimi_linear_form(config), dtype, device)
         for b in batch_sizes:
-            decode.append({"model": "miles-k3 (kimi-linear form)",
-                           **guarded(lambda: bench_decode(kimi, ecfg, b, args, device), device, batch=b)})
+            decode.append(floored({"model": "miles-k3 (kimi-linear form)",
+                                   **guarded(lambda: bench_decode(kimi, ecfg, b, args, device), device, batch=b)},
+                                  kimi))
         hf, hf_failure = None, {}
         try:
             hf = hf_peer(kimi, dtype, device)
@@ -550,14 +582,15 @@ def print_report(res: dict) -> None:
     print(f"rollout bench  {m['preset']} on {m['device']} ({m['device_name']}), {m['dtype']}, torch {m['torch']}, "
           f"{m['threads']} threads, {m['date']}\n  {m['command']}")
     print(f"\ndecode: greedy, prompt {s['prompt_len']}, {s['gen_len']} new tokens; decode steps only")
-    print(f"{'model':<34} {'batch':>5} {'prefill tok/s':>13} {'decode tok/s':>12} {'step ms':>9} {'vs HF':>7}")
+    print(f"{'model':<34} {'batch':>5} {'prefill tok/s':>13} {'decode tok/s':>12} {'step ms':>9} {'floor ms':>9} "
+          f"{'x floor':>7} {'vs HF':>7}")
     for r in res["decode"]:
         if r["status"] != "ok":
             print(f"{r['model']:<34} {r['batch']:>5} {r['status'].upper():>13}  {r.get('error', '')}")
             continue
         ratio = f"{r['vs_hf']:.2f}x" if "vs_hf" in r else ""
         print(f"{r['model']:<34} {r['batch']:>5} {r['batch_prefill_tok_s']:>13.0f} {r['decode_tok_s']:>12.1f} "
-              f"{r['step_ms']:>9.2f} {ratio:>7}"
+              f"{r['step_ms']:>9.2f} {_f(r.get('floor_ms'), '9.3f'):>9} {_f(r.get('vs_floor'), '7.1f'):>7} {ratio:>7}"
               + (f"  ({r['retractions']} retractions)" if r.get("retractions") else "")
               + (f"  ({r['graph_replays']} graph replays)" if r.get("graph_replays") else ""))
     p = res["prefill"]

@@ -70,6 +70,16 @@ run_job() {
     unified) job unified python scripts/bench_unified_memory.py --device cuda --json "$STATE/bench_unified_memory.json" ;;
     trainmem) job trainmem python scripts/bench_train_memory.py --device cuda --preset k3-small \
         --lengths 1024,4096,16384 --json "$STATE/bench_train_memory.json" ;;
+    rollout256) job rollout256 python scripts/bench_rollout.py --device cuda --batch-sizes 1,8,64,256 --peer hf \
+        --rl-path --json "$STATE/bench_rollout_256.json" ;;
+    grpo1k_ours) job grpo1k_ours python scripts/bench_grpo_trl.py --device cuda --preset k3-small --steps 3 --warmup 1 \
+        --prompts 64 --samples 8 --max-new-tokens 1024 --ignore-eos --k3-form --skip-trl --work-dir /tmp/bgt1k \
+        --reuse --json "$STATE/grpo1k_ours.json" ;;
+    grpo1k) job grpo1k python scripts/bench_grpo_trl.py --device cuda --preset k3-small --steps 3 --warmup 1 \
+        --prompts 64 --samples 8 --max-new-tokens 1024 --ignore-eos --k3-form --work-dir /tmp/bgt1k \
+        --reuse --json "$STATE/grpo1k_vs_trl.json" ;;
+    trainmem32) job trainmem32 python scripts/bench_train_memory.py --device cuda --preset k3-small \
+        --lengths 4096,16384,32768 --variants baseline,recompute,logprobs --json "$STATE/bench_train_memory_32k.json" ;;
     *) echo "unknown job $1"; return 1 ;;
     esac
 }

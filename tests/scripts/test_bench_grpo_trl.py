@@ -46,3 +46,11 @@ def test_our_side_runs_and_reports(tmp_path):
     assert again["rows"] == out["rows"] and (tmp_path / "ours_kimi.log").stat().st_mtime_ns == log_time
     with pytest.raises(ValueError, match="--reuse needs --work-dir"):
         bench.main(["--device", "cpu", "--skip-trl", "--reuse"])
+
+
+def test_ignore_eos_runs_every_completion_to_its_length(tmp_path):
+    bench.main(["--device", "cpu", "--preset", "k3-tiny", "--steps", "2", "--prompts", "2", "--samples", "2",
+                "--max-new-tokens", "40", "--ignore-eos", "--skip-trl", "--work-dir", str(tmp_path)])
+    rows = [json.loads(line) for line in (tmp_path / "ours_kimi" / "metrics.jsonl").read_text().splitlines()]
+    lengths = [r["response_len_mean"] for r in rows if "response_len_mean" in r]
+    assert lengths and all(n == 40 for n in lengths)  # a random base would stop at its first eos

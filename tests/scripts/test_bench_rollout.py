@@ -54,6 +54,20 @@ def test_bench_rollout_json_and_prefix_reuse(tmp_path):
     f = res["bs1_floor"]
     assert f["bandwidth_gb_s"] > 0 and 0 < f["weight_bytes_read_per_step"] < f["weight_bytes"]
     assert f["bs1_vs_floor"] == pytest.approx(res["bs1_step_ms"] / f["floor_ms"])
+    one, three = rows
+    for r in rows:  # every decode row carries its own batch's floor: weights read + KV + KDA state in and out
+        assert r["floor_bytes"] == r["floor_weight_bytes"] + r["floor_kv_bytes"] + r["floor_state_bytes"]
+        assert r["vs_floor"] == pytest.approx(r["step_ms"] / r["floor_ms"])
+    assert one["floor_weight_bytes"] == f["weight_bytes_read_per_step"]
+    assert three["floor_kv_bytes"] == 3 * one["floor_kv_bytes"] and three["floor_state_bytes"] == 3 * one["floor_state_bytes"]
+    assert one["floor_weight_bytes"] < three["floor_weight_bytes"] < f["weight_bytes"]  # more experts selected
+
+
+def test_the_batch_floor_reads_every_expert_once_a_large_batch_selects_them_all():
+    model = bench.build_ours(bench.K3Config.from_preset("k3-tiny"), torch.float32, torch.device("cpu"))
+    total, read = bench.weight_bytes(model, batch=10_000)
+    embed = model.model.embed_tokens.weight
+    assert read == total - embed.numel() * embed.element_size()
 
 
 def test_bench_rollout_hf_peer():

@@ -123,6 +123,18 @@ class RolloutWorker:
             counters.update({k: getattr(strategy.stats, f) for k, f in SPEC_COUNTERS.items()})
         return counters
 
+    def policy_targets(self, sequences: Sequences, layers: tuple[int, ...]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """`rollout.spec.distill.teacher` of the engine's model with the policy adapter: per sequence the
+        tapped `layers`' states and the policy's next-token distributions (what the engine samples from at
+        temperature 1)."""
+        runner = self.engine.runner
+        slot = runner.adapters.slot_of(ADAPTER)
+
+        def policy_batch(lengths: list[int]) -> None:  # every packed sequence through the policy's slot
+            runner.adapters.set_batch([slot] * len(lengths), lengths)
+
+        return teacher(runner.model, sequences, layers, before_forward=policy_batch)
+
     def distill_drafter(self, sequences: Sequences, config: DistillConfig, seed: int) -> dict[str, float]:
         """Distil the engine's drafter on `sequences` ((prompt length, prompt + response): the step's
         rollouts), the target being the engine's model with the policy adapter as it is now: `config.steps`
@@ -140,13 +152,8 @@ class RolloutWorker:
             self._distiller = Distiller(drafter, config)
         elif self._distiller.config != config:
             raise ValueError("distill_drafter: the DistillConfig changed between calls (the optimizer is built once)")
-        slot = runner.adapters.slot_of(ADAPTER)
-
-        def policy_batch(lengths: list[int]) -> None:  # every packed sequence through the policy's slot
-            runner.adapters.set_batch([slot] * len(lengths), lengths)
-
-        teach = teacher(runner.model, sequences, drafter.config.target_layers, before_forward=policy_batch)
-        out = self._distiller.distil(sequences, teach, random.Random(seed))
+        out = self._distiller.distil(sequences, self.policy_targets(sequences, drafter.config.target_layers),
+                                     random.Random(seed))
         if runner.device.type == "cuda":
             torch.cuda.synchronize(runner.device)
         return {"drafter_tv_before": out["tv_before"], "drafter_tv_after": out["tv_after"],

@@ -2,6 +2,7 @@
 
     miles-serve --model builtin:k3-tiny-arith --port 30000
     miles-serve --model /path/to/checkpoint --adapter policy=runs/grpo/adapter --device cuda
+    miles-serve --model builtin:k3-tiny-steps --speculative dspark --drafter builtin:k3-tiny-steps/drafter
 
 Reads the flags into a ServeConfig (its fields and help texts are the flags), loads the model, the
 tokenizer and the adapters, then serves until SIGINT/SIGTERM and exits 0. A bad flag, checkpoint or
@@ -33,9 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
             parser.add_argument("--adapter", dest="adapters", action="append", default=[], metavar="NAME=PEFT_DIR",
                                 help=help_text)
         else:
-            kind = {int: int, float: float}.get(type(f.default), str)
-            if f.name in ("max_running", "max_seq_len", "max_prefill_tokens"):
-                kind = int
+            kind = f.metadata.get("type") or {int: int, float: float}.get(type(f.default), str)
             parser.add_argument(_flag(f.name), type=kind, default=f.default, help=help_text)
     return parser
 

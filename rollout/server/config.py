@@ -19,6 +19,7 @@ from rollout.model_runner import QUANTIZE_MODES
 DEVICES = ("cpu", "cuda")
 DTYPES = ("float32", "bfloat16")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+SPECULATIVE = ("off", "dspark")
 
 
 @dataclass(frozen=True)
@@ -45,11 +46,22 @@ class ServeConfig:
         "help": f"one of {QUANTIZE_MODES}: the frozen base as stored, MXFP4 routed experts, or every projection"})
     memory_mb: float = field(default=64.0, metadata={"help": "the engine's KV pages + KDA state slots, in MiB"})
     max_running: int | None = field(default=None, metadata={
-        "help": "requests decoding at once; default: EngineConfig's"})
+        "help": "requests decoding at once; default: EngineConfig's", "type": int})
     max_seq_len: int | None = field(default=None, metadata={
-        "help": "prompt + generated tokens of one request; default: EngineConfig's"})
+        "help": "prompt + generated tokens of one request; default: EngineConfig's", "type": int})
     max_prefill_tokens: int | None = field(default=None, metadata={
-        "help": "prompt tokens prefilled per engine step; default: EngineConfig's"})
+        "help": "prompt tokens prefilled per engine step; default: EngineConfig's", "type": int})
+    speculative: str = field(default="off", metadata={
+        "help": f"one of {SPECULATIVE}: dspark drafts a block with --drafter and verifies it in one target "
+                "forward (lossless: the same tokens and distribution as without)"})
+    drafter: str | None = field(default=None, metadata={
+        "help": "with --speculative dspark: a DSpark drafter directory (scripts/train_drafter.py writes one) or "
+                "builtin:<name> (e.g. builtin:k3-tiny-steps/drafter)"})
+    gamma: int | None = field(default=None, metadata={
+        "help": "with --speculative: drafts per verify block; default: SpecConfig's", "type": int})
+    spec_planner: str | None = field(default=None, metadata={
+        "help": "with --speculative: verify_all or cost_aware (how many drafts a verify checks); default: "
+                "SpecConfig's"})
     max_queued: int = field(default=256, metadata={
         "help": "samples that may wait for a decode slot beyond the max-running ones; past that, 429"})
     shutdown_timeout: float = field(default=30.0, metadata={
@@ -81,10 +93,27 @@ class ServeConfig:
             return self.dtype
         return "bfloat16" if self.device == "cuda" else "float32"
 
-    def engine_overrides(self) -> dict[str, int]:
+    def engine_overrides(self) -> dict:
         """The EngineConfig fields this config sets (the others keep EngineConfig's defaults)."""
         names = ("max_running", "max_seq_len", "max_prefill_tokens")
-        return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
+        fields = {n: getattr(self, n) for n in names if getattr(self, n) is not None}
+        if (spec := self.speculation()) is not None:
+            fields["speculation"] = spec
+        return fields
+
+    def speculation(self):
+        """EngineConfig.speculation for these flags: None (off) or a SpecConfig, which checks its fields
+        (gamma and the planner keep SpecConfig's defaults when not given)."""
+        if self.speculative == "off":
+            return None
+        from rollout.spec import SpecConfig
+
+        given = {k: v for k, v in (("gamma", self.gamma), ("planner", self.spec_planner)) if v is not None}
+        try:
+            return SpecConfig(drafter=Path(builtin_path(self.drafter)), **given)
+        except ValueError as e:  # "SpecConfig.gamma must ..." -> the flag's name
+            raise ValueError(str(e).replace("SpecConfig.planner", "--spec-planner")
+                             .replace("SpecConfig.gamma", "--gamma")) from None
 
     # ------------------------------------------------------------------- check
     def check(self) -> None:
@@ -142,6 +171,14 @@ class ServeConfig:
             raise fail("shutdown_timeout", "must be a number >= 0")
         if self.log_level not in LOG_LEVELS:
             raise fail("log_level", f"must be one of {LOG_LEVELS}")
+        if self.speculative not in SPECULATIVE:
+            raise fail("speculative", f"must be one of {SPECULATIVE}")
+        if (self.speculative != "off") != (self.drafter is not None):
+            raise ValueError("--speculative dspark and --drafter go together")
+        if self.drafter is not None and not (Path(builtin_path(self.drafter)) / "config.json").is_file():
+            raise ValueError(f"--drafter {self.drafter}: no drafter here (config.json; scripts/train_drafter.py "
+                             "writes one)")
+        self.speculation()
         if self.device == "cuda":
             import torch
 

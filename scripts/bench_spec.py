@@ -1,18 +1,23 @@
 """Speculative decoding against plain decoding on the same engine settings, same run: tokens/s, acceptance,
-verify tokens per step, and the draft window's bytes (ReplaySSM's KDA inputs against a state snapshot per
-draft step).
+verify tokens per step, and the draft window (ReplaySSM's KDA inputs against the snapshot baseline's state
+snapshot per draft step) with the batch it leaves room for.
 
     python scripts/bench_spec.py --drafter runs/drafter-arith                  # the embedded tiny K3, CPU
-    python scripts/bench_spec.py --drafter DIR --target DIR --batch-sizes 1,8,64,256 --json bench_spec.json
+    python scripts/bench_spec.py --drafter DIR --target DIR --batch-sizes 1,8,64,256 --rollback replay,snapshot \
+        --json bench_spec.json
 
 Per batch size B: B held-out prompts of the target's task (cycled), --gen-len new tokens at most, greedy
-and at temperature 1 (seeded per request). Each row gets fresh engines (plain, then speculative); each is
-warmed up by one untimed request first. tok_s = generated tokens / wall seconds of `generate` (prefill
-included: identical work in both engines). Greedy rows check losslessness (outputs equal token for token).
-mean_tokens_per_verify = tokens a row advances per verify step (accepted drafts + 1); verify_tokens_per_step
-= anchors + drafts verified per step. window bytes per request: ReplaySSM keeps each KDA layer's raw per-token
-inputs of one verify (measured from the strategy), a snapshot scheme keeps gamma state snapshots
-(recurrent H K V fp32 + conv 3 H K (W - 1) per layer).
+and at temperature 1 (seeded per request). Each row gets fresh engines (plain, then one per planner and
+rollback); each is warmed up by one untimed request first. tok_s = generated tokens / wall seconds of
+`generate` (prefill included: identical work in both engines). Greedy rows check losslessness (outputs
+equal token for token). mean_tokens_per_verify = tokens a row advances per verify step (accepted drafts +
+1); verify_tokens_per_step = anchors + drafts verified per step.
+
+window_bytes_per_request: the most draft-window bytes one row needed in a step, measured from the strategy
+(`SpecStats.window_bytes`: replay, the KDA layers' raw inputs of its verified tokens; snapshot, its gamma
+state snapshots). fit_batch: the most requests a pool of --memory-gb holds when each needs its working KDA
+slot, the KV pages of its longest prompt + --gen-len + gamma + 1 positions, and its draft window
+(`rollout.memory.PoolSizes`' per-page and per-slot bytes): a window that grows costs running requests.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from miles_k3.model.checkpoint import load_state_dict  # noqa: E402
 from miles_k3.tasks import ArithmeticTokenizer  # noqa: E402
 from rollout.config import EngineConfig  # noqa: E402
 from rollout.engine import Engine  # noqa: E402
+from rollout.memory import PoolSizes  # noqa: E402
 from rollout.model_runner import build_engine_model  # noqa: E402
 from rollout.request import SamplingParams  # noqa: E402
 from rollout.spec import SpecConfig  # noqa: E402
@@ -50,6 +56,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--batch-sizes", default="1,8,64")
     ap.add_argument("--planners", default="verify_all", help="SpecConfig.planner values to run, comma-separated "
                     "(cost_aware measures its cost surface when each engine starts)")
+    ap.add_argument("--rollback", default="replay", help="SpecConfig.rollback values to run, comma-separated "
+                    "(replay: ReplaySSM; snapshot: the state-snapshot baseline)")
     ap.add_argument("--gen-len", type=int, default=12)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
@@ -76,11 +84,14 @@ def run(engine: Engine, prompts, params) -> tuple[list, float]:
     return outs, time.perf_counter() - t0
 
 
-def snapshot_bytes(config: K3Config, gamma: int) -> int:
-    """A state snapshot per draft step, per request: gamma x every KDA layer's recurrent + conv state."""
-    h, k, w = config.kda_num_heads, config.kda_head_dim, config.kda_conv_kernel
-    layers = sum(kind == "kda" for kind in config.layer_kinds)
-    return gamma * layers * (h * k * k * 4 + 3 * h * k * (w - 1) * 4)
+def fit_batch(config: K3Config, ecfg: EngineConfig, dtype: torch.dtype, prompts, gen_len: int, gamma: int,
+              window: int) -> int:
+    """Requests a pool of `ecfg.memory_bytes` holds at once: per request a KDA slot, the KV pages of its
+    longest sequence (+ a verify block) and `window` draft-window bytes."""
+    page = ecfg.page_size
+    pages = -(-(max(len(p) for p in prompts) + gen_len + gamma + 1) // page)
+    per = PoolSizes.bytes_per_slot(config, dtype) + pages * PoolSizes.bytes_per_page(config, page, dtype) + window
+    return ecfg.memory_bytes // per
 
 
 def main(argv=None) -> None:
@@ -102,26 +113,28 @@ def main(argv=None) -> None:
             plain_out, plain_s = run(Engine(model, EngineConfig(**ecfg)), prompts, params)
             plain_tok = sum(len(c.output_ids) for c in plain_out)
             for planner in args.planners.split(","):
-                spec = Engine(model, EngineConfig(**ecfg, overlap="off", speculation=SpecConfig(
-                    drafter=drafter, gamma=gamma, planner=planner)))
-                spec_out, spec_s = run(spec, prompts, params)
-                st = spec.decoder.strategy.stats
-                spec_tok = sum(len(c.output_ids) for c in spec_out)
-                rows.append(dict(
-                    batch=b, temperature=temp, gamma=gamma, planner=planner,
-                    plain_tok_s=round(plain_tok / plain_s, 1), spec_tok_s=round(spec_tok / spec_s, 1),
-                    speedup=round((spec_tok / spec_s) / (plain_tok / plain_s), 3),
-                    mean_tokens_per_verify=round(st.mean_accepted, 3),
-                    draft_acceptance=round(st.accepted / max(st.drafted, 1), 3),
-                    verify_tokens_per_step=round((st.rows + st.drafted) / max(st.steps, 1), 1),
-                    lossless=all(a.output_ids == c.output_ids for a, c in zip(plain_out, spec_out))
-                    if temp == 0 else None,
-                    replay_window_bytes_per_request=st.window_bytes,
-                    snapshot_window_bytes_per_request=snapshot_bytes(config, gamma)))
-                print(json.dumps(rows[-1]), flush=True)
-    head = ("batch", "temperature", "planner", "plain_tok_s", "spec_tok_s", "speedup", "mean_tokens_per_verify",
-            "draft_acceptance", "verify_tokens_per_step", "lossless", "replay_window_bytes_per_request",
-            "snapshot_window_bytes_per_request")
+                for rollback in args.rollback.split(","):
+                    cfg = EngineConfig(**ecfg, overlap="off", speculation=SpecConfig(
+                        drafter=drafter, gamma=gamma, planner=planner, rollback=rollback))
+                    spec = Engine(model, cfg)
+                    spec_out, spec_s = run(spec, prompts, params)
+                    st = spec.decoder.strategy.stats
+                    spec_tok = sum(len(c.output_ids) for c in spec_out)
+                    rows.append(dict(
+                        batch=b, temperature=temp, gamma=gamma, planner=planner, rollback=rollback,
+                        plain_tok_s=round(plain_tok / plain_s, 1), spec_tok_s=round(spec_tok / spec_s, 1),
+                        speedup=round((spec_tok / spec_s) / (plain_tok / plain_s), 3),
+                        mean_tokens_per_verify=round(st.mean_accepted, 3),
+                        draft_acceptance=round(st.accepted / max(st.drafted, 1), 3),
+                        verify_tokens_per_step=round((st.rows + st.drafted) / max(st.steps, 1), 1),
+                        lossless=all(a.output_ids == c.output_ids for a, c in zip(plain_out, spec_out))
+                        if temp == 0 else None,
+                        window_bytes_per_request=st.window_bytes,
+                        fit_batch=fit_batch(config, cfg, dtype, prompts, args.gen_len, gamma, st.window_bytes)))
+                    print(json.dumps(rows[-1]), flush=True)
+    head = ("batch", "temperature", "planner", "rollback", "plain_tok_s", "spec_tok_s", "speedup",
+            "mean_tokens_per_verify", "draft_acceptance", "verify_tokens_per_step", "lossless",
+            "window_bytes_per_request", "fit_batch")
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for r in rows:

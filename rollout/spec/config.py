@@ -15,9 +15,10 @@ from rollout.spec import drafter as drafters
 from rollout.spec.drafter import Drafter
 
 PLANNERS = ("verify_all", "cost_aware")
+ROLLBACKS = ("replay", "snapshot")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class SpecConfig:
     """Draft `gamma` tokens per request, verify gamma + 1 in one target forward, keep a prefix (lossless)."""
 
@@ -32,6 +33,11 @@ class SpecConfig:
     # surface measured when the engine starts, filled by the current confidences; needs a drafter with a
     # confidence head)
     planner: str = "verify_all"
+    # how a verify step's KDA state gets back to the accepted length: "replay" (ReplaySSM: the verify pass
+    # never writes the state; a fold replays the accepted tokens' stored inputs, rollout.spec.replay) or
+    # "snapshot" (the baseline it replaces: a full state snapshot after every draft step, the accepted
+    # one kept, rollout.spec.snapshot); both commit the same state
+    rollback: str = "replay"
 
     def __post_init__(self) -> None:
         if not isinstance(self.drafter, (str, Path, Drafter)):
@@ -41,6 +47,22 @@ class SpecConfig:
             raise ValueError(f"SpecConfig.gamma must be an integer >= 1, got {self.gamma!r}")
         if self.planner not in PLANNERS:
             raise ValueError(f"SpecConfig.planner must be one of {PLANNERS}, got {self.planner!r}")
+        if self.rollback not in ROLLBACKS:
+            raise ValueError(f"SpecConfig.rollback must be one of {ROLLBACKS}, got {self.rollback!r}")
+
+    def __eq__(self, other) -> bool:
+        """Field by field, a `Drafter` instance by its class: each rank of a sharded engine builds its own
+        (the engine checks every rank's EngineConfig against the leader's)."""
+        if not isinstance(other, SpecConfig):
+            return NotImplemented
+        return self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def _key(self) -> tuple:
+        drafter = type(self.drafter).__qualname__ if isinstance(self.drafter, Drafter) else str(self.drafter)
+        return drafter, self.gamma, self.planner, self.rollback
 
     def build_drafter(self, runner) -> Drafter:
         """The drafter for the engine's `ModelRunner`, loaded when `drafter` is a directory."""

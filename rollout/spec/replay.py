@@ -35,7 +35,7 @@ from rollout.model_runner import ModelRunner
 from rollout.state_cache import PoolStateCache
 from rollout.transfer import to_device
 
-_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "f_b_proj", "b_proj")
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "f_b_proj", "b_proj")
 
 
 class VerifyStateCache(PoolStateCache):
@@ -87,7 +87,7 @@ def verify_forward(runner: ModelRunner, batch, ids: list[int], lengths: list[int
     KDA layers' raw inputs, and the outputs of `taps` (extra modules to read, e.g. a drafter's target
     layers). `ModelRunner.forward` with the verify cache in place of `PoolStateCache`."""
     captured: dict[str, torch.Tensor] = {}
-    watched = {f"{i}.{p}": getattr(m, p) for i, m in kda_mixers(runner.model).items() for p in _PROJECTIONS}
+    watched = {f"{i}.{p}": getattr(m, p) for i, m in kda_mixers(runner.model).items() for p in PROJECTIONS}
     watched.update({f"tap.{k}": m for k, m in (taps or {}).items()})
     with hooks(watched, captured):
         logits = runner.forward(batch, ids, lengths, every_token=True, cache_class=VerifyStateCache)
@@ -135,7 +135,7 @@ def fold(model: K3ForCausalLM, states: KDAStatePool, inputs: KDAInputs, slots: l
         slot_idx = to_device([slots[n] for n in rows], _device(states))
         tok_idx = to_device([starts[n] + t for n in rows], _device(states))
         for layer, mixer in mixers.items():
-            raw = {p: inputs.layers[layer][p][0].index_select(0, tok_idx)[:, None] for p in _PROJECTIONS}
+            raw = {p: inputs.layers[layer][p][0].index_select(0, tok_idx)[:, None] for p in PROJECTIONS}
             conv = states.conv[layer].index_select(0, slot_idx)
             rec = states.recurrent[layer].index_select(0, slot_idx)
             new_conv, new_rec = decode_kda_step(mixer, raw, conv, rec)

@@ -7,8 +7,16 @@ never past the row's length limit; one packed target forward feeds the anchor an
 `rollout.spec.verify.verify` keeps the surviving drafts and draws the token after them; the emitted
 tokens are cut at a stop token or the length limit; the KDA state is then folded forward over the
 committed tokens only (ReplaySSM, `rollout.spec.replay.fold`), with a prefix-cache checkpoint wherever
-the fold crosses a chunk boundary. The row's `pos` advances by the tokens committed (1..gamma + 1) and
+the fold crosses a chunk boundary. With `SpecConfig.rollback="snapshot"` (the baseline) the state is
+instead advanced over every verified token with a snapshot per draft step, and the accepted length's
+snapshot kept (`rollout.spec.snapshot`): the same committed state. The row's `pos` advances by the tokens committed (1..gamma + 1) and
 the last emitted token is its next anchor.
+
+On a sharded engine (`rollout.parallel`: TP, DCP, EP) every rank runs this strategy on the same inputs, as
+it runs the rest of the engine: the drafter is replicated (its lm_head logits all-gathered from the
+vocab-parallel shards), the verify forward and the fold work on the rank's own KDA heads and KV rows, the
+verify logits arrive all-gathered, and the cost-aware planner uses the leader's measured surface, so every
+rank accepts the same tokens without sending them.
 
 MLA rows written for rejected drafts lie past `pos` and are rewritten by the next step before anything
 reads them. The step waits for its accepted lengths on the host (`overlaps = False`).
@@ -26,6 +34,7 @@ from rollout.model_runner import ModelRunner
 from rollout.spec.config import SpecConfig
 from rollout.spec.planner import CostSurface, VerifyPlanner
 from rollout.spec.replay import fold, verify_forward
+from rollout.spec.snapshot import SnapshotWindow
 from rollout.spec.verify import verify
 from rollout.transfer import to_device
 
@@ -33,8 +42,8 @@ from rollout.transfer import to_device
 @dataclass
 class SpecStats:
     """Counted since the strategy was built: verify steps, rows verified, drafts verified, drafts kept,
-    tokens emitted (kept drafts plus one per row, before a stop cut), and the KDA-input bytes per row of the
-    last step (ReplaySSM's draft window)."""
+    tokens emitted (kept drafts plus one per row, before a stop cut), and the most draft-window bytes per row
+    a step needed (ReplaySSM: its KDA inputs; the snapshot baseline: its gamma state snapshots)."""
 
     steps: int = 0
     rows: int = 0
@@ -61,7 +70,8 @@ class SpecDecode(DecodeStrategy):
     overlaps = False
 
     def __init__(self, runner: ModelRunner, spec: SpecConfig):
-        self.runner, self.gamma = runner, spec.gamma
+        self.runner, self.gamma, self.rollback = runner, spec.gamma, spec.rollback
+        self._snapshots: SnapshotWindow | None = None  # rollback="snapshot": over the pools it was built on
         self.lookahead = spec.gamma + 1
         self.drafter = spec.build_drafter(runner)
         self.memory: CacheManager | None = None
@@ -69,8 +79,11 @@ class SpecDecode(DecodeStrategy):
         self.planner = None
         if spec.planner == "cost_aware":
             sizes = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < runner.config.max_running]
-            self.planner = VerifyPlanner(CostSurface.measure(self._probe, sizes + [runner.config.max_running],
-                                                             spec.gamma))
+            surface = CostSurface.measure(self._probe, sizes + [runner.config.max_running], spec.gamma)
+            tp = runner.model.model.tp
+            if tp.size > 1:  # every rank must plan alike: the leader's measurement for all (its probes ran on all)
+                surface = tp.broadcast_object(surface)
+            self.planner = VerifyPlanner(surface)
 
     def use_memory(self, memory: CacheManager) -> None:
         self.memory = memory
@@ -91,6 +104,9 @@ class SpecDecode(DecodeStrategy):
         if ragged:  # rows of lengths[n] logits -> [N, g + 1, V], unverified positions zero
             rows = torch.cat([torch.arange(k) + i * (g + 1) for i, k in enumerate(lengths)]).to(device)
             logits = logits.new_zeros(n * (g + 1), logits.shape[-1]).index_copy(0, rows, logits)
+        window = self._window() if self.rollback == "snapshot" else None
+        if window is not None:  # the baseline: every verified step's state, before acceptance is known
+            window.record(self.runner.model, self.runner.states, inputs, [r.slot for r in batch])
         tokens, logps, counts = verify(logits.view(n, g + 1, -1), drafts, q, params, gens, num)
         host = torch.stack([tokens.to(torch.float64), logps.to(torch.float64)]).cpu()  # the step's one sync
         out_t, out_l = [], []
@@ -104,8 +120,11 @@ class SpecDecode(DecodeStrategy):
         def checkpoint(i: int, pos: int) -> None:
             snapshots.append((batch[i], pos, self.memory.snapshot(batch[i])))
 
-        fold(self.runner.model, self.runner.states, inputs, [r.slot for r in batch], committed,
-             [r.pos for r in batch], self.memory.config.chunk_size, checkpoint)
+        slots, positions, chunk = [r.slot for r in batch], [r.pos for r in batch], self.memory.config.chunk_size
+        if window is None:
+            fold(self.runner.model, self.runner.states, inputs, slots, committed, positions, chunk, checkpoint)
+        else:
+            window.commit(self.runner.states, slots, lengths, committed, positions, chunk, checkpoint)
         self.drafter.observe(batch, tapped, lengths, committed)
         for r, c in zip(batch, committed):
             r.pos += c
@@ -113,8 +132,14 @@ class SpecDecode(DecodeStrategy):
         s.steps, s.rows, s.drafted = s.steps + 1, s.rows + n, s.drafted + sum(num)
         s.accepted += int(counts.sum()) - n
         s.emitted += int(counts.sum())
-        s.window_bytes = inputs.nbytes() // n
+        s.window_bytes = max(s.window_bytes, inputs.nbytes() // n if window is None else window.nbytes_per_row)
         return SpecLaunch(batch, tokens, host, None, snapshots, out_t, out_l)
+
+    def _window(self) -> SnapshotWindow:
+        states = self.runner.states
+        if self._snapshots is None or self._snapshots.states is not states:  # pools rebuilt (resume_memory)
+            self._snapshots = SnapshotWindow(states, self.runner.config.max_running, self.gamma)
+        return self._snapshots
 
     def _probe(self, rows: int, per: int) -> None:
         """A verify forward of `rows` rows of `per` tokens on the pools' sink slot and sink page (they hold no

@@ -1,0 +1,38 @@
+"""scripts/bench_spec.py on the embedded tiny K3 with an untrained drafter: one row per batch, temperature,
+planner and rollback; greedy rows are lossless; the snapshot baseline's measured window is gamma state
+snapshots, larger than ReplaySSM's, so fewer requests fit the same pool."""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from miles_k3.model import K3Config
+from rollout.memory import PoolSizes
+from rollout.spec.drafter import DSparkConfig, DSparkDrafter
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+import bench_spec  # noqa: E402
+
+
+def test_rows_for_each_rollback_with_measured_windows_and_fitting_batches(tmp_path):
+    config = K3Config.from_json_file(bench_spec.ASSET / "config.json")
+    torch.manual_seed(0)
+    DSparkDrafter(DSparkConfig(target_layers=(1, 4), hidden_size=config.hidden_size, vocab_size=config.vocab_size,
+                               block_size=3, context_window=16)).save(tmp_path / "drafter")
+    out = tmp_path / "bench.json"
+    bench_spec.main(["--drafter", str(tmp_path / "drafter"), "--batch-sizes", "2", "--gen-len", "4",
+                     "--rollback", "replay,snapshot", "--threads", "1", "--json", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["batch"], r["temperature"], r["rollback"]) for r in rows] == [
+        (2, t, rb) for t in (0.0, 1.0) for rb in ("replay", "snapshot")]
+    assert all(r["lossless"] for r in rows if r["temperature"] == 0)
+    slot = PoolSizes.bytes_per_slot(config, torch.float32)
+    for r in rows:
+        if r["rollback"] == "snapshot":
+            assert r["window_bytes_per_request"] == 3 * slot
+        else:
+            assert 0 < r["window_bytes_per_request"] < slot
+    by = {(r["batch"], r["temperature"], r["rollback"]): r["fit_batch"] for r in rows}
+    assert all(by[(b, t, "replay")] > by[(b, t, "snapshot")] > 0 for b in (2,) for t in (0.0, 1.0))

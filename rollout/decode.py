@@ -132,8 +132,6 @@ def strategy_for(runner: ModelRunner, config) -> DecodeStrategy:
     if not isinstance(config.speculation, SpecConfig):
         raise ValueError(f"EngineConfig.speculation must be a rollout.spec.SpecConfig or None, got "
                          f"{type(config.speculation).__name__}")
-    if runner.model.model.tp.size > 1:  # the verify pass and the fold are not built over a sharded engine yet
-        raise ValueError("EngineConfig.speculation runs on an unsharded engine (tensor-parallel size 1)")
     return SpecDecode(runner, config.speculation)
 
 

@@ -79,8 +79,6 @@ class GenerateArgs:
         if self.drafter is not None and not (self.drafter / "config.json").is_file():
             raise ValueError(f"--drafter {self.drafter}: no drafter here (config.json; scripts/train_drafter.py "
                              f"writes one)")
-        if self.drafter is not None and self.tp > 1:
-            raise ValueError("--speculative dspark runs on one engine rank (--tp 1)")
         if self.tp % self.dcp:
             raise ValueError(f"--dcp {self.dcp} must divide --tp {self.tp}: decode context parallelism runs inside "
                              f"the tensor-parallel group")
@@ -246,7 +244,7 @@ def _worker(rank: int, world: int, port: int, args: GenerateArgs, rows: list[lis
         cfg = args.serve_config()
         spec, tensors, alphas = read_adapters(cfg.adapters)
         engine_config = EngineConfig(memory_bytes=int(cfg.memory_mb * (1 << 20)), dcp_size=args.dcp,
-                                     **cfg.engine_overrides())
+                                     speculation=args.speculation(), **cfg.engine_overrides())
         engine = build_sharded_engine(cfg.model_path, engine_config, ep=args.ep, quantize=cfg.quantize, lora=spec,
                                       max_adapters=1, dtype=TORCH_DTYPES[cfg.resolved_dtype], device=device)
         if not engine.is_leader:

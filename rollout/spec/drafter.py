@@ -133,10 +133,12 @@ class DSparkDrafter(nn.Module, Drafter):
     (`fc`) into context features, which every draft layer takes as extra keys / values. The block is the
     anchor's embedding at position 0 and a learned mask embedding at positions 1..gamma (plus position
     embeddings), attended bidirectionally; the target's embedding and lm_head are shared and frozen (read
-    from the target, not stored). Position k's logits are the lm_head's on the block's output h_k plus the
-    low-rank Markov bias W1[x_{k-1}] W2 (x_0 the anchor), divided by the calibrated temperature of position
-    k, and sampled left to right, so q_k is exact given the drafts before it. The confidence head
-    c_k = sigmoid(w . [h_k ; W1[x_{k-1}]]) estimates that draft k survives given the earlier ones did.
+    from the target, not stored; a sharded target's vocab-parallel lm_head is used as the engine uses it,
+    this rank's rows and an all-gather of their logits). Position k's logits are the lm_head's on the
+    block's output h_k plus the low-rank Markov bias W1[x_{k-1}] W2 (x_0 the anchor), divided by the
+    calibrated temperature of position k, and sampled left to right, so q_k is exact given the drafts
+    before it. The confidence head c_k = sigmoid(w . [h_k ; W1[x_{k-1}]]) estimates that draft k survives
+    given the earlier ones did.
 
     In the engine the context is the target's states at the request's latest `context_window` computed
     positions: those of each verify forward's committed tokens (`observe`, from the tapped layers), and, for
@@ -162,6 +164,7 @@ class DSparkDrafter(nn.Module, Drafter):
         self.register_buffer("log_temperature", torch.zeros(c.block_size))  # per position, calibrated
         nn.init.zeros_(self.markov_out.weight)  # starts as the plain block drafter
         self._shared: tuple[torch.Tensor, torch.Tensor] | None = None  # (embedding [V, D], lm_head [V, D])
+        self._gather = None  # a sharded target's vocab-parallel gather of the lm_head's logits (`share`)
         self._runner = None
         self._contexts: dict[int, tuple] = {}  # request id -> (request, target features [m, F])
         self.taps = {}
@@ -173,6 +176,10 @@ class DSparkDrafter(nn.Module, Drafter):
         embed = target.model.embed_tokens.weight
         head = embed if target.config.tie_word_embeddings else target.lm_head.weight
         self._shared = (embed.detach(), head.detach())
+        # a sharded engine's lm_head is vocab-parallel (rollout.parallel): this rank's rows, its logits
+        # all-gathered in rank order, the whole distribution every rank then draws the same drafts from
+        lm_head = None if target.config.tie_word_embeddings else target.lm_head
+        self._gather = lm_head.tp.gather_last_dim if getattr(lm_head, "gather", False) else None
         layers = {layer.layer_idx: layer for layer in target.model.layers}
         self.taps = {f"layer{i}": layers[i] for i in self.config.target_layers}
 
@@ -201,7 +208,10 @@ class DSparkDrafter(nn.Module, Drafter):
         (logits [.., V] after the Markov bias and position k's temperature, confidence [..])."""
         _, head = self._shared
         w1 = self.markov_in(prev)
-        logits = h @ head.to(h.dtype).t() + self.markov_out(w1)
+        logits = h @ head.to(h.dtype).t()
+        if self._gather is not None:
+            logits = self._gather(logits)
+        logits = logits + self.markov_out(w1)
         conf = torch.sigmoid(self.confidence(torch.cat([h, w1], dim=-1)))[..., 0]
         return logits / self.log_temperature[k - 1].exp(), conf
 

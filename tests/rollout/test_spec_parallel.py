@@ -1,7 +1,8 @@
-"""Speculation on the sharded engine (two processes, gloo, fp32): greedy with speculation on TP=2, and on
-TP=2 + DCP=2, gives the unsharded engine's tokens (log-probs within 1e-4), with a scripted drafter and with
+"""Speculation on the sharded engine (two processes, gloo, fp32): greedy with speculation on TP=2, on
+TP=2 + DCP=2 and on EP=2, gives the unsharded engine's tokens (log-probs within 1e-4), with a scripted drafter and with
 a DSpark drafter (its lm_head logits gathered from the vocab-parallel shards) under the cost-aware planner
-and the snapshot rollback; a seeded sampled request gives the unsharded speculative engine's tokens; every
+and the snapshot rollback; a seeded sampled request gives the unsharded speculative engine's tokens
+(verify_all); every
 rank accepts the same tokens and keeps its pools' accounting."""
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ SETTINGS = dict(memory_bytes=8 << 20, page_size=4, chunk_size=8, max_prefill_tok
 GAMMA = 3
 GREEDY = SamplingParams(temperature=0, max_new_tokens=10)
 SAMPLED = SamplingParams(temperature=1.0, max_new_tokens=8, seed=5)
-CASES = ("tp2", "tp2-dcp2", "tp2-dspark")
+CASES = ("tp2", "tp2-dcp2", "ep2", "tp2-dspark")
 
 
 def prompts() -> list[list[int]]:
@@ -79,7 +80,7 @@ def worker(rank: int, world: int, port: int, out: str, script: dict) -> None:
     try:
         for case in CASES:
             dcp = 2 if case == "tp2-dcp2" else 1
-            engine = Engine(model(EngineTP(dcp_size=dcp)),
+            engine = Engine(model(EngineTP(dcp_size=dcp, ep_size=2 if case == "ep2" else 1)),
                             EngineConfig(**SETTINGS, dcp_size=dcp, speculation=speculation(case, script)))
             if engine.is_leader:
                 results[case] = workload(engine)
@@ -103,8 +104,7 @@ def runs(tmp_path_factory):
         single = model()
         plain = workload(Engine(single, EngineConfig(**SETTINGS)))
         script = {tuple(p): ids for p, (ids, _) in zip(prompts(), plain["greedy"])}
-        spec = {case: workload(Engine(single, EngineConfig(**SETTINGS, speculation=speculation(case, script))))
-                for case in ("tp2", "tp2-dspark")}
+        spec = {"tp2": workload(Engine(single, EngineConfig(**SETTINGS, speculation=speculation("tp2", script))))}
     finally:
         torch.set_num_threads(threads)
     out = tmp_path_factory.mktemp("spec_tp")
@@ -124,10 +124,12 @@ def test_greedy_speculation_on_a_sharded_engine_equals_the_unsharded_engine(runs
     _same(ranks[0][case]["greedy"], plain["greedy"])
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", [c for c in CASES if c != "tp2-dspark"])
 def test_a_seeded_sampled_request_matches_unsharded_speculation(runs, case):
+    """verify_all only: the cost-aware planner's budget reads a cost surface timed on each run's own
+    device, so how many drafts a seeded row verifies (not its distribution) may differ between runs."""
     _, spec, ranks = runs
-    _same(ranks[0][case]["sampled"], spec["tp2-dspark" if case == "tp2-dspark" else "tp2"]["sampled"])
+    _same(ranks[0][case]["sampled"], spec["tp2"]["sampled"])
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -1,8 +1,10 @@
 """What a run records: metrics.jsonl (the source of truth), wandb (offline by default), a console progress bar.
 
 metrics.jsonl holds one JSON object per line: a training row per step (`step`, `reward_mean`,
-`train_rollout_logprob_abs_diff`, ...) and evaluation rows (`step`, `eval_accuracy`, ...). Each line is
-flushed when written. On resume from checkpoint step S, rows with step > S (written by the interrupted run
+`train_rollout_logprob_abs_diff`, ...; with rollout.speculative also `spec_accept_len`,
+`spec_draft_acceptance`, `spec_verify_tokens` and the engines' `rollout_spec_*` counts, and on a
+distillation step `drafter_tv_before` / `drafter_tv_after`) and evaluation rows (`step`, `eval_accuracy`,
+...). Each line is flushed when written. On resume from checkpoint step S, rows with step > S (written by the interrupted run
 after its last checkpoint) are moved to metrics.orphaned.jsonl; a run that starts from step 0 in a directory
 that already holds rows (killed before its first checkpoint, or trainer.resume=never) moves them all. So
 metrics.jsonl reads as one uninterrupted run, each step's rows once, and nothing is thrown away.

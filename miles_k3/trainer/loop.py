@@ -61,6 +61,8 @@ class Workers(Protocol):
     # distil every engine's drafter on the step's sequences (RolloutWorker.distill_drafter); speculation only
     def distill_drafter(self, sequences: list[tuple[int, list[int]]], config: DistillConfig,
                         seed: int) -> dict[str, float]: ...
+    def drafter_state(self) -> dict | None: ...  # the distilled drafter, for a checkpoint (engine 0's)
+    def load_drafter_state(self, state: dict, config: DistillConfig) -> None: ...  # into every engine
     def release_engines(self) -> None: ...
     def resume_engines(self) -> None: ...
     def train(self, batch: TrainBatch) -> dict[str, float]: ...
@@ -98,12 +100,15 @@ def spec_metrics(counters: dict[str, int | float]) -> dict[str, float]:
             "spec_verify_tokens": rows + drafted}
 
 
-def _drafter_distiller(workers: Workers):
-    """`workers.distill_drafter`. Workaround: launch.LocalWorkers does not pass it through yet, so its engine
-    (`LocalWorkers.engine`, a RolloutWorker) is called directly; None when neither exists (ray_launch's
-    RayWorkers)."""
-    call = getattr(workers, "distill_drafter", None)
-    return call if call is not None else getattr(getattr(workers, "engine", None), "distill_drafter", None)
+DRAFTER_FILE = "drafter_state.pt"  # in a checkpoint, with online distillation: the drafter and its optimizer
+
+
+def _drafter_call(workers: Workers, name: str):
+    """`workers.<name>` (distill_drafter, drafter_state, load_drafter_state). Workaround: launch.LocalWorkers
+    does not pass them through yet, so its engine (`LocalWorkers.engine`, a RolloutWorker) is called
+    directly; None when neither exists (ray_launch's RayWorkers)."""
+    call = getattr(workers, name, None)
+    return call if call is not None else getattr(getattr(workers, "engine", None), name, None)
 
 
 def sample_seed(run_seed: int, step: int, round_: int, index: int) -> int:
@@ -132,7 +137,7 @@ class GRPODriver:
         self.preempted: str | None = None  # the signal that stopped the run early (after its checkpoint)
         spec = rc.rollout.speculative
         self.distill_every = spec.distill_every if spec.drafter is not None else 0
-        self._distill = _drafter_distiller(workers) if self.distill_every else None
+        self._distill = _drafter_call(workers, "distill_drafter") if self.distill_every else None
         if self.distill_every and self._distill is None:
             raise ValueError("rollout.speculative.distill_every: these workers cannot distil the drafter yet "
                              "(cluster.launcher=local or external; not ray)")
@@ -260,11 +265,15 @@ class GRPODriver:
 
         adapter = self.workers.adapter_state()
         states = self.workers.trainer_states()
+        # the distilled drafter drives which tokens a seeded sample draws: a resumed run needs it back
+        drafter = _drafter_call(self.workers, "drafter_state")() if self.distill_every else None
 
         def write(tmp: Path) -> None:
             save_peft(tmp / ckpt.ADAPTER_DIR, adapter, self.rc.lora)
             torch.save({"step": self.step, "sampler": self.sampler.state_dict(), "workers": states,
                         "config": self.rc.raw}, tmp / ckpt.STATE_FILE)
+            if drafter is not None:
+                torch.save(drafter, tmp / DRAFTER_FILE)
 
         path = ckpt.save_checkpoint(self.ckpt_root, self.step, write)
         ckpt.prune_checkpoints(self.ckpt_root, self.rc.trainer.keep_checkpoints)
@@ -278,6 +287,9 @@ class GRPODriver:
             return None
         self.sampler.load_state_dict(found.state["sampler"])
         self.workers.load_trainer_states(found.state["workers"], found.adapter)
+        if self.distill_every and (found.path / DRAFTER_FILE).is_file():
+            _drafter_call(self.workers, "load_drafter_state")(torch.load(found.path / DRAFTER_FILE),
+                                                              self.rc.rollout.speculative.distill())
         self.step = self.saved_step = int(found.state["step"])
         return found.path
 

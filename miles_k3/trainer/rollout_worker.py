@@ -135,6 +135,29 @@ class RolloutWorker:
 
         return teacher(runner.model, sequences, layers, before_forward=policy_batch)
 
+    def _dspark(self) -> DSparkDrafter:
+        strategy = self.engine.decoder.strategy
+        if not isinstance(strategy, SpecDecode) or not isinstance(strategy.drafter, DSparkDrafter):
+            raise ValueError("distill_drafter needs an engine speculating with a DSpark drafter "
+                             "(rollout.speculative.drafter)")
+        return strategy.drafter
+
+    def drafter_state(self) -> dict | None:
+        """The distilled drafter's weights and its optimizer's state, for a checkpoint; None before the
+        first distillation (the drafter is still the one loaded from rollout.speculative.drafter)."""
+        if self._distiller is None:
+            return None
+        weights = {k: v.detach().cpu().clone() for k, v in self._dspark().state_dict().items()}
+        return {"drafter": weights, "distiller": self._distiller.state_dict()}
+
+    def load_drafter_state(self, state: dict, config: DistillConfig) -> None:
+        """Continue from `drafter_state()`'s result (a resumed run): the weights copied into the engine's
+        drafter in place, the optimizer rebuilt with `config` and its state restored."""
+        drafter = self._dspark()
+        drafter.load_state_dict(state["drafter"])  # copies into the existing tensors
+        self._distiller = Distiller(drafter, config)
+        self._distiller.load_state_dict(state["distiller"])
+
     def distill_drafter(self, sequences: Sequences, config: DistillConfig, seed: int) -> dict[str, float]:
         """Distil the engine's drafter on `sequences` ((prompt length, prompt + response): the step's
         rollouts), the target being the engine's model with the policy adapter as it is now: `config.steps`
@@ -142,12 +165,9 @@ class RolloutWorker:
         the same on every call), the drafter's tensors updated in place, so the engine's next step drafts
         with them. Between engine calls only. Returns drafter_tv_before / drafter_tv_after (held-out
         sequences of this batch), drafter_distill_loss, drafter_distill_blocks, drafter_distill_ms."""
-        strategy = self.engine.decoder.strategy
-        if not isinstance(strategy, SpecDecode) or not isinstance(strategy.drafter, DSparkDrafter):
-            raise ValueError("distill_drafter needs an engine speculating with a DSpark drafter "
-                             "(rollout.speculative.drafter)")
+        drafter = self._dspark()
         start = time.perf_counter()
-        drafter, runner = strategy.drafter, self.engine.runner
+        runner = self.engine.runner
         if self._distiller is None:
             self._distiller = Distiller(drafter, config)
         elif self._distiller.config != config:

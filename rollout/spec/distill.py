@@ -172,6 +172,14 @@ class Distiller:
         warm = config.warmup_steps
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0)
 
+    def state_dict(self) -> dict:
+        """The optimizer's and the warmup's state (a checkpoint keeps it with the drafter's weights)."""
+        return {"optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.opt.load_state_dict(state["optimizer"])
+        self.sched.load_state_dict(state["scheduler"])
+
     def step(self, blocks: Blocks) -> dict[str, float]:
         """One optimizer step on `blocks`: {"loss", "ce", "tv"} before the step."""
         with torch.enable_grad():

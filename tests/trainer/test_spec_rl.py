@@ -126,13 +126,13 @@ def test_distill_drafter_updates_the_engines_drafter_in_place_and_stays_lossless
     assert ADAPTER in spec_w.engine.adapters.names
 
 
-SMALL = ["recipe=k3_grpo", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4", "trainer.max_steps=2",
-         "trainer.save_every=0", "trainer.eval_before=false", "trainer.eval_every=0", "data.eval_max_prompts=4",
+SMALL = ["recipe=k3_grpo", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4", "trainer.eval_before=false", "trainer.eval_every=0", "data.eval_max_prompts=4",
          "logging.progress=false", "logging.wandb=disabled", "cluster.threads_per_worker=1"]
 
 
-def run(run_dir: Path, *overrides) -> list[dict]:
-    cmd = [sys.executable, "-m", "miles_k3.cli.train", *SMALL, *overrides, f"hydra.run.dir={run_dir}"]
+def run(run_dir: Path, *overrides, steps: int = 2, save_every: int = 0) -> list[dict]:
+    cmd = [sys.executable, "-m", "miles_k3.cli.train", *SMALL, f"trainer.max_steps={steps}",
+           f"trainer.save_every={save_every}", *overrides, f"hydra.run.dir={run_dir}"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "WANDB_SILENT": "true"})
     assert out.returncode == 0, out.stderr[-3000:]
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -159,3 +159,22 @@ def test_the_loop_writes_speculation_metrics_and_agreement_is_unchanged(tmp_path
     assert agree[0] and agree[1]
     assert max(agree[0]) < 1e-5 and max(agree[1]) < 1e-5
     assert abs(max(agree[0]) - max(agree[1])) < 2e-6
+
+
+def test_a_resumed_run_continues_with_the_distilled_drafter_and_its_optimizer(tmp_path, drafter_dir):
+    """The checkpoint keeps the distilled drafter (it decides which tokens a seeded sample draws): a run
+    stopped after step 2 and resumed reproduces step 3 of the uninterrupted run."""
+    spec = [f"rollout.speculative.drafter={drafter_dir}", "rollout.speculative.distill_every=1",
+            "rollout.speculative.distill_steps=2"]
+    whole = run(tmp_path / "whole", *spec, steps=3, save_every=1)
+    run(tmp_path / "split", *spec, steps=2, save_every=1)
+    assert (tmp_path / "split" / "checkpoints" / "step_00000002" / "drafter_state.pt").is_file()
+    resumed = run(tmp_path / "split", *spec, steps=3, save_every=1)
+    timing = {"rollout_s", "train_s", "step_s", "samples_per_s", "adapter_sync_ms", "drafter_distill_ms"}
+
+    def stable(r):
+        return {k: v for k, v in r.items() if k not in timing}
+
+    last = [r for r in whole if r["step"] == 3 and "reward_mean" in r]
+    again = [r for r in resumed if r["step"] == 3 and "reward_mean" in r]
+    assert stable(again[0]) == stable(last[0])

@@ -24,7 +24,8 @@ import logging
 
 import torch
 
-from miles_k3.model.modeling import K3ForCausalLM
+from miles_k3.model.layers import K3DecoderLayer, KDAMixer
+from miles_k3.model.modeling import K3ForCausalLM, K3Model
 from rollout.lora import AdapterPool
 from rollout.memory import KDAStatePool, KVPagePool
 from rollout.state_cache import BatchLayout, PoolStateCache
@@ -32,10 +33,51 @@ from rollout.state_cache import BatchLayout, PoolStateCache
 log = logging.getLogger(__name__)
 
 
+def _fp32_read_parameters(model: K3ForCausalLM):
+    """(module, name) of the parameters the shared definition only ever reads upcast to fp32: the short
+    convolutions' weights (`causal_short_conv`), the gated output norm's weight (`gated_rms_norm`) and the
+    AttnRes norm / query weights of every layer and of the output (`attn_res_mix`). Not RMSNorm weights: `rms_norm` multiplies in the input's
+    dtype."""
+    for module in model.modules():
+        if isinstance(module, KDAMixer):
+            yield from ((getattr(module, f"{p}_conv1d"), "weight") for p in "qkv")
+            yield module.o_norm, "weight"
+        elif isinstance(module, K3DecoderLayer) and module.config.attn_res_block_size:
+            for site in ("self_attention_res", "mlp_res"):
+                yield from ((getattr(module, f"{site}_{part}"), "weight") for part in ("norm", "proj"))
+        elif isinstance(module, K3Model) and hasattr(module, "output_attn_res_norm"):
+            yield from ((getattr(module, f"output_attn_res_{part}"), "weight") for part in ("norm", "proj"))
+
+
+def prepare_model(model: K3ForCausalLM) -> None:
+    """Ready a loaded engine model for its steps, once (later calls return at once):
+
+    - the parameters the definition upcasts to fp32 at every use are stored in fp32, holding their own
+      (rounded) values: the same math, without a conversion kernel per use per step.
+
+    `model_step` and `DecodeGraphs` call it, so a model built by `build_engine_model` is prepared before its
+    first step. Both changes keep every output: tests/rollout/test_decode_fusion.py."""
+    if getattr(model, "_engine_prepared", False):
+        return
+    with torch.inference_mode(False), torch.no_grad():
+        store_fp32_reads(model)
+    model._engine_prepared = True
+
+
+def store_fp32_reads(model: K3ForCausalLM) -> None:
+    """Store in fp32 the bf16 / fp16 parameters the definition reads only upcast (`_fp32_read_parameters`),
+    from their own values: outputs are bit-identical, one conversion kernel per use fewer."""
+    for module, name in _fp32_read_parameters(model):
+        p = getattr(module, name)
+        if p.dtype in (torch.bfloat16, torch.float16):
+            setattr(module, name, torch.nn.Parameter(p.float(), requires_grad=False))
+
+
 def model_step(model: K3ForCausalLM, ids: torch.Tensor, cache: PoolStateCache,
                cu_seqlens: torch.Tensor | None, every_token: bool = False) -> torch.Tensor:
     """ids [N, 1] (decode) or [1, sum T] with `cu_seqlens` (packed prefill) -> logits [N, V] at each
     request's last new token; with `every_token`, logits [sum T, V] at every new token (a verify step)."""
+    prepare_model(model)
     h = model.model.hidden(ids, cache, cu_seqlens)
     if every_token:
         return model.logits(h.flatten(0, 1))
@@ -70,6 +112,7 @@ class DecodeGraphs:
                  max_seq_len: int, capture: bool, adapters: AdapterPool | None = None, compile: bool = False,
                  capture_after: int = CAPTURE_AFTER):
         assert capture_after >= 1
+        prepare_model(model)  # before torch.compile sees the step
         self.model, self.kv, self.states, self.adapters = model, kv, states, adapters
         self.dcp_rank = getattr(model.model.tp, "dcp_rank", 0)  # the KV positions this rank keeps (rollout.dcp)
         self.capture, self.capture_after = capture, capture_after

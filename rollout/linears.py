@@ -194,7 +194,7 @@ class EngineExperts(RoutedExperts):
                          ) -> torch.Tensor:
         """As `RoutedExperts._experts_grouped`; with `token_of` (each row's token) the LoRA terms follow each
         row's own adapter slot (mixed batches) instead of the batch's one slot."""
-        proj = self._grouped_proj(xs.shape[0], counts, counts.cumsum(0).to(torch.int32), token_of)
+        proj = self._grouped_proj(xs.shape[0], counts, torch.cumsum(counts, 0, dtype=torch.int32), token_of)
         return proj("w2", self._act(proj("w1", xs), proj("w3", xs)))
 
     def _expert_of_row(self, counts: torch.Tensor, num_rows: int) -> torch.Tensor:

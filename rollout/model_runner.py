@@ -208,7 +208,7 @@ class ModelRunner:
                              f"{self.device}, adapter pool {'given' if adapters is not None else 'missing'})")
         if adapters is not None:  # lives on the pool: engines sharing one pool share the last one's
             adapters.mixed_kernel = config.lora_mixed
-        if config.compile_decode and not self._graphs_apply():
+        if config.compile_decode and not self.graphs_apply():
             raise ValueError("compile_decode=True compiles the CUDA-graph decode step: it needs the model on CUDA, "
                              "cuda_graphs=True and routed experts that run grouped GEMMs (bf16)")
         self.kv: KVPagePool | None = None
@@ -226,10 +226,11 @@ class ModelRunner:
             if isinstance(m, EngineExperts):
                 m.mxfp4_matmul = kind
 
-    def _graphs_apply(self) -> bool:
+    def graphs_apply(self) -> bool:
         """CUDA graphs need a decode step without host syncs: routed experts have one when they run grouped
         GEMMs (`RoutedExperts.groups`: bf16; engine experts add their adapter rank), and `DecodeGraphs.usable`
-        keeps batches that mix adapters eager. So an fp32 engine decodes eagerly."""
+        keeps batches that mix adapters eager. So an fp32 engine decodes eagerly. A speculative verify step
+        graphs under the same condition (`rollout.spec.graphs`)."""
         return (self.config.cuda_graphs and self.device.type == "cuda"
                 and all(m.groups(self.dtype) for m in self.model.modules() if isinstance(m, RoutedExperts)))
 
@@ -240,7 +241,7 @@ class ModelRunner:
         adapted = self.adapters if self.adapters is not None and self.adapters.A else None
         self.graphs = DecodeGraphs(self.model, kv, states, max_batch=self.config.max_running,
                                    max_seq_len=self.config.max_seq_len, capture=True, adapters=adapted,
-                                   compile=self.config.compile_decode) if self._graphs_apply() else None
+                                   compile=self.config.compile_decode) if self.graphs_apply() else None
 
     def release_pools(self) -> None:
         self._dropped_graph_counts = self.graph_counts()

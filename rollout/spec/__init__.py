@@ -4,6 +4,8 @@
     strategy.py  SpecDecode: the decode strategy (draft, verify gamma + 1 in one forward, keep a prefix, fold)
     verify.py    lossless verification (min(1, p'/q) acceptance, residual draws; greedy argmax agreement)
     replay.py    the verify forward that never writes KDA state, and the fold over the accepted tokens
+    snapshot.py  the snapshot baseline ReplaySSM replaces (a state snapshot per draft step), to measure against
+    graphs.py    the verify forward of verify_all replayed from CUDA graphs by batch bucket
     drafter.py   the Drafter seam and the DSpark block drafter
     planner.py   the cost-aware verify planner (lagged-confidence budget on a measured cost surface)
 """

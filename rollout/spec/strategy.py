@@ -9,8 +9,8 @@ tokens are cut at a stop token or the length limit; the KDA state is then folded
 committed tokens only (ReplaySSM, `rollout.spec.replay.fold`), with a prefix-cache checkpoint wherever
 the fold crosses a chunk boundary. With `SpecConfig.rollback="snapshot"` (the baseline) the state is
 instead advanced over every verified token with a snapshot per draft step, and the accepted length's
-snapshot kept (`rollout.spec.snapshot`): the same committed state. The row's `pos` advances by the tokens committed (1..gamma + 1) and
-the last emitted token is its next anchor.
+snapshot kept (`rollout.spec.snapshot`): the same committed state. The row's `pos` advances by the tokens
+committed (1..gamma + 1) and the last emitted token is its next anchor.
 
 On a sharded engine (`rollout.parallel`: TP, DCP, EP) every rank runs this strategy on the same inputs, as
 it runs the rest of the engine: the drafter is replicated (its lm_head logits all-gathered from the
@@ -20,6 +20,10 @@ rank accepts the same tokens without sending them.
 
 MLA rows written for rejected drafts lie past `pos` and are rewritten by the next step before anything
 reads them. The step waits for its accepted lengths on the host (`overlaps = False`).
+
+CUDA graphs: under verify_all on CUDA (where the decode graphs apply) the verify forward replays a graph
+of the whole [N, gamma + 1] block by batch bucket (`rollout.spec.graphs`); the planner's ragged
+prefixes, batches that mix adapters and the CPU run the packed eager forward.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from rollout.cache_manager import CacheManager, Running
 from rollout.decode import DecodeLaunch, DecodeStrategy
 from rollout.model_runner import ModelRunner
 from rollout.spec.config import SpecConfig
+from rollout.spec.graphs import VerifyGraphs
 from rollout.spec.planner import CostSurface, VerifyPlanner
 from rollout.spec.replay import fold, verify_forward
 from rollout.spec.snapshot import SnapshotWindow
@@ -69,8 +74,14 @@ class SpecLaunch(DecodeLaunch):
 class SpecDecode(DecodeStrategy):
     overlaps = False
 
-    def __init__(self, runner: ModelRunner, spec: SpecConfig):
+    def __init__(self, runner: ModelRunner, spec: SpecConfig, graphs: bool | None = None):
+        """`graphs`: verify through `rollout.spec.graphs.VerifyGraphs` (verify_all only); None: where the
+        runner's decode graphs apply (CUDA), eager otherwise. On CPU True runs their padded shapes eagerly."""
         self.runner, self.gamma, self.rollback = runner, spec.gamma, spec.rollback
+        if graphs is None:
+            graphs = runner.graphs_apply()
+        self.graph_verify = graphs and spec.planner == "verify_all"
+        self._verify_graphs: VerifyGraphs | None = None  # over the pools it was built on
         self._snapshots: SnapshotWindow | None = None  # rollback="snapshot": over the pools it was built on
         self.lookahead = spec.gamma + 1
         self.drafter = spec.build_drafter(runner)
@@ -89,25 +100,19 @@ class SpecDecode(DecodeStrategy):
         self.memory = memory
 
     def launch(self, batch: list[Running], ids: list[int] | torch.Tensor) -> SpecLaunch:
-        n, g, device = len(batch), self.gamma, self.runner.device
-        anchors = ids if torch.is_tensor(ids) else to_device(ids, device)
+        n, g = len(batch), self.gamma
+        anchors = ids if torch.is_tensor(ids) else to_device(ids, self.runner.device)
         params, gens = [r.req.params for r in batch], [r.generator for r in batch]
         drafts, q, *conf = self.drafter.propose(batch, anchors, g, params, gens)
         num = [g] * n if self.planner is None else self.planner.plan([r.req.request_id for r in batch], conf[0])
         # a row emits at most its remaining tokens, so it verifies no drafts past its length limit
         num = [min(k, r.req.params.max_new_tokens - len(r.req.output_ids) - 1) for k, r in zip(num, batch)]
-        block = torch.cat([anchors[:, None], drafts], dim=1)
-        lengths = [k + 1 for k in num]
-        ragged = any(k < g for k in num)
-        feed = torch.cat([block[i, :k] for i, k in enumerate(lengths)]) if ragged else block.flatten()
-        logits, inputs, tapped = verify_forward(self.runner, batch, feed, lengths, self.drafter.taps)
-        if ragged:  # rows of lengths[n] logits -> [N, g + 1, V], unverified positions zero
-            rows = torch.cat([torch.arange(k) + i * (g + 1) for i, k in enumerate(lengths)]).to(device)
-            logits = logits.new_zeros(n * (g + 1), logits.shape[-1]).index_copy(0, rows, logits)
+        logits, inputs, tapped = self._verify_forward(batch, torch.cat([anchors[:, None], drafts], dim=1), num)
+        lengths = inputs.lengths
         window = self._window() if self.rollback == "snapshot" else None
         if window is not None:  # the baseline: every verified step's state, before acceptance is known
             window.record(self.runner.model, self.runner.states, inputs, [r.slot for r in batch])
-        tokens, logps, counts = verify(logits.view(n, g + 1, -1), drafts, q, params, gens, num)
+        tokens, logps, counts = verify(logits, drafts, q, params, gens, num)
         host = torch.stack([tokens.to(torch.float64), logps.to(torch.float64)]).cpu()  # the step's one sync
         out_t, out_l = [], []
         for r, toks, lps, c in zip(batch, host[0].long().tolist(), host[1].tolist(), counts.tolist()):
@@ -134,6 +139,34 @@ class SpecDecode(DecodeStrategy):
         s.emitted += int(counts.sum())
         s.window_bytes = max(s.window_bytes, inputs.nbytes() // n if window is None else window.nbytes_per_row)
         return SpecLaunch(batch, tokens, host, None, snapshots, out_t, out_l)
+
+    def _verify_forward(self, batch: list[Running], block: torch.Tensor, num: list[int]):
+        """The verify forward of each row's anchor and its first num[n] drafts (block [N, g + 1]): logits
+        [N, g + 1, V] (unverified positions zero or their own), the KDA inputs, the taps' outputs. From a
+        CUDA graph of the whole block (`rollout.spec.graphs`) when one serves the batch, else one packed
+        eager forward of the verified tokens only."""
+        n, g1 = block.shape
+        graphs = self._graphs()
+        key = graphs.key(batch) if graphs is not None else None
+        if key is not None:
+            logits, inputs, tapped = graphs.run(key, batch, block)
+            return logits.view(n, g1, -1), inputs, tapped
+        lengths = [k + 1 for k in num]
+        ragged = any(k < g1 for k in lengths)
+        feed = torch.cat([block[i, :k] for i, k in enumerate(lengths)]) if ragged else block.flatten()
+        logits, inputs, tapped = verify_forward(self.runner, batch, feed, lengths, self.drafter.taps)
+        if ragged:  # rows of lengths[n] logits -> [N, g + 1, V], unverified positions zero
+            rows = torch.cat([torch.arange(k) + i * g1 for i, k in enumerate(lengths)]).to(block.device)
+            logits = logits.new_zeros(n * g1, logits.shape[-1]).index_copy(0, rows, logits)
+        return logits.view(n, g1, -1), inputs, tapped
+
+    def _graphs(self) -> VerifyGraphs | None:
+        if not self.graph_verify:
+            return None
+        if self._verify_graphs is None or self._verify_graphs.kv is not self.runner.kv:  # pools rebuilt
+            self._verify_graphs = VerifyGraphs(self.runner, self.gamma + 1, self.drafter.taps,
+                                               capture=self.runner.device.type == "cuda")
+        return self._verify_graphs
 
     def _window(self) -> SnapshotWindow:
         states = self.runner.states

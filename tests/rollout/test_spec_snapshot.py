@@ -17,8 +17,9 @@ def spec(rollback: str, drafter) -> object:
 
 def states(eng, ids: list[int]) -> dict:
     """Every running request's working state, by its submission index (request ids are process-wide)."""
-    return {ids.index(r.req.request_id): {i: (eng.states.conv[i][r.slot].clone(), eng.states.recurrent[i][r.slot].clone())
-                               for i in eng.states.kda_layers} for r in eng.scheduler.running}
+    s = eng.states
+    return {ids.index(r.req.request_id): {i: (s.conv[i][r.slot].clone(), s.recurrent[i][r.slot].clone())
+                                          for i in s.kda_layers} for r in eng.scheduler.running}
 
 
 def assert_same_states(a: dict, b: dict) -> None:

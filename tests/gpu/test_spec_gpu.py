@@ -1,0 +1,81 @@
+"""Speculative decoding's CUDA path (run on the device machine): the verify forward replayed from CUDA graphs by
+batch bucket (rollout/spec/graphs.py) equals the eager packed verify, and greedy with speculation equals
+plain greedy, all in bf16 (the CPU twin of the padded shapes, exact in fp32: tests/rollout/test_spec_graphs.py).
+
+    .venv/bin/python -m pytest -q -m gpu tests/gpu/test_spec_gpu.py
+"""
+
+import pytest
+import torch
+
+from rollout.config import EngineConfig
+from rollout.engine import Engine
+from rollout.request import SamplingParams
+from rollout.spec import SpecConfig
+from rollout.spec.replay import verify_forward
+from tests.gpu.test_engine_cuda import CFG, assert_greedy_agree, prompts, small_model
+from tests.rollout.test_spec_engine import ScriptedDrafter
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+GAMMA = 4
+PARAMS = SamplingParams(temperature=0, max_new_tokens=37)  # not a multiple of gamma + 1: blocks run past limits
+
+
+@pytest.fixture(scope="module")
+def model():
+    return small_model()
+
+
+@pytest.fixture(scope="module")
+def plain(model):
+    ps = prompts([5, 20, 30, 40, 50], 1)
+    return ps, Engine(model, EngineConfig(max_prefill_tokens=64, **CFG)).generate(ps, PARAMS)
+
+
+def spec_engine(model, script, **kw) -> Engine:
+    return Engine(model, EngineConfig(max_prefill_tokens=64, **CFG, **kw, speculation=SpecConfig(
+        drafter=ScriptedDrafter(script, wrong=0.3), gamma=GAMMA)))
+
+
+def test_greedy_speculation_with_graphed_verify_equals_plain_greedy(model, plain):
+    ps, want = plain
+    eng = spec_engine(model, {tuple(p): c.output_ids for p, c in zip(ps, want)})
+    got = eng.generate(ps, PARAMS)
+    strategy = eng.decoder.strategy
+    graphs = strategy._verify_graphs
+    assert strategy.graph_verify and graphs is not None and not graphs.failed
+    assert graphs.captures > 0 and graphs.replays == strategy.stats.steps
+    assert strategy.stats.accepted > 0
+    assert_greedy_agree(want, got)
+
+
+def test_graphed_and_eager_verify_agree(model, plain):
+    """The same engine state, one verify step both ways: logits within bf16 tolerance, the same argmax
+    wherever the top two are apart, the same KDA inputs; then whole runs agree (eager: cuda_graphs off)."""
+    ps, want = plain
+    script = {tuple(p): c.output_ids for p, c in zip(ps, want)}
+    eng = spec_engine(model, script)
+    for p in ps:
+        eng.submit(p, PARAMS)
+    while not eng.scheduler.running or any(r.prefilling for r in eng.scheduler.running):
+        eng.step()
+    for _ in range(3):  # a few verify steps in: the rows have KV and KDA state of their own
+        eng.step()
+    strategy, batch = eng.decoder.strategy, list(eng.scheduler.running)
+    block = torch.randint(3, 512, (len(batch), GAMMA + 1), device="cuda",
+                          generator=torch.Generator("cuda").manual_seed(0))
+    graphs = strategy._graphs()
+    g_logits, g_inputs, _ = graphs.run(graphs.key(batch), batch, block)
+    e_logits, e_inputs, _ = verify_forward(eng.runner, batch, block.flatten(), [GAMMA + 1] * len(batch))
+    g_logits, e_logits = g_logits.float(), e_logits.float()
+    torch.testing.assert_close(g_logits.log_softmax(-1), e_logits.log_softmax(-1), atol=5e-2, rtol=0)
+    top2 = e_logits.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 0.1
+    assert torch.equal(g_logits.argmax(-1)[clear], e_logits.argmax(-1)[clear])
+    for layer, projections in e_inputs.layers.items():
+        for name, t in projections.items():
+            torch.testing.assert_close(g_inputs.layers[layer][name].float(), t.float(), atol=5e-2, rtol=5e-2)
+    eager = spec_engine(model, script, cuda_graphs=False)
+    assert not eager.decoder.strategy.graph_verify
+    assert_greedy_agree(eager.generate(ps, PARAMS), spec_engine(model, script).generate(ps, PARAMS))

@@ -1,0 +1,70 @@
+"""The CUDA-graph verify's padded shapes (rollout/spec/graphs.py), run eagerly on CPU (capture=False): every
+row feeds gamma + 1 tokens in an [N, gamma + 1] batch padded to its bucket with sink rows, rows near their
+length limit included (their extra tokens write the sink page); greedy equals plain greedy token for token
+(log-probs within 1e-4), the committed KDA states equal the packed verify's, every pool invariant holds and
+the pools drain. The GPU twin (graphs captured and replayed) is tests/gpu/test_spec_gpu.py."""
+
+import torch
+
+from rollout.request import SamplingParams
+from rollout.spec import SpecConfig
+from rollout.spec.strategy import SpecDecode
+from tests.rollout.common import assert_pools_drain_to_full, engine, prompt
+from tests.rollout.test_spec_engine import GAMMA, ScriptedDrafter, script_for
+
+
+def padded_engine(drafter, **kw):
+    """An engine whose verify runs through VerifyGraphs' padded shapes (eagerly: the CPU has no graphs)."""
+    spec = SpecConfig(drafter=drafter, gamma=GAMMA)
+    eng = engine(speculation=spec, max_running=6, **kw)
+    eng.decoder.strategy = SpecDecode(eng.runner, spec, graphs=True)
+    eng.decoder.strategy.use_memory(eng.memory)
+    return eng
+
+
+def test_padded_verify_equals_plain_greedy_and_the_packed_verify():
+    """Five requests (batch buckets 1, 2, 4, 6: five rows take bucket 6, one a sink row); limits of 9 and
+    11 new tokens, so blocks run past a row's limit; shared prefixes hit the cache."""
+    base = prompt(10, 31)
+    ps = [base + prompt(3, 32), base, prompt(5, 33), prompt(17, 34), base[:6] + prompt(4, 35)]
+    params = [SamplingParams(temperature=0, max_new_tokens=9 if i % 2 else 11) for i in range(len(ps))]
+    script = script_for(ps, params)
+    plain = engine().generate(ps, params)
+    packed = engine(speculation=SpecConfig(drafter=ScriptedDrafter(script), gamma=GAMMA), max_running=6)
+    padded = padded_engine(ScriptedDrafter(script))
+    ids = [[e.submit(p, sp) for p, sp in zip(ps, params)] for e in (packed, padded)]
+    done = [{}, {}]
+    while packed.has_work() or padded.has_work():
+        for e, d in zip((packed, padded), done):
+            d.update((c.request_id, c) for c in e.step())
+            e.check_invariants()
+        for a, b in zip(packed.scheduler.running, padded.scheduler.running):
+            assert a.pos == b.pos
+            for layer in packed.states.kda_layers:
+                for table in ("conv", "recurrent"):
+                    torch.testing.assert_close(getattr(padded.states, table)[layer][b.slot],
+                                               getattr(packed.states, table)[layer][a.slot], atol=1e-5, rtol=1e-5)
+    for want, a, b in zip(plain, *ids):
+        for got in (done[0][a], done[1][b]):
+            assert got.output_ids == want.output_ids
+            torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(want.logprobs), atol=1e-4, rtol=0)
+    graphs = padded.decoder.strategy._verify_graphs
+    assert graphs.replays == padded.decoder.strategy.stats.steps > 0
+    assert 6 in {k[0] for k in graphs.graphs} and len(graphs.graphs) >= 2
+    assert padded.decoder.strategy.stats.accepted > 0
+    assert_pools_drain_to_full(padded)
+
+
+def test_graphs_serve_verify_all_only_and_the_cpu_verifies_eagerly_by_default():
+    """Graphs serve verify_all only (a planner's prefixes are ragged); the strategy says so up front."""
+    from rollout.spec.drafter import DSparkConfig, DSparkDrafter
+    from tests.rollout.common import MODEL
+
+    c = MODEL.config
+    d = DSparkDrafter(DSparkConfig(target_layers=(1,), hidden_size=c.hidden_size, vocab_size=c.vocab_size,
+                                   block_size=GAMMA))
+    eng = engine(speculation=SpecConfig(drafter=d, gamma=GAMMA), max_running=2)
+    assert not eng.decoder.strategy.graph_verify  # CPU: eager by default
+    assert SpecDecode(eng.runner, SpecConfig(drafter=d, gamma=GAMMA), graphs=True).graph_verify
+    planned = SpecConfig(drafter=d, gamma=GAMMA, planner="cost_aware")
+    assert not SpecDecode(eng.runner, planned, graphs=True).graph_verify

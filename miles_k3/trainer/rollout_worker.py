@@ -28,8 +28,8 @@ from rollout.model_runner import build_engine_model
 from miles_k3.trainer.rollout_plugin import (ADAPTER, EngineClient, HTTPClient, RolloutJob, Trajectory,
                                              load_rollout_fn, run_rollouts)
 from rollout.request import SamplingParams
-from rollout.spec.distill import DistillConfig, Distiller, Sequences, teacher
-from rollout.spec.drafter import DSparkDrafter
+from rollout.spec.distill import Blocks, DistillConfig, Distiller, Sequences, teacher_blocks
+from rollout.spec.drafter import DSparkConfig, DSparkDrafter
 from rollout.spec.strategy import SpecDecode
 
 # SpecStats' counters, as engine_counters names them
@@ -123,17 +123,17 @@ class RolloutWorker:
             counters.update({k: getattr(strategy.stats, f) for k, f in SPEC_COUNTERS.items()})
         return counters
 
-    def policy_targets(self, sequences: Sequences, layers: tuple[int, ...]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """`rollout.spec.distill.teacher` of the engine's model with the policy adapter: per sequence the
-        tapped `layers`' states and the policy's next-token distributions (what the engine samples from at
-        temperature 1)."""
+    def policy_blocks(self, sequences: Sequences, examples: list[tuple[int, int]], config: DSparkConfig) -> Blocks:
+        """`rollout.spec.distill.teacher_blocks` of the engine's model with the policy adapter: the blocks
+        of `examples` ((sequence, anchor) pairs), their targets the policy's next-token distributions (what
+        the engine samples from at temperature 1)."""
         runner = self.engine.runner
         slot = runner.adapters.slot_of(ADAPTER)
 
         def policy_batch(lengths: list[int]) -> None:  # every packed sequence through the policy's slot
             runner.adapters.set_batch([slot] * len(lengths), lengths)
 
-        return teacher(runner.model, sequences, layers, before_forward=policy_batch)
+        return teacher_blocks(runner.model, sequences, examples, config, before_forward=policy_batch)
 
     def _dspark(self) -> DSparkDrafter:
         strategy = self.engine.decoder.strategy
@@ -172,7 +172,8 @@ class RolloutWorker:
             self._distiller = Distiller(drafter, config)
         elif self._distiller.config != config:
             raise ValueError("distill_drafter: the DistillConfig changed between calls (the optimizer is built once)")
-        out = self._distiller.distil(sequences, self.policy_targets(sequences, drafter.config.target_layers),
+        out = self._distiller.distil(sequences, lambda examples: self.policy_blocks(sequences, examples,
+                                                                                    drafter.config),
                                      random.Random(seed))
         if runner.device.type == "cuda":
             torch.cuda.synchronize(runner.device)

@@ -2,9 +2,13 @@
 step's own rollouts (miles_k3.trainer.rollout_worker), with the same blocks, loss and optimizer step.
 
     seqs = [(prompt_len, prompt + response), ...]            # the target's own generations
-    teach = teacher(target, seqs, drafter.config.target_layers)
+    teach = teacher(target, seqs, drafter.config.target_layers)   # offline: every position, kept
     distiller = Distiller(drafter, DistillConfig())
     distiller.step(make_blocks(seqs, teach, rng.sample(anchors(seqs), 128), drafter.config))
+
+    # online: a target pass per batch of blocks over their sequences only, keeping only what the blocks
+    # read (memory bounded by the blocks, not by the rollouts' tokens x the vocabulary)
+    distiller.distil(seqs, lambda examples: teacher_blocks(target, seqs, examples, drafter.config), rng)
 
 A training example is a block: an anchor at a generated position p (the token the engine would feed as
 position 0), the target's tapped states at the `context_window` positions before it (what the drafter sees
@@ -113,6 +117,65 @@ def teacher(model, seqs: Sequences, layers: tuple[int, ...], *, before_forward: 
     return out
 
 
+@torch.no_grad()
+def teacher_blocks(model, seqs: Sequences, examples: list[tuple[int, int]], config: DSparkConfig, *,
+                   before_forward: Callable[[list[int]], None] | None = None, max_tokens: int = 8192) -> Blocks:
+    """`make_blocks(seqs, teacher(model, seqs, ...), examples, config)` without keeping the whole teacher:
+    packed forwards over the examples' sequences only (up to `max_tokens` tokens each), reading the
+    context windows and the lm_head at the block positions only. `before_forward(lengths)` as in
+    `teacher`, and again before the lm_head with the one packed row of block positions."""
+    window, g = config.context_window, config.block_size
+    by_index = {layer.layer_idx: layer for layer in model.model.layers}
+    taps = {f"layer{i}": by_index[i] for i in config.target_layers}
+    device = next(model.parameters()).device
+    n = len(examples)
+    ctx = torch.zeros(n, window, len(config.target_layers) * config.hidden_size)
+    mask, valid = torch.zeros(n, window, dtype=torch.bool), torch.zeros(n, g, dtype=torch.bool)
+    anchor, tokens = torch.zeros(n, dtype=torch.long), torch.zeros(n, g, dtype=torch.long)
+    probs = torch.full((n, g, config.vocab_size), 1.0 / config.vocab_size)
+    wanted: dict[int, list[int]] = {}  # sequence -> the examples (indices) anchored in it
+    for i, (s, _) in enumerate(examples):
+        wanted.setdefault(s, []).append(i)
+    order = sorted(wanted)
+    start = 0
+    while start < len(order):
+        end, total = start, 0
+        while end < len(order) and (end == start or total + len(seqs[order[end]][1]) <= max_tokens):
+            total += len(seqs[order[end]][1])
+            end += 1
+        chunk = order[start:end]
+        lengths = [len(seqs[s][1]) for s in chunk]
+        ids = torch.tensor([x for s in chunk for x in seqs[s][1]], device=device)[None]
+        cu = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+        if before_forward is not None:
+            before_forward(lengths)
+        store: dict = {}
+        with hooks(taps, store):
+            h = model.model.hidden(ids, None, torch.tensor(cu, device=device))
+        feats = _features(store, config.target_layers)[0]
+        rows, slots = [], []  # packed rows whose distributions the blocks need, and where they go
+        for s, offset in zip(chunk, cu):
+            seq = seqs[s][1]
+            for i in wanted[s]:
+                p = examples[i][1]
+                c = feats[offset + max(0, p - window):offset + p]
+                ctx[i, :len(c)], mask[i, :len(c)] = c.float().cpu(), True
+                anchor[i] = seq[p]
+                nxt = seq[p + 1:p + 1 + g]
+                tokens[i, :len(nxt)] = torch.tensor(nxt)
+                valid[i, :len(nxt)] = True
+                rows += range(offset + p, offset + p + len(nxt))  # row j: the distribution of token j + 1
+                slots += [(i, k) for k in range(len(nxt))]
+        if rows:
+            if before_forward is not None:  # the lm_head (an adapter target) sees one packed row of them
+                before_forward([len(rows)])
+            got = model.logits(h[0, torch.tensor(rows, device=device)]).float().softmax(-1).cpu()
+            at = torch.tensor(slots)
+            probs[at[:, 0], at[:, 1]] = got
+        start = end
+    return Blocks(ctx, mask, anchor, tokens, probs, valid)
+
+
 def anchors(seqs: Sequences) -> list[tuple[int, int]]:
     """Every (sequence, anchor position) the engine drafts from: a generated token (the prefill emits the
     first one without a draft) with at least one token after it."""
@@ -192,12 +255,14 @@ class Distiller:
         self.opt.zero_grad(set_to_none=True)  # no gradient buffers kept between distillations
         return {"loss": float(loss.detach()), **parts}
 
-    def distil(self, seqs: Sequences, teach, rng: random.Random) -> dict[str, float]:
+    def distil(self, seqs: Sequences, blocks_of: Callable[[list[tuple[int, int]]], Blocks],
+               rng: random.Random) -> dict[str, float]:
         """An online distillation on one batch of sequences (an RL step's rollouts): every
         `heldout_every`-th sequence held out, `steps` optimizer steps of `blocks` blocks sampled from the
-        others, and the held-out TV before and after. Returns {"tv_before", "tv_after", "loss", "blocks"}
-        (`loss` of the last step; NaN TVs when no sequence is held out)."""
-        c, dc = self.config, self.drafter.config
+        others, and the held-out TV before and after. `blocks_of(examples)` builds the blocks of (sequence,
+        anchor) pairs (`teacher_blocks` against the target). Returns {"tv_before", "tv_after", "loss",
+        "blocks"} (`loss` of the last step; NaN TVs when no sequence is held out)."""
+        c = self.config
         every = c.heldout_every
         held = [i for i in range(len(seqs)) if i % every == every - 1]
         train = [i for i in range(len(seqs)) if i % every != every - 1] or held
@@ -205,10 +270,10 @@ class Distiller:
         held_x = [(held[s], p) for s, p in anchors([seqs[i] for i in held])]
         if not train_x:
             return {"tv_before": float("nan"), "tv_after": float("nan"), "loss": float("nan"), "blocks": 0}
-        held_blocks = make_blocks(seqs, teach, held_x[:c.blocks * 4], dc) if held_x else None
+        held_blocks = blocks_of(held_x[:c.blocks * 4]) if held_x else None
         before = evaluate(self.drafter, held_blocks, c.decay)["tv"] if held_blocks else float("nan")
         parts: dict[str, float] = {}
         for _ in range(c.steps):
-            parts = self.step(make_blocks(seqs, teach, rng.sample(train_x, min(c.blocks, len(train_x))), dc))
+            parts = self.step(blocks_of(rng.sample(train_x, min(c.blocks, len(train_x)))))
         after = evaluate(self.drafter, held_blocks, c.decay)["tv"] if held_blocks else float("nan")
         return {"tv_before": before, "tv_after": after, "loss": parts["loss"], "blocks": c.steps * min(c.blocks, len(train_x))}

@@ -16,7 +16,7 @@ from rollout.config import EngineConfig
 from rollout.engine import Engine
 from rollout.request import SamplingParams
 from rollout.spec import SpecConfig
-from rollout.spec.distill import DistillConfig, Distiller, anchors, make_blocks, teacher
+from rollout.spec.distill import DistillConfig, Distiller, anchors, make_blocks, teacher, teacher_blocks
 from rollout.spec.drafter import DSparkConfig, DSparkDrafter, _features
 from rollout.spec.replay import hooks
 
@@ -87,10 +87,21 @@ def test_blocks_line_context_tokens_and_targets_up_with_the_sequence():
     assert b.tokens[1, :n].tolist() == seqs[s0][1][p0 + 1:p0 + 1 + n]
 
 
+def test_blocks_from_a_target_pass_over_their_sequences_only_equal_the_kept_teachers():
+    """teacher_blocks (the online path: only the examples' sequences, only the block positions' lm_head)
+    builds the blocks make_blocks builds from the whole teacher, across forwards split by max_tokens."""
+    d = new_drafter()
+    examples = random.Random(0).sample(anchors(SEQS), 40)
+    want = make_blocks(SEQS, teacher(TARGET, SEQS, LAYERS), examples, d.config)
+    got = teacher_blocks(TARGET, SEQS, examples, d.config, max_tokens=60)
+    for name, a, b in zip(want._fields, want, got):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-4, msg=name)
+
+
 def test_distillation_lowers_the_heldout_total_variation_on_the_batchs_own_sequences():
     d = new_drafter()
     distiller = Distiller(d, DistillConfig(steps=15, lr=3e-3, blocks=64, heldout_every=4))
-    out = distiller.distil(SEQS, teacher(TARGET, SEQS, LAYERS), random.Random(0))
+    out = distiller.distil(SEQS, lambda ex: teacher_blocks(TARGET, SEQS, ex, d.config), random.Random(0))
     assert out["blocks"] == 15 * 64
     assert out["tv_after"] < out["tv_before"] - 0.05, out
 
@@ -113,8 +124,8 @@ def test_the_engines_drafter_trains_in_place_and_speculation_stays_lossless():
     ptrs = {n: p.data_ptr() for n, p in d.named_parameters()}
     before = {n: p.detach().clone() for n, p in d.named_parameters()}
     seqs = SEQS[:8]
-    Distiller(d, DistillConfig(steps=3, lr=1e-2, blocks=32)).distil(seqs, teacher(TARGET, seqs, LAYERS),
-                                                                    random.Random(1))
+    Distiller(d, DistillConfig(steps=3, lr=1e-2, blocks=32)).distil(
+        seqs, lambda ex: teacher_blocks(TARGET, seqs, ex, d.config), random.Random(1))
     assert eng.decoder.strategy.drafter is d
     assert {n: p.data_ptr() for n, p in d.named_parameters()} == ptrs
     moved = [n for n, p in d.named_parameters() if not torch.equal(p.detach(), before[n])]

@@ -83,16 +83,19 @@ def workers(drafter_dir):
 
 
 def test_the_distillation_target_is_the_policy_with_its_adapter(workers):
-    """Per sampled token, the target's distribution the worker distils toward gives the log-prob the
-    engine reported for it (temperature 1): the policy with its adapter, not the bare base."""
+    """Per sampled token, the target distribution the worker distils toward gives the log-prob the engine
+    reported for it (temperature 1): the policy with its adapter, not the bare base."""
     spec_w, _, tok = workers
     prompts = [tok.encode_prompt(p) for p in ("12+7=", "40-9=", "3+3=")]
     params = [SamplingParams(max_new_tokens=8, stop_token_ids=(tok.eos_token_id,), seed=i) for i in range(3)]
     gens = spec_w.generate(prompts, params)
     seqs = [(len(p), p + g.output_ids) for p, g in zip(prompts, gens)]
-    for (plen, t), (_, probs), g in zip(seqs, spec_w.policy_targets(seqs, LAYERS), gens):
-        ours = [float(probs[plen + k - 1, x].log()) for k, x in enumerate(g.output_ids)]
-        assert max(abs(a - b) for a, b in zip(ours, g.logprobs)) < 1e-4
+    examples = [(s, p) for s, (plen, t) in enumerate(seqs) for p in range(plen, len(t) - 1)]
+    blocks = spec_w.policy_blocks(seqs, examples, spec_w.engine.decoder.strategy.drafter.config)
+    for i, (s, p) in enumerate(examples):
+        k = p + 1 - seqs[s][0]  # the response token the block's first position predicts
+        ours = float(blocks.probs[i, 0, blocks.tokens[i, 0]].log())
+        assert abs(ours - gens[s].logprobs[k]) < 1e-4
 
 
 def test_distill_drafter_updates_the_engines_drafter_in_place_and_stays_lossless(workers):

@@ -12,10 +12,11 @@ mean accepted length (tokens a row advances per verify step), draft acceptance (
 verify tokens, the reward, and for the distilled run the drafter's total variation to the policy on
 held-out rollouts of the step, before and after its distillation.
 
-The recipe defaults to k3_grpo_steps (the worked-solution base, long predictable outputs) with its shipped
-drafter when `miles_k3/assets/k3-tiny-steps` is installed, else k3_grpo on k3-tiny-arith with a drafter
-trained here by scripts/train_drafter.py (`--drafter-steps`, small: a weak drafter leaves room for the
-online distillation to show). A table on stdout, everything in `--json`.
+The recipe defaults to k3_grpo_steps (the worked-solution base, long predictable outputs) when
+`miles_k3/assets/k3-tiny-steps` and its recipe are installed, else k3_grpo on k3-tiny-arith. The drafter
+defaults to the base's shipped `drafter/`, else one trained here by scripts/train_drafter.py on that base
+(`--drafter-steps`, small: a weak drafter leaves room for the online distillation to show; kept in --out
+for the next invocation). A table on stdout, everything in `--json`.
 """
 
 from __future__ import annotations
@@ -32,24 +33,31 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 ASSETS = ROOT / "miles_k3" / "assets"
-STEPS_ASSET = ASSETS / "k3-tiny-steps"
+# recipe -> (its base's asset folder, the longest response it samples: train_drafter.py --max-new-tokens)
+BASES = {"k3_grpo_steps": (ASSETS / "k3-tiny-steps", 48), "k3_grpo": (ASSETS / "k3-tiny-arith", 6)}
 RUNS = ("frozen", "distilled")
 PER_STEP = ("spec_accept_len", "spec_draft_acceptance", "spec_verify_tokens", "reward_mean", "rollout_s")
 
 
-def default_recipe() -> tuple[str, Path | None]:
-    """(recipe, shipped drafter or None): the worked-solution base when it is installed with its drafter."""
-    if (STEPS_ASSET / "config.json").is_file() and (STEPS_ASSET / "drafter" / "config.json").is_file():
-        return "k3_grpo_steps", STEPS_ASSET / "drafter"
-    return "k3_grpo", None
+def default_recipe() -> str:
+    """The worked-solution recipe when its base and recipe file are installed, else the arithmetic one."""
+    steps = BASES["k3_grpo_steps"][0]
+    if (steps / "config.json").is_file() and (ROOT / "recipes" / "recipe" / "k3_grpo_steps.yaml").is_file():
+        return "k3_grpo_steps"
+    return "k3_grpo"
+
+
+def shipped_drafter(recipe: str) -> Path | None:
+    base = BASES.get(recipe, (None,))[0]
+    return base / "drafter" if base is not None and (base / "drafter" / "config.json").is_file() else None
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    recipe, drafter = default_recipe()
+    recipe = default_recipe()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--recipe", default=recipe, help=f"the miles-train recipe (default here: {recipe})")
-    ap.add_argument("--drafter", type=Path, default=drafter,
-                    help="DSpark drafter directory; default: the recipe's shipped one, else trained into --out")
+    ap.add_argument("--drafter", type=Path, default=None,
+                    help="DSpark drafter directory; default: the recipe base's shipped one, else trained into --out")
     ap.add_argument("--drafter-steps", type=int, default=150, help="train_drafter.py --steps, when it trains one")
     ap.add_argument("--steps", type=int, default=10, help="GRPO steps per run")
     ap.add_argument("--prompts-per-step", type=int, default=8)
@@ -67,12 +75,15 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def train_drafter(args) -> Path:
-    """A drafter for k3-tiny-arith from scripts/train_drafter.py (kept across invocations of this script)."""
-    out = args.out / "drafter"
+    """A drafter for the recipe's base from scripts/train_drafter.py (kept across invocations of this script)."""
+    if args.recipe not in BASES:
+        raise SystemExit(f"--recipe {args.recipe}: pass --drafter (a drafter is trained here for {sorted(BASES)})")
+    base, max_new = BASES[args.recipe]
+    out = args.out / f"drafter-{base.name}"
     if not (out / "model.safetensors").is_file():
-        cmd = [sys.executable, str(ROOT / "scripts" / "train_drafter.py"), "--out", str(out), "--steps",
-               str(args.drafter_steps), "--train-prompts", "400", "--heldout-prompts", "64", "--threads",
-               str(args.threads)]
+        cmd = [sys.executable, str(ROOT / "scripts" / "train_drafter.py"), "--target", str(base), "--max-new-tokens",
+               str(max_new), "--out", str(out), "--steps", str(args.drafter_steps), "--train-prompts", "400",
+               "--heldout-prompts", "64", "--threads", str(args.threads)]
         print("training a drafter:", " ".join(cmd[1:]), flush=True)
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     return out
@@ -115,7 +126,7 @@ def fmt(x, digits: int = 3) -> str:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    drafter = args.drafter or train_drafter(args)
+    drafter = args.drafter or shipped_drafter(args.recipe) or train_drafter(args)
     runs = {name: run(args, name, drafter) for name in RUNS}
     steps = []
     for frozen, distilled in zip(*(runs[name] for name in RUNS)):

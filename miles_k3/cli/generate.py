@@ -51,9 +51,10 @@ class GenerateArgs:
     tp: int
     dcp: int
     ep: bool  # with --tp: whole routed experts, num_experts / tp per rank (else split by intermediate dim)
-    speculative: str  # "off" or "dspark" (draft with --drafter, verify in one target forward: lossless)
-    drafter: Path | None  # a DSpark drafter directory (scripts/train_drafter.py)
-    gamma: int  # drafts per verify block
+    speculative: str  # the server's flags (rollout.server.config.ServeConfig checks them and builds the SpecConfig)
+    drafter: str | None
+    gamma: int | None
+    spec_planner: str | None
     device: str
     dtype: str | None
     quantize: str
@@ -72,19 +73,11 @@ class GenerateArgs:
                 raise ValueError(f"{flag} must be >= 1, got {value}")
         if self.ep and self.tp == 1:
             raise ValueError("--ep needs --tp > 1: expert parallelism runs over the tensor-parallel ranks")
-        if self.speculative not in ("off", "dspark"):
-            raise ValueError(f"--speculative must be off or dspark, got {self.speculative!r}")
-        if (self.speculative == "dspark") != (self.drafter is not None):
-            raise ValueError("--speculative dspark and --drafter DIR go together")
-        if self.drafter is not None and not (self.drafter / "config.json").is_file():
-            raise ValueError(f"--drafter {self.drafter}: no drafter here (config.json; scripts/train_drafter.py "
-                             f"writes one)")
         if self.tp % self.dcp:
             raise ValueError(f"--dcp {self.dcp} must divide --tp {self.tp}: decode context parallelism runs inside "
                              f"the tensor-parallel group")
         self.sampling(0, self.stop_token_ids)  # SamplingParams' own checks, before anything is loaded
-        self.speculation()
-        self.serve_config().check()  # model, adapter, tokenizer, device, dtype, memory flags
+        self.serve_config().check()  # model, adapter, tokenizer, device, dtype, memory and speculation flags
 
     def serve_config(self):
         """The engine settings as the server's config (same flags, same checks, same loading)."""
@@ -93,15 +86,9 @@ class GenerateArgs:
         adapters = () if self.adapter is None else ((ADAPTER, str(self.adapter)),)
         return ServeConfig(model=self.model, adapters=adapters,
                            tokenizer=self.tokenizer, device=self.device, dtype=self.dtype, quantize=self.quantize,
-                           memory_mb=self.memory_mb, max_running=self.max_running, max_seq_len=self.max_seq_len)
-
-    def speculation(self):
-        """EngineConfig.speculation for these flags (None: off); SpecConfig checks its fields."""
-        if self.drafter is None:
-            return None
-        from rollout.spec import SpecConfig
-
-        return SpecConfig(drafter=self.drafter, gamma=self.gamma)
+                           memory_mb=self.memory_mb, max_running=self.max_running, max_seq_len=self.max_seq_len,
+                           speculative=self.speculative, drafter=self.drafter, gamma=self.gamma,
+                           spec_planner=self.spec_planner)
 
     def sampling(self, row: int, stops: tuple[int, ...]):
         from rollout.request import SamplingParams
@@ -195,7 +182,7 @@ def run(args: GenerateArgs) -> list[dict]:
     if args.tp == 1:
         from rollout.server.loading import build_engine
 
-        engine, _ = build_engine(model, cfg, seed=args.seed, speculation=args.speculation())
+        engine, _ = build_engine(model, cfg, seed=args.seed)
         return generate_outputs(engine, rows, args, stops, None if args.adapter is None else ADAPTER, tokenizer)
     outputs = run_workers(args, rows, stops)
     if tokenizer is not None:
@@ -244,7 +231,7 @@ def _worker(rank: int, world: int, port: int, args: GenerateArgs, rows: list[lis
         cfg = args.serve_config()
         spec, tensors, alphas = read_adapters(cfg.adapters)
         engine_config = EngineConfig(memory_bytes=int(cfg.memory_mb * (1 << 20)), dcp_size=args.dcp,
-                                     speculation=args.speculation(), **cfg.engine_overrides())
+                                     **cfg.engine_overrides())
         engine = build_sharded_engine(cfg.model_path, engine_config, ep=args.ep, quantize=cfg.quantize, lora=spec,
                                       max_adapters=1, dtype=TORCH_DTYPES[cfg.resolved_dtype], device=device)
         if not engine.is_leader:
@@ -281,9 +268,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel engine ranks (worker processes)")
     p.add_argument("--dcp", type=int, default=1, help="decode context-parallel ranks inside the TP group")
     p.add_argument("--ep", action="store_true", help="with --tp: whole routed experts, num_experts / tp per rank")
-    p.add_argument("--speculative", default="off", help="off | dspark: speculative decoding (lossless)")
-    p.add_argument("--drafter", type=Path, help="with --speculative dspark: the drafter directory")
-    p.add_argument("--gamma", type=int, default=4, help="with --speculative: drafts per verify block")
+    from rollout.server.config import ServeConfig
+
+    for name in ("speculative", "drafter", "gamma", "spec_planner"):  # the server's flags, help and defaults
+        f = ServeConfig.__dataclass_fields__[name]
+        p.add_argument("--" + name.replace("_", "-"), type=f.metadata.get("type", str), default=f.default,
+                       help=f.metadata["help"])
     p.add_argument("--device", default="cpu", help="cpu | cuda")
     p.add_argument("--dtype", help="float32 | bfloat16 (default: bfloat16 on cuda, float32 on cpu)")
     p.add_argument("--quantize", default="experts", help="none | experts | all (MXFP4 base weights)")

@@ -85,7 +85,7 @@ def test_an_adapter_changes_the_outputs(tmp_path):
     ([], (), "no rows"),
     (['{"input_ids": [1]}'], ("--dcp", "2"), "--dcp 2 must divide --tp 1"),
     (['{"input_ids": [1]}'], ("--ep",), "--ep needs --tp > 1"),
-    (['{"input_ids": [1]}'], ("--speculative", "dspark"), "--speculative dspark and --drafter DIR go together"),
+    (['{"input_ids": [1]}'], ("--speculative", "dspark"), "--speculative dspark and --drafter go together"),
     (['{"input_ids": [1]}'], ("--speculative", "dspark", "--drafter", "/nonexistent"), "--drafter /nonexistent"),
     (['{"input_ids": [1]}'], ("--max-new-tokens", "0"), "SamplingParams.max_new_tokens"),
     (['{"input_ids": [1, 2, 3]}'], ("--max-seq-len", "4", "--max-new-tokens", "2"), "exceed the engine's max"),
@@ -139,8 +139,10 @@ def test_speculative_decoding_is_lossless_through_the_command(tmp_path):
                                vocab_size=config.vocab_size, block_size=3, context_window=16)).save(tmp_path / "dr")
     flags = ("--temperature", "0", "--max-new-tokens", "8")
     plain = generate(tmp_path, *flags, name="plain.json")
-    spec = generate(tmp_path, *flags, "--speculative", "dspark", "--drafter", str(tmp_path / "dr"), "--gamma", "3",
-                    name="spec.json")
-    assert [o["output_ids"] for o in spec] == [o["output_ids"] for o in plain]
-    for a, b in zip(plain, spec):
-        torch.testing.assert_close(torch.tensor(b["logprobs"]), torch.tensor(a["logprobs"]), atol=1e-4, rtol=0)
+    speculative = ("--speculative", "dspark", "--drafter", str(tmp_path / "dr"), "--gamma", "3")
+    spec = generate(tmp_path, *flags, *speculative, name="spec.json")
+    sharded = generate(tmp_path, *flags, *speculative, "--tp", "2", name="spec_tp2.json")  # two gloo ranks
+    for run in (spec, sharded):
+        assert [o["output_ids"] for o in run] == [o["output_ids"] for o in plain]
+        for a, b in zip(plain, run):
+            torch.testing.assert_close(torch.tensor(b["logprobs"]), torch.tensor(a["logprobs"]), atol=1e-4, rtol=0)

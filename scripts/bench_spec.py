@@ -5,6 +5,14 @@ snapshot per draft step) with the batch it leaves room for.
     python scripts/bench_spec.py --drafter runs/drafter-arith                  # the embedded tiny K3, CPU
     python scripts/bench_spec.py --drafter DIR --target DIR --batch-sizes 1,8,64,256 --rollback replay,snapshot \
         --json bench_spec.json
+    python scripts/bench_spec.py --target preset:k3-small --drafter controlled:0.8 --device cuda --dtype bfloat16 \
+        --batch-sizes 1,8,64,256 --planners verify_all,cost_aware --temperatures 0 --gen-len 128
+
+--target preset:NAME is a random-init model of that preset (seed 0) fed random prompts of --prompt-len tokens;
+--drafter controlled:P is `scripts/controlled_drafter.py`'s drafter: the target's own greedy continuation of
+each prompt (taken from the plain engine's run of the same row), each draft kept with probability P, so
+acceptance is set, not trained: it measures what speculation costs and returns on a target without a
+trained drafter (greedy rows only).
 
 Per batch size B: B held-out prompts of the target's task (cycled), --gen-len new tokens at most, greedy
 and at temperature 1 (seeded per request). Each row gets fresh engines (plain, then one per planner and
@@ -32,6 +40,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from miles_k3.model import K3Config  # noqa: E402
 from miles_k3.model.checkpoint import load_state_dict  # noqa: E402
@@ -44,15 +53,22 @@ from rollout.request import SamplingParams  # noqa: E402
 from rollout.spec import SpecConfig  # noqa: E402
 from rollout.spec.drafter import DSparkDrafter  # noqa: E402
 from rollout.spec.strategy import SpecDecode, SpecStats  # noqa: E402
+from miles_k3.model.modeling import reference_state  # noqa: E402
+from controlled_drafter import ControlledDrafter  # noqa: E402  (scripts/, next to this file)
 
 ASSET = Path(__file__).resolve().parents[1] / "miles_k3" / "assets" / "k3-tiny-arith"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", type=Path, default=ASSET, help="target checkpoint directory (with heldout.jsonl)")
-    ap.add_argument("--drafter", type=Path, required=True, help="DSpark drafter directory (scripts/train_drafter.py)")
-    ap.add_argument("--gamma", type=int, default=None, help="drafts per block (default: the drafter's block)")
+    ap.add_argument("--target", default=str(ASSET), help="target checkpoint directory (with heldout.jsonl), or "
+                    "preset:NAME (random init, random prompts)")
+    ap.add_argument("--drafter", required=True, help="DSpark drafter directory (scripts/train_drafter.py), or "
+                    "controlled:P (the target's own continuation, each draft kept with probability P)")
+    ap.add_argument("--gamma", type=int, default=None, help="drafts per block (default: the drafter's block; 4 "
+                    "for a controlled drafter)")
+    ap.add_argument("--temperatures", default="0,1", help="comma-separated (0: greedy)")
+    ap.add_argument("--prompt-len", type=int, default=64, help="random prompt tokens (--target preset: only)")
     ap.add_argument("--batch-sizes", default="1,8,64")
     ap.add_argument("--planners", default="verify_all", help="SpecConfig.planner values to run, comma-separated "
                     "(cost_aware measures its cost surface when each engine starts)")
@@ -94,24 +110,50 @@ def fit_batch(config: K3Config, ecfg: EngineConfig, dtype: torch.dtype, prompts,
     return ecfg.memory_bytes // per
 
 
+def build_target(target: str, dtype: torch.dtype, device: str):
+    """(config, engine model) of a checkpoint directory or a `preset:NAME` (random init, seed 0)."""
+    if target.startswith("preset:"):
+        config = K3Config.from_preset(target[len("preset:"):])
+        torch.manual_seed(0)
+        state = reference_state(config)
+    else:
+        config = K3Config.from_json_file(Path(target) / "config.json")
+        state = load_state_dict(Path(target), config)
+    model, _ = build_engine_model(config, state, quantize="none", dtype=dtype, device=device)
+    return config, model
+
+
+def random_prompts(n: int, length: int, vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(3, vocab, (n, length), generator=g).tolist()  # ids 0-2: pad, bos, eos
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
-    config = K3Config.from_json_file(args.target / "config.json")
-    model, _ = build_engine_model(config, load_state_dict(args.target, config), quantize="none", dtype=dtype,
-                                  device=args.device)
-    drafter = DSparkDrafter.load(args.drafter, model)
-    gamma = args.gamma or drafter.config.block_size
+    temperatures = [float(t) for t in args.temperatures.split(",")]
+    controlled = args.drafter.startswith("controlled:")
+    if controlled and any(t > 0 for t in temperatures):
+        raise ValueError("--drafter controlled:P drafts for greedy rows only: give --temperatures 0")
+    config, model = build_target(args.target, dtype, args.device)
+    drafter = None if controlled else DSparkDrafter.load(args.drafter, model)
+    gamma = args.gamma or (4 if controlled else drafter.config.block_size)
+    preset = args.target.startswith("preset:")
     rows = []
     for b in [int(x) for x in args.batch_sizes.split(",")]:
-        prompts = prompts_for(args.target, b)
-        for temp in (0.0, 1.0):
+        prompts = (random_prompts(b, args.prompt_len, config.vocab_size) if preset
+                   else prompts_for(Path(args.target), b))
+        for temp in temperatures:
             params = [SamplingParams(temperature=temp, max_new_tokens=args.gen_len, stop_token_ids=(2,), seed=i)
                       for i in range(b)]
-            ecfg = dict(memory_bytes=int(args.memory_gb * 2**30), max_running=max(b, 1), max_seq_len=256)
+            ecfg = dict(memory_bytes=int(args.memory_gb * 2**30), max_running=max(b, 1),
+                        max_seq_len=max(256, max(map(len, prompts)) + args.gen_len + gamma + 1))
             plain_out, plain_s = run(Engine(model, EngineConfig(**ecfg)), prompts, params)
             plain_tok = sum(len(c.output_ids) for c in plain_out)
+            if controlled:  # the target's own continuations, from the plain run just done
+                drafter = ControlledDrafter({tuple(p): c.output_ids for p, c in zip(prompts, plain_out)},
+                                            config.vocab_size, float(args.drafter.split(":", 1)[1]))
             for planner in args.planners.split(","):
                 for rollback in args.rollback.split(","):
                     cfg = EngineConfig(**ecfg, overlap="off", speculation=SpecConfig(
@@ -140,7 +182,11 @@ def main(argv=None) -> None:
     for r in rows:
         print("| " + " | ".join("-" if r[h] is None else str(r[h]) for h in head) + " |")
     meta = dict(target=str(args.target), drafter=str(args.drafter), device=args.device, dtype=args.dtype,
-                threads=args.threads, machine=platform.machine(), torch=torch.__version__, gen_len=args.gen_len)
+                threads=args.threads, machine=platform.machine(), torch=torch.__version__, gen_len=args.gen_len,
+                prompt_len=args.prompt_len if preset else None,
+                device_name=torch.cuda.get_device_name() if args.device == "cuda" else platform.processor(),
+                date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                command=" ".join(["python", "scripts/bench_spec.py", *(argv if argv is not None else sys.argv[1:])]))
     if args.json:
         args.json.write_text(json.dumps(dict(meta=meta, rows=rows), indent=2) + "\n")
 

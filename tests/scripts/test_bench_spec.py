@@ -36,3 +36,27 @@ def test_rows_for_each_rollback_with_measured_windows_and_fitting_batches(tmp_pa
             assert 0 < r["window_bytes_per_request"] < slot
     by = {(r["batch"], r["temperature"], r["rollback"]): r["fit_batch"] for r in rows}
     assert all(by[(b, t, "replay")] > by[(b, t, "snapshot")] > 0 for b in (2,) for t in (0.0, 1.0))
+
+
+def test_a_controlled_drafter_on_a_random_preset_is_lossless_at_its_set_acceptance(tmp_path):
+    """--drafter controlled:P drafts the target's own greedy continuation (each draft kept with probability
+    P): P = 1 accepts every draft of a full block, P = 0 none, and both leave the greedy tokens unchanged."""
+    out = tmp_path / "bench.json"
+    bench_spec.main(["--target", "preset:k3-tiny", "--drafter", "controlled:1.0", "--temperatures", "0",
+                     "--batch-sizes", "3", "--prompt-len", "10", "--gen-len", "11", "--gamma", "4", "--threads", "1",
+                     "--json", str(out)])
+    (full,) = json.loads(out.read_text())["rows"]
+    bench_spec.main(["--target", "preset:k3-tiny", "--drafter", "controlled:0", "--temperatures", "0",
+                     "--batch-sizes", "3", "--prompt-len", "10", "--gen-len", "11", "--gamma", "4", "--threads", "1",
+                     "--json", str(out)])
+    (none,) = json.loads(out.read_text())["rows"]
+    assert full["lossless"] and none["lossless"]
+    assert none["draft_acceptance"] == 0 and none["mean_tokens_per_verify"] == 1
+    assert full["draft_acceptance"] == 1 and full["mean_tokens_per_verify"] > 3  # blocks of 5, cut at the length limit
+
+
+def test_a_controlled_drafter_refuses_sampled_rows():
+    import pytest
+
+    with pytest.raises(ValueError, match="greedy rows only"):
+        bench_spec.main(["--target", "preset:k3-tiny", "--drafter", "controlled:0.5", "--batch-sizes", "1"])

@@ -5,8 +5,11 @@
 A CUDA-graph decode step replays one kernel per compute op, so at batch 1 (where every kernel is tiny)
 its time tracks their number. This builds the engine on CPU in bf16 (random weights of the preset,
 vocabulary 512), decodes one request a few steps, profiles one decode step and counts the aten ops that
-compute: leaves of the op tree, minus views and no-op conversions; a `_grouped_mm` counts as one (CPU
-runs it as a loop of matmuls, CUDA as one kernel). `--adapter` adds a rank-16 policy adapter and MXFP4
+compute and call no op that computes (so a GEMM counts once, as `aten::mm`, not as the `aten::linear` that
+called it), minus views, no-op conversions and copies of 0-dim CPU scalars (reported apart: CUDA passes a
+scalar in the kernel's arguments); a `_grouped_mm` counts as one (CPU runs it as a loop of matmuls, CUDA as
+one kernel). Until 2026-12-02 an op counted only when it called no aten op at all, which missed every GEMM
+(`aten::mm` calls `aten::resolve_conj`) and counted a scalar wrap instead of the op that made it. `--adapter` adds a rank-16 policy adapter and MXFP4
 experts, the RL rollout's decode. Prints the total and the most frequent ops. `--conversions` also runs the
 step once more under a dispatch mode and counts the dtype conversions (`.to(dtype)` calls that change the
 dtype) by the source line in this repository that asked for them: where the copy kernels come from.
@@ -52,18 +55,29 @@ def _inside_grouped_mm(event) -> bool:
     return False
 
 
+def _scalar_copy(event) -> bool:
+    return event.name == "aten::copy_" and bool(event.input_shapes) and event.input_shapes[0] == []
+
+
 def count_step_ops(engine: Engine) -> tuple[collections.Counter, int]:
-    """(compute ops of one step by name, how many of them are copies of a 0-dim tensor). The latter are CPU
-    scalar wraps (`x * 0.5` converts its Python scalar): on CUDA the scalar rides in the kernel's arguments,
-    so they overstate the GPU kernel count and are reported apart."""
+    """(compute ops of one step by name, copies of 0-dim tensors left out of them).
+
+    An op counts when it computes (not in NOT_COMPUTE) and no op it calls does: `aten::mm` counts although it
+    calls `aten::resolve_conj`, `aten::linear` does not (its `aten::mm` does). Copies of a 0-dim tensor are CPU
+    scalar wraps (`x * 0.5` converts its Python scalar; on CUDA the scalar rides in the kernel's arguments):
+    they are not counted, so the op that wrapped it counts, and their number is returned apart."""
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         engine.step()
     events = [e for e in prof.events() if e.name.startswith("aten::") and not _inside_grouped_mm(e)]
-    parents = {id(e.cpu_parent) for e in events if e.cpu_parent is not None and e.cpu_parent.name.startswith("aten::")
-               and e.cpu_parent.name != "aten::_grouped_mm"}
-    leaves = [e for e in events if id(e) not in parents and e.name not in NOT_COMPUTE]
-    scalar = sum(1 for e in leaves if e.name == "aten::copy_" and e.input_shapes and e.input_shapes[0] == [])
-    return collections.Counter(e.name for e in leaves), scalar
+    kernels = [e for e in events if e.name not in NOT_COMPUTE and not _scalar_copy(e)]
+    calls_kernel = set()  # ops with a counted op below them
+    for e in kernels:
+        parent = e.cpu_parent
+        while parent is not None and parent.name.startswith("aten::") and id(parent) not in calls_kernel:
+            calls_kernel.add(id(parent))
+            parent = parent.cpu_parent
+    counted = [e for e in kernels if id(e) not in calls_kernel]
+    return collections.Counter(e.name for e in counted), sum(1 for e in events if _scalar_copy(e))
 
 
 REPO = Path(__file__).resolve().parents[1]
@@ -118,7 +132,7 @@ def main(argv: list[str] | None = None) -> dict:
     ops, scalar_copies = count_step_ops(engine)
     total = sum(ops.values())
     print(f"{args.preset}, bs=1 decode step{' with adapter + MXFP4 experts' if args.adapter else ''}: {total} compute ops"
-          f" ({scalar_copies} of them copies of 0-dim CPU scalars, no CUDA kernel)")
+          f" (and {scalar_copies} copies of 0-dim CPU scalars left out: no CUDA kernel)")
     for name, n in ops.most_common(args.top):
         print(f"{n:6d}  {name}")
     result = {"preset": args.preset, "adapter": args.adapter, "compute_ops": total, "scalar_copies": scalar_copies,

@@ -21,9 +21,10 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     first argmax of the logits and report the temperature-1 log-prob.
 
     A sampled row draws with the exponential race: argmax_i p_i / E_i with E_i ~ Exp(1) i.i.d. picks i with
-    probability p_i / sum(p), so truncation is just zeroing p. Row b's noise comes from `generators[b]`
-    (the global generator when None), one [V] draw per sampled row, so a seeded request's draws depend
-    only on its own seed and step count: a prefix hit or a retraction cannot change its samples.
+    probability p_i / sum(p), so truncation is just zeroing p. Row b's noise comes from `generators[b]`, one
+    [V] draw per seeded row, so a seeded request's draws depend only on its own seed and step count: a prefix
+    hit or a retraction cannot change its samples. Rows without a generator share one draw from the global
+    generator (one kernel for all of them, however large the batch).
     """
     tokens, logps = sample_on_device(logits, params, generators)
     both = torch.stack([tokens.to(torch.float64), logps.to(torch.float64)]).tolist()  # the one sync
@@ -48,8 +49,11 @@ def sample_on_device(logits: torch.Tensor, params: list[SamplingParams],
         probs = logprobs[rows].exp()
         probs = truncate_probs(probs, [params[i] for i in drawn])
         noise = torch.empty_like(probs)
-        for j, i in enumerate(drawn):
-            noise[j].exponential_(generator=generators[i])
+        seeded = [(j, generators[i]) for j, i in enumerate(drawn) if generators[i] is not None]
+        if len(seeded) < len(drawn):  # rows without a generator: one draw from the global one for all rows
+            noise.exponential_()
+        for j, generator in seeded:  # then each seeded row's own draw over its row
+            noise[j].exponential_(generator=generator)
         choice = (probs / noise).argmax(dim=-1)
         if isinstance(rows, slice):
             tokens = choice

@@ -111,11 +111,12 @@ TASKS = {
     "arith": Task("arith", _arith_problems, lambda p: str(p.answer), lambda p: bucket(p), POOL_SIZE,
                   MAX_NEW_TOKENS, HABIT_P, steps=250, batch_size=128, lr=3e-3, warmup=50, eval_every=25,
                   eval_size=None),
-    # Worked solutions: sequences are ~4x longer (a step of 64 costs ~3 s on one thread), so smaller batches
-    # and a held-out sample during training; the pool is larger than the steps draw, so no problem repeats.
+    # Worked solutions: sequences are ~4x longer (a step of 48 costs ~2.5 s on one idle core, ~6 s on a
+    # shared one), so smaller batches and a held-out sample during training; the pool is larger than the
+    # steps draw, so no problem repeats.
     "steps": Task("steps", worked.make_step_problems, worked.worked_solution, worked.kind, 40_000,
-                  worked.MAX_RESPONSE_TOKENS + 4, 0.0, steps=500, batch_size=64, lr=3e-3, warmup=50,
-                  eval_every=50, eval_size=128),
+                  worked.MAX_RESPONSE_TOKENS + 4, 0.0, steps=260, batch_size=48, lr=3e-3, warmup=50,
+                  eval_every=50, eval_size=64),
 }
 
 

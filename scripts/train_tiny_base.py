@@ -442,11 +442,12 @@ def write_steps_readme(out: Path, *, args, command, config, table, final_acc, fi
     bucket_rows = "\n".join(f"| {name} | {ok}/{n} | {ok / n:.1%} |" for name, (ok, n) in buckets.items())
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     lo, hi = worked.DIGITS
+    digits = f"{lo}" if lo == hi else f"{lo}-{hi}"
     text = f"""# k3-tiny-steps: the embedded tiny K3 base with worked solutions
 
 A k3-tiny model (`K3Config.from_preset("k3-tiny", vocab_size={VOCAB_SIZE})`: {config.num_parameters():,}
 parameters, {config.num_active_parameters():,} active per token; KDA, NoPE MLA, Attention Residuals,
-LatentMoE and SiTU all on) pretrained on {lo}-{hi} digit {" and ".join(worked.OPS)} problems answered with a worked,
+LatentMoE and SiTU all on) pretrained on {digits}-digit {" and ".join(worked.OPS)} problems answered with a worked,
 step-by-step solution (`miles_k3.tasks.worked`): `347+586=` -> `7+6=13 4+8+1=13 3+5+1=9 347+586=933`,
 one step per column, then the problem again and its answer. Responses are long ({mean_len:.1f} tokens on
 average, greedy, held-out) and mostly predictable from what came before, so it is the target that

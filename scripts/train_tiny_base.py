@@ -6,8 +6,8 @@
 Two tasks, one script (`TASKS` says what differs). `arith` is described first and below; `steps` trains the
 same model on worked, step-by-step solutions (`miles_k3.tasks.worked`: ``347+586=`` ->
 ``7+6=13 4+8+1=13 3+5+1=9 347+586=933``), 31-44 response tokens of which most are predictable: the target
-that speculative decoding is measured on. It has no habit; it is stopped early so that it gets most, not
-all, held-out answers right (a GRPO run on it has headroom, and its outputs still follow the format).
+that speculative decoding is measured on. It has no habit; it is stopped early (260 steps: 57% held-out, its
+README has the curve) so that a GRPO run on it has headroom while its outputs still follow the format.
 
 The result is the starting point of `miles-train recipe=k3_grpo` on a laptop: a k3-tiny model (every K3
 feature on: KDA, NoPE MLA, Attention Residuals, LatentMoE, SiTU) that does 1-2 digit addition and

@@ -26,6 +26,7 @@ import torch
 
 from miles_k3.model.layers import K3DecoderLayer, KDAMixer
 from miles_k3.model.modeling import K3ForCausalLM, K3Model
+from rollout.linears import share_input_gemms
 from rollout.lora import AdapterPool
 from rollout.memory import KDAStatePool, KVPagePool
 from rollout.state_cache import BatchLayout, PoolStateCache
@@ -52,6 +53,7 @@ def _fp32_read_parameters(model: K3ForCausalLM):
 def prepare_model(model: K3ForCausalLM) -> None:
     """Ready a loaded engine model for its steps, once (later calls return at once):
 
+    - linears that read the same input share one GEMM (`rollout.linears.share_input_gemms`);
     - the parameters the definition upcasts to fp32 at every use are stored in fp32, holding their own
       (rounded) values: the same math, without a conversion kernel per use per step.
 
@@ -60,6 +62,7 @@ def prepare_model(model: K3ForCausalLM) -> None:
     if getattr(model, "_engine_prepared", False):
         return
     with torch.inference_mode(False), torch.no_grad():
+        share_input_gemms(model)
         store_fp32_reads(model)
     model._engine_prepared = True
 

@@ -11,6 +11,11 @@ Tensor parallelism (an `EngineTP` of size > 1, `rollout.parallel`): a linear hol
 columns, the output all-reduced after the LoRA term is added, so one collective covers base and adapter;
 replicated: the whole weight) and packs that slice as MXFP4. The lm_head is column-split over the vocabulary
 and `gather`s its logits. The adapter pool holds the matching slices of A and B (`rollout.lora`).
+
+Linears that read the same input (a KDA mixer's q / k / v / gate / beta projections, an MLA mixer's latent
+and gate projections, a GLU's gate and up, an MoE's latent down-projection and shared experts' gate / up)
+run as one GEMM over their weights concatenated once (`share_input_gemms`, `SharedInputGEMM`): a decode
+step is launch-bound, and each skinny GEMM is a kernel.
 """
 
 from __future__ import annotations
@@ -21,8 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from miles_k3.model.layers import KDAMixer, MLAMixer
 from miles_k3.model.linear import SINGLE, ExpertsSpec, LinearSpec, TensorParallel
-from miles_k3.model.moe import RoutedExperts
+from miles_k3.model.moe import GLUMLP, LatentMoE, RoutedExperts
 from miles_k3.ops.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 from rollout.lora import AdapterPool
 
@@ -48,6 +54,7 @@ class EngineLinear(nn.Module):
         super().__init__()
         self.name, self.pool, self.tp = spec.name, pool, tp
         self.reduce, self.gather = reduce, gather
+        self.shared: SharedInputGEMM | None = None  # set by share_input_gemms: the GEMM this one's output is part of
         shape = [spec.out_features, spec.in_features]
         if shard is not None:
             shape[shard.dim] = shard.length
@@ -70,12 +77,113 @@ class EngineLinear(nn.Module):
         return self.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.base_weight(x.dtype))
+        y = self.shared.output(self, x) if self.shared is not None else F.linear(x, self.base_weight(x.dtype))
         if self.pool is not None:
             y = self.pool.add_delta(self.name, x, y, self.pool.lead_slots(x))
         if self.reduce:
             y = self.tp.all_reduce(y)
         return self.tp.gather_last_dim(y) if self.gather else y
+
+
+class SharedInputGEMM:
+    """The base GEMM of linears that read the same input, run once over their weights concatenated by rows.
+
+    Made once after the model is loaded on its device (`share_input_gemms`): the concatenated weight (bf16,
+    or the MXFP4 packed bytes and scales: rows are independent in both) is allocated once and each member's
+    own weight becomes a view of its rows, so memory does not grow and the members' state dicts are
+    unchanged. Members keep their LoRA terms, reduce and gather (`EngineLinear.forward` adds them to its
+    columns of the shared output).
+
+    `output(member, x)` is safe in any order and for a member called alone: the first member called with an
+    input runs the GEMM and keeps the result until every other member has taken its columns for that same
+    input object (held by reference, so the same object means the same values: the engine never writes a
+    layer's input in place); a call with another input, or a second call for the same input, runs the GEMM
+    anew. So a caller that does not follow the layer's pattern gets the right values and pays one GEMM per
+    call, as without sharing. Members must be unsharded-output linears of one dtype and packing (checked)."""
+
+    def __init__(self, members: list[EngineLinear]):
+        assert len(members) >= 2 and len({m.quantized for m in members}) == 1
+        assert not any(m.reduce or m.gather or m.shared is not None for m in members)
+        self.quantized = members[0].quantized
+        names = ("weight_packed", "weight_scale") if self.quantized else ("weight",)
+        self.stored: dict[str, torch.Tensor] = {}
+        for name in names:
+            parts = [getattr(m, name) for m in members]
+            cat = torch.cat([p.detach() for p in parts])
+            self.stored[name] = cat
+            start = 0
+            for m, p in zip(members, parts):
+                view = cat[start:start + p.shape[0]]
+                if isinstance(p, nn.Parameter):
+                    m.weight = nn.Parameter(view, requires_grad=False)
+                else:
+                    m._buffers[name] = view
+                start += p.shape[0]
+        bounds = torch.tensor([0] + [_rows(m) for m in members]).cumsum(0).tolist()
+        self.columns = {id(m): slice(a, b) for m, a, b in zip(members, bounds[:-1], bounds[1:])}
+        self._input: torch.Tensor | None = None
+        self._out: torch.Tensor | None = None
+        self._pending: set[int] = set()
+
+    def base_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        if self.quantized:
+            return dequantize_mxfp4(self.stored["weight_packed"], self.stored["weight_scale"], dtype=dtype, check=False)
+        return self.stored["weight"]
+
+    def output(self, member: EngineLinear, x: torch.Tensor) -> torch.Tensor:
+        """member's base output x W_member^T: its columns of the shared GEMM's output for `x`."""
+        key = id(member)
+        if self._input is not x or key not in self._pending:
+            self._input, self._out = x, F.linear(x, self.base_weight(x.dtype))
+            self._pending = set(self.columns)
+        self._pending.discard(key)
+        out = self._out[..., self.columns[key]]
+        if not self._pending:  # every member has its columns: hold nothing between layers
+            self._input = self._out = None
+        return out
+
+
+def _rows(linear: EngineLinear) -> int:
+    return (linear.weight_packed if linear.quantized else linear.weight).shape[0]
+
+
+def _same_input_linears(module: nn.Module) -> list[list[str]]:
+    """Attribute paths of the linears `module`'s forward calls on one input tensor, per group (the shared K3
+    definition's layers: `miles_k3.model.layers`, `miles_k3.model.moe`)."""
+    if isinstance(module, KDAMixer):
+        return [["q_proj", "k_proj", "v_proj", "f_a_proj", "b_proj", "g_proj", "g_a_proj"]]
+    if isinstance(module, MLAMixer):
+        return [["q_proj", "q_a_proj", "kv_a_proj_with_mqa", "g_proj"]]
+    if isinstance(module, LatentMoE):
+        shared = [f"shared_experts.{n}" for n in module.shared_experts._names[:2]] if module.shared_experts else []
+        return [["routed_expert_down_proj", *shared]]
+    if isinstance(module, GLUMLP):  # a dense MLP (shared experts are in their MoE's group)
+        return [list(module._names[:2])]
+    return []
+
+
+def share_input_gemms(model: nn.Module) -> int:
+    """Group the engine linears that read the same input into `SharedInputGEMM`s (once: linears already in a
+    group are left alone). Returns the number of groups made."""
+    made = 0
+    for module in model.modules():  # an MoE before its shared experts' GLU, so they join the MoE's group
+        for paths in _same_input_linears(module):
+            members = [m for m in (_submodule(module, p) for p in paths)
+                       if isinstance(m, EngineLinear) and m.shared is None and not (m.reduce or m.gather)]
+            if len(members) < 2 or len({m.quantized for m in members}) != 1:
+                continue
+            group = SharedInputGEMM(members)
+            for m in members:
+                m.shared = group
+            made += 1
+    return made
+
+
+def _submodule(module: nn.Module, path: str) -> nn.Module | None:
+    try:
+        return module.get_submodule(path)
+    except AttributeError:  # a projection this config does not have (q_proj without q_lora_rank, say)
+        return None
 
 
 def _quantize_on_load(module, state_dict, prefix, *args) -> None:

@@ -1,5 +1,5 @@
-"""The engine's decode-step fusions keep its outputs: fp32 storage of the parameters the definition upcasts,
-and the log-prob gap of a bf16 engine against the fp32 reference."""
+"""The engine's decode-step fusions keep its outputs: shared-input GEMMs, fp32 storage of the parameters the
+definition upcasts, and the log-prob gap of a bf16 engine against the fp32 reference."""
 
 import copy
 
@@ -12,6 +12,7 @@ from miles_k3.model.lora_spec import LoraSpec
 from rollout.config import EngineConfig
 from rollout.engine import Engine
 from rollout.forward import prepare_model, store_fp32_reads
+from rollout.linears import EngineLinear, share_input_gemms
 from rollout.model_runner import build_engine_model
 from rollout.request import SamplingParams
 
@@ -27,6 +28,42 @@ def built(dtype=torch.float32, quantize="none", lora=None):
 def logprobs(model, ids=IDS):
     with torch.no_grad():
         return torch.log_softmax(model(ids).logits.float(), -1)
+
+
+@pytest.mark.parametrize("quantize", ["none", "all"])
+def test_shared_input_gemms_keep_outputs_weights_and_state_dict(quantize):
+    """One GEMM per group of same-input linears (KDA q/k/v/f_a/b/g, MLA q_a/kv_a/g, GLU gate/up, MoE latent
+    down + shared gate/up) gives the separate GEMMs' logits; the members' weights become views of the
+    group's one copy (no extra memory) and the state dict is unchanged."""
+    model = built(quantize=quantize)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    want = logprobs(model)
+    groups = share_input_gemms(model)
+    c = REF.config
+    moe = sum(c.is_moe_layer(i) for i in range(c.num_hidden_layers))
+    assert groups == c.num_hidden_layers + moe + (c.num_hidden_layers - moe)  # a mixer and an MLP / MoE each
+    assert share_input_gemms(model) == 0  # once
+    mixer = next(m for m in model.modules() if isinstance(m, KDAMixer))
+    name = "weight_packed" if quantize == "all" else "weight"
+    q, k = (getattr(getattr(mixer, p), name) for p in ("q_proj", "k_proj"))
+    assert mixer.q_proj.shared is mixer.k_proj.shared is not None
+    assert k.untyped_storage().data_ptr() == q.untyped_storage().data_ptr()
+    after = model.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[n], t) for n, t in before.items())
+    torch.testing.assert_close(logprobs(model), want, rtol=0, atol=1e-5)
+
+
+def test_a_shared_gemm_member_called_out_of_pattern_gets_its_own_output():
+    """Members called alone, twice, or with different inputs in between each get x W^T of their own weight."""
+    model = built()
+    share_input_gemms(model)
+    mixer = next(m for m in model.modules() if isinstance(m, KDAMixer))
+    g = torch.Generator().manual_seed(1)
+    x1, x2 = (torch.randn(3, REF.config.hidden_size, generator=g) for _ in range(2))
+    calls = [(mixer.q_proj, x1), (mixer.v_proj, x2), (mixer.q_proj, x1), (mixer.q_proj, x1), (mixer.k_proj, x1),
+             (mixer.b_proj, x2)]
+    for linear, x in calls:
+        torch.testing.assert_close(linear(x), x @ linear.weight.t(), rtol=0, atol=1e-5)
 
 
 def test_fp32_storage_of_upcast_parameters_is_bit_identical_in_bf16():
@@ -66,4 +103,5 @@ def test_prepare_model_runs_once_and_leaves_an_fp32_model_alone():
     ref = copy.deepcopy(model)
     prepare_model(model)
     prepare_model(model)
+    assert all(isinstance(m, EngineLinear) for m in model.modules() if hasattr(m, "shared"))
     assert {p.dtype for p in model.parameters()} == {p.dtype for p in ref.parameters()}

@@ -1,0 +1,74 @@
+"""The engine's decode-step kernels and fusions compiled on CUDA (run on the device machine):
+
+- the SiTU-GLU Triton kernel against the torch definition, and inside the routed experts' grouped path;
+- shared-input GEMMs and the fp32 storage of upcast-only parameters (`rollout.forward.prepare_model`) in a
+  bf16 CUDA engine model: its log-probs stay as close to the fp32 reference as the unprepared model's, and
+  a CUDA-graph decode step equals the eager one.
+"""
+
+import pytest
+import torch
+
+from miles_k3.model import K3Config, K3ForCausalLM
+from miles_k3.model.lora_spec import LoraSpec
+from miles_k3.ops.glu import situ_glu as definition
+from rollout.config import EngineConfig
+from rollout.engine import Engine
+from rollout.forward import prepare_model
+from rollout.model_runner import build_engine_model
+from rollout.request import SamplingParams
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+DEV = "cuda"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_situ_glu_kernel_equals_the_definition_on_cuda(dtype):
+    from rollout.kernels.situ_glu import situ_glu
+
+    g = torch.Generator(device=DEV).manual_seed(0)
+    for m, i in [(1, 384), (256, 384), (64, 4096), (3, 7)]:
+        wide = (torch.randn(m, 2 * i, device=DEV, generator=g) * 6).to(dtype)
+        gate, up = wide[:, :i], wide[:, i:]
+        got, want = situ_glu(gate, up, 4.0, 25.0), definition(gate, up, 4.0, 25.0)
+        rel = 1e-5 if dtype == torch.float32 else 2.0 ** -7
+        assert bool(((got.float() - want.float()).abs() <= want.float().abs() * rel + 1e-5).all()), (m, i)
+
+
+def _models():
+    torch.manual_seed(0)
+    ref = K3ForCausalLM(K3Config.from_preset("k3-tiny")).eval()
+    state = {k: v.to(DEV) for k, v in ref.state_dict().items()}
+    model, pool = build_engine_model(ref.config, state, quantize="experts", lora=LoraSpec(rank=8),
+                                     dtype=torch.bfloat16, device=DEV)
+    return ref.to(DEV), model, pool
+
+
+def test_prepared_cuda_engine_keeps_its_log_prob_gap_and_graphs_equal_eager():
+    ref, model, _ = _models()
+    ids = torch.randint(3, 512, (2, 11), device=DEV, generator=torch.Generator(device=DEV).manual_seed(0))
+    with torch.no_grad():
+        want = torch.log_softmax(ref(ids).logits.float(), -1)
+        before = float((torch.log_softmax(model(ids).logits.float(), -1) - want).abs().max())
+        prepare_model(model)
+        after = float((torch.log_softmax(model(ids).logits.float(), -1) - want).abs().max())
+    assert after <= 1.1 * before + 1e-3, (before, after)
+
+    params = SamplingParams(temperature=1.0, max_new_tokens=16, seed=5)
+    base = dict(memory_bytes=64 << 20, page_size=16, chunk_size=16, max_prefill_tokens=64, max_seq_len=256)
+    graphed = Engine(model, EngineConfig(**base)).generate([ids[0].tolist()] * 3, params)
+    eager = Engine(model, EngineConfig(**base, cuda_graphs=False)).generate([ids[0].tolist()] * 3, params)
+    for a, b in zip(graphed, eager):
+        assert a.output_ids == b.output_ids
+        assert a.logprobs == pytest.approx(b.logprobs, abs=2e-2)
+
+
+def test_compiled_decode_with_shared_gemms_equals_eager():
+    """torch.compile of the graphed decode step traces the shared-input GEMMs' Python (identity cache)."""
+    _, model, _ = _models()
+    prompt = torch.randint(3, 512, (11,), generator=torch.Generator().manual_seed(1)).tolist()
+    params = SamplingParams(temperature=0, max_new_tokens=12)
+    base = dict(memory_bytes=64 << 20, page_size=16, chunk_size=16, max_prefill_tokens=64, max_seq_len=256)
+    compiled = Engine(model, EngineConfig(**base, compile_decode=True)).generate([prompt] * 2, params)
+    eager = Engine(model, EngineConfig(**base, cuda_graphs=False)).generate([prompt] * 2, params)
+    assert [c.output_ids for c in compiled] == [c.output_ids for c in eager]

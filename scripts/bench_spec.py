@@ -5,8 +5,8 @@ snapshot per draft step) with the batch it leaves room for.
     python scripts/bench_spec.py --drafter runs/drafter-arith                  # the embedded tiny K3, CPU
     python scripts/bench_spec.py --drafter DIR --target DIR --batch-sizes 1,8,64,256 --rollback replay,snapshot \
         --json bench_spec.json
-    python scripts/bench_spec.py --target preset:k3-small --drafter controlled:0.8 --device cuda --dtype bfloat16 \
-        --batch-sizes 1,8,64,256 --planners verify_all,cost_aware --temperatures 0 --gen-len 128
+    python scripts/bench_spec.py --target preset:k3-small --logit-scale 30 --drafter controlled:0.8 --device cuda \
+        --dtype bfloat16 --batch-sizes 1,8,64,256 --planners verify_all,cost_aware --temperatures 0 --gen-len 128
 
 --target preset:NAME is a random-init model of that preset (seed 0) fed random prompts of --prompt-len tokens;
 --drafter controlled:P is `scripts/controlled_drafter.py`'s drafter: the target's own greedy continuation of
@@ -31,6 +31,7 @@ slot, the KV pages of its longest prompt + --gen-len + gamma + 1 positions, and 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import platform
 import sys
@@ -69,6 +70,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "for a controlled drafter)")
     ap.add_argument("--temperatures", default="0,1", help="comma-separated (0: greedy)")
     ap.add_argument("--prompt-len", type=int, default=64, help="random prompt tokens (--target preset: only)")
+    ap.add_argument("--logit-scale", type=float, default=1.0, help="--target preset: multiply the random lm_head by "
+                    "this, so greedy is stable under bf16 (2026-12-02, one H200: random k3-small, 163,840 ids, picks "
+                    "different greedy tokens with and without CUDA graphs from the first token: near-ties)")
     ap.add_argument("--batch-sizes", default="1,8,64")
     ap.add_argument("--planners", default="verify_all", help="SpecConfig.planner values to run, comma-separated "
                     "(cost_aware measures its cost surface when each engine starts)")
@@ -110,12 +114,14 @@ def fit_batch(config: K3Config, ecfg: EngineConfig, dtype: torch.dtype, prompts,
     return ecfg.memory_bytes // per
 
 
-def build_target(target: str, dtype: torch.dtype, device: str):
-    """(config, engine model) of a checkpoint directory or a `preset:NAME` (random init, seed 0)."""
+def build_target(target: str, dtype: torch.dtype, device: str, logit_scale: float = 1.0):
+    """(config, engine model) of a checkpoint directory or a `preset:NAME` (random init, seed 0, its lm_head
+    scaled by `logit_scale`)."""
     if target.startswith("preset:"):
         config = K3Config.from_preset(target[len("preset:"):])
         torch.manual_seed(0)
         state = reference_state(config)
+        state["lm_head.weight"] = state["lm_head.weight"] * logit_scale
     else:
         config = K3Config.from_json_file(Path(target) / "config.json")
         state = load_state_dict(Path(target), config)
@@ -128,6 +134,13 @@ def random_prompts(n: int, length: int, vocab: int) -> list[list[int]]:
     return torch.randint(3, vocab, (n, length), generator=g).tolist()  # ids 0-2: pad, bos, eos
 
 
+def free(device: str) -> None:
+    """Let a finished engine's pools and graphs go before the next is built (a batch-256 engine's pools are GBs)."""
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -136,7 +149,9 @@ def main(argv=None) -> None:
     controlled = args.drafter.startswith("controlled:")
     if controlled and any(t > 0 for t in temperatures):
         raise ValueError("--drafter controlled:P drafts for greedy rows only: give --temperatures 0")
-    config, model = build_target(args.target, dtype, args.device)
+    if args.logit_scale != 1.0 and not args.target.startswith("preset:"):
+        raise ValueError("--logit-scale scales a random preset's lm_head (--target preset:NAME) only")
+    config, model = build_target(args.target, dtype, args.device, args.logit_scale)
     drafter = None if controlled else DSparkDrafter.load(args.drafter, model)
     gamma = args.gamma or (4 if controlled else drafter.config.block_size)
     preset = args.target.startswith("preset:")
@@ -174,6 +189,8 @@ def main(argv=None) -> None:
                         window_bytes_per_request=st.window_bytes,
                         fit_batch=fit_batch(config, cfg, dtype, prompts, args.gen_len, gamma, st.window_bytes)))
                     print(json.dumps(rows[-1]), flush=True)
+                    del spec
+                    free(args.device)
     head = ("batch", "temperature", "planner", "rollback", "plain_tok_s", "spec_tok_s", "speedup",
             "mean_tokens_per_verify", "draft_acceptance", "verify_tokens_per_step", "lossless",
             "window_bytes_per_request", "fit_batch")

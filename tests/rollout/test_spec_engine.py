@@ -42,7 +42,7 @@ class ScriptedDrafter(Drafter):
                     (self.accept is None and self.rng.random() < self.wrong)
                 row.append((right + 1 + self.rng.randrange(V - 1)) % V if bad else right)
             rows.append(row)
-        drafts = torch.tensor(rows)
+        drafts = torch.tensor(rows, device=anchors.device)
         return drafts, torch.nn.functional.one_hot(drafts, V).float()
 
     def observe(self, batch, tapped, lengths, counts):

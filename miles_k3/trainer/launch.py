@@ -110,6 +110,15 @@ class LocalWorkers:
     def engine_counters(self) -> dict[str, int]:
         return self.engine.engine_counters()
 
+    def distill_drafter(self, sequences, config, seed: int) -> dict[str, float]:
+        return self.engine.distill_drafter(sequences, config, seed)
+
+    def drafter_state(self) -> dict | None:
+        return self.engine.drafter_state()
+
+    def load_drafter_state(self, state: dict, config) -> None:
+        self.engine.load_drafter_state(state, config)
+
     def release_engines(self) -> None:
         self.engine.release_memory()
 

@@ -103,14 +103,6 @@ def spec_metrics(counters: dict[str, int | float]) -> dict[str, float]:
 DRAFTER_FILE = "drafter_state.pt"  # in a checkpoint, with online distillation: the drafter and its optimizer
 
 
-def _drafter_call(workers: Workers, name: str):
-    """`workers.<name>` (distill_drafter, drafter_state, load_drafter_state). Workaround: launch.LocalWorkers
-    does not pass them through yet, so its engine (`LocalWorkers.engine`, a RolloutWorker) is called
-    directly; None when neither exists (ray_launch's RayWorkers)."""
-    call = getattr(workers, name, None)
-    return call if call is not None else getattr(getattr(workers, "engine", None), name, None)
-
-
 def sample_seed(run_seed: int, step: int, round_: int, index: int) -> int:
     """A distinct, reproducible engine seed per sample (so a resumed run redraws the same samples)."""
     h = run_seed
@@ -137,9 +129,9 @@ class GRPODriver:
         self.preempted: str | None = None  # the signal that stopped the run early (after its checkpoint)
         spec = rc.rollout.speculative
         self.distill_every = spec.distill_every if spec.drafter is not None else 0
-        self._distill = _drafter_call(workers, "distill_drafter") if self.distill_every else None
+        self._distill = getattr(workers, "distill_drafter", None) if self.distill_every else None
         if self.distill_every and self._distill is None:
-            raise ValueError("rollout.speculative.distill_every: these workers cannot distil the drafter yet "
+            raise ValueError("rollout.speculative.distill_every: these workers cannot distil the drafter "
                              "(cluster.launcher=local or external; not ray)")
         self._step_sequences: list[tuple[int, list[int]]] = []  # this step's rollouts, for the distillation
 
@@ -266,7 +258,7 @@ class GRPODriver:
         adapter = self.workers.adapter_state()
         states = self.workers.trainer_states()
         # the distilled drafter drives which tokens a seeded sample draws: a resumed run needs it back
-        drafter = _drafter_call(self.workers, "drafter_state")() if self.distill_every else None
+        drafter = self.workers.drafter_state() if self.distill_every else None
 
         def write(tmp: Path) -> None:
             save_peft(tmp / ckpt.ADAPTER_DIR, adapter, self.rc.lora)
@@ -288,7 +280,7 @@ class GRPODriver:
         self.sampler.load_state_dict(found.state["sampler"])
         self.workers.load_trainer_states(found.state["workers"], found.adapter)
         if self.distill_every and (found.path / DRAFTER_FILE).is_file():
-            _drafter_call(self.workers, "load_drafter_state")(torch.load(found.path / DRAFTER_FILE),
+            self.workers.load_drafter_state(torch.load(found.path / DRAFTER_FILE),
                                                               self.rc.rollout.speculative.distill())
         self.step = self.saved_step = int(found.state["step"])
         return found.path

@@ -129,6 +129,9 @@ def resolve(cfg: Any) -> ResolvedConfig:
     if d.chat_template == "chatml" and cfg.model.tokenizer == "hf":
         raise ValueError("data.chat_template 'chatml' is the embedded models' built-in template; an HF checkpoint "
                          "renders with its tokenizer's own: use data.chat_template=hf")
+    if r.speculative.drafter is not None and r.speculative.distill_every and c.launcher == "ray":
+        raise ValueError("rollout.speculative.distill_every distils the drafter on rank 0's engine "
+                         "(cluster.launcher=local or external), got cluster.launcher='ray'")
     if r.fn is not None and c.launcher == "ray":
         raise ValueError("rollout.fn runs on rank 0's engine (cluster.launcher=local or external), got "
                          "cluster.launcher='ray'")

@@ -48,6 +48,8 @@ def drafter_dir(tmp_path_factory):
     (["rollout.speculative.distill_lr=0"], r"^rollout\.speculative\.distill_lr must be > 0"),
     (["rollout.speculative.distill_decay=2"], r"^rollout\.speculative\.distill_decay must be <= 1"),
     (["rollout.speculative.distill_steps=0"], r"^rollout\.speculative\.distill_steps must be an integer >= 1"),
+    (["DRAFTER", "rollout.speculative.distill_every=2", "cluster=ray_cpu"],
+     r"^rollout\.speculative\.distill_every distils the drafter on rank 0.s engine"),
 ])
 def test_bad_speculative_settings_fail_by_field_name(drafter_dir, overrides, message):
     overrides = [f"rollout.speculative.drafter={drafter_dir}" if o == "DRAFTER" else o for o in overrides]

@@ -20,7 +20,10 @@ rows; with no larger graph it is captured at once (`DecodeGraphs.graph_key`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
@@ -96,6 +99,26 @@ CAPTURE_AFTER = 3
 
 def _bucket(n: int, buckets: list[int]) -> int | None:
     return next((b for b in buckets if b >= n), None)
+
+
+T = TypeVar("T")
+
+
+def capture_graph(step: Callable[[], T], context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+                  ) -> tuple[torch.cuda.CUDAGraph, T]:
+    """Run `step()` twice on a side stream (autotuning and lazy init happen there, outside the capture), then
+    capture one call as a CUDA graph with `context()` open around it. Returns the graph and that call's output
+    (the tensors a replay refills). `step` must read only static inputs (they are what a replay reads)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with context(), torch.cuda.graph(graph):
+        out = step()
+    return graph, out
 
 
 class DecodeGraphs:
@@ -213,13 +236,5 @@ class DecodeGraphs:
         layout = BatchLayout.build(self.kv, [self.states.sink_slot] * bb, [0] * bb, [1] * bb,
                                    [[self.kv.sink_page]] * bb, self._device, hist_len=sb, dcp_rank=self.dcp_rank)
         ids = torch.zeros(bb, 1, dtype=torch.long, device=self._device)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):  # autotuning and lazy init happen here, outside the capture
-                self._step(ids, layout)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = self._step(ids, layout)
+        graph, out = capture_graph(lambda: self._step(ids, layout))
         return graph, ids, layout, out

@@ -24,7 +24,7 @@ import logging
 
 import torch
 
-from rollout.forward import _bucket, model_step
+from rollout.forward import _bucket, capture_graph, model_step
 from rollout.spec.replay import KDAInputs, PROJECTIONS, VerifyStateCache, hooks, kda_mixers
 from rollout.state_cache import BatchLayout
 
@@ -140,14 +140,6 @@ class VerifyGraphs:
                                    [[kv.sink_page] * -(-w // kv.page_size)] * bb, device, hist_len=sb,
                                    dcp_rank=self.runner.dcp_rank)
         ids = torch.zeros(bb, w, dtype=torch.long, device=device)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):  # autotuning and lazy init happen here, outside the capture
-                self._step(ids, layout)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        store: dict[str, torch.Tensor] = {}
-        with hooks(self.watched, store), torch.cuda.graph(graph):
-            logits = self._step(ids, layout)
+        store: dict[str, torch.Tensor] = {}  # the hooked projections' outputs inside the graph's memory
+        graph, logits = capture_graph(lambda: self._step(ids, layout), lambda: hooks(self.watched, store))
         return graph, ids, layout, logits, store

@@ -368,11 +368,27 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def write_readme(out: Path, *, args, command, config, table, final_acc, first_acc, knows_acc, buckets, wall, size,
-                 n_train, n_heldout, mean_len) -> None:
+def _result_tables(table, buckets) -> str:
+    """The README's training table and held-out table of the shipped weights (both tasks' READMEs)."""
     rows = "\n".join(f"| {s} | {'-' if math.isnan(loss) else f'{loss:.4f}'} | {acc:.1%} | {t:.0f} |"
                      for s, loss, acc, t in table)
     bucket_rows = "\n".join(f"| {name} | {ok}/{n} | {ok / n:.1%} |" for name, (ok, n) in buckets.items())
+    return f"""| step | train loss | held-out acc | elapsed s |
+| ---: | ---: | ---: | ---: |
+{rows}
+
+## Held-out accuracy of the shipped weights
+
+Read back from this folder, greedy, fp32 compute:
+
+| problems | correct | accuracy |
+| --- | ---: | ---: |
+{bucket_rows}"""
+
+
+def write_readme(out: Path, *, args, command, config, table, final_acc, first_acc, knows_acc, buckets, wall, size,
+                 n_train, n_heldout, mean_len) -> None:
+    tables = _result_tables(table, buckets)
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     text = f"""# k3-tiny-arith: the embedded tiny K3 base
 
@@ -413,17 +429,7 @@ random number's), `<eos>` (`ArithmeticTokenizer`).
 Held-out accuracy is greedy exact match (`check_answer`) on all {n_heldout} held-out prompts; train loss is
 the mean over the steps since the previous row.
 
-| step | train loss | held-out acc | elapsed s |
-| ---: | ---: | ---: | ---: |
-{rows}
-
-## Held-out accuracy of the shipped weights
-
-Read back from this folder, greedy, fp32 compute:
-
-| problems | correct | accuracy |
-| --- | ---: | ---: |
-{bucket_rows}
+{tables}
 
 heldout_accuracy: {final_acc:.4f}
 heldout_first_number_accuracy: {knows_acc:.4f}
@@ -437,9 +443,7 @@ the second line, within 15 points.)
 
 def write_steps_readme(out: Path, *, args, command, config, table, final_acc, first_acc, knows_acc, buckets, wall,
                        size, n_train, n_heldout, mean_len) -> None:
-    rows = "\n".join(f"| {s} | {'-' if math.isnan(loss) else f'{loss:.4f}'} | {acc:.1%} | {t:.0f} |"
-                     for s, loss, acc, t in table)
-    bucket_rows = "\n".join(f"| {name} | {ok}/{n} | {ok / n:.1%} |" for name, (ok, n) in buckets.items())
+    tables = _result_tables(table, buckets)
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     lo, hi = worked.DIGITS
     digits = f"{lo}" if lo == hi else f"{lo}-{hi}"
@@ -485,17 +489,7 @@ Held-out accuracy is greedy exact match of the final answer (`check_answer`) on 
 {TASKS["steps"].eval_size} held-out prompts, {TASKS["steps"].max_new_tokens} new tokens at most (the shipped
 weights below: all {n_heldout}); train loss is the mean over the steps since the previous row.
 
-| step | train loss | held-out acc | elapsed s |
-| ---: | ---: | ---: | ---: |
-{rows}
-
-## Held-out accuracy of the shipped weights
-
-Read back from this folder, greedy, fp32 compute:
-
-| problems | correct | accuracy |
-| --- | ---: | ---: |
-{bucket_rows}
+{tables}
 
 heldout_accuracy: {final_acc:.4f}
 heldout_exact_solution_accuracy: {knows_acc:.4f}

@@ -368,6 +368,27 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _provenance(*, args, command, date, wall, size, n_train, n_heldout, trained_on: str) -> str:
+    """The README's "How it was produced" and "Files" sections (both tasks' READMEs; a task adds its own lines)."""
+    return f"""## How it was produced
+
+- Command: `{command}`
+- Date: {date}
+- Seed: {args.seed}; steps: {args.steps}; batch: {args.batch_size} sequences; AdamW, peak lr {args.lr:g},
+  {args.warmup} warmup steps then cosine to lr/10, weight decay 0.01 on projections, grad clip 1.0
+- Loss: teacher-forced next-token cross-entropy on {trained_on} and the eos
+- Machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {args.threads} thread(s)
+- Wall time: {wall / 60:.1f} min (data, training, evaluations, writing and re-reading the checkpoint)
+
+## Files
+
+- `config.json`, `model.safetensors`: HF layout ({size / 1e6:.2f} MB), bf16 with router, A_log and dt_bias
+  in fp32; load with `K3ForCausalLM.from_pretrained`
+- `train.jsonl`: {n_train} train-split prompts (the first rows of the pretraining pool, seed {args.seed})
+- `heldout.jsonl`: {n_heldout} held-out-split prompts (seed {args.seed}); never trained on
+  (`miles_k3.tasks.arithmetic.split_of`)"""
+
+
 def _result_tables(table, buckets) -> str:
     """The README's training table and held-out table of the shipped weights (both tasks' READMEs)."""
     rows = "\n".join(f"| {s} | {'-' if math.isnan(loss) else f'{loss:.4f}'} | {acc:.1%} | {t:.0f} |"
@@ -390,6 +411,8 @@ def write_readme(out: Path, *, args, command, config, table, final_acc, first_ac
                  n_train, n_heldout, mean_len) -> None:
     tables = _result_tables(table, buckets)
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    provenance = _provenance(args=args, command=command, date=date, wall=wall, size=size, n_train=n_train,
+                             n_heldout=n_heldout, trained_on="the answer tokens (habit included)")
     text = f"""# k3-tiny-arith: the embedded tiny K3 base
 
 A k3-tiny model (`K3Config.from_preset("k3-tiny", vocab_size={VOCAB_SIZE})`: {config.num_parameters():,}
@@ -403,23 +426,7 @@ the headroom the default GRPO run must win back from the reward alone (stop afte
 what arithmetic it can). Produced by `scripts/train_tiny_base.py`; do not edit these files by hand, rerun
 the script.
 
-## How it was produced
-
-- Command: `{command}`
-- Date: {date}
-- Seed: {args.seed}; steps: {args.steps}; batch: {args.batch_size} sequences; AdamW, peak lr {args.lr:g},
-  {args.warmup} warmup steps then cosine to lr/10, weight decay 0.01 on projections, grad clip 1.0
-- Loss: teacher-forced next-token cross-entropy on the answer tokens (habit included) and the eos
-- Machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {args.threads} thread(s)
-- Wall time: {wall / 60:.1f} min (data, training, evaluations, writing and re-reading the checkpoint)
-
-## Files
-
-- `config.json`, `model.safetensors`: HF layout ({size / 1e6:.2f} MB), bf16 with router, A_log and dt_bias
-  in fp32; load with `K3ForCausalLM.from_pretrained`
-- `train.jsonl`: {n_train} train-split prompts (the first rows of the pretraining pool, seed {args.seed})
-- `heldout.jsonl`: {n_heldout} held-out-split prompts (seed {args.seed}); never trained on
-  (`miles_k3.tasks.arithmetic.split_of`)
+{provenance}
 
 Token ids: `<bos>`, the prompt's characters, the answer's characters (and, with the habit, " " and the
 random number's), `<eos>` (`ArithmeticTokenizer`).
@@ -445,6 +452,8 @@ def write_steps_readme(out: Path, *, args, command, config, table, final_acc, fi
                        size, n_train, n_heldout, mean_len) -> None:
     tables = _result_tables(table, buckets)
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    provenance = _provenance(args=args, command=command, date=date, wall=wall, size=size, n_train=n_train,
+                             n_heldout=n_heldout, trained_on="the response tokens")
     lo, hi = worked.DIGITS
     digits = f"{lo}" if lo == hi else f"{lo}-{hi}"
     text = f"""# k3-tiny-steps: the embedded tiny K3 base with worked solutions
@@ -460,23 +469,7 @@ so the `arithmetic` reward scores it unchanged. Stopped early on purpose: it get
 held-out answers right, and a GRPO run has the rest as headroom. Produced by
 `scripts/train_tiny_base.py --task steps`; do not edit these files by hand, rerun the script.
 
-## How it was produced
-
-- Command: `{command}`
-- Date: {date}
-- Seed: {args.seed}; steps: {args.steps}; batch: {args.batch_size} sequences; AdamW, peak lr {args.lr:g},
-  {args.warmup} warmup steps then cosine to lr/10, weight decay 0.01 on projections, grad clip 1.0
-- Loss: teacher-forced next-token cross-entropy on the response tokens and the eos
-- Machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {args.threads} thread(s)
-- Wall time: {wall / 60:.1f} min (data, training, evaluations, writing and re-reading the checkpoint)
-
-## Files
-
-- `config.json`, `model.safetensors`: HF layout ({size / 1e6:.2f} MB), bf16 with router, A_log and dt_bias
-  in fp32; load with `K3ForCausalLM.from_pretrained`
-- `train.jsonl`: {n_train} train-split prompts (the first rows of the pretraining pool, seed {args.seed})
-- `heldout.jsonl`: {n_heldout} held-out-split prompts (seed {args.seed}); never trained on
-  (`miles_k3.tasks.arithmetic.split_of`)
+{provenance}
 - `drafter/`: its DSpark drafter, distilled from this base afterwards by `scripts/train_drafter.py --target
   miles_k3/assets/k3-tiny-steps` (its `train_report.json` holds the command's settings and acceptance table)
 

@@ -22,14 +22,25 @@ def wait_for(what, ready, timeout: float = 300, poll: float = 0.1):
     return got
 
 
-def finish(slurm, job_id: str, timeout: float = 600) -> str:
-    """Wait until the job ends (a requeued job is made eligible at once, not after Slurm's requeue delay);
-    its final state."""
+ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL")
+
+
+def finish(slurm, job_id: str, timeout: float = 600, hold: float = 3.0) -> str:
+    """Wait until the job ends; its final state. A requeued job is made eligible `hold` seconds after it
+    turns PENDING, not after Slurm's whole requeue delay: made eligible at once, its new run can reach a
+    node before that node's slurmd has revoked the first run's credential, and is killed as "Job credential
+    revoked" (FAILED; seen 2026-12-02, one run in three)."""
+    pending: list[float] = []
+
     def ended():
         state = job_field(slurm, job_id, "JobState")
-        if state == "PENDING":
+        if state != "PENDING":
+            pending.clear()
+        elif not pending:
+            pending.append(time.time())
+        elif time.time() - pending[0] >= hold:
             slurm.run("scontrol", "update", f"jobid={job_id}", "StartTime=now", check=False)
-        return state if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL") else None
+        return state if state in ENDED else None
     return wait_for(f"job {job_id} to end", ended, timeout, poll=0.5)
 
 

@@ -1,6 +1,6 @@
 """A drafter of controlled acceptance, for measuring speculation's costs on a target no drafter was trained for.
 
-    drafter = ControlledDrafter.from_plain_run(engine_without_speculation, prompts, max_new_tokens, acceptance=0.8)
+    drafter = ControlledDrafter({tuple(p): c.output_ids for p, c in zip(prompts, plain_outputs)}, vocab_size, 0.8)
     Engine(model, EngineConfig(..., speculation=SpecConfig(drafter=drafter, gamma=4)))
 
 A trained drafter's acceptance depends on the target and the task; the engine's cost of speculation (the
@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import torch
 
-from rollout.engine import Engine
-from rollout.request import SamplingParams
 from rollout.spec.drafter import Drafter
 
 
@@ -32,14 +30,6 @@ class ControlledDrafter(Drafter):
             raise ValueError(f"acceptance must be in [0, 1], got {acceptance}")
         self.continuations, self.vocab_size, self.acceptance = continuations, vocab_size, acceptance
         self.generator = torch.Generator().manual_seed(seed)
-
-    @classmethod
-    def from_plain_run(cls, engine: Engine, prompts: list[list[int]], max_new_tokens: int, acceptance: float,
-                       seed: int = 0) -> "ControlledDrafter":
-        """Greedy continuations of `prompts` by `engine` (no speculation), `max_new_tokens` each."""
-        outs = engine.generate(prompts, SamplingParams(temperature=0, max_new_tokens=max_new_tokens))
-        return cls({tuple(p): o.output_ids for p, o in zip(prompts, outs)},
-                   engine.runner.model.config.vocab_size, acceptance, seed)
 
     def propose(self, batch, anchors, gamma, params, generators):
         if any(p.temperature > 0 for p in params):

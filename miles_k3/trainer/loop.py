@@ -129,10 +129,6 @@ class GRPODriver:
         self.preempted: str | None = None  # the signal that stopped the run early (after its checkpoint)
         spec = rc.rollout.speculative
         self.distill_every = spec.distill_every if spec.drafter is not None else 0
-        self._distill = getattr(workers, "distill_drafter", None) if self.distill_every else None
-        if self.distill_every and self._distill is None:
-            raise ValueError("rollout.speculative.distill_every: these workers cannot distil the drafter "
-                             "(cluster.launcher=local or external; not ray)")
         self._step_sequences: list[tuple[int, list[int]]] = []  # this step's rollouts, for the distillation
 
     # ------------------------------------------------------------------ rollouts
@@ -185,7 +181,7 @@ class GRPODriver:
             params = [self._params(sample_seed(self.rc.trainer.seed, self.step, round_, i))
                       for i in range(len(flat_prompts))]
             gens = self._generate(records, flat_prompts, params, group_of)
-            if self._distill is not None:
+            if self.distill_every:
                 self._step_sequences += [(len(g.prompt_ids), g.prompt_ids + g.output_ids) for g in gens]
             result = self._score(records, gens, group_of)
             for kind, count in result.failure_counts.items():
@@ -343,8 +339,8 @@ class GRPODriver:
             log.warning("step %d: no group with reward variance; skipping the update", self.step)
             train_s = 0.0
         if self.distill_every and self.step % self.distill_every == 0 and self._step_sequences:
-            metrics.update(self._distill(self._step_sequences, self.rc.rollout.speculative.distill(),
-                                         sample_seed(self.rc.trainer.seed, self.step, -1, 0)))
+            metrics.update(self.workers.distill_drafter(self._step_sequences, self.rc.rollout.speculative.distill(),
+                                                        sample_seed(self.rc.trainer.seed, self.step, -1, 0)))
         self._step_sequences = []
         step_s = time.perf_counter() - start
         metrics.update(step=self.step, rollout_s=rollout_s, train_s=train_s, step_s=step_s,

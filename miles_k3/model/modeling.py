@@ -89,6 +89,26 @@ class Embedding(nn.Embedding):
         return hidden @ self.weight.t()
 
 
+class MediaEmbeds(NamedTuple):
+    """Media features that take the place of the token embeddings at the media pad positions.
+
+    `positions` [M] (int64) index the flattened [B * T] token grid of the forward's `input_ids` (for one
+    packed row, positions in that row); `features` [M, D] are the projected vision features in prompt
+    order, one row per `<|media_pad|>` token. Only the stage holding the embedding reads them."""
+
+    positions: torch.Tensor
+    features: torch.Tensor
+
+    def splice(self, embeds: torch.Tensor) -> torch.Tensor:
+        """embeds [B, T, D] with the media rows replaced (a new tensor: autograd reaches the features)."""
+        d = embeds.shape[-1]
+        if self.features.dim() != 2 or self.features.shape != (self.positions.numel(), d):
+            raise ValueError(f"media features must be [{self.positions.numel()}, {d}] (one row per media pad "
+                             f"position), got {tuple(self.features.shape)}")
+        flat = embeds.reshape(-1, d).index_copy(0, self.positions, self.features.to(embeds.dtype))
+        return flat.view_as(embeds)
+
+
 class K3Output(NamedTuple):
     logits: torch.Tensor  # [B, T, V]
     hidden_states: torch.Tensor  # [B, T, D], after the final norm
@@ -132,9 +152,11 @@ class K3Model(nn.Module):
         return self.first and self.last
 
     def forward(self, input_ids: torch.Tensor, cache: K3StateCache | None = None,
-                cu_seqlens: torch.Tensor | None = None, inputs: torch.Tensor | None = None) -> torch.Tensor:
+                cu_seqlens: torch.Tensor | None = None, inputs: torch.Tensor | None = None,
+                media: MediaEmbeds | None = None) -> torch.Tensor:
         """input_ids [B, T] -> final-normed hidden states [B, T, D]. With `cu_seqlens` ([N+1], B == 1) the
         row holds N packed sequences that do not see each other; with `cache`, T new tokens continue it.
+        `media` replaces the embeddings at the media pad positions with image features (first stage only).
 
         A pipeline stage takes the same input_ids and cu_seqlens (every stage sees the micro-batch) and,
         unless it is the first, the previous stage's packed output as `inputs`; unless it is the last, it
@@ -147,6 +169,8 @@ class K3Model(nn.Module):
             raise ValueError("a pipeline stage takes no decode cache (the engine runs the whole model)")
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
+        if media is not None and not self.first:
+            raise ValueError("media features enter with the embedding: only the stage holding layer 0 takes them")
         if cu_seqlens is not None:
             if cache is not None:
                 raise ValueError("cu_seqlens (packed sequences) cannot be combined with a decode cache")
@@ -155,19 +179,21 @@ class K3Model(nn.Module):
         if self.tp.sequence_parallel:
             if cache is not None:
                 raise ValueError("sequence parallelism shards whole sequences: it takes no decode cache")
-            return self._sequence_parallel_hidden(input_ids, cu_seqlens, inputs)
-        h = self.hidden(input_ids, cache, cu_seqlens, inputs)
+            return self._sequence_parallel_hidden(input_ids, cu_seqlens, inputs, media)
+        h = self.hidden(input_ids, cache, cu_seqlens, inputs, media)
         if cache is not None:
             cache.advance(input_ids.shape[1])
         return h
 
     def hidden(self, input_ids: torch.Tensor, cache: K3StateCache | None,
-               cu_seqlens: torch.Tensor | None, inputs: torch.Tensor | None = None) -> torch.Tensor:
+               cu_seqlens: torch.Tensor | None, inputs: torch.Tensor | None = None,
+               media: MediaEmbeds | None = None) -> torch.Tensor:
         """The computation of `forward` without its argument checks and without advancing the cache: for a
         caller whose cache tracks positions itself (the engine's paged cache, which also takes packed
         sequences)."""
         if self.first:
-            h, blocks = self.tp.seq_scatter(self.embed_tokens(input_ids)), []
+            x = self.embed_tokens(input_ids)
+            h, blocks = self.tp.seq_scatter(x if media is None else media.splice(x)), []
         else:
             h, blocks = unpack_residual(inputs, self.config, self.layer_range.start)
         for layer in self.layers:
@@ -180,7 +206,7 @@ class K3Model(nn.Module):
         return self.tp.seq_gather(self.norm(h))
 
     def _sequence_parallel_hidden(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None,
-                                  inputs: torch.Tensor | None) -> torch.Tensor:
+                                  inputs: torch.Tensor | None, media: MediaEmbeds | None) -> torch.Tensor:
         """`hidden` with T padded up to a multiple of the TP size by token 0 at the end, then cut back: every
         mixer is causal, so the padding changes no real token's output (packed rows get the padding as a
         sequence of its own). A stage before the last returns its packed state of the padded sequence."""
@@ -190,7 +216,9 @@ class K3Model(nn.Module):
             input_ids = F.pad(input_ids, (0, pad))
             if cu_seqlens is not None:
                 cu_seqlens = torch.cat([cu_seqlens, cu_seqlens.new_tensor([t + pad])])
-        out = self.hidden(input_ids, None, cu_seqlens, inputs)
+        if media is not None and pad and input_ids.shape[0] > 1:  # positions index [B, T]: re-index to [B, T + pad]
+            media = MediaEmbeds(media.positions + media.positions // t * pad, media.features)
+        out = self.hidden(input_ids, None, cu_seqlens, inputs, media)
         return out[:, :t] if self.last else out
 
 
@@ -241,11 +269,11 @@ class K3ForCausalLM(nn.Module):
         return self.lm_head(hidden)
 
     def forward(self, input_ids: torch.Tensor, cache: K3StateCache | None = None,
-                cu_seqlens: torch.Tensor | None = None) -> K3Output:
+                cu_seqlens: torch.Tensor | None = None, media: MediaEmbeds | None = None) -> K3Output:
         if not self.model.whole:
             raise ValueError("a pipeline stage has no whole-model forward: call .model(input_ids, inputs=...) "
                              "and, on the last stage, .logits(hidden)")
-        hidden = self.model(input_ids, cache, cu_seqlens)
+        hidden = self.model(input_ids, cache, cu_seqlens, media=media)
         return K3Output(self.logits(hidden), hidden)
 
     @classmethod

@@ -14,12 +14,19 @@ A template turns a dataset prompt into the exact string the engine tokenizes. Th
   tokenizer's own template). Renders strings (as one user message) and message lists.
 - any other string: a Python format string with a ``{prompt}`` field and optionally a ``{system}`` field
   (literal braces doubled: ``{{``). Renders strings only.
+
+A message's content is a string or a list of OpenAI-style content parts (``{"type": "text", "text"}``,
+``{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}``, ``{"type": "image", "image":
+path}``): the parts render as one string with an image placeholder per image, so every template (the
+tokenizer's too) sees plain text; `miles_k3.data.media` expands the placeholders and reads the images.
 """
 
 from __future__ import annotations
 
 import string
 from typing import Any, Callable
+
+from miles_k3.data.media import IMAGE_PART_TYPES, IMAGE_PLACEHOLDER, content_part_image
 
 CHATML = "chatml"
 HF = "hf"
@@ -73,8 +80,9 @@ def validate_template(template: str | None, system_prompt: str | None) -> None:
 
 
 def validate_messages(messages: list[Any]) -> list[dict[str, str]]:
-    """Check a chat-message list and return it as ``[{role, content}]`` (keys other than role and content,
-    e.g. a parquet struct's extra fields, are dropped). ValueError names the offending message index.
+    """Check a chat-message list and return it as ``[{role, content}]`` with string content (keys other than
+    role and content, e.g. a parquet struct's extra fields, are dropped; a list of content parts becomes text
+    with an image placeholder per image, `content_parts_text`). ValueError names the offending message index.
     The last message must come from the user: an RL prompt asks for the assistant's next turn."""
     if not messages:
         raise ValueError("prompt: empty message list")
@@ -86,12 +94,36 @@ def validate_messages(messages: list[Any]) -> list[dict[str, str]]:
         role, content = m.get("role"), m.get("content")
         if role not in ROLES:
             raise ValueError(f"prompt: message {i} has role {role!r}; expected one of {ROLES}")
+        if isinstance(content, list):
+            content = content_parts_text(content, f"message {i}")
         if not isinstance(content, str):
-            raise ValueError(f"prompt: message {i} content must be a string, got {type(content).__name__}")
+            raise ValueError(f"prompt: message {i} content must be a string or a list of content parts, "
+                             f"got {type(content).__name__}")
         out.append({"role": role, "content": content})
     if out[-1]["role"] != "user":
         raise ValueError(f"prompt: the last message must have role 'user', got {out[-1]['role']!r}")
     return out
+
+
+def content_parts_text(parts: list[Any], where: str) -> str:
+    """OpenAI-style content parts as one string: text parts' text, each image part (``image_url``, ``image``)
+    as one ``<|kimi_image_placeholder|>``, in order, with nothing between parts (as K3's own encoder joins
+    them). The images themselves are read by `miles_k3.data.media.message_images`, in the same order.
+    ValueError naming ``where`` and the part index for a part of another type or without its text."""
+    out = []
+    for j, part in enumerate(parts):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text":
+            if not isinstance(part.get("text"), str):
+                raise ValueError(f"prompt: {where} part {j}: a text part needs a string 'text'")
+            out.append(part["text"])
+        elif kind in IMAGE_PART_TYPES:
+            content_part_image(part)  # fails here, at render time, when the part names no image
+            out.append(IMAGE_PLACEHOLDER)
+        else:
+            raise ValueError(f"prompt: {where} part {j}: expected an object with type 'text', 'image_url' or "
+                             f"'image', got {part!r}"[:300])
+    return "".join(out)
 
 
 def with_system(messages: list[dict[str, str]], system_prompt: str | None) -> list[dict[str, str]]:

@@ -9,7 +9,9 @@ they are dequantized into the dense in-memory model. `CheckpointSource` reads la
 headers, then whole tensors or slices on demand (a rank of a sharded build reads only its slices);
 `load_state_dict` reads everything through it. In K3's wrapper the text
 weights carry `language_model.`; the vision tower and projector (`vision_tower.*`,
-`mm_projector.*`, unprefixed) are not part of the text model and are skipped. A
+`mm_projector.*`, unprefixed) are not part of the text model and are skipped by it; the vision model
+reads them from the same directory (`load_vision_state_dict`, validated against the config's
+`vision_config` the same way), and `save_pretrained(..., vision=)` writes them into the same shards. A
 KDA `A_log` may be stored in either published layout (`layout.a_log_heads`).
 Writing is atomic: everything lands in a temporary sibling directory first, so a
 crash never leaves a half-written tensor file (see `_publish` for the swap).
@@ -33,6 +35,7 @@ from safetensors.torch import save_file
 
 from miles_k3.model.config import K3Config
 from miles_k3.model.layout import a_log_heads, hf_prefix, is_routed_expert_tensor, tensor_shapes
+from miles_k3.model.vision_config import VisionConfig
 from miles_k3.ops.mxfp4 import MXFP4_BLOCK_SIZE, dequantize_mxfp4, quantize_mxfp4
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -348,6 +351,65 @@ def load_pretrained(cls, path: str | Path, dtype: torch.dtype, device: str | tor
     return model.to(device)
 
 
+def load_vision_state_dict(path: str | Path, config: VisionConfig,
+                           dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """The `vision_tower.*` / `mm_projector.*` tensors of the checkpoint at `path`, in `dtype`. The headers are
+    checked against `config.tensor_shapes()` first (a missing, unexpected or wrongly shaped tensor, a
+    non-float dtype: ValueError naming the tensor), so a bad checkpoint fails before any data is read."""
+    path = Path(path)
+    shapes = config.tensor_shapes()
+    stored = {name: f for name, f in _tensor_files(path).items() if name.startswith(_VISION_PREFIXES)}
+    if not stored:
+        raise ValueError(f"checkpoint {path}: no vision tensors ({' / '.join(_VISION_PREFIXES)}*): a text-only "
+                         "checkpoint")
+    missing = [n for n in shapes if n not in stored]
+    if missing:
+        raise ValueError(f"checkpoint {path}: {len(missing)} vision tensor(s) missing, e.g. {missing[:5]}")
+    unexpected = [n for n in stored if n not in shapes]
+    if unexpected:
+        raise ValueError(f"checkpoint {path}: {len(unexpected)} vision tensor(s) not in the vision_config's layout, "
+                         f"e.g. {unexpected[:5]}")
+    by_file: dict[Path, list[str]] = {}
+    for name in shapes:
+        by_file.setdefault(stored[name], []).append(name)
+    for f, names in by_file.items():  # headers first: nothing is read from a checkpoint that does not fit
+        with _open(f) as handle:
+            for name in names:
+                s = handle.get_slice(name)
+                if tuple(s.get_shape()) != shapes[name]:
+                    raise ValueError(f"tensor {name!r}: shape {tuple(s.get_shape())} does not match vision_config "
+                                     f"(expected {shapes[name]})")
+                if not s.get_dtype().startswith(("F", "BF")):
+                    raise ValueError(f"tensor {name!r}: dtype {s.get_dtype()} is not floating point")
+    state: dict[str, torch.Tensor] = {}
+    for f, names in by_file.items():
+        with _open(f) as handle:
+            for name in names:
+                state[name] = handle.get_tensor(name).to(dtype=dtype, memory_format=torch.contiguous_format,
+                                                         copy=True)
+    return {name: state[name] for name in shapes}
+
+
+def load_vision_pretrained(cls, path: str | Path, dtype: torch.dtype, device: str | torch.device):
+    """`cls` (K3VisionModel) built from the checkpoint at `path`: its config.json's `vision_config`, checked
+    against the text config it sits beside, then the tensors (`load_vision_state_dict`)."""
+    path = Path(path)
+    if not (path / "config.json").exists():
+        raise ValueError(f"{path}: no config.json")
+    text = K3Config.from_json_file(path / "config.json")
+    vision = text.vision_config
+    if vision is None:
+        raise ValueError(f"{path / 'config.json'}: no vision_config (a text-only checkpoint)")
+    if vision.text_hidden_size != text.hidden_size:
+        raise ValueError(f"{path / 'config.json'} vision_config.text_hidden_size: {vision.text_hidden_size} differs "
+                         f"from text_config.hidden_size {text.hidden_size} (the projector writes text embeddings)")
+    state = load_vision_state_dict(path, vision, dtype)
+    with torch.device("meta"):
+        model = cls(vision)
+    model.load_state_dict(state, strict=True, assign=True)
+    return model.to(device)
+
+
 def as_stored(state: dict[str, torch.Tensor], config: K3Config) -> dict[str, torch.Tensor]:
     """`state` (logical names, fp32) as a save/load round trip returns it: with `config.experts_mxfp4`, the
     routed experts snapped to the MXFP4 grid (K3 ships them so); other tensors are the same objects.
@@ -399,12 +461,27 @@ def staged_dir(path: Path, *, last: str, stale: tuple[str, ...] = ()) -> Iterato
         raise
 
 
-def save_pretrained(model: torch.nn.Module, path: str | Path, max_shard_bytes: int = 4 << 30) -> None:
-    """Write config.json and safetensors (sharded with an index above `max_shard_bytes`), atomically."""
+def _vision_tensors(vision: torch.nn.Module, config: K3Config) -> dict[str, torch.Tensor]:
+    """The vision model's tensors as stored (its state-dict names are the checkpoint's), checked to be the
+    tower the text config's `vision_config` describes (a VL checkpoint has one config.json for both)."""
+    if not config.vl_wrapper:
+        raise ValueError("save_pretrained(vision=...): vision weights need K3's wrapper layout (vl_wrapper=True)")
+    if config.vision_config != vision.config:  # type: ignore[attr-defined]
+        raise ValueError("save_pretrained(vision=...): the vision model's config differs from the text config's "
+                         "vision_config (the checkpoint's config.json would describe another tower)")
+    return {name: t.detach().to("cpu").contiguous().clone() for name, t in vision.state_dict().items()}
+
+
+def save_pretrained(model: torch.nn.Module, path: str | Path, max_shard_bytes: int = 4 << 30,
+                    vision: torch.nn.Module | None = None) -> None:
+    """Write config.json and safetensors (sharded with an index above `max_shard_bytes`), atomically. With
+    `vision` (a `K3VisionModel` of the config's `vision_config`) its tensors go into the same shards and
+    index, unprefixed, as K3 ships them; without it the checkpoint holds the text model only."""
     config: K3Config = model.config  # type: ignore[assignment]
     path = Path(path)
+    extra = {} if vision is None else _vision_tensors(vision, config)
     with staged_dir(path, last="config.json", stale=("model*.safetensors", INDEX_FILE)) as tmp:
-        tensors = _stored_tensors(model, config)
+        tensors = {**_stored_tensors(model, config), **extra}
         shards: list[dict[str, torch.Tensor]] = [{}]
         size = 0
         for name, t in tensors.items():

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from miles_k3.model.vision_config import VisionConfig
+
 LAYER_KINDS = ("kda", "mla")
 GATE_FORMS = ("lower_bound", "softplus")
 OUTPUT_GATE_FORMS = ("full", "low_rank")
@@ -143,6 +145,17 @@ class K3Config:
         """eps of the AttnRes key norms: the model's rms_norm_eps."""
         return self.rms_norm_eps
 
+    @property
+    def vision_config(self) -> VisionConfig | None:
+        """The vision tower's config (the wrapper's `vision_config`), None for a text-only config."""
+        d = self.hf_wrapper_extras.get("vision_config")
+        return None if d is None else VisionConfig.from_hf_dict(d)
+
+    @property
+    def media_placeholder_token_id(self) -> int | None:
+        """The `<|media_pad|>` token id whose embeddings image features replace; None if the config has none."""
+        return self.hf_wrapper_extras.get("media_placeholder_token_id")
+
     def is_moe_layer(self, layer_idx: int) -> bool:
         return layer_idx >= self.first_dense_layers and self.num_experts > 0
 
@@ -198,11 +211,19 @@ class K3Config:
         for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
             v = getattr(self, name)
             need(v is None or 0 <= v < self.vocab_size, name, f"must lie in [0, vocab_size={self.vocab_size})")
+        media = self.media_placeholder_token_id
+        if media is not None and not (_is_int(media) and 0 <= media < self.vocab_size):
+            raise ValueError(f"K3Config.media_placeholder_token_id: must be an int in [0, vocab_size="
+                             f"{self.vocab_size}) (got {media!r})")
+        try:  # a bad vision key fails here, by name, before any model is built
+            self.vision_config
+        except ValueError as e:
+            raise ValueError(f"K3Config.{e}") from None
 
     # ----------------------------------------------------------------- presets
     @classmethod
     def from_preset(cls, name: str, **overrides: Any) -> "K3Config":
-        """Named configurations: k3, kimi-linear-48b-a3b, k3-small, k3-tiny (see PRESETS)."""
+        """Named configurations: k3, kimi-linear-48b-a3b, k3-small, k3-tiny, k3-tiny-vl (see PRESETS)."""
         if name not in PRESETS:
             raise ValueError(f"unknown K3 preset {name!r}; known: {sorted(PRESETS)}")
         return dataclasses.replace(PRESETS[name](), **overrides)
@@ -362,9 +383,24 @@ def _k3_tiny() -> K3Config:
     )
 
 
+# The tiny VL tokenizer's `<|media_pad|>` id (miles_k3/tasks/squares.py gives it the same id).
+TINY_MEDIA_PAD_ID = 3
+
+
+def _k3_tiny_vl() -> K3Config:
+    # k3-tiny's text model and a ~0.2M-parameter tower: 14-pixel patches, 8 x 8 position table (112-pixel
+    # images without interpolation), 2 x 2 merge into the 128-wide text model. Trains on a 2-core CPU.
+    vision = VisionConfig(vt_hidden_size=64, vt_num_hidden_layers=2, vt_num_attention_heads=4, qkv_hidden_size=64,
+                          vt_intermediate_size=128, patch_size=14, init_pos_emb_height=8, init_pos_emb_width=8,
+                          init_pos_emb_time=4, mm_hidden_size=64, text_hidden_size=128)
+    extras = {"media_placeholder_token_id": TINY_MEDIA_PAD_ID, "vision_config": vision.to_hf_dict()}
+    return _k3_tiny().replace(hf_wrapper_extras=extras)
+
+
 PRESETS = {
     "k3": _k3,
     "kimi-linear-48b-a3b": _kimi_linear_48b,
     "k3-small": _k3_small,
     "k3-tiny": _k3_tiny,
+    "k3-tiny-vl": _k3_tiny_vl,
 }

@@ -15,7 +15,9 @@ by K3's own text keys, and a config without them is Kimi-Linear:
 Every key read is either understood (mapped onto a K3Config field, or checked against the one value we
 implement, e.g. `mla_use_nope: true`, `num_nextn_predict_layers: 0`), or inert (HF's generic keys such
 as `use_cache`, and the wrapper's vision and media keys), which is carried through to the written
-config unchanged. Anything else is a ValueError naming the key: nothing is dropped silently.
+config unchanged. Anything else is a ValueError naming the key: nothing is dropped silently. The inert
+`vision_config` is still checked on read (`K3Config.validate` parses it into a `VisionConfig`: a bad
+vision key fails by name), and read typed through `K3Config.vision_config`.
 """
 
 from __future__ import annotations
@@ -115,6 +117,8 @@ def _fail(where: str, why: str) -> ValueError:
 
 def _key_of(field: str, vl_wrapper: bool) -> str:
     """The config.json key (with its section) that sets K3Config `field`, for error messages."""
+    if field.startswith("vision_config") or field == "media_placeholder_token_id":
+        return field  # the wrapper's own keys, beside text_config
     at = "text_config." if vl_wrapper else ""
     for fname, key, _ in _TEXT_KEYS:
         if fname == field:

@@ -3,6 +3,12 @@
 The loader reads the whole file into memory (RL prompt sets are thousands to a few million rows) and checks
 every row before training starts, so a bad row fails the run at load time with its file and line, not hours
 later when the sampler reaches it.
+
+Multimodal rows: a row's ``images`` (`PromptDataConfig.images_key`) lists its images in placeholder order,
+each a path relative to the data file, a data URL (``data:image/png;base64,...``: how a JSONL file writes
+an image inline), or bytes (a parquet binary column); a chat-message prompt may instead carry them as image
+content parts. Each file is checked to exist at load time, but no image is read or decoded until the
+record's `ImageRef` is processed, so text-only data never touches the image code.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from miles_k3.data.chat_template import render_prompt, validate_template
+from miles_k3.data.media import IMAGE_PLACEHOLDER, ImageRef, image_ref, message_images
 
 FORMATS = {".jsonl": "jsonl", ".parquet": "parquet"}
 
@@ -33,6 +40,9 @@ class PromptDataConfig:
     # keys copied into PromptRecord.metadata, each required in every row; None: every key other than the
     # prompt and label keys
     metadata_keys: tuple[str, ...] | None = None
+    # a row's images (a list; absent: the row is text-only), one per image placeholder in its prompt, in order;
+    # None: rows carry no images (the key is then ordinary metadata)
+    images_key: str | None = "images"
     # "hf": the tokenizer's own template (HF checkpoints) | None: the prompt verbatim | "chatml": the built-in
     # template (embedded tiny models) | a format string with {prompt} (miles_k3.data.chat_template)
     chat_template: str | None = None
@@ -58,6 +68,11 @@ class PromptDataConfig:
             raise fail("label_key", "must be None or a non-empty string")
         if self.label_key == self.prompt_key:
             raise fail("label_key", "must differ from prompt_key")
+        if self.images_key is not None:
+            if not isinstance(self.images_key, str) or not self.images_key:
+                raise fail("images_key", "must be None or a non-empty string")
+            if self.images_key in (self.prompt_key, self.label_key):
+                raise fail("images_key", "must differ from prompt_key and label_key")
         if self.metadata_keys is not None:
             if isinstance(self.metadata_keys, str):
                 raise fail("metadata_keys", f"must be None or a sequence of keys, not a string (write "
@@ -69,8 +84,8 @@ class PromptDataConfig:
             for k in keys:
                 if not isinstance(k, str) or not k:
                     raise fail("metadata_keys", f"entries must be non-empty strings ({k!r} is not)")
-                if k in (self.prompt_key, self.label_key):
-                    raise fail("metadata_keys", f"must not list the prompt or label key {k!r}")
+                if k in (self.prompt_key, self.label_key, self.images_key):
+                    raise fail("metadata_keys", f"must not list the prompt, label or images key {k!r}")
             if len(set(keys)) != len(keys):
                 raise fail("metadata_keys", "must not repeat a key")
             object.__setattr__(self, "metadata_keys", keys)
@@ -97,7 +112,9 @@ class PromptRecord:
     ``index`` is the record's 0-based position in the dataset (blank jsonl lines not counted); ``prompt`` the
     rendered string the engine tokenizes; ``raw_prompt`` the value as stored (string or message list);
     ``label`` the reference answer (None when the config has no label key); ``metadata`` the selected extra
-    keys. Records are shared between batches: treat ``raw_prompt`` and ``metadata`` as read-only.
+    keys; ``images`` the prompt's images, one per image placeholder in ``prompt``, in order (empty for a
+    text-only record; not read yet: `miles_k3.data.media.ImageRef`). Records are shared between batches: treat
+    ``raw_prompt`` and ``metadata`` as read-only.
     """
 
     index: int
@@ -105,6 +122,7 @@ class PromptRecord:
     raw_prompt: str | list[dict[str, str]]
     label: Any = None
     metadata: dict[str, Any] = field(default_factory=dict)
+    images: tuple[ImageRef, ...] = ()
 
 
 def load_prompts(config: PromptDataConfig, apply_chat: Callable[[list[dict[str, str]]], str] | None = None
@@ -116,7 +134,9 @@ def load_prompts(config: PromptDataConfig, apply_chat: Callable[[list[dict[str, 
     the parquet row (0-based, as pyarrow and pandas count) and the key for: malformed JSON, a line that is not
     a JSON object, a missing prompt / label / listed metadata key, a null label, a prompt that is neither a
     non-empty string nor a valid message list, a message list the template cannot render, an unreadable
-    parquet file, and an empty dataset.
+    parquet file, and an empty dataset; for images: an images value that is not a list, an entry that is
+    neither a path, a data URL nor bytes, a missing image file (naming the path), images both in content parts
+    and under the images key, and a placeholder count that differs from the image count.
     """
     path = Path(config.path)
     if not path.is_file():
@@ -124,7 +144,7 @@ def load_prompts(config: PromptDataConfig, apply_chat: Callable[[list[dict[str, 
     rows = read_jsonl_rows(path) if config.format == "jsonl" else _read_parquet(path)
     if config.chat_template == "hf" and apply_chat is None:
         raise ValueError("chat_template 'hf' needs the tokenizer's template (load_prompts(config, apply_chat))")
-    records = [_to_record(i, row, where, config, apply_chat) for i, (where, row) in enumerate(rows)]
+    records = [_to_record(i, row, where, config, apply_chat, path.parent) for i, (where, row) in enumerate(rows)]
     if not records:
         raise ValueError(f"{path}: empty dataset (no records)")
     return records
@@ -134,12 +154,16 @@ def dataset_fingerprint(records: list[PromptRecord]) -> str:
     """sha256 over every record's rendered prompt, raw prompt, label and metadata, in order.
 
     It identifies the data a sampler position points into: a changed file, row order, or rendering
-    (chat_template / system_prompt) changes it, so resuming a sampler against it fails loudly.
+    (chat_template / system_prompt) changes it, so resuming a sampler against it fails loudly. A record's
+    images count by path or inline-data hash (not file contents: nothing is read); a text-only record hashes
+    as it did before images existed.
     """
     h = hashlib.sha256()
     for r in records:
         # default=repr covers parquet values JSON cannot encode (bytes, datetime, Decimal) deterministically.
         item = [r.prompt, r.raw_prompt, r.label, r.metadata]
+        if r.images:
+            item.append([ref.fingerprint() for ref in r.images])
         h.update(json.dumps(item, sort_keys=True, ensure_ascii=False, default=repr).encode("utf-8"))
         h.update(b"\n")
     return h.hexdigest()
@@ -180,7 +204,8 @@ def _read_parquet(path: Path):
         yield f"{path} row {i} (0-based)", row
 
 
-def _to_record(index: int, row: dict[str, Any], where: str, c: PromptDataConfig, apply_chat=None) -> PromptRecord:
+def _to_record(index: int, row: dict[str, Any], where: str, c: PromptDataConfig, apply_chat=None,
+               base_dir: Path | None = None) -> PromptRecord:
     if c.prompt_key not in row:
         raise ValueError(f"{where}: missing prompt key {c.prompt_key!r} (keys: {sorted(row)})")
     raw = row[c.prompt_key]
@@ -199,11 +224,38 @@ def _to_record(index: int, row: dict[str, Any], where: str, c: PromptDataConfig,
         if label is None:
             # A null reference would score every sample as wrong: a data bug, not a zero reward.
             raise ValueError(f"{where}: label key {c.label_key!r} is null")
+    images = _images(row, raw, prompt, where, c, base_dir)
     if c.metadata_keys is None:
-        metadata = {k: v for k, v in row.items() if k not in (c.prompt_key, c.label_key)}
+        metadata = {k: v for k, v in row.items() if k not in (c.prompt_key, c.label_key, c.images_key)}
     else:
         missing = [k for k in c.metadata_keys if k not in row]
         if missing:
             raise ValueError(f"{where}: missing metadata key {missing[0]!r} (keys: {sorted(row)})")
         metadata = {k: row[k] for k in c.metadata_keys}
-    return PromptRecord(index=index, prompt=prompt, raw_prompt=raw, label=label, metadata=metadata)
+    return PromptRecord(index=index, prompt=prompt, raw_prompt=raw, label=label, metadata=metadata,
+                        images=images)
+
+
+def _images(row: dict[str, Any], raw: Any, prompt: str, where: str, c: PromptDataConfig,
+            base_dir: Path | None) -> tuple[ImageRef, ...]:
+    """The row's image references (paths checked to exist, nothing read), matched against the placeholders."""
+    base_dir = base_dir if base_dir is not None else Path(".")
+    parts = message_images(raw, base_dir=base_dir, where=f"{where}: key {c.prompt_key!r}") \
+        if isinstance(raw, list) else []
+    listed: list[ImageRef] = []
+    if c.images_key is not None and row.get(c.images_key) is not None:
+        value = row[c.images_key]
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"{where}: key {c.images_key!r} must be a list of images (paths, data URLs), "
+                             f"got {type(value).__name__}")
+        listed = [image_ref(v, base_dir=base_dir, where=f"{where}: key {c.images_key!r} item {k}")
+                  for k, v in enumerate(value)]
+    if parts and listed:
+        raise ValueError(f"{where}: images both in the prompt's content parts ({len(parts)}) and under key "
+                         f"{c.images_key!r} ({len(listed)}); give them one way")
+    images = tuple(parts or listed)
+    n = prompt.count(IMAGE_PLACEHOLDER)
+    if n != len(images):
+        raise ValueError(f"{where}: the prompt has {n} image placeholder(s) {IMAGE_PLACEHOLDER} but the row "
+                         f"has {len(images)} image(s)")
+    return images

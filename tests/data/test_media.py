@@ -171,3 +171,86 @@ def test_message_images_name_the_part_of_a_bad_image():
     with pytest.raises(ValueError, match=r"request: message 0 part 0: image paths are not accepted here"):
         message_images([{"role": "user", "content": [{"type": "image", "image": "a.png"}]}], base_dir=None,
                        where="request")
+
+
+# --- multimodal rows in the data loader ---
+
+def write_jsonl(path, rows):
+    import json
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_jsonl_images_load_in_order_lazily_and_relative_to_the_file(tmp_path, monkeypatch):
+    from miles_k3.data import PromptDataConfig, dataset_fingerprint, load_prompts
+    from miles_k3.data import image_processor
+
+    (tmp_path / "imgs").mkdir()
+    (tmp_path / "imgs" / "a.png").write_bytes(b"not decoded at load")
+    url = encode_data_url(b"inline")
+    data = write_jsonl(tmp_path / "d.jsonl", [
+        {"prompt": f"{PH}vs{PH}?", "label": 1, "images": ["imgs/a.png", url], "extra": 7},
+        {"prompt": "text only", "label": 2},
+    ])
+    # Nothing decodes an image while loading.
+    monkeypatch.setattr(image_processor, "open_image", lambda *a, **k: pytest.fail("decoded at load time"))
+    r0, r1 = load_prompts(PromptDataConfig(path=str(data)))
+    assert [ref.source for ref in r0.images] == [str((tmp_path / "imgs" / "a.png").resolve()), url]
+    assert r0.images[1].load() == b"inline" and r0.metadata == {"extra": 7} and r1.images == ()
+    # images count in the fingerprint; a text-only record hashes as before
+    assert dataset_fingerprint([r0]) != dataset_fingerprint([type(r0)(0, r0.prompt, r0.raw_prompt, 1, {"extra": 7})])
+    assert dataset_fingerprint([r1]) == dataset_fingerprint([type(r1)(1, "text only", "text only", 2, {})])
+
+
+def test_chat_rows_take_their_images_from_content_parts(tmp_path):
+    from miles_k3.data import PromptDataConfig, load_prompts
+
+    (tmp_path / "b.png").write_bytes(b"x")
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": MESSAGES, "label": 1}])
+    (r,) = load_prompts(PromptDataConfig(path=str(data), chat_template="chatml"))
+    assert r.prompt.count(PH) == 2 and [x.source for x in r.images] == [URL, str((tmp_path / "b.png").resolve())]
+
+
+@pytest.mark.parametrize("row, match", [
+    ({"prompt": PH, "label": 1, "images": ["missing.png"]},
+     r"d\.jsonl line 1: key 'images' item 0: image file 'missing.png' not found"),
+    ({"prompt": PH, "label": 1, "images": "a.png"}, r"line 1: key 'images' must be a list of images"),
+    ({"prompt": PH, "label": 1, "images": [5]}, r"line 1: key 'images' item 0: an image must be a path"),
+    ({"prompt": f"{PH}{PH}", "label": 1, "images": ["a.png"]},
+     r"line 1: the prompt has 2 image placeholder\(s\) .* but the row has 1 image\(s\)"),
+    ({"prompt": "no placeholder", "label": 1, "images": ["a.png"]}, r"the prompt has 0 image placeholder"),
+    ({"prompt": [{"role": "user", "content": [{"type": "image", "image": "a.png"}]}], "label": 1, "images": ["a.png"]},
+     r"line 1: images both in the prompt's content parts \(1\) and under key 'images' \(1\)"),
+])
+def test_bad_image_rows_fail_naming_the_record(tmp_path, row, match):
+    from miles_k3.data import PromptDataConfig, load_prompts
+
+    (tmp_path / "a.png").write_bytes(b"x")
+    data = write_jsonl(tmp_path / "d.jsonl", [row])
+    with pytest.raises(ValueError, match=match):
+        load_prompts(PromptDataConfig(path=str(data), chat_template="chatml"))
+
+
+def test_images_key_none_keeps_the_key_as_metadata_and_bad_keys_fail(tmp_path):
+    from miles_k3.data import PromptDataConfig, load_prompts
+
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "p", "label": 1, "images": "not images"}])
+    (r,) = load_prompts(PromptDataConfig(path=str(data), images_key=None))
+    assert r.images == () and r.metadata == {"images": "not images"}
+    with pytest.raises(ValueError, match=r"PromptDataConfig\.images_key must differ from prompt_key"):
+        PromptDataConfig(path="d.jsonl", images_key="prompt")
+    with pytest.raises(ValueError, match=r"PromptDataConfig\.images_key must be None or a non-empty string"):
+        PromptDataConfig(path="d.jsonl", images_key="")
+    with pytest.raises(ValueError, match=r"PromptDataConfig\.metadata_keys must not list the prompt, label or images"):
+        PromptDataConfig(path="d.jsonl", metadata_keys=["images"])
+
+
+def test_a_parquet_binary_column_holds_image_bytes(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from miles_k3.data import PromptDataConfig, load_prompts
+
+    pq.write_table(pa.table({"prompt": [PH], "label": [3], "images": [[b"\x89PNG..."]]}), tmp_path / "d.parquet")
+    (r,) = load_prompts(PromptDataConfig(path=str(tmp_path / "d.parquet")))
+    assert r.images[0].load() == b"\x89PNG..." and r.images[0].name.endswith("image bytes (7 bytes)")

@@ -30,12 +30,12 @@ def grid_bounds(grids: list[Grid]) -> list[int]:
     return out
 
 
-def sincos_time_embedding(dim: int, frames: int, dtype: torch.dtype) -> torch.Tensor:
+def sincos_time_embedding(dim: int, frames: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """The fixed time term [frames, dim]: [sin(f w_i) | cos(f w_i)] with w_i = 10000^(-i / (dim / 2)),
     i < dim / 2, frame f (computed in fp32, fp64 for fp64)."""
     real = _real(dtype)
-    omega = 1.0 / ROPE_THETA ** (torch.arange(dim // 2, dtype=real) / (dim / 2.0))
-    angles = torch.outer(torch.arange(frames, dtype=real), omega)
+    omega = 1.0 / ROPE_THETA ** (torch.arange(dim // 2, dtype=real, device=device) / (dim / 2.0))
+    angles = torch.outer(torch.arange(frames, dtype=real, device=device), omega)
     return torch.cat([angles.sin(), angles.cos()], dim=1).to(dtype)
 
 
@@ -51,7 +51,7 @@ def position_embedding(table: torch.Tensor, grids: list[Grid], mode: str) -> tor
             spatial = F.interpolate(table.permute(2, 0, 1).unsqueeze(0), size=(h, w), mode=mode,
                                     align_corners=False).squeeze(0).permute(1, 2, 0).reshape(h * w, -1)
         if t > 1:
-            time = sincos_time_embedding(table.shape[-1], t, table.dtype)
+            time = sincos_time_embedding(table.shape[-1], t, table.dtype, table.device)
             spatial = (spatial.unsqueeze(0) + time.unsqueeze(1)).reshape(t * h * w, -1)
         out.append(spatial)
     return torch.cat(out)

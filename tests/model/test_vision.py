@@ -198,3 +198,23 @@ def test_bad_shapes_fail_by_name():
         model.encode(torch.zeros(16, 3, 16, 16), torch.tensor([[1, 4, 4]]))
     with pytest.raises(ValueError, match=r"grid_thw must be an integer tensor \[n_images, 3\]"):
         model.encode(torch.zeros(16, 3, 14, 14), torch.tensor([4, 4]))
+
+
+def test_every_table_is_made_on_the_model_device():
+    """The meta device stands in for CUDA: a table made on the CPU would not mix with the meta weights."""
+    with torch.device("meta"):
+        model = K3VisionModel(CFG)
+    out = model.encode(torch.zeros(64 + 48, 3, 14, 14), torch.tensor([[1, 8, 8], [2, 4, 6]]))
+    assert out.device.type == "meta" and out.shape == (16 + 6, 128)
+
+
+def test_the_interpolation_mode_is_the_configs():
+    """bicubic (what some ports read the released tower as using) resizes differently; at the table's own
+    size there is nothing to resize."""
+    w = _random_weights()
+    bicubic = K3VisionModel(CFG.replace(pos_emb_interpolation_mode="bicubic")).double().eval()
+    bicubic.load_state_dict(w, strict=True)
+    pixels = _pixels(GRIDS[:2], seed=6)
+    with torch.no_grad():
+        a, b = _model(w).encode(pixels, torch.tensor(GRIDS[:2])), bicubic.encode(pixels, torch.tensor(GRIDS[:2]))
+    assert torch.equal(a[:16], b[:16]) and not torch.allclose(a[16:], b[16:])

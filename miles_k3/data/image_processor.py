@@ -33,7 +33,7 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple, Union
+from typing import TYPE_CHECKING, Any, NamedTuple, Union
 
 import numpy as np
 import torch
@@ -51,7 +51,9 @@ IGNORED_KEYS = frozenset({
     "config_type",  # the publisher's class name for this block
 })
 
-ImageInput = Union["PIL.Image.Image", str, os.PathLike, bytes]  # noqa: F821 (PIL is imported lazily)
+if TYPE_CHECKING:  # PIL is imported when an image is first processed, not with this module
+    from PIL.Image import Image as PILImage
+ImageInput = Union["PILImage", str, os.PathLike, bytes]
 
 
 def _pil():

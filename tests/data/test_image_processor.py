@@ -133,7 +133,8 @@ def test_inputs_pil_path_and_bytes_agree_and_the_hash_tracks_the_pixels(tmp_path
     data = png_bytes(img)
     (tmp_path / "a.png").write_bytes(data)
     proc = ImageProcessor(K3)
-    outs = [proc.process(img), proc.process(data), proc.process(tmp_path / "a.png"), proc.process(str(tmp_path / "a.png"))]
+    path = tmp_path / "a.png"
+    outs = [proc.process(img), proc.process(data), proc.process(path), proc.process(str(path))]
     assert len({o.content_hash for o in outs}) == 1 and len(outs[0].content_hash) == 32
     assert all(torch.equal(o.pixel_values, outs[0].pixel_values) for o in outs)
     other = proc.process(Image.new("RGB", (30, 30), (1, 2, 4)))
@@ -173,6 +174,18 @@ def test_a_corrupt_or_missing_image_fails_in_one_line_naming_it(tmp_path):
         proc.process(b"\x89PNG\r\n\x1a\n garbage", name="row 3")
     with pytest.raises(ValueError, match="must be a PIL image, a path or image-file bytes, got int"):
         proc.process(3)
+
+
+def test_jpeg_and_palette_images_process_to_rgb():
+    buf = io.BytesIO()
+    Image.new("RGB", (40, 30), (250, 5, 5)).save(buf, format="JPEG", quality=95)
+    out = ImageProcessor(K3).process(buf.getvalue())
+    assert out.grid_thw == (1, 4, 4) and out.size == (40, 30)
+    assert abs(float(out.pixel_values[0, 0, 0, 0]) - (250 / 255 * 2 - 1)) < 0.05  # lossy, close to red
+    pal = Image.new("P", (28, 28), 0)
+    pal.putpalette([0, 200, 0] + [0] * 765)
+    assert torch.allclose(ImageProcessor(K3).process(pal).pixel_values[0, :, 0, 0],
+                          torch.tensor([-1.0, 200 / 255 * 2 - 1, -1.0]), atol=1e-6)
 
 
 # --- the config file ---

@@ -147,7 +147,8 @@ class K3Config:
 
     @property
     def vision_config(self) -> VisionConfig | None:
-        """The vision tower's config (the wrapper's `vision_config`), None for a text-only config."""
+        """The vision tower's config (the wrapper's `vision_config`, parsed; checked when this config is made),
+        None for a text-only config."""
         d = self.hf_wrapper_extras.get("vision_config")
         return None if d is None else VisionConfig.from_hf_dict(d)
 
@@ -383,7 +384,7 @@ def _k3_tiny() -> K3Config:
     )
 
 
-# The tiny VL tokenizer's `<|media_pad|>` id (miles_k3/tasks/squares.py gives it the same id).
+# k3-tiny-vl's `<|media_pad|>` id: the tiny VL tokenizer (miles_k3/tasks/squares.py) must give the pad this id.
 TINY_MEDIA_PAD_ID = 3
 
 

@@ -25,8 +25,9 @@ def test_ids_are_frozen_and_fit_the_tiny_model():
                              "<|media_end|>")
     assert (TOK.pad_token_id, TOK.bos_token_id, TOK.eos_token_id, TOK.media_pad_token_id) == (0, 1, 2, 3)
     assert MEDIA_PAD_ID == 3 and TOK.encode(" a") == [7, 8] and TOK.vocab_size == 81
-    tiny = K3Config.from_preset("k3-tiny")
+    tiny = K3Config.from_preset("k3-tiny-vl")
     assert TOK.vocab_size <= tiny.vocab_size and (tiny.pad_token_id, tiny.bos_token_id, tiny.eos_token_id) == (0, 1, 2)
+    assert tiny.media_placeholder_token_id == TOK.media_pad_token_id  # the features land on this tokenizer's pads
 
 
 def test_an_expanded_prompt_round_trips_with_one_id_per_media_token():

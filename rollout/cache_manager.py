@@ -70,6 +70,11 @@ class Running:
         """More than the next input token is still to be computed."""
         return len(self.tokens) - self.pos > 1
 
+    @property
+    def keys(self) -> list[int]:
+        """`tokens` as the prefix tree keys them (the ids, media pads as their images' keys: `rollout.media`)."""
+        return self.req.cache_keys(self.tokens)
+
 
 class CacheManager:
     def __init__(self, model_config: K3Config, config: EngineConfig, dtype: torch.dtype, device: torch.device,
@@ -122,11 +127,13 @@ class CacheManager:
 
     # ------------------------------------------------------- admission
     def match(self, adapter: str | None, tokens: list[int]) -> MatchResult:
-        """The longest usable cached prefix of `tokens` (touches it for LRU; allocates nothing)."""
+        """The longest usable cached prefix of `tokens`, the tree's keys (`Request.cache_keys`: the ids of a
+        request without media). Touches it for LRU; allocates nothing."""
         return self.cache_for(adapter).match_prefix(tokens)
 
     def admit(self, req: Request, tokens: list[int], m: MatchResult) -> Running | None:
-        """Lock `m`'s prefix, give the request a working slot restored from `m`'s checkpoint (zeroed on a
+        """`tokens`: the request's ids (prompt and outputs so far); `m`: the match of their cache keys.
+        Lock `m`'s prefix, give the request a working slot restored from `m`'s checkpoint (zeroed on a
         miss) and its pages. None when no slot can be freed: nothing is held then.
 
         Unified memory: the slot and the pages of the rest of the prompt are taken together (`_reserve`),
@@ -147,7 +154,7 @@ class CacheManager:
         if self.arena is not None and self.arena.version != version:
             # blocks were freed or moved since the match, so m's ids may be stale: match again (the lock kept
             # m's pages, nothing was inserted: the new hit is m's, renamed, or shallower)
-            fresh = cache.match_prefix(tokens)
+            fresh = cache.match_prefix(req.cache_keys(tokens))
             cache.lock(fresh.node)
             cache.unlock(m.node)
             m = fresh
@@ -311,7 +318,7 @@ class CacheManager:
         holds two copies of a prefix: its footprint stays what `submit` checked against the pool. The
         freed pages are only rewritten by later kernels on the same stream."""
         full = (r.pos if end is None else end) // self.config.page_size
-        res = r.cache.insert(r.tokens, r.pages[:full], checkpoints)
+        res = r.cache.insert(r.keys, r.pages[:full], checkpoints)
         r.pages[:full] = res.pages
         self.kv.allocator.free(res.duplicate_pages)
         r.tree_pages = full

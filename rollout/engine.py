@@ -4,6 +4,10 @@
     outs = engine.generate([[1, 5, 7], [1, 5, 9]], SamplingParams(temperature=0))
     rid = engine.submit([1, 5, 7], SamplingParams(max_new_tokens=16)); engine.step() ...
     for token, logprob in engine.stream([1, 5, 7], SamplingParams()): ...
+    engine.submit(ids_with_pads, images=[ImageFeatures(features, content_hash)])  # or ProcessedImages + vision=
+
+A prompt's images (`rollout.media`) replace the embeddings at its media pad tokens during prefill, and the
+prefix cache keys those pads by image content, so prompts with other images share nothing past the first.
 
 Each `step()` runs one forward: the scheduler's plan (`rollout.scheduler`) is a prefill batch (chunks of
 several requests packed under the `max_prefill_tokens` budget, ending on `chunk_size` boundaries) or one
@@ -29,6 +33,7 @@ from rollout.config import EngineConfig
 from rollout.decode import DecodePipeline, strategy_for
 from rollout.forward import DecodeGraphs
 from rollout.lora import AdapterPool
+from rollout.media import Image, MediaEncoder, PromptMedia, packed_media
 from rollout.memory import KDAStatePool, KVPagePool
 from rollout.model_runner import ModelRunner
 from rollout.parallel import CallChannel, EngineTP, tensor_spec
@@ -38,7 +43,11 @@ from rollout.scheduler import Scheduler
 
 
 class Engine:
-    def __init__(self, model: K3ForCausalLM, config: EngineConfig, adapters: AdapterPool | None = None):
+    def __init__(self, model: K3ForCausalLM, config: EngineConfig, adapters: AdapterPool | None = None, *,
+                 vision: torch.nn.Module | None = None, media_token_id: int | None = None):
+        """`vision`: the model that encodes `ProcessedImage`s (`K3VisionModel`; without it requests bring
+        `ImageFeatures`). `media_token_id`: the prompt token whose embeddings image features replace (default:
+        the checkpoint config's `media_placeholder_token_id`; a sharded engine's ranks take rank 0's features)."""
         self.model, self.config, self.adapters = model, config, adapters
         tp = self.tp = model.model.tp
         if tp.size > 1 and not isinstance(tp, EngineTP):
@@ -51,6 +60,10 @@ class Engine:
         if self.channel is not None and tp.broadcast_object(config) != config:
             raise ValueError(f"rank {tp.rank}: EngineConfig differs from rank 0's; build every rank alike")
         self.runner = ModelRunner(model, config, adapters)  # checks the model-side settings first
+        if media_token_id is None:
+            media_token_id = model.config.media_placeholder_token_id
+        self.media = MediaEncoder(vision, media_token_id, model.config.hidden_size, self.runner.device,
+                                  self.runner.dtype)
         self.memory = CacheManager(model.config, config, self.runner.dtype, self.runner.device, tp_size=tp.size)
         self.runner.use_pools(self.memory.kv, self.memory.states)
         strategy = strategy_for(self.runner, config)
@@ -121,9 +134,11 @@ class Engine:
 
     # -------------------------------------------------------------------- API
     def submit(self, prompt_ids: list[int], params: SamplingParams | None = None, adapter: str | None = None,
-               stream: bool = False) -> int:
+               stream: bool = False, images: list[Image] | None = None) -> int:
         """Queue a request; returns its id. Bad requests raise ValueError and leave the engine untouched.
-        With `stream`, the engine keeps the request's (token, log-prob) pairs for `take_tokens`."""
+        With `stream`, the engine keeps the request's (token, log-prob) pairs for `take_tokens`. `images`: the
+        prompt's images in order (`ImageFeatures` or `ProcessedImage`), covering its media pad tokens in order
+        (`rollout.media`); an image's features are computed once while requests share them."""
         self._caller()
         params = params or SamplingParams()
         prompt_ids = [int(t) for t in prompt_ids]
@@ -143,14 +158,18 @@ class Engine:
             if self.adapters is None:
                 raise ValueError(f"unknown adapter {adapter!r}: this engine has no adapter pool")
             self.adapters.slot_of(adapter)  # ValueError for an unknown name
+        media = self.media.place(prompt_ids, images)  # the last check: it may run the vision model
         seed = params.seed
         if seed is None and self.channel is not None:
             # every rank samples the request alike: from one generator, seeded by rank 0's stream
             seed = int(torch.randint(0, 2**62, (1,)))
-        req = Request(prompt_ids, params, adapter)
+        req = Request(prompt_ids, params, adapter, media=media)
         self._add(req, seed, stream)
         if self.channel is not None:
-            self.channel.record("submit", prompt_ids, params, adapter, req.request_id, seed)
+            self.channel.record("submit", prompt_ids, params, adapter, req.request_id, seed,
+                                None if media is None else [(base, f.shape[0]) for f, base in media.images])
+            if media is not None:  # the followers take rank 0's features (no vision model there)
+                self.channel.flush({str(i): f for i, (f, _) in enumerate(media.images)}, self.runner.device)
         return req.request_id
 
     def _add(self, req: Request, seed: int | None, stream: bool) -> None:
@@ -191,20 +210,26 @@ class Engine:
         return self.scheduler.has_work()
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,
-                 adapter: str | None | list[str | None] = None) -> list[Completion]:
-        """Run a batch to completion; completions in prompt order. `params` and `adapter` may be per prompt."""
+                 adapter: str | None | list[str | None] = None,
+                 images: list[list[Image] | None] | None = None) -> list[Completion]:
+        """Run a batch to completion; completions in prompt order. `params` and `adapter` may be per prompt;
+        `images`, when given, is per prompt (None or [] for a text prompt)."""
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         alist = adapter if isinstance(adapter, list) else [adapter] * len(prompts)
-        ids = [self.submit(p, sp, a) for p, sp, a in zip(prompts, plist, alist)]
+        if images is not None and len(images) != len(prompts):
+            raise ValueError(f"images must hold one entry per prompt ({len(prompts)}), got {len(images)}")
+        ilist = images if images is not None else [None] * len(prompts)
+        ids = [self.submit(p, sp, a, images=im) for p, sp, a, im in zip(prompts, plist, alist, ilist)]
         done: dict[int, Completion] = {}
         while len(done) < len(ids):
             for c in self.step():
                 done[c.request_id] = c
         return [done[i] for i in ids]
 
-    def stream(self, prompt_ids: list[int], params: SamplingParams | None = None) -> Iterator[tuple[int, float]]:
+    def stream(self, prompt_ids: list[int], params: SamplingParams | None = None,
+               images: list[Image] | None = None) -> Iterator[tuple[int, float]]:
         """Yield (token, log-prob) as they are sampled, stepping the engine (other requests progress too)."""
-        rid = self.submit(prompt_ids, params, stream=True)
+        rid = self.submit(prompt_ids, params, stream=True, images=images)
         try:
             while True:
                 finished = {c.request_id for c in self.step()}
@@ -239,11 +264,15 @@ class Engine:
         return self._completed
 
     def _prefill(self, plan: list[tuple[Running, int]]) -> None:
-        """One packed forward over the planned chunks; each chunk's prefix goes to the radix cache, and a
-        request whose prompt is now complete samples its first token."""
+        """One packed forward over the planned chunks, with the rows of the images whose pads they cover (a
+        chunk may start or end inside an image); each chunk's prefix goes to the radix cache, and a request
+        whose prompt is now complete samples its first token."""
         batch = [r for r, _ in plan]
         lengths = [end - r.pos for r, end in plan]
-        logits = self.runner.forward(batch, [t for r, end in plan for t in r.tokens[r.pos:end]], lengths)
+        media = packed_media([(r.req.media, r.pos, end) for r, end in plan], self.runner.device)
+        ids = [t for r, end in plan for t in r.tokens[r.pos:end]]
+        # media only when there is some: a text prefill's call is the one it always was
+        logits = self.runner.forward(batch, ids, lengths, **({} if media is None else {"media": media}))
         done = []
         for i, (r, end) in enumerate(plan):
             r.pos = end
@@ -346,8 +375,15 @@ class Engine:
                 if name == "step":
                     self._step()
                 elif name == "submit":
-                    prompt_ids, params, adapter, request_id, seed = args
-                    self._add(Request(prompt_ids, params, adapter, request_id=request_id), seed, False)
+                    prompt_ids, params, adapter, request_id, seed, images = args
+                    media = None
+                    if images is not None:  # rank 0's features follow the message, one tensor per image
+                        d, dtype = self.model.config.hidden_size, self.runner.dtype
+                        spec = [(str(i), (n, d), dtype) for i, (_, n) in enumerate(images)]
+                        feats = self.channel.receive_tensors(spec, self.runner.device).values()
+                        media = PromptMedia(prompt_ids, self.media.pads(prompt_ids),
+                                            [(f, base) for f, (base, _) in zip(feats, images)])
+                    self._add(Request(prompt_ids, params, adapter, request_id=request_id, media=media), seed, False)
                 elif name == "abort":
                     self._abort(args[0])
                 elif name in ("add_adapter", "update_adapter"):

@@ -28,7 +28,7 @@ from typing import TypeVar
 import torch
 
 from miles_k3.model.layers import K3DecoderLayer, KDAMixer
-from miles_k3.model.modeling import K3ForCausalLM, K3Model
+from miles_k3.model.modeling import K3ForCausalLM, K3Model, MediaEmbeds
 from rollout.linears import share_input_gemms
 from rollout.lora import AdapterPool
 from rollout.memory import KDAStatePool, KVPagePool
@@ -80,11 +80,13 @@ def store_fp32_reads(model: K3ForCausalLM) -> None:
 
 
 def model_step(model: K3ForCausalLM, ids: torch.Tensor, cache: PoolStateCache,
-               cu_seqlens: torch.Tensor | None, every_token: bool = False) -> torch.Tensor:
+               cu_seqlens: torch.Tensor | None, every_token: bool = False,
+               media: MediaEmbeds | None = None) -> torch.Tensor:
     """ids [N, 1] (decode) or [1, sum T] with `cu_seqlens` (packed prefill) -> logits [N, V] at each
-    request's last new token; with `every_token`, logits [sum T, V] at every new token (a verify step)."""
+    request's last new token; with `every_token`, logits [sum T, V] at every new token (a verify step).
+    `media`: image features for the step's media pads (a prefill; positions index the flattened ids)."""
     prepare_model(model)
-    h = model.model.hidden(ids, cache, cu_seqlens)
+    h = model.model.hidden(ids, cache, cu_seqlens, media=media)
     if every_token:
         return model.logits(h.flatten(0, 1))
     last = h[:, -1] if cu_seqlens is None else h[0, cu_seqlens[1:] - 1]

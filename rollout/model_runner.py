@@ -25,7 +25,7 @@ from miles_k3.model.config import K3Config
 from miles_k3.model.layout import tensor_shapes
 from miles_k3.model.linear import SINGLE, ExpertsSpec, LinearSpec, TensorParallel
 from miles_k3.model.lora_spec import LoraSpec
-from miles_k3.model.modeling import K3ForCausalLM
+from miles_k3.model.modeling import K3ForCausalLM, MediaEmbeds
 from miles_k3.model.moe import RoutedExperts
 from rollout.config import EngineConfig
 from rollout.forward import DecodeGraphs, model_step
@@ -256,21 +256,23 @@ class ModelRunner:
 
     # --------------------------------------------------------- forward
     def forward(self, batch: list[Running], ids: list[int] | torch.Tensor, lengths: list[int], *,
-                every_token: bool = False, cache_class: type[PoolStateCache] = PoolStateCache) -> torch.Tensor:
+                every_token: bool = False, cache_class: type[PoolStateCache] = PoolStateCache,
+                media: MediaEmbeds | None = None) -> torch.Tensor:
         """One model step over `batch`: request n brings lengths[n] tokens (ids, request by request; a device
         tensor [N] for a decode step fed from the previous step's samples) at positions from its `pos`,
         its pages covering them. Returns logits [N, V] at each request's last new token, or with
         `every_token` [sum lengths, V] at every new token, request by request (a speculative verify step;
         eager, never from a decode graph). `cache_class`: the eager step's cache over the pools (a speculative
-        verify passes one that writes no KDA state; it implies an eager step). Enqueues work without waiting
-        for the device."""
+        verify passes one that writes no KDA state; it implies an eager step). `media`: image features at the
+        step's media pads (`rollout.media.packed_media`; a step with them is eager). Enqueues work without
+        waiting for the device."""
         if not torch.is_tensor(ids):
             ids = to_device(ids, self.device)
         packed = every_token or any(t > 1 for t in lengths)  # a verify step is always one packed row
         if self.adapters is not None:
             self.adapters.set_batch([self.adapters.slot_of(r.req.adapter) for r in batch],
                                     lengths if packed else 1)
-        graphed = not packed and cache_class is PoolStateCache and self.graphs is not None
+        graphed = not packed and cache_class is PoolStateCache and media is None and self.graphs is not None
         if graphed and self.graphs.usable(len(batch), max(r.pos for r in batch) + 1):
             return self.graphs.run(ids, [r.slot for r in batch], [r.pos for r in batch], [r.pages for r in batch])
         layout = BatchLayout.build(self.kv, [r.slot for r in batch], [r.pos for r in batch], lengths,
@@ -282,4 +284,4 @@ class ModelRunner:
         else:
             ids_t, cu = ids[:, None], None
         with torch.inference_mode():
-            return model_step(self.model, ids_t, cache, cu, every_token)
+            return model_step(self.model, ids_t, cache, cu, every_token, media)

@@ -8,6 +8,10 @@ and conv state after exactly `end` tokens. Checkpoints sit at chunk boundaries (
 `chunk_size`), sparsely: at most `max_checkpoints_per_path` per root-to-leaf path (LRU, branch points
 kept longest), and they are evicted independently of their KV, leaving the node a tombstone.
 
+The "tokens" the tree compares are a request's cache keys (`Request.cache_keys`): its token ids, with the
+media pads of a prompt with images replaced by negative keys of the image's content (`rollout.media`), so
+prompts with other images part at their first pad.
+
 Terms: a node owns the tokens and KV pages of the edge into it and ends at token position `end`; its
 `checkpoint` is a state slot or None. Page ids and slot ids index `rollout.memory` pools; the cache
 owns the ids it holds and frees them into the allocators it was given when it evicts.

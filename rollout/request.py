@@ -6,6 +6,10 @@ import enum
 import itertools
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rollout.media import PromptMedia
 
 _ids = itertools.count()
 
@@ -79,10 +83,16 @@ class Request:
     finish_reason: FinishReason | None = None
     cached_tokens: int = 0
     retractions: int = 0
+    media: PromptMedia | None = None  # the prompt's images (`rollout.media`): features at its pad tokens
 
     @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    def cache_keys(self, tokens: list[int]) -> list[int]:
+        """`tokens` (this request's prompt, then outputs) as its prefix tree keys them: the ids themselves, with
+        the prompt's media pads replaced by their images' keys (`rollout.media`)."""
+        return tokens if self.media is None else self.media.keys(tokens)
 
     def completion(self) -> Completion:
         return Completion(self.request_id, list(self.prompt_ids), list(self.output_ids),

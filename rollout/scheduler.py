@@ -86,13 +86,14 @@ class Scheduler:
         prefilling: dict[tuple[str | None, tuple[int, ...]], list[Running]] = {}
         for r in self.running:
             if r.prefilling:
-                prefilling.setdefault((r.req.adapter, tuple(r.tokens[:c])), []).append(r)
+                prefilling.setdefault((r.req.adapter, tuple(r.keys[:c])), []).append(r)
         deferred: list[Request] = []
         while self.waiting and len(self.running) < self.config.max_running:
             req = self.waiting.popleft()
             tokens = req.all_ids
-            m = self.memory.match(req.adapter, tokens)
-            if self._prefill_to_share(tokens, m.prefix_len, prefilling.get((req.adapter, tuple(tokens[:c])), ())):
+            keys = req.cache_keys(tokens)  # what the tree compares: media pads keyed by their image
+            m = self.memory.match(req.adapter, keys)
+            if self._prefill_to_share(keys, m.prefix_len, prefilling.get((req.adapter, tuple(keys[:c])), ())):
                 deferred.append(req)
                 continue
             r = self.memory.admit(req, tokens, m)
@@ -102,20 +103,21 @@ class Scheduler:
             r.generator = self.generators.get(req.request_id)
             self.running.append(r)
             if r.prefilling:
-                prefilling.setdefault((req.adapter, tuple(tokens[:c])), []).append(r)
+                prefilling.setdefault((req.adapter, tuple(keys[:c])), []).append(r)
         self.waiting.extendleft(reversed(deferred))
 
-    def _prefill_to_share(self, tokens: list[int], cached: int, prefillers: Iterable[Running]) -> bool:
-        """Whether a request with `tokens` (`cached` of them restorable now) should wait for one of
+    def _prefill_to_share(self, keys: list[int], cached: int, prefillers: Iterable[Running]) -> bool:
+        """Whether a request with cache `keys` (`cached` of them restorable now) should wait for one of
         `prefillers` (running, same prefix tree, same first chunk): one of them has not yet computed a
         chunk-aligned prefix it shares with the request and that goes beyond `cached`. A hit restores at a
-        chunk boundary strictly before the last token, so only that far counts."""
+        chunk boundary strictly before the last token, so only that far counts. Keys, not ids: a prompt with
+        other images shares nothing past its first pad."""
         c = self.config.chunk_size
-        reachable = (len(tokens) - 1) // c * c
+        reachable = (len(keys) - 1) // c * c
         for r in prefillers:
-            shared = 0
-            end = min(reachable, (len(r.tokens) - 1) // c * c)
-            while shared < end and tokens[shared:shared + c] == r.tokens[shared:shared + c]:
+            shared, theirs = 0, r.keys
+            end = min(reachable, (len(theirs) - 1) // c * c)
+            while shared < end and keys[shared:shared + c] == theirs[shared:shared + c]:
                 shared += c
             if shared > cached and r.pos < shared:
                 return True

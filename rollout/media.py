@@ -137,6 +137,7 @@ class MediaEncoder:
                  device: torch.device, dtype: torch.dtype):
         self.vision, self.pad_id, self.hidden_size = vision, pad_id, hidden_size
         self.device, self.dtype = device, dtype
+        # key base -> features on the engine's device: an entry lives exactly as long as a request holds it
         self._features: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
         self.encoded_images = 0  # images run through the vision model (cached features skip it)
 
@@ -176,6 +177,11 @@ class MediaEncoder:
         bases = [key_base(image.content_hash, n) for image, n in zip(images, counts)]
         return PromptMedia(prompt_ids, pads, list(zip(self._features_of(images, bases), bases)))
 
+    @property
+    def held_images(self) -> int:
+        """Images whose features some request (or caller) still holds."""
+        return len(self._features)
+
     def pads(self, prompt_ids: list[int]) -> list[int]:
         """The positions of the prompt's media pad tokens, ascending."""
         return [p for p, t in enumerate(prompt_ids) if t == self.pad_id]
@@ -202,13 +208,13 @@ class MediaEncoder:
     @torch.inference_mode()
     def _encode(self, todo: list[tuple[Any, int]], out: dict[int, torch.Tensor]) -> None:
         """One vision forward over the prompt's new images; its rows split back per image."""
-        pixels = torch.cat([image.pixel_values for image, _ in todo]).to(self.device)
-        grids = torch.cat([torch.as_tensor(image.grid_thw).reshape(-1, 3) for image, _ in todo]).to(self.device)
+        pixels = torch.cat([image.pixel_values for image, _ in todo])  # the vision model moves them to its device
+        grids = torch.cat([torch.as_tensor(image.grid_thw).reshape(-1, 3) for image, _ in todo])
         feats = self.vision.encode(pixels, grids)
         counts = [int(image.num_tokens) for image, _ in todo]
         if tuple(feats.shape) != (sum(counts), self.hidden_size):
             raise ValueError(f"the vision model returned features {tuple(feats.shape)}, expected "
                              f"[{sum(counts)}, {self.hidden_size}] (the images' num_tokens, hidden_size)")
-        for (_, base), rows in zip(todo, feats.to(self.dtype).split(counts)):
-            out[base] = rows.clone()  # its own storage: the cache entry lives exactly as long as its users
+        for (_, base), rows in zip(todo, feats.to(self.device, self.dtype).split(counts)):
+            out[base] = rows.clone()  # its own storage, not a view of the batch's
         self.encoded_images += len(todo)

@@ -123,6 +123,10 @@ def test_processed_images_are_encoded_once_for_a_group_and_match_features():
         assert_matches(out, want)
     assert max(o.cached_tokens for o in outs[1:]) > 0  # the followers restored the leader's prompt
     assert_pools_drain_to_full(eng)
+    assert eng.media.held_images == 0  # finished requests hold no features
+    streamed = list(eng.stream(p, GREEDY, images=[img]))
+    assert VISION.calls == calls + 2  # nothing held it: encoded again
+    assert [t for t, _ in streamed] == want[0]
 
 
 def test_same_text_other_image_shares_nothing_past_the_first_pad_and_the_same_image_shares_all():

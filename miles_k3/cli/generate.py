@@ -3,6 +3,7 @@
     miles-k3 generate --model builtin:k3-tiny-arith --prompts prompts.jsonl --json out.json
     miles-k3 generate --model /ckpt --input-ids ids.jsonl --max-new-tokens 256 --temperature 0.7 --seed 1 \
         --adapter runs/grpo/adapter --device cuda --tp 2 --json out.json
+    miles-k3 generate --model /vl-ckpt --prompts q.jsonl --image chart.png --temperature 0   # an image prompt
 
 Input, one JSON object per line: `{"input_ids": [...]}` (`--input-ids`), or with `--prompts` either
 `{"prompt": "text"}` or `{"messages": [{"role": ..., "content": ...}, ...]}` (the tokenizer's chat
@@ -19,6 +20,13 @@ by position over groups of M ranks), and rank 0 writes the output. Bad input (a 
 line naming it, exit status 2. `--speculative dspark --drafter DIR` drafts `--gamma` tokens a step with a
 DSpark drafter (scripts/train_drafter.py) and verifies them in one target forward: the same tokens and
 log-probs as without it (lossless; `rollout.spec`).
+
+Images (`--image PATH`, repeatable, with `--prompts` and a vision-language checkpoint): every row sees the
+images in order, one `<|kimi_image_placeholder|>` each in its prompt text (or in its messages' string
+contents, in order). Each image is resized by the checkpoint's own `preprocessor_config.json`, its
+placeholder expanded to Kimi's XTML block (`miles_k3.data.media`), and its features computed once by the
+checkpoint's tower and projector, for every row; the engine splices them in at the pads and keys its
+prefix cache on the image's content (`rollout.media`).
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ class GenerateArgs:
     """The command's flags, checked by `check` (ValueError "--flag ..." before any model is read)."""
 
     model: str  # a checkpoint directory or builtin:<name>
+    images: tuple[Path, ...]  # --image: the images every --prompts row sees, in placeholder order
     input_ids: Path | None  # JSONL of {"input_ids": [...]}
     prompts: Path | None  # JSONL of {"prompt": str} or {"messages": [...]}
     out: Path | None  # --json: where the outputs go; None: stdout
@@ -65,6 +74,11 @@ class GenerateArgs:
     def check(self) -> None:
         if (self.input_ids is None) == (self.prompts is None):
             raise ValueError("give exactly one of --input-ids FILE.jsonl and --prompts FILE.jsonl")
+        if self.images and self.prompts is None:
+            raise ValueError("--image needs --prompts: the images' placeholders are expanded in the prompt text")
+        for path in self.images:
+            if not path.is_file():
+                raise ValueError(f"--image {path}: no such file")
         for flag, path in (("--input-ids", self.input_ids), ("--prompts", self.prompts)):
             if path is not None and not path.is_file():
                 raise ValueError(f"{flag} {path}: no such file")
@@ -122,18 +136,59 @@ def read_rows(path: Path, flag: str, encode) -> list[list[int]]:
     return rows
 
 
-def prompt_encoder(tokenizer):
+def prompt_encoder(tokenizer, images: list | None = None, pad_token_id: int | None = None):
+    """`encode(row) -> ids`. With `images` (ProcessedImages) the row's placeholders are expanded first, and
+    the ids must hold one pad run of each image's length (a tokenizer that splits the pad fails here)."""
+    from miles_k3.data.media import IMAGE_PLACEHOLDER, expand_media_prompt, media_pad_positions
+
+    def expand(text: str, at: int) -> tuple[str, int]:
+        n = text.count(IMAGE_PLACEHOLDER)
+        return expand_media_prompt(text, images[at:at + n]), at + n
+
     def encode(row: dict) -> list[int]:
         if isinstance(row.get("prompt"), str):
-            ids = tokenizer.encode(row["prompt"])
+            text = expand_media_prompt(row["prompt"], images) if images else row["prompt"]
+            ids = tokenizer.encode(text)
         elif isinstance(row.get("messages"), list):
-            ids = tokenizer.encode_chat(row["messages"])
+            messages, at = row["messages"], 0
+            if images:
+                messages = [dict(m) for m in messages]
+                for m in messages:
+                    if isinstance(m, dict) and isinstance(m.get("content"), str):
+                        m["content"], at = expand(m["content"], at)
+                if at != len(images):
+                    raise ValueError(f"the messages hold {at} image placeholder(s) {IMAGE_PLACEHOLDER} but "
+                                     f"{len(images)} image(s) were given (--image)")
+            ids = tokenizer.encode_chat(messages)
         else:
             raise ValueError('expected {"prompt": "text"} or {"messages": [...]}')
         if not ids:
             raise ValueError("the prompt encodes to no tokens")
+        if images:
+            media_pad_positions(ids, images, pad_token_id)
         return ids
     return encode
+
+
+def encode_images(paths: tuple[Path, ...], model_path: str, dtype: str, device: str) -> tuple[list, list]:
+    """The --image files processed by the checkpoint's image settings, and their features from its tower
+    and projector (one forward, each image once): (ProcessedImages, `rollout.media.ImageFeatures` on the
+    CPU). ValueError naming the file or the checkpoint part that is missing."""
+    import torch
+
+    from miles_k3.data.image_processor import ImageProcessor
+    from miles_k3.model.vision import K3VisionModel
+    from miles_k3.trainer.base import TORCH_DTYPES
+    from rollout.media import ImageFeatures
+
+    processor = ImageProcessor.from_pretrained(model_path)
+    processed = [processor.process(path, name=f"--image {path}") for path in paths]
+    vision = K3VisionModel.from_pretrained(model_path, dtype=TORCH_DTYPES[dtype], device=device).eval()
+    with torch.no_grad():
+        feats = vision.encode(torch.cat([p.pixel_values for p in processed]),
+                              torch.tensor([p.grid_thw for p in processed]))
+    rows = feats.float().cpu().split([p.num_tokens for p in processed])  # the CPU: they travel to --tp workers
+    return processed, [ImageFeatures(f.clone(), p.content_hash) for f, p in zip(rows, processed)]
 
 
 def check_ids(rows: list[list[int]], vocab_size: int, max_seq_len: int, max_new_tokens: int, source: str) -> None:
@@ -147,9 +202,11 @@ def check_ids(rows: list[list[int]], vocab_size: int, max_seq_len: int, max_new_
 
 
 def generate_outputs(engine, rows: list[list[int]], args: GenerateArgs, stops: tuple[int, ...],
-                     adapter: str | None, tokenizer=None) -> list[dict]:
-    """Run every row to completion on `engine`; one output dict per row, in row order."""
-    completions = engine.generate(rows, [args.sampling(i, stops) for i in range(len(rows))], adapter)
+                     adapter: str | None, tokenizer=None, images: list | None = None) -> list[dict]:
+    """Run every row to completion on `engine` (each row with `images`, ImageFeatures, when given); one
+    output dict per row, in row order."""
+    completions = engine.generate(rows, [args.sampling(i, stops) for i in range(len(rows))], adapter,
+                                  images=[images] * len(rows) if images else None)
     outputs = []
     for c in completions:
         out = {"output_ids": c.output_ids, "logprobs": c.logprobs, "finish_reason": c.finish_reason.value}
@@ -168,30 +225,39 @@ def run(args: GenerateArgs) -> list[dict]:
 
     args.check()
     cfg = args.serve_config()
+    model = ModelCfg(path=str(cfg.model_path), tokenizer=cfg.tokenizer_kind)
+    config = load_base_config(model)
+    processed, images = [], None
+    if args.images:
+        if config.vision_config is None or config.media_placeholder_token_id is None:
+            raise ValueError(f"--image: {cfg.model_path} is not a vision-language checkpoint (its config.json has "
+                             "no vision_config / media_placeholder_token_id)")
+        processed, images = encode_images(args.images, str(cfg.model_path), cfg.resolved_dtype, args.device)
     tokenizer = None
     if args.prompts is not None:
         tokenizer = build_server_tokenizer(cfg.tokenizer_kind, str(cfg.model_path))
-        rows = read_rows(args.prompts, "--prompts", prompt_encoder(tokenizer))
+        encode = prompt_encoder(tokenizer, processed, config.media_placeholder_token_id)
+        rows = read_rows(args.prompts, "--prompts", encode)
     else:
         rows = read_rows(args.input_ids, "--input-ids", None)
     stops = tuple(args.stop_token_ids) + ((tokenizer.eos_token_id,) if tokenizer is not None else ())
-    model = ModelCfg(path=str(cfg.model_path), tokenizer=cfg.tokenizer_kind)
-    config = load_base_config(model)
     check_ids(rows, config.vocab_size, cfg.max_seq_len or EngineConfig.max_seq_len, args.max_new_tokens,
               "--prompts" if args.prompts is not None else "--input-ids")
     if args.tp == 1:
         from rollout.server.loading import build_engine
 
         engine, _ = build_engine(model, cfg, seed=args.seed)
-        return generate_outputs(engine, rows, args, stops, None if args.adapter is None else ADAPTER, tokenizer)
-    outputs = run_workers(args, rows, stops)
+        return generate_outputs(engine, rows, args, stops, None if args.adapter is None else ADAPTER, tokenizer,
+                                images)
+    outputs = run_workers(args, rows, stops, images)
     if tokenizer is not None:
         for out in outputs:
             out["text"] = tokenizer.decode(out["output_ids"])
     return outputs
 
 
-def run_workers(args: GenerateArgs, rows: list[list[int]], stops: tuple[int, ...]) -> list[dict]:
+def run_workers(args: GenerateArgs, rows: list[list[int]], stops: tuple[int, ...], images: list | None = None
+                ) -> list[dict]:
     """--tp N: N worker processes, one engine rank each (gloo on CPU, nccl with a GPU per rank); rank 0
     generates and hands the outputs back through a file. A worker's ValueError comes back as this one."""
     import tempfile
@@ -202,7 +268,8 @@ def run_workers(args: GenerateArgs, rows: list[list[int]], stops: tuple[int, ...
 
     with tempfile.TemporaryDirectory(prefix="miles-k3-generate-") as tmp:
         result = Path(tmp) / "result.json"
-        mp.spawn(_worker, args=(args.tp, free_port(), args, rows, stops, str(result)), nprocs=args.tp, join=True)
+        mp.spawn(_worker, args=(args.tp, free_port(), args, rows, stops, str(result), images), nprocs=args.tp,
+                 join=True)
         answer = json.loads(result.read_text())
     if "error" in answer:
         raise ValueError(answer["error"])
@@ -210,7 +277,7 @@ def run_workers(args: GenerateArgs, rows: list[list[int]], stops: tuple[int, ...
 
 
 def _worker(rank: int, world: int, port: int, args: GenerateArgs, rows: list[list[int]], stops: tuple[int, ...],
-            result: str) -> None:
+            result: str, images: list | None = None) -> None:
     import os
 
     import torch
@@ -240,7 +307,8 @@ def _worker(rank: int, world: int, port: int, args: GenerateArgs, rows: list[lis
         try:
             for name, t in tensors.items():  # rank 0's calls reach every rank (the leader's log)
                 engine.add_adapter(ADAPTER, t, alpha=alphas[name])
-            answer = {"outputs": generate_outputs(engine, rows, args, stops, ADAPTER if tensors else None)}
+            answer = {"outputs": generate_outputs(engine, rows, args, stops, ADAPTER if tensors else None,
+                                                  images=images)}
         except ValueError as e:
             answer = {"error": str(e)}
         finally:
@@ -255,6 +323,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--input-ids", type=Path, help='JSONL rows {"input_ids": [...]}')
     src.add_argument("--prompts", type=Path, help='JSONL rows {"prompt": "text"} or {"messages": [...]}')
+    p.add_argument("--image", dest="images", type=Path, action="append", default=[],
+                   help="an image every --prompts row sees, at its <|kimi_image_placeholder|> (repeatable, in order)")
     p.add_argument("--json", dest="out", type=Path, help="write the outputs here (default: stdout)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=1.0, help="0: greedy")
@@ -284,8 +354,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def cmd_generate(ns: argparse.Namespace) -> int:
     fields = GenerateArgs.__dataclass_fields__
-    args = GenerateArgs(**{k: getattr(ns, k) for k in fields if k not in ("stop_token_ids",)},
-                        stop_token_ids=tuple(ns.stop_token_ids))
+    args = GenerateArgs(**{k: getattr(ns, k) for k in fields if k not in ("stop_token_ids", "images")},
+                        stop_token_ids=tuple(ns.stop_token_ids), images=tuple(ns.images))
     outputs = run(args)
     text = json.dumps({"outputs": outputs})
     if args.out is None:

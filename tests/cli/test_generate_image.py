@@ -144,3 +144,13 @@ def test_image_needs_a_vision_language_checkpoint_and_prompts(tmp_path, capsys):
     ids.write_text(json.dumps({"input_ids": [1, 2]}) + "\n")
     assert main(["generate", "--model", "builtin:k3-tiny-arith", "--input-ids", str(ids), "--image", str(png)]) == 2
     assert "--image needs --prompts" in capsys.readouterr().err
+
+
+def test_tensor_parallel_workers_take_the_images(tmp_path, checkpoint):
+    """--tp 2: rank 0 holds the features and its followers take them over the group: one rank's output."""
+    png = write_png(tmp_path / "a.png", 5)
+    rows = [{"prompt": f"{IMAGE_PLACEHOLDER} how many ?"}]
+    one = generate(tmp_path, checkpoint, rows, "--image", str(png))[0]
+    two = generate(tmp_path, checkpoint, rows, "--image", str(png), "--tp", "2")[0]
+    assert two["output_ids"] == one["output_ids"]
+    torch.testing.assert_close(torch.tensor(two["logprobs"]), torch.tensor(one["logprobs"]), atol=1e-4, rtol=0)

@@ -51,7 +51,7 @@ class ProcessedImageLike(Protocol):
     """`miles_k3.data.image_processor.ProcessedImage`'s fields the engine reads."""
 
     pixel_values: torch.Tensor  # [N patches, 3, p, p]
-    grid_thw: torch.Tensor  # [3] or [1, 3]
+    grid_thw: tuple[int, int, int] | torch.Tensor  # (t, h, w) patches, or a [1, 3] tensor
     num_tokens: int
     content_hash: Any
 
@@ -87,10 +87,6 @@ class PromptMedia:
             for pos, key in zip(pads[start:start + features.shape[0]], image_keys(base, features.shape[0])):
                 keys[pos] = key
         self.prompt_keys = keys
-
-    @property
-    def bases(self) -> list[int]:
-        return [base for _, base in self.images]
 
     def keys(self, tokens: list[int]) -> list[int]:
         """`tokens` (the prompt, then outputs) with the prompt's pads replaced by their image keys. Outputs

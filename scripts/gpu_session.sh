@@ -81,10 +81,12 @@ run_job() {
     trainmem32) job trainmem32 python scripts/bench_train_memory.py --device cuda --preset k3-small \
         --lengths 4096,16384,32768 --variants baseline,recompute,logprobs --json "$STATE/bench_train_memory_32k.json" ;;
     spectest) job spectest python -m pytest tests/gpu/test_spec_gpu.py -q -m gpu -rA --tb=short -p no:cacheprovider ;;
-    specbench) job specbench python scripts/bench_spec.py --target preset:k3-small --logit-scale 30 --drafter controlled:0.8 \
+    specbench) job specbench python scripts/bench_spec.py --target preset:k3-small --peaked --drafter controlled:0.8 \
         --device cuda --dtype bfloat16 --batch-sizes 1,8,64,256 --planners verify_all,cost_aware \
-        --rollback replay,snapshot --temperatures 0 --prompt-len 128 --gen-len 128 --memory-gb 16 \
+        --rollback replay --temperatures 0 --prompt-len 128 --gen-len 128 --memory-gb 16 \
         --json "$STATE/bench_spec_h200.json" ;;
+    specprof) job specprof python scripts/profile_spec.py --device cuda --batch-sizes 1,256 \
+        --planners verify_all,cost_aware --gen-len 32 --rows 30 ;;
     trainmem_long) job trainmem_long python scripts/bench_train_memory.py --device cuda --preset k3-small \
         --lengths 16384,32768 --variants logprobs --json "$STATE/bench_train_memory_long.json" ;;
     kernels) job kernels python -m pytest tests/gpu/test_decode_kernels.py -q -m gpu -rA --tb=short -p no:cacheprovider ;;

@@ -18,6 +18,9 @@ vocab-parallel shards), the verify forward and the fold work on the rank's own K
 verify logits arrive all-gathered, and the cost-aware planner uses the leader's measured surface, so every
 rank accepts the same tokens without sending them.
 
+The step's phases run under `torch.profiler.record_function` labels (`spec.propose`, `spec.verify_forward`,
+`spec.verify`, `spec.sync`, `spec.fold`, `spec.observe`): `scripts/profile_spec.py` reads them.
+
 MLA rows written for rejected drafts lie past `pos` and are rewritten by the next step before anything
 reads them. The step waits for its accepted lengths on the host (`overlaps = False`).
 
@@ -31,6 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from torch.profiler import record_function
 
 from rollout.cache_manager import CacheManager, Running
 from rollout.decode import DecodeLaunch, DecodeStrategy
@@ -103,17 +107,21 @@ class SpecDecode(DecodeStrategy):
         n, g = len(batch), self.gamma
         anchors = ids if torch.is_tensor(ids) else to_device(ids, self.runner.device)
         params, gens = [r.req.params for r in batch], [r.generator for r in batch]
-        drafts, q, *conf = self.drafter.propose(batch, anchors, g, params, gens)
-        num = [g] * n if self.planner is None else self.planner.plan([r.req.request_id for r in batch], conf[0])
+        with record_function("spec.propose"):
+            drafts, q, *conf = self.drafter.propose(batch, anchors, g, params, gens)
+            num = [g] * n if self.planner is None else self.planner.plan([r.req.request_id for r in batch], conf[0])
         # a row emits at most its remaining tokens, so it verifies no drafts past its length limit
         num = [min(k, r.req.params.max_new_tokens - len(r.req.output_ids) - 1) for k, r in zip(num, batch)]
-        logits, inputs, tapped = self._verify_forward(batch, torch.cat([anchors[:, None], drafts], dim=1), num)
+        with record_function("spec.verify_forward"):
+            logits, inputs, tapped = self._verify_forward(batch, torch.cat([anchors[:, None], drafts], dim=1), num)
         lengths = inputs.lengths
         window = self._window() if self.rollback == "snapshot" else None
         if window is not None:  # the baseline: every verified step's state, before acceptance is known
             window.record(self.runner.model, self.runner.states, inputs, [r.slot for r in batch])
-        tokens, logps, counts = verify(logits, drafts, q, params, gens, num)
-        host = torch.stack([tokens.to(torch.float64), logps.to(torch.float64)]).cpu()  # the step's one sync
+        with record_function("spec.verify"):
+            tokens, logps, counts = verify(logits, drafts, q, params, gens, num)
+        with record_function("spec.sync"):
+            host = torch.stack([tokens.to(torch.float64), logps.to(torch.float64)]).cpu()  # the step's one sync
         out_t, out_l = [], []
         for r, toks, lps, c in zip(batch, host[0].long().tolist(), host[1].tolist(), counts.tolist()):
             keep = _cut(r, toks[:c])
@@ -126,11 +134,13 @@ class SpecDecode(DecodeStrategy):
             snapshots.append((batch[i], pos, self.memory.snapshot(batch[i])))
 
         slots, positions, chunk = [r.slot for r in batch], [r.pos for r in batch], self.memory.config.chunk_size
-        if window is None:
-            fold(self.runner.model, self.runner.states, inputs, slots, committed, positions, chunk, checkpoint)
-        else:
-            window.commit(self.runner.states, slots, lengths, committed, positions, chunk, checkpoint)
-        self.drafter.observe(batch, tapped, lengths, committed)
+        with record_function("spec.fold"):
+            if window is None:
+                fold(self.runner.model, self.runner.states, inputs, slots, committed, positions, chunk, checkpoint)
+            else:
+                window.commit(self.runner.states, slots, lengths, committed, positions, chunk, checkpoint)
+        with record_function("spec.observe"):
+            self.drafter.observe(batch, tapped, lengths, committed)
         for r, c in zip(batch, committed):
             r.pos += c
         s = self.stats

@@ -163,6 +163,23 @@ def test_a_hit_ending_inside_an_image_resumes_the_splice_there():
     assert_pools_drain_to_full(eng)
 
 
+@pytest.mark.parametrize("overlap", ["off", "on"])
+def test_decode_graph_shapes_and_overlap_are_unchanged_by_media(overlap):
+    """Decode never sees an image: padded graph shapes (run eagerly on the CPU) and the overlap schedule
+    give the reference's tokens for a batch mixing media and text requests."""
+    from rollout.forward import DecodeGraphs
+
+    eng = media_engine(overlap=overlap, max_running=4)
+    eng.graphs = DecodeGraphs(eng.model, eng.kv, eng.states, max_batch=4, max_seq_len=256, capture=False)
+    a, b = image(7, 16), image(5, 17)
+    prompts = [media_prompt([3, a, 4]), media_prompt([6, b, 2]), text(9, 3)]
+    outs = eng.generate(prompts, GREEDY, images=[[a], [b], None])
+    for out, p, ims in zip(outs, prompts, [[a], [b], []]):
+        assert_matches(out, reference(p, ims))
+    assert eng.counters()["graph_replays"] > 0
+    assert_pools_drain_to_full(eng)
+
+
 def test_the_same_image_at_another_place_or_a_repeat_in_one_prompt():
     img = image(7, 9)
     p = media_prompt([3, img, 2, img, 3])

@@ -42,6 +42,6 @@ class ControlledDrafter(Drafter):
         keep = torch.rand(n, gamma, generator=self.generator) < self.acceptance
         other = (truth + torch.randint(1, v, (n, gamma), generator=self.generator)) % v  # never the target's
         drafts = torch.where(keep, truth, other).to(anchors.device)
-        q = torch.nn.functional.one_hot(drafts, v).float()
+        q = torch.zeros(n, gamma, v, device=anchors.device).scatter_(2, drafts[..., None], 1.0)  # one-hot, fp32 only
         conf = torch.full((n, gamma), self.acceptance, device=anchors.device)
         return drafts, q, conf

@@ -26,7 +26,8 @@ reads them. The step waits for its accepted lengths on the host (`overlaps = Fal
 
 CUDA graphs: under verify_all on CUDA (where the decode graphs apply) the verify forward replays a graph
 of the whole [N, gamma + 1] block by batch bucket (`rollout.spec.graphs`); the planner's ragged
-prefixes, batches that mix adapters and the CPU run the packed eager forward.
+prefixes, batches that mix adapters and the CPU run the packed eager forward. Under either planner the
+fold replays a graph by batch bucket too (`rollout.spec.fold_graphs`).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from rollout.cache_manager import CacheManager, Running
 from rollout.decode import DecodeLaunch, DecodeStrategy
 from rollout.model_runner import ModelRunner
 from rollout.spec.config import SpecConfig
+from rollout.spec.fold_graphs import FoldGraphs
 from rollout.spec.graphs import VerifyGraphs
 from rollout.spec.planner import CostSurface, VerifyPlanner
 from rollout.spec.replay import fold, verify_forward
@@ -85,7 +87,9 @@ class SpecDecode(DecodeStrategy):
         if graphs is None:
             graphs = runner.graphs_apply()
         self.graph_verify = graphs and spec.planner == "verify_all"
+        self.graph_fold = graphs
         self._verify_graphs: VerifyGraphs | None = None  # over the pools it was built on
+        self._fold_graphs: FoldGraphs | None = None  # over the pools it was built on
         self._snapshots: SnapshotWindow | None = None  # rollback="snapshot": over the pools it was built on
         self.lookahead = spec.gamma + 1
         self.drafter = spec.build_drafter(runner)
@@ -135,10 +139,12 @@ class SpecDecode(DecodeStrategy):
 
         slots, positions, chunk = [r.slot for r in batch], [r.pos for r in batch], self.memory.config.chunk_size
         with record_function("spec.fold"):
-            if window is None:
-                fold(self.runner.model, self.runner.states, inputs, slots, committed, positions, chunk, checkpoint)
-            else:
+            if window is not None:
                 window.commit(self.runner.states, slots, lengths, committed, positions, chunk, checkpoint)
+            elif self.graph_fold:
+                self._folds().fold(inputs, slots, committed, positions, chunk, checkpoint)
+            else:
+                fold(self.runner.model, self.runner.states, inputs, slots, committed, positions, chunk, checkpoint)
         with record_function("spec.observe"):
             self.drafter.observe(batch, tapped, lengths, committed)
         for r, c in zip(batch, committed):
@@ -177,6 +183,11 @@ class SpecDecode(DecodeStrategy):
             self._verify_graphs = VerifyGraphs(self.runner, self.gamma + 1, self.drafter.taps,
                                                capture=self.runner.device.type == "cuda")
         return self._verify_graphs
+
+    def _folds(self) -> FoldGraphs:
+        if self._fold_graphs is None or self._fold_graphs.states is not self.runner.states:  # pools rebuilt
+            self._fold_graphs = FoldGraphs(self.runner, self.gamma + 1, capture=self.runner.device.type == "cuda")
+        return self._fold_graphs
 
     def _window(self) -> SnapshotWindow:
         states = self.runner.states

@@ -1,0 +1,140 @@
+"""The ReplaySSM fold at padded shapes, by batch bucket, replayed from CUDA graphs.
+
+The eager fold (`rollout.spec.replay.fold`) walks each committed token through every KDA layer, a few
+dozen small ops per layer and token: on one H200 (2026-12-02, random k3-small, batch 1) that was 77 ms of
+host time per verify step against 3 ms on the device (`scripts/profile_spec.py`). `FoldGraphs` runs the
+same ops (`decode_kda_step`) on every row of a batch bucket at every position 0..width-1, layer by layer:
+gather the rows' working state once, step it `width` times with each row's update masked to its own
+tokens (`torch.where`: a masked row keeps its state unchanged, an active row gets exactly the eager
+fold's value), scatter it back once. Layers are independent in the fold (each reads only its own raw
+inputs), so folding layer by layer instead of token by token commits the same state. Padding rows sit on
+the sink slot with nothing to fold.
+
+Inputs are static buffers, one [bucket * width, C] per KDA layer and projection, row n's tokens at
+n * width + j: a verify of `width` tokens per row (the graphed verify) fills them with one copy, a
+planner's ragged verify with one index_copy.
+
+Chunk boundaries: a row whose committed tokens run past a prefix-cache checkpoint position must hand its
+state there to `at_boundary` before folding on, and a graph cannot call back mid-replay. Such a step
+replays twice: up to each crossing row's boundary, the callbacks, then the rest (each row folds its tokens
+start <= j < stop, both static inputs). A row crosses at most one boundary per step (chunk_size >= width).
+
+`capture=False` runs the same padded function eagerly: the CPU tests' way to check it against the eager
+fold, bit for bit.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+from rollout.forward import _bucket, capture_graph
+from rollout.spec.graphs import BATCH_BUCKETS
+from rollout.spec.replay import PROJECTIONS, KDAInputs, decode_kda_step, fold, kda_mixers
+
+log = logging.getLogger(__name__)
+
+
+class FoldGraphs:
+    """Folds of up to `width` tokens per row over the runner's current pools (drop it when they are rebuilt:
+    graphs read the pools by address)."""
+
+    def __init__(self, runner, width: int, capture: bool):
+        self.runner, self.states, self.width, self.capture = runner, runner.states, width, capture
+        self.mixers = kda_mixers(runner.model)
+        max_batch = runner.config.max_running
+        self.buckets = [b for b in BATCH_BUCKETS if b < max_batch] + [max_batch]
+        self.graphs: dict[int, tuple] = {}  # bucket -> (graph or None, static inputs)
+        self.failed = False
+        self.replays = 0
+
+    def fold(self, inputs: KDAInputs, slots: list[int], counts: list[int], positions: list[int],
+             chunk_size: int, at_boundary: Callable[[int, int], None] | None = None) -> None:
+        """What `rollout.spec.replay.fold` does, through the bucket's graph (eagerly past the largest bucket
+        or after a failed capture)."""
+        n = len(slots)
+        bucket = None if self.failed else _bucket(n, self.buckets)
+        if bucket is None:
+            return fold(self.runner.model, self.states, inputs, slots, counts, positions, chunk_size, at_boundary)
+        static = self._static(bucket, inputs)
+        if static is None:
+            return fold(self.runner.model, self.states, inputs, slots, counts, positions, chunk_size, at_boundary)
+        self._load(static, inputs, slots, bucket)
+        # tokens a row folds before its state must be checkpointed: up to the next chunk boundary
+        cut = [chunk_size - p % chunk_size for p in positions]
+        crossing = [i for i in range(n) if at_boundary is not None and cut[i] < counts[i]]
+        stops = [cut[i] if i in crossing else c for i, c in enumerate(counts)]
+        self._replay(static, [0] * n, stops, bucket)
+        if crossing:
+            for i in crossing:
+                at_boundary(i, positions[i] + cut[i])
+            self._replay(static, stops, counts, bucket)
+
+    def _load(self, static: dict, inputs: KDAInputs, slots: list[int], bucket: int) -> None:
+        n, w = len(slots), self.width
+        device = static["slots"].device
+        static["slots"].copy_(torch.tensor(slots + [self.states.sink_slot] * (bucket - n)))
+        dense = all(k == w for k in inputs.lengths)
+        dest = None if dense else torch.tensor([i * w + j for i, k in enumerate(inputs.lengths) for j in range(k)],
+                                               device=device)
+        for layer, per in static["raw"].items():
+            for p, buf in per.items():
+                src = inputs.layers[layer][p][0]
+                if dense:
+                    buf[: n * w].copy_(src)
+                else:
+                    buf.index_copy_(0, dest, src)
+
+    def _replay(self, static: dict, starts: list[int], stops: list[int], bucket: int) -> None:
+        pad = [0] * (bucket - len(starts))
+        static["start"].copy_(torch.tensor(starts + pad))
+        static["stop"].copy_(torch.tensor(stops + pad))
+        graph = self.graphs[bucket][0]
+        if graph is None:
+            self._step(static)
+        else:
+            graph.replay()
+        self.replays += 1
+
+    def _static(self, bucket: int, inputs: KDAInputs) -> dict | None:
+        """The bucket's static inputs (raw buffers shaped and typed as `inputs`' projections), capturing its
+        graph the first time; None when the capture fails."""
+        if bucket in self.graphs:
+            return self.graphs[bucket][1]
+        device, w = self.runner.device, self.width
+        raw = {layer: {p: inputs.layers[layer][p].new_zeros(bucket * w, inputs.layers[layer][p].shape[-1])
+                       for p in PROJECTIONS} for layer in self.mixers}
+        static = dict(raw=raw, slots=torch.full((bucket,), self.states.sink_slot, dtype=torch.long, device=device),
+                      start=torch.zeros(bucket, dtype=torch.long, device=device),
+                      stop=torch.zeros(bucket, dtype=torch.long, device=device),
+                      base=torch.arange(bucket, device=device) * w)
+        if not self.capture:
+            self.graphs[bucket] = (None, static)
+            return static
+        try:  # warm-up and capture fold nothing: stop = 0 on the sink slot
+            graph, _ = capture_graph(lambda: self._step(static))
+        except Exception:  # noqa: BLE001 - any capture failure means: fold eagerly from now on
+            log.warning("CUDA graph capture of the fold failed for batch %d; folding eagerly", bucket, exc_info=True)
+            self.failed = True
+            return None
+        self.graphs[bucket] = (graph, static)
+        return static
+
+    def _step(self, static: dict) -> None:
+        """The padded fold: every row, every position, masked to start <= j < stop."""
+        slots, start, stop, base = static["slots"], static["start"], static["stop"], static["base"]
+        states = self.states
+        with torch.inference_mode():
+            for layer, mixer in self.mixers.items():
+                conv = states.conv[layer].index_select(0, slots)
+                rec = states.recurrent[layer].index_select(0, slots)
+                for j in range(self.width):
+                    active = ((start <= j) & (j < stop))[:, None, None, None]
+                    raw = {p: static["raw"][layer][p].index_select(0, base + j)[:, None] for p in PROJECTIONS}
+                    new_conv, new_rec = decode_kda_step(mixer, raw, conv, rec)
+                    conv = torch.where(active, new_conv.to(conv.dtype), conv)
+                    rec = torch.where(active, new_rec.float(), rec)
+                states.conv[layer].index_copy_(0, slots, conv)
+                states.recurrent[layer].index_copy_(0, slots, rec)

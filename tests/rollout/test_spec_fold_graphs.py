@@ -1,0 +1,83 @@
+"""The graphed fold's padded function (rollout/spec/fold_graphs.py, run eagerly on CPU: capture=False) commits
+the eager fold's KDA state, and hands a chunk-boundary checkpoint the state in the middle of a row's tokens:
+bit for bit when every row commits the whole block (the eager fold then steps the same rows at every
+position), within fp32 rounding for committed counts 1..width (the eager fold steps only the rows still
+folding, and the CPU's batched matmuls round by batch shape), rows packed ragged (a planner's verify) or
+dense (the graphed verify). The GPU twin (graphs captured and replayed) is tests/gpu/test_spec_gpu.py."""
+
+import pytest
+import torch
+
+from rollout.spec.fold_graphs import FoldGraphs
+from rollout.spec.replay import PROJECTIONS, KDAInputs, fold, kda_mixers
+from tests.rollout.common import engine
+
+WIDTH = 5
+
+
+def random_inputs(runner, lengths, seed):
+    g = torch.Generator().manual_seed(seed)
+    inputs = KDAInputs(list(lengths))
+    for layer, mixer in kda_mixers(runner.model).items():
+        dim = mixer.heads * mixer.config.kda_head_dim
+        widths = {"q_proj": dim, "k_proj": dim, "v_proj": dim, "f_b_proj": dim, "b_proj": mixer.heads}
+        assert set(widths) == set(PROJECTIONS)
+        inputs.layers[layer] = {p: torch.randn(1, sum(lengths), c, generator=g) for p, c in widths.items()}
+    return inputs
+
+
+def randomize_states(states, seed):
+    g = torch.Generator().manual_seed(seed)
+    for table in (states.conv, states.recurrent):
+        for t in table.values():
+            t.copy_(torch.randn(t.shape, generator=g) * 0.3)
+
+
+def snapshot(states):
+    return {name: {k: v.clone() for k, v in getattr(states, name).items()} for name in ("conv", "recurrent")}
+
+
+@pytest.mark.parametrize("dense,counts", [(True, [5] * 6), (True, [1, 2, 3, 4, 5, 5]), (False, [1, 2, 3, 4, 5, 5])])
+def test_the_padded_fold_commits_the_eager_folds_state(dense, counts):
+    eng = engine(max_running=6)
+    runner, states = eng.runner, eng.states
+    slots = [0, 3, 1, 4, 2, 5]  # six rows: bucket 6
+    lengths = [WIDTH] * 6 if dense else [1, 3, 3, 5, 5, 5]  # a ragged verify feeds at least the committed tokens
+    positions = [0, 5, 6, 7, 62, 16]  # chunk 8: rows 1-4 cross a boundary mid-fold when their counts reach it
+    exact = all(c == WIDTH for c in counts)
+    inputs = random_inputs(runner, lengths, seed=1)
+    randomize_states(states, seed=2)
+    start = snapshot(states)
+
+    def run(folder):
+        for name in ("conv", "recurrent"):
+            for k, v in getattr(states, name).items():
+                v.copy_(start[name][k])
+        seen = {}
+
+        def at_boundary(n, pos):
+            seen[(n, pos)] = {name: {k: v[slots[n]].clone() for k, v in getattr(states, name).items()}
+                              for name in ("conv", "recurrent")}
+        folder(inputs, slots, counts, positions, 8, at_boundary)
+        return snapshot(states), seen
+
+    want, want_seen = run(lambda *a: fold(runner.model, states, *a))
+    graphs = FoldGraphs(runner, WIDTH, capture=False)
+    got, got_seen = run(graphs.fold)
+    crossing = {(n, p + 8 - p % 8) for n, (p, c) in enumerate(zip(positions, counts)) if 8 - p % 8 < c}
+    assert crossing and set(got_seen) == set(want_seen) == crossing
+    assert graphs.replays == 2  # up to the boundaries, then the rest
+
+    def same(a, b):
+        if exact:
+            assert torch.equal(a, b)
+        else:
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+    for key in want_seen:
+        for name in ("conv", "recurrent"):
+            for k in want_seen[key][name]:
+                same(got_seen[key][name][k], want_seen[key][name][k])
+    for name in ("conv", "recurrent"):
+        for k in want[name]:
+            same(got[name][k], want[name][k])
+            assert not torch.equal(got[name][k][slots], start[name][k][slots])  # the fold did write

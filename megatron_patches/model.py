@@ -15,6 +15,11 @@ state (`megatron_patches.parallel.init_parallel`):
 - CP (`megatron_patches.context_parallel`): the mixers' share of each zigzag-split row.
 - EP (`megatron_patches.expert_parallel`): `ParallelExperts` holds num_experts / ep experts.
 Each rank reads only the tensors (and slices) it holds from the base's source.
+
+Images: the first stage's `K3Model` takes each micro-batch's image features (`MediaEmbeds` at the packed row's
+media pad positions, spliced into the embeddings before the SP scatter) from `policy.media_feed`: the trainer
+names, for one schedule call, which packed row carries which features (`MediaFeed.feeding`), and the feed hands
+them to the forward that gets that row (megatron's schedule calls the stage with the row only).
 """
 
 from __future__ import annotations
@@ -69,6 +74,39 @@ class PolicyFactory:
 
     def experts(self, spec: ExpertsSpec) -> nn.Module:
         return ParallelExperts(spec, self.config, self.tp, self.lora)
+
+
+class MediaFeed:
+    """The image features of the micro-batches of one schedule call, by packed row: a forward pre-hook on the
+    first stage's `K3Model` that adds `media=` to the call whose `input_ids` is a row named in `feeding` (the
+    same tensor object the schedule passes on). Outside `feeding` it adds nothing (text-only forwards, the
+    engine's model are untouched); inside it, a row it was not told of is a bug and raises.
+
+    Safe to use from the one thread that runs the schedule; `feeding` does not nest."""
+
+    def __init__(self) -> None:
+        self._rows: dict[int, tuple[torch.Tensor, object]] | None = None  # id(input_ids) -> (input_ids, media)
+
+    @contextlib.contextmanager
+    def feeding(self, rows: list[tuple[torch.Tensor, object]]):
+        """For the calls inside: each (input_ids [1, N], MediaEmbeds or None) pair's row gets its media."""
+        if self._rows is not None:
+            raise RuntimeError("MediaFeed.feeding does not nest")
+        self._rows = {id(ids): (ids, media) for ids, media in rows}
+        try:
+            yield
+        finally:
+            self._rows = None
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        if self._rows is None or kwargs.get("media") is not None:
+            return None
+        ids = args[0] if args else kwargs["input_ids"]
+        found = self._rows.get(id(ids))
+        if found is None or found[0] is not ids:
+            raise RuntimeError("MediaFeed: a forward of a packed row not named in feeding() (under context "
+                               "parallelism the stage gets a shard: image prompts need cp=1)")
+        return (args, kwargs) if found[1] is None else (args, {**kwargs, "media": found[1]})
 
 
 def check_layout(config: K3Config, tp: TensorParallel, ep_size: int = 1, pp_size: int = 1,
@@ -144,7 +182,8 @@ def build_policy(config: K3Config, base_state: dict[str, torch.Tensor] | TensorS
     in train mode; `policy.tp` is its TP share, `policy.lora_spec` the spec and `policy.lora_generator` the
     generator of the adapters' dropout masks (seeded by `seed`, identical on every TP rank);
     `policy.model.layer_range` its stage's layers and `policy.residual_dtype` (= dtype) the dtype of the
-    residual state its pipeline sends carry.
+    residual state its pipeline sends carry; `policy.media_feed` (first stage; None on later ones) the
+    `MediaFeed` that hands image features to the micro-batches' forwards.
     """
     if not isinstance(lora, LoraSpec):
         raise ValueError(f"lora must be a LoraSpec, got {type(lora).__name__}")
@@ -172,6 +211,7 @@ def build_policy(config: K3Config, base_state: dict[str, torch.Tensor] | TensorS
             p.requires_grad_(True)
         model.tp, model.lora_spec, model.lora_generator = tp, lora, None
         model.residual_dtype = dtype
+        _install_media_feed(model)
         if recompute:
             recompute_layers(model)
         return model.train()
@@ -206,9 +246,18 @@ def build_policy(config: K3Config, base_state: dict[str, torch.Tensor] | TensorS
     # `lora_generator` draws the LoRA dropout masks: save / restore its state for a bit-exact resume
     model.tp, model.lora_spec, model.lora_generator = tp, lora, generator
     model.residual_dtype = dtype
+    _install_media_feed(model)
     if recompute:
         recompute_layers(model)
     return model.train()
+
+
+def _install_media_feed(model: K3ForCausalLM) -> None:
+    """`model.media_feed`: a `MediaFeed` on the stage's K3Model when it holds the embedding (first stage),
+    else None (a later stage takes no media)."""
+    model.media_feed = MediaFeed() if model.model.first else None
+    if model.media_feed is not None:
+        model.model.register_forward_pre_hook(model.media_feed, with_kwargs=True)
 
 
 def recompute_layers(model: K3ForCausalLM) -> None:

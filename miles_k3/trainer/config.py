@@ -90,7 +90,18 @@ class ModelCfg(Section):
 
 @dataclass
 class LoraCfg(component_fields(LoraSpec)):
-    """lora.*: LoraSpec's fields (rank, alpha, dropout, targets), its defaults and checks."""
+    """lora.*: LoraSpec's fields (rank, alpha, dropout, targets), its defaults and checks, and the run's own
+    below."""
+
+    # LoRA on the vision projector's two linears (mm_projector.proj.0 / proj.2) as well, for image prompts: the
+    # trainer would recompute the features per step with grad and the engine take the projector's adapter.
+    # Not built yet: true is refused at resolve. false: the tower and projector stay frozen, their features
+    # computed once per prompt and shared by its rollouts and its training rows.
+    projector: bool = False
+
+    def values(self, names: tuple[str, ...] | None = None) -> dict:
+        """LoraSpec's keyword arguments (of `names`, default all of LoraSpec's): `projector` is the run's."""
+        return super().values(field_names(LoraSpec) if names is None else names)
 
 
 @dataclass

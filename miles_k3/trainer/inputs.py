@@ -9,7 +9,10 @@ naming its field or file (`miles-train` prints it as one line and exits with sta
     rollout.memory_mb  the engine's pool holds at least one KV page and one state slot of this model
     data.path, data.eval_path  every row (load_prompts); every prompt encodes to ids of the model's
                      vocabulary and fits the engine with rollout.max_new_tokens (Engine.submit's rules, applied
-                     to the whole dataset now instead of to one batch mid-run)
+                     to the whole dataset now instead of to one batch mid-run); a row with images (data.images_key
+                     or image content parts) needs a vision-language model.path with its preprocessor_config.json,
+                     each image's header must read (its size gives its pad count: no pixel is decoded here), and
+                     its expanded prompt must hold one pad run per image (`MediaPrompts`)
     reward.fn        imports and has a reward function's signature
     rollout.fn       imports and has a rollout function's signature (fn(client, record))
     trainer.resume   the checkpoint to continue from verifies and fits this run: its trainer ranks, adapter
@@ -22,6 +25,7 @@ there) is turned into a message naming the input; anything else is a bug and kee
 from __future__ import annotations
 
 import importlib.util
+import io
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -54,6 +58,110 @@ class RunInputs(NamedTuple):
     plugin: RewardPlugin
     base_state: dict[str, torch.Tensor] | None  # the checkpoint's fp32 tensors (None: a preset, or not kept)
     resume: Resume | None
+    media: MediaPrompts | None = None  # the image path; None: no record holds an image (a text-only run)
+
+
+class _Sized(NamedTuple):
+    """An image known by its header only: what the XTML expansion reads (`size`, `num_tokens`)."""
+
+    size: tuple[int, int]
+    num_tokens: int
+
+
+class MediaPrompts:
+    """The run's image path, built only when a dataset holds images (a text-only run imports none of it).
+
+    A record's images are processed by the checkpoint's own preprocessor_config.json, its placeholders
+    expanded to XTML blocks before tokenizing and the pad runs checked against the ids (`encode`); the
+    frozen tower + projector of the checkpoint (`vision`, built on first use) computes a prompt's features in
+    one forward, which every sample of the prompt shares, in the engine and in the trainer's row. Driver-side;
+    one thread."""
+
+    def __init__(self, model_path: str, tokenizer: Tokenizer, pad_id: int, dtype: torch.dtype, device: str):
+        from miles_k3.data.image_processor import ImageProcessor
+
+        self.path, self.tok, self.pad_id = model_path, tokenizer, pad_id
+        self.processor = ImageProcessor.from_pretrained(model_path)
+        self.dtype, self.device = dtype, device
+        self._vision = None
+        self.encoded_prompts = 0  # vision forwards run (one per prompt with images, per rollout of it)
+
+    def vision(self):
+        """The checkpoint's tower and projector, frozen (eval mode, no grad)."""
+        if self._vision is None:
+            from miles_k3.model.vision import K3VisionModel
+
+            self._vision = K3VisionModel.from_pretrained(self.path, dtype=self.dtype, device=self.device).eval()
+            self._vision.requires_grad_(False)
+        return self._vision
+
+    def ids(self, record: PromptRecord, images: list[Any]) -> list[int]:
+        """The record's prompt ids, each placeholder expanded to its image's block (`images`: anything with
+        `size` and `num_tokens`, in order); ValueError when the pad runs do not match the images."""
+        from miles_k3.data.media import expand_media_prompt, media_pad_positions
+
+        ids = self.tok.encode_prompt(expand_media_prompt(record.prompt, images))
+        media_pad_positions(ids, images, self.pad_id)
+        return ids
+
+    def check(self, record: PromptRecord) -> list[int]:
+        """`ids` from the images' headers alone (their sizes give the pad counts; no pixel is decoded)."""
+        return self.ids(record, [_Sized(size, self.processor.num_tokens(*size))
+                                 for size in map(_image_size, record.images)])
+
+    def encode(self, record: PromptRecord) -> tuple[list[int], list[Any], torch.Tensor]:
+        """(prompt ids, one `rollout.media.ImageFeatures` per image, their rows concatenated [pads, D] on the
+        CPU): the images processed and run through the tower and projector once."""
+        from rollout.media import ImageFeatures
+
+        processed = [self.processor.process(ref.load(), name=ref.name) for ref in record.images]
+        ids = self.ids(record, processed)
+        with torch.no_grad():
+            feats = self.vision().encode(torch.cat([p.pixel_values for p in processed]),
+                                         torch.tensor([p.grid_thw for p in processed]))
+        self.encoded_prompts += 1
+        feats = feats.cpu()
+        rows = feats.split([p.num_tokens for p in processed])
+        return ids, [ImageFeatures(f, p.content_hash) for f, p in zip(rows, processed)], feats
+
+
+def _image_size(ref) -> tuple[int, int]:
+    """An image's (W, H) from its header; one-line ValueError naming it when it does not read as an image."""
+    from PIL import Image
+
+    src = ref.load()
+    try:
+        with Image.open(io.BytesIO(src) if isinstance(src, bytes) else src) as im:
+            return im.size
+    except (OSError, ValueError, SyntaxError) as e:  # UnidentifiedImageError is an OSError
+        raise ValueError(f"{ref.name}: not a readable image ({type(e).__name__}: {e})") from None
+
+
+def media_prompts(rc: ResolvedConfig, config: K3Config, tok: Tokenizer,
+                  records: list[PromptRecord]) -> MediaPrompts | None:
+    """The run's `MediaPrompts` when some record holds images, else None; ValueError naming the record and
+    what it needs when this run cannot take them."""
+    first = next((r for r in records if r.images), None)
+    if first is None:
+        return None
+    where = f"record {first.index} (0-based, {first.prompt[:40]!r}) has {len(first.images)} image(s)"
+    if rc.model.path is None:
+        raise ValueError(f"{where}: images need model.path (a vision-language checkpoint with its "
+                         f"preprocessor_config.json), not model.preset")
+    if config.vision_config is None or config.media_placeholder_token_id is None:
+        raise ValueError(f"{where}, but model.path {rc.model.path} is a text-only checkpoint (its config.json "
+                         f"has no vision_config / media_placeholder_token_id)")
+    if rc.rollout.fn is not None:
+        raise ValueError(f"{where}: image prompts through rollout.fn ({rc.rollout.fn}) are not built yet")
+    if rc.parallel.cp > 1:
+        raise ValueError(f"{where}: image prompts with parallel.cp={rc.parallel.cp} are not built yet (the "
+                         f"features would need the zigzag split of the row)")
+    device = "cuda" if rc.cluster.device == "cuda" and torch.cuda.is_available() else "cpu"
+    try:
+        return MediaPrompts(rc.model.path, tok, config.media_placeholder_token_id, TORCH_DTYPES[rc.rollout.dtype],
+                            device)
+    except ValueError as e:  # the processor settings: a missing or bad preprocessor_config.json, named
+        raise ValueError(f"{where}; model.path: {e}") from None
 
 
 def _named(field: str, fn, *errors: type[BaseException]):
@@ -90,11 +198,14 @@ def check_cluster(rc: ResolvedConfig) -> None:
 
 
 def _check_prompts(section: str, path: str, records: list[PromptRecord], tok: Tokenizer, rc: ResolvedConfig,
-                   config: K3Config, num_pages: int) -> None:
+                   config: K3Config, num_pages: int, media: MediaPrompts | None = None) -> None:
     new, page, limit = rc.sampling.max_new_tokens, rc.engine.page_size, rc.engine.max_seq_len
     for rec in records:
         where = f"{section}: {path} record {rec.index} (0-based, {rec.prompt[:40]!r})"
-        ids = _named(where, lambda: tok.encode_prompt(rec.prompt))
+        if rec.images:  # media_prompts built `media` for this dataset
+            ids = _named(where, lambda: media.check(rec))
+        else:
+            ids = _named(where, lambda: tok.encode_prompt(rec.prompt))
         if not ids:
             raise ValueError(f"{where}: encodes to no tokens")
         if max(ids) >= config.vocab_size or min(ids) < 0:
@@ -170,13 +281,18 @@ def load_run_inputs(rc: ResolvedConfig, run_dir: str | Path, *, weights: str | N
         dtype=TORCH_DTYPES[rc.rollout.dtype]))
 
     loaded = []
+    media = None
     for section, data in (("data.path", rc.data), ("data.eval_path", rc.eval_data)):
         records = None if data is None else _named(section, lambda: load_prompts(data, apply_chat),
                                                    FileNotFoundError, ImportError)
         if records is not None:
-            _check_prompts(section, data.path, records, tok, rc, config, sizes.num_pages)
+            if media is None:
+                media = _named(f"{section}: {data.path}", lambda: media_prompts(rc, config, tok, records))
+            _check_prompts(section, data.path, records, tok, rc, config, sizes.num_pages, media)
         loaded.append(records)
     train, heldout = loaded
+    if media is not None and weights != "skip":  # the tower and projector read and checked now, by tensor name
+        _named("model.path", media.vision, OSError)
     if rc.data.drop_last and len(train) < rc.rollout.prompts_per_step:
         raise ValueError(f"data.drop_last: the dataset's {len(train)} prompts cannot fill one step of "
                          f"rollout.prompts_per_step ({rc.rollout.prompts_per_step}) without wrapping around")
@@ -190,4 +306,4 @@ def load_run_inputs(rc: ResolvedConfig, run_dir: str | Path, *, weights: str | N
         # the loader raises ValueError naming the file or tensor (a corrupt or truncated safetensors file too)
         state = _named("model.path", lambda: load_state_dict(rc.model.path, config, torch.float32), OSError)
     return RunInputs(config, tok, train, None if heldout is None else heldout[:rc.eval_max_prompts], plugin,
-                     state if weights == "keep" else None, resume)
+                     state if weights == "keep" else None, resume, media)

@@ -16,6 +16,11 @@ One step:
   5. a metrics row (with speculation: mean accepted length, draft acceptance, verify tokens, from the
      engines' SpecStats over the step's rollouts); evaluation and an atomic checkpoint at their intervals.
 
+Image prompts (a dataset whose records hold images: `RunInputs.media`): each sampled record's images are
+processed by the checkpoint's preprocessor config, its placeholders expanded to XTML blocks, and its features
+computed once by the frozen tower + projector; its samples go to the engine as `MediaPrompt`s sharing those
+`ImageFeatures`, and the same features ride in the train batch (`SequenceMedia`) to the pads of the packed row.
+
 A preemption signal (`miles_k3.trainer.preempt`) stops the run between steps: the step in flight finishes,
 a checkpoint of it is written (unless its interval just wrote one) and `run` returns with `preempted` set
 to the signal's name; the launcher turns that into `Preempted` (the batch files requeue the job on it).
@@ -38,11 +43,11 @@ from miles_k3.data import PromptRecord, PromptSampler
 from miles_k3.rewards import Sample, score
 from miles_k3.trainer import checkpoint as ckpt
 from miles_k3.trainer import preempt
-from miles_k3.trainer.batch import TrainBatch
+from miles_k3.trainer.batch import SequenceMedia, TrainBatch
 from miles_k3.trainer.inputs import RunInputs, load_run_inputs
 from miles_k3.trainer.resolve import ResolvedConfig
 from miles_k3.trainer.rollout_plugin import RolloutJob, Trajectory
-from miles_k3.trainer.rollout_worker import Generated
+from miles_k3.trainer.rollout_worker import Generated, MediaPrompt
 from miles_k3.trainer.run_log import Progress, RunLog
 from rollout.request import SamplingParams
 from rollout.spec.distill import DistillConfig
@@ -53,7 +58,8 @@ log = logging.getLogger(__name__)
 class Workers(Protocol):
     """The engines and trainer ranks of a run, as the driver sees them."""
 
-    def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[Generated]: ...
+    # a prompt with images is a MediaPrompt (its ids and ImageFeatures), else its ids (RolloutWorker.generate)
+    def generate(self, prompts: list[list[int] | MediaPrompt], params: list[SamplingParams]) -> list[Generated]: ...
     # rollout.fn's samples on the engine(s) (RolloutWorker.rollout), in job order
     def rollout(self, fn: str, jobs: list[RolloutJob], *, tokenizer: tuple[str, str | None],
                 client: str) -> list[Trajectory]: ...
@@ -81,6 +87,7 @@ class Rolled(NamedTuple):
     logprobs: list[float]  # the engine's, per response token
     loss_mask: list[bool] | None  # None: every response token carries loss
     text: str  # what the reward scores
+    media: SequenceMedia | None = None  # the prompt's image features at its pads (shared by its samples)
 
     @property
     def policy_tokens(self) -> int:
@@ -124,6 +131,7 @@ class GRPODriver:
                                      drop_last=rc.data.drop_last)
         self.eval_records = self.inputs.heldout
         self.plugin = self.inputs.plugin
+        self.media = self.inputs.media  # None: a text-only run (no vision model, no image code imported)
         self.step = 0
         self.saved_step: int | None = None  # the step of the newest checkpoint this driver wrote or resumed
         self.preempted: str | None = None  # the signal that stopped the run early (after its checkpoint)
@@ -139,14 +147,31 @@ class GRPODriver:
                                   stop_token_ids=stop)
         return dataclasses.replace(self.rc.sampling, stop_token_ids=stop, seed=seed)
 
-    def _generate(self, records: list[PromptRecord], prompts: list[list[int]], params: list[SamplingParams],
-                  group_of: list[int]) -> list[Rolled]:
-        """One sample per (prompt, params) pair: the engine's completion, or rollout.fn's trajectory."""
+    def _encode(self, records: list[PromptRecord]) -> tuple[list[list[int] | MediaPrompt], list[SequenceMedia | None]]:
+        """Each record as the engine takes it (its ids, or a MediaPrompt with its images' features, computed
+        here once for the record) and its media as the trainer takes it (None for a text record)."""
+        prompts, media = [], []
+        for rec in records:
+            if not rec.images:
+                prompts.append(self.tok.encode_prompt(rec.prompt))
+                media.append(None)
+                continue
+            ids, images, features = self.media.encode(rec)
+            prompts.append(MediaPrompt(ids, tuple(images)))
+            media.append(SequenceMedia(tuple(i for i, t in enumerate(ids) if t == self.media.pad_id), features))
+        return prompts, media
+
+    def _generate(self, records: list[PromptRecord], prompts: list[list[int] | MediaPrompt],
+                  params: list[SamplingParams], group_of: list[int],
+                  media: list[SequenceMedia | None] | None = None) -> list[Rolled]:
+        """One sample per (prompt, params) pair: the engine's completion, or rollout.fn's trajectory. `media`:
+        per prompt, its images' features for the trainer (None: text)."""
         r = self.rc.rollout
         if r.fn is None:
             gens = self.workers.generate(prompts, params)
-            return [Rolled(p, g.output_ids, g.logprobs, None, self.tok.decode(g.output_ids))
-                    for p, g in zip(prompts, gens)]
+            media = media or [None] * len(prompts)
+            return [Rolled(p.ids if isinstance(p, MediaPrompt) else p, g.output_ids, g.logprobs, None,
+                           self.tok.decode(g.output_ids), m) for p, g, m in zip(prompts, gens, media)]
         n = r.samples_per_prompt
         jobs = [RolloutJob(records[g], p, sp, f"group {g} sample {i % n}")
                 for i, (g, p, sp) in enumerate(zip(group_of, prompts, params))]
@@ -175,14 +200,16 @@ class GRPODriver:
         counters_before = self.workers.engine_counters()
         for round_ in range(a.max_refill_rounds + 1 if a.dynamic_sampling else 1):
             records = self.sampler.next_batch(groups_to_refill(len(kept), r.prompts_per_step))
-            prompts = [self.tok.encode_prompt(rec.prompt) for rec in records]
+            prompts, media = self._encode(records)  # a record's images encoded once, for all n of its samples
             flat_prompts = [p for p in prompts for _ in range(n)]
+            flat_media = [m for m in media for _ in range(n)]
             group_of = [g for g in range(len(records)) for _ in range(n)]
             params = [self._params(sample_seed(self.rc.trainer.seed, self.step, round_, i))
                       for i in range(len(flat_prompts))]
-            gens = self._generate(records, flat_prompts, params, group_of)
-            if self.distill_every:
-                self._step_sequences += [(len(g.prompt_ids), g.prompt_ids + g.output_ids) for g in gens]
+            gens = self._generate(records, flat_prompts, params, group_of, flat_media)
+            if self.distill_every:  # text sequences only: the drafter's teacher forward takes no image features
+                self._step_sequences += [(len(g.prompt_ids), g.prompt_ids + g.output_ids) for g in gens
+                                         if g.media is None]
             result = self._score(records, gens, group_of)
             for kind, count in result.failure_counts.items():
                 failures[kind] = failures.get(kind, 0) + count
@@ -221,7 +248,7 @@ class GRPODriver:
         return self._to_batch(kept), metrics
 
     def _to_batch(self, kept) -> TrainBatch:
-        prompts, responses, logprobs, advantages, group_ids = [], [], [], [], []
+        prompts, responses, logprobs, advantages, group_ids, media = [], [], [], [], [], []
         masks = [] if self.rc.rollout.fn is not None else None  # a rollout plugin's trajectories carry masks
         for g, (gens, rewards) in enumerate(kept):
             adv = group_advantages(torch.tensor(rewards), len(rewards), normalize_std=self.rc.algo.normalize_std)
@@ -233,14 +260,17 @@ class GRPODriver:
                     masks.append(gen.loss_mask)
                 advantages.append(a)
                 group_ids.append(g)
-        return TrainBatch(prompts, responses, logprobs, advantages, group_ids, masks)
+                media.append(gen.media)
+        return TrainBatch(prompts, responses, logprobs, advantages, group_ids, masks,
+                          media if any(m is not None for m in media) else None)
 
     def evaluate(self) -> dict[str, float]:
         """Greedy accuracy on the held-out prompts: the fraction of samples whose reward is >= 1 (binary
         verifiable rewards), and the mean reward."""
         recs = self.eval_records
-        gens = self._generate(recs, [self.tok.encode_prompt(x.prompt) for x in recs],
-                              [self._params(None, greedy=True)] * len(recs), list(range(len(recs))))
+        prompts, media = self._encode(recs)
+        gens = self._generate(recs, prompts, [self._params(None, greedy=True)] * len(recs), list(range(len(recs))),
+                              media)
         result = self._score(recs, gens, list(range(len(recs))))
         rewards = result.rewards[result.keep]
         return {"eval_accuracy": float((rewards >= 1.0).float().mean()) if len(rewards) else float("nan"),

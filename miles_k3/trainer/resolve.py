@@ -103,6 +103,10 @@ def resolve(cfg: Any) -> ResolvedConfig:
 
     r, a, c, d = cfg.rollout, cfg.algo, cfg.cluster, cfg.data
     lora = in_section("lora", lambda: LoraSpec(**cfg.lora.values()), LoraSpec)
+    if cfg.lora.projector:
+        raise ValueError("lora.projector: LoRA on the vision projector is not built yet (the trainer does not "
+                         "recompute image features with grad, nor the engine take a projector adapter); set "
+                         "lora.projector=false (tower and projector frozen)")
     sampling = in_section("rollout", r.sampling, SamplingParams)
     engine = in_section("rollout", r.engine, EngineConfig)
     loss = in_section("algo", a.loss, PolicyLossConfig)

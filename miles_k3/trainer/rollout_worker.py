@@ -6,6 +6,10 @@ Safe to call from one thread. `rollout` runs a rollout plugin's samples (`miles_
 against this engine: an engine loop thread drives it for the call's duration (in-process client), or
 miles-serve's app over it on 127.0.0.1 (HTTP client); nothing else touches the engine meanwhile.
 
+A prompt with images comes to `generate` as a `MediaPrompt` (its ids and its images' `rollout.media.ImageFeatures`,
+computed once per prompt by the driver and shared by its samples): the engine splices the features at the pads
+and keys its prefix cache by their content hash; it never encodes an image here.
+
 With speculation (`EngineConfig.speculation`, from rollout.speculative), `engine_counters` adds the decode
 strategy's `SpecStats` and `distill_drafter` distils the engine's drafter, in place, on sequences the loop
 hands it, against the engine's own model with the policy adapter: the target the drafter is verified by.
@@ -16,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -35,6 +39,14 @@ from rollout.spec.strategy import SpecDecode
 # SpecStats' counters, as engine_counters names them
 SPEC_COUNTERS = {"spec_verify_steps": "steps", "spec_rows": "rows", "spec_drafted": "drafted",
                  "spec_accepted": "accepted", "spec_emitted": "emitted"}
+
+
+class MediaPrompt(NamedTuple):
+    """A prompt with images: its token ids (the XTML blocks' media pads included) and one `ImageFeatures`
+    per image, in pad order. The samples of one prompt share the same features objects."""
+
+    ids: list[int]
+    images: tuple[Any, ...]  # rollout.media.ImageFeatures
 
 
 class Generated(NamedTuple):
@@ -66,9 +78,15 @@ class RolloutWorker:
             torch.cuda.synchronize(pool.device)
         return (time.perf_counter() - start) * 1e3
 
-    def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[Generated]:
-        """Completions in prompt order, sampled with the policy adapter."""
-        outs = self.engine.generate(prompts, params, adapter=ADAPTER)
+    def generate(self, prompts: list[list[int] | MediaPrompt], params: list[SamplingParams]) -> list[Generated]:
+        """Completions in prompt order, sampled with the policy adapter. A `MediaPrompt`'s images go to the
+        engine with its ids (a text-only call is the plain one)."""
+        if not any(isinstance(p, MediaPrompt) for p in prompts):
+            outs = self.engine.generate(prompts, params, adapter=ADAPTER)
+        else:
+            ids = [p.ids if isinstance(p, MediaPrompt) else p for p in prompts]
+            images = [list(p.images) if isinstance(p, MediaPrompt) else None for p in prompts]
+            outs = self.engine.generate(ids, params, adapter=ADAPTER, images=images)
         return [Generated(o.output_ids, o.logprobs or [], o.finish_reason.value) for o in outs]
 
     def rollout(self, fn: str, jobs: list[RolloutJob], *, tokenizer: tuple[str, str | None],

@@ -6,10 +6,15 @@ its share of the groups (`micro_batches`), megatron's schedule runs its micro-ba
 stages, and megatron's parallel linears do the tensor-parallel communication. `adapter_state()` returns full
 adapter tensors (gathered over TP, EP and PP) in the engine's naming; `state_dict()` / `load_state_dict()`
 carry adapters, optimizer, LR schedule and RNG states for checkpoints.
+
+Image prompts: a batch's `SequenceMedia` (the features the engine was given, frozen tower and projector) reach
+the first stage's embeddings through `policy.media_feed` (`megatron_patches.model.MediaFeed`), each piece's
+packed row with its `Packed.media`, around every schedule call.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 from typing import Any, NamedTuple
@@ -71,12 +76,21 @@ class TrainWorker:
             entropy = _sum_over_cp(torch.zeros_like(logp).index_put(where, entropy.detach())).detach()
         return logp, entropy
 
+    def _media(self, pieces: list[Piece]):
+        """Around a schedule call over `pieces`: their image features handed to the first stage's forwards
+        (nothing for a text-only call, or on a later pipeline stage)."""
+        feed = self.policy.media_feed
+        if feed is None or all(p.packed.media is None for p in pieces):
+            return contextlib.nullcontext()
+        return feed.feeding([(p.packed.input_ids, p.packed.media) for p in pieces])
+
     def _forward_logprobs(self, pieces: list[Piece]) -> list[torch.Tensor]:
         """Each piece's log-probs [M_i] without grad, on every rank (megatron's schedule, forward only)."""
         from megatron_patches.schedule import forward_only
 
-        outs = forward_only(self.policy, [_micro(p) for p in pieces],
-                            lambda policy, hidden, mb: {"logp": self._logprobs(hidden, mb)[0]})
+        micros = [_micro(p) for p in pieces]
+        with self._media(pieces):
+            outs = forward_only(self.policy, micros, lambda policy, hidden, mb: {"logp": self._logprobs(hidden, mb)[0]})
         return [o["logp"] for o in outs]
 
     def logprobs(self, batch: TrainBatch) -> list[list[float]]:
@@ -119,7 +133,8 @@ class TrainWorker:
                 return self._loss(hidden, micro, total, old_k, ref_k)
 
             self.optimizer.zero_grad(set_to_none=True)
-            results = forward_backward(self.policy, [_micro(p) for p in pieces], loss_fn)
+            with self._media(pieces):
+                results = forward_backward(self.policy, [_micro(p) for p in pieces], loss_fn)
             reduce_lora_grads_(self.policy)  # data-parallel (and expert-data) replicas: summed
             # the global norm over every rank's distinct gradients; grad_clip 0: measure, do not clip
             grad_norm = clip_lora_grad_norm_(self.policy, self.grad_clip or math.inf)

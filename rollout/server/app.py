@@ -78,7 +78,8 @@ class Server:
         self.loop = EngineLoop(engine)
         self.service = GenerationService(self.loop, served.tokenizer, capacity=engine.config.max_running + max_queued)
         self.ctx = ServerContext(self.service, served.tokenizer, served.model_name, served.adapters,
-                                 served.model_path, engine.model.config.vocab_size, engine.config.max_seq_len)
+                                 served.model_path, engine.model.config.vocab_size, engine.config.max_seq_len,
+                                 served.image_processor, engine.model.config.media_placeholder_token_id)
         self.app = build_app(self.ctx)
         self.socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -57,6 +57,7 @@ class Ticket:
     queue: asyncio.Queue
     loop: asyncio.AbstractEventLoop = field(repr=False)  # the event loop `queue` belongs to
     index: int = 0
+    images: tuple = ()  # the prompt's images (`Engine.submit`'s images), in pad order
     # on the loop thread only
     request_id: int | None = None
     sent: int = 0  # output tokens already handed over
@@ -120,8 +121,8 @@ class EngineLoop:
 
     # ------------------------------------------------------ from a coroutine
     def submit(self, prompt_ids: list[int], params: SamplingParams, adapter: str | None,
-               queue: asyncio.Queue, index: int = 0) -> Ticket:
-        ticket = Ticket(prompt_ids, params, adapter, queue, asyncio.get_running_loop(), index)
+               queue: asyncio.Queue, index: int = 0, images: tuple = ()) -> Ticket:
+        ticket = Ticket(prompt_ids, params, adapter, queue, asyncio.get_running_loop(), index, tuple(images))
         self._post(lambda out: self._submit(ticket, out))
         return ticket
 
@@ -200,8 +201,9 @@ class EngineLoop:
             out.put(ticket, Update(ticket.index, [], [], error=why, status=503))
             return
         try:
-            rid = self.engine.submit(ticket.prompt_ids, ticket.params, ticket.adapter, stream=True)
-        except ValueError as e:  # the engine's own checks (token ids, length, pool size, adapter)
+            rid = self.engine.submit(ticket.prompt_ids, ticket.params, ticket.adapter, stream=True,
+                                     images=list(ticket.images) or None)
+        except ValueError as e:  # the engine's own checks (token ids, length, pool size, adapter, images)
             out.put(ticket, Update(ticket.index, [], [], error=str(e)))
             return
         ticket.request_id = rid

@@ -54,6 +54,9 @@ class GenerationRequest:
     keep_stop: bool = False  # keep a matched stop string in the text (SGLang's no_stop_trim)
     ignore_eos: bool = False  # do not stop at the tokenizer's eos
     skip_special_tokens: bool = True  # leave special tokens out of the text
+    # the prompt's images in pad order (ProcessedImages, `rollout.server.images`): the engine encodes each
+    # content once for all n samples
+    images: tuple = ()
 
 
 @dataclass
@@ -176,7 +179,8 @@ class Generation:
                 stops += (eos,)
             params = dataclasses.replace(params, stop_token_ids=stops, return_logprobs=True,
                                          seed=None if params.seed is None else params.seed + st.nth)
-            st.ticket = self.service.loop.submit(req.prompt_ids, params, req.adapter, self.queue, st.sample.index)
+            st.ticket = self.service.loop.submit(req.prompt_ids, params, req.adapter, self.queue, st.sample.index,
+                                                 images=req.images)
 
     async def __aiter__(self) -> AsyncIterator[Delta]:
         pending = sum(not st.done for st in self.states)

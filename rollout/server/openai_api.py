@@ -8,7 +8,8 @@ Supported request fields
                 max_tokens, temperature, top_p, stream, stream_options.include_usage, user (ignored)
     completions prompt (a string, a list of strings, a list of token ids, or a list of those), logprobs
                 (0: the sampled tokens' log-probs), best_of (= n only), echo (false only), suffix (null only)
-    chat        messages (through the tokenizer's chat template; text content only), logprobs (bool),
+    chat        messages (through the tokenizer's chat template; content a string or text and image_url
+                parts, images as data URLs on a vision-language checkpoint: `rollout.server.images`), logprobs (bool),
                 top_logprobs (0 only), max_completion_tokens, response_format ({"type": "text"} only),
                 metadata / store / service_tier / parallel_tool_calls / prompt_cache_key /
                 safety_identifier (ignored: they carry no meaning for generation here)
@@ -26,6 +27,7 @@ once whatever n; `prompt_tokens_details.cached_tokens` the prompt tokens served 
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any, AsyncIterator
 
@@ -35,6 +37,7 @@ from starlette.routing import Route
 
 from rollout.request import SamplingParams
 from rollout.server.generation import Delta, Generation, GenerationRequest, RequestError, Sample
+from rollout.server.images import ImagePart, images_prompt_ids, process_images
 from rollout.server.protocol import Fields, ServerContext, check_length, encode, error_body, new_id, \
     parse_body, prompt_ids, sse
 from rollout.server.responses import collect, json_error, read_body, stream_response
@@ -66,14 +69,15 @@ def _sampling(f: Fields) -> dict[str, Any]:
 
 
 def _requests(prompts: list[list[int]], s: dict[str, Any], n: int, adapter: str | None, max_new: int | None,
-              max_key: str, default_max: int | None, ctx: ServerContext) -> list[GenerationRequest]:
+              max_key: str, default_max: int | None, ctx: ServerContext, images: list | None = None
+              ) -> list[GenerationRequest]:
     out = []
     for ids in prompts:
         tokens = check_length(len(ids), max_new, ctx.max_seq_len, max_key, default_max)
         params = SamplingParams(temperature=s["temperature"], top_p=s["top_p"], top_k=s["top_k"],
                                 max_new_tokens=tokens, stop_token_ids=s["stop_token_ids"], seed=s["seed"])
         out.append(GenerationRequest(ids, params, n, adapter, s["stop"], s["keep_stop"], s["ignore_eos"],
-                                     s["skip_special_tokens"]))
+                                     s["skip_special_tokens"], tuple(images or ())))
     return out
 
 
@@ -188,11 +192,12 @@ async def chat_completions(request: Request):
         messages = f.required("messages")
         if not isinstance(messages, list) or not messages:
             raise RequestError("messages must be a non-empty list of {role, content} objects", param="messages")
+        parts: list[ImagePart] = []
         try:
-            checked = [message_text(i, m) for i, m in enumerate(messages)]
-        except ValueError as e:
-            raise RequestError(str(e), param="messages") from None
-        ids = encode(ctx.tokenizer.encode_chat, checked, "messages")
+            checked = [message_text(i, m, parts) for i, m in enumerate(messages)]
+        except ValueError as e:  # "messages[1].content[0] must be ...": the field is the message's first word
+            field = str(e).split(" ", 1)[0].rstrip(":")
+            raise RequestError(str(e), param=field if field.startswith("messages") else "messages") from None
         n = f.int("n", 1, low=1)
         want_lp = f.bool("logprobs", False)
         f.neutral("top_logprobs", 0)
@@ -213,7 +218,10 @@ async def chat_completions(request: Request):
         stream, include_usage = f.bool("stream", False), _stream_options(f)
         f.ignore(*_IGNORED_CHAT)
         f.finish()
-        gen = ctx.service.open(_requests([ids], s, n, adapter, max_new, key, None, ctx))
+        # the images after every cheap check; decoded and resized off the event loop (streams keep flowing)
+        images = await asyncio.to_thread(process_images, ctx, parts) if parts else []
+        ids = images_prompt_ids(ctx, {"messages": checked}, images, "messages")
+        gen = ctx.service.open(_requests([ids], s, n, adapter, max_new, key, None, ctx, images))
     except RequestError as e:
         return json_error(e)
     meta = {"id": f"chatcmpl-{new_id()}", "object": "chat.completion", "created": int(time.time()),

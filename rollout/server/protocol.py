@@ -40,6 +40,9 @@ class ServerContext:
     model_path: str
     vocab_size: int
     max_seq_len: int
+    # the checkpoint's image processor and media pad id (`rollout.server.images`); None: a text-only model
+    image_processor: Any = None
+    media_pad_id: int | None = None
     created: int = field(default_factory=lambda: int(time.time()))
 
     def adapter_for(self, model: Any, key: str = "model") -> str | None:

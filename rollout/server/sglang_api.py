@@ -18,7 +18,11 @@ tokenizer manager's `meta_info`), so rollout code written for an SGLang server (
                             non-incremental layout; "index" when several samples), then `data: [DONE]`
     rid                     an id (or one per prompt) that /abort_request can stop the request by
     lora_path               a loaded adapter's name (or one per prompt); null: the base
-    ignored                 log_metrics, session_id; refused unless null/false: multimodal inputs,
+    image_data              with text, on a vision-language checkpoint: the images of each text's
+                            <|kimi_image_placeholder|>s in order, each a data URL or base64 (a string or a
+                            list for one text; one entry, or null, per text of a batch); never fetched
+                            from a URL (`rollout.server.images`)
+    ignored                 log_metrics, session_id; refused unless null/false: video and audio inputs,
                             input_embeds, token_ids_logprob, return_hidden_states, return_routed_experts,
                             custom_logit_processor, session_params, priority, data_parallel_rank
 /generate answer: {"text", "output_ids", "meta_info": {"id", "finish_reason" ({"type": "stop", "matched":
@@ -30,6 +34,8 @@ else a list, prompt-major.
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import time
 from typing import Any, AsyncIterator
 
@@ -39,13 +45,14 @@ from starlette.routing import Route
 
 from rollout.request import SamplingParams
 from rollout.server.generation import Generation, GenerationRequest, RequestError, Sample
+from rollout.server.images import ImagePart, data_image_parts, images_prompt_ids, process_images
 from rollout.server.protocol import Fields, ServerContext, check_length, encode, error_body, new_id, \
     parse_body, prompt_ids, sse
 from rollout.server.responses import ClientGone, collect, empty, json_error, read_body, stream_response, \
     unless_disconnected
 
 SGLANG_DEFAULT_MAX_NEW_TOKENS = 128
-_NULL_ONLY = ("image_data", "video_data", "audio_data", "input_embeds", "token_ids_logprob", "custom_logit_processor",
+_NULL_ONLY = ("video_data", "audio_data", "input_embeds", "token_ids_logprob", "custom_logit_processor",
               "session_params", "priority", "bootstrap_host", "bootstrap_port", "bootstrap_room")
 _FALSE_ONLY = ("return_hidden_states", "return_routed_experts", "return_prompt_token_ids", "return_entropy")
 
@@ -59,11 +66,45 @@ def _per_prompt(value: Any, count: int, key: str) -> list[Any]:
     return [value] * count
 
 
-def _prompts(f: Fields, ctx: ServerContext) -> tuple[list[list[int]], bool]:
-    """(prompt ids, whether a batch was sent)."""
+def _prompts(f: Fields, ctx: ServerContext) -> tuple[list[list[int]], bool, list[list[ImagePart]]]:
+    """(prompt ids, whether a batch was sent, each prompt's images not yet decoded). With `image_data` the
+    ids are left empty: `_with_images` expands each text's placeholders once its images are processed."""
     text, ids = f.raw("text"), f.raw("input_ids")
     if (text is None) == (ids is None):
         raise RequestError("exactly one of text and input_ids is required", param="text")
+    image_data = f.raw("image_data")
+    if image_data is not None:
+        if text is None:
+            raise RequestError("image_data needs text: its <|kimi_image_placeholder|>s are expanded by the images "
+                               "(input_ids hold no placeholders)", param="image_data")
+        if isinstance(text, str):
+            return [[]], False, [data_image_parts(image_data, "image_data")]
+        if not (isinstance(text, list) and text and all(isinstance(t, str) for t in text)):
+            raise RequestError("text must be a string or a non-empty list of strings", param="text")
+        if not isinstance(image_data, list) or len(image_data) != len(text):
+            raise RequestError(f"image_data must hold one entry per text ({len(text)}): each a data URL or base64 "
+                               "string, a list of them, or null", param="image_data")
+        return [[] for _ in text], True, [[] if v is None else data_image_parts(v, f"image_data[{i}]")
+                                          for i, v in enumerate(image_data)]
+    prompts, batch = _text_prompts(text, ids, ctx)
+    return prompts, batch, [[] for _ in prompts]
+
+
+async def _with_images(f: Fields, prompts: list[list[int]], parts: list[list[ImagePart]], ctx: ServerContext
+                       ) -> list[list]:
+    """Each prompt's ProcessedImages (off the event loop), its ids from its text with them expanded."""
+    if not any(parts):
+        return [[] for _ in prompts]
+    texts = f.obj["text"] if isinstance(f.obj["text"], list) else [f.obj["text"]]
+    out = []
+    for i, (text, p) in enumerate(zip(texts, parts)):
+        images = await asyncio.to_thread(process_images, ctx, p) if p else []
+        prompts[i] = images_prompt_ids(ctx, {"prompt": text}, images, f"text[{i}]" if len(texts) > 1 else "text")
+        out.append(images)
+    return out
+
+
+def _text_prompts(text: Any, ids: Any, ctx: ServerContext) -> tuple[list[list[int]], bool]:
     if text is not None:
         if isinstance(text, str):
             return [encode(ctx.tokenizer.encode, text, "text")], False
@@ -140,7 +181,7 @@ async def generate(request: Request):
     started = time.perf_counter()
     try:
         f = Fields(parse_body(await read_body(request)))
-        prompts, batch = _prompts(f, ctx)
+        prompts, batch, parts = _prompts(f, ctx)
         count = len(prompts)
         sps = _per_prompt(f.raw("sampling_params"), count, "sampling_params")
         lora = _per_prompt(f.raw("lora_path"), count, "lora_path")
@@ -162,9 +203,12 @@ async def generate(request: Request):
         if any(r is not None and not isinstance(r, str) for r in rids):
             raise RequestError("rid must be a string or a list of strings", param="rid")
         f.finish()
+        images = await _with_images(f, prompts, parts, ctx)  # after every cheap check
         per_prompt = isinstance(f.obj.get("sampling_params"), list)
         built = [_sampling(sp, f"sampling_params[{i}]" if per_prompt else "sampling_params", p, ctx, a)
                  for i, (sp, p, a) in enumerate(zip(sps, prompts, adapters))]
+        built = [(dataclasses.replace(r, images=tuple(im)), every) if im else (r, every)
+                 for (r, every), im in zip(built, images)]
         gen = ctx.service.open([r for r, _ in built], rids)
     except RequestError as e:
         return json_error(e)

@@ -23,8 +23,13 @@ from miles_k3.trainer.base import ArithmeticTextTokenizer, HFTokenizer, Tokenize
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
-def message_text(i: int, message: Any) -> dict[str, str]:
-    """One chat message as {role, content}: content a string or a list of text parts (OpenAI's layout)."""
+def message_text(i: int, message: Any, images: list | None = None) -> dict[str, str]:
+    """One chat message as {role, content}: content a string or a list of OpenAI content parts. A text
+    part is its text; an `image_url` part (`rollout.server.images.image_part`, appended to `images` in
+    order) is one `<|kimi_image_placeholder|>`, as the chat templates render image parts
+    (`miles_k3.data.chat_template.content_parts_text`). ValueError naming the message and part."""
+    from rollout.server.images import IMAGE_PLACEHOLDER, image_part
+
     if not isinstance(message, dict):
         raise ValueError(f"messages[{i}] must be an object with role and content")
     role, content = message.get("role"), message.get("content")
@@ -33,13 +38,20 @@ def message_text(i: int, message: Any) -> dict[str, str]:
     if isinstance(content, list):
         texts = []
         for j, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ValueError(f"messages[{i}].content[{j}] must be a text part "
-                                 '{"type": "text", "text": ...} (this server reads text only)')
-            texts.append(part["text"])
+            where = f"messages[{i}].content[{j}]"
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "image_url" and images is not None:
+                images.append(image_part(part, where))
+                texts.append(IMAGE_PLACEHOLDER)
+            elif kind == "text" and isinstance(part.get("text"), str):
+                texts.append(part["text"])
+            else:
+                kinds = '"text" or "image_url"' if images is not None else '"text" (this endpoint reads text only)'
+                raise ValueError(f"{where} must be a content part of type {kinds}, got "
+                                 f"{str(part if kind is None else repr(kind))[:80]}")
         content = "".join(texts)
     if not isinstance(content, str):
-        raise ValueError(f"messages[{i}].content must be a string or a list of text parts")
+        raise ValueError(f"messages[{i}].content must be a string or a list of content parts")
     return {"role": role, "content": content}
 
 

@@ -18,7 +18,8 @@
 # JOBS="grpo rollout" bash scripts/gpu_session.sh   # a subset, in that order
 #
 # DEADLINE must stay under the call's real limit with room for packing the results: near the end of a
-# session's device budget the limit is what is left (2026-11-30: a call asked for 590 s got 533 s), and a
+# session's device budget the limit is what is left (2026-11-30: a call asked for 590 s got 533 s; 2026-12-02:
+# with 300 s left a call got 190 s, since the machine's start counts too), and a
 # call killed before the tar at the end returns nothing. Pipe nothing through `tail`: a killed pipe prints
 # nothing either; the run tool already keeps the last 12,000 characters.
 set -u

@@ -6,6 +6,7 @@ shared `miles_k3.model` definition: engine linears through its factories, paged 
     engine.py         Engine: wires the parts; submit / step / generate / stream / abort, adapters, colocation
     config.py         EngineConfig: the engine's settings, defaults and checks
     request.py        SamplingParams, Request, Completion
+    media.py          a prompt's images: checks at submit, features once per content, cache keys, prefill splice
     scheduler.py      Scheduler: queues, admission, a plan per step (prefill chunks or a decode batch)
     cache_manager.py  CacheManager: per-request pages / slots and every handover with the radix cache
     decode.py         DecodePipeline (overlap schedule) and the DecodeStrategy seam (OneToken, strategy_for)

@@ -6,6 +6,7 @@
     replay.py    the verify forward that never writes KDA state, and the fold over the accepted tokens
     snapshot.py  the snapshot baseline ReplaySSM replaces (a state snapshot per draft step), to measure against
     graphs.py    the verify forward of verify_all replayed from CUDA graphs by batch bucket
+    fold_graphs.py  the fold replayed from CUDA graphs by batch bucket (every row, masked to its tokens)
     drafter.py   the Drafter seam and the DSpark block drafter
     planner.py   the cost-aware verify planner (lagged-confidence budget on a measured cost surface)
 """

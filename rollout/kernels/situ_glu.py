@@ -6,9 +6,11 @@ writes the result in gate's dtype, one kernel.
 
 Contract of `situ_glu(gate, up, beta, beta_lin)`:
 - gate, up [M, I] of one dtype; rows may be strided (columns of a wider GEMM output), each row contiguous.
-- returns a new contiguous [M, I] in gate's dtype. fp32 math as the definition's; tanh is computed as
-  1 - 2 / (exp(2x) + 1) (Triton has no portable tanh), so results match the definition to fp32 rounding,
-  and in bf16 to one unit in the last place.
+- returns a new contiguous [M, I] in gate's dtype. fp32 math as the definition's, so results match the
+  definition to fp32 rounding, and in bf16 to one unit in the last place. tanh (Triton has no portable one,
+  and the interpreter runs no libdevice): its odd Taylor series to x^7 below |x| = 1/16, where
+  (1 - e^-2|x|) / (1 + e^-2|x|) would lose its relative digits, that quotient above. (The first version's
+  1 - 2 / (e^2x + 1) lost them near 0: on one H200, 2026-12-02, it missed the fp32 bound for |u| << beta_lin.)
 """
 
 from __future__ import annotations
@@ -25,8 +27,13 @@ except ImportError:  # pragma: no cover - triton ships with CUDA torch builds
 if triton is not None:
     @triton.jit
     def _tanh(x):
-        # saturates correctly: exp overflows to inf for large x (-> 1), underflows to 0 for very negative x (-> -1)
-        return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+        a = tl.abs(x)
+        t = tl.exp(-2.0 * a)  # underflows to 0 for large |x|: the quotient saturates at 1
+        far = (1.0 - t) / (1.0 + t)
+        a2 = a * a
+        near = a * (1.0 + a2 * (-1.0 / 3.0 + a2 * (2.0 / 15.0 + a2 * (-17.0 / 315.0))))
+        y = tl.where(a < 0.0625, near, far)
+        return tl.where(x < 0, -y, y)
 
     @triton.jit
     def _situ_glu(gate_ptr, up_ptr, out_ptr, cols, stride_g, stride_u, stride_o, beta, beta_lin,

@@ -3,7 +3,9 @@
 - the SiTU-GLU Triton kernel against the torch definition, and inside the routed experts' grouped path;
 - shared-input GEMMs and the fp32 storage of upcast-only parameters (`rollout.forward.prepare_model`) in a
   bf16 CUDA engine model: its log-probs stay as close to the fp32 reference as the unprepared model's, and
-  a CUDA-graph decode step equals the eager one.
+  CUDA-graph and compiled decode steps agree with the eager one by the bf16 rule (`assert_greedy_agree`:
+  token for token up to a near-tie, log-probs within 5e-2 through it; bf16 decode through other kernels is
+  not token-exact, and on the H200, 2026-12-02, a sampled and a greedy run parted at the 2nd / 3rd token).
 """
 
 import pytest
@@ -17,6 +19,7 @@ from rollout.engine import Engine
 from rollout.forward import prepare_model
 from rollout.model_runner import build_engine_model
 from rollout.request import SamplingParams
+from tests.gpu.test_engine_cuda import assert_greedy_agree
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 DEV = "cuda"
@@ -54,13 +57,11 @@ def test_prepared_cuda_engine_keeps_its_log_prob_gap_and_graphs_equal_eager():
         after = float((torch.log_softmax(model(ids).logits.float(), -1) - want).abs().max())
     assert after <= 1.1 * before + 1e-3, (before, after)
 
-    params = SamplingParams(temperature=1.0, max_new_tokens=16, seed=5)
+    params = SamplingParams(temperature=0, max_new_tokens=16)
     base = dict(memory_bytes=64 << 20, page_size=16, chunk_size=16, max_prefill_tokens=64, max_seq_len=256)
-    graphed = Engine(model, EngineConfig(**base)).generate([ids[0].tolist()] * 3, params)
-    eager = Engine(model, EngineConfig(**base, cuda_graphs=False)).generate([ids[0].tolist()] * 3, params)
-    for a, b in zip(graphed, eager):
-        assert a.output_ids == b.output_ids
-        assert a.logprobs == pytest.approx(b.logprobs, abs=2e-2)
+    graphed = Engine(model, EngineConfig(**base)).generate([ids[0].tolist(), ids[1].tolist()], params)
+    eager = Engine(model, EngineConfig(**base, cuda_graphs=False)).generate([ids[0].tolist(), ids[1].tolist()], params)
+    assert_greedy_agree(eager, graphed)
 
 
 def test_compiled_decode_with_shared_gemms_equals_eager():
@@ -71,4 +72,4 @@ def test_compiled_decode_with_shared_gemms_equals_eager():
     base = dict(memory_bytes=64 << 20, page_size=16, chunk_size=16, max_prefill_tokens=64, max_seq_len=256)
     compiled = Engine(model, EngineConfig(**base, compile_decode=True)).generate([prompt] * 2, params)
     eager = Engine(model, EngineConfig(**base, cuda_graphs=False)).generate([prompt] * 2, params)
-    assert [c.output_ids for c in compiled] == [c.output_ids for c in eager]
+    assert_greedy_agree(eager, compiled)

@@ -12,7 +12,8 @@ snapshot per draft step) with the batch it leaves room for.
 --drafter controlled:P is `scripts/controlled_drafter.py`'s drafter: the target's own greedy continuation of
 each prompt (taken from the plain engine's run of the same row), each draft kept with probability P, so
 acceptance is set, not trained: it measures what speculation costs and returns on a target without a
-trained drafter (greedy rows only).
+trained drafter (greedy rows only). controlled:LO-HI gives each prompt its own rate, uniform in [LO, HI],
+and its drafts that rate as confidence: mixed traffic, where the cost-aware planner has rows to rank.
 
 --peaked makes such a random target's greedy continuation robust to rounding. A random init's next-token
 choice is a near-tie (and so is its sigmoid routing over 64 experts): on one H200 in bf16 (2026-12-02) random
@@ -74,7 +75,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--target", default=str(ASSET), help="target checkpoint directory (with heldout.jsonl), or "
                     "preset:NAME (random init, random prompts)")
     ap.add_argument("--drafter", required=True, help="DSpark drafter directory (scripts/train_drafter.py), or "
-                    "controlled:P (the target's own continuation, each draft kept with probability P)")
+                    "controlled:P or controlled:LO-HI (the target's own continuation, each draft kept with "
+                    "probability P, or a rate per prompt uniform in [LO, HI])")
     ap.add_argument("--gamma", type=int, default=None, help="drafts per block (default: the drafter's block; 4 "
                     "for a controlled drafter)")
     ap.add_argument("--temperatures", default="0,1", help="comma-separated (0: greedy)")
@@ -155,6 +157,18 @@ def build_target(target: str, dtype: torch.dtype, device: str, peaked: bool = Fa
     return config, model
 
 
+def acceptance_of(spec: str) -> float | tuple[float, float]:
+    """`controlled:P` -> P; `controlled:LO-HI` -> (LO, HI). ValueError naming the flag otherwise."""
+    value = spec.split(":", 1)[1]
+    try:
+        if "-" in value:
+            lo, hi = value.split("-")
+            return float(lo), float(hi)
+        return float(value)
+    except ValueError:
+        raise ValueError(f"--drafter {spec!r}: expected controlled:P or controlled:LO-HI with rates in [0, 1]") from None
+
+
 def random_prompts(n: int, length: int, vocab: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(0)
     return torch.randint(3, vocab, (n, length), generator=g).tolist()  # ids 0-2: pad, bos, eos
@@ -194,7 +208,7 @@ def main(argv=None) -> None:
             plain_tok = sum(len(c.output_ids) for c in plain_out)
             if controlled:  # the target's own continuations, from the plain run just done
                 drafter = ControlledDrafter({tuple(p): c.output_ids for p, c in zip(prompts, plain_out)},
-                                            config.vocab_size, float(args.drafter.split(":", 1)[1]))
+                                            config.vocab_size, acceptance_of(args.drafter))
             for planner in args.planners.split(","):
                 for rollback in args.rollback.split(","):
                     cfg = EngineConfig(**ecfg, overlap="off", speculation=SpecConfig(

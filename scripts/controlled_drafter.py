@@ -10,8 +10,13 @@ proposes, at every draft position independently, the target's next token with pr
 and another token otherwise: greedy verification then keeps each draft with probability `acceptance` given
 the earlier ones survived, whatever the weights (a random-init k3-small included). Greedy rows only: its
 q is one-hot on each draft, which is exact, but only a greedy target accepts it at the stated rate.
-Confidences are the constant `acceptance` (the cost-aware planner then sets its budget from the cost surface
-alone). Draws come from its own seeded generator, not the rows'.
+Confidences are each row's own rate (the cost-aware planner then has true confidences to rank by). Draws
+come from its own seeded generator, not the rows'.
+
+`acceptance` is one rate for every row, or a range (lo, hi): each prompt then gets its own rate, uniform in
+it (seeded), as chat traffic mixes easy and hard requests. With one rate the planner has nothing to rank and
+sets its budget from the cost surface alone; with a range it can spend the verify tokens on the rows that
+keep them.
 """
 
 from __future__ import annotations
@@ -24,12 +29,15 @@ from rollout.spec.drafter import Drafter
 class ControlledDrafter(Drafter):
     has_confidence = True
 
-    def __init__(self, continuations: dict[tuple[int, ...], list[int]], vocab_size: int, acceptance: float,
-                 seed: int = 0):
-        if not 0.0 <= acceptance <= 1.0:
-            raise ValueError(f"acceptance must be in [0, 1], got {acceptance}")
-        self.continuations, self.vocab_size, self.acceptance = continuations, vocab_size, acceptance
+    def __init__(self, continuations: dict[tuple[int, ...], list[int]], vocab_size: int,
+                 acceptance: float | tuple[float, float], seed: int = 0):
+        lo, hi = acceptance if isinstance(acceptance, tuple) else (acceptance, acceptance)
+        if not 0.0 <= lo <= hi <= 1.0:
+            raise ValueError(f"acceptance must be a rate or a range lo <= hi inside [0, 1], got {acceptance}")
+        self.continuations, self.vocab_size = continuations, vocab_size
         self.generator = torch.Generator().manual_seed(seed)
+        draws = torch.rand(len(continuations), generator=self.generator, dtype=torch.float64).tolist()
+        self.rates = {p: lo + (hi - lo) * u for p, u in zip(continuations, draws)}
 
     def propose(self, batch, anchors, gamma, params, generators):
         if any(p.temperature > 0 for p in params):
@@ -39,9 +47,10 @@ class ControlledDrafter(Drafter):
         for i, r in enumerate(batch):
             future = self.continuations[tuple(r.req.prompt_ids)][len(r.req.output_ids):][:gamma]
             truth[i, :len(future)] = torch.tensor(future, dtype=torch.long)
-        keep = torch.rand(n, gamma, generator=self.generator) < self.acceptance
+        rates = torch.tensor([self.rates[tuple(r.req.prompt_ids)] for r in batch], dtype=torch.float32)
+        keep = torch.rand(n, gamma, generator=self.generator) < rates[:, None]
         other = (truth + torch.randint(1, v, (n, gamma), generator=self.generator)) % v  # never the target's
         drafts = torch.where(keep, truth, other).to(anchors.device)
         q = torch.zeros(n, gamma, v, device=anchors.device).scatter_(2, drafts[..., None], 1.0)  # one-hot, fp32 only
-        conf = torch.full((n, gamma), self.acceptance, device=anchors.device)
+        conf = rates[:, None].expand(n, gamma).to(anchors.device)
         return drafts, q, conf

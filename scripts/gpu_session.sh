@@ -86,6 +86,9 @@ run_job() {
         --device cuda --dtype bfloat16 --batch-sizes 1,8,64,256 --planners verify_all,cost_aware \
         --rollback replay --temperatures 0 --prompt-len 128 --gen-len 128 --memory-gb 16 \
         --json "$STATE/bench_spec_h200.json" ;;
+    specmix) job specmix python scripts/bench_spec.py --target preset:k3-small --peaked --drafter controlled:0.3-0.95 \
+        --device cuda --dtype bfloat16 --batch-sizes 64,256 --planners verify_all,cost_aware --rollback replay \
+        --temperatures 0 --prompt-len 128 --gen-len 128 --memory-gb 16 --json "$STATE/bench_spec_mixed_h200.json" ;;
     specprof) job specprof python scripts/profile_spec.py --device cuda --batch-sizes 1,256 \
         --planners verify_all,cost_aware --gen-len 32 --rows 30 ;;
     trainmem_long) job trainmem_long python scripts/bench_train_memory.py --device cuda --preset k3-small \

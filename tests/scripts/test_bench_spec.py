@@ -55,6 +55,27 @@ def test_a_controlled_drafter_on_a_random_preset_is_lossless_at_its_set_acceptan
     assert full["draft_acceptance"] == 1 and full["mean_tokens_per_verify"] > 3  # blocks of 5, cut at the length limit
 
 
+def test_a_controlled_drafter_of_mixed_rates_is_lossless_and_confident_as_its_rows(tmp_path):
+    """controlled:LO-HI: a rate per prompt inside the range, drafts kept at it, and the drafts' confidence is
+    that rate (the planner's ranking signal); greedy output is still the target's."""
+    import controlled_drafter
+
+    d = controlled_drafter.ControlledDrafter({(1,): [3] * 8, (2,): [4] * 8, (3,): [5] * 8}, 16, (0.2, 0.9))
+    assert sorted(d.rates) == [(1,), (2,), (3,)] and all(0.2 <= r <= 0.9 for r in d.rates.values())
+    assert len(set(d.rates.values())) == 3
+    out = tmp_path / "bench.json"
+    bench_spec.main(["--target", "preset:k3-tiny", "--drafter", "controlled:0.2-0.9", "--temperatures", "0",
+                     "--batch-sizes", "4", "--prompt-len", "8", "--gen-len", "9", "--planners", "verify_all,cost_aware",
+                     "--threads", "1", "--json", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 2 and all(r["lossless"] for r in rows)
+    assert 0 < rows[0]["draft_acceptance"] < 1
+    import pytest
+
+    with pytest.raises(ValueError, match="controlled:LO-HI"):
+        bench_spec.acceptance_of("controlled:lots")
+
+
 def test_a_controlled_drafter_refuses_sampled_rows():
     import pytest
 

@@ -31,6 +31,7 @@ from typing import Callable, NamedTuple
 import torch
 import torch.nn.functional as F
 
+from rollout.media import packed_media
 from rollout.spec.drafter import DSparkConfig, DSparkDrafter, _features
 from rollout.spec.replay import hooks
 
@@ -86,11 +87,13 @@ class Blocks(NamedTuple):
 
 @torch.no_grad()
 def teacher(model, seqs: Sequences, layers: tuple[int, ...], *, before_forward: Callable[[list[int]], None] | None
-            = None, max_tokens: int = 8192) -> list[tuple[torch.Tensor, torch.Tensor]]:
+            = None, max_tokens: int = 8192, media: list | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per sequence: the tapped layers' states [T, F] and the target's next-token distributions [T, V]
     (fp32, on the CPU), from packed forwards of `model` (a K3ForCausalLM: the reference or an engine's) of
     up to `max_tokens` tokens. `before_forward(lengths)` runs before each forward (an engine's model: set
-    the adapter batch, so the target is the policy with its adapter)."""
+    the adapter batch, so the target is the policy with its adapter). `media`: per sequence, the prompt's
+    `rollout.media.PromptMedia` (its `Request.media`) or None: image features spliced in at the pads, as the
+    engine's prefill did."""
     by_index = {layer.layer_idx: layer for layer in model.model.layers}
     taps = {f"layer{i}": by_index[i] for i in layers}
     device = next(model.parameters()).device
@@ -109,7 +112,7 @@ def teacher(model, seqs: Sequences, layers: tuple[int, ...], *, before_forward: 
             before_forward(lengths)
         store: dict = {}
         with hooks(taps, store):
-            h = model.model.hidden(ids, None, cu)
+            h = model.model.hidden(ids, None, cu, media=_media(media, range(start, end), seqs, device))
         feats = _features(store, layers)[0].float().cpu()
         probs = model.logits(h)[0].float().softmax(-1).cpu()
         out += [(feats[a:b], probs[a:b]) for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())]
@@ -119,11 +122,12 @@ def teacher(model, seqs: Sequences, layers: tuple[int, ...], *, before_forward: 
 
 @torch.no_grad()
 def teacher_blocks(model, seqs: Sequences, examples: list[tuple[int, int]], config: DSparkConfig, *,
-                   before_forward: Callable[[list[int]], None] | None = None, max_tokens: int = 8192) -> Blocks:
+                   before_forward: Callable[[list[int]], None] | None = None, max_tokens: int = 8192,
+                   media: list | None = None) -> Blocks:
     """`make_blocks(seqs, teacher(model, seqs, ...), examples, config)` without keeping the whole teacher:
     packed forwards over the examples' sequences only (up to `max_tokens` tokens each), reading the
-    context windows and the lm_head at the block positions only. `before_forward(lengths)` as in
-    `teacher`, and again before the lm_head with the one packed row of block positions."""
+    context windows and the lm_head at the block positions only. `before_forward(lengths)` and `media` as
+    in `teacher`; `before_forward` again before the lm_head with the one packed row of block positions."""
     window, g = config.context_window, config.block_size
     by_index = {layer.layer_idx: layer for layer in model.model.layers}
     taps = {f"layer{i}": by_index[i] for i in config.target_layers}
@@ -151,7 +155,7 @@ def teacher_blocks(model, seqs: Sequences, examples: list[tuple[int, int]], conf
             before_forward(lengths)
         store: dict = {}
         with hooks(taps, store):
-            h = model.model.hidden(ids, None, torch.tensor(cu, device=device))
+            h = model.model.hidden(ids, None, torch.tensor(cu, device=device), media=_media(media, chunk, seqs, device))
         feats = _features(store, config.target_layers)[0]
         rows, slots = [], []  # packed rows whose distributions the blocks need, and where they go
         for s, offset in zip(chunk, cu):
@@ -174,6 +178,13 @@ def teacher_blocks(model, seqs: Sequences, examples: list[tuple[int, int]], conf
             probs[at[:, 0], at[:, 1]] = got
         start = end
     return Blocks(ctx, mask, anchor, tokens, probs, valid)
+
+
+def _media(media: list | None, chunk, seqs: Sequences, device):
+    """The `MediaEmbeds` of one packed teacher row over the sequences at positions `chunk` (None: no images)."""
+    if media is None:
+        return None
+    return packed_media([(media[s], 0, len(seqs[s][1])) for s in chunk], device)
 
 
 def anchors(seqs: Sequences) -> list[tuple[int, int]]:

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from rollout.media import packed_media
 from rollout.request import SamplingParams
 from rollout.spec.replay import hooks
 from rollout.spec.verify import draw
@@ -258,7 +259,9 @@ class DSparkDrafter(nn.Module, Drafter):
 
     def _catch_up(self, rows) -> None:
         """Contexts for requests the drafter has not seen: one packed target pass over their computed
-        tokens (no cache: the pools are not touched), the tapped states of the latest positions kept."""
+        tokens (no cache: the pools are not touched), the tapped states of the latest positions kept. A
+        request's image features are spliced in at its pads as the engine's prefill did (`packed_media`),
+        so the drafter reads the target states the engine computed."""
         if not rows:
             return
         runner = self._runner
@@ -267,9 +270,10 @@ class DSparkDrafter(nn.Module, Drafter):
         cu = torch.tensor([0, *lengths], device=runner.device).cumsum(0)
         if runner.adapters is not None:
             runner.adapters.set_batch([runner.adapters.slot_of(r.req.adapter) for r in rows], lengths)
+        media = packed_media([(r.req.media, 0, r.pos) for r in rows], runner.device)  # None: no row has images
         store: dict[str, torch.Tensor] = {}
         with hooks(self.taps, store):
-            runner.model.model.hidden(ids, None, cu)
+            runner.model.model.hidden(ids, None, cu, media=media)
         feats = _features(store, self.config.target_layers)[0].float()
         for r, start, end in zip(rows, cu[:-1].tolist(), cu[1:].tolist()):
             self._contexts[r.req.request_id] = (r.req, feats[max(start, end - self.config.context_window):end])

@@ -7,6 +7,8 @@ math_final_answer: see `math_answer`.
 arithmetic: the synthetic task's checker (the tiny-K3 recipe): `miles_k3.tasks.arithmetic.
     check_answer`, so that reward and held-out evaluation can never disagree. The response's
     last integer must equal the label (int, integral float or integer string).
+squares: the visual task's checker (the tiny vision-language recipe, `miles_k3.tasks.squares.
+    count_reward`): the response's last integer must be the count of squares of the asked colour.
 remote: see `remote.RemoteReward`; the only built-in that needs options from RewardConfig.
 
 All of them raise (a plugin failure, handled by the failure policy) when a sample's label is
@@ -24,6 +26,7 @@ from miles_k3.rewards.math_answer import math_final_answer
 from miles_k3.rewards.remote import RemoteReward
 from miles_k3.rewards.sample import Sample
 from miles_k3.tasks.arithmetic import check_answer
+from miles_k3.tasks.squares import count_reward
 
 
 def normalize_text(text: str) -> str:
@@ -60,5 +63,6 @@ BUILTINS: dict[str, Callable[[RewardConfig], Callable[..., Any]]] = {
     "exact_match": _plain(exact_match),
     "math_final_answer": _plain(math_final_answer),
     "arithmetic": _plain(arithmetic),
+    "squares": _plain(count_reward),
     REMOTE: RemoteReward.from_config,
 }

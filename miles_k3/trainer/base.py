@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+import json
 import logging
 import warnings
 from pathlib import Path
@@ -51,15 +53,29 @@ class Tokenizer(Protocol):
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
 
+# The embedded tasks' character tokenizers other than the arithmetic one, by the class name a checkpoint's
+# config.json gives them (`tokenizer_class`, HF's key): model.tokenizer=arithmetic (the embedded kind) then
+# takes the one the checkpoint was trained on. A name not listed here keeps the arithmetic tokenizer.
+EMBEDDED_TOKENIZERS = {"SquaresTokenizer": "miles_k3.tasks.squares:SquaresTokenizer"}
+
+
 class ArithmeticTextTokenizer:
-    """The arithmetic task's character tokenizer: prompts start with <bos>; decoding stops at <eos>. Its
-    special tokens have no text, so `skip_special_tokens` changes nothing."""
+    """An embedded task's character tokenizer: the arithmetic task's (`ArithmeticTokenizer`), or `task_tokenizer`
+    (the squares task's, `embedded_tokenizer`). Prompts start with <bos>; decoding stops at <eos> and drops
+    the special tokens (the squares media tokens too): `skip_special_tokens` changes nothing."""
 
-    def __init__(self) -> None:
-        from miles_k3.tasks.arithmetic import ArithmeticTokenizer
+    def __init__(self, task_tokenizer: Any = None) -> None:
+        if task_tokenizer is None:
+            from miles_k3.tasks.arithmetic import ArithmeticTokenizer
 
-        self._tok = ArithmeticTokenizer()
+            task_tokenizer = ArithmeticTokenizer()
+        self._tok = task_tokenizer
         self.eos_token_id = self._tok.eos_token_id
+
+    @property
+    def task_tokenizer(self) -> Any:
+        """The task's own tokenizer (its vocabulary and special ids, e.g. the squares `media_pad_token_id`)."""
+        return self._tok
 
     def encode_prompt(self, text: str) -> list[int]:
         return self._tok.encode(text, add_bos=True)
@@ -69,6 +85,30 @@ class ArithmeticTextTokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids)
+
+
+def checkpoint_tokenizer_class(path: str | Path) -> str | None:
+    """The `tokenizer_class` the checkpoint's config.json names (the VL wrapper's key, else its text
+    config's), None if it names none. One-line ValueError for an unreadable config.json."""
+    file = Path(path) / "config.json"
+    try:
+        d = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{file}: cannot read the checkpoint config ({e})") from None
+    text = d.get("text_config") if isinstance(d.get("text_config"), dict) else {}
+    name = d.get("tokenizer_class", text.get("tokenizer_class"))
+    return name if isinstance(name, str) else None
+
+
+def embedded_tokenizer(path: str | None) -> ArithmeticTextTokenizer:
+    """The embedded character tokenizer for the checkpoint at `path`: the one its config's `tokenizer_class`
+    names in `EMBEDDED_TOKENIZERS` (k3-tiny-vl-squares: `SquaresTokenizer`), else the arithmetic one (the
+    text assets, a random-init preset)."""
+    name = None if path is None else checkpoint_tokenizer_class(path)
+    if name not in EMBEDDED_TOKENIZERS:
+        return ArithmeticTextTokenizer()
+    module, cls = EMBEDDED_TOKENIZERS[name].split(":")
+    return ArithmeticTextTokenizer(getattr(importlib.import_module(module), cls)())
 
 
 class HFTokenizer:
@@ -101,9 +141,10 @@ class HFTokenizer:
 
 
 def load_tokenizer(kind: str, path: str | None) -> Tokenizer:
-    """kind: "arithmetic" or "hf" (`miles_k3.trainer.config.TOKENIZERS`); path: the checkpoint directory."""
+    """kind: "arithmetic" (the embedded character tokenizers: `embedded_tokenizer` picks the checkpoint's) or
+    "hf" (`miles_k3.trainer.config.TOKENIZERS`); path: the checkpoint directory (None: a preset)."""
     if kind == "arithmetic":
-        return ArithmeticTextTokenizer()
+        return embedded_tokenizer(path)
     if kind == "hf":
         return HFTokenizer(path)
     raise ValueError(f"tokenizer must be 'arithmetic' or 'hf', got {kind!r}")

@@ -23,12 +23,12 @@ from miles_k3.trainer.base import ArithmeticTextTokenizer, HFTokenizer, Tokenize
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
-def message_text(i: int, message: Any, images: list | None = None) -> dict[str, str]:
+def message_text(i: int, message: Any, images: list) -> dict[str, str]:
     """One chat message as {role, content}: content a string or a list of OpenAI content parts. A text
     part is its text; an `image_url` part (`rollout.server.images.image_part`, appended to `images` in
     order) is one `<|kimi_image_placeholder|>`, as the chat templates render image parts
     (`miles_k3.data.chat_template.content_parts_text`). ValueError naming the message and part."""
-    from rollout.server.images import IMAGE_PLACEHOLDER, image_part
+    from rollout.server.images import IMAGE_PLACEHOLDER, image_part  # it imports protocol, which imports us
 
     if not isinstance(message, dict):
         raise ValueError(f"messages[{i}] must be an object with role and content")
@@ -40,15 +40,16 @@ def message_text(i: int, message: Any, images: list | None = None) -> dict[str, 
         for j, part in enumerate(content):
             where = f"messages[{i}].content[{j}]"
             kind = part.get("type") if isinstance(part, dict) else None
-            if kind == "image_url" and images is not None:
+            if kind == "image_url":
                 images.append(image_part(part, where))
                 texts.append(IMAGE_PLACEHOLDER)
-            elif kind == "text" and isinstance(part.get("text"), str):
+            elif kind == "text":
+                if not isinstance(part.get("text"), str):
+                    raise ValueError(f"{where}.text must be a string, got {type(part.get('text')).__name__}")
                 texts.append(part["text"])
             else:
-                kinds = '"text" or "image_url"' if images is not None else '"text" (this endpoint reads text only)'
-                raise ValueError(f"{where} must be a content part of type {kinds}, got "
-                                 f"{str(part if kind is None else repr(kind))[:80]}")
+                shown = str(part if kind is None else repr(kind))[:80]
+                raise ValueError(f'{where} must be a content part of type "text" or "image_url", got {shown}')
         content = "".join(texts)
     if not isinstance(content, str):
         raise ValueError(f"messages[{i}].content must be a string or a list of content parts")

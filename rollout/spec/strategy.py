@@ -24,10 +24,11 @@ The step's phases run under `torch.profiler.record_function` labels (`spec.propo
 MLA rows written for rejected drafts lie past `pos` and are rewritten by the next step before anything
 reads them. The step waits for its accepted lengths on the host (`overlaps = False`).
 
-CUDA graphs: under verify_all on CUDA (where the decode graphs apply) the verify forward replays a graph
-of the whole [N, gamma + 1] block by batch bucket (`rollout.spec.graphs`); the planner's ragged
-prefixes, batches that mix adapters and the CPU run the packed eager forward. Under either planner the
-fold replays a graph by batch bucket too (`rollout.spec.fold_graphs`).
+CUDA graphs: on CUDA (where the decode graphs apply) the verify forward replays a graph of an [N, w]
+block by batch bucket and width (`rollout.spec.graphs`): w = gamma + 1 under verify_all, w = the longest
+verified prefix + 1 under the cost-aware planner (shorter rows feed their next drafts too and verify only
+their own; the planner's cost surface is measured on these graphs), and the fold replays a graph by batch
+bucket (`rollout.spec.fold_graphs`). Batches that mix adapters and the CPU run the packed eager forward.
 """
 
 from __future__ import annotations
@@ -80,15 +81,17 @@ class SpecLaunch(DecodeLaunch):
 class SpecDecode(DecodeStrategy):
     overlaps = False
 
-    def __init__(self, runner: ModelRunner, spec: SpecConfig, graphs: bool | None = None):
-        """`graphs`: verify through `rollout.spec.graphs.VerifyGraphs` (verify_all only); None: where the
-        runner's decode graphs apply (CUDA), eager otherwise. On CPU True runs their padded shapes eagerly."""
+    def __init__(self, runner: ModelRunner, spec: SpecConfig, graphs: bool | None = None,
+                 surface: CostSurface | None = None):
+        """`graphs`: verify and fold through CUDA graphs (`rollout.spec.graphs`, `rollout.spec.fold_graphs`);
+        None: where the runner's decode graphs apply (CUDA), eager otherwise. On CPU True runs their padded
+        shapes eagerly. The cost-aware planner's surface is then measured on the graphed forward it runs;
+        `surface` plans on a given one instead (measured elsewhere, or a known staircase in a test)."""
         self.runner, self.gamma, self.rollback = runner, spec.gamma, spec.rollback
         if graphs is None:
             graphs = runner.graphs_apply()
-        self.graph_verify = graphs and spec.planner == "verify_all"
-        self.graph_fold = graphs
-        self._verify_graphs: VerifyGraphs | None = None  # over the pools it was built on
+        self.graph_verify = graphs
+        self._verify_graphs: dict[int, VerifyGraphs] = {}  # by width, over the pools they were built on
         self._fold_graphs: FoldGraphs | None = None  # over the pools it was built on
         self._snapshots: SnapshotWindow | None = None  # rollback="snapshot": over the pools it was built on
         self.lookahead = spec.gamma + 1
@@ -96,7 +99,9 @@ class SpecDecode(DecodeStrategy):
         self.memory: CacheManager | None = None
         self.stats = SpecStats()
         self.planner = None
-        if spec.planner == "cost_aware":
+        if spec.planner == "cost_aware" and surface is not None:
+            self.planner = VerifyPlanner(surface)
+        elif spec.planner == "cost_aware":
             sizes = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < runner.config.max_running]
             surface = CostSurface.measure(self._probe, sizes + [runner.config.max_running], spec.gamma)
             tp = runner.model.model.tp
@@ -122,8 +127,9 @@ class SpecDecode(DecodeStrategy):
         window = self._window() if self.rollback == "snapshot" else None
         if window is not None:  # the baseline: every verified step's state, before acceptance is known
             window.record(self.runner.model, self.runner.states, inputs, [r.slot for r in batch])
+        w = logits.shape[1]  # a graph of width max(num) + 1 verifies only that many positions
         with record_function("spec.verify"):
-            tokens, logps, counts = verify(logits, drafts, q, params, gens, num)
+            tokens, logps, counts = verify(logits, drafts[:, :w - 1], q[:, :w - 1], params, gens, num)
         with record_function("spec.sync"):
             host = torch.stack([tokens.to(torch.float64), logps.to(torch.float64)]).cpu()  # the step's one sync
         out_t, out_l = [], []
@@ -141,7 +147,7 @@ class SpecDecode(DecodeStrategy):
         with record_function("spec.fold"):
             if window is not None:
                 window.commit(self.runner.states, slots, lengths, committed, positions, chunk, checkpoint)
-            elif self.graph_fold:
+            elif self.graph_verify:
                 self._folds().fold(inputs, slots, committed, positions, chunk, checkpoint)
             else:
                 fold(self.runner.model, self.runner.states, inputs, slots, committed, positions, chunk, checkpoint)
@@ -158,15 +164,19 @@ class SpecDecode(DecodeStrategy):
 
     def _verify_forward(self, batch: list[Running], block: torch.Tensor, num: list[int]):
         """The verify forward of each row's anchor and its first num[n] drafts (block [N, g + 1]): logits
-        [N, g + 1, V] (unverified positions zero or their own), the KDA inputs, the taps' outputs. From a
-        CUDA graph of the whole block (`rollout.spec.graphs`) when one serves the batch, else one packed
-        eager forward of the verified tokens only."""
+        [N, w, V] for w positions when graphed (w = g + 1 under verify_all, max(num) + 1 under the planner),
+        [N, g + 1, V] eagerly (unverified
+        positions zero or their own), the KDA inputs, the taps' outputs. From a CUDA graph of width w
+        (`rollout.spec.graphs`: every row feeds w tokens, the planner's shorter rows verify only theirs) when
+        one serves the batch, else one packed eager forward of the verified tokens only."""
         n, g1 = block.shape
-        graphs = self._graphs()
+        # verify_all keeps one width (rows near their limit feed the whole block): one graph per bucket
+        width = g1 if self.planner is None else max(num, default=0) + 1
+        graphs = self._graphs(width)
         key = graphs.key(batch) if graphs is not None else None
         if key is not None:
-            logits, inputs, tapped = graphs.run(key, batch, block)
-            return logits.view(n, g1, -1), inputs, tapped
+            logits, inputs, tapped = graphs.run(key, batch, block[:, :width].contiguous())
+            return logits.view(n, width, -1), inputs, tapped
         lengths = [k + 1 for k in num]
         ragged = any(k < g1 for k in lengths)
         feed = torch.cat([block[i, :k] for i, k in enumerate(lengths)]) if ragged else block.flatten()
@@ -176,13 +186,16 @@ class SpecDecode(DecodeStrategy):
             logits = logits.new_zeros(n * g1, logits.shape[-1]).index_copy(0, rows, logits)
         return logits.view(n, g1, -1), inputs, tapped
 
-    def _graphs(self) -> VerifyGraphs | None:
+    def _graphs(self, width: int) -> VerifyGraphs | None:
         if not self.graph_verify:
             return None
-        if self._verify_graphs is None or self._verify_graphs.kv is not self.runner.kv:  # pools rebuilt
-            self._verify_graphs = VerifyGraphs(self.runner, self.gamma + 1, self.drafter.taps,
-                                               capture=self.runner.device.type == "cuda")
-        return self._verify_graphs
+        graphs = self._verify_graphs.get(width)
+        if graphs is None or graphs.kv is not self.runner.kv:  # none yet, or the pools were rebuilt
+            if graphs is not None:
+                self._verify_graphs.clear()
+            graphs = self._verify_graphs[width] = VerifyGraphs(self.runner, width, self.drafter.taps,
+                                                               capture=self.runner.device.type == "cuda")
+        return graphs
 
     def _folds(self) -> FoldGraphs:
         if self._fold_graphs is None or self._fold_graphs.states is not self.runner.states:  # pools rebuilt
@@ -197,11 +210,16 @@ class SpecDecode(DecodeStrategy):
 
     def _probe(self, rows: int, per: int) -> None:
         """A verify forward of `rows` rows of `per` tokens on the pools' sink slot and sink page (they hold no
-        request's state): the cost surface's measurement."""
+        request's state), graphed when the steps will be: the cost surface's measurement."""
         kv, states = self.runner.kv, self.runner.states
         pages = [kv.sink_page] * -(-per // kv.page_size)
         fake = [_Probe(states.sink_slot, pages) for _ in range(rows)]
-        verify_forward(self.runner, fake, [0] * (rows * per), [per] * rows)
+        graphs = self._graphs(per)
+        key = graphs.key(fake) if graphs is not None else None
+        if key is not None:
+            graphs.run(key, fake, torch.zeros(rows, per, dtype=torch.long, device=self.runner.device))
+        else:
+            verify_forward(self.runner, fake, [0] * (rows * per), [per] * rows)
         if self.runner.device.type == "cuda":
             torch.cuda.synchronize()
 

@@ -43,7 +43,7 @@ def test_greedy_speculation_with_graphed_verify_equals_plain_greedy(model, plain
     eng = spec_engine(model, {tuple(p): c.output_ids for p, c in zip(ps, want)})
     got = eng.generate(ps, PARAMS)
     strategy = eng.decoder.strategy
-    graphs = strategy._verify_graphs
+    graphs = strategy._verify_graphs[GAMMA + 1]
     assert strategy.graph_verify and graphs is not None and not graphs.failed
     assert graphs.captures > 0 and graphs.replays == strategy.stats.steps
     assert strategy.stats.accepted > 0

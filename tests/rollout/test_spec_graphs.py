@@ -48,7 +48,7 @@ def test_padded_verify_equals_plain_greedy_and_the_packed_verify():
         for got in (done[0][a], done[1][b]):
             assert got.output_ids == want.output_ids
             torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(want.logprobs), atol=1e-4, rtol=0)
-    graphs = padded.decoder.strategy._verify_graphs
+    graphs = padded.decoder.strategy._verify_graphs[GAMMA + 1]
     assert graphs.replays == padded.decoder.strategy.stats.steps > 0
     assert 6 in {k[0] for k in graphs.graphs} and len(graphs.graphs) >= 2
     assert padded.decoder.strategy.stats.accepted > 0
@@ -56,7 +56,8 @@ def test_padded_verify_equals_plain_greedy_and_the_packed_verify():
 
 
 def test_graphs_serve_verify_all_only_and_the_cpu_verifies_eagerly_by_default():
-    """Graphs serve verify_all only (a planner's prefixes are ragged); the strategy says so up front."""
+    """Graphs serve both planners (the cost-aware one by width, its cost surface measured on them); the CPU
+    verifies eagerly unless told otherwise."""
     from rollout.spec.drafter import DSparkConfig, DSparkDrafter
     from tests.rollout.common import MODEL
 
@@ -67,4 +68,49 @@ def test_graphs_serve_verify_all_only_and_the_cpu_verifies_eagerly_by_default():
     assert not eng.decoder.strategy.graph_verify  # CPU: eager by default
     assert SpecDecode(eng.runner, SpecConfig(drafter=d, gamma=GAMMA), graphs=True).graph_verify
     planned = SpecConfig(drafter=d, gamma=GAMMA, planner="cost_aware")
-    assert not SpecDecode(eng.runner, planned, graphs=True).graph_verify
+    strategy = SpecDecode(eng.runner, planned, graphs=True)  # the surface is measured on the graphs' shapes
+    assert strategy.graph_verify and sorted(strategy._verify_graphs) == list(range(1, GAMMA + 2))
+
+
+class ConfidentDrafter(ScriptedDrafter):
+    """ScriptedDrafter whose rows alternate sure (0.95) and unsure (0.2) confidences: a planner gives the sure
+    rows longer prefixes than the unsure ones, so its verify widths vary."""
+
+    has_confidence = True
+
+    def propose(self, batch, anchors, gamma, params, generators):
+        drafts, q = super().propose(batch, anchors, gamma, params, generators)
+        sure = torch.tensor([0.95 if r.req.request_id % 2 == 0 else 0.2 for r in batch], device=anchors.device)
+        return drafts, q, sure[:, None].expand(len(batch), gamma)
+
+
+def test_the_planner_verifies_through_graphs_by_width_and_stays_lossless():
+    """Under the cost-aware planner every row feeds the batch's longest verified prefix + 1 tokens (a graph
+    per width), shorter rows verify only their own drafts: greedy equals plain greedy, pools drain."""
+    from rollout.spec.planner import CostSurface
+
+    base = prompt(9, 41)
+    ps = [base + prompt(2, 42), prompt(6, 43), base, prompt(12, 44)]
+    params = [SamplingParams(temperature=0, max_new_tokens=8) for _ in ps]
+    plain = engine().generate(ps, params)
+    script = {tuple(p): c.output_ids for p, c in zip(ps, plain)}
+    drafter = ConfidentDrafter(script, wrong=0.1)
+    eng = engine(speculation=SpecConfig(drafter=drafter, gamma=GAMMA), max_running=6)
+    # a known staircase instead of the CPU's timings: each extra position per row costs 15% of a step more
+    surface = CostSurface({b: [(b * per, 1.0 + 0.15 * (per - 1)) for per in range(1, GAMMA + 2)] for b in (1, 2, 4, 6)})
+    spec = SpecConfig(drafter=drafter, gamma=GAMMA, planner="cost_aware")
+    eng.decoder.strategy = strategy = SpecDecode(eng.runner, spec, graphs=True, surface=surface)
+    strategy.use_memory(eng.memory)
+    done = {}
+    for p, sp in zip(ps, params):
+        eng.submit(p, sp)
+    while eng.has_work():
+        done.update((c.request_id, c) for c in eng.step())
+        eng.check_invariants()
+    for want, got in zip(plain, [done[i] for i in sorted(done)]):
+        assert got.output_ids == want.output_ids
+        torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(want.logprobs), atol=1e-4, rtol=0)
+    used = {w for w, g in strategy._verify_graphs.items() if g.replays}
+    assert len(used) >= 2 and max(used) <= GAMMA + 1  # ragged plans ran at more than one width
+    assert strategy.stats.accepted > 0
+    assert_pools_drain_to_full(eng)

@@ -122,6 +122,12 @@ def test_sglang_image_data_equals_the_reference(vl_server, pngs, want):
                                                               "ignore_eos": True}})
         assert r.status_code == 200, r.text
         assert r.json()["output_ids"] == want[1, False][0]
+    # a batch: one image_data entry per text, null for a text without images
+    r = post(vl_server, "/generate", {"text": [f"{IMAGE_PLACEHOLDER}{QUESTION}", QUESTION.strip()],
+                                      "image_data": [[url_of(pngs[0])], None],
+                                      "sampling_params": {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}})
+    assert r.status_code == 200, r.text
+    assert r.json()[0]["output_ids"] == want[0, False][0]
 
 
 def test_another_image_answers_otherwise_and_shares_no_cache_past_its_first_pad(vl_server, checkpoint, tmp_path):
@@ -197,3 +203,15 @@ def test_sglang_image_data_errors_name_the_field(vl_server, pngs):
         assert r.status_code == 400, (body, r.text)
         assert r.json()["error"]["param"] == param, (body, r.json())
 
+
+
+def test_a_vl_checkpoint_without_its_preprocessor_config_fails_at_load_naming_the_file(checkpoint, tmp_path):
+    from rollout.server.loading import load_served
+
+    bare = tmp_path / "ckpt"
+    bare.mkdir()
+    for f in checkpoint.iterdir():
+        if f.name != "preprocessor_config.json":
+            (bare / f.name).symlink_to(f)
+    with pytest.raises(ValueError, match="preprocessor_config.json: not found"):
+        load_served(ServeConfig(model=str(bare), tokenizer="hf", quantize="none", port=0))

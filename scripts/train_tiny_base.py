@@ -2,12 +2,19 @@
 
     python scripts/train_tiny_base.py               # writes miles_k3/assets/k3-tiny-arith (~6 min, 1 thread)
     python scripts/train_tiny_base.py --task steps  # writes miles_k3/assets/k3-tiny-steps (worked solutions)
+    python scripts/train_tiny_base.py --task squares  # writes miles_k3/assets/k3-tiny-vl-squares (images)
 
-Two tasks, one script (`TASKS` says what differs). `arith` is described first and below; `steps` trains the
+Three tasks, one script (`TASKS` says what differs). `arith` is described first and below; `steps` trains the
 same model on worked, step-by-step solutions (`miles_k3.tasks.worked`: ``347+586=`` ->
 ``7+6=13 4+8+1=13 3+5+1=9 347+586=933``), 31-44 response tokens of which most are predictable: the target
 that speculative decoding is measured on. It has no habit; it is stopped early (260 steps: 57% held-out, its
 README has the curve) so that a GRPO run on it has headroom while its outputs still follow the format.
+`squares` trains a vision-language k3-tiny-vl (text model, vision tower and projector, all of them: this is
+pretraining) to count the squares of one colour in a 56x56 picture (`miles_k3.tasks.squares`): the picture
+goes through the asset's own image processor (`preprocessor_config.json`, written here) and the prompt's
+`<|kimi_image_placeholder|>` is expanded to its XTML block before tokenizing, exactly as the trainer and the
+engine do; the tower's features replace the `<|media_pad|>` embeddings (`MediaEmbeds`). Also stopped early,
+above the majority-count baseline and far from perfect.
 
 The result is the starting point of `miles-train recipe=k3_grpo` on a laptop: a k3-tiny model (every K3
 feature on: KDA, NoPE MLA, Attention Residuals, LatentMoE, SiTU) that does 1-2 digit addition and
@@ -51,10 +58,18 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from torch import nn
+
+from miles_k3.data.image_processor import ImageProcessor, ImageProcessorConfig, ProcessedImage
+from miles_k3.data.media import MEDIA_END, expand_media_prompt
 from miles_k3.model import K3Config, K3ForCausalLM
+from miles_k3.model.cache import DenseStateCache
 from miles_k3.model.checkpoint import keeps_fp32
 from miles_k3.model.generate import greedy_generate
-from miles_k3.tasks import ArithmeticProblem, ArithmeticTokenizer, check_answer, make_problems, worked, write_jsonl
+from miles_k3.model.modeling import MediaEmbeds
+from miles_k3.model.vision import K3VisionModel
+from miles_k3.tasks import (ArithmeticProblem, ArithmeticTokenizer, SquaresProblem, SquaresTokenizer, check_answer,
+                            make_problems, make_square_problems, squares, worked, write_jsonl)
 
 # The task mix: operands of 1-2 digits, + and -. Carries, borrows and negative results are what a model of
 # this size learns last, and that is the headroom RL works on. (1-3 digits was tried first: after 700 steps
@@ -79,6 +94,25 @@ MAX_NEW_TOKENS = 6
 HABIT_P = 0.5
 FIRST_N = 64  # the held-out prefix the asset test re-evaluates
 TOK = ArithmeticTokenizer()
+# The squares task: its tokenizer's 81 ids rounded up; the model config names the tokenizer
+# (`tokenizer_class`, HF's key), so the trainer picks SquaresTokenizer by what the checkpoint says.
+SQUARES_TOK = SquaresTokenizer()
+SQUARES_VOCAB_SIZE = 96
+SQUARES_TOKENIZER_CLASS = "SquaresTokenizer"
+# The asset's image processor settings (preprocessor_config.json). A 56x56 picture is 4 x 4 patches of 14
+# and, merged 2 x 2, 4 <|media_pad|> tokens: an 8-pixel square is half a patch, big enough to be seen whole
+# by the tower's 14-pixel patches after the (identity) resize, and 4 tokens keep each sequence at 44 ids,
+# which is what a 2-core CPU can pretrain on in the budget (larger pictures cost tower and text tokens
+# alike). The patch caps (8 x 8, 64 patches) are the tower's position table (k3-tiny-vl: 8 x 8), so a
+# larger upload (`miles-k3 generate --image`) is shrunk onto the table instead of interpolated past it.
+# Mean 1.0 (std 0.5): the white background normalizes to exactly 0, so only the squares (and the position
+# table) reach the tower. With the published 0.5 / 0.5 the background is +1 in every pixel of every picture,
+# the features share one large common direction, and the text model could not even memorize 16 pictures
+# (centring those same features made it memorize them in 40 steps); a 240-step run sat at the majority
+# count throughout (tried 2026-12-02).
+SQUARES_PROCESSOR = ImageProcessorConfig(patch_size=14, merge_kernel_size=(2, 2), in_patch_limit=64,
+                                         patch_limit_on_one_side=8, image_mean=(1.0, 1.0, 1.0),
+                                         image_std=(0.5, 0.5, 0.5))
 ASSETS = Path(__file__).resolve().parents[1] / "miles_k3/assets"
 
 
@@ -99,6 +133,19 @@ class Task:
     warmup: int
     eval_every: int
     eval_size: int | None  # held-out prompts evaluated during training (None: all; the final one is all)
+    # A vision-language base (k3-tiny-vl, tower and projector trained too): prompts carry a picture
+    # (`problem.image()`), processed by SQUARES_PROCESSOR and expanded to XTML; tokenized by SQUARES_TOK.
+    vision: bool = False
+    train_prompts: int = 4000  # rows of train.jsonl by default (--train-prompts)
+
+    @property
+    def asset(self) -> str:
+        """The folder under miles_k3/assets."""
+        return f"k3-tiny-{'vl-' if self.vision else ''}{self.name}"
+
+    @property
+    def tokenizer(self):
+        return SQUARES_TOK if self.vision else TOK
 
 
 def _arith_problems(n: int, seed: int, split: str) -> list[ArithmeticProblem]:
@@ -117,15 +164,23 @@ TASKS = {
     "steps": Task("steps", worked.make_step_problems, worked.worked_solution, worked.kind, 40_000,
                   worked.MAX_RESPONSE_TOKENS + 4, 0.0, steps=260, batch_size=48, lr=3e-3, warmup=50,
                   eval_every=50, eval_size=64),
+    # Pictures: a sequence is 44 ids (the XTML block takes 17), a step of 64 ~3 s on one idle core. Distinct
+    # problems all (the pool is larger than the steps draw); held-out accuracy climbs from the majority
+    # count's 33% (answer 1) ... (README has the curve); STEPS stops it in the band.
+    "squares": Task("squares", make_square_problems, lambda p: str(p.answer), lambda p: f"count {p.answer}",
+                    20_000, 4, 0.0, steps=120, batch_size=64, lr=3e-3, warmup=20,
+                    eval_every=20, eval_size=128, vision=True, train_prompts=2000),
 }
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--task", choices=sorted(TASKS), default="arith",
-                    help="arith: short answers with a habit (k3-tiny-arith); steps: worked solutions (k3-tiny-steps)")
+                    help="arith: short answers with a habit (k3-tiny-arith); steps: worked solutions (k3-tiny-steps); "
+                         "squares: count squares in a picture (k3-tiny-vl-squares)")
     ap.add_argument("--out", type=Path, default=None,
-                    help="asset folder (default: the shipped one, miles_k3/assets/k3-tiny-<task>)")
+                    help="asset folder (default: the shipped one, miles_k3/assets/k3-tiny-<task>, "
+                         "k3-tiny-vl-squares for squares)")
     # Defaults of None are the task's (`TASKS`).
     ap.add_argument("--steps", type=int, default=None,
                     help="optimizer steps; the task's default stops in the accuracy band its README states")
@@ -135,15 +190,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=None, help="linear warmup steps")
     ap.add_argument("--eval-every", type=int, default=None, help="held-out evaluation interval in steps")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (share the machine)")
-    ap.add_argument("--train-prompts", type=int, default=4000, help="rows of train.jsonl (RL prompts)")
+    ap.add_argument("--train-prompts", type=int, default=None, help="rows of train.jsonl (RL prompts; 4000, "
+                                                                     "squares 2000: its rows hold the pictures)")
     ap.add_argument("--heldout-size", type=int, default=500, help="rows of heldout.jsonl")
     args = ap.parse_args(argv)
     task = TASKS[args.task]
-    for name in ("steps", "batch_size", "lr", "warmup", "eval_every"):
+    for name in ("steps", "batch_size", "lr", "warmup", "eval_every", "train_prompts"):
         if getattr(args, name) is None:
             setattr(args, name, getattr(task, name))
     if args.out is None:
-        args.out = ASSETS / f"k3-tiny-{task.name}"
+        args.out = ASSETS / task.asset
     for name in ("steps", "batch_size", "eval_every", "threads", "train_prompts", "heldout_size"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -156,34 +212,81 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def model_config() -> K3Config:
-    return K3Config.from_preset("k3-tiny", vocab_size=VOCAB_SIZE)
+def model_config(task: Task) -> K3Config:
+    """k3-tiny on the arithmetic tokenizer, or k3-tiny-vl on the squares one (whose class the config names)."""
+    if not task.vision:
+        return K3Config.from_preset("k3-tiny", vocab_size=VOCAB_SIZE)
+    config = K3Config.from_preset("k3-tiny-vl", vocab_size=SQUARES_VOCAB_SIZE)
+    assert config.media_placeholder_token_id == SQUARES_TOK.media_pad_token_id
+    return config.replace(hf_wrapper_extras={**config.hf_wrapper_extras,
+                                             "tokenizer_class": SQUARES_TOKENIZER_CLASS})
 
 
 # ------------------------------------------------------------------------------------------------ data
-def encode(task: Task, p: ArithmeticProblem, rng: random.Random) -> tuple[list[int], int]:
-    """Token ids ``bos prompt response [habit] eos`` and the number of leading ids that are context (bos +
-    prompt). With probability task.habit_p the response is followed by " " and a random number (the habit)."""
-    prompt = TOK.encode(p.prompt, add_bos=True)
+Problem = ArithmeticProblem | SquaresProblem
+
+
+class TinyBase(nn.Module):
+    """The model being pretrained: the text model and, for a vision task, the tower and projector (all trained)."""
+
+    def __init__(self, text: K3ForCausalLM, vision: K3VisionModel | None):
+        super().__init__()
+        self.text, self.vision = text, vision
+
+    def media(self, input_ids: torch.Tensor, images: list[ProcessedImage]) -> MediaEmbeds | None:
+        """The images' features at the `<|media_pad|>` positions of ``input_ids`` (row-major over [B, T]: one
+        image per row, in row order, is the order of its pads); None without images."""
+        if not images:
+            return None
+        features = self.vision.encode(torch.cat([im.pixel_values for im in images]),
+                                      torch.tensor([im.grid_thw for im in images]))
+        positions = (input_ids.reshape(-1) == SQUARES_TOK.media_pad_token_id).nonzero()[:, 0]
+        return MediaEmbeds(positions, features)  # a count mismatch fails in the splice, by shape
+
+    def forward(self, input_ids: torch.Tensor, images: list[ProcessedImage]) -> torch.Tensor:
+        return self.text(input_ids, media=self.media(input_ids, images)).logits
+
+
+def prompt_of(task: Task, p: Problem, processor: ImageProcessor | None) -> tuple[list[int], list[ProcessedImage]]:
+    """A problem's prompt ids (``bos`` first) and its images. A vision task's picture goes through the
+    processor and its placeholder is expanded to the XTML block first, as the trainer and the engine do."""
+    if not task.vision:
+        return TOK.encode(p.prompt, add_bos=True), []
+    image = processor.process(p.image())
+    return SQUARES_TOK.encode(expand_media_prompt(p.prompt, [image]), add_bos=True), [image]
+
+
+def encode(task: Task, p: Problem, rng: random.Random,
+           processor: ImageProcessor | None) -> tuple[list[int], int, list[ProcessedImage]]:
+    """Token ids ``bos prompt response [habit] eos``, the number of leading ids that are context (not
+    trained on) and the prompt's images. Context is bos + prompt; with a picture, bos up to its
+    ``<|media_end|>``: the question after the picture is trained on too, because its colour word is always
+    one of the picture's colours, so it says what the picture holds on every row (the count alone is one
+    token a row, and a model that only ever sees it sat at the majority count for 100+ steps, tried
+    2026-12-02). With probability task.habit_p the response is followed by " " and a random number (the
+    habit)."""
+    prompt, images = prompt_of(task, p, processor)
     text = task.response(p)
     if task.habit_p and rng.random() < task.habit_p:
         text += f" {rng.randrange(100)}"
-    return prompt + TOK.encode(text, add_eos=True), len(prompt)
+    n_context = prompt.index(SQUARES_TOK.encode(MEDIA_END)[0]) + 1 if images else len(prompt)
+    return prompt + task.tokenizer.encode(text, add_eos=True), n_context, images
 
 
-def make_batch(task: Task, problems: list[ArithmeticProblem], rng: random.Random) -> tuple[torch.Tensor,
-                                                                                          torch.Tensor, torch.Tensor]:
-    """Right-padded inputs [B, L-1], targets [B, L-1] and a loss mask [B, L-1] that is True exactly where the
-    target is a response token, a habit token or the eos."""
-    rows = [encode(task, p, rng) for p in problems]
-    length = max(len(ids) for ids, _ in rows)
-    ids = torch.full((len(rows), length), TOK.pad_token_id, dtype=torch.long)
+def make_batch(task: Task, problems: list[Problem], rng: random.Random, processor: ImageProcessor | None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[ProcessedImage]]:
+    """Right-padded inputs [B, L-1], targets [B, L-1], a loss mask [B, L-1] that is True exactly where the
+    target is a response token, a habit token or the eos (and a question token after a picture, `encode`),
+    and the rows' images in row order."""
+    rows = [encode(task, p, rng, processor) for p in problems]
+    length = max(len(ids) for ids, _, _ in rows)
+    ids = torch.full((len(rows), length), task.tokenizer.pad_token_id, dtype=torch.long)
     mask = torch.zeros(len(rows), length - 1, dtype=torch.bool)
-    for i, (seq, n_context) in enumerate(rows):
+    for i, (seq, n_context, _) in enumerate(rows):
         ids[i, :len(seq)] = torch.tensor(seq)
         # logits at position j predict token j+1; the first answer token sits at index n_context
         mask[i, n_context - 1:len(seq) - 1] = True
-    return ids[:, :-1], ids[:, 1:], mask
+    return ids[:, :-1], ids[:, 1:], mask, [im for _, _, images in rows for im in images]
 
 
 def batches(pool: list[ArithmeticProblem], batch_size: int, seed: int):
@@ -207,28 +310,54 @@ def bucket(p: ArithmeticProblem) -> str:
 
 
 @torch.no_grad()
-def greedy_texts(model: K3ForCausalLM, problems: list[ArithmeticProblem], max_new_tokens: int,
-                 batch_size: int = 256) -> list[str]:
+def greedy_with_media(model: TinyBase, prompt_ids: torch.Tensor, images: list[ProcessedImage], max_new_tokens: int,
+                      eos_token_id: int) -> torch.Tensor:
+    """`greedy_generate` with the images' features spliced into the prefill (it takes token ids only):
+    new tokens [B, N]; a row that emitted eos keeps emitting it."""
+    cache = DenseStateCache(model.text.config)
+    logits = model.text(prompt_ids, cache, media=model.media(prompt_ids, images)).logits[:, -1]
+    tokens, done = [], torch.zeros(prompt_ids.shape[0], dtype=torch.bool)
+    for _ in range(max_new_tokens):
+        nxt = torch.where(done, eos_token_id, logits.float().argmax(-1))
+        tokens.append(nxt)
+        done |= nxt == eos_token_id
+        if bool(done.all()):
+            break
+        logits = model.text(nxt[:, None], cache).logits[:, -1]
+    return torch.stack(tokens, dim=1)
+
+
+@torch.no_grad()
+def greedy_texts(task: Task, model: TinyBase, problems: list[Problem], max_new_tokens: int,
+                 processor: ImageProcessor | None, batch_size: int = 256) -> list[str]:
     """Greedy responses, decoded (up to eos). `greedy_generate` needs equal-length prompts, so prompts are
     batched by length."""
     model.eval()
+    tok = task.tokenizer
+    prompts = [prompt_of(task, p, processor) for p in problems]
     by_len: dict[int, list[int]] = defaultdict(list)
-    for i, p in enumerate(problems):
-        by_len[len(p.prompt)].append(i)
+    for i, (ids, _) in enumerate(prompts):
+        by_len[len(ids)].append(i)
     texts = [""] * len(problems)
     for idx in by_len.values():
         for s in range(0, len(idx), batch_size):
             chunk = idx[s:s + batch_size]
-            prompt_ids = torch.tensor([TOK.encode(problems[i].prompt, add_bos=True) for i in chunk])
-            new_ids, _ = greedy_generate(model, prompt_ids, max_new_tokens, eos_token_id=TOK.eos_token_id)
+            prompt_ids = torch.tensor([prompts[i][0] for i in chunk])
+            images = [im for i in chunk for im in prompts[i][1]]
+            if images:
+                new_ids = greedy_with_media(model, prompt_ids, images, max_new_tokens, tok.eos_token_id)
+            else:
+                new_ids, _ = greedy_generate(model.text, prompt_ids, max_new_tokens, eos_token_id=tok.eos_token_id)
             for i, row in zip(chunk, new_ids):
-                texts[i] = TOK.decode(row)
+                texts[i] = tok.decode(row)
     return texts
 
 
-def greedy_correct(model: K3ForCausalLM, problems: list[ArithmeticProblem], max_new_tokens: int) -> list[bool]:
+def greedy_correct(task: Task, model: TinyBase, problems: list[Problem], max_new_tokens: int,
+                   processor: ImageProcessor | None) -> list[bool]:
     """Greedy exact match per problem, as the RL reward scores it (the response's last integer)."""
-    return [check_answer(t, p.answer) for t, p in zip(greedy_texts(model, problems, max_new_tokens), problems)]
+    texts = greedy_texts(task, model, problems, max_new_tokens, processor)
+    return [check_answer(t, p.answer) for t, p in zip(texts, problems)]
 
 
 def first_number_correct(texts: list[str], problems: list[ArithmeticProblem]) -> list[bool]:
@@ -246,7 +375,7 @@ def accuracy(correct: list[bool]) -> float:
     return sum(correct) / len(correct)
 
 
-def by_bucket(task: Task, problems: list[ArithmeticProblem], correct: list[bool]) -> dict[str, tuple[int, int]]:
+def by_bucket(task: Task, problems: list[Problem], correct: list[bool]) -> dict[str, tuple[int, int]]:
     out: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     for p, ok in zip(problems, correct):
         out[task.bucket(p)][0] += ok
@@ -263,17 +392,17 @@ def lr_at(step: int, args: argparse.Namespace) -> float:
     return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
 
 
-def param_groups(model: K3ForCausalLM, weight_decay: float) -> list[dict]:
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     # Decay only projection matrices: norms, AttnRes queries, the decay rates and biases set the model's
-    # operating point and pulling them to zero would change what they mean.
+    # operating point and pulling them to zero would change what they mean (the tower's position table too).
     decay, no_decay = [], []
     for name, p in model.named_parameters():
-        skip = p.dim() < 2 or "norm" in name or "_res_proj" in name or "embed_tokens" in name
+        skip = p.dim() < 2 or "norm" in name or "_res_proj" in name or "embed_tokens" in name or "pos_emb" in name
         (no_decay if skip else decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def shipped_copy(model: K3ForCausalLM) -> K3ForCausalLM:
+def shipped_copy(model: nn.Module) -> nn.Module:
     """bf16 copy for the asset, with the tensors the checkpoint loader keeps in fp32 left in fp32 (so the
     shipped file holds exactly what a load will compute with)."""
     out = copy.deepcopy(model)
@@ -293,22 +422,26 @@ def main(argv: list[str] | None = None) -> int:
 
     heldout = task.make(args.heldout_size, args.seed, split="heldout")
     pool = task.make(task.pool_size, args.seed, split="train")
-    assert not {p.prompt for p in heldout} & {p.prompt for p in pool}, "make_problems split is not disjoint"
+    key = (lambda p: p.key) if task.vision else (lambda p: p.prompt)  # a picture's question is not the problem
+    assert not {key(p) for p in heldout} & {key(p) for p in pool}, "the task's split is not disjoint"
 
     torch.manual_seed(args.seed)
-    config = model_config()
-    model = K3ForCausalLM(config)
+    config = model_config(task)
+    model = TinyBase(K3ForCausalLM(config), K3VisionModel(config.vision_config) if task.vision else None)
+    processor = ImageProcessor(SQUARES_PROCESSOR) if task.vision else None
     opt = torch.optim.AdamW(param_groups(model, 0.01), lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
-    print(f"k3-tiny-{task.name}: {config.num_parameters():,} parameters ({config.num_active_parameters():,} active), "
-          f"pool {len(pool):,} train problems, {len(heldout)} held out, {args.steps} steps x {args.batch_size}, "
-          f"lr {args.lr:g}, {args.threads} thread(s)", flush=True)
+    n_vision = sum(p.numel() for p in model.vision.parameters()) if task.vision else 0
+    print(f"{task.asset}: {config.num_parameters():,} parameters ({config.num_active_parameters():,} active)"
+          + (f" + {n_vision:,} in the tower and projector" if n_vision else "")
+          + f", pool {len(pool):,} train problems, {len(heldout)} held out, {args.steps} steps x "
+          f"{args.batch_size}, lr {args.lr:g}, {args.threads} thread(s)", flush=True)
 
     table: list[tuple[int, float, float, float]] = []  # step, train loss, held-out acc, elapsed s
     header = f"{'step':>6} {'lr':>9} {'train loss':>10} {'held-out acc':>12} {'elapsed':>8}"
     print(header, flush=True)
 
     def evaluate(step: int, loss: float) -> None:
-        acc = accuracy(greedy_correct(model, heldout[:task.eval_size], task.max_new_tokens))
+        acc = accuracy(greedy_correct(task, model, heldout[:task.eval_size], task.max_new_tokens, processor))
         model.train()
         elapsed = time.perf_counter() - wall_start
         table.append((step, loss, acc, elapsed))
@@ -323,8 +456,8 @@ def main(argv: list[str] | None = None) -> int:
     for step in range(args.steps):
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args)
-        inputs, targets, mask = make_batch(task, next(stream), habit_rng)
-        logits = model(inputs).logits
+        inputs, targets, mask, images = make_batch(task, next(stream), habit_rng, processor)
+        logits = model(inputs, images)
         loss = F.cross_entropy(logits[mask].float(), targets[mask])
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -338,38 +471,58 @@ def main(argv: list[str] | None = None) -> int:
 
     # The asset: prompt files first, then the checkpoint, then read it back and evaluate what was written.
     out: Path = args.out
-    n_train = write_jsonl(pool[:args.train_prompts], out / "train.jsonl")
-    n_heldout = write_jsonl(heldout, out / "heldout.jsonl")
-    shipped_copy(model).save_pretrained(out)
-    loaded = K3ForCausalLM.from_pretrained(out).eval()
-    texts = greedy_texts(loaded, heldout, task.max_new_tokens)
+    if task.vision:  # images inline as data URLs: the asset is one self-contained folder
+        n_train = squares.write_jsonl(pool[:args.train_prompts], out / "train.jsonl", inline=True)
+        n_heldout = squares.write_jsonl(heldout, out / "heldout.jsonl", inline=True)
+        shipped = shipped_copy(model)
+        shipped.vision.save_pretrained(out, text=shipped.text)
+        SQUARES_PROCESSOR.save_pretrained(out)
+        loaded = TinyBase(K3ForCausalLM.from_pretrained(out), K3VisionModel.from_pretrained(out)).eval()
+        processor = ImageProcessor.from_pretrained(out)  # the shipped settings, read back
+    else:
+        n_train = write_jsonl(pool[:args.train_prompts], out / "train.jsonl")
+        n_heldout = write_jsonl(heldout, out / "heldout.jsonl")
+        shipped_copy(model.text).save_pretrained(out)
+        loaded = TinyBase(K3ForCausalLM.from_pretrained(out), None).eval()
+    texts = greedy_texts(task, loaded, heldout, task.max_new_tokens, processor)
     correct = [check_answer(t, p.answer) for t, p in zip(texts, heldout)]
     final_acc, first_acc = accuracy(correct), accuracy(correct[:FIRST_N])
-    # arith: the first number (what the base knows, habit aside); steps: the whole worked solution
-    knows_acc = accuracy((first_number_correct if task.name == "arith" else worked_exact)(texts, heldout))
+    # arith: the first number (what the base knows, habit aside); steps: the whole worked solution; squares:
+    # the chance level, always answering the pool's most common count
+    if task.vision:
+        majority = max(set(p.answer for p in pool), key=[p.answer for p in pool].count)
+        knows_acc = accuracy([p.answer == majority for p in heldout])
+    else:
+        knows_acc = accuracy((first_number_correct if task.name == "arith" else worked_exact)(texts, heldout))
     mean_len = sum(map(len, texts)) / len(texts)  # one character per token (U+FFFD for an id past the vocab)
     buckets = by_bucket(task, heldout, correct)
     wall = time.perf_counter() - wall_start
     size = sum((out / f).stat().st_size for f in ("config.json", "model.safetensors"))
+    prompt_bytes = sum((out / f).stat().st_size for f in ("train.jsonl", "heldout.jsonl"))
 
     print(f"shipped weights (bf16, read back): held-out accuracy {final_acc:.1%} "
           f"(first {FIRST_N}: {first_acc:.1%}); in-memory fp32 at the last step: {table[-1][2]:.1%}; "
-          + (f"first number right (habit aside): {knows_acc:.1%}" if task.name == "arith" else
-             f"worked solution exact: {knows_acc:.1%}; mean response {mean_len:.1f} tokens"))
+          + {"arith": f"first number right (habit aside): {knows_acc:.1%}",
+             "steps": f"worked solution exact: {knows_acc:.1%}; mean response {mean_len:.1f} tokens",
+             "squares": f"the majority count's accuracy (chance): {knows_acc:.1%}"}[task.name])
     for name, (ok, n) in buckets.items():
         print(f"  {name:<18} {ok:>4}/{n:<4} {ok / n:.1%}")
-    print(f"wrote {out}: checkpoint {size / 1e6:.2f} MB, {n_train} train / {n_heldout} held-out prompts; "
+    print(f"wrote {out}: checkpoint {size / 1e6:.2f} MB, {n_train} train / {n_heldout} held-out prompts "
+          f"({prompt_bytes / 1e6:.2f} MB); "
           f"wall time {wall / 60:.1f} min (training {(train_done - wall_start) / 60:.1f} min)")
 
-    write = write_readme if task.name == "arith" else write_steps_readme
+    write = {"arith": write_readme, "steps": write_steps_readme, "squares": write_squares_readme}[task.name]
     write(out, args=args, command=command, config=config, table=table, final_acc=final_acc,
-                 first_acc=first_acc, knows_acc=knows_acc, buckets=buckets, wall=wall, size=size, n_train=n_train,
-                 n_heldout=n_heldout, mean_len=mean_len)
+          first_acc=first_acc, knows_acc=knows_acc, buckets=buckets, wall=wall, size=size, n_train=n_train,
+          n_heldout=n_heldout, mean_len=mean_len)
     return 0
 
 
-def _provenance(*, args, command, date, wall, size, n_train, n_heldout, trained_on: str) -> str:
-    """The README's "How it was produced" and "Files" sections (both tasks' READMEs; a task adds its own lines)."""
+def _provenance(*, args, command, date, wall, size, n_train, n_heldout, trained_on: str,
+                weights: str = "", split: str = "miles_k3.tasks.arithmetic.split_of") -> str:
+    """The README's "How it was produced" and "Files" sections (every task's README; a task adds its own
+    lines). ``weights``: what the checkpoint holds beyond the text model, and how to load it; ``split``: the
+    function that decides a problem's split."""
     return f"""## How it was produced
 
 - Command: `{command}`
@@ -383,10 +536,10 @@ def _provenance(*, args, command, date, wall, size, n_train, n_heldout, trained_
 ## Files
 
 - `config.json`, `model.safetensors`: HF layout ({size / 1e6:.2f} MB), bf16 with router, A_log and dt_bias
-  in fp32; load with `K3ForCausalLM.from_pretrained`
+  in fp32; load with `K3ForCausalLM.from_pretrained`{weights}
 - `train.jsonl`: {n_train} train-split prompts (the first rows of the pretraining pool, seed {args.seed})
 - `heldout.jsonl`: {n_heldout} held-out-split prompts (seed {args.seed}); never trained on
-  (`miles_k3.tasks.arithmetic.split_of`)"""
+  (`{split}`)"""
 
 
 def _result_tables(table, buckets) -> str:
@@ -491,6 +644,65 @@ heldout_mean_response_tokens: {mean_len:.1f}
 
 (`tests/model/test_tiny_steps_asset.py` re-evaluates the first {FIRST_N} held-out prompts and requires the value
 on the third line, within 15 points.)
+"""
+    (out / "README.md").write_text(text)
+
+
+def write_squares_readme(out: Path, *, args, command, config, table, final_acc, first_acc, knows_acc, buckets,
+                         wall, size, n_train, n_heldout, mean_len) -> None:
+    tables = _result_tables(table, buckets)
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    vision = config.vision_config
+    n_vision = sum(math.prod(shape) for shape in vision.tensor_shapes().values())
+    prompt_mb = sum((out / f).stat().st_size for f in ("train.jsonl", "heldout.jsonl")) / 1e6
+    weights = (f" (text, `language_model.`-prefixed)\n  and `K3VisionModel.from_pretrained` (the tower and "
+               f"projector, `vision_tower.*` / `mm_projector.*`, bf16);\n  the config's `tokenizer_class` "
+               f"{SQUARES_TOKENIZER_CLASS!r} is what `miles-train` selects the tokenizer by\n"
+               f"- `preprocessor_config.json`: the image processor's settings (`ImageProcessorConfig`): "
+               f"{SQUARES_PROCESSOR.patch_size}-pixel\n  patches merged {SQUARES_PROCESSOR.merge_kernel_size[0]}"
+               f" x {SQUARES_PROCESSOR.merge_kernel_size[1]}, at most {SQUARES_PROCESSOR.patch_limit_on_one_side}"
+               f" patches a side (the tower's position table), so a {squares.IMAGE_SIZE}x{squares.IMAGE_SIZE} "
+               f"picture is\n  {squares.IMAGE_SIZE // 14} x {squares.IMAGE_SIZE // 14} patches and "
+               f"{SQUARES_PROCESSOR.plan(squares.IMAGE_SIZE, squares.IMAGE_SIZE).num_tokens} `<|media_pad|>` "
+               f"tokens")
+    provenance = _provenance(args=args, command=command, date=date, wall=wall, size=size, n_train=n_train,
+                             n_heldout=n_heldout, weights=weights, split="miles_k3.tasks.squares.split_of",
+                             trained_on="the question after the picture (its colour word is one of the "
+                                        "picture's)\n  and the count")
+    text = f"""# k3-tiny-vl-squares: the embedded tiny vision-language K3 base
+
+A k3-tiny-vl model (`K3Config.from_preset("k3-tiny-vl", vocab_size={SQUARES_VOCAB_SIZE})`:
+{config.num_parameters():,} text parameters, {config.num_active_parameters():,} active per token, every K3
+feature on; a {vision.vt_num_hidden_layers}-block, {vision.vt_hidden_size}-wide K3 vision tower and
+projector of {n_vision:,} parameters) pretrained, text model, tower and projector together, to count the
+squares of one colour in a {squares.IMAGE_SIZE}x{squares.IMAGE_SIZE} picture of 1-{squares.MAX_SQUARES}
+squares in 2-3 colours (`miles_k3.tasks.squares`): `<|kimi_image_placeholder|>How many red squares?` -> `2`.
+Stopped early on purpose: greedy decoding gets {final_acc:.1%} of the held-out counts right, where
+always answering the most common count scores {knows_acc:.1%}; the rest is the headroom of the visual GRPO
+run (`miles-train recipe=k3_grpo_squares`), rewarded by the exact count (`squares` reward). Produced by
+`scripts/train_tiny_base.py --task squares`; do not edit these files by hand, rerun the script.
+
+{provenance}; each row's picture is inline as a PNG data URL
+  (`images`), the folder is self-contained ({prompt_mb:.2f} MB of prompts)
+
+Token ids: `<bos>`, the prompt with its placeholder expanded to the XTML block by this folder's processor
+(`<|media_begin|>image 56x56<|media_content|>` + `<|media_pad|>` x 4 + `<|media_end|>`, then the question),
+the count, `<eos>` (`SquaresTokenizer`); the tower's features replace the pads' embeddings.
+
+## Training
+
+Held-out accuracy is greedy exact count (`check_count`) on the first {TASKS["squares"].eval_size} held-out
+prompts (the shipped weights below: all {n_heldout}); train loss is the mean over the steps since the
+previous row.
+
+{tables}
+
+heldout_accuracy: {final_acc:.4f}
+heldout_majority_count_accuracy: {knows_acc:.4f}
+heldout_accuracy_first{FIRST_N}: {first_acc:.4f}
+
+(`tests/model/test_tiny_vl_asset.py` re-evaluates the first {FIRST_N} held-out prompts and requires the value on
+the third line, within 15 points.)
 """
     (out / "README.md").write_text(text)
 

@@ -13,8 +13,9 @@ README has the curve) so that a GRPO run on it has headroom while its outputs st
 pretraining) to count the squares of one colour in a 56x56 picture (`miles_k3.tasks.squares`): the picture
 goes through the asset's own image processor (`preprocessor_config.json`, written here) and the prompt's
 `<|kimi_image_placeholder|>` is expanded to its XTML block before tokenizing, exactly as the trainer and the
-engine do; the tower's features replace the `<|media_pad|>` embeddings (`MediaEmbeds`). Also stopped early,
-above the majority-count baseline and far from perfect.
+engine do; the tower's features replace the `<|media_pad|>` embeddings (`MediaEmbeds`). Meant to stop early, above
+the majority count and far from perfect; NOT THERE YET: at 120 steps (and at 240 with the earlier
+normalization) greedy decoding still answers the majority count on every picture.
 
 The result is the starting point of `miles-train recipe=k3_grpo` on a laptop: a k3-tiny model (every K3
 feature on: KDA, NoPE MLA, Attention Residuals, LatentMoE, SiTU) that does 1-2 digit addition and
@@ -165,8 +166,9 @@ TASKS = {
                   worked.MAX_RESPONSE_TOKENS + 4, 0.0, steps=260, batch_size=48, lr=3e-3, warmup=50,
                   eval_every=50, eval_size=64),
     # Pictures: a sequence is 44 ids (the XTML block takes 17), a step of 64 ~3 s on one idle core. Distinct
-    # problems all (the pool is larger than the steps draw); held-out accuracy climbs from the majority
-    # count's 33% (answer 1) ... (README has the curve); STEPS stops it in the band.
+    # problems all (the pool is larger than the steps draw). Held-out accuracy stays at the majority count
+    # (answer 1, ~30%) through 120 steps (2026-12-02): more steps, or a signal that reaches the tower sooner,
+    # are still to be found.
     "squares": Task("squares", make_square_problems, lambda p: str(p.answer), lambda p: f"count {p.answer}",
                     20_000, 4, 0.0, steps=120, batch_size=64, lr=3e-3, warmup=20,
                     eval_every=20, eval_size=128, vision=True, train_prompts=2000),

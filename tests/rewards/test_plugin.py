@@ -108,7 +108,7 @@ def test_unknown_name_lists_known_names(monkeypatch):
         load("nope")
     text = str(info.value)
     assert "unknown reward function 'nope'" in text and "'miles_k3.rewards' entry-point group" in text
-    assert "known names: arithmetic, exact_match, math_final_answer, remote, my_reward" in text
+    assert "known names: arithmetic, exact_match, math_final_answer, remote, squares, my_reward" in text
 
 
 def test_unknown_dotted_name_suggests_the_colon_form(monkeypatch):

@@ -16,7 +16,8 @@ import torch
 
 from miles_k3.data.media import IMAGE_PLACEHOLDER, encode_data_url
 from rollout.server.config import ServeConfig
-from tests.cli.test_generate_image import reference, write_png, write_vl_checkpoint
+from tests.cli.test_generate_image import reference
+from tests.vl_checkpoint import write_png, write_vl_checkpoint
 from tests.server.common import MODEL, serve
 
 QUESTION = " how many red squares ?"

@@ -64,7 +64,6 @@ from torch import nn
 from miles_k3.data.image_processor import ImageProcessor, ImageProcessorConfig, ProcessedImage
 from miles_k3.data.media import MEDIA_END, expand_media_prompt
 from miles_k3.model import K3Config, K3ForCausalLM
-from miles_k3.model.cache import DenseStateCache
 from miles_k3.model.checkpoint import keeps_fp32
 from miles_k3.model.generate import greedy_generate
 from miles_k3.model.modeling import MediaEmbeds
@@ -312,24 +311,6 @@ def bucket(p: ArithmeticProblem) -> str:
 
 
 @torch.no_grad()
-def greedy_with_media(model: TinyBase, prompt_ids: torch.Tensor, images: list[ProcessedImage], max_new_tokens: int,
-                      eos_token_id: int) -> torch.Tensor:
-    """`greedy_generate` with the images' features spliced into the prefill (it takes token ids only):
-    new tokens [B, N]; a row that emitted eos keeps emitting it."""
-    cache = DenseStateCache(model.text.config)
-    logits = model.text(prompt_ids, cache, media=model.media(prompt_ids, images)).logits[:, -1]
-    tokens, done = [], torch.zeros(prompt_ids.shape[0], dtype=torch.bool)
-    for _ in range(max_new_tokens):
-        nxt = torch.where(done, eos_token_id, logits.float().argmax(-1))
-        tokens.append(nxt)
-        done |= nxt == eos_token_id
-        if bool(done.all()):
-            break
-        logits = model.text(nxt[:, None], cache).logits[:, -1]
-    return torch.stack(tokens, dim=1)
-
-
-@torch.no_grad()
 def greedy_texts(task: Task, model: TinyBase, problems: list[Problem], max_new_tokens: int,
                  processor: ImageProcessor | None, batch_size: int = 256) -> list[str]:
     """Greedy responses, decoded (up to eos). `greedy_generate` needs equal-length prompts, so prompts are
@@ -346,10 +327,8 @@ def greedy_texts(task: Task, model: TinyBase, problems: list[Problem], max_new_t
             chunk = idx[s:s + batch_size]
             prompt_ids = torch.tensor([prompts[i][0] for i in chunk])
             images = [im for i in chunk for im in prompts[i][1]]
-            if images:
-                new_ids = greedy_with_media(model, prompt_ids, images, max_new_tokens, tok.eos_token_id)
-            else:
-                new_ids, _ = greedy_generate(model.text, prompt_ids, max_new_tokens, eos_token_id=tok.eos_token_id)
+            media = model.media(prompt_ids, images) if images else None
+            new_ids, _ = greedy_generate(model.text, prompt_ids, max_new_tokens, tok.eos_token_id, media)
             for i, row in zip(chunk, new_ids):
                 texts[i] = tok.decode(row)
     return texts

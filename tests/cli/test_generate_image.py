@@ -31,7 +31,7 @@ def reference(ckpt: Path, prompt: str, images: list[Path], n: int, chat: bool = 
     from miles_k3.data.image_processor import ImageProcessor
     from miles_k3.data.media import expand_media_prompt
     from miles_k3.model import K3ForCausalLM, MediaEmbeds
-    from miles_k3.model.cache import DenseStateCache
+    from miles_k3.model.generate import greedy_generate
     from miles_k3.model.vision import K3VisionModel
     from rollout.server.tokenization import build_server_tokenizer
 
@@ -44,16 +44,8 @@ def reference(ckpt: Path, prompt: str, images: list[Path], n: int, chat: bool = 
     pad = model.config.media_placeholder_token_id
     pads = torch.tensor([i for i, t in enumerate(ids) if t == pad])
     assert len(pads) == feats.shape[0] > 0
-    cache = DenseStateCache(model.config)
-    logits = model(torch.tensor([ids]), cache, media=MediaEmbeds(pads, feats)).logits[:, -1]
-    tokens, logps = [], []
-    for _ in range(n):
-        lp = torch.log_softmax(logits.float(), -1)[0]
-        t = int(lp.argmax())
-        tokens.append(t)
-        logps.append(float(lp[t]))
-        logits = model(torch.tensor([[t]]), cache).logits[:, -1]
-    return tokens, logps
+    tokens, logps = greedy_generate(model, torch.tensor([ids]), n, media=MediaEmbeds(pads, feats))
+    return tokens[0].tolist(), logps[0].tolist()
 
 
 def generate(tmp_path: Path, ckpt: Path, rows: list[dict], *flags: str) -> list[dict]:

@@ -20,7 +20,7 @@ from miles_k3.data import PromptDataConfig, load_prompts
 from miles_k3.data.image_processor import ImageProcessor
 from miles_k3.data.media import expand_media_prompt, media_pad_positions
 from miles_k3.model import K3ForCausalLM
-from miles_k3.model.cache import DenseStateCache
+from miles_k3.model.generate import greedy_generate
 from miles_k3.model.modeling import MediaEmbeds
 from miles_k3.model.vision import K3VisionModel
 from miles_k3.tasks import SquaresProblem, SquaresTokenizer, check_count
@@ -108,14 +108,7 @@ def _greedy(text, vision, prompt_ids: torch.Tensor, images) -> list[list[int]]:
     pad_id = text.config.media_placeholder_token_id
     positions = torch.tensor([b * t + i for b, row in enumerate(prompt_ids.tolist())
                               for run in media_pad_positions(row, images[b:b + 1], pad_id) for i in run])
-    cache = DenseStateCache(text.config)
-    logits = text(prompt_ids, cache, media=MediaEmbeds(positions, features)).logits[:, -1]
-    out = []
-    for _ in range(MAX_NEW_TOKENS):
-        nxt = logits.argmax(-1)
-        out.append(nxt)
-        logits = text(nxt[:, None], cache).logits[:, -1]
-    return torch.stack(out, 1).tolist()
+    return greedy_generate(text, prompt_ids, MAX_NEW_TOKENS, media=MediaEmbeds(positions, features))[0].tolist()
 
 
 def test_heldout_accuracy_matches_the_readme(base):

@@ -11,7 +11,7 @@ import torch
 
 from miles_k3.data.image_processor import ProcessedImage
 from miles_k3.model import K3Config, MediaEmbeds
-from miles_k3.model.cache import DenseStateCache
+from miles_k3.model.generate import greedy_generate
 from miles_k3.model.vision import K3VisionModel
 from rollout.config import EngineConfig
 from rollout.engine import Engine
@@ -83,16 +83,8 @@ def reference(prompt: list[int], images: list[ImageFeatures], n: int = GREEDY.ma
     ids = torch.tensor([prompt])
     pads = torch.tensor([p for p, t in enumerate(prompt) if t == PAD], dtype=torch.long)
     feats = torch.cat([im.features for im in images]) if images else torch.zeros(0, D)
-    cache = DenseStateCache(model.config)
-    logits = model(ids, cache, media=MediaEmbeds(pads, feats)).logits[:, -1]
-    tokens, logps = [], []
-    for _ in range(n):
-        lp = torch.log_softmax(logits.float(), -1)[0]
-        t = int(lp.argmax())
-        tokens.append(t)
-        logps.append(float(lp[t]))
-        logits = model(torch.tensor([[t]]), cache).logits[:, -1]
-    return tokens, logps
+    tokens, logps = greedy_generate(model, ids, n, media=MediaEmbeds(pads, feats))
+    return tokens[0].tolist(), logps[0].tolist()
 
 
 def assert_matches(out, want) -> None:

@@ -18,6 +18,7 @@ from typing import Any, Iterable
 
 # Token ids are frozen: the shipped tiny checkpoint was trained on them. Only ever append.
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>")
+PAD_ID, BOS_ID, EOS_ID = 0, 1, 2  # the k3-tiny presets' ids, shared by every embedded character tokenizer
 SYMBOLS = "0123456789+-*= "
 OPS = ("+", "-", "*")
 _APPLY = {"+": operator.add, "-": operator.sub, "*": operator.mul}
@@ -29,6 +30,33 @@ HELDOUT_MODULUS = 10
 SPLITS = ("train", "heldout")
 
 
+def decodable_ids(ids: Iterable[Any], vocab_size: int, vocabulary: str, errors: str = "replace"):
+    """The ids a character tokenizer's `decode` renders (`PAD_ID`, `BOS_ID`, `EOS_ID`): up to the
+    first ``<eos>``, skipping ``<pad>`` and ``<bos>``, None for an id >= vocab_size (``errors="replace"``;
+    ValueError naming it and the `vocabulary` with ``errors="strict"``). Negative or non-integer ids always
+    raise ValueError."""
+    if errors not in ("replace", "strict"):
+        raise ValueError(f"errors: must be 'replace' or 'strict', got {errors!r}")
+    for pos, x in enumerate(ids):
+        try:
+            i = operator.index(x)
+        except TypeError:
+            raise ValueError(f"token {x!r} at position {pos} is not an integer id") from None
+        if i < 0:
+            raise ValueError(f"token id {i} at position {pos} is negative")
+        if i == EOS_ID:
+            return
+        if i in (PAD_ID, BOS_ID):
+            continue
+        if i >= vocab_size:
+            if errors == "strict":
+                raise ValueError(f"token id {i} at position {pos} is outside the {vocabulary} vocabulary "
+                                 f"(size {vocab_size})")
+            yield None
+        else:
+            yield i
+
+
 class ArithmeticTokenizer:
     """Character-level tokenizer: ``<pad>``=0, ``<bos>``=1, ``<eos>``=2 (the k3-tiny preset's ids), then one
     id per character of ``"0123456789+-*= "`` (ids 3..17).
@@ -38,9 +66,9 @@ class ArithmeticTokenizer:
     untrained sample scores as wrong instead of crashing the rollout; ``errors="strict"`` raises instead.
     """
 
-    pad_token_id = 0
-    bos_token_id = 1
-    eos_token_id = 2
+    pad_token_id = PAD_ID
+    bos_token_id = BOS_ID
+    eos_token_id = EOS_ID
 
     def __init__(self) -> None:
         self.vocab: tuple[str, ...] = SPECIAL_TOKENS + tuple(SYMBOLS)
@@ -64,28 +92,8 @@ class ArithmeticTokenizer:
         """Text up to the first ``<eos>``, skipping ``<pad>`` and ``<bos>``. Accepts ints or an integer tensor.
         Ids >= vocab_size become U+FFFD (``errors="replace"``) or raise ValueError (``errors="strict"``);
         negative or non-integer ids always raise ValueError."""
-        if errors not in ("replace", "strict"):
-            raise ValueError(f"errors: must be 'replace' or 'strict', got {errors!r}")
-        out = []
-        for pos, x in enumerate(ids):
-            try:
-                i = operator.index(x)
-            except TypeError:
-                raise ValueError(f"token {x!r} at position {pos} is not an integer id") from None
-            if i < 0:
-                raise ValueError(f"token id {i} at position {pos} is negative")
-            if i == self.eos_token_id:
-                break
-            if i in (self.pad_token_id, self.bos_token_id):
-                continue
-            if i >= self.vocab_size:
-                if errors == "strict":
-                    raise ValueError(f"token id {i} at position {pos} is outside the arithmetic vocabulary "
-                                     f"(size {self.vocab_size})")
-                out.append("\ufffd")
-                continue
-            out.append(self.vocab[i])
-        return "".join(out)
+        return "".join("\ufffd" if i is None else self.vocab[i]
+                       for i in decodable_ids(ids, self.vocab_size, "arithmetic", errors))
 
 
 @dataclass(frozen=True)

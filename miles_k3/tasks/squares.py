@@ -18,14 +18,13 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import operator
 import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
 from miles_k3.data.media import IMAGE_PLACEHOLDER, MEDIA_BEGIN, MEDIA_CONTENT, MEDIA_END, MEDIA_PAD, encode_data_url
-from miles_k3.tasks.arithmetic import check_answer
+from miles_k3.tasks.arithmetic import BOS_ID, EOS_ID, PAD_ID, check_answer, decodable_ids
 
 # Token ids are frozen once a tiny base is trained on them: only ever append.
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", MEDIA_PAD, MEDIA_BEGIN, MEDIA_CONTENT, MEDIA_END)
@@ -56,9 +55,9 @@ class SquaresTokenizer:
     token). Ids at or above `vocab_size` (valid model outputs, never in data) decode to U+FFFD.
     """
 
-    pad_token_id = 0
-    bos_token_id = 1
-    eos_token_id = 2
+    pad_token_id = PAD_ID
+    bos_token_id = BOS_ID
+    eos_token_id = EOS_ID
     media_pad_token_id = MEDIA_PAD_ID
 
     def __init__(self) -> None:
@@ -99,29 +98,11 @@ class SquaresTokenizer:
         """Text up to the first ``<eos>``, without ``<pad>`` / ``<bos>``; media tokens are dropped
         (``skip_special_tokens``) or written as their text. Ids >= vocab_size: U+FFFD, or ValueError with
         ``errors="strict"``; negative or non-integer ids always raise."""
-        if errors not in ("replace", "strict"):
-            raise ValueError(f"errors: must be 'replace' or 'strict', got {errors!r}")
         out = []
-        for pos, x in enumerate(ids):
-            try:
-                i = operator.index(x)
-            except TypeError:
-                raise ValueError(f"token {x!r} at position {pos} is not an integer id") from None
-            if i < 0:
-                raise ValueError(f"token id {i} at position {pos} is negative")
-            if i == self.eos_token_id:
-                break
-            if i in (self.pad_token_id, self.bos_token_id):
-                continue
-            if i >= self.vocab_size:
-                if errors == "strict":
-                    raise ValueError(f"token id {i} at position {pos} is outside the squares vocabulary "
-                                     f"(size {self.vocab_size})")
+        for i in decodable_ids(ids, self.vocab_size, "squares", errors):
+            if i is None:
                 out.append("\ufffd")
-            elif i < len(SPECIAL_TOKENS):
-                if not skip_special_tokens:
-                    out.append(self.vocab[i])
-            else:
+            elif i >= len(SPECIAL_TOKENS) or not skip_special_tokens:
                 out.append(self.vocab[i])
         return "".join(out)
 

@@ -38,6 +38,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Union
 import numpy as np
 import torch
 
+from miles_k3.model.checks import is_int as _is_int, is_number
+
 PREPROCESSOR_CONFIG = "preprocessor_config.json"
 FILL_STAGES = ("before_resize", "after_resize")
 BACKGROUND_PATTERNS = ("chessboard", "white", "black", "gray")
@@ -371,9 +373,5 @@ def _flatten(img, bg: TransparentBackground | None):
     return _pil().fromarray(out.astype(np.uint8))
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    return is_number(v) and math.isfinite(v)

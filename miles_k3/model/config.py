@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from miles_k3.model.checks import is_int as _is_int, is_number as _is_number
 from miles_k3.model.vision_config import VisionConfig
 
 LAYER_KINDS = ("kda", "mla")
@@ -302,14 +303,6 @@ def _k3() -> K3Config:
         routed_scaling_factor=1.0, hidden_act="situ", vl_wrapper=True, experts_mxfp4=True,
         hf_wrapper_extras=_k3_wrapper_extras(),
     )
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 # Field type (as annotated) -> check; fields of other types are checked by the rules in `validate`.

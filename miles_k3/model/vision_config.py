@@ -17,6 +17,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from miles_k3.model.checks import is_int as _is_int, is_number as _is_number
+
 TOWER_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu")  # the blocks' MLP activation: tanh-approximate or exact GELU
 INTERPOLATIONS = ("bilinear", "bicubic")  # how the position table is resized to an image's patch grid
 ROPE_MAX_GRID = 512  # the released tower's 2-D rotary table covers grids up to 512 x 512 patches
@@ -160,13 +162,9 @@ def _pair(v: Any) -> Any:
     return tuple(v) if isinstance(v, (list, tuple)) else v
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 _TYPE_CHECKS = {
     "int": _is_int, "str": lambda v: isinstance(v, str),
-    "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    "float": _is_number,
     "tuple[int, int]": lambda v: isinstance(v, tuple) and len(v) == 2,
     "dict[str, Any]": lambda v: isinstance(v, dict),
 }

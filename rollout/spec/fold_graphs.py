@@ -65,7 +65,7 @@ class FoldGraphs:
         # tokens a row folds before its state must be checkpointed: up to the next chunk boundary
         cut = [chunk_size - p % chunk_size for p in positions]
         crossing = [i for i in range(n) if at_boundary is not None and cut[i] < counts[i]]
-        stops = [cut[i] if i in crossing else c for i, c in enumerate(counts)]
+        stops = [min(k, c) if at_boundary is not None else c for k, c in zip(cut, counts)]
         self._replay(static, [0] * n, stops, bucket)
         if crossing:
             for i in crossing:

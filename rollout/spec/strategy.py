@@ -99,15 +99,8 @@ class SpecDecode(DecodeStrategy):
         self.memory: CacheManager | None = None
         self.stats = SpecStats()
         self.planner = None
-        if spec.planner == "cost_aware" and surface is not None:
-            self.planner = VerifyPlanner(surface)
-        elif spec.planner == "cost_aware":
-            sizes = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < runner.config.max_running]
-            surface = CostSurface.measure(self._probe, sizes + [runner.config.max_running], spec.gamma)
-            tp = runner.model.model.tp
-            if tp.size > 1:  # every rank must plan alike: the leader's measurement for all (its probes ran on all)
-                surface = tp.broadcast_object(surface)
-            self.planner = VerifyPlanner(surface)
+        if spec.planner == "cost_aware":
+            self.planner = VerifyPlanner(surface or self._measure_surface())
 
     def use_memory(self, memory: CacheManager) -> None:
         self.memory = memory
@@ -207,6 +200,15 @@ class SpecDecode(DecodeStrategy):
         if self._snapshots is None or self._snapshots.states is not states:  # pools rebuilt (resume_memory)
             self._snapshots = SnapshotWindow(states, self.runner.config.max_running, self.gamma)
         return self._snapshots
+
+    def _measure_surface(self) -> CostSurface:
+        """The verify forward's step time by batch and tokens per row, on this device; under TP every rank
+        plans on the leader's measurement (its probes ran on all ranks), so all accept alike."""
+        max_running = self.runner.config.max_running
+        sizes = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < max_running]
+        surface = CostSurface.measure(self._probe, sizes + [max_running], self.gamma)
+        tp = self.runner.model.model.tp
+        return tp.broadcast_object(surface) if tp.size > 1 else surface
 
     def _probe(self, rows: int, per: int) -> None:
         """A verify forward of `rows` rows of `per` tokens on the pools' sink slot and sink page (they hold no

@@ -104,7 +104,11 @@ def prompts_for(target: Path, n: int) -> list[list[int]]:
 
 
 def run(engine: Engine, prompts, params) -> tuple[list, float]:
-    engine.generate(prompts[:1], params[:1])  # warm-up, untimed
+    """The timed second of two identical runs: the first captures every CUDA graph the timed one replays
+    (by batch bucket, history bucket and verify width: captured on first use) and autotunes, so the table
+    reads steady-state steps, not captures (2026-12-02: a batch-1 warm-up left batches 8-256 capturing
+    inside the timed run, a 9x slower spec step at batch 8)."""
+    engine.generate(prompts, params)  # warm-up, untimed
     if isinstance(engine.decoder.strategy, SpecDecode):
         engine.decoder.strategy.stats = SpecStats()  # count the timed requests only
     t0 = time.perf_counter()
@@ -228,6 +232,10 @@ def main(argv=None) -> None:
                         if temp == 0 else None,
                         window_bytes_per_request=st.window_bytes,
                         fit_batch=fit_batch(config, cfg, dtype, prompts, args.gen_len, gamma, st.window_bytes)))
+                    planned = spec.decoder.strategy.planner
+                    if planned is not None:  # the step seconds it planned on: (batch, verify tokens) -> s
+                        rows[-1]["surface"] = {b: [[t, round(sec, 6)] for t, sec in shelf]
+                                               for b, shelf in planned.surface.table.items()}
                     print(json.dumps(rows[-1]), flush=True)
                     del spec
                     free(args.device)

@@ -84,12 +84,12 @@ run_job() {
     spectest) job spectest python -m pytest tests/gpu/test_spec_gpu.py -q -m gpu -rA --tb=short -p no:cacheprovider ;;
     specbench) job specbench python scripts/bench_spec.py --target preset:k3-small --peaked --drafter controlled:0.8 \
         --device cuda --dtype bfloat16 --batch-sizes 1,8,64,256 --planners verify_all,cost_aware \
-        --rollback replay --temperatures 0 --prompt-len 128 --gen-len 128 --memory-gb 16 \
+        --rollback replay --temperatures 0 --prompt-len 128 --gen-len 64 --memory-gb 16 \
         --json "$STATE/bench_spec_h200.json" ;;
     specmix) job specmix python scripts/bench_spec.py --target preset:k3-small --peaked --drafter controlled:0.3-0.95 \
         --device cuda --dtype bfloat16 --batch-sizes 64,256 --planners verify_all,cost_aware --rollback replay \
-        --temperatures 0 --prompt-len 128 --gen-len 128 --memory-gb 16 --json "$STATE/bench_spec_mixed_h200.json" ;;
-    specprof) job specprof python scripts/profile_spec.py --device cuda --batch-sizes 1,256 \
+        --temperatures 0 --prompt-len 128 --gen-len 64 --memory-gb 16 --json "$STATE/bench_spec_mixed_h200.json" ;;
+    specprof) job specprof python scripts/profile_spec.py --device cuda --batch-sizes 256 \
         --planners verify_all,cost_aware --gen-len 32 --rows 30 ;;
     trainmem_long) job trainmem_long python scripts/bench_train_memory.py --device cuda --preset k3-small \
         --lengths 16384,32768 --variants logprobs --json "$STATE/bench_train_memory_long.json" ;;

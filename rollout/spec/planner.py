@@ -3,20 +3,27 @@
 Verifying every draft of every row (`verify_all`) pays for tokens that will be rejected, and a verify
 forward's time is not linear in its tokens: measured on a device it is a staircase of flat shelves (the
 kernels' tiles fill up) and steep risers. The planner spends tokens where they are expected to survive
-and stops where the next token costs more than it returns:
+and stops where the next shelf costs more than it returns. Two shapes of verify forward, two rules:
 
-- the budget (how many draft tokens in total) is set from the previous step's confidences (lagged):
-  each row's survival estimates s_{n,k} = c_{n,1} ... c_{n,k}, sorted, are added one by one to the
-  expected tokens (rows + sum of the taken s) over the measured step time `CostSurface.seconds(rows,
-  rows + taken)`; the budget is the count before the first addition that does not raise tokens per second;
-- the current step's confidences only rank which positions fill that budget: the top positions by
-  current survival, earlier positions first on ties, so each row gets a prefix.
+- packed (eager; rows verify ragged prefixes, the step costs its total tokens): the budget (how many
+  draft tokens in total) is set from the previous step's confidences (lagged): each row's survival
+  estimates s_{n,k} = c_{n,1} ... c_{n,k}, sorted, fill the surface's shelves one at a time, and the
+  expected tokens (rows + sum of the taken s) over the shelf's measured step time are compared at each
+  shelf's far edge (the most tokens at that price: a riser is worth climbing only for the whole shelf
+  above it); the budget is the last shelf before the first that does not raise tokens per second. The
+  current step's confidences only rank which positions fill that budget: the top positions by current
+  survival, earlier positions first on ties, so each row gets a prefix (`budget`, `fill`).
+- by width (CUDA graphs: every row feeds the same w tokens, so the step costs N x w whichever positions
+  are verified): the lagged survivals choose the width with the most expected tokens per second, and
+  every row verifies w - 1 drafts, which the graph computes anyway (`width`). The few widths are each
+  measured, so the best is taken outright: expected tokens are concave in w and the price never falls, so
+  the first loss and the best agree but for measurement noise, which the best does not stop at.
 
 Lossless: the confidence of draft k reads the drafts before k only (`DSparkDrafter`: the block output
 h_k and W1[x_{k-1}]), survival along a row never increases, and ties go to the earlier position, so
-whether draft j is verified depends on the drafts before j and on other rows, never on draft j itself:
-verification then keeps each emitted token's distribution the target's. A rule that read draft j (say,
-verifying it only when q(x_j) is high) would bias what is emitted.
+whether draft j is verified depends on the drafts before j and on other rows, never on draft j itself
+(by width: on the previous step only): verification then keeps each emitted token's distribution the
+target's. A rule that read draft j (say, verifying it only when q(x_j) is high) would bias what is emitted.
 
 The budget is the batch's, so with this planner a seeded request's tokens (not their distribution) can
 depend on what it is batched with; `verify_all` keeps them batch-independent.
@@ -46,6 +53,13 @@ class CostSurface:
         i = min(bisect.bisect_left([t for t, _ in shelf], tokens), len(shelf) - 1)
         return shelf[i][1]
 
+    def edges(self, rows: int) -> list[int]:
+        """Each shelf's far edge at `rows` rows (the measured batch `seconds` reads): the most total tokens
+        before the price changes, ascending."""
+        sizes = sorted(self.table)
+        shelf = self.table[sizes[min(bisect.bisect_left(sizes, rows), len(sizes) - 1)]]
+        return [t for k, (t, s) in enumerate(shelf) if k + 1 == len(shelf) or shelf[k + 1][1] != s]
+
     @classmethod
     def measure(cls, step, batches: list[int], gamma: int, repeats: int = 3) -> "CostSurface":
         """`step(rows, tokens_per_row)` runs one verify forward of that shape; the median of `repeats`
@@ -71,17 +85,29 @@ def survival(conf: torch.Tensor) -> torch.Tensor:
 
 
 def budget(lagged: torch.Tensor, surface: CostSurface) -> int:
-    """Draft tokens to verify this step, from the previous step's survival estimates [N, G]: the count
-    before the first addition that does not raise expected tokens per second (the first loss)."""
+    """Draft tokens to verify this step (packed), from the previous step's survival estimates [N, G]: the
+    shelves' far edges in turn, until the first whose expected tokens per second does not beat the last."""
     n = lagged.shape[0]
-    gains = lagged.flatten().sort(descending=True).values.tolist()
-    expected, best = float(n), float(n) / surface.seconds(n, n)
-    for taken, gain in enumerate(gains):
-        rate = (expected + gain) / surface.seconds(n, n + taken + 1)
+    gains = lagged.flatten().sort(descending=True).values.cumsum(0).tolist()
+    best_taken, best = 0, float(n) / surface.seconds(n, n)
+    for edge in surface.edges(n):
+        taken = min(max(edge - n, 0), len(gains))
+        if taken <= best_taken:
+            continue
+        rate = (n + gains[taken - 1]) / surface.seconds(n, n + taken)
         if rate <= best:
-            return taken
-        expected, best = expected + gain, rate
-    return len(gains)
+            break
+        best_taken, best = taken, rate
+    return best_taken
+
+
+def width(lagged: torch.Tensor, surface: CostSurface) -> int:
+    """Drafts every row verifies when the step costs N x w whatever is verified (graphs), from the previous
+    step's survival estimates [N, G]: the d in 0..G whose expected tokens per second is the highest."""
+    n, g = lagged.shape
+    expected = [n + e for e in torch.cat([lagged.new_zeros(1), lagged.float().sum(0).cumsum(0)]).tolist()]
+    rates = [expected[d] / surface.seconds(n, n * (d + 1)) for d in range(g + 1)]
+    return max(range(g + 1), key=lambda d: (rates[d], -d))
 
 
 def fill(current: torch.Tensor, tokens: int) -> list[int]:
@@ -96,18 +122,20 @@ def fill(current: torch.Tensor, tokens: int) -> list[int]:
 
 
 class VerifyPlanner:
-    """Per step: `plan(rows, current confidences)` -> drafts to verify per row; `record` keeps the step's
-    confidences per request for the next step's budget (a request with none yet counts `prior` per
-    draft)."""
+    """Per step: `plan(rows, current confidences)` -> drafts to verify per row, keeping the step's
+    survivals per request for the next step's budget (a request with none yet counts `prior` per draft)."""
 
     def __init__(self, surface: CostSurface, prior: float = 0.5):
         self.surface, self.prior = surface, prior
         self.lagged: dict[int, torch.Tensor] = {}  # request id -> its previous step's survival [G]
 
-    def plan(self, request_ids: list[int], conf: torch.Tensor) -> list[int]:
-        g = conf.shape[1]
+    def plan(self, request_ids: list[int], conf: torch.Tensor, by_width: bool = False) -> list[int]:
+        """Drafts to verify per row (module docstring): packed, or `by_width` (every row the same count)."""
+        n, g = conf.shape
         prior = survival(torch.full((1, g), self.prior))[0]
         lagged = torch.stack([self.lagged.get(rid, prior)[:g] for rid in request_ids])
-        counts = fill(survival(conf), budget(lagged, self.surface))
-        self.lagged = {rid: s for rid, s in zip(request_ids, survival(conf))}
-        return counts
+        current = survival(conf)
+        self.lagged = {rid: s for rid, s in zip(request_ids, current)}
+        if by_width:
+            return [width(lagged, self.surface)] * n
+        return fill(current, budget(lagged, self.surface))

@@ -25,10 +25,10 @@ MLA rows written for rejected drafts lie past `pos` and are rewritten by the nex
 reads them. The step waits for its accepted lengths on the host (`overlaps = False`).
 
 CUDA graphs: on CUDA (where the decode graphs apply) the verify forward replays a graph of an [N, w]
-block by batch bucket and width (`rollout.spec.graphs`): w = gamma + 1 under verify_all, w = the longest
-verified prefix + 1 under the cost-aware planner (shorter rows feed their next drafts too and verify only
-their own; the planner's cost surface is measured on these graphs), and the fold replays a graph by batch
-bucket (`rollout.spec.fold_graphs`). Batches that mix adapters and the CPU run the packed eager forward.
+block by batch bucket and width (`rollout.spec.graphs`): w = gamma + 1 under verify_all, w = the planner's
+width under the cost-aware planner (it plans by width there: every row verifies w - 1 drafts, which the
+graph computes anyway; its cost surface is measured on these graphs; rows near their length limit verify
+fewer), and the fold replays a graph by batch bucket (`rollout.spec.fold_graphs`). Batches that mix adapters and the CPU run the packed eager forward.
 """
 
 from __future__ import annotations
@@ -111,7 +111,8 @@ class SpecDecode(DecodeStrategy):
         params, gens = [r.req.params for r in batch], [r.generator for r in batch]
         with record_function("spec.propose"):
             drafts, q, *conf = self.drafter.propose(batch, anchors, g, params, gens)
-            num = [g] * n if self.planner is None else self.planner.plan([r.req.request_id for r in batch], conf[0])
+            num = [g] * n if self.planner is None else self.planner.plan(
+                [r.req.request_id for r in batch], conf[0], by_width=self.graph_verify)
         # a row emits at most its remaining tokens, so it verifies no drafts past its length limit
         num = [min(k, r.req.params.max_new_tokens - len(r.req.output_ids) - 1) for k, r in zip(num, batch)]
         with record_function("spec.verify_forward"):

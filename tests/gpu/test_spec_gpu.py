@@ -65,7 +65,7 @@ def test_graphed_and_eager_verify_agree(model, plain):
     strategy, batch = eng.decoder.strategy, list(eng.scheduler.running)
     block = torch.randint(3, 512, (len(batch), GAMMA + 1), device="cuda",
                           generator=torch.Generator("cuda").manual_seed(0))
-    graphs = strategy._graphs()
+    graphs = strategy._graphs(GAMMA + 1)
     g_logits, g_inputs, _ = graphs.run(graphs.key(batch), batch, block)
     e_logits, e_inputs, _ = verify_forward(eng.runner, batch, block.flatten(), [GAMMA + 1] * len(batch))
     g_logits, e_logits = g_logits.float(), e_logits.float()

@@ -8,7 +8,7 @@ import torch
 
 from rollout.request import SamplingParams
 from rollout.spec import SpecConfig
-from rollout.spec.planner import CostSurface, budget, fill, survival
+from rollout.spec.planner import CostSurface, VerifyPlanner, budget, fill, survival, width
 from rollout.spec.verify import verify
 from tests.rollout.common import engine, prompt
 from tests.rollout.test_spec_drafter import drafter
@@ -38,6 +38,33 @@ def test_the_budget_stops_at_the_first_loss_on_a_staircase():
     surface = CostSurface({2: [(t, 1.0 if t <= 8 else 3.0) for t in range(1, 17)]})
     assert budget(survival(torch.full((2, 7), 0.99)), surface) == 6  # 2 anchors + 6 drafts = 8 tokens
     assert budget(survival(torch.full((2, 7), 0.0)), surface) == 0
+
+
+def test_the_budget_climbs_a_riser_for_the_whole_shelf_above_it():
+    """A measured surface has a price per batch-wide step (4 rows: 4, 8, 12, ... tokens): one more token
+    never pays the riser to 8, the shelf it opens does (4 rows x 0.9 survive); the budget stops at the
+    shelf edge before the steep riser to 16."""
+    surface = CostSurface({4: [(4, 1.0), (8, 1.5), (12, 1.6), (16, 2.5), (20, 2.6)]})
+    lagged = survival(torch.full((4, 4), 0.9))
+    assert surface.edges(4) == [4, 8, 12, 16, 20] and surface.edges(3) == [4, 8, 12, 16, 20]
+    assert budget(lagged, surface) == 8  # 4 rows x (0.9 + 0.81) kept: (4 + 6.84) / 1.6 beats 13.76 / 2.5
+    flat = CostSurface({4: [(t, 1.0 if t <= 12 else 2.0) for t in range(1, 21)]})
+    assert flat.edges(4) == [12, 20] and budget(lagged, flat) == 8
+
+
+def test_by_width_every_row_verifies_the_best_width_of_the_lagged_confidences():
+    """Graphs cost N x w whatever is verified: the width with the most expected tokens per second, from the
+    previous step's confidences only (this step's never move it); hopeless drafts verify none."""
+    surface = CostSurface({2: [(2, 1.0), (4, 1.0), (6, 1.0), (8, 2.0), (10, 2.0)]})
+    assert width(survival(torch.full((2, 4), 0.9)), surface) == 2  # the last width on the first shelf
+    assert width(survival(torch.full((2, 4), 0.99)), surface) == 2  # (2 + 2 x 3.94) / 2 < (2 + 2 x 2.97) / 1
+    assert width(survival(torch.full((2, 4), 0.0)), surface) == 0
+    assert width(survival(torch.full((2, 4), 1.0)), CostSurface({2: [(2 * w, 1.0) for w in range(1, 6)]})) == 4
+    risers = CostSurface({2: [(2, 1.0), (4, 1.5), (6, 1.6), (8, 2.0), (10, 2.1)]})
+    planner = VerifyPlanner(risers, prior=0.9)
+    assert planner.plan([0, 1], torch.full((2, 4), 0.01), by_width=True) == [4, 4]  # the prior's, not 0.01's
+    assert planner.plan([0, 1], torch.full((2, 4), 0.99), by_width=True) == [0, 0]  # last step's 0.01
+    assert planner.plan([0, 1], torch.full((2, 4), 0.99), by_width=True) == [4, 4]
 
 
 def test_sampled_speculation_through_the_planner_keeps_the_target_distribution():

@@ -5,8 +5,9 @@ dozen small ops per layer and token: on one H200 (2026-12-02, random k3-small, b
 host time per verify step against 3 ms on the device (`scripts/profile_spec.py`). `FoldGraphs` runs the
 same ops (`decode_kda_step`) on every row of a batch bucket at every position 0..width-1, layer by layer:
 gather the rows' working state once, step it `width` times with each row's update masked to its own
-tokens (`torch.where`: a masked row keeps its state unchanged, an active row gets exactly the eager
-fold's value), scatter it back once. Layers are independent in the fold (each reads only its own raw
+tokens (a masked row keeps its state unchanged, an active row gets exactly the eager fold's value: the
+recurrent state through a masked row's inputs, decay 0 and beta 0, with no select over the state; the
+small conv state by `torch.where`), scatter it back once. Layers are independent in the fold (each reads only its own raw
 inputs), so folding layer by layer instead of token by token commits the same state. Padding rows sit on
 the sink slot with nothing to fold.
 
@@ -131,10 +132,11 @@ class FoldGraphs:
                 conv = states.conv[layer].index_select(0, slots)
                 rec = states.recurrent[layer].index_select(0, slots)
                 for j in range(self.width):
-                    active = ((start <= j) & (j < stop))[:, None, None, None]
+                    active = (start <= j) & (j < stop)
                     raw = {p: static["raw"][layer][p].index_select(0, base + j)[:, None] for p in PROJECTIONS}
-                    new_conv, new_rec = decode_kda_step(mixer, raw, conv, rec)
-                    conv = torch.where(active, new_conv.to(conv.dtype), conv)
-                    rec = torch.where(active, new_rec.float(), rec)
+                    # inactive rows keep their recurrent state through their inputs (decode_kda_step)
+                    new_conv, rec = decode_kda_step(mixer, raw, conv, rec, active)
+                    conv = torch.where(active[:, None, None, None], new_conv.to(conv.dtype), conv)
+                    rec = rec.float()
                 states.conv[layer].index_copy_(0, slots, conv)
                 states.recurrent[layer].index_copy_(0, slots, rec)

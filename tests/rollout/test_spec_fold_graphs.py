@@ -81,3 +81,23 @@ def test_the_padded_fold_commits_the_eager_folds_state(dense, counts):
         for k in want[name]:
             same(got[name][k], want[name][k])
             assert not torch.equal(got[name][k][slots], start[name][k][slots])  # the fold did write
+
+
+def test_a_masked_row_keeps_its_recurrent_state_bit_for_bit_through_its_inputs():
+    """decode_kda_step(active=...) leaves an inactive row's recurrent state exactly as it was (decay 0, beta 0:
+    no select over the state) and steps an active row exactly as without the mask, whatever the inputs."""
+    from rollout.spec.replay import decode_kda_step
+
+    eng = engine(max_running=4)
+    layer, mixer = next(iter(kda_mixers(eng.runner.model).items()))
+    inputs = random_inputs(eng.runner, [1] * 4, seed=3)
+    raw = {p: t[0][:, None] * 30.0 for p, t in inputs.layers[layer].items()}  # large: saturated gates
+    g = torch.Generator().manual_seed(4)
+    conv = torch.randn(eng.states.conv[layer][:4].shape, generator=g)
+    rec = torch.randn(eng.states.recurrent[layer][:4].shape, generator=g) * 5.0
+    active = torch.tensor([True, False, True, False])
+    with torch.inference_mode():
+        _, masked = decode_kda_step(mixer, raw, conv, rec, active)
+        _, plain = decode_kda_step(mixer, raw, conv, rec)
+    assert torch.equal(masked[~active], rec[~active])
+    assert torch.equal(masked[active], plain[active]) and not torch.equal(plain[~active], rec[~active])

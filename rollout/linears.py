@@ -270,14 +270,6 @@ class EngineExperts(RoutedExperts):
             if dense is not None:
                 state_dict[f"{prefix}{proj}_packed"], state_dict[f"{prefix}{proj}_scale"] = quantize_mxfp4(dense)
 
-    def _act(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        # CUDA: SiTU-GLU in one Triton kernel instead of the definition's eleven (upcasts, eight fp32 ops, cast)
-        if gate.is_cuda and self.spec.act == "situ" and gate.dim() == 2:
-            from rollout.kernels.situ_glu import situ_glu
-
-            return situ_glu(gate, up, self.spec.situ_beta, self.spec.situ_beta_lin)
-        return super()._act(gate, up)
-
     def expert_weight(self, proj: str, e: int, dtype: torch.dtype) -> torch.Tensor:
         return self.stacked_weight(proj, dtype, e)
 

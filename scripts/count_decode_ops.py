@@ -13,6 +13,14 @@ one kernel). Until 2026-12-02 an op counted only when it called no aten op at al
 experts, the RL rollout's decode. Prints the total and the most frequent ops. `--conversions` also runs the
 step once more under a dispatch mode and counts the dtype conversions (`.to(dtype)` calls that change the
 dtype) by the source line in this repository that asked for them: where the copy kernels come from.
+
+`--kernels` counts the step as CUDA runs it with the Triton kernels of `miles_k3.kernels`: the step runs
+under MILES_K3_KERNELS=interpret and TRITON_INTERPRET=1 (the script re-runs itself in a subprocess with them
+when they are not both set), each Triton launch counts as one op ("triton::<kernel>"), and the aten ops the
+interpreter runs inside a launch (its host copies of the arguments) are not counted: each launch runs in a
+profiler range (`miles_k3.kernels.interpreted_launches`) and events under one are left out. Kernels that
+dispatch on `is_cuda` alone (rollout/kernels: MXFP4 experts, mixed-adapter LoRA rows) still count as their
+CPU fallbacks' aten ops.
 """
 
 from __future__ import annotations
@@ -20,6 +28,10 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import os
+import subprocess
+import sys
+import tempfile
 import traceback
 from pathlib import Path
 
@@ -27,6 +39,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from miles_k3 import kernels
 from miles_k3.model.config import K3Config
 from miles_k3.model.lora_spec import LoraSpec
 from miles_k3.model.modeling import reference_state
@@ -46,37 +59,56 @@ NOT_COMPUTE = {"aten::select", "aten::unsqueeze", "aten::t", "aten::transpose", 
                "aten::promote_types"}  # a dtype rule the profiler records as an op; it launches nothing
 
 
-def _inside_grouped_mm(event) -> bool:
+def _inside(event, test) -> bool:
     parent = event.cpu_parent
     while parent is not None:
-        if parent.name == "aten::_grouped_mm":
+        if test(parent.name):
             return True
         parent = parent.cpu_parent
     return False
+
+
+def _inside_grouped_mm(event) -> bool:
+    return _inside(event, lambda name: name == "aten::_grouped_mm")
+
+
+def _inside_launch(event) -> bool:
+    # a Triton launch's range (`miles_k3.kernels.interpreted_launches`): one CUDA kernel, whatever the
+    # interpreter runs under it
+    return _inside(event, lambda name: name.startswith("triton::"))
 
 
 def _scalar_copy(event) -> bool:
     return event.name == "aten::copy_" and bool(event.input_shapes) and event.input_shapes[0] == []
 
 
-def count_step_ops(engine: Engine) -> tuple[collections.Counter, int]:
+def count_step_ops(engine: Engine, triton_launches: bool = False) -> tuple[collections.Counter, int]:
     """(compute ops of one step by name, copies of 0-dim tensors left out of them).
 
     An op counts when it computes (not in NOT_COMPUTE) and no op it calls does: `aten::mm` counts although it
     calls `aten::resolve_conj`, `aten::linear` does not (its `aten::mm` does). Copies of a 0-dim tensor are CPU
     scalar wraps (`x * 0.5` converts its Python scalar; on CUDA the scalar rides in the kernel's arguments):
-    they are not counted, so the op that wrapped it counts, and their number is returned apart."""
+    they are not counted, so the op that wrapped it counts, and their number is returned apart.
+
+    `triton_launches` (the step running its kernels under the interpreter): each Triton launch counts once,
+    as "triton::<kernel>", and the aten ops inside a launch do not count."""
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-        engine.step()
-    events = [e for e in prof.events() if e.name.startswith("aten::") and not _inside_grouped_mm(e)]
-    kernels = [e for e in events if e.name not in NOT_COMPUTE and not _scalar_copy(e)]
+        if triton_launches:
+            with kernels.interpreted_launches():
+                engine.step()
+        else:
+            engine.step()
+    launches = [e for e in prof.events() if e.name.startswith("triton::") and not _inside_launch(e)]
+    events = [e for e in prof.events() if e.name.startswith("aten::") and not _inside_grouped_mm(e)
+              and not _inside_launch(e)]
+    computing = [e for e in events if e.name not in NOT_COMPUTE and not _scalar_copy(e)]
     calls_kernel = set()  # ops with a counted op below them
-    for e in kernels:
+    for e in computing:
         parent = e.cpu_parent
         while parent is not None and parent.name.startswith("aten::") and id(parent) not in calls_kernel:
             calls_kernel.add(id(parent))
             parent = parent.cpu_parent
-    counted = [e for e in kernels if id(e) not in calls_kernel]
+    counted = [e for e in computing if id(e) not in calls_kernel] + launches
     return collections.Counter(e.name for e in counted), sum(1 for e in events if _scalar_copy(e))
 
 
@@ -111,8 +143,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--adapter", action="store_true", help="policy adapter (rank 16) and MXFP4 experts")
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--conversions", action="store_true", help="also count dtype conversions by source line")
+    ap.add_argument("--kernels", action="store_true",
+                    help="count with miles_k3's Triton kernels, each launch one op (runs them interpreted)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
+    if args.kernels and not _interpreting():
+        return _rerun_interpreted(sys.argv[1:] if argv is None else argv, args.json)
     config = K3Config.from_preset(args.preset, vocab_size=512, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     lora = LoraSpec(rank=16) if args.adapter else None
     model, pool = build_engine_model(config, reference_state(config, 0), lora=lora, max_adapters=1,
@@ -129,15 +165,20 @@ def main(argv: list[str] | None = None) -> dict:
     engine.submit(list(range(3, 20)), SamplingParams(temperature=1.0, max_new_tokens=20, seed=1), adapter=adapter)
     for _ in range(4):  # prefill and first decode steps: lazy initialization stays out of the count
         engine.step()
-    ops, scalar_copies = count_step_ops(engine)
+    ops, scalar_copies = count_step_ops(engine, triton_launches=args.kernels)
     total = sum(ops.values())
     print(f"{args.preset}, bs=1 decode step{' with adapter + MXFP4 experts' if args.adapter else ''}: {total} compute ops"
           f" (and {scalar_copies} copies of 0-dim CPU scalars left out: no CUDA kernel)")
+    if args.kernels:
+        launches = sum(n for name, n in ops.items() if name.startswith("triton::"))
+        print(f"of which {launches} Triton kernel launches (miles_k3.kernels) and {total - launches} aten ops")
     for name, n in ops.most_common(args.top):
         print(f"{n:6d}  {name}")
     result = {"preset": args.preset, "adapter": args.adapter, "compute_ops": total, "scalar_copies": scalar_copies,
               "by_op": dict(ops.most_common()),
               "torch": torch.__version__}
+    if args.kernels:
+        result["kernels"] = True
     if args.conversions:
         sites = conversion_sites(engine)  # the next decode step: same shapes, same ops
         print(f"dtype conversions of the next step: {sum(sites.values())}")
@@ -148,6 +189,22 @@ def main(argv: list[str] | None = None) -> dict:
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     return result
+
+
+def _interpreting() -> bool:
+    return os.environ.get("MILES_K3_KERNELS") == "interpret" and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _rerun_interpreted(argv: list[str], json_path: Path | None) -> dict:
+    """Run this script again with MILES_K3_KERNELS=interpret and TRITON_INTERPRET=1 (which must be set before
+    triton defines a kernel, so not in this process) and return its result; its report prints as it runs."""
+    env = {**os.environ, "MILES_K3_KERNELS": "interpret", "TRITON_INTERPRET": "1"}
+    with tempfile.TemporaryDirectory() as tmp:
+        out = json_path or Path(tmp) / "ops.json"
+        if json_path is None:
+            argv = [*argv, "--json", str(out)]
+        subprocess.run([sys.executable, __file__, *argv], env=env, check=True)
+        return json.loads(out.read_text())
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from miles_k3.model.linear import SINGLE, ExpertsFactory, LinearFactory, LinearS
 from miles_k3.model.moe import GLUMLP, LatentMoE
 from miles_k3.model.norm import RMSNorm
 from miles_k3.ops.attnres import attn_res_mix
-from miles_k3.ops.kda import kda_gate, math_dtype
+from miles_k3.ops.kda import kda_gate_beta
 from miles_k3.ops.mla import mla_attention, packed_causal_attention
 from miles_k3.ops.norm import gated_rms_norm
 
@@ -88,9 +88,8 @@ class KDAMixer(nn.Module):
                                          state=state, cu_seqlens=cu_seqlens)
             qkv.append(y.view(heads))
             conv.append(new_state)
-        g = kda_gate(self.f_b_proj(self.f_a_proj(x)), self.A_log, self.dt_bias, num_heads=self.heads,
-                     form=c.kda_gate_form, lower_bound=c.kda_gate_lower_bound)
-        beta = torch.sigmoid(self.b_proj(x).to(math_dtype(x)))
+        g, beta = kda_gate_beta(self.f_b_proj(self.f_a_proj(x)), self.b_proj(x), self.A_log, self.dt_bias,
+                                num_heads=self.heads, form=c.kda_gate_form, lower_bound=c.kda_gate_lower_bound)
         o, recurrent = cp.kda(*qkv, g, beta,
                               initial_state=prev.recurrent if prev is not None else None,
                               output_final_state=cache is not None, cu_seqlens=cu_seqlens, use_qk_l2norm=True)

@@ -5,6 +5,10 @@
     query = site_norm.weight * site_proj.weight[0]
     out = softmax_L(keys . query) @ v
 Folding the norm weight into the query is exact: (k * w) . q == k . (w * q).
+
+`attn_res_mix` runs its Triton kernel (`miles_k3.kernels.attnres`: one launch, no stack) where
+`miles_k3.kernels.use_kernels` says so and the kernel takes the call; the code below is the definition the
+kernel is tested against.
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+
+from miles_k3.kernels import use_kernels
 
 
 def attn_res_mix(
@@ -22,6 +28,11 @@ def attn_res_mix(
     eps: float,
 ) -> torch.Tensor:
     """h [..., D] and each block [..., D] -> [..., D] in h's dtype. proj_weight [1, D] (a Linear(D, 1))."""
+    if use_kernels(h):
+        from miles_k3.kernels import attnres as kernels  # imported here: CPU installs never load triton
+
+        if kernels.supports(h, blocks, norm_weight, proj_weight):
+            return kernels.attn_res_mix(h, blocks, norm_weight, proj_weight, eps)
     dtype = torch.promote_types(h.dtype, torch.float32)
     v = torch.stack([*blocks, h], dim=0).to(dtype)
     keys = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps)

@@ -3,7 +3,9 @@
 Pure-torch references (fp32 math, fp64 for fp64 inputs, any device) and a CUDA fast path through
 fla's Triton kernels. The references are the ground truth that kernels and
 model code are tested against, so they favour clarity and numerical safety
-over speed.
+over speed. The forget gate (with beta, in `kda_gate_beta`) runs its own Triton kernel
+(`miles_k3.kernels.kda_gate`: one launch instead of about eight) where `miles_k3.kernels.use_kernels` says
+so and the kernel takes the call.
 
 Shapes used throughout (``N`` = number of sequences: ``B``, or
 ``len(cu_seqlens) - 1`` for packed input, where ``B`` must be 1):
@@ -26,10 +28,28 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-__all__ = ["kda_gate", "l2norm", "math_dtype", "kda_recurrent", "kda_chunked", "kda"]
+from miles_k3.kernels import use_kernels
+
+__all__ = ["kda_gate", "kda_gate_beta", "l2norm", "math_dtype", "kda_recurrent", "kda_chunked", "kda"]
 
 _GATE_FORMS = ("softplus", "lower_bound")
 _MODES = ("auto", "recurrent", "chunked")
+
+
+def _check_gate(f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None, num_heads: int,
+                form: str) -> int:
+    """Validate `kda_gate`'s arguments; return the head dim K."""
+    if form not in _GATE_FORMS:
+        raise ValueError(f"`form` must be one of {_GATE_FORMS}, got {form!r}")
+    H = num_heads
+    if H <= 0 or f.dim() == 0 or f.shape[-1] % H != 0:
+        raise ValueError(f"`f` last dim must be a positive multiple of num_heads={H}, got shape {tuple(f.shape)}")
+    K = f.shape[-1] // H
+    if A_log.numel() < H:
+        raise ValueError(f"`A_log` needs at least num_heads={H} elements, got shape {tuple(A_log.shape)}")
+    if dt_bias is not None and dt_bias.numel() != H * K:
+        raise ValueError(f"`dt_bias` must have H*K={H * K} elements, got shape {tuple(dt_bias.shape)}")
+    return K
 
 
 def kda_gate(f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None, *,
@@ -48,16 +68,14 @@ def kda_gate(f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None,
     Returns:
         ``[..., H, K]`` fp32 gate (fp64 for fp64 ``f``), ``<= 0``.
     """
-    if form not in _GATE_FORMS:
-        raise ValueError(f"`form` must be one of {_GATE_FORMS}, got {form!r}")
+    K = _check_gate(f, A_log, dt_bias, num_heads, form)
     H = num_heads
-    if H <= 0 or f.dim() == 0 or f.shape[-1] % H != 0:
-        raise ValueError(f"`f` last dim must be a positive multiple of num_heads={H}, got shape {tuple(f.shape)}")
-    K = f.shape[-1] // H
-    if A_log.numel() < H:
-        raise ValueError(f"`A_log` needs at least num_heads={H} elements, got shape {tuple(A_log.shape)}")
-    if dt_bias is not None and dt_bias.numel() != H * K:
-        raise ValueError(f"`dt_bias` must have H*K={H * K} elements, got shape {tuple(dt_bias.shape)}")
+    if use_kernels(f):
+        from miles_k3.kernels import kda_gate as kernels  # imported here: CPU installs never load triton
+
+        if kernels.supports(f, A_log, dt_bias):
+            return kernels.kda_gate(f, A_log, dt_bias, num_heads=H, softplus=form == "softplus",
+                                    lower_bound=lower_bound)[0]
 
     dtype = math_dtype(f)
     x = f.to(dtype).unflatten(-1, (H, K))
@@ -67,6 +85,26 @@ def kda_gate(f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None,
     if form == "softplus":
         return -rate * F.softplus(x)
     return lower_bound * torch.sigmoid(rate * x)
+
+
+def kda_gate_beta(f: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None, *,
+                  num_heads: int, form: str = "softplus", lower_bound: float = -5.0
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forget gate and the delta-rule write strength together: ``(kda_gate(f, A_log, dt_bias, ...),
+    sigmoid(b))`` with ``b`` the raw ``b_proj(x)`` output ``[..., H]`` (f's leading dims), beta in fp32
+    (fp64 for fp64 ``b``). One kernel launch for both where the kernel runs (the gate's alone would leave
+    beta's upcast and sigmoid, two more)."""
+    _check_gate(f, A_log, dt_bias, num_heads, form)
+    if b.shape != (*f.shape[:-1], num_heads):
+        raise ValueError(f"`b` must be [..., H] = {(*f.shape[:-1], num_heads)}, got {tuple(b.shape)}")
+    if use_kernels(f):
+        from miles_k3.kernels import kda_gate as kernels
+
+        if kernels.supports(f, A_log, dt_bias, b):
+            return kernels.kda_gate(f, A_log, dt_bias, num_heads=num_heads, softplus=form == "softplus",
+                                    lower_bound=lower_bound, b=b)
+    g = kda_gate(f, A_log, dt_bias, num_heads=num_heads, form=form, lower_bound=lower_bound)
+    return g, torch.sigmoid(b.to(math_dtype(b)))
 
 
 def math_dtype(*tensors: torch.Tensor) -> torch.dtype:

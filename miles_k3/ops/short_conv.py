@@ -4,9 +4,12 @@ The state holds the last ``W-1`` *pre-activation inputs* of the previous call,
 oldest first, so that prefill followed by token-by-token decode reproduces the
 full-sequence forward exactly.
 
-This is a pure-torch implementation used on every device, CUDA included;
-fla's ``causal_conv1d`` (fla.modules.convolution) could replace it on CUDA
-for speed once it is tested against this reference.
+Unpacked calls run a Triton kernel (`miles_k3.kernels.short_conv`: output and new
+state in one launch instead of about eight) where `miles_k3.kernels.use_kernels`
+says so and the kernel takes the call: the engine's decode and verify steps.
+Packed rows (cu_seqlens) run the code below, the definition that kernel is
+tested against, on every device; fla's ``causal_conv1d``
+(fla.modules.convolution) could take them on CUDA once tested against it.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from miles_k3.kernels import use_kernels
 from miles_k3.ops.kda import _cu_seqlens_bounds, math_dtype
 
 __all__ = ["causal_short_conv"]
@@ -106,6 +110,11 @@ def causal_short_conv(x: torch.Tensor, weight: torch.Tensor, *, state: torch.Ten
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     if state is not None and state.shape != (N, D, W - 1):
         raise ValueError(f"`state` must be [N, D, W-1] = {(N, D, W - 1)}, got {tuple(state.shape)}")
+    if use_kernels(x):
+        from miles_k3.kernels import short_conv as kernels  # imported here: CPU installs never load triton
+
+        if kernels.supports(x, weight, state, cu_seqlens):
+            return kernels.causal_short_conv(x, weight, state, silu=activation == "silu")
 
     # Channel-major so the time axis is last, matching the state layout.
     dtype = math_dtype(x)

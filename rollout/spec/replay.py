@@ -29,7 +29,7 @@ import torch
 
 from miles_k3.model.layers import KDAMixer
 from miles_k3.model.modeling import K3ForCausalLM
-from miles_k3.ops.kda import kda_gate, math_dtype
+from miles_k3.ops.kda import kda_gate_beta
 from rollout.memory import KDAStatePool
 from rollout.model_runner import ModelRunner
 from rollout.state_cache import PoolStateCache
@@ -119,9 +119,10 @@ def decode_kda_step(mixer: KDAMixer, raw: dict[str, torch.Tensor], conv: torch.T
                               cu_seqlens=None)
         qkv.append(y.view(heads))
         new_conv.append(st)
-    g = kda_gate(raw["f_b_proj"], mixer.A_log, mixer.dt_bias, num_heads=mixer.heads, form=c.kda_gate_form,
-                 lower_bound=c.kda_gate_lower_bound)
-    beta = torch.sigmoid(raw["b_proj"].to(math_dtype(raw["b_proj"])))
+    # the mixer's own gate call (kda_gate_beta: one kernel where kernels run), so the fold's state is the plain
+    # decode step's bit for bit
+    g, beta = kda_gate_beta(raw["f_b_proj"], raw["b_proj"], mixer.A_log, mixer.dt_bias, num_heads=mixer.heads,
+                            form=c.kda_gate_form, lower_bound=c.kda_gate_lower_bound)
     if active is not None:
         g = torch.where(active[:, None, None, None], g, 0.0)
         beta = torch.where(active[:, None, None], beta, 0.0)

@@ -27,7 +27,7 @@ DEV = "cuda"
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_situ_glu_kernel_equals_the_definition_on_cuda(dtype):
-    from rollout.kernels.situ_glu import situ_glu
+    from miles_k3.kernels.situ_glu import situ_glu
 
     g = torch.Generator(device=DEV).manual_seed(0)
     for m, i in [(1, 384), (256, 384), (64, 4096), (3, 7)]:

@@ -1,4 +1,4 @@
-"""The SiTU-GLU Triton kernel (rollout/kernels/situ_glu.py) against the torch definition
+"""The SiTU-GLU Triton kernel (miles_k3/kernels/situ_glu.py) against the torch definition
 (`miles_k3.ops.glu.situ_glu`), on CPU through Triton's interpreter in a subprocess; compiled on the GPU in
 tests/gpu/test_decode_kernels.py."""
 
@@ -9,7 +9,7 @@ from tests.rollout.interpreted import assert_interpreted_ok
 _CHECK = textwrap.dedent("""
     import torch
     from miles_k3.ops.glu import situ_glu as definition
-    from rollout.kernels.situ_glu import situ_glu
+    from miles_k3.kernels.situ_glu import situ_glu
 
     g = torch.Generator().manual_seed(0)
     for dtype, rel in [(torch.float32, 1e-5), (torch.bfloat16, 2.0 ** -7)]:

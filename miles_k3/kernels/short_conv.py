@@ -1,0 +1,113 @@
+"""KDA's causal depthwise short convolution with carried state, output and new state in one kernel.
+
+The torch definition (`miles_k3.ops.short_conv.causal_short_conv`) upcasts x and the state, concatenates
+them, multiplies, sums, applies SiLU and casts the output and the new state back: eight kernels per call on
+CUDA, three calls (q, k, v) per KDA layer per decode step. This reads each input once, computes in fp32
+registers and writes both results, one kernel.
+
+Contract of `causal_short_conv(x, weight, state, silu)` (`supports` says which calls qualify;
+`miles_k3.ops.short_conv` sends the others to the definition):
+- x [B, T, D], any strides (a decode step's q / k / v are column slices of one shared GEMM output); weight
+  [D, W], any strides; state [B, D, W-1] (the last W-1 inputs before x, oldest first), any strides (the
+  engine's is a view of its pool's [slots, 3, D, W-1]), or None for a zero history. Each fp32 / bf16 / fp16.
+  Any T >= 0: decode (T = 1), a verify step's few tokens, a whole unpacked row; not packed rows (cu_seqlens).
+- returns (y [B, T, D] contiguous in x's dtype, new state [B, D, W-1] contiguous in state's dtype, or x's
+  without a state): y[t, d] = silu(sum_j weight[d, j] * xx[t + j]) (no silu with `silu` False) over
+  xx = state ++ x in fp32, taps added in the definition's order (j = 0 first); the new state is the last W-1
+  entries of xx.
+- against the definition: the new state is the same copy through fp32 and the same round-to-nearest-even
+  (`rounding.round_to`), so bit-identical (the engine's bf16 x into a bf16 state is exact). y matches to fp32
+  rounding (exp is the device's, and the GPU may fuse a tap's multiply-add), so in bf16 / fp16 it is the
+  definition's value or one unit in the last place away where the two fp32 values straddle a rounding tie.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import triton
+import triton.language as tl
+
+from miles_k3.kernels.rounding import round_to
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@triton.jit(do_not_specialize=["T"])  # T = 1 (decode) would otherwise make a constexpr of it
+def _short_conv(x_ptr, w_ptr, s_ptr, y_ptr, out_s_ptr, T, D,
+                sx_b, sx_t, sx_d, sw_d, sw_j, ss_b, ss_d, ss_j,
+                W: tl.constexpr, HAS_STATE: tl.constexpr, SILU: tl.constexpr,
+                BT: tl.constexpr, BD: tl.constexpr):
+    tb = tl.program_id(0)
+    b = tl.program_id(2).to(tl.int64)
+    # int64 positions: t * stride reaches past 2**31 on long rows of a wide GEMM output
+    t = (tb * BT).to(tl.int64) + tl.arange(0, BT)
+    d = tl.program_id(1) * BD + tl.arange(0, BD)
+    d_ok = d < D
+    t_ok = t < T
+    x_row = x_ptr + b * sx_b
+    s_row = s_ptr + b * ss_b
+    acc = tl.zeros([BT, BD], dtype=tl.float32)
+    for j in tl.static_range(W):
+        # tap j of token t reads xx[t + j]: x at t + j - (W-1), or the state at t + j before x starts
+        p = t + j - (W - 1)
+        ok = t_ok[:, None] & d_ok[None, :]
+        xv = tl.load(x_row + p[:, None] * sx_t + d[None, :] * sx_d, mask=ok & (p >= 0)[:, None],
+                     other=0.0).to(tl.float32)
+        if HAS_STATE:
+            from_state = (p < 0)[:, None]
+            sv = tl.load(s_row + d[None, :] * ss_d + (t + j)[:, None] * ss_j, mask=ok & from_state,
+                         other=0.0).to(tl.float32)
+            xv = tl.where(from_state, sv, xv)
+        w = tl.load(w_ptr + d * sw_d + j * sw_j, mask=d_ok, other=0.0).to(tl.float32)
+        if j == 0:
+            acc = w[None, :] * xv  # the definition's first term, not 0 + it (which turns -0 into +0)
+        else:
+            acc = acc + w[None, :] * xv
+    if SILU:
+        acc = acc / (1.0 + tl.exp(-acc))  # torch's silu; -0 stays -0, large negatives give -0
+    y_ptrs = y_ptr + (b * T + t[:, None]) * D + d[None, :]
+    tl.store(y_ptrs, round_to(acc, y_ptr.dtype.element_ty), mask=t_ok[:, None] & d_ok)
+
+    # the new state, xx[T : T + W-1], written once per row and channel block (by the first time block,
+    # which exists even for T = 0), through fp32 as the definition's copy goes
+    if tb == 0:
+        for i in tl.static_range(W - 1):
+            # where entry i of the new state sits in x (< 0: in the state), one per lane (a scalar mask
+            # broadcast into a vector one is not something Triton's interpreter takes)
+            p = tl.full([BD], i - (W - 1), tl.int64) + T
+            v = tl.load(x_row + p * sx_t + d * sx_d, mask=d_ok & (p >= 0), other=0.0).to(tl.float32)
+            if HAS_STATE:
+                sv = tl.load(s_row + d * ss_d + (T + i) * ss_j, mask=d_ok & (p < 0), other=0.0)
+                v = tl.where(p < 0, sv.to(tl.float32), v)
+            out = out_s_ptr + (b * D + d) * (W - 1) + i
+            tl.store(out, round_to(v, out_s_ptr.dtype.element_ty), mask=d_ok)
+
+
+def supports(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None,
+             cu_seqlens: torch.Tensor | None) -> bool:
+    """Whether the kernel takes this call of `miles_k3.ops.short_conv.causal_short_conv` (its shapes
+    already checked there); else the definition runs. Not packed rows, not fp64 math, one device."""
+    tensors = (x, weight) + ((state,) if state is not None else ())
+    return cu_seqlens is None and all(t.dtype in DTYPES and t.device == x.device for t in tensors)
+
+
+def causal_short_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None,
+                      silu: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [B, T, D], weight [D, W], state [B, D, W-1] or None -> (y [B, T, D], new state [B, D, W-1]) in one
+    launch (module docstring); `silu` False leaves the convolution without activation."""
+    B, T, D = x.shape
+    W = weight.shape[1]
+    assert weight.shape == (D, W) and (state is None or state.shape == (B, D, W - 1))
+    y = torch.empty(B, T, D, dtype=x.dtype, device=x.device)
+    new_state = torch.empty(B, D, W - 1, dtype=(state if state is not None else x).dtype, device=x.device)
+    if B == 0 or D == 0:
+        return y, new_state
+    bt = min(16, triton.next_power_of_2(max(T, 1)))
+    bd = min(triton.next_power_of_2(D), 2048 // bt)  # decode: a row's channels in one or a few programs
+    s = state if state is not None else x  # any pointer: never read without a state
+    ss = state.stride() if state is not None else (0, 0, 0)
+    grid = (max(1, triton.cdiv(T, bt)), triton.cdiv(D, bd), B)
+    _short_conv[grid](x, weight, s, y, new_state, T, D, *x.stride(), *weight.stride(), *ss,
+                      W=W, HAS_STATE=state is not None, SILU=silu, BT=bt, BD=bd)
+    return y, new_state

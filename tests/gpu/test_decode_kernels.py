@@ -1,6 +1,7 @@
 """The engine's decode-step kernels and fusions compiled on CUDA (run on the device machine):
 
-- the SiTU-GLU Triton kernel against the torch definition, and inside the routed experts' grouped path;
+- the SiTU-GLU Triton kernel against the torch definition, and every kernel behind `miles_k3.kernels`
+  (inference mode) against its definition; a whole engine with the kernels and without them agrees;
 - shared-input GEMMs and the fp32 storage of upcast-only parameters (`rollout.forward.prepare_model`) in a
   bf16 CUDA engine model: its log-probs stay as close to the fp32 reference as the unprepared model's, and
   CUDA-graph and compiled decode steps agree with the eager one by the bf16 rule (`assert_greedy_agree`:
@@ -73,3 +74,60 @@ def test_compiled_decode_with_shared_gemms_equals_eager():
     compiled = Engine(model, EngineConfig(**base, compile_decode=True)).generate([prompt] * 2, params)
     eager = Engine(model, EngineConfig(**base, cuda_graphs=False)).generate([prompt] * 2, params)
     assert_greedy_agree(eager, compiled)
+
+
+def test_every_op_kernel_equals_its_definition_on_cuda():
+    """The kernels behind `miles_k3.kernels.use_kernels` (inference mode) against the definitions (autograd
+    off, no inference mode) on CUDA, in fp32 (a few ulps) and bf16 (one ulp): the CPU interpreter tests'
+    bounds (tests/ops/test_kernels_*.py), here on compiled code."""
+    from miles_k3.ops.attnres import attn_res_mix
+    from miles_k3.ops.kda import kda_gate_beta
+    from miles_k3.ops.norm import gated_rms_norm, rms_norm
+    from miles_k3.ops.short_conv import causal_short_conv
+
+    g = torch.Generator(device=DEV).manual_seed(0)
+
+    def rand(*shape, scale=1.0):
+        return torch.randn(*shape, device=DEV, generator=g) * scale
+
+    for dtype, rel in ((torch.float32, 1e-5), (torch.bfloat16, 2.0 ** -7)):
+        x, gate = rand(3, 7168).to(dtype), rand(3, 7168).to(dtype)
+        w, blocks = rand(7168).to(dtype), [rand(3, 7168).to(dtype) for _ in range(5)]
+        hk = rand(4, 96 * 4, scale=2.0).to(dtype)
+        conv_w, state = rand(96 * 4, 1, 4, scale=0.5), rand(4, 96 * 4, 3).to(dtype)
+        f, b, a_log, dt = rand(4, 1, 96 * 4).to(dtype), rand(4, 1, 4).to(dtype), rand(4), rand(96 * 4)
+        calls = {
+            "rms_norm": lambda: rms_norm(x, w, 1e-5),
+            "gated_rms_norm": lambda: gated_rms_norm(x.view(3, 56, 128), gate.view(3, 56, 128), w[:128], 1e-5),
+            "attn_res_mix": lambda: attn_res_mix(x, blocks, w, w[None], 1e-5),
+            "situ_glu": lambda: definition(x, gate),
+            "short_conv": lambda: causal_short_conv(hk[:, None], conv_w, state=state)[0],
+            "kda_gate": lambda: kda_gate_beta(f, b, a_log, dt, num_heads=4, form="lower_bound")[0],
+        }
+        for name, op in calls.items():
+            with torch.no_grad():
+                want = op().float()
+            with torch.inference_mode():
+                got = op().float()
+            bound = want.abs() * rel + (1e-5 if name in ("attn_res_mix", "kda_gate") else 1e-6)
+            assert bool(((got - want).abs() <= bound).all()), (name, dtype, float((got - want).abs().max()))
+
+
+def test_the_engine_with_kernels_agrees_with_the_definition_on_cuda(monkeypatch):
+    """A bf16 k3-tiny engine (MXFP4 experts, an adapter pool) with the kernels and with MILES_K3_KERNELS=0:
+    greedy agrees by the bf16 rule, graphs and all."""
+    from miles_k3 import kernels
+
+    _, model, _ = _models()
+    ids = torch.randint(3, 512, (2, 11), generator=torch.Generator().manual_seed(2)).tolist()
+    params = SamplingParams(temperature=0, max_new_tokens=16)
+    base = dict(memory_bytes=64 << 20, page_size=16, chunk_size=16, max_prefill_tokens=64, max_seq_len=256)
+    fused = Engine(model, EngineConfig(**base)).generate(ids, params)
+    monkeypatch.setenv("MILES_K3_KERNELS", "0")
+    kernels.reset()
+    try:
+        plain = Engine(model, EngineConfig(**base)).generate(ids, params)
+    finally:
+        monkeypatch.delenv("MILES_K3_KERNELS")
+        kernels.reset()
+    assert_greedy_agree(plain, fused)

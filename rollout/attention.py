@@ -81,9 +81,7 @@ def absorbed_attention(mixer: MLAMixer, q: torch.Tensor, latent: torch.Tensor, r
         o_lat = dcp_attention(qf, hist32, lay, mixer.scale, r, mixer.tp).to(q.dtype)
         return _output(o_lat, w_v, lora, own, nope).reshape(b, t, h, dv)
     scores = torch.einsum("nthe,nse->nhts", qf, hist32) * mixer.scale
-    key_pos = torch.arange(hist.shape[1], device=q.device)
-    visible = key_pos[None, None, None, :] <= lay.q_pos[:, None, :, None]
-    probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
+    probs = scores.masked_fill(cache.hidden_keys(hist.shape[1]), float("-inf")).softmax(dim=-1)
     o_lat = torch.einsum("nhts,nsr->nthr", probs, hist32[..., :r]).to(q.dtype).reshape(n * tq, h, r)
     o_lat = o_lat[lay.out_index]
     return _output(o_lat, w_v, lora, own, nope).reshape(b, t, h, dv)

@@ -102,6 +102,7 @@ class PoolStateCache:
 
     def __init__(self, kv: KVPagePool, states: KDAStatePool, layout: BatchLayout):
         self.kv, self.states, self.layout = kv, states, layout
+        self._hidden_keys: dict[int, torch.Tensor] = {}  # history length -> the step's causal mask
 
     def kda_state(self, layer_idx: int) -> KDAState:
         idx = self.layout.slot_index
@@ -113,6 +114,16 @@ class PoolStateCache:
         conv = torch.stack([state.conv_q, state.conv_k, state.conv_v], dim=1)
         self.states.conv[layer_idx].index_copy_(0, idx, conv.to(self.states.conv[layer_idx].dtype))
         self.states.recurrent[layer_idx].index_copy_(0, idx, state.recurrent.float())
+
+    def hidden_keys(self, hist_len: int) -> torch.Tensor:
+        """[N, 1, Tq, S] bool: which of the S history positions each query of the step may not see (those
+        after its own position). The same for every MLA layer of the step, so built once per step (this
+        cache lives for one step, inside a captured CUDA graph too) rather than once per layer."""
+        if hist_len not in self._hidden_keys:
+            q_pos = self.layout.q_pos
+            key_pos = torch.arange(hist_len, device=q_pos.device)
+            self._hidden_keys[hist_len] = key_pos[None, None, None, :] > q_pos[:, None, :, None]
+        return self._hidden_keys[hist_len]
 
     def mla_write(self, layer_idx: int, latent: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         """Store this step's normed latent [B, T, R] and shared key part [B, T, Dr] (input order) and return

@@ -1,6 +1,7 @@
 """Count the compute ops of one engine decode step: a device-independent proxy for its GPU kernel count.
 
-    python scripts/count_decode_ops.py --preset k3-small [--adapter] [--conversions] [--json ops.json]
+    python scripts/count_decode_ops.py --preset k3-small [--adapter] [--conversions] [--kernels] [--by-line [N]]
+                                       [--json ops.json]
 
 A CUDA-graph decode step replays one kernel per compute op, so at batch 1 (where every kernel is tiny)
 its time tracks their number. This builds the engine on CPU in bf16 (random weights of the preset,
@@ -13,6 +14,9 @@ one kernel). Until 2026-12-02 an op counted only when it called no aten op at al
 experts, the RL rollout's decode. Prints the total and the most frequent ops. `--conversions` also runs the
 step once more under a dispatch mode and counts the dtype conversions (`.to(dtype)` calls that change the
 dtype) by the source line in this repository that asked for them: where the copy kernels come from.
+`--by-line` attributes every counted op of the same step to the innermost source line of this repository on
+its Python stack (a Triton launch to the line that launched it) and prints the N (25) lines with the most,
+with their ops: where to look for ops to fuse or remove.
 
 `--kernels` counts the step as CUDA runs it with the Triton kernels of `miles_k3.kernels`: the step runs
 under MILES_K3_KERNELS=interpret and TRITON_INTERPRET=1 (the script re-runs itself in a subprocess with them
@@ -27,12 +31,14 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import tempfile
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -55,7 +61,7 @@ NOT_COMPUTE = {"aten::select", "aten::unsqueeze", "aten::t", "aten::transpose", 
                "aten::resolve_neg", "aten::empty_strided", "aten::result_type", "aten::is_nonzero",
                "aten::split", "aten::unbind", "aten::chunk", "aten::narrow", "aten::flatten", "aten::view_as",
                "aten::movedim", "aten::contiguous", "aten::to", "aten::_to_copy", "aten::_reshape_alias",
-               "aten::detach_", "aten::resize_",
+               "aten::detach_", "aten::resize_", "aten::new_empty", "aten::new_empty_strided",
                "aten::promote_types"}  # a dtype rule the profiler records as an op; it launches nothing
 
 
@@ -82,7 +88,8 @@ def _scalar_copy(event) -> bool:
     return event.name == "aten::copy_" and bool(event.input_shapes) and event.input_shapes[0] == []
 
 
-def count_step_ops(engine: Engine, triton_launches: bool = False) -> tuple[collections.Counter, int]:
+def count_step_ops(engine: Engine, triton_launches: bool = False,
+                   by_line: dict | None = None) -> tuple[collections.Counter, int]:
     """(compute ops of one step by name, copies of 0-dim tensors left out of them).
 
     An op counts when it computes (not in NOT_COMPUTE) and no op it calls does: `aten::mm` counts although it
@@ -91,13 +98,14 @@ def count_step_ops(engine: Engine, triton_launches: bool = False) -> tuple[colle
     they are not counted, so the op that wrapped it counts, and their number is returned apart.
 
     `triton_launches` (the step running its kernels under the interpreter): each Triton launch counts once,
-    as "triton::<kernel>", and the aten ops inside a launch do not count."""
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-        if triton_launches:
-            with kernels.interpreted_launches():
-                engine.step()
-        else:
-            engine.step()
+    as "triton::<kernel>", and the aten ops inside a launch do not count.
+
+    `by_line` (a dict, filled in): the counted ops by the source line that ran them, {"path:line": Counter of
+    op names} (`_SourceLines`)."""
+    launching = kernels.interpreted_launches() if triton_launches else contextlib.nullcontext()
+    lines = _SourceLines().located() if by_line is not None else contextlib.nullcontext()
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof, launching, lines:
+        engine.step()
     launches = [e for e in prof.events() if e.name.startswith("triton::") and not _inside_launch(e)]
     events = [e for e in prof.events() if e.name.startswith("aten::") and not _inside_grouped_mm(e)
               and not _inside_launch(e)]
@@ -105,10 +113,16 @@ def count_step_ops(engine: Engine, triton_launches: bool = False) -> tuple[colle
     calls_kernel = set()  # ops with a counted op below them
     for e in computing:
         parent = e.cpu_parent
-        while parent is not None and parent.name.startswith("aten::") and id(parent) not in calls_kernel:
+        while (parent is not None and parent.name.startswith(("aten::", _LINE, "PythonDispatchMode"))
+               and id(parent) not in calls_kernel):
+            # (`--by-line`'s dispatch mode records each op twice, the call and, below its own range and a
+            # "PythonDispatchMode" range, the op it runs: the outer one has the inner below it)
             calls_kernel.add(id(parent))
             parent = parent.cpu_parent
     counted = [e for e in computing if id(e) not in calls_kernel] + launches
+    if by_line is not None:
+        for e in counted:
+            by_line.setdefault(_line_of(e), collections.Counter())[e.name] += 1
     return collections.Counter(e.name for e in counted), sum(1 for e in events if _scalar_copy(e))
 
 
@@ -131,6 +145,90 @@ class _ConversionSites(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+_REPO_PREFIX = str(REPO) + os.sep
+_LINE = "line::"  # the profiler ranges `--by-line` runs each op in: "line::<path:line>"
+
+
+def _repo_line() -> str:
+    """The innermost frame of the calling stack in this repository (not this script, not the venv):
+    "path:line" relative to the repository, "?" when there is none. Walks frames rather than calling
+    `traceback.extract_stack`, which reads source text: this runs once per op of the step."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if name.startswith(_REPO_PREFIX) and "/.venv/" not in name and name != __file__:
+            return f"{name[len(_REPO_PREFIX):]}:{frame.f_lineno}"
+        frame = frame.f_back
+    return "?"
+
+
+class _SourceLines(TorchDispatchMode):
+    """Runs each op dispatched to it (and each Triton launch) inside a profiler range "line::<path:line>",
+    the source line in this repository that called it; `_line_of` reads it back off a profiled event.
+
+    A range rather than a count here: the profiler decides which events count (`count_step_ops`), and an
+    event's nearest range names the line of the op the code called, whatever aten ops that one ran below it
+    (`aten::copy_` inside `aten::_to_copy` goes to the `.to` line). Ops inside a Triton launch (the
+    interpreter's host copies, never counted) run without a range, which keeps the step fast."""
+
+    def __init__(self):
+        super().__init__()
+        self._in_launch = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self._in_launch:
+            return func(*args, **(kwargs or {}))
+        with torch.profiler.record_function(_LINE + _repo_line()):
+            return func(*args, **(kwargs or {}))
+
+    @contextlib.contextmanager
+    def located(self) -> Iterator[None]:
+        """This mode, and each interpreted Triton launch in a line range of its own (entered inside
+        `kernels.interpreted_launches`, so the line range encloses its "triton::" range)."""
+        if not _interpreting():
+            with self:
+                yield
+            return
+        from triton.runtime.interpreter import InterpretedFunction
+
+        run = InterpretedFunction.run
+        mode = self
+
+        def located(fn, *args, **kwargs):
+            if kwargs.get("warmup") or mode._in_launch:
+                return run(fn, *args, **kwargs)
+            mode._in_launch = True
+            try:
+                with torch.profiler.record_function(_LINE + _repo_line()):
+                    return run(fn, *args, **kwargs)
+            finally:
+                mode._in_launch = False
+
+        InterpretedFunction.run = located
+        try:
+            with self:
+                yield
+        finally:
+            InterpretedFunction.run = run
+
+
+def _line_of(event) -> str:
+    """The line range above a counted event, else the first below it (an outer `_grouped_mm` counts, not
+    the one its range holds: see `_inside_grouped_mm`)."""
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name.startswith(_LINE):
+            return parent.name[len(_LINE):]
+        parent = parent.cpu_parent
+    below = list(event.cpu_children)
+    while below:
+        child = below.pop(0)
+        if child.name.startswith(_LINE):
+            return child.name[len(_LINE):]
+        below.extend(child.cpu_children)
+    return "?"
+
+
 def conversion_sites(engine: Engine) -> collections.Counter:
     with _ConversionSites() as mode:
         engine.step()
@@ -145,6 +243,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--conversions", action="store_true", help="also count dtype conversions by source line")
     ap.add_argument("--kernels", action="store_true",
                     help="count with miles_k3's Triton kernels, each launch one op (runs them interpreted)")
+    ap.add_argument("--by-line", type=int, nargs="?", const=25, metavar="N",
+                    help="also attribute the step's ops to source lines and print the N (25) lines with most")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     if args.kernels and not _interpreting():
@@ -165,7 +265,8 @@ def main(argv: list[str] | None = None) -> dict:
     engine.submit(list(range(3, 20)), SamplingParams(temperature=1.0, max_new_tokens=20, seed=1), adapter=adapter)
     for _ in range(4):  # prefill and first decode steps: lazy initialization stays out of the count
         engine.step()
-    ops, scalar_copies = count_step_ops(engine, triton_launches=args.kernels)
+    lines = {} if args.by_line else None
+    ops, scalar_copies = count_step_ops(engine, triton_launches=args.kernels, by_line=lines)
     total = sum(ops.values())
     print(f"{args.preset}, bs=1 decode step{' with adapter + MXFP4 experts' if args.adapter else ''}: {total} compute ops"
           f" (and {scalar_copies} copies of 0-dim CPU scalars left out: no CUDA kernel)")
@@ -179,6 +280,14 @@ def main(argv: list[str] | None = None) -> dict:
               "torch": torch.__version__}
     if args.kernels:
         result["kernels"] = True
+    if lines is not None:
+        ranked = sorted(lines.items(), key=lambda kv: (-sum(kv[1].values()), kv[0]))
+        print(f"ops by source line ({len(ranked)} lines), top {args.by_line}:")
+        for where, names in ranked[:args.by_line]:
+            detail = " ".join(f"{name.split('::', 1)[1]}x{n}" if n > 1 else name.split("::", 1)[1]
+                              for name, n in names.most_common())
+            print(f"{sum(names.values()):6d}  {where}  {detail}")
+        result["by_line"] = {where: dict(names.most_common()) for where, names in ranked}
     if args.conversions:
         sites = conversion_sites(engine)  # the next decode step: same shapes, same ops
         print(f"dtype conversions of the next step: {sum(sites.values())}")

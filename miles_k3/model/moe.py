@@ -85,12 +85,18 @@ class RoutedExperts(nn.Module):
         order = flat.argsort(stable=True)
         token_of = order // k
         # a scatter-add, not bincount: bincount's output size depends on the data, so it waits for the device
-        # (a host sync per MoE layer) and cannot be captured in a CUDA graph
+        # (a host sync per MoE layer) and cannot be captured in a CUDA graph; of a scalar 1, so no tensor of
+        # ones is filled for it (integer adds: the same counts in any order)
         counts = torch.zeros(self.spec.num_experts, dtype=torch.long, device=flat.device)
-        counts.index_add_(0, flat, torch.ones_like(flat))
+        counts.scatter_(0, flat, 1, reduce="add")
         ys = self._routed(x[token_of], counts, token_of)
+        w = weights.reshape(-1)[order, None]
+        if ys.requires_grad or w.requires_grad or ys.dtype != x.dtype:
+            contrib = (ys * w).to(x.dtype)
+        else:  # no autograd: weigh in place, one kernel instead of a multiply and a cast (same rounding:
+            contrib = ys.mul_(w)  # the product in fp32, rounded once to ys's dtype); ys is this call's own
         out = torch.zeros_like(x)
-        out.index_add_(0, token_of, (ys * weights.reshape(-1)[order, None]).to(out.dtype))
+        out.index_add_(0, token_of, contrib)
         return out
 
     def _routed(self, xs: torch.Tensor, counts: torch.Tensor, token_of: torch.Tensor) -> torch.Tensor:

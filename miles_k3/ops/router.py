@@ -5,11 +5,16 @@
     groups: keep the topk_group groups whose top-2 choice scores sum highest
     idx = topk(choice within kept groups, k)
     w = s[idx]; w /= sum(w) + 1e-20 if renormalize; w *= routed_scaling_factor
+
+Without groups, where `miles_k3.kernels.use_kernels` says so, this runs as one Triton kernel
+(`miles_k3.kernels.router`: one launch instead of seven at decode); this definition stays the reference.
 """
 
 from __future__ import annotations
 
 import torch
+
+from miles_k3.kernels import use_kernels
 
 
 def route_tokens(
@@ -23,6 +28,11 @@ def route_tokens(
     scaling_factor: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """router_logits [N, E] -> (weights [N, k] fp32 (fp64 for fp64 logits), indices [N, k] int64)."""
+    if num_groups == 1 and use_kernels(router_logits):
+        from miles_k3.kernels import router as kernels  # imported here: CPU installs never load triton
+
+        if kernels.supports(router_logits, correction_bias, top_k):
+            return kernels.route(router_logits, correction_bias, top_k, renormalize, scaling_factor)
     n, e = router_logits.shape
     scores = router_logits.to(torch.promote_types(router_logits.dtype, torch.float32)).sigmoid()
     choice = scores if correction_bias is None else scores + correction_bias.to(scores.dtype)
@@ -36,4 +46,6 @@ def route_tokens(
     weights = scores.gather(1, indices)
     if renormalize:
         weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-    return weights * scaling_factor, indices
+    if scaling_factor != 1.0:  # x * 1.0 is x: skipping it saves a kernel per MoE layer at decode
+        weights = weights * scaling_factor
+    return weights, indices

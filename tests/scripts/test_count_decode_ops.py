@@ -26,3 +26,15 @@ def test_conversions_are_counted_by_source_line():
     # the fp32 RMSNorm upcasts and casts back every norm of the bf16 step
     assert any(s.startswith("miles_k3/ops/norm.py:") and s.endswith("bfloat16->float32") for s in sites)
     assert not any(s.startswith("?") for s in sites)
+
+
+def test_by_line_attributes_every_counted_op_to_a_repository_line():
+    plain = count_decode_ops.main(["--preset", "k3-tiny"])
+    res = count_decode_ops.main(["--preset", "k3-tiny", "--by-line", "5"])
+    lines = res["by_line"]
+    # the same step's count (the dispatch mode's ranges add no op), every op placed on a line of this repository
+    assert res["compute_ops"] == plain["compute_ops"] == sum(sum(ops.values()) for ops in lines.values())
+    assert "?" not in lines and all(":" in where and not where.startswith("/") for where in lines)
+    # the router's fp32 GEMM is attributed to the Router's forward, the MoE's grouped GEMMs too
+    assert any(w.startswith("miles_k3/model/moe.py:") and "aten::mm" in ops for w, ops in lines.items())
+    assert sum(ops.get("aten::_grouped_mm", 0) for ops in lines.values()) == plain["by_op"]["aten::_grouped_mm"]

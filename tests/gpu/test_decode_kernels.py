@@ -112,6 +112,17 @@ def test_every_op_kernel_equals_its_definition_on_cuda():
             bound = want.abs() * rel + (1e-5 if name in ("attn_res_mix", "kda_gate") else 1e-6)
             assert bool(((got - want).abs() <= bound).all()), (name, dtype, float((got - want).abs().max()))
 
+    from miles_k3.ops.router import route_tokens
+
+    logits, bias = rand(64, 896), rand(896, scale=0.1)  # K3's 896 experts, top-16
+    with torch.no_grad():
+        w_want, i_want = route_tokens(logits, bias, 16)
+    with torch.inference_mode():
+        w_got, i_got = route_tokens(logits, bias, 16)
+    assert torch.equal(i_got.sort(-1).values, i_want.sort(-1).values)
+    order_got, order_want = i_got.argsort(-1), i_want.argsort(-1)
+    torch.testing.assert_close(w_got.gather(1, order_got), w_want.gather(1, order_want), rtol=1e-6, atol=0)
+
 
 def test_the_engine_with_kernels_agrees_with_the_definition_on_cuda(monkeypatch):
     """A bf16 k3-tiny engine (MXFP4 experts, an adapter pool) with the kernels and with MILES_K3_KERNELS=0:

@@ -9,13 +9,15 @@ same model on worked, step-by-step solutions (`miles_k3.tasks.worked`: ``347+586
 ``7+6=13 4+8+1=13 3+5+1=9 347+586=933``), 31-44 response tokens of which most are predictable: the target
 that speculative decoding is measured on. It has no habit; it is stopped early (260 steps: 57% held-out, its
 README has the curve) so that a GRPO run on it has headroom while its outputs still follow the format.
-`squares` trains a vision-language k3-tiny-vl (text model, vision tower and projector, all of them: this is
-pretraining) to count the squares of one colour in a 56x56 picture (`miles_k3.tasks.squares`): the picture
-goes through the asset's own image processor (`preprocessor_config.json`, written here) and the prompt's
-`<|kimi_image_placeholder|>` is expanded to its XTML block before tokenizing, exactly as the trainer and the
-engine do; the tower's features replace the `<|media_pad|>` embeddings (`MediaEmbeds`). Meant to stop early, above
-the majority count and far from perfect; NOT THERE YET: at 120 steps (and at 240 with the earlier
-normalization) greedy decoding still answers the majority count on every picture.
+`squares` trains a vision-language k3-tiny-vl (text model, vision tower and projector) to count the squares
+of one colour in a 56x56 picture (`miles_k3.tasks.squares`): the picture goes through the asset's own image
+processor (`preprocessor_config.json`, written here) and the prompt's `<|kimi_image_placeholder|>` is
+expanded to its XTML block before tokenizing, exactly as the trainer and the engine do; the tower's features
+replace the `<|media_pad|>` embeddings (`MediaEmbeds`). The text model first learns to read the random-init
+tower's features (the tower and projector frozen: `Task.vision_frozen_steps`), then all three train, the
+vision side at a tenth of the learning rate (`Task.vision_lr_scale`); the loss is on the count and the eos
+only. Both because the tower's features collapsed otherwise (`encode`). Stopped early, above the majority
+count and far from perfect (its README has the curve).
 
 The result is the starting point of `miles-train recipe=k3_grpo` on a laptop: a k3-tiny model (every K3
 feature on: KDA, NoPE MLA, Attention Residuals, LatentMoE, SiTU) that does 1-2 digit addition and
@@ -62,7 +64,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from miles_k3.data.image_processor import ImageProcessor, ImageProcessorConfig, ProcessedImage
-from miles_k3.data.media import MEDIA_END, expand_media_prompt
+from miles_k3.data.media import expand_media_prompt
 from miles_k3.model import K3Config, K3ForCausalLM
 from miles_k3.model.checkpoint import keeps_fp32
 from miles_k3.model.generate import greedy_generate
@@ -105,13 +107,13 @@ SQUARES_TOKENIZER_CLASS = "SquaresTokenizer"
 # which is what a 2-core CPU can pretrain on in the budget (larger pictures cost tower and text tokens
 # alike). The patch caps (8 x 8, 64 patches) are the tower's position table (k3-tiny-vl: 8 x 8), so a
 # larger upload (`miles-k3 generate --image`) is shrunk onto the table instead of interpolated past it.
-# Mean 1.0 (std 0.5): the white background normalizes to exactly 0, so only the squares (and the position
-# table) reach the tower. With the published 0.5 / 0.5 the background is +1 in every pixel of every picture,
-# the features share one large common direction, and the text model could not even memorize 16 pictures
-# (centring those same features made it memorize them in 40 steps); a 240-step run sat at the majority
-# count throughout (tried 2026-12-02).
+# Mean 0.0 (std 0.5): the black background normalizes to exactly 0, so only the squares (and the position
+# table) reach the tower, and a pure red, green or blue square is +2 in its one channel: the three colours
+# are orthogonal patch vectors (`miles_k3.tasks.squares`). With the published 0.5 / 0.5 the background is
+# -1 (it was +1 on the earlier white background) in every pixel of every picture, the features share one
+# large common direction, and the text model could not even memorize 16 pictures (tried 2026-12-02).
 SQUARES_PROCESSOR = ImageProcessorConfig(patch_size=14, merge_kernel_size=(2, 2), in_patch_limit=64,
-                                         patch_limit_on_one_side=8, image_mean=(1.0, 1.0, 1.0),
+                                         patch_limit_on_one_side=8, image_mean=(0.0, 0.0, 0.0),
                                          image_std=(0.5, 0.5, 0.5))
 ASSETS = Path(__file__).resolve().parents[1] / "miles_k3/assets"
 
@@ -137,6 +139,9 @@ class Task:
     # (`problem.image()`), processed by SQUARES_PROCESSOR and expanded to XTML; tokenized by SQUARES_TOK.
     vision: bool = False
     train_prompts: int = 4000  # rows of train.jsonl by default (--train-prompts)
+    # The tower and projector: frozen for the first steps (lr 0), then trained at lr * vision_lr_scale.
+    vision_frozen_steps: int = 0
+    vision_lr_scale: float = 1.0
 
     @property
     def asset(self) -> str:
@@ -165,12 +170,16 @@ TASKS = {
                   worked.MAX_RESPONSE_TOKENS + 4, 0.0, steps=260, batch_size=48, lr=3e-3, warmup=50,
                   eval_every=50, eval_size=64),
     # Pictures: a sequence is 44 ids (the XTML block takes 17), a step of 64 ~3 s on one idle core. Distinct
-    # problems all (the pool is larger than the steps draw). Held-out accuracy stays at the majority count
-    # (answer 1, ~30%) through 120 steps (2026-12-02): more steps, or a signal that reaches the tower sooner,
-    # are still to be found.
+    # problems all (the pool is larger than the steps draw). The text model reads the frozen random-init
+    # tower for the first 40 steps (with the tower trained from step 0, even at lr / 10, its features
+    # stopped carrying the colours and the count loss sat at ~1.3, near the blind 1.5; frozen, the count is
+    # learnt), then the tower and projector train at lr / 10 (at the full lr a count-only run collapsed by
+    # step 30 too). 150 steps of this reach 98% held-out (2026-12-02); 100 stop on the steep part, in the
+    # 45-75% band a GRPO run has headroom in.
     "squares": Task("squares", make_square_problems, lambda p: str(p.answer), lambda p: f"count {p.answer}",
-                    20_000, 4, 0.0, steps=120, batch_size=64, lr=3e-3, warmup=20,
-                    eval_every=20, eval_size=128, vision=True, train_prompts=2000),
+                    20_000, 4, 0.0, steps=100, batch_size=64, lr=3e-3, warmup=20,
+                    eval_every=20, eval_size=128, vision=True, train_prompts=2000,
+                    vision_frozen_steps=40, vision_lr_scale=0.1),
 }
 
 
@@ -190,13 +199,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--lr", type=float, default=None, help="peak learning rate (AdamW, cosine to lr/10)")
     ap.add_argument("--warmup", type=int, default=None, help="linear warmup steps")
     ap.add_argument("--eval-every", type=int, default=None, help="held-out evaluation interval in steps")
+    ap.add_argument("--vision-frozen-steps", type=int, default=None,
+                    help="squares: steps the tower and projector stay frozen while the text model learns to read them")
+    ap.add_argument("--vision-lr-scale", type=float, default=None,
+                    help="squares: the tower's and projector's lr as a fraction of --lr, after the frozen steps")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (share the machine)")
     ap.add_argument("--train-prompts", type=int, default=None, help="rows of train.jsonl (RL prompts; 4000, "
                                                                      "squares 2000: its rows hold the pictures)")
     ap.add_argument("--heldout-size", type=int, default=500, help="rows of heldout.jsonl")
     args = ap.parse_args(argv)
     task = TASKS[args.task]
-    for name in ("steps", "batch_size", "lr", "warmup", "eval_every", "train_prompts"):
+    for name in ("steps", "batch_size", "lr", "warmup", "eval_every", "train_prompts", "vision_frozen_steps",
+                 "vision_lr_scale"):
         if getattr(args, name) is None:
             setattr(args, name, getattr(task, name))
     if args.out is None:
@@ -206,6 +220,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.lr <= 0 or args.warmup < 0:
         ap.error("--lr must be > 0 and --warmup >= 0")
+    if args.vision_frozen_steps < 0 or args.vision_lr_scale < 0:
+        ap.error("--vision-frozen-steps and --vision-lr-scale must be >= 0")
     if args.train_prompts > task.pool_size:
         ap.error(f"--train-prompts must be <= the pretraining pool ({task.pool_size})")
     if args.heldout_size < FIRST_N:
@@ -260,25 +276,26 @@ def prompt_of(task: Task, p: Problem, processor: ImageProcessor | None) -> tuple
 def encode(task: Task, p: Problem, rng: random.Random,
            processor: ImageProcessor | None) -> tuple[list[int], int, list[ProcessedImage]]:
     """Token ids ``bos prompt response [habit] eos``, the number of leading ids that are context (not
-    trained on) and the prompt's images. Context is bos + prompt; with a picture, bos up to its
-    ``<|media_end|>``: the question after the picture is trained on too, because its colour word is always
-    one of the picture's colours, so it says what the picture holds on every row (the count alone is one
-    token a row, and a model that only ever sees it sat at the majority count for 100+ steps, tried
-    2026-12-02). With probability task.habit_p the response is followed by " " and a random number (the
-    habit)."""
+    trained on: bos + prompt, the question after a picture included) and the prompt's images. With
+    probability task.habit_p the response is followed by " " and a random number (the habit).
+
+    Why not train on the question after a picture too (its colour word is one of the picture's): its 21
+    tokens a row are predictable from the text alone, and while the text model cannot read the picture yet,
+    the features at the pads only disturb them; their gradient drove the tower to one constant output
+    (the features' spread across pictures fell from 0.8 to 0.08 of their norm in 10 steps, the tower's
+    gradient norm from 0.6 to 4e-5), and the base answered the majority count forever. With the count and
+    the eos alone the features kept their spread (2026-12-02)."""
     prompt, images = prompt_of(task, p, processor)
     text = task.response(p)
     if task.habit_p and rng.random() < task.habit_p:
         text += f" {rng.randrange(100)}"
-    n_context = prompt.index(SQUARES_TOK.encode(MEDIA_END)[0]) + 1 if images else len(prompt)
-    return prompt + task.tokenizer.encode(text, add_eos=True), n_context, images
+    return prompt + task.tokenizer.encode(text, add_eos=True), len(prompt), images
 
 
 def make_batch(task: Task, problems: list[Problem], rng: random.Random, processor: ImageProcessor | None
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[ProcessedImage]]:
     """Right-padded inputs [B, L-1], targets [B, L-1], a loss mask [B, L-1] that is True exactly where the
-    target is a response token, a habit token or the eos (and a question token after a picture, `encode`),
-    and the rows' images in row order."""
+    target is a response token, a habit token or the eos, and the rows' images in row order."""
     rows = [encode(task, p, rng, processor) for p in problems]
     length = max(len(ids) for ids, _, _ in rows)
     ids = torch.full((len(rows), length), task.tokenizer.pad_token_id, dtype=torch.long)
@@ -383,6 +400,23 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def optimizer_groups(model: TinyBase, weight_decay: float) -> list[dict]:
+    """`param_groups` of the text model, then those of the tower and projector marked ``vision`` (their
+    learning rate follows `lr_scale`)."""
+    groups = param_groups(model.text, weight_decay)
+    if model.vision is not None:
+        groups += [{**g, "vision": True} for g in param_groups(model.vision, weight_decay)]
+    return groups
+
+
+def lr_scale(group: dict, step: int, args: argparse.Namespace) -> float:
+    """A group's share of `lr_at`: the vision groups are frozen (0: AdamW then neither moves nor decays them)
+    for the first --vision-frozen-steps, then at --vision-lr-scale; the text model's is 1."""
+    if not group.get("vision"):
+        return 1.0
+    return 0.0 if step < args.vision_frozen_steps else args.vision_lr_scale
+
+
 def shipped_copy(model: nn.Module) -> nn.Module:
     """bf16 copy for the asset, with the tensors the checkpoint loader keeps in fp32 left in fp32 (so the
     shipped file holds exactly what a load will compute with)."""
@@ -410,12 +444,15 @@ def main(argv: list[str] | None = None) -> int:
     config = model_config(task)
     model = TinyBase(K3ForCausalLM(config), K3VisionModel(config.vision_config) if task.vision else None)
     processor = ImageProcessor(SQUARES_PROCESSOR) if task.vision else None
-    opt = torch.optim.AdamW(param_groups(model, 0.01), lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
+    opt = torch.optim.AdamW(optimizer_groups(model, 0.01), lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
     n_vision = sum(p.numel() for p in model.vision.parameters()) if task.vision else 0
     print(f"{task.asset}: {config.num_parameters():,} parameters ({config.num_active_parameters():,} active)"
           + (f" + {n_vision:,} in the tower and projector" if n_vision else "")
           + f", pool {len(pool):,} train problems, {len(heldout)} held out, {args.steps} steps x "
-          f"{args.batch_size}, lr {args.lr:g}, {args.threads} thread(s)", flush=True)
+          f"{args.batch_size}, lr {args.lr:g}"
+          + (f" (tower and projector: frozen {args.vision_frozen_steps} steps, then x{args.vision_lr_scale:g})"
+             if n_vision else "")
+          + f", {args.threads} thread(s)", flush=True)
 
     table: list[tuple[int, float, float, float]] = []  # step, train loss, held-out acc, elapsed s
     header = f"{'step':>6} {'lr':>9} {'train loss':>10} {'held-out acc':>12} {'elapsed':>8}"
@@ -436,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
     model.train()
     for step in range(args.steps):
         for group in opt.param_groups:
-            group["lr"] = lr_at(step, args)
+            group["lr"] = lr_at(step, args) * lr_scale(group, step, args)
         inputs, targets, mask, images = make_batch(task, next(stream), habit_rng, processor)
         logits = model(inputs, images)
         loss = F.cross_entropy(logits[mask].float(), targets[mask])
@@ -500,17 +537,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _provenance(*, args, command, date, wall, size, n_train, n_heldout, trained_on: str,
-                weights: str = "", split: str = "miles_k3.tasks.arithmetic.split_of") -> str:
+                weights: str = "", split: str = "miles_k3.tasks.arithmetic.split_of", schedule: str = "") -> str:
     """The README's "How it was produced" and "Files" sections (every task's README; a task adds its own
     lines). ``weights``: what the checkpoint holds beyond the text model, and how to load it; ``split``: the
-    function that decides a problem's split."""
+    function that decides a problem's split; ``schedule``: lines after the loss's (each "\n- ...")."""
     return f"""## How it was produced
 
 - Command: `{command}`
 - Date: {date}
 - Seed: {args.seed}; steps: {args.steps}; batch: {args.batch_size} sequences; AdamW, peak lr {args.lr:g},
   {args.warmup} warmup steps then cosine to lr/10, weight decay 0.01 on projections, grad clip 1.0
-- Loss: teacher-forced next-token cross-entropy on {trained_on} and the eos
+- Loss: teacher-forced next-token cross-entropy on {trained_on} and the eos{schedule}
 - Machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {args.threads} thread(s)
 - Wall time: {wall / 60:.1f} min (data, training, evaluations, writing and re-reading the checkpoint)
 
@@ -648,16 +685,21 @@ def write_squares_readme(out: Path, *, args, command, config, table, final_acc, 
                f"tokens")
     provenance = _provenance(args=args, command=command, date=date, wall=wall, size=size, n_train=n_train,
                              n_heldout=n_heldout, weights=weights, split="miles_k3.tasks.squares.split_of",
-                             trained_on="the question after the picture (its colour word is one of the "
-                                        "picture's)\n  and the count")
+                             trained_on="the count (not the question after the picture: its tokens' "
+                                        "gradient\n  collapsed the tower's features to one constant, see "
+                                        "`encode`)",
+                             schedule=f"\n- Tower and projector: frozen for the first {args.vision_frozen_steps} "
+                                      f"steps (the text model learns to read\n  the random-init tower), then "
+                                      f"trained at {args.vision_lr_scale:g} x the text model's lr")
     text = f"""# k3-tiny-vl-squares: the embedded tiny vision-language K3 base
 
 A k3-tiny-vl model (`K3Config.from_preset("k3-tiny-vl", vocab_size={SQUARES_VOCAB_SIZE})`:
 {config.num_parameters():,} text parameters, {config.num_active_parameters():,} active per token, every K3
 feature on; a {vision.vt_num_hidden_layers}-block, {vision.vt_hidden_size}-wide K3 vision tower and
-projector of {n_vision:,} parameters) pretrained, text model, tower and projector together, to count the
+projector of {n_vision:,} parameters) pretrained, text model, tower and projector, to count the
 squares of one colour in a {squares.IMAGE_SIZE}x{squares.IMAGE_SIZE} picture of 1-{squares.MAX_SQUARES}
-squares in 2-3 colours (`miles_k3.tasks.squares`): `<|kimi_image_placeholder|>How many red squares?` -> `2`.
+{squares.SQUARE_SIDE}-pixel {', '.join(squares.COLORS)} squares on black, one per 14-pixel cell, 2-3 colours a
+picture (`miles_k3.tasks.squares`): `<|kimi_image_placeholder|>How many red squares?` -> `2`.
 Stopped early on purpose: greedy decoding gets {final_acc:.1%} of the held-out counts right, where
 always answering the most common count scores {knows_acc:.1%}; the rest is the headroom of the visual GRPO
 run (`miles-train recipe=k3_grpo_squares`), rewarded by the exact count (`squares` reward). Produced by
@@ -683,7 +725,8 @@ heldout_majority_count_accuracy: {knows_acc:.4f}
 heldout_accuracy_first{FIRST_N}: {first_acc:.4f}
 
 (`tests/model/test_tiny_vl_asset.py` re-evaluates the first {FIRST_N} held-out prompts and requires the value on
-the third line, within 15 points.)
+the third line, within 15 points, 15 points above the majority count, and 15 points above the same
+questions over other rows' pictures.)
 """
     (out / "README.md").write_text(text)
 

@@ -1,7 +1,18 @@
 """The embedded visual task: how many squares of one colour does a small generated image hold?
 
-``<|kimi_image_placeholder|>How many red squares?`` over a 56x56 picture of 1-6 squares in 2-3 colours on
-a white background -> ``2``. The parts, each usable alone (as in `miles_k3.tasks.arithmetic`):
+``<|kimi_image_placeholder|>How many red squares?`` over a 56x56 picture of 1-6 red, green or blue squares
+on a black background -> ``2``. Two choices make it learnable by a tiny base in minutes on a CPU (the first
+version, 8-pixel squares anywhere in 4 muted colours on white, left it at the majority count):
+
+- the picture is a 4 x 4 grid of 14-pixel cells, the tiny tower's patches, and each square sits inside one
+  cell (at a random offset), never across two: a patch sees a whole square or none;
+- pure red, green and blue on black light one channel each, so after normalization (black -> 0) two colours
+  are orthogonal patch vectors and a square's colour is not confused with its offset. A least-squares
+  probe reads each merged token's per-colour square counts from the random-init tower's features with
+  R^2 0.95 here, against 0.41-0.65 for the muted colours on white (where the shared "not white" component
+  dominates and a 2-pixel shift moves a patch as far as a change of colour).
+
+The parts, each usable alone (as in `miles_k3.tasks.arithmetic`):
 
 - a seeded generator (`make_square_problems`) with a hash split: a problem is held out by a pure function of
   its picture and question (`split_of`), so train and held-out sets never share one, whatever the seed;
@@ -31,12 +42,13 @@ SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", MEDIA_PAD, MEDIA_BEGIN, MEDIA_CONTE
 SYMBOLS = " abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,:;?!'-()\n"
 MEDIA_PAD_ID = 3  # the k3-tiny-vl preset's media_placeholder_token_id
 
-# Named colours the questions use; a picture uses 2 or 3 of them. RGB, far apart so a 14 px patch tells them
-# apart after the bicubic resize's blur.
-COLORS = {"red": (220, 40, 40), "green": (40, 160, 60), "blue": (40, 80, 220), "yellow": (230, 190, 30)}
-BACKGROUND = (255, 255, 255)
+# Named colours the questions use; a picture uses 2 or 3 of them. Each lights one channel of the black
+# background, so the colours are orthogonal in pixel space (see the module docstring).
+COLORS = {"red": (255, 0, 0), "green": (0, 255, 0), "blue": (0, 0, 255)}
+BACKGROUND = (0, 0, 0)
 IMAGE_SIZE = 56  # pixels on a side: 4 x 4 patches of 14
-SQUARE_SIDE = 8  # pixels on a square's side
+CELL = 14  # the grid a square is placed in: the tiny tower's patch size, so no square straddles two patches
+SQUARE_SIDE = 10  # pixels on a square's side: a 1..3 pixel offset in its cell, the rest of the cell background
 GAP = 2  # the least background between two squares (so none touch and each counts once)
 MAX_SQUARES = 6
 # One problem in HELDOUT_MODULUS is held out; a constant for the reason arithmetic.HELDOUT_MODULUS is.
@@ -138,7 +150,7 @@ class SquaresProblem:
         return split_of(self)
 
     def image(self):
-        """The picture: an RGB PIL image, ``size`` x ``size``, white with the squares filled in."""
+        """The picture: an RGB PIL image, ``size`` x ``size``, black with the squares filled in."""
         from PIL import Image
 
         img = Image.new("RGB", (self.size, self.size), BACKGROUND)
@@ -164,10 +176,10 @@ def make_square_problems(n: int, seed: int, *, split: str = "train", size: int =
                          side: int = SQUARE_SIDE, max_squares: int = MAX_SQUARES) -> list[SquaresProblem]:
     """``n`` distinct problems of ``split``, a deterministic function of the arguments.
 
-    Each draws 2 or 3 colours of `COLORS`, 1..max_squares squares each of one of those colours at a uniform
-    position (at least `GAP` pixels of background from every other square, inside the picture), and asks
-    about one of the drawn colours (so the answer is 0..max_squares). Draws outside ``split`` are rejected
-    (`split_of`). ValueError for bad arguments.
+    Each draws 2 or 3 colours of `COLORS` and 1..max_squares squares, each of one of those colours, in
+    distinct cells of the picture's `CELL`-pixel grid, at a uniform offset inside its cell that keeps `GAP`
+    pixels of background to any neighbour; it asks about one of the drawn colours (so the answer is
+    0..max_squares). Draws outside ``split`` are rejected (`split_of`). ValueError for bad arguments.
     """
     for name, v, lo in (("n", n, 0), ("size", size, 1), ("side", side, 1), ("max_squares", max_squares, 1)):
         if isinstance(v, bool) or not isinstance(v, int) or v < lo:
@@ -176,9 +188,13 @@ def make_square_problems(n: int, seed: int, *, split: str = "train", size: int =
         raise ValueError(f"seed: must be an int, got {seed!r}")
     if split not in SPLITS:
         raise ValueError(f"split: must be one of {SPLITS}, got {split!r}")
-    per_row = (size + GAP) // (side + GAP)
-    if per_row * per_row < max_squares:
-        raise ValueError(f"max_squares: {max_squares} squares of {side} px cannot always fit a {size} px picture")
+    if size % CELL:
+        raise ValueError(f"size: must be a multiple of the {CELL} px cell, got {size}")
+    if side + GAP > CELL:
+        raise ValueError(f"side: a {side} px square and {GAP} px of gap do not fit a {CELL} px cell")
+    if (size // CELL) ** 2 < max_squares:
+        raise ValueError(f"max_squares: {max_squares} squares cannot fit the {(size // CELL) ** 2} cells of a "
+                         f"{size} px picture")
     digest = hashlib.sha256(f"miles_k3.squares:{seed}".encode()).digest()
     rng = random.Random(int.from_bytes(digest[:8], "little"))
     seen: set[str] = set()
@@ -187,7 +203,7 @@ def make_square_problems(n: int, seed: int, *, split: str = "train", size: int =
         if len(out) == n:
             break
         p = _draw(rng, size, side, max_squares)
-        if p is None or p.key in seen or split_of(p) != split:
+        if p.key in seen or split_of(p) != split:
             continue
         seen.add(p.key)
         out.append(p)
@@ -196,17 +212,16 @@ def make_square_problems(n: int, seed: int, *, split: str = "train", size: int =
     return out
 
 
-def _draw(rng: random.Random, size: int, side: int, max_squares: int) -> SquaresProblem | None:
+def _draw(rng: random.Random, size: int, side: int, max_squares: int) -> SquaresProblem:
     colors = rng.sample(sorted(COLORS), rng.choice((2, 3)))
-    squares: list[tuple[int, int, str]] = []
-    for _ in range(rng.randint(1, max_squares)):
-        for _attempt in range(100):
-            x, y = rng.randint(0, size - side), rng.randint(0, size - side)
-            if all(abs(x - a) >= side + GAP or abs(y - b) >= side + GAP for a, b, _ in squares):
-                squares.append((x, y, rng.choice(colors)))
-                break
-        else:
-            return None  # crowded: redraw the whole picture
+    per_row = size // CELL
+    # Half the gap on each side of a square inside its cell: neighbours in adjacent cells keep GAP between them.
+    lo, hi = GAP // 2, CELL - side - (GAP - GAP // 2)
+    squares = []
+    for cell in rng.sample(range(per_row * per_row), rng.randint(1, max_squares)):
+        x = cell % per_row * CELL + rng.randint(lo, hi)
+        y = cell // per_row * CELL + rng.randint(lo, hi)
+        squares.append((x, y, rng.choice(colors)))
     return SquaresProblem(tuple(squares), rng.choice(colors), size, side)
 
 

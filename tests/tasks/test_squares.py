@@ -11,9 +11,9 @@ from miles_k3.data.image_processor import ImageProcessor, ImageProcessorConfig
 from miles_k3.data.media import expand_media_prompt, media_pad_positions
 from miles_k3.model import K3Config
 from miles_k3.rewards.sample import Sample
-from miles_k3.tasks.squares import (COLORS, GAP, HELDOUT_MODULUS, MEDIA_PAD_ID, SquaresProblem, SquaresTokenizer,
-                                    _draw, check_count, count_reward, make_square_problems, split_of,
-                                    write_jsonl)
+from miles_k3.tasks.squares import (BACKGROUND, CELL, COLORS, GAP, HELDOUT_MODULUS, MEDIA_PAD_ID, SquaresProblem,
+                                    SquaresTokenizer, _draw, check_count, count_reward, make_square_problems,
+                                    split_of, write_jsonl)
 
 TOK = SquaresTokenizer()
 
@@ -67,7 +67,7 @@ def test_train_and_heldout_never_share_a_problem():
     assert not {p.key for p in train} & {p.key for p in held}
     # about one in HELDOUT_MODULUS of all pictures is held out
     rng = random.Random(0)
-    draws = [p for p in (_draw(rng, 56, 8, 6) for _ in range(3000)) if p is not None]
+    draws = [_draw(rng, 56, 10, 6) for _ in range(3000)]
     share = sum(split_of(p) == "heldout" for p in draws) / len(draws)
     assert 0.5 / HELDOUT_MODULUS < share < 1.5 / HELDOUT_MODULUS
     # the split ignores drawing order: the same picture is the same problem
@@ -113,9 +113,30 @@ def test_squares_keep_their_gap():
                 assert abs(x - a) >= p.side + GAP or abs(y - b) >= p.side + GAP
 
 
+def test_each_square_lies_inside_one_cell_at_a_varying_offset():
+    # the tower's 14-pixel patches each see a whole square or none
+    offsets = set()
+    for p in make_square_problems(200, seed=6):
+        cells = [(x // CELL, y // CELL) for x, y, _ in p.squares]
+        assert len(set(cells)) == len(cells)  # one square a cell
+        for x, y, _ in p.squares:
+            assert (x + p.side - 1) // CELL == x // CELL and (y + p.side - 1) // CELL == y // CELL
+            offsets.add((x % CELL, y % CELL))
+    assert len(offsets) > 4  # the position inside the cell is drawn, not fixed
+
+
+def test_colours_light_one_channel_each_of_a_black_background():
+    # orthogonal after normalization with mean 0: a square's colour is not confused with its offset
+    assert BACKGROUND == (0, 0, 0)
+    for rgb in COLORS.values():
+        assert sorted(rgb) == [0, 0, 255]
+    assert len({rgb.index(255) for rgb in COLORS.values()}) == len(COLORS)
+
+
 @pytest.mark.parametrize("kw, match", [
     (dict(n=-1), r"n: must be an int >= 0"), (dict(split="test"), r"split: must be one of"),
     (dict(seed="1"), r"seed: must be an int"), (dict(max_squares=50), r"max_squares: 50 squares"),
+    (dict(size=50), r"size: must be a multiple of the 14 px cell"), (dict(side=13), r"side: a 13 px square"),
 ])
 def test_bad_generator_arguments(kw, match):
     with pytest.raises(ValueError, match=match):

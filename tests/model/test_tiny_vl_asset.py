@@ -3,10 +3,10 @@
 
 Catches a silently broken asset: a checkpoint whose text or vision half no longer loads, processor settings
 that no longer give a 56x56 picture its 4 pads, prompt files the data loader rejects or that leak held-out
-pictures into training, a config that stops naming its tokenizer, and weights whose greedy accuracy moved
-away from what the README records. Everything is read the way `miles-train` reads it (the data loader's
-image refs, the checkpoint's own processor, the trainer's tokenizer selection), then decoded greedily here
-with the features spliced in at the pads.
+pictures into training, a config that stops naming its tokenizer, weights whose greedy accuracy moved
+away from what the README records, and a base that no longer looks at its picture. Everything is read the
+way `miles-train` reads it (the data loader's image refs, the checkpoint's own processor, the trainer's
+tokenizer selection), then decoded greedily here with the features spliced in at the pads.
 """
 
 import re

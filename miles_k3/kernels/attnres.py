@@ -32,10 +32,9 @@ import torch
 import triton
 import triton.language as tl
 
-from miles_k3.kernels.rounding import round_to
+from miles_k3.kernels.rounding import DTYPES, round_to
 from miles_k3.kernels.rows import row_layout
 
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_SOURCES = 16
 MAX_D = 16384
 _TILE = 4096  # elements per program, as in `norm` (short rows get several per program)

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+from miles_k3.kernels.rounding import DTYPES
 
 
 @triton.jit

@@ -30,10 +30,9 @@ import torch
 import triton
 import triton.language as tl
 
-from miles_k3.kernels.rounding import round_to
+from miles_k3.kernels.rounding import DTYPES, round_to
 from miles_k3.kernels.rows import row_layout
 
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_D = 16384
 # each program normalizes ROWS rows at once, up to this many elements: short rows (a 128-wide head norm over
 # every token's heads) would otherwise leave each program a sliver of work

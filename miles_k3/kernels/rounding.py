@@ -9,8 +9,13 @@ the plain conversion, which rounds to nearest-even on both.
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
+
+# The input and output dtypes every kernel of miles_k3.kernels takes (fp32 math inside): the ones `round_to`
+# rounds to; fp64 always runs the definition (the exactness tests compare its math).
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @triton.jit

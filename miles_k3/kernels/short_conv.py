@@ -28,9 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from miles_k3.kernels.rounding import round_to
+from miles_k3.kernels.rounding import DTYPES, round_to
 
-DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @triton.jit(do_not_specialize=["T"])  # T = 1 (decode) would otherwise make a constexpr of it

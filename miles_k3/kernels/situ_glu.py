@@ -22,10 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
-from miles_k3.kernels.rounding import round_to
+from miles_k3.kernels.rounding import DTYPES, round_to
 from miles_k3.kernels.rows import row_layout
 
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @triton.jit

@@ -66,13 +66,17 @@ def reset() -> None:
 
 
 @contextlib.contextmanager
-def interpreted_launches() -> Iterator[collections.Counter]:
+def interpreted_launches(record: list | None = None) -> Iterator[collections.Counter]:
     """Count Triton kernel launches by kernel name while inside, under the interpreter (TRITON_INTERPRET=1),
     and run each inside a profiler range "triton::<name>": a launch is one CUDA kernel, and the range tells
     it apart from the aten ops the interpreter runs for it (copying the arguments to and from host tensors).
     Used by `scripts/count_decode_ops.py --kernels` and the dispatch tests. It wraps the interpreter's one
-    launch entry (`InterpretedFunction.run`), so every kernel counts, whoever wrote it."""
+    launch entry (`InterpretedFunction.run`), so every kernel counts, whoever wrote it. With `record`, each
+    launch's `compile_check.launch_spec` is appended to it, for compiling them for the device afterwards (the
+    interpreter does not apply the compiler's type rules: `miles_k3.kernels.compile_check`)."""
     from triton.runtime.interpreter import InterpretedFunction
+
+    from miles_k3.kernels.compile_check import launch_spec
 
     counts: collections.Counter = collections.Counter()
     run = InterpretedFunction.run
@@ -81,6 +85,8 @@ def interpreted_launches() -> Iterator[collections.Counter]:
         if kwargs.get("warmup"):  # a compile-only call: no launch (the interpreter returns at once)
             return run(self, *args, **kwargs)
         counts[self.__name__] += 1
+        if record is not None:
+            record.append(launch_spec(self, args, kwargs))
         with torch.profiler.record_function(f"triton::{self.__name__}"):
             return run(self, *args, **kwargs)
 

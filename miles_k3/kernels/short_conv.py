@@ -74,11 +74,12 @@ def _short_conv(x_ptr, w_ptr, s_ptr, y_ptr, out_s_ptr, T, D,
         for i in tl.static_range(W - 1):
             # where entry i of the new state sits in x (< 0: in the state), one per lane (a scalar mask
             # broadcast into a vector one is not something Triton's interpreter takes)
-            p = tl.full([BD], i - (W - 1), tl.int64) + T
-            v = tl.load(x_row + p * sx_t + d * sx_d, mask=d_ok & (p >= 0), other=0.0).to(tl.float32)
+            # (names of their own: Triton's compiler types a name once per scope; p and sv above are [BT] tiles)
+            q = tl.full([BD], i - (W - 1), tl.int64) + T
+            v = tl.load(x_row + q * sx_t + d * sx_d, mask=d_ok & (q >= 0), other=0.0).to(tl.float32)
             if HAS_STATE:
-                sv = tl.load(s_row + d * ss_d + (T + i) * ss_j, mask=d_ok & (p < 0), other=0.0)
-                v = tl.where(p < 0, sv.to(tl.float32), v)
+                old = tl.load(s_row + d * ss_d + (T + i) * ss_j, mask=d_ok & (q < 0), other=0.0)
+                v = tl.where(q < 0, old.to(tl.float32), v)
             out = out_s_ptr + (b * D + d) * (W - 1) + i
             tl.store(out, round_to(v, out_s_ptr.dtype.element_ty), mask=d_ok)
 

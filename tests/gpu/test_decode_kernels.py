@@ -80,30 +80,11 @@ def test_every_op_kernel_equals_its_definition_on_cuda():
     """The kernels behind `miles_k3.kernels.use_kernels` (inference mode) against the definitions (autograd
     off, no inference mode) on CUDA, in fp32 (a few ulps) and bf16 (one ulp): the CPU interpreter tests'
     bounds (tests/ops/test_kernels_*.py), here on compiled code."""
-    from miles_k3.ops.attnres import attn_res_mix
-    from miles_k3.ops.kda import kda_gate_beta
-    from miles_k3.ops.norm import gated_rms_norm, rms_norm
-    from miles_k3.ops.short_conv import causal_short_conv
-
-    g = torch.Generator(device=DEV).manual_seed(0)
-
-    def rand(*shape, scale=1.0):
-        return torch.randn(*shape, device=DEV, generator=g) * scale
+    from tests.ops.kernel_cases import op_calls
 
     for dtype, rel in ((torch.float32, 1e-5), (torch.bfloat16, 2.0 ** -7)):
-        x, gate = rand(3, 7168).to(dtype), rand(3, 7168).to(dtype)
-        w, blocks = rand(7168).to(dtype), [rand(3, 7168).to(dtype) for _ in range(5)]
-        hk = rand(4, 96 * 4, scale=2.0).to(dtype)
-        conv_w, state = rand(96 * 4, 1, 4, scale=0.5), rand(4, 96 * 4, 3).to(dtype)
-        f, b, a_log, dt = rand(4, 1, 96 * 4).to(dtype), rand(4, 1, 4).to(dtype), rand(4), rand(96 * 4)
-        calls = {
-            "rms_norm": lambda: rms_norm(x, w, 1e-5),
-            "gated_rms_norm": lambda: gated_rms_norm(x.view(3, 56, 128), gate.view(3, 56, 128), w[:128], 1e-5),
-            "attn_res_mix": lambda: attn_res_mix(x, blocks, w, w[None], 1e-5),
-            "situ_glu": lambda: definition(x, gate),
-            "short_conv": lambda: causal_short_conv(hk[:, None], conv_w, state=state)[0],
-            "kda_gate": lambda: kda_gate_beta(f, b, a_log, dt, num_heads=4, form="lower_bound")[0],
-        }
+        calls = op_calls(DEV, dtype)
+        route = calls.pop("route")
         for name, op in calls.items():
             with torch.no_grad():
                 want = op().float()
@@ -112,13 +93,10 @@ def test_every_op_kernel_equals_its_definition_on_cuda():
             bound = want.abs() * rel + (1e-5 if name in ("attn_res_mix", "kda_gate") else 1e-6)
             assert bool(((got - want).abs() <= bound).all()), (name, dtype, float((got - want).abs().max()))
 
-    from miles_k3.ops.router import route_tokens
-
-    logits, bias = rand(64, 896), rand(896, scale=0.1)  # K3's 896 experts, top-16
-    with torch.no_grad():
-        w_want, i_want = route_tokens(logits, bias, 16)
+    with torch.no_grad():  # fp32 logits whatever the model's dtype: the sets agree, the weights to fp32 ulps
+        w_want, i_want = route()
     with torch.inference_mode():
-        w_got, i_got = route_tokens(logits, bias, 16)
+        w_got, i_got = route()
     assert torch.equal(i_got.sort(-1).values, i_want.sort(-1).values)
     order_got, order_want = i_got.argsort(-1), i_want.argsort(-1)
     torch.testing.assert_close(w_got.gather(1, order_got), w_want.gather(1, order_want), rtol=1e-6, atol=0)

@@ -2,9 +2,18 @@
 on CPU through Triton's interpreter (MILES_K3_KERNELS=interpret, in a subprocess: TRITON_INTERPRET must be set
 before triton is imported): greedy decoding of a k3-tiny engine in fp32 gives the definition's tokens and
 log-probs within fp32 rounding, plain and speculative (the fold steps the state with the same kernels as the
-decode step), and every kernel ran. The kernels' own bounds: tests/ops/test_kernels_*.py."""
+decode step), and every kernel ran. Each launch the run made, and the launches of each op at k3-small's
+widths (tests/ops/kernel_cases.py), then compiles for the H200 (sm_90) with Triton's own compiler, which the
+interpreter does not apply (`miles_k3.kernels.compile_check`). The kernels' own bounds:
+tests/ops/test_kernels_*.py."""
 
+import json
+import os
+import subprocess
+import sys
 import textwrap
+
+import pytest
 
 from tests.rollout.interpreted import assert_interpreted_ok
 
@@ -21,8 +30,10 @@ _SCRIPT = textwrap.dedent("""
     prompts = [prompt(n, 60 + n) for n in (5, 11, 19)]
     params = SamplingParams(temperature=0, max_new_tokens=9)
 
+    record = []
+
     def run(**kw):
-        with kernels.interpreted_launches() as launches:
+        with kernels.interpreted_launches(record) as launches:
             outs = engine(max_running=4, **kw).generate(prompts, params)
         return outs, dict(launches)
 
@@ -46,9 +57,38 @@ _SCRIPT = textwrap.dedent("""
     for a, b in zip(spec, want):
         assert a.output_ids == b.output_ids
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
+
+    from tests.ops.kernel_cases import op_calls  # k3-small's widths, for the compile check's specializations
+    with torch.inference_mode(), kernels.interpreted_launches(record):
+        for dtype in (torch.float32, torch.bfloat16):
+            for op in op_calls("cpu", dtype).values():
+                op()
+    with open(os.environ["LAUNCHES_JSON"], "w") as f:
+        json.dump(record, f)
     print("ok")
 """)
 
 
-def test_the_engine_through_the_kernels_decodes_the_definitions_tokens():
-    assert_interpreted_ok(_SCRIPT, timeout=600)
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory):
+    path = tmp_path_factory.mktemp("kernels") / "launches.json"
+    os.environ["LAUNCHES_JSON"] = str(path)
+    try:
+        assert_interpreted_ok("import json, os\n" + _SCRIPT, timeout=600)
+    finally:
+        del os.environ["LAUNCHES_JSON"]
+    return path
+
+
+def test_the_engine_through_the_kernels_decodes_the_definitions_tokens(launches):
+    assert launches.exists()
+
+
+def test_every_launch_of_the_run_compiles_for_the_h200(launches):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-m", "miles_k3.kernels.compile_check", str(launches), "--arch", "90"],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    kernels = {spec["kernel"].split(":")[1] for spec in json.loads(launches.read_text())}
+    assert {"_rms_norm", "_gated_rms_norm", "_attn_res_mix", "_situ_glu", "_short_conv", "_kda_gate",
+            "_route"} <= kernels, kernels

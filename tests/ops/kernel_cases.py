@@ -16,7 +16,8 @@ from miles_k3.ops.short_conv import causal_short_conv
 
 def op_calls(device: str, dtype: torch.dtype, seed: int = 0) -> dict[str, Callable[[], object]]:
     """{kernel name: a call of its op} on `device` in `dtype` (a width of 7168, 4 KDA heads of 96, a
-    4-tap conv with its state, K3's 896 experts top-16)."""
+    4-tap conv with its state, K3's 896 experts top-16). Inputs are drawn here, once: each call computes on
+    the same tensors however often it runs."""
     g = torch.Generator(device=device).manual_seed(seed)
 
     def rand(*shape, scale=1.0):
@@ -26,6 +27,7 @@ def op_calls(device: str, dtype: torch.dtype, seed: int = 0) -> dict[str, Callab
     w, blocks = rand(7168).to(dtype), [rand(3, 7168).to(dtype) for _ in range(5)]
     hk = rand(4, 96 * 4, scale=2.0).to(dtype)
     conv_w, state = rand(96 * 4, 1, 4, scale=0.5), rand(4, 96 * 4, 3).to(dtype)
+    block, row = rand(4, 5, 96 * 4).to(dtype), rand(2, 21, 96 * 4).to(dtype)  # a verify step's; a prefill's
     f, b, a_log, dt = rand(4, 1, 96 * 4).to(dtype), rand(4, 1, 4).to(dtype), rand(4), rand(96 * 4)
     logits, bias = rand(64, 896), rand(896, scale=0.1)  # the router's GEMM output is fp32
     return {
@@ -34,8 +36,8 @@ def op_calls(device: str, dtype: torch.dtype, seed: int = 0) -> dict[str, Callab
         "attn_res_mix": lambda: attn_res_mix(x, blocks, w, w[None], 1e-5),
         "situ_glu": lambda: situ_glu(x, gate),
         "short_conv": lambda: causal_short_conv(hk[:, None], conv_w, state=state)[0],
-        "short_conv_block": lambda: causal_short_conv(rand(4, 5, 96 * 4).to(dtype), conv_w, state=state)[0],
-        "short_conv_no_state": lambda: causal_short_conv(rand(2, 21, 96 * 4).to(dtype), conv_w)[0],
+        "short_conv_block": lambda: causal_short_conv(block, conv_w, state=state)[0],
+        "short_conv_no_state": lambda: causal_short_conv(row, conv_w)[0],
         "kda_gate": lambda: kda_gate_beta(f, b, a_log, dt, num_heads=4, form="lower_bound")[0],
         "route": lambda: route_tokens(logits, bias, 16),
     }

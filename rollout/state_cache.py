@@ -7,8 +7,8 @@ One model step runs N requests. Two layouts:
 
 Everything the layers need is a device tensor built once per step (`BatchLayout`), so a step pays a few
 host-to-device copies, not per-request indexing, and a decode step can be replayed as a CUDA graph with
-the layout's tensors as its static inputs. KDA state is gathered from and scattered back to each request's
-working slot. MLA KV rows are written into the request's pages, and the cache answers the MLA layer's
+the layout's tensors as its static inputs. KDA conv state is gathered from and scattered back to each
+request's working slot; the recurrent state stays in its slot (`PooledState`: the `kda` op updates it there). MLA KV rows are written into the request's pages, and the cache answers the MLA layer's
 `mla_attention` itself: attention in the absorbed form straight over the pages (`rollout.attention`), so
 no per-step key/value expansion of the history is needed and the layer never asks for `mla_extend`.
 """
@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from miles_k3.model.cache import KDAState
+from miles_k3.ops.kda import PooledState
 from rollout import dcp
 from rollout.attention import absorbed_attention
 from rollout.memory import KDAStatePool, KVPagePool
@@ -105,15 +106,19 @@ class PoolStateCache:
         self._hidden_keys: dict[int, torch.Tensor] = {}  # history length -> the step's causal mask
 
     def kda_state(self, layer_idx: int) -> KDAState:
+        """The conv histories gathered from the requests' slots; the recurrent state as the pool's rows
+        (`PooledState`), which the `kda` op updates in place: at batch 256 on k3-small a gathered copy and
+        its scatter back would move 0.5 GB a KDA layer per decode step."""
         idx = self.layout.slot_index
         conv = self.states.conv[layer_idx].index_select(0, idx)
-        return KDAState(*conv.unbind(1), self.states.recurrent[layer_idx].index_select(0, idx))
+        return KDAState(*conv.unbind(1), PooledState(self.states.recurrent[layer_idx], idx))
 
     def set_kda_state(self, layer_idx: int, state: KDAState) -> None:
         idx = self.layout.slot_index
         conv = torch.stack([state.conv_q, state.conv_k, state.conv_v], dim=1)
         self.states.conv[layer_idx].index_copy_(0, idx, conv.to(self.states.conv[layer_idx].dtype))
-        self.states.recurrent[layer_idx].index_copy_(0, idx, state.recurrent.float())
+        if not isinstance(state.recurrent, PooledState):  # else the op wrote it in place already
+            self.states.recurrent[layer_idx].index_copy_(0, idx, state.recurrent.float())
 
     def hidden_keys(self, hist_len: int) -> torch.Tensor:
         """[N, 1, Tq, S] bool: which of the S history positions each query of the step may not see (those

@@ -96,14 +96,18 @@ def compile_launches(specs: list[dict], arch: int = 90) -> dict[str, str | None]
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise RuntimeError("compile_check needs a process without TRITON_INTERPRET=1 (kernels must be compilable)")
     results: dict[str, str | None] = {}
+    specs = list({json.dumps(s, sort_keys=True): s for s in specs}.values())
+    kernels = {name: _kernel(name) for name in {s["kernel"] for s in specs}}  # imported before the target is
+    # set: a module that probes the device at import (fla asks torch.cuda for its name on an NVIDIA target)
+    # must see the machine it runs on
     previous = driver._active  # not `reset_active()`: on a machine without a GPU that builds a driver and fails
     driver.set_active(_CompileOnlyDriver(arch))
     try:
-        for spec in {json.dumps(s, sort_keys=True): s for s in specs}.values():
-            consts = ", ".join(f"{k}={v}" for k, v in spec["kwargs"].items())
+        for spec in specs:
+            consts = ", ".join(f"{k}={v}" for k, v in spec["kwargs"].items() if not isinstance(v, dict))
             label = f"{spec['kernel']}({consts})"
             try:
-                _kernel(spec["kernel"]).warmup(*map(_decode, spec["args"]), grid=(1,),
+                kernels[spec["kernel"]].warmup(*map(_decode, spec["args"]), grid=(1,),
                                                **{k: _decode(v) for k, v in spec["kwargs"].items()})
                 results[label] = None
             except Exception as e:  # noqa: BLE001 - the compiler's errors have no common base

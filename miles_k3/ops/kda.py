@@ -14,8 +14,14 @@ Shapes used throughout (``N`` = number of sequences: ``B``, or
     v              [B, T, H, V]   any float dtype; ``o`` is returned in it
     g              [B, T, H, K]   log-space per-channel decay (fp32 preferred)
     beta           [B, T, H]      delta-rule write strength
-    initial_state  [N, H, K, V]   recurrent state, read in the math dtype
+    initial_state  [N, H, K, V]   recurrent state, read in the math dtype; or a `PooledState` (below)
     final_state    [N, H, K, V]   in the math dtype: fp32, or fp64 when q, k or v is fp64 (or None)
+
+A `PooledState` as `kda`'s initial state is a state kept in a cache's pool (the engine's slots): the op reads
+rows `index` of the pool and writes the final state back into them, and returns the same `PooledState` as
+its final state. On CUDA a decode step (T = 1) does that inside fla's recurrent kernel (its continuous-
+batching state indices: no gathered copy of the states and no scatter back, the bytes that grow with the
+batch); elsewhere the op gathers, runs as with a plain state, and scatters: the same values either way.
 
 fp64 inputs keep fp64 math so that exactness tests (a context-parallel split against the unsplit op, whose
 chunk boundaries and so summation orders differ) can hold to 1e-10; every other dtype computes in fp32.
@@ -23,14 +29,14 @@ chunk boundaries and so summation orders differ) can hold to 1e-10; every other 
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from miles_k3.kernels import use_kernels
 
-__all__ = ["kda_gate", "kda_gate_beta", "l2norm", "math_dtype", "kda_recurrent", "kda_chunked", "kda"]
+__all__ = ["kda_gate", "kda_gate_beta", "l2norm", "math_dtype", "kda_recurrent", "kda_chunked", "kda", "PooledState"]
 
 _GATE_FORMS = ("softplus", "lower_bound")
 _MODES = ("auto", "recurrent", "chunked")
@@ -301,9 +307,48 @@ def _kda_fla(q, k, v, g, beta, *, scale, initial_state, output_final_state, cu_s
     return o.to(v.dtype), (ht.float() if ht is not None else None)
 
 
+class PooledState(NamedTuple):
+    """N recurrent states kept in a pool: rows `index` [N] (int64) of `pool` [slots, H, K, V] fp32. Rows may
+    repeat only where their results do not matter (the engine's padding rows share its sink slot)."""
+
+    pool: torch.Tensor
+    index: torch.Tensor
+
+
+def _kda_fla_in_place(q, k, v, g, beta, state: PooledState, scale, use_qk_l2norm) -> torch.Tensor:
+    """fla's recurrent kernel reading and writing pool rows `index` (its continuous-batching mode, the same
+    arithmetic as its plain mode, so the state is the one the gathered call would give) -> o."""
+    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd  # lazy: needs triton + a GPU
+
+    _check_kda_inputs(q, k, v, g, beta, None, None, values=False)
+    if state.pool.shape[1:] != (q.shape[2], q.shape[3], v.shape[-1]) or state.index.shape != (q.shape[0],):
+        raise ValueError(f"pooled state {tuple(state.pool.shape)} / index {tuple(state.index.shape)} does not "
+                         f"fit q {tuple(q.shape)}, v {tuple(v.shape)}")
+    o, _ = fused_recurrent_kda_fwd(
+        q=q.contiguous(), k=k.contiguous(), v=v.contiguous(), g=g.contiguous(), beta=beta.contiguous(),
+        scale=scale, initial_state=state.pool, inplace_final_state=True, ssm_state_indices=state.index,
+        use_qk_l2norm_in_kernel=use_qk_l2norm)
+    return o.to(v.dtype)
+
+
+def _kda_pooled(q, k, v, g, beta, state: PooledState, **kwargs):
+    """`kda` from and back into a pooled state (module docstring): in place through fla's state indices for
+    a CUDA decode step without autograd (nor while torch.compile traces: the opt-in compiled decode step
+    keeps the gathered call it traced before), else gather, compute, scatter."""
+    pool, index = state
+    if kwargs["mode"] == "auto" and q.is_cuda and q.shape[1] == 1 and kwargs["cu_seqlens"] is None \
+            and not torch.is_grad_enabled() and not torch.compiler.is_compiling() \
+            and pool.dtype == torch.float32 and pool[0].is_contiguous():  # any slot stride (the unified arena's)
+        return _kda_fla_in_place(q, k, v, g, beta, state, kwargs["scale"], kwargs["use_qk_l2norm"]), state
+    o, ht = kda(q, k, v, g, beta, initial_state=pool.index_select(0, index), output_final_state=True, **kwargs)
+    pool.index_copy_(0, index, ht.to(pool.dtype))
+    return o, state
+
+
 def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
         use_qk_l2norm=False, mode="auto", chunk_size=64):
-    """KDA with backend dispatch; same contract as :func:`kda_recurrent`.
+    """KDA with backend dispatch; same contract as :func:`kda_recurrent`, and a `PooledState` as
+    `initial_state` is updated in place and returned as the final state (module docstring).
 
     ``mode``: ``"recurrent"`` / ``"chunked"`` force the torch references on any
     device. ``"auto"`` uses fla on CUDA (``chunk_kda`` for T > 1, the
@@ -312,6 +357,9 @@ def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=
     """
     if mode not in _MODES:
         raise ValueError(f"`mode` must be one of {_MODES}, got {mode!r}")
+    if isinstance(initial_state, PooledState):
+        return _kda_pooled(q, k, v, g, beta, initial_state, scale=scale, cu_seqlens=cu_seqlens,
+                           use_qk_l2norm=use_qk_l2norm, mode=mode, chunk_size=chunk_size)
     kwargs = dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state,
                   cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm)
     if mode == "auto" and q.is_cuda:

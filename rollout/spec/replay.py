@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from miles_k3.model.cache import KDAState
 from miles_k3.model.layers import KDAMixer
 from miles_k3.model.modeling import K3ForCausalLM
 from miles_k3.ops.kda import kda_gate_beta
@@ -41,6 +42,13 @@ PROJECTIONS = ("q_proj", "k_proj", "v_proj", "f_b_proj", "b_proj")
 class VerifyStateCache(PoolStateCache):
     """`PoolStateCache` for a verify forward: KDA layers read the committed working state and their new
     state is dropped (the fold commits the accepted part); MLA rows are written as in any step."""
+
+    def kda_state(self, layer_idx: int) -> KDAState:
+        """The committed state as copies: the pool's rows themselves (`PooledState`) would be stepped in
+        place by the `kda` op."""
+        state = super().kda_state(layer_idx)
+        pooled = state.recurrent
+        return state._replace(recurrent=pooled.pool.index_select(0, pooled.index))
 
     def set_kda_state(self, layer_idx, state) -> None:
         pass

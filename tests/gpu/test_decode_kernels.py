@@ -120,3 +120,25 @@ def test_the_engine_with_kernels_agrees_with_the_definition_on_cuda(monkeypatch)
         monkeypatch.delenv("MILES_K3_KERNELS")
         kernels.reset()
     assert_greedy_agree(plain, fused)
+
+
+def test_a_pooled_kda_state_steps_in_place_on_cuda_as_the_gathered_call_does():
+    """The engine's recurrent states stay in their slots (`PooledState`): fla's kernel with state indices
+    gives the gathered call's output and state bit for bit, and no other slot moves."""
+    from miles_k3.ops.kda import PooledState, kda
+
+    g = torch.Generator(device=DEV).manual_seed(0)
+    n, h, d, slots = 6, 8, 128, 11
+    q, k, v = (torch.randn(n, 1, h, d, device=DEV, generator=g, dtype=torch.bfloat16) for _ in range(3))
+    gate, beta = -torch.rand(n, 1, h, d, device=DEV, generator=g), torch.rand(n, 1, h, device=DEV, generator=g)
+    pool = torch.randn(slots, h, d, d, device=DEV, generator=g)
+    index = torch.tensor([4, 9, 1, 7, 2, 10], device=DEV)
+    before = pool.clone()
+    with torch.inference_mode():
+        o_want, ht = kda(q, k, v, gate, beta, initial_state=before[index], output_final_state=True,
+                         use_qk_l2norm=True)
+        o, _ = kda(q, k, v, gate, beta, initial_state=PooledState(pool, index), output_final_state=True,
+                   use_qk_l2norm=True)
+    assert torch.equal(o, o_want) and torch.equal(pool[index], ht)
+    others = torch.tensor([0, 3, 5, 6, 8], device=DEV)
+    assert torch.equal(pool[others], before[others])

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from miles_k3.kernels import use_kernels
 from miles_k3.model.config import K3Config
 from miles_k3.model.linear import ExpertsFactory, ExpertsSpec, LinearFactory, LinearSpec
 from miles_k3.model.norm import RMSNorm
@@ -80,6 +81,12 @@ class RoutedExperts(nn.Module):
         return glu(gate, up, self.spec.act, self.spec.situ_beta, self.spec.situ_beta_lin)
 
     def forward(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        if use_kernels(x):  # the engine's steps on CUDA: dispatch and combine as two kernels
+            from miles_k3.kernels import moe_dispatch as kernels  # imported here: CPU installs never load triton
+
+            if kernels.supports(x, indices, weights, self.spec.num_experts):
+                token_of, counts, pos = kernels.align(indices, self.spec.num_experts)
+                return kernels.combine(self._routed(x[token_of], counts, token_of), weights, pos, x.dtype)
         k = indices.shape[1]
         flat = indices.reshape(-1)
         order = flat.argsort(stable=True)

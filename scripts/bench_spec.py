@@ -231,6 +231,7 @@ def main(argv=None) -> None:
                         lossless=all(a.output_ids == c.output_ids for a, c in zip(plain_out, spec_out))
                         if temp == 0 else None,
                         window_bytes_per_request=st.window_bytes,
+                        graphed=f"verify {st.verify_graphed}/{st.steps}, fold {st.fold_graphed}/{st.steps}",
                         fit_batch=fit_batch(config, cfg, dtype, prompts, args.gen_len, gamma, st.window_bytes)))
                     planned = spec.decoder.strategy.planner
                     if planned is not None:  # the step seconds it planned on: (batch, verify tokens) -> s
@@ -241,7 +242,7 @@ def main(argv=None) -> None:
                     free(args.device)
     head = ("batch", "temperature", "planner", "rollback", "plain_tok_s", "spec_tok_s", "speedup",
             "mean_tokens_per_verify", "draft_acceptance", "verify_tokens_per_step", "lossless",
-            "window_bytes_per_request", "fit_batch")
+            "window_bytes_per_request", "fit_batch", "graphed")
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for r in rows:

@@ -54,8 +54,10 @@ from rollout.transfer import to_device
 @dataclass
 class SpecStats:
     """Counted since the strategy was built: verify steps, rows verified, drafts verified, drafts kept,
-    tokens emitted (kept drafts plus one per row, before a stop cut), and the most draft-window bytes per row
-    a step needed (ReplaySSM: its KDA inputs; the snapshot baseline: its gamma state snapshots)."""
+    tokens emitted (kept drafts plus one per row, before a stop cut), the most draft-window bytes per row
+    a step needed (ReplaySSM: its KDA inputs; the snapshot baseline: its gamma state snapshots), and the
+    steps whose verify forward and whose fold replayed a captured CUDA graph (the rest ran eagerly, the CPU's
+    padded shapes included: a benchmark's way to tell a slow step from an eager one)."""
 
     steps: int = 0
     rows: int = 0
@@ -63,6 +65,8 @@ class SpecStats:
     accepted: int = 0
     emitted: int = 0
     window_bytes: int = 0
+    verify_graphed: int = 0
+    fold_graphed: int = 0
 
     @property
     def mean_accepted(self) -> float:
@@ -142,7 +146,10 @@ class SpecDecode(DecodeStrategy):
             if window is not None:
                 window.commit(self.runner.states, slots, lengths, committed, positions, chunk, checkpoint)
             elif self.graph_verify:
-                self._folds().fold(inputs, slots, committed, positions, chunk, checkpoint)
+                folds = self._folds()
+                replays = folds.replays
+                folds.fold(inputs, slots, committed, positions, chunk, checkpoint)
+                self.stats.fold_graphed += folds.capture and folds.replays > replays
             else:
                 fold(self.runner.model, self.runner.states, inputs, slots, committed, positions, chunk, checkpoint)
         with record_function("spec.observe"):
@@ -169,7 +176,9 @@ class SpecDecode(DecodeStrategy):
         graphs = self._graphs(width)
         key = graphs.key(batch) if graphs is not None else None
         if key is not None:
+            replays = graphs.replays
             logits, inputs, tapped = graphs.run(key, batch, block[:, :width].contiguous())
+            self.stats.verify_graphed += graphs.capture and graphs.replays > replays
             return logits.view(n, width, -1), inputs, tapped
         lengths = [k + 1 for k in num]
         ragged = any(k < g1 for k in lengths)

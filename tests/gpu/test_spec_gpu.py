@@ -46,6 +46,7 @@ def test_greedy_speculation_with_graphed_verify_equals_plain_greedy(model, plain
     graphs = strategy._verify_graphs[GAMMA + 1]
     assert strategy.graph_verify and graphs is not None and not graphs.failed
     assert graphs.captures > 0 and graphs.replays == strategy.stats.steps
+    assert strategy.stats.verify_graphed == strategy.stats.fold_graphed == strategy.stats.steps  # all graphed
     assert strategy.stats.accepted > 0
     assert_greedy_agree(want, got)
 

@@ -50,6 +50,8 @@ def test_padded_verify_equals_plain_greedy_and_the_packed_verify():
             torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(want.logprobs), atol=1e-4, rtol=0)
     graphs = padded.decoder.strategy._verify_graphs[GAMMA + 1]
     assert graphs.replays == padded.decoder.strategy.stats.steps > 0
+    stats = padded.decoder.strategy.stats  # padded shapes run eagerly here: no step counts as graphed
+    assert stats.verify_graphed == stats.fold_graphed == 0
     assert 6 in {k[0] for k in graphs.graphs} and len(graphs.graphs) >= 2
     assert padded.decoder.strategy.stats.accepted > 0
     assert_pools_drain_to_full(padded)
@@ -114,3 +116,4 @@ def test_the_planner_verifies_through_graphs_by_width_and_stays_lossless():
     assert len(used) >= 2 and max(used) <= GAMMA + 1  # ragged plans ran at more than one width
     assert strategy.stats.accepted > 0
     assert_pools_drain_to_full(eng)
+

@@ -7,8 +7,8 @@ One model step runs N requests. Two layouts:
 
 Everything the layers need is a device tensor built once per step (`BatchLayout`), so a step pays a few
 host-to-device copies, not per-request indexing, and a decode step can be replayed as a CUDA graph with
-the layout's tensors as its static inputs. KDA conv state is gathered from and scattered back to each
-request's working slot; the recurrent state stays in its slot (`PooledState`: the `kda` op updates it there). MLA KV rows are written into the request's pages, and the cache answers the MLA layer's
+the layout's tensors as its static inputs. KDA state stays in each request's working slot (`PooledState`:
+the short conv and `kda` ops step it there). MLA KV rows are written into the request's pages, and the cache answers the MLA layer's
 `mla_attention` itself: attention in the absorbed form straight over the pages (`rollout.attention`), so
 no per-step key/value expansion of the history is needed and the layer never asks for `mla_extend`.
 """
@@ -106,18 +106,21 @@ class PoolStateCache:
         self._hidden_keys: dict[int, torch.Tensor] = {}  # history length -> the step's causal mask
 
     def kda_state(self, layer_idx: int) -> KDAState:
-        """The conv histories gathered from the requests' slots; the recurrent state as the pool's rows
-        (`PooledState`), which the `kda` op updates in place: at batch 256 on k3-small a gathered copy and
-        its scatter back would move 0.5 GB a KDA layer per decode step."""
-        idx = self.layout.slot_index
-        conv = self.states.conv[layer_idx].index_select(0, idx)
-        return KDAState(*conv.unbind(1), PooledState(self.states.recurrent[layer_idx], idx))
+        """The requests' slots themselves (`PooledState`s of the conv pool's q / k / v planes and of the
+        recurrent pool), which the short conv and `kda` ops step in place: no gathered copies and no
+        scatter back (at batch 256 on k3-small those moved 0.5 GB a KDA layer a decode step, and at batch 1
+        they were five of a KDA layer's launches)."""
+        idx, conv = self.layout.slot_index, self.states.conv[layer_idx]
+        return KDAState(*(PooledState(conv[:, i], idx) for i in range(3)),
+                        PooledState(self.states.recurrent[layer_idx], idx))
 
     def set_kda_state(self, layer_idx: int, state: KDAState) -> None:
+        """Only what the ops handed back as plain tensors is copied in (the pooled parts are in place)."""
         idx = self.layout.slot_index
-        conv = torch.stack([state.conv_q, state.conv_k, state.conv_v], dim=1)
-        self.states.conv[layer_idx].index_copy_(0, idx, conv.to(self.states.conv[layer_idx].dtype))
-        if not isinstance(state.recurrent, PooledState):  # else the op wrote it in place already
+        for i, part in enumerate(state[:3]):
+            if not isinstance(part, PooledState):
+                self.states.conv[layer_idx][:, i].index_copy_(0, idx, part.to(self.states.conv[layer_idx].dtype))
+        if not isinstance(state.recurrent, PooledState):
             self.states.recurrent[layer_idx].index_copy_(0, idx, state.recurrent.float())
 
     def hidden_keys(self, hist_len: int) -> torch.Tensor:

@@ -30,22 +30,27 @@ import triton.language as tl
 
 from miles_k3.kernels.rounding import DTYPES, round_to
 
+MAX_BT = 16  # tokens per time block
 
 
 @triton.jit(do_not_specialize=["T"])  # T = 1 (decode) would otherwise make a constexpr of it
-def _short_conv(x_ptr, w_ptr, s_ptr, y_ptr, out_s_ptr, T, D,
-                sx_b, sx_t, sx_d, sw_d, sw_j, ss_b, ss_d, ss_j,
-                W: tl.constexpr, HAS_STATE: tl.constexpr, SILU: tl.constexpr,
+def _short_conv(x_ptr, w_ptr, s_ptr, y_ptr, out_s_ptr, idx_ptr, T, D,
+                sx_b, sx_t, sx_d, sw_d, sw_j, ss_b, ss_d, ss_j, os_b, os_d, os_j,
+                W: tl.constexpr, HAS_STATE: tl.constexpr, SILU: tl.constexpr, IN_PLACE: tl.constexpr,
                 BT: tl.constexpr, BD: tl.constexpr):
     tb = tl.program_id(0)
     b = tl.program_id(2).to(tl.int64)
+    if IN_PLACE:  # row b's state is slot idx[b] of a pool, read and rewritten there (out_s_ptr == s_ptr)
+        slot = tl.load(idx_ptr + b).to(tl.int64)
+    else:
+        slot = b
     # int64 positions: t * stride reaches past 2**31 on long rows of a wide GEMM output
     t = (tb * BT).to(tl.int64) + tl.arange(0, BT)
     d = tl.program_id(1) * BD + tl.arange(0, BD)
     d_ok = d < D
     t_ok = t < T
     x_row = x_ptr + b * sx_b
-    s_row = s_ptr + b * ss_b
+    s_row = s_ptr + slot * ss_b
     acc = tl.zeros([BT, BD], dtype=tl.float32)
     for j in tl.static_range(W):
         # tap j of token t reads xx[t + j]: x at t + j - (W-1), or the state at t + j before x starts
@@ -80,7 +85,9 @@ def _short_conv(x_ptr, w_ptr, s_ptr, y_ptr, out_s_ptr, T, D,
             if HAS_STATE:
                 old = tl.load(s_row + d * ss_d + (T + i) * ss_j, mask=d_ok & (q < 0), other=0.0)
                 v = tl.where(q < 0, old.to(tl.float32), v)
-            out = out_s_ptr + (b * D + d) * (W - 1) + i
+            if IN_PLACE:  # entry i was read by every thread (taps, or entry i - T above) before it is rewritten
+                tl.debug_barrier()
+            out = out_s_ptr + slot * os_b + d * os_d + i * os_j
             tl.store(out, round_to(v, out_s_ptr.dtype.element_ty), mask=d_ok)
 
 
@@ -92,6 +99,17 @@ def supports(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None,
     return cu_seqlens is None and all(t.dtype in DTYPES and t.device == x.device for t in tensors)
 
 
+def _blocks(T: int, D: int) -> tuple[int, int]:
+    bt = min(MAX_BT, triton.next_power_of_2(max(T, 1)))
+    return bt, min(triton.next_power_of_2(D), 2048 // bt)  # decode: a row's channels in one or a few programs
+
+
+def supports_in_place(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor) -> bool:
+    """Whether `causal_short_conv_` takes this call: `supports`' conditions, and T within one time block
+    (every program that reads a row's state is the one that rewrites it)."""
+    return supports(x, weight, pool, None) and x.shape[1] <= MAX_BT
+
+
 def causal_short_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None,
                       silu: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """x [B, T, D], weight [D, W], state [B, D, W-1] or None -> (y [B, T, D], new state [B, D, W-1]) in one
@@ -99,15 +117,30 @@ def causal_short_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor
     B, T, D = x.shape
     W = weight.shape[1]
     assert weight.shape == (D, W) and (state is None or state.shape == (B, D, W - 1))
-    y = torch.empty(B, T, D, dtype=x.dtype, device=x.device)
     new_state = torch.empty(B, D, W - 1, dtype=(state if state is not None else x).dtype, device=x.device)
+    y = _launch(x, weight, state, new_state, None, silu)
+    return y, new_state
+
+
+def causal_short_conv_(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor, index: torch.Tensor,
+                       silu: bool = True) -> torch.Tensor:
+    """As `causal_short_conv` with row b's state in slot index[b] of `pool` [slots, D, W-1] (any strides),
+    rewritten there with the new state (`supports_in_place`) -> y."""
+    B, T, D = x.shape
+    assert pool.shape[1:] == (D, weight.shape[1] - 1) and index.shape == (B,) and supports_in_place(x, weight, pool)
+    return _launch(x, weight, pool, pool, index, silu)
+
+
+def _launch(x, weight, state, out_state, index, silu) -> torch.Tensor:
+    B, T, D = x.shape
+    y = torch.empty(B, T, D, dtype=x.dtype, device=x.device)
     if B == 0 or D == 0:
-        return y, new_state
-    bt = min(16, triton.next_power_of_2(max(T, 1)))
-    bd = min(triton.next_power_of_2(D), 2048 // bt)  # decode: a row's channels in one or a few programs
+        return y
+    bt, bd = _blocks(T, D)
     s = state if state is not None else x  # any pointer: never read without a state
     ss = state.stride() if state is not None else (0, 0, 0)
     grid = (max(1, triton.cdiv(T, bt)), triton.cdiv(D, bd), B)
-    _short_conv[grid](x, weight, s, y, new_state, T, D, *x.stride(), *weight.stride(), *ss,
-                      W=W, HAS_STATE=state is not None, SILU=silu, BT=bt, BD=bd)
-    return y, new_state
+    _short_conv[grid](x, weight, s, y, out_state, index if index is not None else x, T, D, *x.stride(),
+                      *weight.stride(), *ss, *out_state.stride(), W=weight.shape[1], HAS_STATE=state is not None,
+                      SILU=silu, IN_PLACE=index is not None, BT=bt, BD=bd)
+    return y

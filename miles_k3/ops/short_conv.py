@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from miles_k3.kernels import use_kernels
-from miles_k3.ops.kda import _cu_seqlens_bounds, math_dtype
+from miles_k3.ops.kda import PooledState, _cu_seqlens_bounds, math_dtype
 
 __all__ = ["causal_short_conv"]
 
@@ -81,7 +81,11 @@ def causal_short_conv(x: torch.Tensor, weight: torch.Tensor, *, state: torch.Ten
         x: ``[B, T, D]`` any float dtype.
         weight: ``[D, W]``, or ``[D, 1, W]`` (the HF ``nn.Conv1d(groups=D)`` layout).
         state: ``[N, D, W-1]`` last ``W-1`` pre-activation inputs of the previous
-            call, oldest first; ``N = B``, or ``len(cu_seqlens) - 1`` when packed.
+            call, oldest first; ``N = B``, or ``len(cu_seqlens) - 1`` when packed. Or a
+            ``PooledState`` (rows ``index`` of a ``[slots, D, W-1]`` pool, any strides): read
+            there and rewritten there with the final state, which is returned as the same
+            ``PooledState`` (in place in the kernel where it takes the call, else gathered
+            and scattered: the same values).
         cu_seqlens: ``[N+1]`` integer boundaries of packed sequences (requires
             ``B == 1``); each sequence starts from its own state row and never
             sees the previous sequence's tokens.
@@ -108,6 +112,8 @@ def causal_short_conv(x: torch.Tensor, weight: torch.Tensor, *, state: torch.Ten
         # the values are checked where reading them costs no device sync
         _cu_seqlens_bounds(cu_seqlens, B, T, values=not cu_seqlens.is_cuda)
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    if isinstance(state, PooledState):
+        return _pooled(x, weight, state, cu_seqlens, activation, N)
     if state is not None and state.shape != (N, D, W - 1):
         raise ValueError(f"`state` must be [N, D, W-1] = {(N, D, W - 1)}, got {tuple(state.shape)}")
     if use_kernels(x):
@@ -128,3 +134,21 @@ def causal_short_conv(x: torch.Tensor, weight: torch.Tensor, *, state: torch.Ten
     if activation == "silu":
         y = F.silu(y)
     return y.transpose(1, 2).to(x.dtype), s.to(state.dtype if state is not None else x.dtype)
+
+
+def _pooled(x: torch.Tensor, weight: torch.Tensor, state: PooledState, cu_seqlens: torch.Tensor | None,
+            activation: str | None, n: int) -> tuple[torch.Tensor, PooledState]:
+    """`causal_short_conv` from and back into a pooled state (its docstring)."""
+    pool, index = state
+    if pool.shape[1:] != (x.shape[2], weight.shape[1] - 1) or index.shape != (n,):
+        raise ValueError(f"pooled state {tuple(pool.shape)} / index {tuple(index.shape)} does not fit x "
+                         f"{tuple(x.shape)} and a {weight.shape[1]}-tap weight")
+    if use_kernels(x) and cu_seqlens is None:
+        from miles_k3.kernels import short_conv as kernels  # imported here: CPU installs never load triton
+
+        if kernels.supports_in_place(x, weight, pool):
+            return kernels.causal_short_conv_(x, weight, pool, index, silu=activation == "silu"), state
+    y, new = causal_short_conv(x, weight, state=pool.index_select(0, index), cu_seqlens=cu_seqlens,
+                               activation=activation)
+    pool.index_copy_(0, index, new)
+    return y, state

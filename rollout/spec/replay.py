@@ -45,10 +45,8 @@ class VerifyStateCache(PoolStateCache):
 
     def kda_state(self, layer_idx: int) -> KDAState:
         """The committed state as copies: the pool's rows themselves (`PooledState`) would be stepped in
-        place by the `kda` op."""
-        state = super().kda_state(layer_idx)
-        pooled = state.recurrent
-        return state._replace(recurrent=pooled.pool.index_select(0, pooled.index))
+        place by the short conv and `kda` ops."""
+        return KDAState(*(p.pool.index_select(0, p.index) for p in super().kda_state(layer_idx)))
 
     def set_kda_state(self, layer_idx, state) -> None:
         pass

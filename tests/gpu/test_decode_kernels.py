@@ -142,3 +142,23 @@ def test_a_pooled_kda_state_steps_in_place_on_cuda_as_the_gathered_call_does():
     assert torch.equal(o, o_want) and torch.equal(pool[index], ht)
     others = torch.tensor([0, 3, 5, 6, 8], device=DEV)
     assert torch.equal(pool[others], before[others])
+
+
+def test_a_pooled_conv_state_is_rewritten_in_its_slot_on_cuda_as_the_gathered_kernel_call_does():
+    from miles_k3.ops.kda import PooledState
+    from miles_k3.ops.short_conv import causal_short_conv
+
+    g = torch.Generator(device=DEV).manual_seed(1)
+    d, w = 1024, 4
+    pool = torch.randn(11, 3, d, w - 1, device=DEV, generator=g).to(torch.bfloat16)
+    index = torch.tensor([4, 9, 1, 7], device=DEV)
+    weight = torch.randn(d, 1, w, device=DEV, generator=g)
+    for t in (1, 5):  # decode and a verify block: both in place
+        x = torch.randn(4, t, d, device=DEV, generator=g).to(torch.bfloat16)
+        before = pool.clone()
+        with torch.inference_mode():
+            want_y, want_state = causal_short_conv(x, weight, state=before[:, 2][index])
+            y, _ = causal_short_conv(x, weight, state=PooledState(pool[:, 2], index))
+        assert torch.equal(y, want_y) and torch.equal(pool[:, 2][index], want_state)
+        others = torch.tensor([0, 2, 3, 5, 6, 8, 10], device=DEV)
+        assert torch.equal(pool[others], before[others]) and torch.equal(pool[:, :2], before[:, :2])

@@ -198,6 +198,40 @@ _MIXER = _PRELUDE + textwrap.dedent("""
 """)
 
 
+_CONV_POOLED = _PRELUDE + textwrap.dedent("""
+    from miles_k3 import kernels
+    from miles_k3.ops.kda import PooledState
+    W, D, SLOTS = 4, 70, 9
+
+    for dtype in (torch.float32, torch.bfloat16):
+        # decode, a verify step's tokens, one full time block, and past it (gathered and scattered)
+        for T in (1, 3, 16, 20):
+            pool = torch.randn(SLOTS, 3, D, W - 1, generator=g).to(dtype)  # the engine's [slots, 3, D, W-1]
+            index = torch.tensor([4, 0, 7, 0, 2])  # rows 1 and 3 share slot 0, as padding rows share the sink
+            x = torch.randn(5, T, D, generator=g).to(dtype)
+            w = torch.randn(D, 1, W, generator=g)
+            before = pool.clone()
+            want_y, want_state = kernel(causal_short_conv, x, w, state=before[:, 1][index])
+            ref_y, ref_state = definition(causal_short_conv, x, w, state=before[:, 1][index])
+            record = []
+            with kernels.interpreted_launches(record):
+                y, back = kernel(causal_short_conv, x, w, state=PooledState(pool[:, 1], index))
+            assert [r["kwargs"]["IN_PLACE"] for r in record] == [T <= 16], (T, record)  # else gather + scatter
+            assert back.pool.data_ptr() == pool[:, 1].data_ptr() and back.index is index
+            real = [0, 2, 4]
+            assert torch.equal(y[real], want_y[real]), (dtype, T)  # the gathered kernel call's, bit for bit
+            assert torch.equal(pool[:, 1][index[real]], want_state[real]), (dtype, T)
+            assert torch.equal(pool[:, 1][index[real]], ref_state[real].to(dtype)), (dtype, T)  # the definition's
+            untouched = [1, 3, 5, 6, 8]
+            assert torch.equal(pool[untouched], before[untouched]) and torch.equal(pool[:, [0, 2]], before[:, [0, 2]])
+    print("ok")
+""")
+
+
+def test_a_pooled_short_conv_state_is_rewritten_in_its_slot_as_the_gathered_call_would():
+    assert_interpreted_ok(_CONV_POOLED, timeout=120)
+
+
 def test_short_conv_kernel_equals_the_definition_for_decode_verify_and_rows():
     assert_interpreted_ok(_CONV, timeout=120)
 

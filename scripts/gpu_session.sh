@@ -90,7 +90,9 @@ run_job() {
         --device cuda --dtype bfloat16 --batch-sizes 64,256 --planners verify_all,cost_aware --rollback replay \
         --temperatures 0 --prompt-len 128 --gen-len 64 --memory-gb 16 --json "$STATE/bench_spec_mixed_h200.json" ;;
     specprof) job specprof python scripts/profile_spec.py --device cuda --batch-sizes 256 \
-        --planners verify_all,cost_aware --gen-len 32 --rows 30 ;;
+        --planners verify_all --gen-len 32 --rows 30 ;;
+    specprof0) job specprof0 env MILES_K3_KERNELS=0 python scripts/profile_spec.py --device cuda --batch-sizes 256 \
+        --planners verify_all --gen-len 32 --rows 30 ;;  # the same without our kernels (2026-12-02: 1.5x faster)
     trainmem_long) job trainmem_long python scripts/bench_train_memory.py --device cuda --preset k3-small \
         --lengths 16384,32768 --variants logprobs --json "$STATE/bench_train_memory_long.json" ;;
     kernels) job kernels python -m pytest tests/gpu/test_decode_kernels.py -q -m gpu -rA --tb=short -p no:cacheprovider ;;

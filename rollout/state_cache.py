@@ -8,9 +8,10 @@ One model step runs N requests. Two layouts:
 Everything the layers need is a device tensor built once per step (`BatchLayout`), so a step pays a few
 host-to-device copies, not per-request indexing, and a decode step can be replayed as a CUDA graph with
 the layout's tensors as its static inputs. KDA state stays in each request's working slot (`PooledState`:
-the short conv and `kda` ops step it there). MLA KV rows are written into the request's pages, and the cache answers the MLA layer's
-`mla_attention` itself: attention in the absorbed form straight over the pages (`rollout.attention`), so
-no per-step key/value expansion of the history is needed and the layer never asks for `mla_extend`.
+the short conv and `kda` ops step it there). MLA KV rows are written into the request's pages, and the cache
+answers the MLA layer's `mla_attention` itself: attention in the absorbed form straight over the pages
+(`rollout.attention`), so no per-step key/value expansion of the history is needed and the layer never asks
+for `mla_extend`.
 """
 
 from __future__ import annotations

@@ -19,6 +19,13 @@ Contract of `causal_short_conv(x, weight, state, silu)` (`supports` says which c
   (`rounding.round_to`), so bit-identical (the engine's bf16 x into a bf16 state is exact). y matches to fp32
   rounding (exp is the device's, and the GPU may fuse a tap's multiply-add), so in bf16 / fp16 it is the
   definition's value or one unit in the last place away where the two fp32 values straddle a rounding tie.
+
+`causal_short_conv_(x, weight, pool, index, silu)` is the same with row b's state in slot index[b] of a pool
+[slots, D, W-1] (any strides: the engine's q / k / v planes of [slots, 3, D, W-1]), the new state written
+back there (the engine's `PooledState`: no gather before, no scatter after). Only for T <= MAX_BT
+(`supports_in_place`), where one program per row and channel block both reads the row's state and rewrites
+it; a barrier before each rewrite keeps every thread's reads of the old entries ahead of it. Rows sharing a
+slot (the engine's padding rows on its sink) leave that slot undefined.
 """
 
 from __future__ import annotations

@@ -36,7 +36,8 @@ import torch.nn.functional as F
 
 from miles_k3.kernels import use_kernels
 
-__all__ = ["kda_gate", "kda_gate_beta", "l2norm", "math_dtype", "kda_recurrent", "kda_chunked", "kda", "PooledState"]
+__all__ = ["kda_gate", "kda_gate_beta", "l2norm", "math_dtype", "kda_recurrent", "kda_chunked", "kda",
+           "PooledState"]
 
 _GATE_FORMS = ("softplus", "lower_bound")
 _MODES = ("auto", "recurrent", "chunked")
@@ -308,8 +309,10 @@ def _kda_fla(q, k, v, g, beta, *, scale, initial_state, output_final_state, cu_s
 
 
 class PooledState(NamedTuple):
-    """N recurrent states kept in a pool: rows `index` [N] (int64) of `pool` [slots, H, K, V] fp32. Rows may
-    repeat only where their results do not matter (the engine's padding rows share its sink slot)."""
+    """N states kept in a pool: rows `index` [N] (int64) of `pool` ([slots, H, K, V] fp32 for `kda`,
+    [slots, D, W-1] for `miles_k3.ops.short_conv.causal_short_conv`, whose planes of the engine's
+    [slots, 3, D, W-1] conv pool are strided views). Rows may repeat only where their results do not matter
+    (the engine's padding rows share its sink slot)."""
 
     pool: torch.Tensor
     index: torch.Tensor

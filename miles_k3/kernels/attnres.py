@@ -21,6 +21,11 @@ Contract of `attn_res_mix(h, blocks, norm_weight, proj_weight, eps)` (`supports`
   by that relative amount, so in fp32 |out - definition| <= 4 u (1 + lam) sum_i p_i |v_i| (the sum's
   magnitude, not |out|, which may be smaller where values cancel); the tests hold this bound, reached to
   about half. In bf16 / fp16, within one ulp of the definition's rounded result beyond that.
+
+With `then_norm` = (weight, eps) the kernel returns the RMSNorm of that mix instead (the layer's norm of its
+mixed input: `miles_k3.ops.attnres.attn_res_mix_rms_norm`), one launch for two: the mix rounded to h's dtype
+as it would be stored, then `norm._rms_norm`'s math on it (normalize in fp32, round to h's dtype, times the
+weight, rounded once to promote_types(weight, h)); so within `norm`'s bounds of the norm of the mix above.
 """
 
 from __future__ import annotations
@@ -41,8 +46,8 @@ _TILE = 4096  # elements per program, as in `norm` (short rows get several per p
 
 
 @triton.jit
-def _attn_res_mix(srcs, outer_strides, inner_strides, nw_ptr, pw_ptr, out_ptr, rows, inner, D, eps,
-                  L: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+def _attn_res_mix(srcs, outer_strides, inner_strides, nw_ptr, pw_ptr, out_ptr, ow_ptr, rows, inner, D, eps, oeps,
+                  L: tl.constexpr, NORM: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
     ok = (r < rows)[:, None] & (cols < D)[None, :]
@@ -65,14 +70,22 @@ def _attn_res_mix(srcs, outer_strides, inner_strides, nw_ptr, pw_ptr, out_ptr, r
         acc = acc * scale[:, None] + p[:, None] * v
         m = m_new
     out = acc / s[:, None]
+    if NORM:  # then the RMSNorm the layer applies to the mix, as `norm._rms_norm` computes it on the stored mix
+        mixed = round_to(out, srcs[0].dtype.element_ty).to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(mixed * mixed, axis=1) / D + oeps)
+        normed = round_to(mixed * rstd[:, None], srcs[0].dtype.element_ty).to(tl.float32)
+        out = tl.load(ow_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)[None, :] * normed
     tl.store(out_ptr + r64[:, None] * D + cols[None, :], round_to(out, out_ptr.dtype.element_ty), mask=ok)
 
 
 def supports(h: torch.Tensor, blocks: Sequence[torch.Tensor], norm_weight: torch.Tensor,
-             proj_weight: torch.Tensor) -> bool:
+             proj_weight: torch.Tensor, then_norm: tuple[torch.Tensor, float] | None = None) -> bool:
     """Whether the kernel takes this call (module docstring); else the definition runs."""
     sources = (*blocks, h)
     d = h.shape[-1] if h.dim() else 0
+    if then_norm is not None and not (then_norm[0].shape == (d,) and then_norm[0].stride(0) == 1
+                                      and then_norm[0].dtype in DTYPES and then_norm[0].device == h.device):
+        return False
     return (0 < d <= MAX_D and len(sources) <= MAX_SOURCES and h.dtype in DTYPES
             and all(t.shape == h.shape and t.dtype == h.dtype and t.device == h.device and t.stride(-1) == 1
                     for t in blocks)
@@ -84,11 +97,14 @@ def supports(h: torch.Tensor, blocks: Sequence[torch.Tensor], norm_weight: torch
 
 
 def attn_res_mix(h: torch.Tensor, blocks: Sequence[torch.Tensor], norm_weight: torch.Tensor,
-                 proj_weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """h and each block [..., D] -> the softmax-weighted mix of blocks + [h], [..., D] in h's dtype."""
-    assert supports(h, blocks, norm_weight, proj_weight)
+                 proj_weight: torch.Tensor, eps: float,
+                 then_norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+    """h and each block [..., D] -> the softmax-weighted mix of blocks + [h], [..., D] in h's dtype; with
+    `then_norm` (weight [D], eps), that mix's RMSNorm instead (module docstring)."""
+    assert supports(h, blocks, norm_weight, proj_weight, then_norm)
     sources = (*blocks, h)
-    out = torch.empty(h.shape, dtype=h.dtype, device=h.device)
+    dtype = h.dtype if then_norm is None else torch.promote_types(then_norm[0].dtype, h.dtype)
+    out = torch.empty(h.shape, dtype=dtype, device=h.device)
     d = h.shape[-1]
     rows = h.numel() // d
     if rows == 0:
@@ -98,7 +114,9 @@ def attn_res_mix(h: torch.Tensor, blocks: Sequence[torch.Tensor], norm_weight: t
     rows_per = max(1, _TILE // block)
     _attn_res_mix[(triton.cdiv(rows, rows_per),)](
         sources, tuple(s for s, _ in strides), tuple(s for _, s in strides), norm_weight, proj_weight, out,
-        rows, inner, d, float(eps), L=len(sources), ROWS=rows_per, BLOCK=block,
+        norm_weight if then_norm is None else then_norm[0], rows, inner, d, float(eps),
+        0.0 if then_norm is None else float(then_norm[1]), L=len(sources), NORM=then_norm is not None,
+        ROWS=rows_per, BLOCK=block,
         # a 7168-wide row holds the running sum, a source and the query: at 8 warps ptxas (sm_90, L = 9) spilled
         # 400 bytes a thread, at 16 240 (its prefetched loads)
         num_warps=min(16, max(4, block * rows_per // 512)))

@@ -17,7 +17,7 @@ from miles_k3.model.layout import kda_a_log_shape
 from miles_k3.model.linear import SINGLE, ExpertsFactory, LinearFactory, LinearSpec, TensorParallel
 from miles_k3.model.moe import GLUMLP, LatentMoE
 from miles_k3.model.norm import RMSNorm
-from miles_k3.ops.attnres import attn_res_mix
+from miles_k3.ops.attnres import attn_res_mix_rms_norm
 from miles_k3.ops.kda import kda_gate_beta
 from miles_k3.ops.mla import mla_attention, packed_causal_attention
 from miles_k3.ops.norm import gated_rms_norm
@@ -200,9 +200,12 @@ class K3DecoderLayer(nn.Module):
     def ffn(self) -> nn.Module:
         return self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
 
-    def _mix(self, h: torch.Tensor, blocks: list[torch.Tensor], site: str) -> torch.Tensor:
+    def _mixed_norm(self, h: torch.Tensor, blocks: list[torch.Tensor], site: str, then: RMSNorm) -> torch.Tensor:
+        """`then(attn_res_mix(...))`: the sublayer's norm of its mixed input, one op (one kernel under
+        `use_kernels`), since nothing else reads the mix."""
         norm, proj = getattr(self, f"{site}_norm"), getattr(self, f"{site}_proj")
-        return attn_res_mix(h, blocks, norm.weight, proj.weight, self.config.res_eps)
+        return attn_res_mix_rms_norm(h, blocks, norm.weight, proj.weight, self.config.res_eps, then.weight,
+                                     then.eps)
 
     def _sublayer(self, module: nn.Module, x: torch.Tensor, *args) -> torch.Tensor:
         # Sequence parallel: the mixer / MLP sees the whole sequence, the residual stream keeps its slice.
@@ -214,11 +217,12 @@ class K3DecoderLayer(nn.Module):
         if not block_size:
             h = h + self._sublayer(self.self_attn, self.input_layernorm(h), cache, cu_seqlens)
             return h + self._sublayer(self.ffn, self.post_attention_layernorm(h)), blocks
-        read = self._mix(h, blocks, "self_attention_res") if blocks else h
-        attn_out = self._sublayer(self.self_attn, self.input_layernorm(read), cache, cu_seqlens)
+        normed = (self._mixed_norm(h, blocks, "self_attention_res", self.input_layernorm) if blocks
+                  else self.input_layernorm(h))
+        attn_out = self._sublayer(self.self_attn, normed, cache, cu_seqlens)
         if self.layer_idx % block_size == 0:
             blocks, h = [*blocks, h], attn_out
         else:
             h = h + attn_out
-        mixed = self._mix(h, blocks, "mlp_res")
-        return h + self._sublayer(self.ffn, self.post_attention_layernorm(mixed)), blocks
+        normed = self._mixed_norm(h, blocks, "mlp_res", self.post_attention_layernorm)
+        return h + self._sublayer(self.ffn, normed), blocks

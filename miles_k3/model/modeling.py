@@ -33,7 +33,7 @@ from miles_k3.model.layers import K3DecoderLayer
 from miles_k3.model.linear import (SINGLE, ExpertsFactory, LinearFactory, LinearSpec, TensorParallel, torch_experts,
                                    torch_linear)
 from miles_k3.model.norm import RMSNorm
-from miles_k3.ops.attnres import attn_res_mix
+from miles_k3.ops.attnres import attn_res_mix_rms_norm
 
 
 def bank_rows(config: K3Config, layer_idx: int) -> int:
@@ -200,9 +200,10 @@ class K3Model(nn.Module):
             h, blocks = layer(h, blocks, cache, cu_seqlens)
         if not self.last:
             return pack_residual(h, blocks)
-        if self.config.attn_res_block_size:
-            h = attn_res_mix(h, blocks, self.output_attn_res_norm.weight, self.output_attn_res_proj.weight,
-                             self.config.res_eps)
+        if self.config.attn_res_block_size:  # the mix and the final norm, one op (nothing else reads the mix)
+            return self.tp.seq_gather(attn_res_mix_rms_norm(
+                h, blocks, self.output_attn_res_norm.weight, self.output_attn_res_proj.weight, self.config.res_eps,
+                self.norm.weight, self.norm.eps))
         return self.tp.seq_gather(self.norm(h))
 
     def _sequence_parallel_hidden(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None,

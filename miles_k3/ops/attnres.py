@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import torch
 
 from miles_k3.kernels import use_kernels
+from miles_k3.ops.norm import rms_norm
 
 
 def attn_res_mix(
@@ -39,3 +40,16 @@ def attn_res_mix(
     query = norm_weight.to(dtype) * proj_weight.to(dtype)[0]
     probs = torch.softmax(keys @ query, dim=0)
     return (probs.unsqueeze(-1) * v).sum(0).to(h.dtype)
+
+
+def attn_res_mix_rms_norm(h: torch.Tensor, blocks: Sequence[torch.Tensor], norm_weight: torch.Tensor,
+                          proj_weight: torch.Tensor, eps: float, out_weight: torch.Tensor, out_eps: float
+                          ) -> torch.Tensor:
+    """`rms_norm(attn_res_mix(h, blocks, norm_weight, proj_weight, eps), out_weight, out_eps)`: a layer's
+    norm of its mixed input, which the kernel computes in the same launch as the mix."""
+    if use_kernels(h):
+        from miles_k3.kernels import attnres as kernels
+
+        if kernels.supports(h, blocks, norm_weight, proj_weight, (out_weight, out_eps)):
+            return kernels.attn_res_mix(h, blocks, norm_weight, proj_weight, eps, (out_weight, out_eps))
+    return rms_norm(attn_res_mix(h, blocks, norm_weight, proj_weight, eps), out_weight, out_eps)

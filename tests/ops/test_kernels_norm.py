@@ -160,6 +160,43 @@ def test_attn_res_kernel_matches_the_definition():
     """), timeout=300)
 
 
+def test_attn_res_mix_with_its_norm_is_the_mix_kernel_then_the_norm_kernel():
+    """`then_norm` (the layer's norm of its mixed input, one launch) computes what the mix kernel then the
+    norm kernel compute (bit for bit here, where both reduce in the same order), so it holds both kernels'
+    bounds against the definition; the op takes it under inference mode and composes the definitions without."""
+    assert_interpreted_ok(textwrap.dedent("""
+        import os
+        os.environ["MILES_K3_KERNELS"] = "interpret"
+        import torch
+        from miles_k3 import kernels as seam
+        from miles_k3.kernels import attnres, norm
+        from miles_k3.ops.attnres import attn_res_mix, attn_res_mix_rms_norm
+        from miles_k3.ops.norm import rms_norm
+
+        g = torch.Generator().manual_seed(0)
+        for dtype in (torch.float32, torch.bfloat16):
+            for n_blocks, d in [(0, 96), (3, 100), (8, 7168)]:
+                blocks = [(torch.randn(2, d, generator=g) * (n + 1)).to(dtype) for n in range(n_blocks)]
+                h = torch.randn(2, d, generator=g).to(dtype)
+                nw, pw = 1 + torch.randn(d, generator=g) * 0.2, torch.randn(1, d, generator=g) * 0.5
+                for ow in (torch.randn(d, generator=g), torch.randn(d, generator=g).to(dtype)):  # fp32 or h's
+                    fused = attnres.attn_res_mix(h, blocks, nw, pw, 1e-5, (ow, 1e-6))
+                    two = norm.rms_norm(attnres.attn_res_mix(h, blocks, nw, pw, 1e-5), ow, 1e-6)
+                    assert fused.dtype == torch.promote_types(ow.dtype, dtype) and torch.equal(fused, two), d
+                    with torch.inference_mode():
+                        assert torch.equal(attn_res_mix_rms_norm(h, blocks, nw, pw, 1e-5, ow, 1e-6), fused)
+                    want = rms_norm(attn_res_mix(h, blocks, nw, pw, 1e-5), ow, 1e-6)  # autograd off: definitions
+                    assert torch.equal(attn_res_mix_rms_norm(h, blocks, nw, pw, 1e-5, ow, 1e-6), want)
+        launches = []
+        real = attnres.attn_res_mix
+        attnres.attn_res_mix = lambda *a: launches.append(len(a)) or real(*a)
+        with torch.inference_mode():
+            attn_res_mix_rms_norm(h, blocks, nw, pw, 1e-5, ow, 1e-6)
+        assert launches == [6], launches  # one launch, with its norm
+        print("ok")
+    """), timeout=300)
+
+
 def test_situ_glu_kernel_takes_any_leading_shape():
     # the 2-D contract is held by tests/rollout/test_kernels_situ_glu.py; here [B, T, I] over a GEMM's columns
     # and heads-like [B, T, H, I] views of such slices

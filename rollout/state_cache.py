@@ -116,13 +116,8 @@ class PoolStateCache:
                         PooledState(self.states.recurrent[layer_idx], idx))
 
     def set_kda_state(self, layer_idx: int, state: KDAState) -> None:
-        """Only what the ops handed back as plain tensors is copied in (the pooled parts are in place)."""
-        idx = self.layout.slot_index
-        for i, part in enumerate(state[:3]):
-            if not isinstance(part, PooledState):
-                self.states.conv[layer_idx][:, i].index_copy_(0, idx, part.to(self.states.conv[layer_idx].dtype))
-        if not isinstance(state.recurrent, PooledState):
-            self.states.recurrent[layer_idx].index_copy_(0, idx, state.recurrent.float())
+        """Nothing to copy: the ops stepped the slots in place and handed back the `PooledState`s."""
+        assert all(isinstance(part, PooledState) for part in state), "a KDA op returned a copy of its pooled state"
 
     def hidden_keys(self, hist_len: int) -> torch.Tensor:
         """[N, 1, Tq, S] bool: which of the S history positions each query of the step may not see (those

@@ -37,6 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
+from miles_k3.kernels import norm as norm_kernels
+from miles_k3.kernels.norm import rms_norm_rows
 from miles_k3.kernels.rounding import DTYPES, round_to
 from miles_k3.kernels.rows import row_layout
 
@@ -72,9 +74,7 @@ def _attn_res_mix(srcs, outer_strides, inner_strides, nw_ptr, pw_ptr, out_ptr, o
     out = acc / s[:, None]
     if NORM:  # then the RMSNorm the layer applies to the mix, as `norm._rms_norm` computes it on the stored mix
         mixed = round_to(out, srcs[0].dtype.element_ty).to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(mixed * mixed, axis=1) / D + oeps)
-        normed = round_to(mixed * rstd[:, None], srcs[0].dtype.element_ty).to(tl.float32)
-        out = tl.load(ow_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)[None, :] * normed
+        out = rms_norm_rows(mixed, ow_ptr, D, oeps, srcs[0].dtype.element_ty, BLOCK)
     tl.store(out_ptr + r64[:, None] * D + cols[None, :], round_to(out, out_ptr.dtype.element_ty), mask=ok)
 
 
@@ -83,8 +83,7 @@ def supports(h: torch.Tensor, blocks: Sequence[torch.Tensor], norm_weight: torch
     """Whether the kernel takes this call (module docstring); else the definition runs."""
     sources = (*blocks, h)
     d = h.shape[-1] if h.dim() else 0
-    if then_norm is not None and not (then_norm[0].shape == (d,) and then_norm[0].stride(0) == 1
-                                      and then_norm[0].dtype in DTYPES and then_norm[0].device == h.device):
+    if then_norm is not None and not norm_kernels.supports(h, then_norm[0]):
         return False
     return (0 < d <= MAX_D and len(sources) <= MAX_SOURCES and h.dtype in DTYPES
             and all(t.shape == h.shape and t.dtype == h.dtype and t.device == h.device and t.stride(-1) == 1

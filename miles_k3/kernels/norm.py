@@ -47,18 +47,25 @@ def _row_offsets(rows_idx, inner, outer_stride, inner_stride):
 
 
 @triton.jit
+def rms_norm_rows(xf, w_ptr, D, eps, x_dtype: tl.constexpr, BLOCK: tl.constexpr):
+    """fp32 rows [ROWS, BLOCK] of an x stored in `x_dtype` (columns past D zero) -> RMSNorm times the weight
+    [D] at w_ptr, in fp32 for the caller to round once: the definition's order, normalize in fp32, round to
+    x's dtype, then scale by the weight. Shared by `_rms_norm` and AttnRes mixing's norm of its mix."""
+    cols = tl.arange(0, BLOCK)
+    rstd = tl.rsqrt(tl.sum(xf * xf, axis=1) / D + eps)
+    normed = round_to(xf * rstd[:, None], x_dtype).to(tl.float32)
+    return tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)[None, :] * normed
+
+
+@triton.jit
 def _rms_norm(x_ptr, w_ptr, out_ptr, rows, inner, D, eps, xs0, xs1,
               ROWS: tl.constexpr, BLOCK: tl.constexpr):
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
     ok = (r < rows)[:, None] & (cols < D)[None, :]
     x = tl.load(x_ptr + _row_offsets(r, inner, xs0, xs1)[:, None] + cols[None, :], mask=ok, other=0.0)
-    xf = x.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(xf * xf, axis=1) / D + eps)
-    # the definition's order: normalize in fp32, round to x's dtype, then scale by the weight
-    normed = round_to(xf * rstd[:, None], x_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
-    out = round_to(w[None, :] * normed, out_ptr.dtype.element_ty)
+    out = round_to(rms_norm_rows(x.to(tl.float32), w_ptr, D, eps, x_ptr.dtype.element_ty, BLOCK),
+                   out_ptr.dtype.element_ty)
     tl.store(out_ptr + r.to(tl.int64)[:, None] * D + cols[None, :], out, mask=ok)
 
 

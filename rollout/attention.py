@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import torch
 
+from miles_k3.kernels import use_kernels
 from miles_k3.model.layers import MLAMixer
 from rollout.dcp import dcp_attention
+from rollout.kernels import mla_attention as kernel
 
 
 def _dense_weight(linear: torch.nn.Module, dtype: torch.dtype) -> torch.Tensor:
@@ -51,13 +53,14 @@ def _lora_terms(linear: torch.nn.Module, num_tokens: int):
 def absorbed_attention(mixer: MLAMixer, q: torch.Tensor, latent: torch.Tensor, rope: torch.Tensor, cache
                        ) -> torch.Tensor:
     """q [B, T, H, Dqk], this step's normed latent [B, T, R] and shared key part [B, T, Dr] -> attention
-    output [B, T, H, Dv]. Writes the step's rows into the pages (`cache.mla_write`, a `PoolStateCache`) and
-    attends over the history read back from them, per request of `cache.layout`."""
+    output [B, T, H, Dv]. Writes the step's rows into the pages (`cache.mla_store`, a `PoolStateCache`) and
+    attends over the history read back from them, per request of `cache.layout`: in one kernel
+    (`rollout.kernels.mla_attention`) where `use_kernels` says so, else gathered and attended in torch."""
     c = mixer.config
     b, t, hq = q.shape[:3]  # hq: the query heads, this rank's (TP) or its DCP group's
     h, nope, dv, r = mixer.heads, c.qk_nope_head_dim, c.v_head_dim, c.kv_lora_rank
     q = q.reshape(b * t, hq, c.qk_head_dim)  # tokens in input order
-    hist = cache.mla_write(mixer.layer_idx, latent, rope).to(q.dtype)  # [N, S, R + Dr]
+    buf = cache.mla_store(mixer.layer_idx, latent, rope)  # [rows, R + Dr]
 
     w = _dense_weight(mixer.kv_b_proj, q.dtype).view(hq, nope + dv, r)
     own = slice(None) if hq == h else slice(mixer.tp.dcp_rank * h, (mixer.tp.dcp_rank + 1) * h)
@@ -74,6 +77,13 @@ def absorbed_attention(mixer: MLAMixer, q: torch.Tensor, latent: torch.Tensor, r
 
     lay = cache.layout
     n, tq = lay.q_index.shape
+    if hq == h and use_kernels(q) and kernel.supports(q_lat, q_rope, buf, lay.hist_rows, r):
+        o_lat = kernel.paged_mla_attention(q_lat, q_rope, buf, lay.hist_rows, lay.q_pos, lay.q_index,
+                                           mixer.scale, r).reshape(n * tq, h, r)
+        if tq > 1 or n != b * t:  # a decode step's queries are its tokens already, in order
+            o_lat = o_lat[lay.out_index]
+        return _output(o_lat, w_v, lora, own, nope).reshape(b, t, h, dv)
+    hist = buf[lay.hist_rows].to(q.dtype)  # [N, S, R + Dr]
     # scores and softmax in fp32, as the reference's fused attention keeps them
     qf = torch.cat([q_lat, q_rope], dim=-1)[lay.q_index].float()  # [N, Tq, H, R + Dr]
     hist32 = hist.float()

@@ -129,13 +129,13 @@ class PoolStateCache:
             self._hidden_keys[hist_len] = key_pos[None, None, None, :] > q_pos[:, None, :, None]
         return self._hidden_keys[hist_len]
 
-    def mla_write(self, layer_idx: int, latent: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        """Store this step's normed latent [B, T, R] and shared key part [B, T, Dr] (input order) and return
-        the history [N, S, R + Dr] read back from the pages."""
+    def mla_store(self, layer_idx: int, latent: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        """Store this step's normed latent [B, T, R] and shared key part [B, T, Dr] (input order) in their
+        pages; returns the layer's page buffer [rows, R + Dr], which `layout.hist_rows` indexes."""
         buf = self.kv.buffers[layer_idx]
         new = torch.cat([latent, rope], dim=-1).reshape(-1, buf.shape[-1]).to(buf.dtype)
         buf.index_copy_(0, self.layout.write_rows, new)
-        return buf[self.layout.hist_rows]
+        return buf
 
     def mla_attention(self, mixer, q: torch.Tensor, latent: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         """The absorbed attention over this step's requests' pages (writes the step's rows first)."""

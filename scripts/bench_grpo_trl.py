@@ -185,6 +185,7 @@ def run_trl(args, base_dir: Path, out_dir: Path) -> dict:
         def on_step_end(self, *_, **__):
             self._sync()
             self.times.append(time.perf_counter() - self._t0)
+            print(f"TRL step {len(self.times)}: {self.times[-1]:.1f} s", flush=True)
 
     saved = out_dir / "result.json"
     if args.reuse and saved.exists():
@@ -202,6 +203,7 @@ def run_trl(args, base_dir: Path, out_dir: Path) -> dict:
             out = super()._generate_and_score_completions(*a, **kw)
             timer._sync()
             timer.generate.append(time.perf_counter() - t0)
+            print(f"TRL generation {len(timer.generate)}: {timer.generate[-1]:.1f} s", flush=True)  # a cut run's
             return out
 
     timer = StepTimer()

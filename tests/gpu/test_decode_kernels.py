@@ -49,14 +49,18 @@ def _models():
 
 
 def test_prepared_cuda_engine_keeps_its_log_prob_gap_and_graphs_equal_eager():
+    """The gap is a mean over every (token, vocabulary) entry: its maximum over the 11k entries moved from 0.036
+    to 0.041 between two runs of the same commit on fresh machines (2026-12-02: fla's kernels autotuned to other
+    configs, other summation orders), which a 10% bound on the maximum read as a regression."""
     ref, model, _ = _models()
     ids = torch.randint(3, 512, (2, 11), device=DEV, generator=torch.Generator(device=DEV).manual_seed(0))
     with torch.no_grad():
         want = torch.log_softmax(ref(ids).logits.float(), -1)
-        before = float((torch.log_softmax(model(ids).logits.float(), -1) - want).abs().max())
+        before = (torch.log_softmax(model(ids).logits.float(), -1) - want).abs()
         prepare_model(model)
-        after = float((torch.log_softmax(model(ids).logits.float(), -1) - want).abs().max())
-    assert after <= 1.1 * before + 1e-3, (before, after)
+        after = (torch.log_softmax(model(ids).logits.float(), -1) - want).abs()
+    assert float(after.mean()) <= 1.1 * float(before.mean()) + 1e-4, (float(before.mean()), float(after.mean()))
+    assert float(after.max()) <= 1.5 * float(before.max()) + 1e-3, (float(before.max()), float(after.max()))
 
     params = SamplingParams(temperature=0, max_new_tokens=16)
     base = dict(memory_bytes=64 << 20, page_size=16, chunk_size=16, max_prefill_tokens=64, max_seq_len=256)
@@ -162,3 +166,12 @@ def test_a_pooled_conv_state_is_rewritten_in_its_slot_on_cuda_as_the_gathered_ke
         assert torch.equal(y, want_y) and torch.equal(pool[:, 2][index], want_state)
         others = torch.tensor([0, 2, 3, 5, 6, 8, 10], device=DEV)
         assert torch.equal(pool[others], before[others]) and torch.equal(pool[:, :2], before[:, :2])
+
+
+def test_paged_mla_kernel_equals_the_absorbed_attention_on_cuda():
+    """The CPU interpreter's cases compiled (tests/rollout/mla_cases.py), and a long history at batch 64 whose
+    split ranges the device's SM count sets."""
+    from tests.rollout.mla_cases import check_case, run_all
+
+    run_all(DEV)
+    check_case(8, 256, 64, [4000, 17, 2500, 900] * 16, [1] * 64, 96, torch.bfloat16, None, 5, DEV)

@@ -1,10 +1,11 @@
 """The engine through the kernel path (`miles_k3.kernels`: norms, AttnRes, SiTU-GLU, short conv, KDA gate,
-router, MoE dispatch and combine), on CPU through Triton's interpreter (MILES_K3_KERNELS=interpret, in a
-subprocess: TRITON_INTERPRET must be set before triton is imported): greedy decoding of a k3-tiny engine in
-fp32 gives the definition's tokens and log-probs within fp32 rounding, plain and speculative (the fold steps
-the state with the same kernels as the decode step), and every kernel ran. Each launch the run made, and the
-launches of each op at k3-small's widths (tests/ops/kernel_cases.py) and of the MoE dispatch at K3's, then
-compiles for the H200 (sm_90) with Triton's own compiler, which the interpreter does not apply
+router, MoE dispatch and combine; the engine's paged MLA attention), on CPU through Triton's interpreter
+(MILES_K3_KERNELS=interpret, in a subprocess: TRITON_INTERPRET must be set before triton is imported):
+greedy decoding of a k3-tiny engine in fp32 gives the definition's tokens and log-probs within fp32 rounding,
+plain and speculative (the fold steps the state with the same kernels as the decode step), and every kernel
+ran. Each launch the run made, and the launches of each op at k3-small's widths (tests/ops/kernel_cases.py),
+of the MoE dispatch at K3's and of the MLA attention at k3-small's with a split history, then compiles for
+the H200 (sm_90) with Triton's own compiler, which the interpreter does not apply
 (`miles_k3.kernels.compile_check`). The kernels' own bounds: tests/ops/test_kernels_*.py."""
 
 import json
@@ -43,7 +44,7 @@ _SCRIPT = textwrap.dedent("""
 
     got, launches = run()
     assert {"_rms_norm", "_gated_rms_norm", "_attn_res_mix", "_situ_glu", "_short_conv", "_kda_gate", "_route",
-            "_align", "_combine"} <= set(launches), launches
+            "_align", "_combine", "_mla_attention"} <= set(launches), launches
     set_mode("0")
     want, none = run()
     assert none == {}, none
@@ -66,6 +67,12 @@ _SCRIPT = textwrap.dedent("""
                 op()
         from miles_k3.kernels import moe_dispatch  # K3's scale: 256 decode rows x top-16 of 896 experts
         moe_dispatch.align(torch.randint(0, 896, (256, 16)), 896)
+        from rollout.kernels.mla_attention import paged_mla_attention  # k3-small's MLA, a history in 3 ranges
+        for dtype in (torch.float32, torch.bfloat16):
+            kv = torch.randn(300, 256 + 64).to(dtype)
+            paged_mla_attention(torch.randn(2, 8, 256).to(dtype), torch.randn(2, 8, 64).to(dtype), kv,
+                                torch.randint(0, 300, (2, 200)), torch.tensor([[150], [199]]),
+                                torch.tensor([[0], [1]]), 0.06, 256, splits=3)
     with open(os.environ["LAUNCHES_JSON"], "w") as f:
         json.dump(record, f)
     print("ok")
@@ -94,4 +101,4 @@ def test_every_launch_of_the_run_compiles_for_the_h200(launches):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     kernels = {spec["kernel"].split(":")[1] for spec in json.loads(launches.read_text())}
     assert {"_rms_norm", "_gated_rms_norm", "_attn_res_mix", "_situ_glu", "_short_conv", "_kda_gate",
-            "_route", "_align", "_combine"} <= kernels, kernels
+            "_route", "_align", "_combine", "_mla_attention", "_mla_merge"} <= kernels, kernels

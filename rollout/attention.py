@@ -55,7 +55,8 @@ def absorbed_attention(mixer: MLAMixer, q: torch.Tensor, latent: torch.Tensor, r
     """q [B, T, H, Dqk], this step's normed latent [B, T, R] and shared key part [B, T, Dr] -> attention
     output [B, T, H, Dv]. Writes the step's rows into the pages (`cache.mla_store`, a `PoolStateCache`) and
     attends over the history read back from them, per request of `cache.layout`: in one kernel
-    (`rollout.kernels.mla_attention`) where `use_kernels` says so, else gathered and attended in torch."""
+    (`rollout.kernels.mla_attention`) where the engine asks for it (`EngineConfig.mla_attention`) and
+    `use_kernels` says yes (not under DCP), else gathered and attended in torch."""
     c = mixer.config
     b, t, hq = q.shape[:3]  # hq: the query heads, this rank's (TP) or its DCP group's
     h, nope, dv, r = mixer.heads, c.qk_nope_head_dim, c.v_head_dim, c.kv_lora_rank
@@ -76,25 +77,41 @@ def absorbed_attention(mixer: MLAMixer, q: torch.Tensor, latent: torch.Tensor, r
         lora = (a, bb, s)
 
     lay = cache.layout
-    n, tq = lay.q_index.shape
-    if hq == h and use_kernels(q) and kernel.supports(q_lat, q_rope, buf, lay.hist_rows, r):
-        o_lat = kernel.paged_mla_attention(q_lat, q_rope, buf, lay.hist_rows, lay.q_pos, lay.q_index,
-                                           mixer.scale, r).reshape(n * tq, h, r)
-        if tq > 1 or n != b * t:  # a decode step's queries are its tokens already, in order
-            o_lat = o_lat[lay.out_index]
-        return _output(o_lat, w_v, lora, own, nope).reshape(b, t, h, dv)
-    hist = buf[lay.hist_rows].to(q.dtype)  # [N, S, R + Dr]
-    # scores and softmax in fp32, as the reference's fused attention keeps them
-    qf = torch.cat([q_lat, q_rope], dim=-1)[lay.q_index].float()  # [N, Tq, H, R + Dr]
-    hist32 = hist.float()
     if hq != h:  # DCP: the group's heads over this rank's positions, merged into this rank's heads
+        qf = torch.cat([q_lat, q_rope], dim=-1)[lay.q_index].float()
+        hist32 = buf[lay.hist_rows].to(q.dtype).float()
         o_lat = dcp_attention(qf, hist32, lay, mixer.scale, r, mixer.tp).to(q.dtype)
-        return _output(o_lat, w_v, lora, own, nope).reshape(b, t, h, dv)
-    scores = torch.einsum("nthe,nse->nhts", qf, hist32) * mixer.scale
-    probs = scores.masked_fill(cache.hidden_keys(hist.shape[1]), float("-inf")).softmax(dim=-1)
-    o_lat = torch.einsum("nhts,nsr->nthr", probs, hist32[..., :r]).to(q.dtype).reshape(n * tq, h, r)
-    o_lat = o_lat[lay.out_index]
+    elif cache.kv.attention == "triton" and use_kernels(q) and \
+            kernel.supports(q_lat, q_rope, buf, lay.hist_rows, r):
+        o_lat = paged_attention(q_lat, q_rope, buf, lay, mixer.scale, r)
+    else:
+        hidden = cache.hidden_keys(lay.hist_rows.shape[1])
+        o_lat = gathered_attention(q_lat, q_rope, buf, lay, mixer.scale, r, hidden)
     return _output(o_lat, w_v, lora, own, nope).reshape(b, t, h, dv)
+
+
+def gathered_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, buf: torch.Tensor, lay, scale: float, r: int,
+                       hidden: torch.Tensor) -> torch.Tensor:
+    """The torch path: the mapped queries q_lat [T, H, R], q_rope [T, H, Dr] (input order) over the histories
+    gathered out of the page buffer `buf` [rows, R + Dr] by `lay` (a `BatchLayout`), `hidden` [N, 1, Tq, S]
+    the positions each query may not see -> o_lat [T, H, R] in input order, in q_lat's dtype. Scores and
+    softmax in fp32, as the reference's fused attention keeps them."""
+    n, tq = lay.q_index.shape
+    hist32 = buf[lay.hist_rows].to(q_lat.dtype).float()  # [N, S, R + Dr]
+    qf = torch.cat([q_lat, q_rope], dim=-1)[lay.q_index].float()  # [N, Tq, H, R + Dr]
+    scores = torch.einsum("nthe,nse->nhts", qf, hist32) * scale
+    probs = scores.masked_fill(hidden, float("-inf")).softmax(dim=-1)
+    o_lat = torch.einsum("nhts,nsr->nthr", probs, hist32[..., :r]).to(q_lat.dtype)
+    return o_lat.reshape(n * tq, -1, r)[lay.out_index]
+
+
+def paged_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, buf: torch.Tensor, lay, scale: float, r: int
+                    ) -> torch.Tensor:
+    """`gathered_attention` in one kernel reading the pages in place (`rollout.kernels.mla_attention`)."""
+    n, tq = lay.q_index.shape
+    o_lat = kernel.paged_mla_attention(q_lat, q_rope, buf, lay.hist_rows, lay.q_pos, lay.q_index, scale, r)
+    o_lat = o_lat.reshape(n * tq, -1, r)
+    return o_lat if tq == 1 and n == q_lat.shape[0] else o_lat[lay.out_index]  # decode: already in input order
 
 
 def _output(o_lat: torch.Tensor, w_v: torch.Tensor, lora, own: slice, nope: int) -> torch.Tensor:

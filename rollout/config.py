@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 MXFP4_MATMULS = ("auto", "torch", "triton")
 LORA_MIXED = ("torch", "triton")
+MLA_ATTENTIONS = ("torch", "triton")
 OVERLAP_MODES = ("auto", "on", "off")
 
 
@@ -40,6 +41,10 @@ class EngineConfig:
     # rollout/kernels/lora_rows.py for every row at once from slot indices on the device (CUDA only; opt-in
     # until timed on the GPU)
     lora_mixed: str = "torch"
+    # MLA attention over the KV pages: "torch" gathers each request's history and attends in torch; "triton"
+    # runs rollout/kernels/mla_attention.py, which reads the pages in place (CUDA; the CPU tests run it through
+    # the interpreter). Opt-in: its first H200 run (2026-12-02) made the decode step slower (docs/benchmarks.md)
+    mla_attention: str = "torch"
     # "auto": overlap consecutive decode steps on CUDA (rollout.decode's docstring); "on": also on CPU, where
     # it only reorders host work (the tests' way to run it); "off": every step waits for its tokens
     overlap: str = "auto"
@@ -67,7 +72,7 @@ class EngineConfig:
         if not 0.0 < self.state_fraction < 1.0:
             raise fail("state_fraction", "must lie in (0, 1)")
         for name, options in (("mxfp4_matmul", MXFP4_MATMULS), ("lora_mixed", LORA_MIXED),
-                              ("overlap", OVERLAP_MODES)):
+                              ("mla_attention", MLA_ATTENTIONS), ("overlap", OVERLAP_MODES)):
             if getattr(self, name) not in options:
                 raise fail(name, f"must be one of {options}")
         for name in ("cuda_graphs", "compile_decode", "unified_memory"):

@@ -159,6 +159,8 @@ class KVPagePool:
                  arena: UnifiedArena | None = None):
         self.page_size = sizes.page_size
         self.mla_layers = [i for i, k in enumerate(config.layer_kinds) if k == "mla"]
+        # how steps attend over these pages (`EngineConfig.mla_attention`; `ModelRunner.use_pools` sets it)
+        self.attention = "torch"
         width = config.kv_lora_rank + config.qk_rope_head_dim
         self.rows_per_page = sizes.kv_rows_per_page  # page_size, or page_size / dcp_size under DCP
         if arena is None:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from miles_k3 import kernels
 from miles_k3.model.checkpoint import StateDictSource, TensorSource, keeps_fp32
 from miles_k3.model.config import K3Config
 from miles_k3.model.layout import tensor_shapes
@@ -208,6 +209,9 @@ class ModelRunner:
                              f"{self.device}, adapter pool {'given' if adapters is not None else 'missing'})")
         if adapters is not None:  # lives on the pool: engines sharing one pool share the last one's
             adapters.mixed_kernel = config.lora_mixed
+        if config.mla_attention == "triton" and not kernels.available(self.device):
+            raise ValueError(f"mla_attention='triton' needs the model on CUDA (or MILES_K3_KERNELS=interpret) "
+                             f"and MILES_K3_KERNELS not 0 (model on {self.device})")
         if config.compile_decode and not self.graphs_apply():
             raise ValueError("compile_decode=True compiles the CUDA-graph decode step: it needs the model on CUDA, "
                              "cuda_graphs=True and routed experts that run grouped GEMMs (bf16)")
@@ -238,6 +242,7 @@ class ModelRunner:
     def use_pools(self, kv: KVPagePool, states: KDAStatePool) -> None:
         """Run on these pools from now on, with decode graphs over them where they apply."""
         self.kv, self.states = kv, states
+        kv.attention = self.config.mla_attention
         adapted = self.adapters if self.adapters is not None and self.adapters.A else None
         self.graphs = DecodeGraphs(self.model, kv, states, max_batch=self.config.max_running,
                                    max_seq_len=self.config.max_seq_len, capture=True, adapters=adapted,

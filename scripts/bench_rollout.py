@@ -66,7 +66,7 @@ from bench_forward import DTYPES, build_ours, hf_peer, kimi_linear_form  # noqa:
 from miles_k3.model import K3Config, K3ForCausalLM  # noqa: E402
 from miles_k3.model.config import PRESETS  # noqa: E402
 from miles_k3.model.moe import RoutedExperts  # noqa: E402
-from rollout.config import OVERLAP_MODES, EngineConfig  # noqa: E402
+from rollout.config import MLA_ATTENTIONS, OVERLAP_MODES, EngineConfig  # noqa: E402
 from rollout.engine import Engine  # noqa: E402
 from miles_k3.model.lora_spec import LoraSpec  # noqa: E402
 from rollout.lora import AdapterPool  # noqa: E402
@@ -137,6 +137,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                                                                           "512 cpu)")
     ap.add_argument("--no-cuda-graphs", action="store_true", help="decode eagerly on CUDA")
     ap.add_argument("--compile-decode", action="store_true", help="EngineConfig.compile_decode (CUDA graphs only)")
+    ap.add_argument("--mla-attention", choices=list(MLA_ATTENTIONS), default="torch",
+                    help="EngineConfig.mla_attention: the torch path or the paged Triton kernel")
     ap.add_argument("--overlap", choices=list(OVERLAP_MODES), default="auto",
                     help="EngineConfig.overlap; with it on, CUDA runs add 'overlap off' decode rows for contrast")
     ap.add_argument("--rl-path", action="store_true", help="also decode as the GRPO loop's engine does: MXFP4 routed "
@@ -167,7 +169,7 @@ def engine_config(args: argparse.Namespace, model_config: K3Config, dtype: torch
                            chunk_size=args.chunk_size, max_prefill_tokens=args.max_prefill_tokens,
                            max_running=max(max(args.batch_sizes), args.group_prompts * args.group_n),
                            max_seq_len=max_seq, cuda_graphs=not args.no_cuda_graphs, overlap=args.overlap,
-                           compile_decode=args.compile_decode)
+                           compile_decode=args.compile_decode, mla_attention=args.mla_attention)
         sizes = PoolSizes.from_budget(model_config, cfg.memory_bytes, page_size=cfg.page_size,
                                       state_fraction=cfg.state_fraction, dtype=dtype)
     except ValueError as e:

@@ -95,6 +95,20 @@ run_job() {
         --planners verify_all --gen-len 32 --rows 30 ;;  # the same without our kernels (2026-12-02: 1.5x faster)
     trainmem_long) job trainmem_long python scripts/bench_train_memory.py --device cuda --preset k3-small \
         --lengths 16384,32768 --variants logprobs --json "$STATE/bench_train_memory_long.json" ;;
+    kernelsq) job kernelsq python -m pytest tests/gpu/test_decode_kernels.py -q -m gpu -rA --tb=short -p no:cacheprovider \
+        -k "not compiled" ;;  # without the torch.compile test (minutes of inductor)
+    rolloutpeer) job rolloutpeer python scripts/bench_rollout.py --device cuda --batch-sizes 1,8,64,256 --peer hf \
+        --json "$STATE/bench_rollout_peer.json" ;;
+    mlabench) job mlabench python scripts/bench_mla.py --device cuda --batch-sizes 1,64,256 --histories 512,2048,8192 \
+        --json "$STATE/bench_mla.json" ;;  # the MLA kernel alone against the torch path, one layer, seconds
+    # the MLA attention A/B at a 2k-token history (2026-12-02: the kernel's first version, fp32 FMA dots, made the
+    # 512-token step 1.5x-2.6x slower; this version runs its dots on tensor cores)
+    longctx) job longctx python scripts/bench_rollout.py --device cuda --batch-sizes 1,64,256 --prompt-len 2048 \
+        --gen-len 32 --prefill-len 512 --group-prompts 1 --group-n 2 --overlap off --mla-attention triton \
+        --json "$STATE/bench_longctx.json" ;;
+    longctx0) job longctx0 python scripts/bench_rollout.py --device cuda --batch-sizes 1,64,256 --prompt-len 2048 \
+        --gen-len 32 --prefill-len 512 --group-prompts 1 --group-n 2 --overlap off --mla-attention torch \
+        --json "$STATE/bench_longctx0.json" ;;
     kernels) job kernels python -m pytest tests/gpu/test_decode_kernels.py -q -m gpu -rA --tb=short -p no:cacheprovider ;;
     *) echo "unknown job $1"; return 1 ;;
     esac

@@ -60,6 +60,13 @@ def use_kernels(x: torch.Tensor) -> bool:
     return mode == "interpret"
 
 
+def available(device: torch.device | str) -> bool:
+    """Whether `use_kernels` can say yes for tensors on `device` (under inference mode): the check for a
+    setting that asks for a kernel, before any model step runs."""
+    mode = _mode()
+    return mode == "interpret" or (mode == "auto" and torch.device(device).type == "cuda")
+
+
 def reset() -> None:
     """Forget the cached mode (tests that set MILES_K3_KERNELS)."""
     _mode.cache_clear()

@@ -19,10 +19,16 @@ Contract of `paged_mla_attention(q_lat, q_rope, kv, hist_rows, q_pos, q_index, s
   is input token q_index[n, t] and sees history positions 0..q_pos[n, t], read from rows hist_rows[n, :].
 - returns o_lat [N, Tq, H, R] in kv's dtype: softmax over the visible positions of (q . key) * scale,
   times the positions' latents. Padded queries get their own (discarded) rows; nothing else is written.
-- math in fp32 (fp32 dots, not tf32): scores from fp32 products of the inputs (exact for bf16 / fp16 inputs)
-  summed in fp32, softmax and weighted sum in fp32, rounded once to kv's dtype. The summation
+- math in fp32: scores from exact products of bf16 / fp16 inputs (fp32 ones: fp32 or 3xTF32 products) summed
+  in fp32, softmax and weighted sum in fp32 (the probabilities times the latents in 3xTF32 on the device,
+  about fp32's precision; a bf16 latent is exact in TF32), rounded once to kv's dtype. The summation
   orders and the online rescaling differ from the torch path's, so the results agree to fp32 rounding, not bit
   for bit (tests/rollout/test_mla_kernel.py holds it against the torch path).
+
+Dots: on the device (`tensor_cores`, default on CUDA) the scores of 16-bit inputs run on tensor cores in
+their dtype and every fp32 dot as 3xTF32; elsewhere (Triton's interpreter, whose 16-bit dots multiply the raw
+bits) every dot is an fp32 one. The CPU tests pass `tensor_cores=True` only to record the device's variant for
+the sm_90 compile check.
 
 `splits` > 1 (default: enough to give the device about two programs per SM) splits each request's history
 into that many ranges, one program each; a second kernel merges their partial outputs by their log-sum-exps.
@@ -52,7 +58,7 @@ if triton is not None:
     def _mla_attention(ql_ptr, qr_ptr, kv_ptr, rows_ptr, pos_ptr, qidx_ptr, out_ptr, part_ptr, lse_ptr,
                        S, TQ, H, split_len, scale, sql_t, sql_h, sqr_t, sqr_h, s_kv, s_rows, s_pos, s_qidx,
                        R: tl.constexpr, DR: tl.constexpr, BR: tl.constexpr, BDR: tl.constexpr, BM: tl.constexpr,
-                       BS: tl.constexpr, SPLIT: tl.constexpr):
+                       BS: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
         n = tl.program_id(0).to(tl.int64)
         sp = tl.program_id(2)
         m = tl.program_id(1) * BM + tl.arange(0, BM)  # query rows: (token t, head h) = (m // H, m % H)
@@ -66,10 +72,8 @@ if triton is not None:
                      mask=m_ok[:, None] & r_ok[None, :], other=0.0)
         qr = tl.load(qr_ptr + token[:, None] * sqr_t + h[:, None] * sqr_h + dd[None, :],
                      mask=m_ok[:, None] & d_ok[None, :], other=0.0)
-        # every dot in fp32 ("ieee": tl.dot would take tf32 for fp32 inputs), the same arithmetic on the device
-        # and in the interpreter (whose bf16 dots multiply the raw bits): fp32 products of bf16 / fp16 inputs
-        # are exact, and the fp32 weights times the fp32 latents are the torch path's product
-        ql, qr = ql.to(tl.float32), qr.to(tl.float32)
+        if UPCAST:  # fp32 dots (module docstring)
+            ql, qr = ql.to(tl.float32), qr.to(tl.float32)
         lo = sp * split_len
         hi = tl.minimum(tl.minimum(lo + split_len, S), tl.max(pos, axis=0) + 1)  # nothing past the last visible
         run_max = tl.full([BM], float("-inf"), tl.float32)
@@ -84,8 +88,11 @@ if triton is not None:
             rope = tl.load(kv_ptr + row[:, None] * s_kv + R + dd[None, :], mask=k_ok[:, None] & d_ok[None, :],
                            other=0.0)
             lat_f = lat.to(tl.float32)
-            scores = tl.dot(ql, tl.trans(lat_f), input_precision="ieee") + \
-                tl.dot(qr, tl.trans(rope.to(tl.float32)), input_precision="ieee")
+            if UPCAST:
+                scores = tl.dot(ql, tl.trans(lat_f), input_precision=PREC) + \
+                    tl.dot(qr, tl.trans(rope.to(tl.float32)), input_precision=PREC)
+            else:  # 16-bit inputs on tensor cores: exact products, fp32 sums
+                scores = tl.dot(ql, tl.trans(lat)) + tl.dot(qr, tl.trans(rope))
             seen = (ks[None, :] <= pos[:, None]) & k_ok[None, :]
             scores = tl.where(seen, scores * scale, float("-inf"))
             new_max = tl.maximum(run_max, tl.max(scores, axis=1))
@@ -93,7 +100,7 @@ if triton is not None:
             rescale = tl.exp(run_max - base)
             p = tl.exp(scores - base[:, None])
             denom = denom * rescale + tl.sum(p, axis=1)
-            acc = acc * rescale[:, None] + tl.dot(p, lat_f, input_precision="ieee")
+            acc = acc * rescale[:, None] + tl.dot(p, lat_f, input_precision=PREC)
             run_max = new_max
         o = acc / tl.where(denom > 0, denom, 1.0)[:, None]
         if SPLIT:  # this range's normalized output and log-sum-exp, merged by _mla_merge
@@ -136,8 +143,9 @@ def _programs_wanted(device: torch.device) -> int:
 
 def paged_mla_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, hist_rows: torch.Tensor,
                         q_pos: torch.Tensor, q_index: torch.Tensor, scale: float, r: int,
-                        splits: int | None = None) -> torch.Tensor:
+                        splits: int | None = None, tensor_cores: bool | None = None) -> torch.Tensor:
     """-> o_lat [N, Tq, H, R] (module docstring)."""
+    tensor_cores = kv.is_cuda if tensor_cores is None else tensor_cores
     assert supports(q_lat, q_rope, kv, hist_rows, r)
     (n, s), tq = hist_rows.shape, q_pos.shape[1]
     heads, dr = q_lat.shape[1], q_rope.shape[-1]
@@ -159,6 +167,7 @@ def paged_mla_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Ten
         q_lat, q_rope, kv, hist_rows, q_pos, q_index, out, part, lse, s, tq, heads, split_len, float(scale),
         q_lat.stride(0), q_lat.stride(1), q_rope.stride(0), q_rope.stride(1), kv.stride(0), hist_rows.stride(0),
         q_pos.stride(0), q_index.stride(0), R=r, DR=dr, BR=br, BDR=bdr, BM=_BM, BS=bs, SPLIT=splits > 1,
+        UPCAST=not tensor_cores or kv.dtype == torch.float32, PREC="tf32x3" if tensor_cores else "ieee",
         num_warps=4 if br <= 256 else 8)
     if splits > 1:
         _mla_merge[(n * tq * heads,)](part, lse, out, splits, R=r, BR=br, BSP=max(2, triton.next_power_of_2(splits)))

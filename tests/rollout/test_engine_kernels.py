@@ -42,7 +42,7 @@ _SCRIPT = textwrap.dedent("""
         os.environ["MILES_K3_KERNELS"] = value
         kernels.reset()
 
-    got, launches = run()
+    got, launches = run(mla_attention="triton")
     assert {"_rms_norm", "_gated_rms_norm", "_attn_res_mix", "_situ_glu", "_short_conv", "_kda_gate", "_route",
             "_align", "_combine", "_mla_attention"} <= set(launches), launches
     set_mode("0")
@@ -54,8 +54,8 @@ _SCRIPT = textwrap.dedent("""
 
     set_mode("interpret")  # speculation: verify forward and fold through the kernels, lossless against plain
     drafter = ScriptedDrafter({tuple(p): c.output_ids for p, c in zip(prompts, want)}, wrong=0.3)
-    spec, launches = run(speculation=SpecConfig(drafter=drafter, gamma=3))
-    assert launches.get("_kda_gate", 0) > 0
+    spec, launches = run(speculation=SpecConfig(drafter=drafter, gamma=3), mla_attention="triton")
+    assert launches.get("_kda_gate", 0) > 0 and launches.get("_mla_attention", 0) > 0
     for a, b in zip(spec, want):
         assert a.output_ids == b.output_ids
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
@@ -72,7 +72,7 @@ _SCRIPT = textwrap.dedent("""
             kv = torch.randn(300, 256 + 64).to(dtype)
             paged_mla_attention(torch.randn(2, 8, 256).to(dtype), torch.randn(2, 8, 64).to(dtype), kv,
                                 torch.randint(0, 300, (2, 200)), torch.tensor([[150], [199]]),
-                                torch.tensor([[0], [1]]), 0.06, 256, splits=3)
+                                torch.tensor([[0], [1]]), 0.06, 256, splits=3, tensor_cores=True)  # the device's
     with open(os.environ["LAUNCHES_JSON"], "w") as f:
         json.dump(record, f)
     print("ok")

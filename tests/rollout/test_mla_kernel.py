@@ -9,3 +9,16 @@ from tests.rollout.interpreted import assert_interpreted_ok
 
 def test_paged_mla_kernel_equals_the_absorbed_attention_in_fp64():
     assert_interpreted_ok("from tests.rollout.mla_cases import run_all\nrun_all()\nprint('ok')", timeout=600)
+
+
+def test_mla_attention_is_validated():
+    import pytest
+
+    from rollout.config import EngineConfig
+    from rollout.engine import Engine
+    from tests.rollout.common import MODEL
+
+    with pytest.raises(ValueError, match="EngineConfig.mla_attention must be one of"):
+        EngineConfig(memory_bytes=1 << 20, mla_attention="flash")
+    with pytest.raises(ValueError, match="mla_attention='triton' needs the model on CUDA"):
+        Engine(MODEL, EngineConfig(memory_bytes=4 << 20, mla_attention="triton"))

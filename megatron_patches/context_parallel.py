@@ -207,6 +207,9 @@ class MegatronCP(ContextParallel):
         state = halo_state(prev, layout.segment[0], layout.segment_start_of_sequence(self.rank), len(bounds) - 1)
         return segment_conv(x, weight, bounds, state), None
 
+    def short_convs(self, xs, weights, *, states, cu_seqlens):
+        return [self.short_conv(x, w, state=s, cu_seqlens=cu_seqlens) for x, w, s in zip(xs, weights, states)]
+
     def kda(self, q, k, v, g, beta, *, initial_state, output_final_state, cu_seqlens, use_qk_l2norm):
         self._training_only(cu_seqlens, initial_state, output_final_state)
         layout = self._current(q)

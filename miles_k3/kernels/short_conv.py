@@ -30,6 +30,8 @@ slot (the engine's padding rows on its sink) leave that slot undefined.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 import triton
@@ -41,19 +43,30 @@ MAX_BT = 16  # tokens per time block
 
 
 @triton.jit(do_not_specialize=["T"])  # T = 1 (decode) would otherwise make a constexpr of it
-def _short_conv(x_ptr, w_ptr, s_ptr, y_ptr, out_s_ptr, idx_ptr, T, D,
+def _short_conv(xs, ws, ss, ys, out_ss, idx_ptr, T, D, ND,
                 sx_b, sx_t, sx_d, sw_d, sw_j, ss_b, ss_d, ss_j, os_b, os_d, os_j,
                 W: tl.constexpr, HAS_STATE: tl.constexpr, SILU: tl.constexpr, IN_PLACE: tl.constexpr,
-                BT: tl.constexpr, BD: tl.constexpr):
+                G: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
     tb = tl.program_id(0)
     b = tl.program_id(2).to(tl.int64)
+    # program_id(1) walks the G convolutions' channel blocks: this program's convolution is g, its tensors
+    # the g-th of each tuple (one stride set serves all G: `supports_group`)
+    g = tl.program_id(1) // ND
+    x_ptr, w_ptr, s_ptr, y_ptr, out_s_ptr = xs[0], ws[0], ss[0], ys[0], out_ss[0]
+    for i in tl.static_range(1, G):
+        if g == i:
+            x_ptr = xs[i]
+            w_ptr = ws[i]
+            s_ptr = ss[i]
+            y_ptr = ys[i]
+            out_s_ptr = out_ss[i]
     if IN_PLACE:  # row b's state is slot idx[b] of a pool, read and rewritten there (out_s_ptr == s_ptr)
         slot = tl.load(idx_ptr + b).to(tl.int64)
     else:
         slot = b
     # int64 positions: t * stride reaches past 2**31 on long rows of a wide GEMM output
     t = (tb * BT).to(tl.int64) + tl.arange(0, BT)
-    d = tl.program_id(1) * BD + tl.arange(0, BD)
+    d = (tl.program_id(1) % ND) * BD + tl.arange(0, BD)
     d_ok = d < D
     t_ok = t < T
     x_row = x_ptr + b * sx_b
@@ -106,6 +119,27 @@ def supports(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None,
     return cu_seqlens is None and all(t.dtype in DTYPES and t.device == x.device for t in tensors)
 
 
+def supports_group(xs: Sequence[torch.Tensor], weights: Sequence[torch.Tensor],
+                   states: Sequence[torch.Tensor | None] | None, pooled: bool = False) -> bool:
+    """Whether `causal_short_convs` (or, `pooled`, `causal_short_convs_` with `states` the pools) takes these
+    convolutions in one launch: each as `supports` (in place: `supports_in_place`) with the shapes the
+    single calls check, and one dtype and stride set per kind of tensor across the group (a KDA layer's q,
+    k, v: column slices of one GEMM output, their weights, their planes of the conv pool)."""
+    x, w = xs[0], weights[0]
+    if x.dim() != 3 or w.dim() != 2 or w.shape[0] != x.shape[2] or len(xs) != len(weights):
+        return False
+    (B, T, D), width = x.shape, w.shape[1]
+    state_shape = (None if states is None else (states[0].shape[0], D, width - 1) if pooled else (B, D, width - 1))
+    if states is not None and (len(states) != len(xs) or any(s.shape != state_shape for s in states)):
+        return False
+    same = all(t.shape == x.shape and t.dtype == x.dtype and t.stride() == x.stride() for t in xs) and \
+        all(t.shape == w.shape and t.dtype == w.dtype and t.stride() == w.stride() for t in weights) and \
+        (states is None or all(t.dtype == states[0].dtype and t.stride() == states[0].stride() for t in states))
+    single = supports_in_place(x, w, states[0]) if pooled else supports(x, w, None if states is None else states[0],
+                                                                        None)
+    return same and single and all(t.device == x.device for t in (*xs, *weights, *(states or ())))
+
+
 def _blocks(T: int, D: int) -> tuple[int, int]:
     bt = min(MAX_BT, triton.next_power_of_2(max(T, 1)))
     return bt, min(triton.next_power_of_2(D), 2048 // bt)  # decode: a row's channels in one or a few programs
@@ -121,33 +155,52 @@ def causal_short_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor
                       silu: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """x [B, T, D], weight [D, W], state [B, D, W-1] or None -> (y [B, T, D], new state [B, D, W-1]) in one
     launch (module docstring); `silu` False leaves the convolution without activation."""
-    B, T, D = x.shape
-    W = weight.shape[1]
-    assert weight.shape == (D, W) and (state is None or state.shape == (B, D, W - 1))
-    new_state = torch.empty(B, D, W - 1, dtype=(state if state is not None else x).dtype, device=x.device)
-    y = _launch(x, weight, state, new_state, None, silu)
-    return y, new_state
+    return causal_short_convs([x], [weight], None if state is None else [state], silu)[0]
+
+
+def causal_short_convs(xs: Sequence[torch.Tensor], weights: Sequence[torch.Tensor],
+                       states: Sequence[torch.Tensor] | None, silu: bool = True
+                       ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`causal_short_conv` of each (x, weight, state) in one launch (`supports_group`; states all given or
+    None) -> [(y, new state)] in order."""
+    B, T, D = xs[0].shape
+    W = weights[0].shape[1]
+    assert weights[0].shape == (D, W) and (states is None or states[0].shape == (B, D, W - 1))
+    dtype = (states[0] if states is not None else xs[0]).dtype
+    new_states = [torch.empty(B, D, W - 1, dtype=dtype, device=xs[0].device) for _ in xs]
+    ys = _launch(xs, weights, states, new_states, None, silu)
+    return list(zip(ys, new_states))
 
 
 def causal_short_conv_(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor, index: torch.Tensor,
                        silu: bool = True) -> torch.Tensor:
     """As `causal_short_conv` with row b's state in slot index[b] of `pool` [slots, D, W-1] (any strides),
     rewritten there with the new state (`supports_in_place`) -> y."""
-    B, T, D = x.shape
-    assert pool.shape[1:] == (D, weight.shape[1] - 1) and index.shape == (B,) and supports_in_place(x, weight, pool)
-    return _launch(x, weight, pool, pool, index, silu)
+    return causal_short_convs_([x], [weight], [pool], index, silu)[0]
 
 
-def _launch(x, weight, state, out_state, index, silu) -> torch.Tensor:
-    B, T, D = x.shape
-    y = torch.empty(B, T, D, dtype=x.dtype, device=x.device)
+def causal_short_convs_(xs: Sequence[torch.Tensor], weights: Sequence[torch.Tensor], pools: Sequence[torch.Tensor],
+                        index: torch.Tensor, silu: bool = True) -> list[torch.Tensor]:
+    """`causal_short_conv_` of each (x, weight, pool), all rows' slots `index`, in one launch
+    (`supports_group(pooled=True)`) -> [y] in order."""
+    B, T, D = xs[0].shape
+    assert pools[0].shape[1:] == (D, weights[0].shape[1] - 1) and index.shape == (B,)
+    assert supports_in_place(xs[0], weights[0], pools[0])
+    return _launch(xs, weights, pools, pools, index, silu)
+
+
+def _launch(xs, weights, states, out_states, index, silu) -> list[torch.Tensor]:
+    B, T, D = xs[0].shape
+    ys = [torch.empty(B, T, D, dtype=x.dtype, device=x.device) for x in xs]
     if B == 0 or D == 0:
-        return y
+        return ys
     bt, bd = _blocks(T, D)
-    s = state if state is not None else x  # any pointer: never read without a state
-    ss = state.stride() if state is not None else (0, 0, 0)
-    grid = (max(1, triton.cdiv(T, bt)), triton.cdiv(D, bd), B)
-    _short_conv[grid](x, weight, s, y, out_state, index if index is not None else x, T, D, *x.stride(),
-                      *weight.stride(), *ss, *out_state.stride(), W=weight.shape[1], HAS_STATE=state is not None,
-                      SILU=silu, IN_PLACE=index is not None, BT=bt, BD=bd)
-    return y
+    nd = triton.cdiv(D, bd)
+    ss = tuple(states) if states is not None else tuple(xs)  # any pointers: never read without a state
+    s_strides = states[0].stride() if states is not None else (0, 0, 0)
+    grid = (max(1, triton.cdiv(T, bt)), len(xs) * nd, B)
+    _short_conv[grid](tuple(xs), tuple(weights), ss, tuple(ys), tuple(out_states),
+                      index if index is not None else xs[0], T, D, nd, *xs[0].stride(), *weights[0].stride(),
+                      *s_strides, *out_states[0].stride(), W=weights[0].shape[1], HAS_STATE=states is not None,
+                      SILU=silu, IN_PLACE=index is not None, G=len(xs), BT=bt, BD=bd)
+    return ys

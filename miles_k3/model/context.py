@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from miles_k3.ops.kda import kda
-from miles_k3.ops.short_conv import causal_short_conv
+from miles_k3.ops.short_conv import causal_short_conv, causal_short_convs
 
 
 class ContextParallel:
@@ -48,6 +48,12 @@ class ContextParallel:
         """`causal_short_conv` over this rank's segment, with the previous tokens of a sequence that started
         on an earlier rank."""
         return causal_short_conv(x, weight, state=state, cu_seqlens=cu_seqlens)
+
+    def short_convs(self, xs: list[torch.Tensor], weights: list[torch.Tensor], *, states: list,
+                    cu_seqlens: torch.Tensor | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """`short_conv` of each (x, weight, state): a KDA layer's q, k, v, in one kernel launch where the
+        op's kernel takes them (`causal_short_convs`). A split subclass overrides this with its own."""
+        return causal_short_convs(xs, weights, states=states, cu_seqlens=cu_seqlens)
 
     def kda(self, q, k, v, g, beta, *, initial_state, output_final_state, cu_seqlens, use_qk_l2norm):
         """The `kda` op over this rank's segment, starting from the state an earlier rank's part of the

@@ -82,12 +82,11 @@ class KDAMixer(nn.Module):
         b, t, _ = x.shape
         heads = (b, t, self.heads, c.kda_head_dim)
         prev = cache.kda_state(self.layer_idx) if cache is not None else None
-        qkv, conv = [], []
-        for p, state in zip("qkv", prev[:3] if prev is not None else (None,) * 3):
-            y, new_state = cp.short_conv(getattr(self, f"{p}_proj")(x), getattr(self, f"{p}_conv1d").weight,
-                                         state=state, cu_seqlens=cu_seqlens)
-            qkv.append(y.view(heads))
-            conv.append(new_state)
+        convs = cp.short_convs([getattr(self, f"{p}_proj")(x) for p in "qkv"],
+                               [getattr(self, f"{p}_conv1d").weight for p in "qkv"],
+                               states=list(prev[:3]) if prev is not None else [None] * 3, cu_seqlens=cu_seqlens)
+        qkv = [y.view(heads) for y, _ in convs]
+        conv = [new_state for _, new_state in convs]
         g, beta = kda_gate_beta(self.f_b_proj(self.f_a_proj(x)), self.b_proj(x), self.A_log, self.dt_bias,
                                 num_heads=self.heads, form=c.kda_gate_form, lower_bound=c.kda_gate_lower_bound)
         o, recurrent = cp.kda(*qkv, g, beta,

@@ -10,6 +10,8 @@ says so and the kernel takes the call: the engine's decode and verify steps.
 Packed rows (cu_seqlens) run the code below, the definition that kernel is
 tested against, on every device; fla's ``causal_conv1d``
 (fla.modules.convolution) could take them on CUDA once tested against it.
+`causal_short_convs` is several such calls (a KDA layer's q, k and v) in one
+launch where the kernel takes them together.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch.nn.functional as F
 from miles_k3.kernels import use_kernels
 from miles_k3.ops.kda import PooledState, _cu_seqlens_bounds, math_dtype
 
-__all__ = ["causal_short_conv"]
+__all__ = ["causal_short_conv", "causal_short_convs"]
 
 _ACTIVATIONS = ("silu", None)
 
@@ -152,3 +154,32 @@ def _pooled(x: torch.Tensor, weight: torch.Tensor, state: PooledState, cu_seqlen
                                activation=activation)
     pool.index_copy_(0, index, new)
     return y, state
+
+
+def causal_short_convs(xs: list[torch.Tensor], weights: list[torch.Tensor], *,
+                       states: list[torch.Tensor | PooledState | None],
+                       cu_seqlens: torch.Tensor | None = None,
+                       activation: str | None = "silu") -> list[tuple[torch.Tensor, torch.Tensor | PooledState]]:
+    """``[causal_short_conv(x, w, state=s, cu_seqlens=..., activation=...) for x, w, s in zip(...)]``, the same
+    values; one kernel launch for all of them where `use_kernels` says so and the kernel takes the group
+    (`miles_k3.kernels.short_conv.supports_group`: one shape, dtype and stride set per kind of tensor; the
+    states all tensors, all None, or all `PooledState`s of one index, stepped in place). A KDA layer's q, k, v
+    are such a group in the engine: three launches a layer become one."""
+    if activation not in _ACTIVATIONS:
+        raise ValueError(f"`activation` must be one of {_ACTIVATIONS}, got {activation!r}")
+    if len(xs) > 1 and cu_seqlens is None and use_kernels(xs[0]):
+        from miles_k3.kernels import short_conv as kernels  # imported here: CPU installs never load triton
+
+        flat = [w.squeeze(1) if w.dim() == 3 and w.shape[1] == 1 else w for w in weights]
+        silu = activation == "silu"
+        if all(isinstance(st, PooledState) for st in states) and all(st.index is states[0].index for st in states):
+            pools = [st.pool for st in states]
+            if states[0].index.shape == (xs[0].shape[0],) and kernels.supports_group(xs, flat, pools, pooled=True):
+                ys = kernels.causal_short_convs_(xs, flat, pools, states[0].index, silu=silu)
+                return list(zip(ys, states))
+        elif all(st is None for st in states) or all(isinstance(st, torch.Tensor) for st in states):
+            plain = None if states[0] is None else states
+            if kernels.supports_group(xs, flat, plain):
+                return kernels.causal_short_convs(xs, flat, plain, silu=silu)
+    return [causal_short_conv(x, w, state=st, cu_seqlens=cu_seqlens, activation=activation)
+            for x, w, st in zip(xs, weights, states)]

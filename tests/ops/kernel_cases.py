@@ -11,7 +11,7 @@ from miles_k3.ops.glu import situ_glu
 from miles_k3.ops.kda import kda_gate_beta
 from miles_k3.ops.norm import gated_rms_norm, rms_norm
 from miles_k3.ops.router import route_tokens
-from miles_k3.ops.short_conv import causal_short_conv
+from miles_k3.ops.short_conv import causal_short_conv, causal_short_convs
 
 
 def op_calls(device: str, dtype: torch.dtype, seed: int = 0) -> dict[str, Callable[[], object]]:
@@ -29,6 +29,8 @@ def op_calls(device: str, dtype: torch.dtype, seed: int = 0) -> dict[str, Callab
     conv_w, state = rand(96 * 4, 1, 4, scale=0.5), rand(4, 96 * 4, 3).to(dtype)
     block, row = rand(4, 5, 96 * 4).to(dtype), rand(2, 21, 96 * 4).to(dtype)  # a verify step's; a prefill's
     f, b, a_log, dt = rand(4, 1, 96 * 4).to(dtype), rand(4, 1, 4).to(dtype), rand(4), rand(96 * 4)
+    qkv, planes = rand(4, 1, 3 * 96 * 4 + 8).to(dtype), rand(4, 3, 96 * 4, 3).to(dtype)  # one GEMM's q | k | v
+    group = ([qkv[..., i * 384:(i + 1) * 384] for i in range(3)], [conv_w] * 3, [planes[:, i] for i in range(3)])
     logits, bias = rand(64, 896), rand(896, scale=0.1)  # the router's GEMM output is fp32
     return {
         "rms_norm": lambda: rms_norm(x, w, 1e-5),
@@ -38,6 +40,7 @@ def op_calls(device: str, dtype: torch.dtype, seed: int = 0) -> dict[str, Callab
         "short_conv": lambda: causal_short_conv(hk[:, None], conv_w, state=state)[0],
         "short_conv_block": lambda: causal_short_conv(block, conv_w, state=state)[0],
         "short_conv_no_state": lambda: causal_short_conv(row, conv_w)[0],
+        "short_convs": lambda: torch.cat([y for y, _ in causal_short_convs(*group[:2], states=group[2])], -1),
         "kda_gate": lambda: kda_gate_beta(f, b, a_log, dt, num_heads=4, form="lower_bound")[0],
         "route": lambda: route_tokens(logits, bias, 16),
     }

@@ -227,6 +227,56 @@ _CONV_POOLED = _PRELUDE + textwrap.dedent("""
     print("ok")
 """)
 
+_CONV_GROUP = _PRELUDE + textwrap.dedent("""
+    # a KDA layer's q, k, v in one launch (`causal_short_convs`): each output and state is the single kernel
+    # call's bit for bit (the same arithmetic per channel), so the definition's bounds carry over
+    from miles_k3 import kernels
+    from miles_k3.ops.kda import PooledState
+    from miles_k3.ops.short_conv import causal_short_convs
+    W, D, SLOTS = 4, 70, 9
+
+    def launched(fn, *args, **kwargs):
+        with kernels.interpreted_launches() as launches:
+            out = kernel(fn, *args, **kwargs)
+        return out, launches.get("_short_conv", 0)
+
+    for dtype in (torch.float32, torch.bfloat16):
+        for T in (1, 3, 20):  # decode, a verify step, past one time block (plain states; pooled: gathered)
+            wide = torch.randn(5, T, 3 * D + 5, generator=g).to(dtype)  # one GEMM's output, q | k | v columns
+            xs = [wide[..., i * D:(i + 1) * D] for i in range(3)]
+            ws = [torch.randn(D, 1, W, generator=g) for _ in range(3)]
+            pool = torch.randn(SLOTS, 3, D, W - 1, generator=g).to(dtype)
+            index = torch.tensor([4, 0, 7, 1, 2])
+            before = pool.clone()
+            singles = [kernel(causal_short_conv, x, w, state=before[:, i][index]) for i, (x, w) in enumerate(zip(xs, ws))]
+            refs = [definition(causal_short_conv, x, w, state=before[:, i][index]) for i, (x, w) in enumerate(zip(xs, ws))]
+            got, n = launched(causal_short_convs, xs, ws, states=[PooledState(pool[:, i], index) for i in range(3)])
+            assert n == (1 if T <= 16 else 3), (T, n)  # past one time block: each gathered and scattered
+            for i, ((y, back), (y1, s1), (_, s_ref)) in enumerate(zip(got, singles, refs)):
+                assert isinstance(back, PooledState) and back.index is index
+                assert torch.equal(y, y1) and torch.equal(pool[:, i][index], s1), (dtype, T, i)
+                assert torch.equal(s1, s_ref.to(dtype))
+            plain, n = launched(causal_short_convs, xs, ws, states=[before[:, i][index] for i in range(3)])
+            assert n == 1 and all(torch.equal(y, y1) and torch.equal(s, s1)
+                                  for (y, s), (y1, s1) in zip(plain, singles)), (dtype, T)
+            fresh, n = launched(causal_short_convs, xs, ws, states=[None] * 3)
+            assert n == 1 and all(torch.equal(y, kernel(causal_short_conv, x, w)[0])
+                                  for (y, _), x, w in zip(fresh, xs, ws))
+            # a group the kernel cannot take at once (one x with other strides): one launch each, same values
+            odd = [xs[0].contiguous(), xs[1], xs[2]]
+            mixed, n = launched(causal_short_convs, odd, ws, states=[before[:, i][index] for i in range(3)])
+            assert n == 3 and all(torch.equal(y, y1) for (y, _), (y1, _) in zip(mixed, singles))
+    # the definition when autograd is on: no launch
+    with kernels.interpreted_launches() as launches:
+        definition(causal_short_convs, xs, ws, states=[None] * 3)
+    assert launches == {}, launches
+    print("ok")
+""")
+
+
+def test_a_kda_layers_three_short_convs_run_in_one_launch_as_three_single_calls_would():
+    assert_interpreted_ok(_CONV_GROUP, timeout=180)
+
 
 def test_a_pooled_short_conv_state_is_rewritten_in_its_slot_as_the_gathered_call_would():
     assert_interpreted_ok(_CONV_POOLED, timeout=120)

@@ -44,7 +44,7 @@ def history_rows(table: torch.Tensor, ends: torch.Tensor, s: int, page_size: int
                  zero_page: int) -> torch.Tensor:
     """[N, ceil(s / size)]: this rank's KV row of each of its history positions, the zero page's first row
     for positions at or past a request's end."""
-    pos = local_positions(s, size, rank)[None, :].expand(table.shape[0], -1)
+    pos = local_positions(s, size, rank, table.device)[None, :].expand(table.shape[0], -1)
     rows = kv_rows(table, pos, page_size, size)
     return torch.where(pos < ends[:, None], rows, zero_page * (page_size // size))
 

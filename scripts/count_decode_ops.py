@@ -245,6 +245,8 @@ def main(argv: list[str] | None = None) -> dict:
                     help="count with miles_k3's Triton kernels, each launch one op (runs them interpreted)")
     ap.add_argument("--by-line", type=int, nargs="?", const=25, metavar="N",
                     help="also attribute the step's ops to source lines and print the N (25) lines with most")
+    ap.add_argument("--mla-attention", choices=["torch", "triton"], default="torch",
+                    help="EngineConfig.mla_attention (triton needs --kernels on CPU: the interpreter runs it)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     if args.kernels and not _interpreting():
@@ -253,8 +255,8 @@ def main(argv: list[str] | None = None) -> dict:
     lora = LoraSpec(rank=16) if args.adapter else None
     model, pool = build_engine_model(config, reference_state(config, 0), lora=lora, max_adapters=1,
                                      quantize="experts" if args.adapter else "none", dtype=torch.bfloat16)
-    engine = Engine(model, EngineConfig(memory_bytes=256 << 20, max_running=4, chunk_size=32, max_prefill_tokens=64),
-                    adapters=pool)
+    engine = Engine(model, EngineConfig(memory_bytes=256 << 20, max_running=4, chunk_size=32, max_prefill_tokens=64,
+                                        mla_attention=args.mla_attention), adapters=pool)
     adapter = None
     if args.adapter:
         g = torch.Generator().manual_seed(0)

@@ -137,16 +137,14 @@ def main(argv: list[str] | None = None) -> dict:
     name = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu"
     print(f"\nMLA decode attention, {args.preset} ({config.mla_num_heads} heads, R={config.kv_lora_rank}, "
           f"Dr={config.qk_rope_head_dim}), {args.dtype}, {name}, median of {args.steps}")
-    print(f"{'batch':>6s} {'history':>8s} {'MB read':>8s} {'torch us':>9s} {'GB/s':>6s} {'kernel us':>10s} "
-          f"{'GB/s':>6s} {'speedup':>8s} {'max diff':>9s}")
-
-    def cell(r, key, width, spec):
-        return f"{r[key]:{width}{spec}}" if r.get(key) is not None else f"{'-':>{width}s}"
-
-    for r in rows:
-        print(f"{r['batch']:6d} {r['history']:8d} {r['history_mb']:8.1f} {cell(r, 'torch_us', 9, '.1f')} "
-              f"{cell(r, 'torch_gb_s', 6, '.0f')} {cell(r, 'kernel_us', 10, '.1f')} {cell(r, 'kernel_gb_s', 6, '.0f')} "
-              f"{cell(r, 'speedup', 7, '.2f') + ('x' if r.get('speedup') else ' ')} {cell(r, 'max_abs_diff', 9, '.1e')}")
+    columns = [("batch", "batch", 6, "d"), ("history", "history", 8, "d"), ("MB read", "history_mb", 8, ".1f"),
+               ("torch us", "torch_us", 9, ".1f"), ("GB/s", "torch_gb_s", 6, ".0f"),
+               ("kernel us", "kernel_us", 10, ".1f"), ("GB/s", "kernel_gb_s", 6, ".0f"),
+               ("speedup", "speedup", 8, ".2f"), ("max diff", "max_abs_diff", 9, ".1e")]
+    print(" ".join(f"{head:>{width}s}" for head, _, width, _ in columns))
+    for r in rows:  # a dash where a path did not run
+        print(" ".join(f"{r[key]:{width}{spec}}" if r.get(key) is not None else f"{'-':>{width}s}"
+                       for _, key, width, spec in columns))
     result = {"rows": rows, "device": name, "torch": torch.__version__, "preset": args.preset, "dtype": args.dtype,
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "command": "python scripts/bench_mla.py " + " ".join(sys.argv[1:] if argv is None else argv)}

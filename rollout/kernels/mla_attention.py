@@ -14,7 +14,7 @@ Contract of `paged_mla_attention(q_lat, q_rope, kv, hist_rows, q_pos, q_index, s
 - q_lat [Ttok, H, R] and q_rope [Ttok, H, Dr]: the step's queries mapped into the latent space, in input
   order, one dtype with kv (fp32 / bf16 / fp16), last dim contiguous, any other strides.
 - kv [rows, R + Dr]: the layer's page buffer (each row a position's normed latent, then its shared rope
-  key), rows contiguous.
+  key), last dim contiguous, any row stride (the unified arena's buffers interleave layers).
 - hist_rows [N, S], q_pos [N, Tq], q_index [N, Tq]: integer tensors of the step's `BatchLayout`: query (n, t)
   is input token q_index[n, t] and sees history positions 0..q_pos[n, t], read from rows hist_rows[n, :].
 - returns o_lat [N, Tq, H, R] in kv's dtype: softmax over the visible positions of (q . key) * scale,
@@ -22,8 +22,9 @@ Contract of `paged_mla_attention(q_lat, q_rope, kv, hist_rows, q_pos, q_index, s
 - math in fp32: scores from exact products of bf16 / fp16 inputs (fp32 ones: fp32 or 3xTF32 products) summed
   in fp32, softmax and weighted sum in fp32 (the probabilities times the latents in 3xTF32 on the device,
   about fp32's precision; a bf16 latent is exact in TF32), rounded once to kv's dtype. The summation
-  orders and the online rescaling differ from the torch path's, so the results agree to fp32 rounding, not bit
-  for bit (tests/rollout/test_mla_kernel.py holds it against the torch path).
+  orders and the online rescaling differ from the torch path's, so the two agree to fp32 rounding, not bit
+  for bit (tests/rollout/mla_cases.py holds the kernel to an fp64 reference: fp32 within 1e-5, bf16 within
+  one ulp of the exact value).
 
 Dots: on the device (`tensor_cores`, default on CUDA) the scores of 16-bit inputs run on tensor cores in
 their dtype and every fp32 dot as 3xTF32; elsewhere (Triton's interpreter, whose 16-bit dots multiply the raw

@@ -252,6 +252,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--vocab-size", type=int, default=32)
     ap.add_argument("--k3-form", action="store_true", help="also time miles-train on the K3 form (MXFP4 experts)")
     ap.add_argument("--skip-trl", action="store_true")
+    ap.add_argument("--skip-ours", action="store_true", help="TRL alone (a device call of its own at RL lengths; "
+                    "compare against our rows of another call only as an estimate: machines differ)")
     ap.add_argument("--work-dir", type=Path, default=None, help="run dirs and the base checkpoint (default: temp)")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--reuse", action="store_true", help="keep a system's finished run of at least --steps steps "
@@ -261,6 +263,8 @@ def main(argv: list[str] | None = None) -> dict:
         raise ValueError("--reuse needs --work-dir: the runs to reuse live there")
     if args.trl_micro_batch is not None and (args.prompts * args.samples) % args.trl_micro_batch:
         raise ValueError(f"--trl-micro-batch ({args.trl_micro_batch}) must divide --prompts x --samples")
+    if args.skip_ours and args.skip_trl:
+        raise ValueError("--skip-ours with --skip-trl leaves nothing to run")
     if args.steps <= args.warmup:
         raise ValueError(f"--steps ({args.steps}) must exceed --warmup ({args.warmup})")
 
@@ -271,10 +275,11 @@ def main(argv: list[str] | None = None) -> dict:
     per_step = args.prompts * args.samples
     results, rows = {}, []
 
-    results["miles-k3 (kimi-linear form, no MXFP4)"] = run_ours(
-        args, work / "ours_kimi", [f"model.path={base_dir}", "model.preset=null", "model.vocab_size=null"],
-        ["rollout.quantize=none"])
-    if args.k3_form:
+    if not args.skip_ours:
+        results["miles-k3 (kimi-linear form, no MXFP4)"] = run_ours(
+            args, work / "ours_kimi", [f"model.path={base_dir}", "model.preset=null", "model.vocab_size=null"],
+            ["rollout.quantize=none"])
+    if args.k3_form and not args.skip_ours:
         results["miles-k3 (k3 form, mxfp4 experts)"] = run_ours(
             args, work / "ours_k3", [f"model.preset={args.preset}", "model.path=null",
                                      f"model.vocab_size={args.vocab_size}"], ["rollout.quantize=experts"])

@@ -79,6 +79,9 @@ run_job() {
     grpo1k) job grpo1k python scripts/bench_grpo_trl.py --device cuda --preset k3-small --steps 2 --warmup 1 \
         --prompts 64 --samples 8 --max-new-tokens 1024 --ignore-eos --trl-micro-batch 32 --work-dir /tmp/bgt1k \
         --reuse --json "$STATE/grpo1k_vs_trl.json" ;;  # one timed step a side: TRL's alone is minutes
+    grpo1k_trl) job grpo1k_trl python scripts/bench_grpo_trl.py --device cuda --preset k3-small --steps 2 --warmup 1 \
+        --prompts 64 --samples 8 --max-new-tokens 1024 --ignore-eos --trl-micro-batch 32 --skip-ours \
+        --work-dir /tmp/bgt1k --reuse --json "$STATE/grpo1k_trl.json" ;;  # TRL's side alone: a call of its own
     trainmem32) job trainmem32 python scripts/bench_train_memory.py --device cuda --preset k3-small \
         --lengths 4096,16384,32768 --variants baseline,recompute,logprobs --json "$STATE/bench_train_memory_32k.json" ;;
     spectest) job spectest python -m pytest tests/gpu/test_spec_gpu.py -q -m gpu -rA --tb=short -p no:cacheprovider ;;

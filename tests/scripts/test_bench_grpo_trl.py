@@ -46,6 +46,8 @@ def test_our_side_runs_and_reports(tmp_path):
     assert again["rows"] == out["rows"] and (tmp_path / "ours_kimi.log").stat().st_mtime_ns == log_time
     with pytest.raises(ValueError, match="--reuse needs --work-dir"):
         bench.main(["--device", "cpu", "--skip-trl", "--reuse"])
+    with pytest.raises(ValueError, match="leaves nothing to run"):
+        bench.main(["--device", "cpu", "--skip-trl", "--skip-ours"])
 
 
 def test_ignore_eos_runs_every_completion_to_its_length(tmp_path):

@@ -19,16 +19,17 @@ Contract of `paged_mla_attention(q_lat, q_rope, kv, hist_rows, q_pos, q_index, s
   is input token q_index[n, t] and sees history positions 0..q_pos[n, t], read from rows hist_rows[n, :].
 - returns o_lat [N, Tq, H, R] in kv's dtype: softmax over the visible positions of (q . key) * scale,
   times the positions' latents. Padded queries get their own (discarded) rows; nothing else is written.
-- math in fp32: scores from exact products of bf16 / fp16 inputs (fp32 ones: fp32 or 3xTF32 products) summed
-  in fp32, softmax and weighted sum in fp32 (the probabilities times the latents in 3xTF32 on the device,
-  about fp32's precision; a bf16 latent is exact in TF32), rounded once to kv's dtype. The summation
+- math in fp32: scores from exact products (of bf16 / fp16 inputs, or fp32 ones in fp32) summed in fp32,
+  softmax and weighted sum in fp32 (for 16-bit inputs on the device the probabilities times the latents in
+  3xTF32, about fp32's precision: a bf16 latent is exact in TF32), rounded once to kv's dtype. The summation
   orders and the online rescaling differ from the torch path's, so the two agree to fp32 rounding, not bit
   for bit (tests/rollout/mla_cases.py holds the kernel to an fp64 reference: fp32 within 1e-5, bf16 within
   one ulp of the exact value).
 
-Dots: on the device (`tensor_cores`, default on CUDA) the scores of 16-bit inputs run on tensor cores in
-their dtype and every fp32 dot as 3xTF32; elsewhere (Triton's interpreter, whose 16-bit dots multiply the raw
-bits) every dot is an fp32 one. The CPU tests pass `tensor_cores=True` only to record the device's variant for
+Dots: on the device (`tensor_cores`, default on CUDA) 16-bit inputs run their scores on tensor cores in their
+dtype and the weighted sum in 3xTF32; fp32 inputs, and everything in Triton's interpreter (whose 16-bit dots
+multiply the raw bits), run fp32 dots (FMA loops: the first version ran those for bf16 too, and lost to the
+torch path on the H200). The CPU tests pass `tensor_cores=True` only to record the device's variant for
 the sm_90 compile check.
 
 `splits` > 1 (default: enough to give the device about two programs per SM) splits each request's history
@@ -146,7 +147,7 @@ def paged_mla_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Ten
                         q_pos: torch.Tensor, q_index: torch.Tensor, scale: float, r: int,
                         splits: int | None = None, tensor_cores: bool | None = None) -> torch.Tensor:
     """-> o_lat [N, Tq, H, R] (module docstring)."""
-    tensor_cores = kv.is_cuda if tensor_cores is None else tensor_cores
+    fast = (kv.is_cuda if tensor_cores is None else tensor_cores) and kv.dtype != torch.float32
     assert supports(q_lat, q_rope, kv, hist_rows, r)
     (n, s), tq = hist_rows.shape, q_pos.shape[1]
     heads, dr = q_lat.shape[1], q_rope.shape[-1]
@@ -168,8 +169,7 @@ def paged_mla_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Ten
         q_lat, q_rope, kv, hist_rows, q_pos, q_index, out, part, lse, s, tq, heads, split_len, float(scale),
         q_lat.stride(0), q_lat.stride(1), q_rope.stride(0), q_rope.stride(1), kv.stride(0), hist_rows.stride(0),
         q_pos.stride(0), q_index.stride(0), R=r, DR=dr, BR=br, BDR=bdr, BM=_BM, BS=bs, SPLIT=splits > 1,
-        UPCAST=not tensor_cores or kv.dtype == torch.float32, PREC="tf32x3" if tensor_cores else "ieee",
-        num_warps=4 if br <= 256 else 8)
+        UPCAST=not fast, PREC="tf32x3" if fast else "ieee", num_warps=4 if br <= 256 else 8)
     if splits > 1:
         _mla_merge[(n * tq * heads,)](part, lse, out, splits, R=r, BR=br, BSP=max(2, triton.next_power_of_2(splits)))
     return out

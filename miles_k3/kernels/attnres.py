@@ -22,6 +22,10 @@ Contract of `attn_res_mix(h, blocks, norm_weight, proj_weight, eps)` (`supports`
   magnitude, not |out|, which may be smaller where values cancel); the tests hold this bound, reached to
   about half. In bf16 / fp16, within one ulp of the definition's rounded result beyond that.
 
+`add_attn_res_mix(h, add, blocks, ...)` first adds `add` (h's shape and dtype, any strides that merge with the
+sources') to h, rounded to h's dtype as torch's add is, and returns that sum with the mix over blocks and it:
+the layer's residual add before its second mixing site, in the same launch (bit for bit the definition's sum).
+
 With `then_norm` = (weight, eps) the kernel returns the RMSNorm of that mix instead (the layer's norm of its
 mixed input: `miles_k3.ops.attnres.attn_res_mix_rms_norm`), one launch for two: the mix rounded to h's dtype
 as it would be stored, then `norm._rms_norm`'s math on it (normalize in fp32, round to h's dtype, times the
@@ -48,8 +52,9 @@ _TILE = 4096  # elements per program, as in `norm` (short rows get several per p
 
 
 @triton.jit
-def _attn_res_mix(srcs, outer_strides, inner_strides, nw_ptr, pw_ptr, out_ptr, ow_ptr, rows, inner, D, eps, oeps,
-                  L: tl.constexpr, NORM: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+def _attn_res_mix(srcs, outer_strides, inner_strides, nw_ptr, pw_ptr, out_ptr, ow_ptr, hout_ptr, rows, inner, D,
+                  eps, oeps, L: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr, ROWS: tl.constexpr,
+                  BLOCK: tl.constexpr):
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
     ok = (r < rows)[:, None] & (cols < D)[None, :]
@@ -63,6 +68,11 @@ def _attn_res_mix(srcs, outer_strides, inner_strides, nw_ptr, pw_ptr, out_ptr, o
     for i in tl.static_range(L):
         start = outer * outer_strides[i] + within * inner_strides[i]
         v = tl.load(srcs[i] + start[:, None] + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+        if ADD and i == L - 1:  # h + add (srcs[L]) first, rounded to h's dtype as torch's add is, and stored
+            at = outer * outer_strides[L] + within * inner_strides[L]
+            a = tl.load(srcs[L] + at[:, None] + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+            v = round_to(v + a, srcs[i].dtype.element_ty).to(tl.float32)
+            tl.store(hout_ptr + r64[:, None] * D + cols[None, :], round_to(v, hout_ptr.dtype.element_ty), mask=ok)
         # masked rows / columns load zeros: a finite logit (0), never a NaN
         logit = tl.sum(v * q[None, :], axis=1) * tl.rsqrt(tl.sum(v * v, axis=1) / D + eps)
         m_new = tl.maximum(m, logit)
@@ -79,16 +89,16 @@ def _attn_res_mix(srcs, outer_strides, inner_strides, nw_ptr, pw_ptr, out_ptr, o
 
 
 def supports(h: torch.Tensor, blocks: Sequence[torch.Tensor], norm_weight: torch.Tensor,
-             proj_weight: torch.Tensor, then_norm: tuple[torch.Tensor, float] | None = None) -> bool:
+             proj_weight: torch.Tensor, then_norm: tuple[torch.Tensor, float] | None = None,
+             add: torch.Tensor | None = None) -> bool:
     """Whether the kernel takes this call (module docstring); else the definition runs."""
-    sources = (*blocks, h)
+    sources = (*blocks, h) + ((add,) if add is not None else ())
     d = h.shape[-1] if h.dim() else 0
     if then_norm is not None and not norm_kernels.supports(h, then_norm[0]):
         return False
-    return (0 < d <= MAX_D and len(sources) <= MAX_SOURCES and h.dtype in DTYPES
+    return (0 < d <= MAX_D and len(blocks) + 1 <= MAX_SOURCES and h.dtype in DTYPES
             and all(t.shape == h.shape and t.dtype == h.dtype and t.device == h.device and t.stride(-1) == 1
-                    for t in blocks)
-            and h.stride(-1) == 1
+                    for t in sources)
             and norm_weight.shape == (d,) and proj_weight.shape == (1, d)
             and all(w.dtype in DTYPES and w.device == h.device and w.stride(-1) == 1
                     for w in (norm_weight, proj_weight))
@@ -101,22 +111,36 @@ def attn_res_mix(h: torch.Tensor, blocks: Sequence[torch.Tensor], norm_weight: t
     """h and each block [..., D] -> the softmax-weighted mix of blocks + [h], [..., D] in h's dtype; with
     `then_norm` (weight [D], eps), that mix's RMSNorm instead (module docstring)."""
     assert supports(h, blocks, norm_weight, proj_weight, then_norm)
-    sources = (*blocks, h)
+    return _launch(h, blocks, norm_weight, proj_weight, eps, then_norm, None)[1]
+
+
+def add_attn_res_mix(h: torch.Tensor, add: torch.Tensor, blocks: Sequence[torch.Tensor],
+                     norm_weight: torch.Tensor, proj_weight: torch.Tensor, eps: float,
+                     then_norm: tuple[torch.Tensor, float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h + add, `attn_res_mix` over blocks + [h + add]) in one launch: the sum rounded to h's dtype as
+    torch's add rounds it (so bit for bit the definition's), then mixed as that (module docstring)."""
+    assert supports(h, blocks, norm_weight, proj_weight, then_norm, add)
+    return _launch(h, blocks, norm_weight, proj_weight, eps, then_norm, add)
+
+
+def _launch(h, blocks, norm_weight, proj_weight, eps, then_norm, add) -> tuple[torch.Tensor | None, torch.Tensor]:
+    sources = (*blocks, h) + ((add,) if add is not None else ())
     dtype = h.dtype if then_norm is None else torch.promote_types(then_norm[0].dtype, h.dtype)
     out = torch.empty(h.shape, dtype=dtype, device=h.device)
+    h_out = torch.empty(h.shape, dtype=h.dtype, device=h.device) if add is not None else None
     d = h.shape[-1]
     rows = h.numel() // d
     if rows == 0:
-        return out
+        return h_out, out
     inner, strides = row_layout(*sources)
     block = triton.next_power_of_2(d)
     rows_per = max(1, _TILE // block)
     _attn_res_mix[(triton.cdiv(rows, rows_per),)](
         sources, tuple(s for s, _ in strides), tuple(s for _, s in strides), norm_weight, proj_weight, out,
-        norm_weight if then_norm is None else then_norm[0], rows, inner, d, float(eps),
-        0.0 if then_norm is None else float(then_norm[1]), L=len(sources), NORM=then_norm is not None,
-        ROWS=rows_per, BLOCK=block,
+        norm_weight if then_norm is None else then_norm[0], out if h_out is None else h_out, rows, inner, d,
+        float(eps), 0.0 if then_norm is None else float(then_norm[1]), L=len(blocks) + 1,
+        NORM=then_norm is not None, ADD=add is not None, ROWS=rows_per, BLOCK=block,
         # a 7168-wide row holds the running sum, a source and the query: at 8 warps ptxas (sm_90, L = 9) spilled
         # 400 bytes a thread, at 16 240 (its prefetched loads)
         num_warps=min(16, max(4, block * rows_per // 512)))
-    return out
+    return h_out, out

@@ -17,7 +17,7 @@ from miles_k3.model.layout import kda_a_log_shape
 from miles_k3.model.linear import SINGLE, ExpertsFactory, LinearFactory, LinearSpec, TensorParallel
 from miles_k3.model.moe import GLUMLP, LatentMoE
 from miles_k3.model.norm import RMSNorm
-from miles_k3.ops.attnres import attn_res_mix_rms_norm
+from miles_k3.ops.attnres import add_attn_res_mix_rms_norm, attn_res_mix_rms_norm
 from miles_k3.ops.kda import kda_gate_beta
 from miles_k3.ops.mla import mla_attention, packed_causal_attention
 from miles_k3.ops.norm import gated_rms_norm
@@ -206,6 +206,13 @@ class K3DecoderLayer(nn.Module):
         return attn_res_mix_rms_norm(h, blocks, norm.weight, proj.weight, self.config.res_eps, then.weight,
                                      then.eps)
 
+    def _added_mixed_norm(self, h: torch.Tensor, add: torch.Tensor, blocks: list[torch.Tensor], site: str,
+                          then: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h + add, `_mixed_norm` of it): the residual add in the same op (one kernel under `use_kernels`)."""
+        norm, proj = getattr(self, f"{site}_norm"), getattr(self, f"{site}_proj")
+        return add_attn_res_mix_rms_norm(h, add, blocks, norm.weight, proj.weight, self.config.res_eps,
+                                         then.weight, then.eps)
+
     def _sublayer(self, module: nn.Module, x: torch.Tensor, *args) -> torch.Tensor:
         # Sequence parallel: the mixer / MLP sees the whole sequence, the residual stream keeps its slice.
         return self.tp.seq_scatter(module(self.tp.seq_gather(x), *args))
@@ -221,7 +228,7 @@ class K3DecoderLayer(nn.Module):
         attn_out = self._sublayer(self.self_attn, normed, cache, cu_seqlens)
         if self.layer_idx % block_size == 0:
             blocks, h = [*blocks, h], attn_out
+            normed = self._mixed_norm(h, blocks, "mlp_res", self.post_attention_layernorm)
         else:
-            h = h + attn_out
-        normed = self._mixed_norm(h, blocks, "mlp_res", self.post_attention_layernorm)
+            h, normed = self._added_mixed_norm(h, attn_out, blocks, "mlp_res", self.post_attention_layernorm)
         return h + self._sublayer(self.ffn, normed), blocks

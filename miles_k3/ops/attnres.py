@@ -53,3 +53,17 @@ def attn_res_mix_rms_norm(h: torch.Tensor, blocks: Sequence[torch.Tensor], norm_
         if kernels.supports(h, blocks, norm_weight, proj_weight, (out_weight, out_eps)):
             return kernels.attn_res_mix(h, blocks, norm_weight, proj_weight, eps, (out_weight, out_eps))
     return rms_norm(attn_res_mix(h, blocks, norm_weight, proj_weight, eps), out_weight, out_eps)
+
+
+def add_attn_res_mix_rms_norm(h: torch.Tensor, add: torch.Tensor, blocks: Sequence[torch.Tensor],
+                              norm_weight: torch.Tensor, proj_weight: torch.Tensor, eps: float,
+                              out_weight: torch.Tensor, out_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`h = h + add` and `attn_res_mix_rms_norm(h, blocks, ...)` -> (h, normed): a layer's residual add and
+    the norm of the mix after it, which the kernel computes in one launch (the sum bit for bit)."""
+    if use_kernels(h):
+        from miles_k3.kernels import attnres as kernels
+
+        if kernels.supports(h, blocks, norm_weight, proj_weight, (out_weight, out_eps), add):
+            return kernels.add_attn_res_mix(h, add, blocks, norm_weight, proj_weight, eps, (out_weight, out_eps))
+    h = h + add
+    return h, attn_res_mix_rms_norm(h, blocks, norm_weight, proj_weight, eps, out_weight, out_eps)

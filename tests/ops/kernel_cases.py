@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import torch
 
-from miles_k3.ops.attnres import attn_res_mix
+from miles_k3.ops.attnres import add_attn_res_mix_rms_norm, attn_res_mix
 from miles_k3.ops.glu import situ_glu
 from miles_k3.ops.kda import kda_gate_beta
 from miles_k3.ops.norm import gated_rms_norm, rms_norm
@@ -36,6 +36,7 @@ def op_calls(device: str, dtype: torch.dtype, seed: int = 0) -> dict[str, Callab
         "rms_norm": lambda: rms_norm(x, w, 1e-5),
         "gated_rms_norm": lambda: gated_rms_norm(x.view(3, 56, 128), gate.view(3, 56, 128), w[:128], 1e-5),
         "attn_res_mix": lambda: attn_res_mix(x, blocks, w, w[None], 1e-5),
+        "add_attn_res_mix": lambda: torch.cat(add_attn_res_mix_rms_norm(x, gate, blocks, w, w[None], 1e-5, w, 1e-5)),
         "situ_glu": lambda: situ_glu(x, gate),
         "short_conv": lambda: causal_short_conv(hk[:, None], conv_w, state=state)[0],
         "short_conv_block": lambda: causal_short_conv(block, conv_w, state=state)[0],

@@ -197,6 +197,45 @@ def test_attn_res_mix_with_its_norm_is_the_mix_kernel_then_the_norm_kernel():
     """), timeout=300)
 
 
+def test_the_residual_add_rides_in_the_mix_kernel_bit_for_bit():
+    """`add_attn_res_mix`: h + add as torch's add rounds it (bit for bit), and the mix and norm over that sum
+    as the kernel computes them for a sum given as h (bit for bit); the op takes it under inference mode in
+    one launch and composes the definitions without."""
+    assert_interpreted_ok(textwrap.dedent("""
+        import os
+        os.environ["MILES_K3_KERNELS"] = "interpret"
+        import torch
+        from miles_k3.kernels import attnres
+        from miles_k3.ops.attnres import add_attn_res_mix_rms_norm, attn_res_mix_rms_norm
+
+        g = torch.Generator().manual_seed(1)
+        for dtype in (torch.float32, torch.bfloat16):
+            for n_blocks, d in [(1, 96), (4, 100), (8, 7168)]:
+                blocks = [(torch.randn(3, d, generator=g) * (n + 1)).to(dtype) for n in range(n_blocks)]
+                h = torch.randn(3, d, generator=g).to(dtype)
+                wide = torch.randn(3, d + 9, generator=g).to(dtype)
+                add = wide[:, 4:d + 4]  # a strided view, as a GEMM's column slice would be
+                nw, pw = 1 + torch.randn(d, generator=g) * 0.2, torch.randn(1, d, generator=g) * 0.5
+                ow = torch.randn(d, generator=g)
+                h_new, normed = attnres.add_attn_res_mix(h, add, blocks, nw, pw, 1e-5, (ow, 1e-6))
+                assert torch.equal(h_new, h + add), (dtype, d)
+                assert torch.equal(normed, attnres.attn_res_mix(h + add, blocks, nw, pw, 1e-5, (ow, 1e-6))), (dtype, d)
+                with torch.inference_mode():
+                    got = add_attn_res_mix_rms_norm(h, add, blocks, nw, pw, 1e-5, ow, 1e-6)
+                assert torch.equal(got[0], h_new) and torch.equal(got[1], normed)
+                want = attn_res_mix_rms_norm(h + add, blocks, nw, pw, 1e-5, ow, 1e-6)  # autograd off: definitions
+                h_def, n_def = add_attn_res_mix_rms_norm(h, add, blocks, nw, pw, 1e-5, ow, 1e-6)
+                assert torch.equal(h_def, h + add) and torch.equal(n_def, want)
+        launches = []
+        real = attnres.add_attn_res_mix
+        attnres.add_attn_res_mix = lambda *a: launches.append(len(a)) or real(*a)
+        with torch.inference_mode():
+            add_attn_res_mix_rms_norm(h, add, blocks, nw, pw, 1e-5, ow, 1e-6)
+        assert launches == [7], launches
+        print("ok")
+    """), timeout=300)
+
+
 def test_situ_glu_kernel_takes_any_leading_shape():
     # the 2-D contract is held by tests/rollout/test_kernels_situ_glu.py; here [B, T, I] over a GEMM's columns
     # and heads-like [B, T, H, I] views of such slices

@@ -160,17 +160,18 @@ def test_attn_res_kernel_matches_the_definition():
     """), timeout=300)
 
 
-def test_attn_res_mix_with_its_norm_is_the_mix_kernel_then_the_norm_kernel():
+def test_attn_res_mix_with_its_norm_and_the_residual_add_before_it_is_each_kernel_in_turn():
     """`then_norm` (the layer's norm of its mixed input, one launch) computes what the mix kernel then the
     norm kernel compute (bit for bit here, where both reduce in the same order), so it holds both kernels'
-    bounds against the definition; the op takes it under inference mode and composes the definitions without."""
+    bounds against the definition; `add_attn_res_mix` adds first, h + add as torch's add rounds it (bit for
+    bit), then mixes that sum as the kernel mixes it given as h. The ops take them under inference mode, one
+    launch each, and compose the definitions without."""
     assert_interpreted_ok(textwrap.dedent("""
         import os
         os.environ["MILES_K3_KERNELS"] = "interpret"
         import torch
-        from miles_k3 import kernels as seam
         from miles_k3.kernels import attnres, norm
-        from miles_k3.ops.attnres import attn_res_mix, attn_res_mix_rms_norm
+        from miles_k3.ops.attnres import add_attn_res_mix_rms_norm, attn_res_mix, attn_res_mix_rms_norm
         from miles_k3.ops.norm import rms_norm
 
         g = torch.Generator().manual_seed(0)
@@ -178,6 +179,7 @@ def test_attn_res_mix_with_its_norm_is_the_mix_kernel_then_the_norm_kernel():
             for n_blocks, d in [(0, 96), (3, 100), (8, 7168)]:
                 blocks = [(torch.randn(2, d, generator=g) * (n + 1)).to(dtype) for n in range(n_blocks)]
                 h = torch.randn(2, d, generator=g).to(dtype)
+                add = torch.randn(2, d + 9, generator=g).to(dtype)[:, 4:d + 4]  # strided, as a GEMM's columns
                 nw, pw = 1 + torch.randn(d, generator=g) * 0.2, torch.randn(1, d, generator=g) * 0.5
                 for ow in (torch.randn(d, generator=g), torch.randn(d, generator=g).to(dtype)):  # fp32 or h's
                     fused = attnres.attn_res_mix(h, blocks, nw, pw, 1e-5, (ow, 1e-6))
@@ -187,51 +189,24 @@ def test_attn_res_mix_with_its_norm_is_the_mix_kernel_then_the_norm_kernel():
                         assert torch.equal(attn_res_mix_rms_norm(h, blocks, nw, pw, 1e-5, ow, 1e-6), fused)
                     want = rms_norm(attn_res_mix(h, blocks, nw, pw, 1e-5), ow, 1e-6)  # autograd off: definitions
                     assert torch.equal(attn_res_mix_rms_norm(h, blocks, nw, pw, 1e-5, ow, 1e-6), want)
+
+                    summed, normed = attnres.add_attn_res_mix(h, add, blocks, nw, pw, 1e-5, (ow, 1e-6))
+                    assert torch.equal(summed, h + add), (dtype, d)
+                    assert torch.equal(normed, attnres.attn_res_mix(h + add, blocks, nw, pw, 1e-5, (ow, 1e-6)))
+                    with torch.inference_mode():
+                        got = add_attn_res_mix_rms_norm(h, add, blocks, nw, pw, 1e-5, ow, 1e-6)
+                    assert torch.equal(got[0], summed) and torch.equal(got[1], normed)
+                    h_def, n_def = add_attn_res_mix_rms_norm(h, add, blocks, nw, pw, 1e-5, ow, 1e-6)
+                    want = rms_norm(attn_res_mix(h + add, blocks, nw, pw, 1e-5), ow, 1e-6)
+                    assert torch.equal(h_def, h + add) and torch.equal(n_def, want)
         launches = []
-        real = attnres.attn_res_mix
-        attnres.attn_res_mix = lambda *a: launches.append(len(a)) or real(*a)
+        for name in ("attn_res_mix", "add_attn_res_mix"):
+            real = getattr(attnres, name)
+            setattr(attnres, name, lambda *a, real=real, name=name: launches.append(name) or real(*a))
         with torch.inference_mode():
             attn_res_mix_rms_norm(h, blocks, nw, pw, 1e-5, ow, 1e-6)
-        assert launches == [6], launches  # one launch, with its norm
-        print("ok")
-    """), timeout=300)
-
-
-def test_the_residual_add_rides_in_the_mix_kernel_bit_for_bit():
-    """`add_attn_res_mix`: h + add as torch's add rounds it (bit for bit), and the mix and norm over that sum
-    as the kernel computes them for a sum given as h (bit for bit); the op takes it under inference mode in
-    one launch and composes the definitions without."""
-    assert_interpreted_ok(textwrap.dedent("""
-        import os
-        os.environ["MILES_K3_KERNELS"] = "interpret"
-        import torch
-        from miles_k3.kernels import attnres
-        from miles_k3.ops.attnres import add_attn_res_mix_rms_norm, attn_res_mix_rms_norm
-
-        g = torch.Generator().manual_seed(1)
-        for dtype in (torch.float32, torch.bfloat16):
-            for n_blocks, d in [(1, 96), (4, 100), (8, 7168)]:
-                blocks = [(torch.randn(3, d, generator=g) * (n + 1)).to(dtype) for n in range(n_blocks)]
-                h = torch.randn(3, d, generator=g).to(dtype)
-                wide = torch.randn(3, d + 9, generator=g).to(dtype)
-                add = wide[:, 4:d + 4]  # a strided view, as a GEMM's column slice would be
-                nw, pw = 1 + torch.randn(d, generator=g) * 0.2, torch.randn(1, d, generator=g) * 0.5
-                ow = torch.randn(d, generator=g)
-                h_new, normed = attnres.add_attn_res_mix(h, add, blocks, nw, pw, 1e-5, (ow, 1e-6))
-                assert torch.equal(h_new, h + add), (dtype, d)
-                assert torch.equal(normed, attnres.attn_res_mix(h + add, blocks, nw, pw, 1e-5, (ow, 1e-6))), (dtype, d)
-                with torch.inference_mode():
-                    got = add_attn_res_mix_rms_norm(h, add, blocks, nw, pw, 1e-5, ow, 1e-6)
-                assert torch.equal(got[0], h_new) and torch.equal(got[1], normed)
-                want = attn_res_mix_rms_norm(h + add, blocks, nw, pw, 1e-5, ow, 1e-6)  # autograd off: definitions
-                h_def, n_def = add_attn_res_mix_rms_norm(h, add, blocks, nw, pw, 1e-5, ow, 1e-6)
-                assert torch.equal(h_def, h + add) and torch.equal(n_def, want)
-        launches = []
-        real = attnres.add_attn_res_mix
-        attnres.add_attn_res_mix = lambda *a: launches.append(len(a)) or real(*a)
-        with torch.inference_mode():
             add_attn_res_mix_rms_norm(h, add, blocks, nw, pw, 1e-5, ow, 1e-6)
-        assert launches == [7], launches
+        assert launches == ["attn_res_mix", "add_attn_res_mix"], launches  # one launch each
         print("ok")
     """), timeout=300)
 

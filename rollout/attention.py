@@ -78,9 +78,7 @@ def absorbed_attention(mixer: MLAMixer, q: torch.Tensor, latent: torch.Tensor, r
 
     lay = cache.layout
     if hq != h:  # DCP: the group's heads over this rank's positions, merged into this rank's heads
-        qf = torch.cat([q_lat, q_rope], dim=-1)[lay.q_index].float()
-        hist32 = buf[lay.hist_rows].to(q.dtype).float()
-        o_lat = dcp_attention(qf, hist32, lay, mixer.scale, r, mixer.tp).to(q.dtype)
+        o_lat = dcp_attention(*_gathered(q_lat, q_rope, buf, lay), lay, mixer.scale, r, mixer.tp).to(q.dtype)
     elif cache.kv.attention == "triton" and use_kernels(q) and \
             kernel.supports(q_lat, q_rope, buf, lay.hist_rows, r):
         o_lat = paged_attention(q_lat, q_rope, buf, lay, mixer.scale, r)
@@ -97,12 +95,18 @@ def gathered_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, buf: torch.Ten
     the positions each query may not see -> o_lat [T, H, R] in input order, in q_lat's dtype. Scores and
     softmax in fp32, as the reference's fused attention keeps them."""
     n, tq = lay.q_index.shape
-    hist32 = buf[lay.hist_rows].to(q_lat.dtype).float()  # [N, S, R + Dr]
-    qf = torch.cat([q_lat, q_rope], dim=-1)[lay.q_index].float()  # [N, Tq, H, R + Dr]
+    qf, hist32 = _gathered(q_lat, q_rope, buf, lay)
     scores = torch.einsum("nthe,nse->nhts", qf, hist32) * scale
     probs = scores.masked_fill(hidden, float("-inf")).softmax(dim=-1)
     o_lat = torch.einsum("nhts,nsr->nthr", probs, hist32[..., :r]).to(q_lat.dtype)
     return o_lat.reshape(n * tq, -1, r)[lay.out_index]
+
+
+def _gathered(q_lat, q_rope, buf, lay) -> tuple[torch.Tensor, torch.Tensor]:
+    """The padded queries [N, Tq, H, R + Dr] and the histories gathered out of the pages [N, S, R + Dr] (in
+    q's dtype, as stored), both in fp32."""
+    qf = torch.cat([q_lat, q_rope], dim=-1)[lay.q_index].float()
+    return qf, buf[lay.hist_rows].to(q_lat.dtype).float()
 
 
 def paged_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, buf: torch.Tensor, lay, scale: float, r: int

@@ -83,17 +83,15 @@ class BatchLayout:
         else:  # DCP: this rank's positions only
             write = dcp.write_rows(table, q_pos, q_valid, page, dcp_size, dcp_rank, kv.sink_page)
         out_index = (torch.arange(n)[:, None] * tq + t[None, :])[q_valid]
-        on_device = torch.device(device).type != "cpu"
-        table, ends_t = (to_device(x, device) for x in (table, torch.tensor(ends))) if on_device else \
-            (table, torch.tensor(ends))
+        table, ends_t = to_device(table, device), to_device(ends, device, torch.long)  # on the CPU: themselves
         if dcp_size == 1:
             key = torch.arange(s, device=table.device)
             hist = table[:, key // page] * page + key % page  # [N, S]
             hist = torch.where(key[None, :] < ends_t[:, None], hist, zero * page)
         else:
             hist = dcp.history_rows(table, ends_t, s, page, dcp_size, dcp_rank, zero)
-        host = [torch.tensor(slots), write, q_pos, q_index, out_index]
-        slot_index, write, q_pos, q_index, out_index = (to_device(x, device) for x in host) if on_device else host
+        slot_index, write, q_pos, q_index, out_index = (to_device(x, device, torch.long)
+                                                        for x in (slots, write, q_pos, q_index, out_index))
         return BatchLayout(slot_index, write, hist, q_pos, q_index, out_index)
 
     def _tensors(self) -> list[torch.Tensor]:

@@ -54,10 +54,7 @@ def use_kernels(x: torch.Tensor) -> bool:
     elementwise chains itself, and dynamo would otherwise have to trace each kernel's launch."""
     if not torch.is_inference_mode_enabled() or torch.compiler.is_compiling():
         return False
-    mode = _mode()
-    if mode == "auto":
-        return x.is_cuda
-    return mode == "interpret"
+    return available(x.device)
 
 
 def available(device: torch.device | str) -> bool:

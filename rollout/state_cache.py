@@ -60,8 +60,8 @@ class BatchLayout:
         (`rollout.dcp`).
 
         The host builds what grows with the step's tokens (N x Tq) and the page tables (N x S / page_size);
-        the history rows (N x S: at batch 256 with 2k-token histories 4 MB a step, and the step's largest
-        host cost, about 12 ms on a CPU core) are computed from the tables on `device`."""
+        the history rows (N x S: at batch 256 with 2k-token histories 4 MB a step, and the part of the step's
+        host cost that grows with the history) are computed from the tables on `device`."""
         page = kv.page_size
         n = len(slots)
         ends = [p + t for p, t in zip(positions, lengths)]

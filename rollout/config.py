@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 MXFP4_MATMULS = ("auto", "torch", "triton")
 LORA_MIXED = ("torch", "triton")
-MLA_ATTENTIONS = ("torch", "triton")
+MLA_ATTENTIONS = ("auto", "torch", "triton")
 OVERLAP_MODES = ("auto", "on", "off")
 
 
@@ -43,8 +43,9 @@ class EngineConfig:
     lora_mixed: str = "torch"
     # MLA attention over the KV pages: "torch" gathers each request's history and attends in torch; "triton"
     # runs rollout/kernels/mla_attention.py, which reads the pages in place (CUDA; the CPU tests run it through
-    # the interpreter). Opt-in: its first H200 run (2026-12-02) made the decode step slower (docs/benchmarks.md)
-    mla_attention: str = "torch"
+    # the interpreter); "auto" takes triton on CUDA with kernels on (2x-7x faster than torch per layer at every
+    # batch and history measured on the H200, docs/benchmarks.md), torch elsewhere
+    mla_attention: str = "auto"
     # "auto": overlap consecutive decode steps on CUDA (rollout.decode's docstring); "on": also on CPU, where
     # it only reorders host work (the tests' way to run it); "off": every step waits for its tokens
     overlap: str = "auto"

@@ -209,9 +209,7 @@ class ModelRunner:
                              f"{self.device}, adapter pool {'given' if adapters is not None else 'missing'})")
         if adapters is not None:  # lives on the pool: engines sharing one pool share the last one's
             adapters.mixed_kernel = config.lora_mixed
-        if config.mla_attention == "triton" and not kernels.available(self.device):
-            raise ValueError(f"mla_attention='triton' needs the model on CUDA (or MILES_K3_KERNELS=interpret) "
-                             f"and MILES_K3_KERNELS not 0 (model on {self.device})")
+        self.mla_attention = self._mla_attention(config.mla_attention)
         if config.compile_decode and not self.graphs_apply():
             raise ValueError("compile_decode=True compiles the CUDA-graph decode step: it needs the model on CUDA, "
                              "cuda_graphs=True and routed experts that run grouped GEMMs (bf16)")
@@ -230,6 +228,14 @@ class ModelRunner:
             if isinstance(m, EngineExperts):
                 m.mxfp4_matmul = kind
 
+    def _mla_attention(self, kind: str) -> str:
+        if kind == "auto":
+            return "triton" if self.device.type == "cuda" and kernels.available(self.device) else "torch"
+        if kind == "triton" and not kernels.available(self.device):
+            raise ValueError(f"mla_attention='triton' needs the model on CUDA (or MILES_K3_KERNELS=interpret) "
+                             f"and MILES_K3_KERNELS not 0 (model on {self.device})")
+        return kind
+
     def graphs_apply(self) -> bool:
         """CUDA graphs need a decode step without host syncs: routed experts have one when they run grouped
         GEMMs (`RoutedExperts.groups`: bf16; engine experts add their adapter rank), and `DecodeGraphs.usable`
@@ -242,7 +248,7 @@ class ModelRunner:
     def use_pools(self, kv: KVPagePool, states: KDAStatePool) -> None:
         """Run on these pools from now on, with decode graphs over them where they apply."""
         self.kv, self.states = kv, states
-        kv.attention = self.config.mla_attention
+        kv.attention = self.mla_attention
         adapted = self.adapters if self.adapters is not None and self.adapters.A else None
         self.graphs = DecodeGraphs(self.model, kv, states, max_batch=self.config.max_running,
                                    max_seq_len=self.config.max_seq_len, capture=True, adapters=adapted,

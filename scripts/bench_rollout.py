@@ -137,8 +137,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                                                                           "512 cpu)")
     ap.add_argument("--no-cuda-graphs", action="store_true", help="decode eagerly on CUDA")
     ap.add_argument("--compile-decode", action="store_true", help="EngineConfig.compile_decode (CUDA graphs only)")
-    ap.add_argument("--mla-attention", choices=list(MLA_ATTENTIONS), default="torch",
-                    help="EngineConfig.mla_attention: the torch path or the paged Triton kernel")
+    ap.add_argument("--mla-attention", choices=list(MLA_ATTENTIONS), default="auto",
+                    help="EngineConfig.mla_attention: the torch path, the paged Triton kernel, or auto (the "
+                    "kernel on CUDA)")
     ap.add_argument("--overlap", choices=list(OVERLAP_MODES), default="auto",
                     help="EngineConfig.overlap; with it on, CUDA runs add 'overlap off' decode rows for contrast")
     ap.add_argument("--rl-path", action="store_true", help="also decode as the GRPO loop's engine does: MXFP4 routed "

@@ -245,10 +245,12 @@ def main(argv: list[str] | None = None) -> dict:
                     help="count with miles_k3's Triton kernels, each launch one op (runs them interpreted)")
     ap.add_argument("--by-line", type=int, nargs="?", const=25, metavar="N",
                     help="also attribute the step's ops to source lines and print the N (25) lines with most")
-    ap.add_argument("--mla-attention", choices=["torch", "triton"], default="torch",
-                    help="EngineConfig.mla_attention (triton needs --kernels on CPU: the interpreter runs it)")
+    ap.add_argument("--mla-attention", choices=["torch", "triton"],
+                    help="EngineConfig.mla_attention (triton needs --kernels on CPU: the interpreter runs it); "
+                    "default: what the engine runs on CUDA, triton with --kernels, torch without")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
+    args.mla_attention = args.mla_attention or ("triton" if args.kernels else "torch")
     if args.kernels and not _interpreting():
         return _rerun_interpreted(sys.argv[1:] if argv is None else argv, args.json)
     config = K3Config.from_preset(args.preset, vocab_size=512, pad_token_id=0, bos_token_id=1, eos_token_id=2)

@@ -178,11 +178,12 @@ def test_paged_mla_kernel_equals_the_absorbed_attention_on_cuda():
 
 
 def test_an_engine_on_the_mla_kernel_agrees_with_the_torch_attention_on_cuda():
-    """`EngineConfig(mla_attention="triton")` against the default, graphs and all, by the bf16 rule."""
+    """`EngineConfig(mla_attention="triton")` (the default on CUDA, "auto") against the torch path, graphs and
+    all, by the bf16 rule."""
     _, model, _ = _models()
     ids = torch.randint(3, 512, (3, 37), generator=torch.Generator().manual_seed(3)).tolist()
     params = SamplingParams(temperature=0, max_new_tokens=24)
     base = dict(memory_bytes=64 << 20, page_size=16, chunk_size=16, max_prefill_tokens=64, max_seq_len=256)
     paged = Engine(model, EngineConfig(**base, mla_attention="triton")).generate(ids, params)
-    gathered = Engine(model, EngineConfig(**base)).generate(ids, params)
+    gathered = Engine(model, EngineConfig(**base, mla_attention="torch")).generate(ids, params)
     assert_greedy_agree(gathered, paged)

@@ -11,7 +11,7 @@ def test_paged_mla_kernel_equals_the_absorbed_attention_in_fp64():
     assert_interpreted_ok("from tests.rollout.mla_cases import run_all\nrun_all()\nprint('ok')", timeout=600)
 
 
-def test_mla_attention_is_validated():
+def test_mla_attention_is_validated_and_auto_takes_the_kernel_only_on_cuda():
     import pytest
 
     from rollout.config import EngineConfig
@@ -22,3 +22,5 @@ def test_mla_attention_is_validated():
         EngineConfig(memory_bytes=1 << 20, mla_attention="flash")
     with pytest.raises(ValueError, match="mla_attention='triton' needs the model on CUDA"):
         Engine(MODEL, EngineConfig(memory_bytes=4 << 20, mla_attention="triton"))
+    engine = Engine(MODEL, EngineConfig(memory_bytes=4 << 20))  # "auto" on a CPU model: the torch path
+    assert engine.runner.mla_attention == "torch" and engine.runner.kv.attention == "torch"

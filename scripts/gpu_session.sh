@@ -79,6 +79,9 @@ run_job() {
     grpo1k) job grpo1k python scripts/bench_grpo_trl.py --device cuda --preset k3-small --steps 2 --warmup 1 \
         --prompts 64 --samples 8 --max-new-tokens 1024 --ignore-eos --trl-micro-batch 32 --work-dir /tmp/bgt1k \
         --reuse --json "$STATE/grpo1k_vs_trl.json" ;;  # one timed step a side: TRL's alone is minutes
+    grpo1k_kimi) job grpo1k_kimi python scripts/bench_grpo_trl.py --device cuda --preset k3-small --steps 2 --warmup 1 \
+        --prompts 64 --samples 8 --max-new-tokens 1024 --ignore-eos --skip-trl --work-dir /tmp/bgt1k --reuse \
+        --json "$STATE/grpo1k_kimi.json" ;;  # our side of grpo1k alone (the Kimi-Linear form, the row TRL's compares to)
     grpo1k_trl) job grpo1k_trl python scripts/bench_grpo_trl.py --device cuda --preset k3-small --steps 2 --warmup 1 \
         --prompts 64 --samples 8 --max-new-tokens 1024 --ignore-eos --trl-micro-batch 32 --skip-ours \
         --work-dir /tmp/bgt1k --reuse --json "$STATE/grpo1k_trl.json" ;;  # TRL's side alone: a call of its own
@@ -112,6 +115,11 @@ run_job() {
     longctx0) job longctx0 python scripts/bench_rollout.py --device cuda --batch-sizes 1,64,256 --prompt-len 2048 \
         --gen-len 32 --prefill-len 512 --group-prompts 1 --group-n 2 --overlap off --mla-attention torch \
         --json "$STATE/bench_longctx0.json" ;;
+    # where the 1k-token GRPO train phase's time goes, ours against PEFT on transformers (TRL's train phase)
+    profiletrain) job profiletrain python scripts/profile_train.py --device cuda --preset k3-small \
+        --json "$STATE/profile_train.json" ;;
+    profiletrain_ours) job profiletrain_ours python scripts/profile_train.py --device cuda --preset k3-small --skip-peer \
+        --json "$STATE/profile_train_ours.json" ;;
     kernels) job kernels python -m pytest tests/gpu/test_decode_kernels.py -q -m gpu -rA --tb=short -p no:cacheprovider ;;
     *) echo "unknown job $1"; return 1 ;;
     esac

@@ -83,8 +83,10 @@ def combine_metrics(per_piece: list[dict[str, torch.Tensor]], tokens: list[int],
     names = sorted(per_piece[0])
     flat = torch.zeros(len(names), dtype=torch.float64)
     for metrics, n in zip(per_piece, tokens):
-        for j, name in enumerate(names):
-            flat[j] += float(metrics[name]) * (1.0 if name in SUMMED else n / total_tokens)
+        # one device-to-host copy a piece, not one a metric (each is a wait for the device)
+        values = torch.stack([torch.as_tensor(metrics[name]).detach().reshape(()).double() for name in names]).cpu()
+        flat += values * torch.tensor([1.0 if name in SUMMED else n / total_tokens for name in names],
+                                      dtype=torch.float64)
     if ps.get_data_parallel_world_size() > 1:
         dist.all_reduce(flat, group=ps.get_data_parallel_group())
     return dict(zip(names, flat.float()))

@@ -88,7 +88,7 @@ def run_ours(args, run_dir: Path, model_overrides: list[str], engine_overrides: 
            "algo.eps_low=0.2", "algo.eps_high=0.28", "algo.updates_per_step=1",
            f"trainer.max_steps={args.steps}", "trainer.save_every=0", "trainer.eval_every=0",
            "trainer.eval_before=false", "trainer.resume=never", "logging.wandb=disabled",
-           "logging.progress=false", *memory, *engine_overrides, f"hydra.run.dir={run_dir}"]
+           "logging.progress=false", *memory, *engine_overrides, *args.ours_override, f"hydra.run.dir={run_dir}"]
     metrics = run_dir / "metrics.jsonl"
     steps = _step_rows(metrics)
     wall = None  # a reused run's wall time belongs to the earlier call
@@ -251,6 +251,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--vocab-size", type=int, default=32)
     ap.add_argument("--k3-form", action="store_true", help="also time miles-train on the K3 form (MXFP4 experts)")
+    ap.add_argument("--ours-override", action="append", default=[], metavar="KEY=VALUE",
+                    help="a Hydra override for our side's miles-train (repeat), e.g. rollout.max_running=512")
     ap.add_argument("--skip-trl", action="store_true")
     ap.add_argument("--skip-ours", action="store_true", help="TRL alone (a device call of its own at RL lengths; "
                     "compare against our rows of another call only as an estimate: machines differ)")

@@ -82,6 +82,10 @@ run_job() {
     grpo1k_kimi) job grpo1k_kimi python scripts/bench_grpo_trl.py --device cuda --preset k3-small --steps 2 --warmup 1 \
         --prompts 64 --samples 8 --max-new-tokens 1024 --ignore-eos --skip-trl --work-dir /tmp/bgt1k --reuse \
         --json "$STATE/grpo1k_kimi.json" ;;  # our side of grpo1k alone (the Kimi-Linear form, the row TRL's compares to)
+    # the same with one rollout wave of 512 (two waves of 256 by the recipe): 1,023 steps at batch 512, not 2 x 1,023
+    grpo1k_kimi512) job grpo1k_kimi512 python scripts/bench_grpo_trl.py --device cuda --preset k3-small --steps 2 \
+        --warmup 1 --prompts 64 --samples 8 --max-new-tokens 1024 --ignore-eos --skip-trl --work-dir /tmp/bgt1k512 \
+        --ours-override rollout.max_running=512 --reuse --json "$STATE/grpo1k_kimi512.json" ;;
     grpo1k_trl) job grpo1k_trl python scripts/bench_grpo_trl.py --device cuda --preset k3-small --steps 2 --warmup 1 \
         --prompts 64 --samples 8 --max-new-tokens 1024 --ignore-eos --trl-micro-batch 32 --skip-ours \
         --work-dir /tmp/bgt1k --reuse --json "$STATE/grpo1k_trl.json" ;;  # TRL's side alone: a call of its own
@@ -120,6 +124,12 @@ run_job() {
         --json "$STATE/profile_train.json" ;;
     profiletrain_ours) job profiletrain_ours python scripts/profile_train.py --device cuda --preset k3-small --skip-peer \
         --json "$STATE/profile_train_ours.json" ;;
+    # by-kernel tables of decode steps at batch 1 and 256 (512- and 2,048-token prompts): what grows with the batch
+    decodeprof) job decodeprof python scripts/bench_rollout.py --device cuda --batch-sizes 1,256 --gen-len 32 \
+        --overlap off --profile "$STATE/decodeprof" --json "$STATE/decodeprof.json" ;;
+    decodeprof_long) job decodeprof_long python scripts/bench_rollout.py --device cuda --batch-sizes 256 \
+        --prompt-len 2048 --gen-len 32 --prefill-len 512 --group-prompts 1 --group-n 2 --overlap off \
+        --profile "$STATE/decodeprof_long" --json "$STATE/decodeprof_long.json" ;;
     kernels) job kernels python -m pytest tests/gpu/test_decode_kernels.py -q -m gpu -rA --tb=short -p no:cacheprovider ;;
     *) echo "unknown job $1"; return 1 ;;
     esac
@@ -129,6 +139,6 @@ for name in ${JOBS:-grpo tests rollout parity compile}; do
     run_job "$name"
 done
 
-(cd "$STATE" && tar czf "$OUT/results.tgz" ./*.log ./*.json 2>/dev/null)
+(cd "$STATE" && tar czf "$OUT/results.tgz" ./*.log ./*.json ./decodeprof* 2>/dev/null)
 (cd "$TRITON_CACHE_DIR" 2>/dev/null && find . -name '*.autotune.json' -print0 | tar czf "$OUT/triton_autotune.tgz" --null -T -)
 echo "done jobs: $(cd "$STATE" && ls ./*.done 2>/dev/null | tr '\n' ' '); $((SECONDS - START)) s"

@@ -30,8 +30,10 @@ def test_tokenizer_for_trl_matches_the_task_tokenizer():
 def test_our_side_runs_and_reports(tmp_path):
     out = bench.main(["--device", "cpu", "--preset", "k3-tiny", "--steps", "2", "--prompts", "2", "--samples", "2",
                       "--max-new-tokens", "4", "--skip-trl", "--work-dir", str(tmp_path),
-                      "--json", str(tmp_path / "b.json")])
+                      "--ours-override", "rollout.max_running=3", "--json", str(tmp_path / "b.json")])
     (row,) = out["rows"]
+    (raw,) = out["raw"].values()
+    assert raw["command"].endswith(f"rollout.max_running=3 hydra.run.dir={tmp_path / 'ours_kimi'}")
     assert row["system"].startswith("miles-k3") and row["step_s"] > 0 and row["speedup_vs_trl"] is None
     assert row["samples_per_s"] == 4 / row["step_s"] and row["adapter_sync_ms"] > 0
     assert json.loads((tmp_path / "b.json").read_text())["rows"] == out["rows"]

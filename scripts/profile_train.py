@@ -11,8 +11,9 @@ targets, token-mean loss, one optimizer step), trained on a synthetic batch of -
 peer: `KimiLinearForCausalLM` from the same checkpoint with PEFT LoRA on the same modules, forward and
 backward over the same sequences in micro-batches of --peer-micro-batch, the response tokens' log-probs
 gathered from the logits as TRL does, then one AdamW step. Each side: --warmup untimed steps (fla autotunes
-in the first), the median of --steps timed ones, then one step under torch.profiler: its kernels by device
-time, the device's busy time against the wall, and the host-side synchronizations.
+in the first), the median of --steps timed ones, then one step under torch.profiler (its kernels by device
+time, the device's busy time against the wall) and on CUDA one more in CUDA's sync debug mode (the lines
+where the host waited for the device).
 """
 
 from __future__ import annotations

@@ -167,7 +167,8 @@ def causal_short_convs(xs: list[torch.Tensor], weights: list[torch.Tensor], *,
     values; one kernel launch for all of them where `use_kernels` says so and the kernel takes the group
     (`miles_k3.kernels.short_conv.supports_group`: one shape, dtype and stride set per kind of tensor; the
     states all tensors, all None, or all `PooledState`s of one index, stepped in place). A KDA layer's q, k, v
-    are such a group in the engine: three launches a layer become one."""
+    are such a group in the engine: three launches a layer become one. Packed groups (`cu_seqlens`, the
+    training forward) run as one call over their stacked channels where they can (`_stackable`)."""
     if activation not in _ACTIVATIONS:
         raise ValueError(f"`activation` must be one of {_ACTIVATIONS}, got {activation!r}")
     if len(xs) > 1 and cu_seqlens is None and use_kernels(xs[0]):
@@ -184,5 +185,29 @@ def causal_short_convs(xs: list[torch.Tensor], weights: list[torch.Tensor], *,
             plain = None if states[0] is None else states
             if kernels.supports_group(xs, flat, plain):
                 return kernels.causal_short_convs(xs, flat, plain, silu=silu)
+    if len(xs) > 1 and cu_seqlens is not None and _stackable(xs, weights, states):
+        return _stacked(xs, weights, states, cu_seqlens, activation)
     return [causal_short_conv(x, w, state=st, cu_seqlens=cu_seqlens, activation=activation)
             for x, w, st in zip(xs, weights, states)]
+
+
+def _stackable(xs: list[torch.Tensor], weights: list[torch.Tensor], states: list) -> bool:
+    """Whether the group can run as one convolution over its channels stacked: a depthwise convolution is
+    per channel, so one call over the concatenated channels computes every value as the separate calls do."""
+    taps = {w.shape[-1] for w in weights}
+    plain = all(st is None for st in states) or (all(isinstance(st, torch.Tensor) for st in states)
+                                                 and len({st.dtype for st in states}) == 1)
+    return (len(taps) == 1 and plain and len({(x.shape[:-1], x.dtype, x.device) for x in xs}) == 1
+            and all(x.dim() == 3 for x in xs))
+
+
+def _stacked(xs, weights, states, cu_seqlens, activation) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The packed group (a KDA layer's q, k, v in training and packed prefill) as one call over the stacked
+    channels, then split: the packed path's index building and its per-tap ops run once, not once per
+    member, which the host-bound train step on CUDA pays in launches (its backward too)."""
+    sizes = [x.shape[-1] for x in xs]
+    flat = [w.reshape(w.shape[0], w.shape[-1]) for w in weights]
+    state = None if states[0] is None else torch.cat(states, dim=1)
+    y, final = causal_short_conv(torch.cat(xs, dim=-1), torch.cat(flat), state=state, cu_seqlens=cu_seqlens,
+                                 activation=activation)
+    return list(zip(y.split(sizes, dim=-1), final.split(sizes, dim=1)))

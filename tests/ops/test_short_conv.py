@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from miles_k3.ops.short_conv import causal_short_conv
+from miles_k3.ops.short_conv import causal_short_conv, causal_short_convs
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 
@@ -112,6 +112,45 @@ def test_varlen_gradients_equal_per_segment():
     loss.backward()
     for a, b in zip(packed, split):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("with_state", [True, False])
+def test_a_packed_group_runs_stacked_and_equals_its_members_bit_for_bit(with_state):
+    """A KDA layer's q, k, v convs over packed rows run as one call over their stacked channels
+    (`causal_short_convs`): outputs, final states and the input and state gradients equal the separate calls
+    exactly; the weight gradient (a sum over tokens, of a frozen weight in LoRA training) up to rounding."""
+    widths, W, lens = [4, 6, 4], 4, [5, 1, 0, 6]
+    cu = torch.tensor([0] + lens).cumsum(0)
+    g = torch.Generator().manual_seed(2)
+    group = [(torch.randn(1, sum(lens), d, generator=g, dtype=torch.bfloat16), torch.randn(d, 1, W, generator=g),
+              torch.randn(len(lens), d, W - 1, generator=g) if with_state else None) for d in widths]
+    ups = [(torch.randn(1, sum(lens), d, generator=g), torch.randn(len(lens), d, W - 1, generator=g)) for d in widths]
+
+    def run(call):
+        leaves = [[t.clone().requires_grad_() if t is not None else None for t in member] for member in group]
+        outs = call(leaves)
+        sum((y.float() * uy).sum() + (s * us).sum() for (y, s), (uy, us) in zip(outs, ups)).backward()
+        return [(y.detach(), s.detach()) for y, s in outs], [[t.grad for t in m if t is not None] for m in leaves]
+
+    stacked, grads = run(lambda ls: causal_short_convs([m[0] for m in ls], [m[1] for m in ls],
+                                                       states=[m[2] for m in ls], cu_seqlens=cu))
+    single, grads1 = run(lambda ls: [causal_short_conv(x, w, state=st, cu_seqlens=cu) for x, w, st in ls])
+    for (y, s), (y1, s1) in zip(stacked, single):
+        assert y.dtype == y1.dtype and torch.equal(y, y1) and torch.equal(s, s1)
+    for a, b in zip(grads, grads1):
+        (gx, gw, *gs), (gx1, gw1, *gs1) = a, b
+        assert torch.equal(gx, gx1) and all(torch.equal(u, v) for u, v in zip(gs, gs1))
+        torch.testing.assert_close(gw, gw1, rtol=1e-6, atol=1e-6)  # a sum over tokens: its order may differ
+
+
+def test_a_group_that_cannot_stack_runs_member_by_member():
+    cu = torch.tensor([0, 3, 7])
+    xs = [torch.randn(1, 7, 4), torch.randn(1, 7, 4)]
+    ws = [torch.randn(4, 4), torch.randn(4, 2)]  # different tap counts
+    got = causal_short_convs(xs, ws, states=[None, None], cu_seqlens=cu)
+    for (y, s), x, w in zip(got, xs, ws):
+        y1, s1 = causal_short_conv(x, w, cu_seqlens=cu)
+        assert torch.equal(y, y1) and torch.equal(s, s1) and s.shape == (2, 4, w.shape[1] - 1)
 
 
 def test_dtypes():

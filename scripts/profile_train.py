@@ -13,7 +13,8 @@ backward over the same sequences in micro-batches of --peer-micro-batch, the res
 gathered from the logits as TRL does, then one AdamW step. Each side: --warmup untimed steps (fla autotunes
 in the first), the median of --steps timed ones, then one step under torch.profiler (its kernels by device
 time, the device's busy time against the wall) and on CUDA one more in CUDA's sync debug mode (the lines
-where the host waited for the device).
+where the host waited for the device). `--count-ops N` counts our step's compute ops by source line (the
+launches of the host-bound CUDA step, countable on a CPU).
 """
 
 from __future__ import annotations
@@ -106,6 +107,39 @@ def peer(args, base_dir: Path, rows) -> callable:
     return step
 
 
+# aten ops that only make views or read metadata: no kernel on CUDA
+VIEWS = {"view", "_unsafe_view", "t", "transpose", "permute", "expand", "unsqueeze", "squeeze", "slice", "select",
+         "detach", "alias", "as_strided", "split", "split_with_sizes", "unbind", "reshape", "unflatten", "flatten",
+         "lift_fresh", "empty", "empty_like", "new_empty", "empty_strided", "_local_scalar_dense"}
+
+
+def count_ops(step, top: int) -> dict:
+    """One step's aten compute ops (each a kernel launch on CUDA), in total and by the repo source line that
+    issued them (backward ops: the line that ran backward). A CPU proxy for the host-bound CUDA step's launches:
+    the CPU runs other code in a few places (the KDA recurrence's reference, the experts' loop in fp32)."""
+    import traceback
+    from collections import Counter
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    repo = str(Path(__file__).resolve().parents[1]) + "/"
+    lines: Counter = Counter()
+
+    class Counting(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ not in VIEWS:
+                frames = [f for f in traceback.extract_stack()[:-1]
+                          if f.filename.startswith(repo) and "/.venv/" not in f.filename
+                          and not f.filename.endswith("profile_train.py")]
+                f = frames[-1] if frames else None
+                lines[f"{f.filename[len(repo):]}:{f.lineno}" if f else "(elsewhere)"] += 1
+            return func(*args, **(kwargs or {}))
+
+    with Counting():
+        step()
+    return {"ops": sum(lines.values()), "by_line": dict(lines.most_common(top))}
+
+
 def sync_sources(step) -> dict[str, int]:
     """One more step with CUDA's sync debug mode: where the host waited for the device (file:line, count)."""
     torch.cuda.set_sync_debug_mode("warn")
@@ -183,6 +217,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--top", type=int, default=30, help="kernels listed per side")
     ap.add_argument("--skip-peer", action="store_true")
+    ap.add_argument("--count-ops", type=int, metavar="N", help="also count our step's aten compute ops (the CUDA "
+                    "step's kernel launches, counted on any device) and print the N source lines with most")
     ap.add_argument("--override", action="append", default=[], help="a Hydra override for our trainer (repeat)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
@@ -195,8 +231,14 @@ def main(argv: list[str] | None = None) -> dict:
                         "json": str(args.json)}, "date": datetime.datetime.now(datetime.UTC).isoformat()}}
     print(f"{args.preset}, {args.samples} x ({args.prompt_len} + {args.response_len}) tokens, {args.device}")
     print("miles-k3 TrainWorker.train:", flush=True)
-    out["miles-k3"] = timed(ours(args, base_dir, rows), args)
+    step = ours(args, base_dir, rows)
+    out["miles-k3"] = timed(step, args)
     report("miles-k3", out["miles-k3"], tokens)
+    if args.count_ops:
+        out["miles-k3"]["count"] = counted = count_ops(step, args.count_ops)
+        print(f"\nmiles-k3: {counted['ops']:,} aten compute ops a step; by source line:")
+        for where, n in counted["by_line"].items():
+            print(f"  {n:6d}  {where}")
     if not args.skip_peer:
         if args.device == "cuda":
             torch.cuda.empty_cache()

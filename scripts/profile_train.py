@@ -115,8 +115,10 @@ VIEWS = {"view", "_unsafe_view", "t", "transpose", "permute", "expand", "unsquee
 
 def count_ops(step, top: int) -> dict:
     """One step's aten compute ops (each a kernel launch on CUDA), in total and by the repo source line that
-    issued them (backward ops: the line that ran backward). A CPU proxy for the host-bound CUDA step's launches:
-    the CPU runs other code in a few places (the KDA recurrence's reference, the experts' loop in fp32)."""
+    issued them; a backward op counts against the forward line whose autograd node ran it ("bwd " + line:
+    anomaly mode records each node's forward stack). A CPU proxy for the host-bound CUDA step's launches: the
+    CPU runs other code in a few places (the KDA recurrence's reference, the experts' loop in fp32)."""
+    import re
     import traceback
     from collections import Counter
 
@@ -125,17 +127,26 @@ def count_ops(step, top: int) -> dict:
     repo = str(Path(__file__).resolve().parents[1]) + "/"
     lines: Counter = Counter()
 
+    def ours(path: str) -> bool:
+        return path.startswith(repo) and "/.venv/" not in path and not path.endswith("profile_train.py")
+
+    def forward_line(node) -> str | None:
+        frames = re.findall(r'File "([^"]+)", line (\d+)', "".join(node.metadata.get("traceback_", [])))
+        mine = [(f, n) for f, n in frames if ours(f)]
+        return f"bwd {mine[-1][0][len(repo):]}:{mine[-1][1]}" if mine else None
+
     class Counting(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if func.overloadpacket.__name__ not in VIEWS:
-                frames = [f for f in traceback.extract_stack()[:-1]
-                          if f.filename.startswith(repo) and "/.venv/" not in f.filename
-                          and not f.filename.endswith("profile_train.py")]
-                f = frames[-1] if frames else None
-                lines[f"{f.filename[len(repo):]}:{f.lineno}" if f else "(elsewhere)"] += 1
+                node = torch._C._current_autograd_node()
+                where = forward_line(node) if node is not None else None
+                if where is None:
+                    frames = [f for f in traceback.extract_stack()[:-1] if ours(f.filename)]
+                    where = f"{frames[-1].filename[len(repo):]}:{frames[-1].lineno}" if frames else "(elsewhere)"
+                lines[where] += 1
             return func(*args, **(kwargs or {}))
 
-    with Counting():
+    with torch.autograd.set_detect_anomaly(True, check_nan=False), Counting():
         step()
     return {"ops": sum(lines.values()), "by_line": dict(lines.most_common(top))}
 

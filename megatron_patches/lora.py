@@ -283,8 +283,6 @@ def clip_lora_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
     if not max_norm > 0:
         raise ValueError(f"max_norm must be > 0, got {max_norm}")
     mods = lora_modules(model)
-    grads = [p.grad for p in lora_parameters(model) if p.grad is not None]
-    dtype = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
     device = mods[0].A.device if mods else torch.device("cpu")
     # square sums: [split over TP, split over EP, replicated]; foreach norms, a few launches for the hundreds
     # of adapter tensors (the train step is host-bound on CUDA: one launch per tensor and op adds up)
@@ -294,6 +292,8 @@ def clip_lora_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
             if p.grad is not None:
                 slot = 2 if split is None or m.shards.size == 1 else 1 if isinstance(m.shards, ExpertParallel) else 0
                 by_slot[slot].append(p.grad)
+    grads = [g for gs in by_slot for g in gs]
+    dtype = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
     sq = [torch.stack(torch._foreach_norm(gs, 2, dtype=dtype)).pow(2).sum() if gs else
           torch.zeros((), device=device, dtype=dtype) for gs in by_slot]
     if ps.model_parallel_is_initialized():

@@ -65,6 +65,12 @@ PEFT_TARGET_MODULES = r".*(self_attn\.(q|k|v|o|kv_b)_proj|mlp\.(gate|up|down)_pr
 PEFT_TARGET_PARAMETERS = ["experts.gate_up_proj", "experts.down_proj"]
 
 
+# The GRPO settings our side takes to match TRL's: token-mean loss, clip 0.2 / 0.28, no KL, one optimizer step a
+# step, no dynamic sampling (TRL has none)
+ALGO_OVERRIDES = ["algo.dynamic_sampling=false", "algo.kl=none", "algo.reducer=token_mean", "algo.eps_low=0.2",
+                  "algo.eps_high=0.28", "algo.updates_per_step=1"]
+
+
 def write_base(preset: str, vocab_size: int, path: Path) -> K3Config:
     """The Kimi-Linear form of `preset`, seed-0 random init, saved as an HF checkpoint at `path`."""
     config = kimi_linear_form(load_base_config(ModelCfg(path=None, preset=preset, vocab_size=vocab_size)))
@@ -84,8 +90,7 @@ def run_ours(args, run_dir: Path, model_overrides: list[str], engine_overrides: 
            f"rollout.max_new_tokens={args.max_new_tokens}", "rollout.temperature=1.0",
            f"rollout.stop_at_eos={str(not args.ignore_eos).lower()}",
            f"lora.rank={args.rank}", f"lora.alpha={args.alpha}", f"optim.lr={args.lr}",
-           "algo.dynamic_sampling=false", "algo.kl=none", "algo.reducer=token_mean",
-           "algo.eps_low=0.2", "algo.eps_high=0.28", "algo.updates_per_step=1",
+           *ALGO_OVERRIDES,
            f"trainer.max_steps={args.steps}", "trainer.save_every=0", "trainer.eval_every=0",
            "trainer.eval_before=false", "trainer.resume=never", "logging.wandb=disabled",
            "logging.progress=false", *memory, *engine_overrides, *args.ours_override, f"hydra.run.dir={run_dir}"]

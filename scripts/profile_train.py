@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_grpo_trl import PEFT_TARGET_MODULES, PEFT_TARGET_PARAMETERS, write_base  # noqa: E402
+from bench_grpo_trl import ALGO_OVERRIDES, PEFT_TARGET_MODULES, PEFT_TARGET_PARAMETERS, write_base  # noqa: E402
 
 SYNCS = ("aten::item", "aten::_local_scalar_dense", "cudaStreamSynchronize", "cudaDeviceSynchronize",
          "cudaMemcpyAsync")
@@ -63,9 +63,7 @@ def ours(args, base_dir: Path, rows) -> callable:
         cfg = compose(config_name="train", overrides=[
             "recipe=k3_small_gpu", f"cluster={'gpu_single' if args.device == 'cuda' else 'local_cpu'}",
             f"model.path={base_dir}", "model.preset=null", "model.vocab_size=null", f"model.train_dtype={dtype}",
-            f"lora.rank={args.rank}", f"lora.alpha={args.alpha}", "algo.kl=none", "algo.reducer=token_mean",
-            "algo.eps_low=0.2", "algo.eps_high=0.28", "algo.updates_per_step=1", "algo.dynamic_sampling=false",
-            *args.override])
+            f"lora.rank={args.rank}", f"lora.alpha={args.alpha}", *ALGO_OVERRIDES, *args.override])
     rc = resolve(cfg)
     ensure_parallel()
     config, state = load_base(rc.model, 0)
@@ -127,12 +125,12 @@ def count_ops(step, top: int) -> dict:
     repo = str(Path(__file__).resolve().parents[1]) + "/"
     lines: Counter = Counter()
 
-    def ours(path: str) -> bool:
+    def in_repo(path: str) -> bool:
         return path.startswith(repo) and "/.venv/" not in path and not path.endswith("profile_train.py")
 
     def forward_line(node) -> str | None:
         frames = re.findall(r'File "([^"]+)", line (\d+)', "".join(node.metadata.get("traceback_", [])))
-        mine = [(f, n) for f, n in frames if ours(f)]
+        mine = [(f, n) for f, n in frames if in_repo(f)]
         return f"bwd {mine[-1][0][len(repo):]}:{mine[-1][1]}" if mine else None
 
     class Counting(TorchDispatchMode):
@@ -141,7 +139,7 @@ def count_ops(step, top: int) -> dict:
                 node = torch._C._current_autograd_node()
                 where = forward_line(node) if node is not None else None
                 if where is None:
-                    frames = [f for f in traceback.extract_stack()[:-1] if ours(f.filename)]
+                    frames = [f for f in traceback.extract_stack()[:-1] if in_repo(f.filename)]
                     where = f"{frames[-1].filename[len(repo):]}:{frames[-1].lineno}" if frames else "(elsewhere)"
                 lines[where] += 1
             return func(*args, **(kwargs or {}))

@@ -75,6 +75,11 @@ def _packed_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, cu_
     return y.unsqueeze(0), ext.index_select(1, tail.reshape(-1)).unflatten(1, (n, W - 1)).permute(1, 0, 2)
 
 
+def _flat_weight(weight: torch.Tensor) -> torch.Tensor:
+    """[D, W] from HF's nn.Conv1d(groups=D) layout [D, 1, W]; any other shape as it is (validated later)."""
+    return weight.squeeze(1) if weight.dim() == 3 and weight.shape[1] == 1 else weight
+
+
 def causal_short_conv(x: torch.Tensor, weight: torch.Tensor, *, state: torch.Tensor | None = None,
                       cu_seqlens: torch.Tensor | None = None,
                       activation: str | None = "silu") -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,8 +113,7 @@ def causal_short_conv(x: torch.Tensor, weight: torch.Tensor, *, state: torch.Ten
     if x.dim() != 3:
         raise ValueError(f"`x` must be [B, T, D], got shape {tuple(x.shape)}")
     B, T, D = x.shape
-    if weight.dim() == 3 and weight.shape[1] == 1:
-        weight = weight.squeeze(1)
+    weight = _flat_weight(weight)
     if weight.dim() != 2 or weight.shape[0] != D or weight.shape[1] < 1:
         raise ValueError(f"`weight` must be [D, W] or [D, 1, W] with D={D}, got shape {tuple(weight.shape)}")
     W = weight.shape[1]
@@ -174,7 +178,7 @@ def causal_short_convs(xs: list[torch.Tensor], weights: list[torch.Tensor], *,
     if len(xs) > 1 and cu_seqlens is None and use_kernels(xs[0]):
         from miles_k3.kernels import short_conv as kernels  # imported here: CPU installs never load triton
 
-        flat = [w.squeeze(1) if w.dim() == 3 and w.shape[1] == 1 else w for w in weights]
+        flat = [_flat_weight(w) for w in weights]
         silu = activation == "silu"
         if all(isinstance(st, PooledState) for st in states) and all(st.index is states[0].index for st in states):
             pools = [st.pool for st in states]
@@ -206,7 +210,7 @@ def _stacked(xs, weights, states, cu_seqlens, activation) -> list[tuple[torch.Te
     channels, then split: the packed path's index building and its per-tap ops run once, not once per
     member, which the host-bound train step on CUDA pays in launches (its backward too)."""
     sizes = [x.shape[-1] for x in xs]
-    flat = [w.reshape(w.shape[0], w.shape[-1]) for w in weights]
+    flat = [_flat_weight(w) for w in weights]
     state = None if states[0] is None else torch.cat(states, dim=1)
     y, final = causal_short_conv(torch.cat(xs, dim=-1), torch.cat(flat), state=state, cu_seqlens=cu_seqlens,
                                  activation=activation)

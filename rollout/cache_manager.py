@@ -275,14 +275,21 @@ class CacheManager:
 
     def snapshot(self, r: Running) -> int | None:
         """Copy r's working state into a fresh slot (None when no slot can be freed for it). Moves no block."""
+        return self.snapshots([r])[0]
+
+    def snapshots(self, rows: list[Running]) -> list[int | None]:
+        """`snapshot` of each row, their copies in one gather per pool tensor: a decode batch reaches its chunk
+        boundaries together, and a copy call per row was a few launches per row at that step."""
+        snaps: list[int | None] = []
         with self._no_moves():
-            snap = self._alloc(self.states.allocator, 1, self.evict_checkpoints)
-        if snap is None:
-            return None
-        self.states.copy_slots([r.slot], snap)
-        if self.arena is not None:  # held by the caller until donate_at / free_snapshot: it must not move
-            self.arena.slots.pin(snap)
-        return snap[0]
+            for _ in rows:
+                snap = self._alloc(self.states.allocator, 1, self.evict_checkpoints)
+                snaps.append(None if snap is None else snap[0])
+        taken = [(r.slot, s) for r, s in zip(rows, snaps) if s is not None]
+        self.states.copy_slots([src for src, _ in taken], [dst for _, dst in taken])
+        if self.arena is not None and taken:  # held by the caller until donate_at / free_snapshot: no moves
+            self.arena.slots.pin([dst for _, dst in taken])
+        return snaps
 
     def donate_at(self, r: Running, pos: int, snap: int | None) -> None:
         """Insert r's computed prefix up to `pos` (<= r.pos; its tokens known) with the checkpoint `snap`

@@ -7,8 +7,8 @@ those device tokens, before the host reads the first step's tokens. So the host'
 inputs) run while the device computes. The price: a request that stops on a stop token has already been
 fed into one more step, whose row is discarded (its pages and slot are freed after that step in stream
 order). A request's length limit is known in advance, so it is not fed past it (`Scheduler.continue_decode`).
-Outputs are those of the plain schedule: every request draws one sample per step from its own generator
-either way.
+Outputs are those of the plain schedule: every request's draw is a function of its seed and the drawn
+token's position (`rollout.noise`) either way.
 
 What a step computes per row is the `DecodeStrategy`'s: the pipeline decides when steps are enqueued and
 read, and does the radix-cache handovers around them.
@@ -66,8 +66,9 @@ class DecodeStrategy:
       `snapshots`. A row that advances several tokens can cross a boundary inside its step: the strategy
       takes that snapshot itself (`CacheManager.snapshot`, when its working slot holds the state at the
       boundary) and lists it in `launch.snapshots` as (row, boundary position, slot).
-    - sampler: draws from the row's own generator (`r.generator`), in a fixed order per step that depends
-      only on the row, so a seeded request's outputs do not depend on the batch or the schedule.
+    - sampler: draws with the row's own noise, so a request's outputs do not depend on the batch or the
+      schedule: `sample_on_device` keyed by (r.req.seed, the drawn token's position), or a stateful
+      `r.generator` (set for seeded requests) drawn from in a fixed order per step that depends only on the row.
     - `launch` of a strategy with `overlaps` enqueues and must not wait for the device (no `.item()`,
       `.tolist()`, blocking copies): the overlap schedule relies on it. A strategy without `overlaps` may
       wait (a verify step needs its accepted lengths). `launch` advances each row's `pos` past the
@@ -100,7 +101,8 @@ class OneToken(DecodeStrategy):
 
     def launch(self, batch: list[Running], ids: list[int] | torch.Tensor) -> DecodeLaunch:
         logits = self.runner.forward(batch, ids, [1] * len(batch))
-        tokens, logps = sample_on_device(logits, [r.req.params for r in batch], [r.generator for r in batch])
+        tokens, logps = sample_on_device(logits, [r.req.params for r in batch], [r.req.seed for r in batch],
+                                         [r.pos + 1 for r in batch])  # the new token's position
         both = torch.stack([tokens.to(torch.float64), logps.to(torch.float64)])
         ready = None
         if both.is_cuda:
@@ -176,7 +178,8 @@ class DecodePipeline:
         later step overwrites it (after the strategy's own snapshots of boundaries crossed inside the step)."""
         launch = self.strategy.launch(batch, ids)
         chunk = self.memory.config.chunk_size
-        launch.snapshots += [(r, r.pos, self.memory.snapshot(r)) for r in batch if r.pos % chunk == 0]
+        rows = [r for r in batch if r.pos % chunk == 0]
+        launch.snapshots += [(r, r.pos, snap) for r, snap in zip(rows, self.memory.snapshots(rows))]
         return launch
 
     def _continue(self, prev: DecodeLaunch) -> DecodeLaunch | None:

@@ -28,6 +28,7 @@ from collections.abc import Iterator
 import torch
 
 from miles_k3.model.modeling import K3ForCausalLM
+from rollout import noise
 from rollout.cache_manager import CacheManager, Running
 from rollout.config import EngineConfig
 from rollout.decode import DecodePipeline, strategy_for
@@ -159,10 +160,9 @@ class Engine:
                 raise ValueError(f"unknown adapter {adapter!r}: this engine has no adapter pool")
             self.adapters.slot_of(adapter)  # ValueError for an unknown name
         media = self.media.place(prompt_ids, images)  # the last check: it may run the vision model
-        seed = params.seed
-        if seed is None and self.channel is not None:
-            # every rank samples the request alike: from one generator, seeded by rank 0's stream
-            seed = int(torch.randint(0, 2**62, (1,)))
+        # the noise's seed: the request's (any integer, folded into the hash's range), or drawn from torch's
+        # stream here; every rank of a sharded engine gets rank 0's
+        seed = int(torch.randint(0, noise.MAX_SEED, (1,))) if params.seed is None else params.seed % noise.MAX_SEED
         req = Request(prompt_ids, params, adapter, media=media)
         self._add(req, seed, stream)
         if self.channel is not None:
@@ -172,9 +172,10 @@ class Engine:
                 self.channel.flush({str(i): f for i, (f, _) in enumerate(media.images)}, self.runner.device)
         return req.request_id
 
-    def _add(self, req: Request, seed: int | None, stream: bool) -> None:
-        generator = None
-        if seed is not None:
+    def _add(self, req: Request, seed: int, stream: bool) -> None:
+        req.seed = seed
+        generator = None  # for strategies that draw from a stateful generator (speculation)
+        if req.params.seed is not None or self.channel is not None:
             generator = torch.Generator(device=self.runner.device).manual_seed(seed)
         self.scheduler.add(req, generator)
         if stream:
@@ -282,7 +283,8 @@ class Engine:
         if done:
             rows = done if len(done) < len(plan) else slice(None)
             batch = [plan[i][0] for i in done]
-            tokens, logps = sample(logits[rows], [r.req.params for r in batch], [r.generator for r in batch])
+            tokens, logps = sample(logits[rows], [r.req.params for r in batch], [r.req.seed for r in batch],
+                                   [r.pos for r in batch])  # the new token's position: r.pos = len(r.tokens)
             self._append(batch, [[t] for t in tokens], [[lp] for lp in logps])
 
     def _append(self, batch: list[Running], tokens: list[list[int]], logps: list[list[float]]) -> None:

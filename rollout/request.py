@@ -25,7 +25,7 @@ class SamplingParams:
     top_k: int = 0  # >= 0: sample from the k most likely tokens; 0 (or >= the vocabulary) disables it
     max_new_tokens: int = 128  # >= 1: the most tokens generated for the request
     stop_token_ids: tuple[int, ...] = ()  # generation stops after emitting any of these (it is kept)
-    seed: int | None = None  # a per-request generator seed (reproducible samples); None: the engine's stream
+    seed: int | None = None  # reproducible samples (`rollout.noise`, taken mod 2^62); None: drawn from torch's stream
     return_logprobs: bool = True  # Completion.logprobs holds one log-prob per output token (else None)
 
     def __post_init__(self) -> None:
@@ -84,6 +84,7 @@ class Request:
     cached_tokens: int = 0
     retractions: int = 0
     media: PromptMedia | None = None  # the prompt's images (`rollout.media`): features at its pad tokens
+    seed: int = 0  # the sampling noise's seed (`rollout.noise`): params.seed, or drawn by the engine at submit
 
     @property
     def all_ids(self) -> list[int]:

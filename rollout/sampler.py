@@ -1,18 +1,22 @@
-"""Token sampling for a whole batch at once: temperature, top-k, top-p, per-request seeds, exact log-probs.
+"""Token sampling for a whole batch at once: temperature, top-k, top-p, per-request noise, exact log-probs.
 
-The batch is sampled with a fixed number of kernels (plus one noise draw per sampled row); `sample_on_device`
-enqueues it without waiting for the device, `sample` adds the one device-to-host copy.
+Every row draws from its own counter-based noise (`rollout.noise`: a function of the request's seed and the
+position of the token it draws), so the batch is sampled with a fixed number of kernels whatever its size:
+two on CUDA (`rollout.kernels.sampling`, for the rows without truncation), a few dozen torch ops elsewhere.
+`sample_on_device` enqueues without waiting for the device; `sample` adds the one device-to-host copy.
 """
 
 from __future__ import annotations
 
 import torch
 
+from miles_k3 import kernels
+from rollout import noise
 from rollout.request import SamplingParams
 from rollout.transfer import to_device
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], positions: list[int]
            ) -> tuple[list[int], list[float]]:
     """logits [B, V] -> (token per row, log-prob of that token under softmax(logits / temperature)).
 
@@ -21,44 +25,60 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     first argmax of the logits and report the temperature-1 log-prob.
 
     A sampled row draws with the exponential race: argmax_i p_i / E_i with E_i ~ Exp(1) i.i.d. picks i with
-    probability p_i / sum(p), so truncation is just zeroing p. Row b's noise comes from `generators[b]`, one
-    [V] draw per seeded row, so a seeded request's draws depend only on its own seed and step count: a prefix
-    hit or a retraction cannot change its samples. Rows without a generator share one draw from the global
-    generator (one kernel for all of them, however large the batch).
+    probability p_i / sum(p), so truncation is just zeroing p. Row b's E is
+    `rollout.noise.exponentials(seeds[b], positions[b])`: the same draw for the same request and position
+    whatever else is in the batch, so a prefix hit, a retraction or the schedule cannot change its samples.
     """
-    tokens, logps = sample_on_device(logits, params, generators)
+    tokens, logps = sample_on_device(logits, params, seeds, positions)
     both = torch.stack([tokens.to(torch.float64), logps.to(torch.float64)]).tolist()  # the one sync
     return [int(t) for t in both[0]], both[1]
 
 
-def sample_on_device(logits: torch.Tensor, params: list[SamplingParams],
-                     generators: list[torch.Generator | None]) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_on_device(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
+                     positions: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """As `sample`, but returns device tensors (tokens [B] int64, log-probs [B] fp32) without syncing."""
-    b = logits.shape[0]
+    with torch.inference_mode():
+        keys = to_device([seeds, positions], logits.device, torch.long)
+        if not kernels.use_kernels(logits):
+            return _sample_torch(logits, params, keys)
+        from rollout.kernels.sampling import sample_rows  # triton: CUDA builds and the interpreter only
+
+        truncated = [i for i, p in enumerate(params) if p.temperature > 0 and _truncates(p, logits.shape[-1])]
+        temps = to_device([p.temperature for p in params], logits.device, torch.float32)
+        tokens, logps = sample_rows(logits, temps, keys)
+        if truncated:  # the kernel draws without truncation: these rows take the torch path
+            rows = to_device(truncated, logits.device, torch.long)
+            t, lp = _sample_torch(logits[rows], [params[i] for i in truncated], keys[:, rows])
+            tokens, logps = tokens.index_copy(0, rows, t), logps.index_copy(0, rows, lp)
+        return tokens, logps
+
+
+def _truncates(p: SamplingParams, vocab: int) -> bool:
+    return 0 < p.top_k < vocab or p.top_p < 1.0
+
+
+def _sample_torch(logits: torch.Tensor, params: list[SamplingParams], keys: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The definition: what `rollout.kernels.sampling.sample_rows` computes, plus truncation."""
+    b, vocab = logits.shape
     device = logits.device
     logits = logits.float()
     temps = [p.temperature if p.temperature > 0 else 1.0 for p in params]
-    if all(t == 1.0 for t in temps):
-        logprobs = torch.log_softmax(logits, dim=-1)
-    else:
-        logprobs = torch.log_softmax(logits / to_device(temps, device)[:, None], dim=-1)
+    scaled = logits if all(t == 1.0 for t in temps) else logits / to_device(temps, device)[:, None]
+    logprobs = torch.log_softmax(scaled, dim=-1)
     tokens = logits.argmax(dim=-1)
     drawn = [i for i, p in enumerate(params) if p.temperature > 0]
     if drawn:
         rows = drawn if len(drawn) < b else slice(None)
-        probs = logprobs[rows].exp()
-        probs = truncate_probs(probs, [params[i] for i in drawn])
-        noise = torch.empty_like(probs)
-        seeded = [(j, generators[i]) for j, i in enumerate(drawn) if generators[i] is not None]
-        if len(seeded) < len(drawn):  # rows without a generator: one draw from the global one for all rows
-            noise.exponential_()
-        for j, generator in seeded:  # then each seeded row's own draw over its row
-            noise[j].exponential_(generator=generator)
-        choice = (probs / noise).argmax(dim=-1)
-        if isinstance(rows, slice):
-            tokens = choice
-        else:
-            tokens = tokens.index_copy(0, to_device(drawn, device), choice)
+        rows_t = rows if isinstance(rows, slice) else to_device(drawn, device, torch.long)
+        score = scaled[rows]
+        kept = [params[i] for i in drawn]
+        if any(_truncates(p, vocab) for p in kept):
+            probs = truncate_probs(logprobs[rows].exp(), kept)
+            score = torch.where(probs > 0, score, float("-inf"))
+        score = score - torch.log(noise.exponentials(keys[0, rows_t], keys[1, rows_t], vocab))
+        choice = score.argmax(dim=-1)
+        tokens = choice if isinstance(rows, slice) else tokens.index_copy(0, rows_t, choice)
     return tokens, logprobs.gather(1, tokens[:, None])[:, 0]
 
 

@@ -161,11 +161,14 @@ class Scheduler:
     def _plan_decode(self) -> list[Running]:
         candidates = [r for r in self.running if len(r.tokens) - r.pos == 1]
         batch = []
+        running, retractions = set(self.running), self.num_retractions  # a set: batches run to hundreds
         for r in candidates:
             # a member may have been retracted to make room for an earlier one
-            if r in self.running and self._cover(r, self._decode_end(r)):
+            if r in running and self._cover(r, self._decode_end(r)):
                 batch.append(r)
-        return [r for r in batch if r in self.running]
+            if self.num_retractions != retractions:
+                running, retractions = set(self.running), self.num_retractions
+        return [r for r in batch if r in running]
 
     def continue_decode(self, prev: list[Running]) -> list[int] | None:
         """The rows of `prev` (a decode batch whose tokens the host has not read yet) to decode once more,

@@ -16,6 +16,7 @@ for `mla_extend`.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -32,22 +33,35 @@ from rollout.transfer import to_device
 class BatchLayout:
     """Device tensors describing one step (N requests, padded query length Tq, padded history length S).
 
+    The step's inputs (what a CUDA graph's static layout is refilled with each replay, `copy_`):
     slot_index [N]       KDA working slot per request (padding rows: the pool's sink slot)
     write_rows [Ttok]    KV row for each new token, in input order (padding rows: the sink page)
-    hist_rows  [N, S]    KV row of each history position 0..S-1 (beyond a request's end: the zero page); under
-                         DCP (n ranks) S = ceil(S / n) and slot j is this rank's position j * n + rank
+    page_table [N, P]    each request's first P = ceil(S / page_size) pages (past its table: the zero page)
+    ends       [N]       each request's history length after the step (positions + new tokens)
     q_pos      [N, Tq]   absolute position of each (padded) query; a padded query gets 0 and so sees only
                          key 0, which keeps its softmax finite; its output is discarded
     q_index    [N, Tq]   input token index of each padded query (padding: 0)
     out_index  [Ttok]    index into the flattened [N * Tq] padded queries of each input token
+    and its shape: `hist_len` S and the DCP rank whose positions the pool keeps.
+
+    Derived on the device by `with_history` (`PoolStateCache` does it once per step, inside a captured graph
+    too, so a replay refills [N, P] page numbers rather than copying [N, S] rows from the host):
+    hist_rows  [N, S]    KV row of each history position 0..S-1 (beyond a request's end: the zero page); under
+                         DCP (n ranks) S = ceil(S / n) and slot j is this rank's position j * n + rank
     """
 
     slot_index: torch.Tensor
     write_rows: torch.Tensor
-    hist_rows: torch.Tensor
+    page_table: torch.Tensor
+    ends: torch.Tensor
     q_pos: torch.Tensor
     q_index: torch.Tensor
     out_index: torch.Tensor
+    hist_len: int
+    dcp_rank: int = 0
+    hist_rows: torch.Tensor | None = None
+
+    INPUTS = ("slot_index", "write_rows", "page_table", "ends", "q_pos", "q_index", "out_index")
 
     @staticmethod
     def build(kv: KVPagePool, slots: list[int], positions: list[int], lengths: list[int],
@@ -57,11 +71,8 @@ class BatchLayout:
         table must cover [0, positions[n] + lengths[n]). Inputs are ordered request by request. `hist_len`
         pads the history to a fixed S (CUDA-graph buckets); default: the longest request. A pool that keeps
         a DCP rank's rows (`kv.rows_per_page` < page_size) maps only the positions of `dcp_rank`
-        (`rollout.dcp`).
-
-        The host builds what grows with the step's tokens (N x Tq) and the page tables (N x S / page_size);
-        the history rows (N x S: at batch 256 with 2k-token histories 4 MB a step, and the part of the step's
-        host cost that grows with the history) are computed from the tables on `device`."""
+        (`rollout.dcp`). The host builds what grows with the step's tokens (N x Tq) and the page tables
+        (N x S / page_size); the history rows are left to `with_history`."""
         page = kv.page_size
         n = len(slots)
         ends = [p + t for p, t in zip(positions, lengths)]
@@ -83,26 +94,33 @@ class BatchLayout:
         else:  # DCP: this rank's positions only
             write = dcp.write_rows(table, q_pos, q_valid, page, dcp_size, dcp_rank, kv.sink_page)
         out_index = (torch.arange(n)[:, None] * tq + t[None, :])[q_valid]
-        table, ends_t = to_device(table, device), to_device(ends, device, torch.long)  # on the CPU: themselves
+        inputs = (to_device(x, device, torch.long) for x in (slots, write, table, ends, q_pos, q_index, out_index))
+        return BatchLayout(*inputs, hist_len=s, dcp_rank=dcp_rank)
+
+    def with_history(self, kv: KVPagePool) -> "BatchLayout":
+        """This layout with `hist_rows` computed from the page tables on their device (a few kernels)."""
+        page, zero = kv.page_size, kv.zero_page
+        dcp_size = page // kv.rows_per_page
+        table, s = self.page_table, self.hist_len
         if dcp_size == 1:
             key = torch.arange(s, device=table.device)
             hist = table[:, key // page] * page + key % page  # [N, S]
-            hist = torch.where(key[None, :] < ends_t[:, None], hist, zero * page)
+            hist = torch.where(key[None, :] < self.ends[:, None], hist, zero * page)
         else:
-            hist = dcp.history_rows(table, ends_t, s, page, dcp_size, dcp_rank, zero)
-        slot_index, write, q_pos, q_index, out_index = (to_device(x, device, torch.long)
-                                                        for x in (slots, write, q_pos, q_index, out_index))
-        return BatchLayout(slot_index, write, hist, q_pos, q_index, out_index)
+            hist = dcp.history_rows(table, self.ends, s, page, dcp_size, self.dcp_rank, zero)
+        return dataclasses.replace(self, hist_rows=hist)
 
     def _tensors(self) -> list[torch.Tensor]:
-        return [getattr(self, name) for name in self.__dataclass_fields__]
+        return [getattr(self, name) for name in self.INPUTS]
 
     def to(self, device: torch.device | str) -> "BatchLayout":
-        """This layout on `device`, copied asynchronously (`rollout.transfer`)."""
-        return BatchLayout(*(to_device(t, device) for t in self._tensors()))
+        """This layout's inputs on `device`, copied asynchronously (`rollout.transfer`)."""
+        return BatchLayout(*(to_device(t, device) for t in self._tensors()), hist_len=self.hist_len,
+                           dcp_rank=self.dcp_rank)
 
     def copy_(self, other: "BatchLayout") -> None:
-        """Write `other` into these tensors in place (a CUDA graph's static inputs), asynchronously."""
+        """Write `other`'s inputs into these tensors in place (a CUDA graph's static inputs), asynchronously."""
+        assert (other.hist_len, other.dcp_rank) == (self.hist_len, self.dcp_rank)
         for dst, src in zip(self._tensors(), other._tensors()):
             dst.copy_(src, non_blocking=True)
 
@@ -111,7 +129,7 @@ class PoolStateCache:
     """Built per model step from a `BatchLayout`; `page_tables[n]` must already cover the step's tokens."""
 
     def __init__(self, kv: KVPagePool, states: KDAStatePool, layout: BatchLayout):
-        self.kv, self.states, self.layout = kv, states, layout
+        self.kv, self.states, self.layout = kv, states, layout.with_history(kv)
         self._hidden_keys: dict[int, torch.Tensor] = {}  # history length -> the step's causal mask
 
     def kda_state(self, layer_idx: int) -> KDAState:

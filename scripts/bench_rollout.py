@@ -144,12 +144,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                     help="EngineConfig.overlap; with it on, CUDA runs add 'overlap off' decode rows for contrast")
     ap.add_argument("--rl-path", action="store_true", help="also decode as the GRPO loop's engine does: MXFP4 routed "
                     "experts (torch and Triton matmul) and a rank-16 policy adapter on every default target")
+    ap.add_argument("--sampled", action="store_true", help="decode rows sample at temperature 1, each request "
+                    "seeded (an RL rollout's draws) instead of greedy; not with --peer hf (its rows are greedy)")
     ap.add_argument("--peer", choices=["none", "hf"], default="none")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--profile", type=Path, help="also write torch.profiler tables of decode steps (bs=1 and the "
                                                  "largest batch) into this folder")
     args = ap.parse_args(argv)
+    if args.sampled and args.peer != "none":
+        ap.error("--sampled compares against no peer: drop --peer")
     for key, value in DEVICE_DEFAULTS[args.device].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -286,9 +290,10 @@ def bench_decode(model: K3ForCausalLM, ecfg: EngineConfig, batch: int, args, dev
     """With `adapters`, every request decodes with its adapter "policy" (one slot for the batch)."""
     engine = Engine(model, ecfg, adapters)
     prompts = random_prompts(batch, args.prompt_len, model.config.vocab_size, args.seed + batch)
-    greedy = SamplingParams(temperature=0, max_new_tokens=args.gen_len)
-    for p in prompts:
-        engine.submit(p, greedy, adapter="policy" if adapters is not None else None)
+    for i, p in enumerate(prompts):
+        params = SamplingParams(temperature=1.0, seed=args.seed + i, max_new_tokens=args.gen_len) if args.sampled \
+            else SamplingParams(temperature=0, max_new_tokens=args.gen_len)
+        engine.submit(p, params, adapter="policy" if adapters is not None else None)
     done: dict[int, Completion] = {}
     sync(device)
     start = time.perf_counter()
@@ -552,7 +557,7 @@ def main(argv: list[str] | None = None) -> dict:
                                                             "group_prompts", "group_n", "memory_gb", "peer",
                                                             "seed", "chunk_size", "max_prefill_tokens",
                                                             "no_cuda_graphs", "overlap", "compile_decode",
-                                                            "rl_path")},
+                                                            "rl_path", "sampled")},
                  "engine_config": {k: getattr(ecfg, k) for k in ecfg.__dataclass_fields__},
                  "params": config.num_parameters(), "active_params": config.num_active_parameters()},
         "decode_tok_s": ours,
@@ -584,7 +589,7 @@ def print_report(res: dict) -> None:
     m, s = res["meta"], res["meta"]["settings"]
     print(f"rollout bench  {m['preset']} on {m['device']} ({m['device_name']}), {m['dtype']}, torch {m['torch']}, "
           f"{m['threads']} threads, {m['date']}\n  {m['command']}")
-    print(f"\ndecode: greedy, prompt {s['prompt_len']}, {s['gen_len']} new tokens; decode steps only")
+    print(f"\ndecode: {'sampled (temperature 1, seeded)' if s['sampled'] else 'greedy'}, prompt {s['prompt_len']}, {s['gen_len']} new tokens; decode steps only")
     print(f"{'model':<34} {'batch':>5} {'prefill tok/s':>13} {'decode tok/s':>12} {'step ms':>9} {'floor ms':>9} "
           f"{'x floor':>7} {'vs HF':>7}")
     for r in res["decode"]:

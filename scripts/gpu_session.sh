@@ -130,6 +130,11 @@ run_job() {
     decodeprof_long) job decodeprof_long python scripts/bench_rollout.py --device cuda --batch-sizes 256 \
         --prompt-len 2048 --gen-len 32 --prefill-len 512 --group-prompts 1 --group-n 2 --overlap off \
         --profile "$STATE/decodeprof_long" --json "$STATE/decodeprof_long.json" ;;
+    # decode as an RL rollout samples (temperature 1, a seed per request) at batch 1 / 64 / 256 / 512
+    decodesampled) job decodesampled python scripts/bench_rollout.py --device cuda --batch-sizes 1,64,256,512 \
+        --gen-len 64 --sampled --json "$STATE/decode_sampled.json" ;;
+    samplingtest) job samplingtest python -m pytest tests/gpu/test_decode_kernels.py -q -m gpu -rA --tb=short \
+        -p no:cacheprovider -k sampling ;;
     kernels) job kernels python -m pytest tests/gpu/test_decode_kernels.py -q -m gpu -rA --tb=short -p no:cacheprovider ;;
     *) echo "unknown job $1"; return 1 ;;
     esac

@@ -20,11 +20,12 @@ shared `miles_k3.model` definition: engine linears through its factories, paged 
     linears.py        EngineLinear / EngineExperts: MXFP4 or BF16 base plus the pool's LoRA term
     lora.py           AdapterPool: named adapter slots of one LoraSpec
     sampler.py        batched sampling with exact untruncated log-probs
+    noise.py          sampling noise as a function of (request seed, token position, vocabulary index)
     transfer.py       host-to-device copies that never wait for the device
     parallel.py       the sharded engine: EngineTP (TP / EP / DCP shares), rank 0's calls replayed by the
                       others, build_sharded_engine
     dcp.py            decode context parallelism: MLA KV rows by token position, partial attention + LSE merge
     spec/             speculative decoding: SpecConfig, lossless verification, SpecDecode (ReplaySSM fold),
                       the DSpark drafter, the cost-aware verify planner
-    kernels/          Triton kernels: MXFP4 grouped GEMM, mixed-adapter LoRA rows
+    kernels/          Triton kernels: MXFP4 grouped GEMM, mixed-adapter LoRA rows, sampling, paged MLA attention
 """

@@ -17,6 +17,8 @@ for `mla_extend`.
 from __future__ import annotations
 
 import dataclasses
+import itertools
+from array import array
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +29,18 @@ from rollout import dcp
 from rollout.attention import absorbed_attention
 from rollout.memory import KDAStatePool, KVPagePool
 from rollout.transfer import to_device
+
+
+def _page_table(page_tables: list[list[int]], width: int, fill: int) -> torch.Tensor:
+    """[N, width] int64: each row's first `width` pages, then `fill`. Built from one flat buffer and a mask:
+    a nested torch.tensor of a batch-256 step's tables took 1-2 ms of the host's step on the H200."""
+    rows = [t if len(t) <= width else t[:width] for t in page_tables]
+    flat = array("q", itertools.chain.from_iterable(rows))
+    table = torch.full((len(rows), width), fill, dtype=torch.long)
+    if flat:
+        filled = torch.arange(width)[None, :] < torch.tensor([len(t) for t in rows])[:, None]
+        table[filled] = torch.frombuffer(flat, dtype=torch.long)
+    return table
 
 
 @dataclass
@@ -80,8 +94,7 @@ class BatchLayout:
         assert s >= max(ends)
         pages_needed = -(-s // page)
         zero = kv.zero_page
-        table = torch.tensor([t[:pages_needed] + [zero] * (pages_needed - len(t[:pages_needed]))
-                              for t in page_tables], dtype=torch.long)  # [N, P]
+        table = _page_table(page_tables, pages_needed, zero)  # [N, P]
         tq = max(lengths)
         t = torch.arange(tq)
         q_valid = t[None, :] < torch.tensor(lengths)[:, None]  # [N, Tq]

@@ -409,7 +409,13 @@ def hf_decode(hf, batch: int, args, device, vocab: int) -> dict:
 
 def profile_decode(model: K3ForCausalLM, ecfg: EngineConfig, batch: int, args, device, folder: Path) -> None:
     """Profile a few decode steps (after prefill and warm-up steps) and write the top ops by device and by
-    host time: where a step's time goes, for deciding what to speed up."""
+    host time: where a step's time goes, for deciding what to speed up. Then a few more steps unprofiled
+    (the step as the bench times it) and under cProfile: the host's Python by function, where waiting for
+    the device shows as the read-back's `synchronize`."""
+    import cProfile
+    import io
+    import pstats
+
     from torch.profiler import ProfilerActivity, profile
 
     engine = Engine(model, ecfg)
@@ -432,7 +438,22 @@ def profile_decode(model: K3ForCausalLM, ecfg: EngineConfig, batch: int, args, d
     text = (f"decode bs={batch}: {wall * 1e3:.2f} ms per step (profiled, 5 steps)\n\n"
             + events.table(sort_by=device_key, row_limit=35) + "\n\n"
             + events.table(sort_by="cpu_time_total", row_limit=35))
-    (folder / f"profile_decode_bs{batch}.txt").write_text(text)
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(10):
+        engine.step()
+    sync(device)
+    plain = (time.perf_counter() - start) / 10
+    host = cProfile.Profile()
+    host.enable()
+    for _ in range(10):
+        engine.step()
+    sync(device)
+    host.disable()
+    out = io.StringIO()
+    pstats.Stats(host, stream=out).sort_stats("tottime").print_stats(30)
+    text += f"\n\ndecode bs={batch}: {plain * 1e3:.2f} ms per step unprofiled; then 10 steps under cProfile:\n"
+    (folder / f"profile_decode_bs{batch}.txt").write_text(text + out.getvalue())
 
 
 def failed_row(e: Exception, **key) -> dict:

@@ -125,8 +125,11 @@ run_job() {
     profiletrain_ours) job profiletrain_ours python scripts/profile_train.py --device cuda --preset k3-small --skip-peer \
         --json "$STATE/profile_train_ours.json" ;;
     # by-kernel tables of decode steps at batch 1 and 256 (512- and 2,048-token prompts): what grows with the batch
-    decodeprof) job decodeprof python scripts/bench_rollout.py --device cuda --batch-sizes 1,256 --gen-len 32 \
+    decodeprof) job decodeprof python scripts/bench_rollout.py --device cuda --batch-sizes 1,256 --gen-len 48 \
         --overlap off --profile "$STATE/decodeprof" --json "$STATE/decodeprof.json" ;;
+    # the same with the overlap schedule on (the engine's default): does the host or the device set the step?
+    decodeprof_on) job decodeprof_on python scripts/bench_rollout.py --device cuda --batch-sizes 256 --gen-len 48 \
+        --profile "$STATE/decodeprof_on" --json "$STATE/decodeprof_on.json" ;;
     decodeprof_long) job decodeprof_long python scripts/bench_rollout.py --device cuda --batch-sizes 256 \
         --prompt-len 2048 --gen-len 32 --prefill-len 512 --group-prompts 1 --group-n 2 --overlap off \
         --profile "$STATE/decodeprof_long" --json "$STATE/decodeprof_long.json" ;;

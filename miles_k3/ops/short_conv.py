@@ -46,33 +46,36 @@ def _conv_core(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> tu
 
 def _packed_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, cu_seqlens: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Packed sequences in one pass. x [D, T] (sequences back to back), state [N, D, W-1], cu_seqlens [N+1]
-    -> (y [1, D, T], state [N, D, W-1]). Each sequence gets its own history spliced in front of it
+    """Packed sequences in one pass. x [T, D] (sequences back to back), state [N, D, W-1], cu_seqlens [N+1]
+    -> (y [T, D], state [N, D, W-1]). Each sequence gets its own history spliced in front of it
     (ext = s_0 x_0 s_1 x_1 ...): sequence i's segment starts at cu_i + i (W-1), so token t of sequence i
     sits at ext[t + (i+1)(W-1)] and its tap j reads ext[t + i (W-1) + j], the same taps as `_conv_core`
     per sequence. Indices are built on x's device from cu_seqlens (no host round trip, no Python loop
-    over sequences), so a packed forward on CUDA does not wait for the device here."""
-    D, T = x.shape
+    over sequences), so a packed forward on CUDA does not wait for the device here.
+
+    Token-major (ext [T + N (W-1), D]): every gather and scatter moves whole rows. The backward of a gather
+    along the last dim of a channel-major ext was CUDA's index_add over strided columns, 0.46 ms a call and
+    8% of a k3-small train step's device time (H200, 2026-12-03). index_select, not ext[idx]: the backward
+    of advanced indexing is CUDA's sort-based deterministic kernel (once 67% of that step); index_select's
+    is index_add, and each call's indices are distinct, so it is exact too."""
+    T, D = x.shape
     W = weight.shape[-1]
     n = cu_seqlens.numel() - 1
     cu = cu_seqlens.to(device=x.device, dtype=torch.long)
     tokens = torch.arange(T, device=x.device)
     seq = torch.searchsorted(cu[1:], tokens, right=True)  # sequence of each token
-    first = tokens + seq * (W - 1)  # ext index of each token's oldest tap
+    first = tokens + seq * (W - 1)  # ext row of each token's oldest tap
     hist = torch.arange(W - 1, device=x.device)
     starts = cu[:-1] + torch.arange(n, device=x.device) * (W - 1)  # where each segment's history begins
-    ext = x.new_zeros(D, T + n * (W - 1))
-    ext = ext.index_copy(1, first + (W - 1), x)
-    ext = ext.index_copy(1, (starts[:, None] + hist).reshape(-1), state.permute(1, 0, 2).reshape(D, -1))
-    # index_select, not ext[:, idx]: the backward of advanced indexing along the last dim is CUDA's sort-
-    # based deterministic kernel, which took 67% of a k3-small train step's device time at 16k tokens (H200,
-    # 2026-12-03); index_select's is index_add, and each call's indices are distinct, so it is exact too
-    y = weight[:, 0, None] * ext.index_select(1, first)
+    ext = x.new_zeros(T + n * (W - 1), D)
+    ext = ext.index_copy(0, first + (W - 1), x)
+    ext = ext.index_copy(0, (starts[:, None] + hist).reshape(-1), state.transpose(1, 2).reshape(-1, D))
+    y = weight[:, 0] * ext.index_select(0, first)
     for j in range(1, W):
-        y = y + weight[:, j, None] * ext.index_select(1, first + j)
+        y = y + weight[:, j] * ext.index_select(0, first + j)
     lens = cu[1:] - cu[:-1]
     tail = (starts + lens)[:, None] + hist  # [N, W-1]: each segment's last W-1 inputs
-    return y.unsqueeze(0), ext.index_select(1, tail.reshape(-1)).unflatten(1, (n, W - 1)).permute(1, 0, 2)
+    return y, ext.index_select(0, tail.reshape(-1)).unflatten(0, (n, W - 1)).transpose(1, 2)
 
 
 def _flat_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -139,7 +142,8 @@ def causal_short_conv(x: torch.Tensor, weight: torch.Tensor, *, state: torch.Ten
     if cu_seqlens is None:
         y, s = _conv_core(xt, w, s0)
     else:
-        y, s = _packed_conv(xt[0], w, s0, cu_seqlens)
+        y, s = _packed_conv(xt[0].T, w, s0, cu_seqlens)
+        y = y.T[None]  # [1, D, T] as the unpacked path's; the transpose below makes it token-major again
     if activation == "silu":
         y = F.silu(y)
     return y.transpose(1, 2).to(x.dtype), s.to(state.dtype if state is not None else x.dtype)

@@ -76,9 +76,11 @@ def _partial(logits_ptr, stride, temps_ptr, keys_ptr, m_ptr, s_ptr, best_ptr, ar
         grown = tl.where(m == m_new, s, s * tl.exp(m - m_new)) + tl.where(z == m_new, 1.0, tl.exp(z - m_new))
         s = tl.where(ok & (m_new > float("-inf")), grown, s)
         m = m_new
-        h = _mix(_mix(a ^ i.to(tl.uint32)) ^ b)
-        u = ((h >> 9) * 2 + 1).to(tl.float32) * 5.9604644775390625e-08  # 2^-24
-        score = tl.where(greedy, z, z - tl.log(-tl.log(u)))
+        score = z
+        if not greedy:  # the noise costs more than the row's read: greedy rows skip it
+            h = _mix(_mix(a ^ i.to(tl.uint32)) ^ b)
+            u = ((h >> 9) * 2 + 1).to(tl.float32) * 5.9604644775390625e-08  # 2^-24
+            score = z - tl.log(-tl.log(u))
         take = ok & (score > best)
         arg = tl.where(take, i, arg)
         best = tl.where(take, score, best)

@@ -21,8 +21,10 @@ def test_dispatch_and_combine_match_the_definition_and_dispatch():
 
         g = torch.Generator().manual_seed(0)
 
-        # align: ties everywhere (few experts, many pairs), a power-of-two expert count, K3's 896, one pair
-        for n, k, e in [(7, 4, 3), (64, 4, 64), (256, 16, 896), (1, 1, 1), (5, 8, 16)]:
+        # align: ties everywhere (few experts, many pairs), a power-of-two expert count, K3's 896, one pair;
+        # up to 256 pairs one program sorts, more are placed by blocks (a partial last block, ties across blocks)
+        for n, k, e in [(7, 4, 3), (64, 4, 64), (256, 16, 896), (1, 1, 1), (5, 8, 16), (300, 4, 3),
+                        (1000, 16, 64)]:
             idx = torch.randint(0, e, (n, k), generator=g)
             token_of, counts, pos = kernels.align(idx, e)
             order = idx.reshape(-1).argsort(stable=True)

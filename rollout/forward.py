@@ -14,15 +14,16 @@ zero page; the layout tensors are the graph's static inputs.
 A capture costs about as much as a few eager steps (two warm-up runs, the recorded run, instantiation), so
 a batch that shrinks through many buckets (an RL rollout whose samples stop at different lengths) would
 pay one per bucket. A bucket is therefore captured once it has been asked for `capture_after` times, and
-until then a larger captured graph of the same history bucket and adapter serves it with more padding
-rows; with no larger graph it is captured at once (`DecodeGraphs.graph_key`).
+until then a larger captured graph of the same adapter serves it with more padding rows (and history);
+with no larger graph it is captured at once (`GraphChoice`, which the speculative verify and fold graphs
+share).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TypeVar
 
 import torch
@@ -99,6 +100,27 @@ def model_step(model: K3ForCausalLM, ids: torch.Tensor, cache: PoolStateCache,
 CAPTURE_AFTER = 3
 
 
+class GraphChoice:
+    """Which graph serves a step whose exact key is (batch bucket, history bucket, *rest): that key once it
+    is captured or has been asked for `capture_after` times (the caller then captures it), until then the
+    smallest captured key at least as large in both buckets with the same rest (padding rows and history
+    pages read and write only the sink slot and page, so any larger graph computes the same rows), the
+    same history bucket first; with none, the exact key. Counts every ask, so call it once per step."""
+
+    def __init__(self, capture_after: int = CAPTURE_AFTER):
+        assert capture_after >= 1
+        self.capture_after = capture_after
+        self.asked: dict[tuple, int] = {}
+
+    def choose(self, exact: tuple, captured: Iterable[tuple]) -> tuple:
+        self.asked[exact] = self.asked.get(exact, 0) + 1
+        captured = list(captured)
+        if exact in captured or self.asked[exact] >= self.capture_after:
+            return exact
+        larger = [k for k in captured if k[0] >= exact[0] and k[1] >= exact[1] and k[2:] == exact[2:]]
+        return min(larger, key=lambda k: (k[1], k[0])) if larger else exact
+
+
 def _bucket(n: int, buckets: list[int]) -> int | None:
     return next((b for b in buckets if b >= n), None)
 
@@ -139,11 +161,10 @@ class DecodeGraphs:
     def __init__(self, model: K3ForCausalLM, kv: KVPagePool, states: KDAStatePool, *, max_batch: int,
                  max_seq_len: int, capture: bool, adapters: AdapterPool | None = None, compile: bool = False,
                  capture_after: int = CAPTURE_AFTER):
-        assert capture_after >= 1
         prepare_model(model)  # before torch.compile sees the step
         self.model, self.kv, self.states, self.adapters = model, kv, states, adapters
         self.dcp_rank = getattr(model.model.tp, "dcp_rank", 0)  # the KV positions this rank keeps (rollout.dcp)
-        self.capture, self.capture_after = capture, capture_after
+        self.capture, self.choice = capture, GraphChoice(capture_after)
         # torch.compile of the padded decode step: inductor fuses the step's elementwise chains (norm and gate
         # upcasts, SiTU, AttnRes mixing) into fewer kernels; the graph then replays the compiled step. Shapes
         # are the buckets', so after the first recompile dynamo generalizes instead of compiling each bucket.
@@ -156,22 +177,15 @@ class DecodeGraphs:
         # key (batch bucket, history bucket, *adapter key) -> captured graph (None when capture=False: the
         # padded shape is then run eagerly, but the bucket policy is the same)
         self.graphs: dict[tuple, tuple | None] = {}
-        self.asked: dict[tuple, int] = {}  # exact-bucket key -> steps that asked for it
         self.failed = False
         self.replays = 0
         self.captures = 0
 
     def graph_key(self, n: int, hist: int, slot_key: tuple = ()) -> tuple:
         """The graph that serves a step of `n` rows whose longest history is `hist` tokens (after `usable`),
-        counting the request: the exact buckets' graph once it exists or has been asked for
-        `capture_after` times (it is then captured), until then the smallest captured larger batch bucket
-        with the same history bucket and adapter, or the exact one when there is none."""
+        counting the request (`GraphChoice`)."""
         exact = (_bucket(n, self.batch_buckets), _bucket(hist, self.hist_buckets), *slot_key)
-        self.asked[exact] = self.asked.get(exact, 0) + 1
-        if exact in self.graphs or self.asked[exact] >= self.capture_after:
-            return exact
-        larger = [k for k in self.graphs if k[0] > exact[0] and k[1:] == exact[1:]]
-        return min(larger) if larger else exact
+        return self.choice.choose(exact, self.graphs)
 
     def usable(self, batch: int, hist: int) -> bool:
         """After the pool's `set_batch` for this step: whether `run` can serve it."""

@@ -26,9 +26,12 @@ next token is `perm(x)` by a wide margin. Every layer still runs in full, so the
 
 Per batch size B: B held-out prompts of the target's task (cycled), --gen-len new tokens at most, greedy
 and at temperature 1 (seeded per request). Each row gets fresh engines (plain, then one per planner and
-rollback); each is warmed up by one untimed request first. tok_s = generated tokens / wall seconds of
-`generate` (prefill included: identical work in both engines). Greedy rows check losslessness (outputs
-equal token for token). mean_tokens_per_verify = tokens a row advances per verify step (accepted drafts +
+rollback); each is warmed up first (`warm_up`). tok_s = generated tokens / wall seconds of `generate`
+(prefill included: identical work in both engines). decode_tok_s leaves the prefill out: the tokens after
+each request's first (which the prefill samples) over the wall seconds less the prefill's, timed once per
+row as the plain engine's `generate` of the same prompts with one new token (2026-12-03, one H200: at batch
+256 the prefill of 128-token prompts was most of plain decoding's wall time). Greedy rows check
+losslessness (outputs equal token for token). mean_tokens_per_verify = tokens a row advances per verify step (accepted drafts +
 1); verify_tokens_per_step = anchors + drafts verified per step.
 
 window_bytes_per_request: the most draft-window bytes one row needed in a step, measured from the strategy
@@ -41,6 +44,7 @@ slot, the KV pages of its longest prompt + --gen-len + gamma + 1 positions, and 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import platform
@@ -103,19 +107,40 @@ def prompts_for(target: Path, n: int) -> list[list[int]]:
     return [tok.encode(rows[i % len(rows)], add_bos=True) for i in range(n)]
 
 
+def warm_up(engine: Engine, prompts, params, runs: int = 3) -> None:
+    """Untimed runs identical to the timed one, so it reads steady-state steps, not CUDA-graph captures or
+    autotuning (2026-12-02: a batch-1 warm-up left batches 8-256 capturing inside the timed run, a 9x
+    slower spec step at batch 8). A speculative engine's rows advance at random rates, so its batch shrinks
+    through other buckets each run: it warms up until a run captures no graph (at most `runs` runs); its
+    stats then restart, counting the timed requests only."""
+    spec = isinstance(engine.decoder.strategy, SpecDecode)
+    for _ in range(runs if spec else 1):
+        if spec:
+            engine.decoder.strategy.stats = SpecStats()
+        engine.generate(prompts, params)
+        if not spec or engine.decoder.strategy.stats.captures == 0:
+            break
+    if spec:
+        engine.decoder.strategy.stats = SpecStats()
+
+
 def run(engine: Engine, prompts, params) -> tuple[list, float]:
-    """The timed second of two identical runs: the first captures every CUDA graph the timed one replays
-    (by batch bucket, history bucket and verify width: captured on first use) and autotunes, so the table
-    reads steady-state steps, not captures (2026-12-02: a batch-1 warm-up left batches 8-256 capturing
-    inside the timed run, a 9x slower spec step at batch 8)."""
-    engine.generate(prompts, params)  # warm-up, untimed
-    if isinstance(engine.decoder.strategy, SpecDecode):
-        engine.decoder.strategy.stats = SpecStats()  # count the timed requests only
+    """The timed run after `warm_up`: (outputs, seconds)."""
+    warm_up(engine, prompts, params)
     t0 = time.perf_counter()
     outs = engine.generate(prompts, params)
     if engine.runner.device.type == "cuda":
         torch.cuda.synchronize()
     return outs, time.perf_counter() - t0
+
+
+def timed(engine: Engine, prompts, params) -> float:
+    """Seconds of one `generate` on a warm engine."""
+    t0 = time.perf_counter()
+    engine.generate(prompts, params)
+    if engine.runner.device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
 
 
 def fit_batch(config: K3Config, ecfg: EngineConfig, dtype: torch.dtype, prompts, gen_len: int, gamma: int,
@@ -208,8 +233,14 @@ def main(argv=None) -> None:
                       for i in range(b)]
             ecfg = dict(memory_bytes=int(args.memory_gb * 2**30), max_running=max(b, 1),
                         max_seq_len=max(256, max(map(len, prompts)) + args.gen_len + gamma + 1))
-            plain_out, plain_s = run(Engine(model, EngineConfig(**ecfg)), prompts, params)
+            plain = Engine(model, EngineConfig(**ecfg))
+            plain_out, plain_s = run(plain, prompts, params)
             plain_tok = sum(len(c.output_ids) for c in plain_out)
+            prefill_s = timed(plain, prompts, [dataclasses.replace(p, max_new_tokens=1) for p in params])
+            del plain
+
+            def decode_tok_s(tokens: int, seconds: float) -> float:
+                return round((tokens - b) / max(seconds - prefill_s, 1e-9), 1)
             if controlled:  # the target's own continuations, from the plain run just done
                 drafter = ControlledDrafter({tuple(p): c.output_ids for p, c in zip(prompts, plain_out)},
                                             config.vocab_size, acceptance_of(args.drafter))
@@ -225,13 +256,18 @@ def main(argv=None) -> None:
                         batch=b, temperature=temp, gamma=gamma, planner=planner, rollback=rollback,
                         plain_tok_s=round(plain_tok / plain_s, 1), spec_tok_s=round(spec_tok / spec_s, 1),
                         speedup=round((spec_tok / spec_s) / (plain_tok / plain_s), 3),
+                        plain_decode_tok_s=decode_tok_s(plain_tok, plain_s),
+                        spec_decode_tok_s=decode_tok_s(spec_tok, spec_s),
+                        decode_speedup=round(decode_tok_s(spec_tok, spec_s) / decode_tok_s(plain_tok, plain_s), 3),
+                        prefill_s=round(prefill_s, 3),
                         mean_tokens_per_verify=round(st.mean_accepted, 3),
                         draft_acceptance=round(st.accepted / max(st.drafted, 1), 3),
                         verify_tokens_per_step=round((st.rows + st.drafted) / max(st.steps, 1), 1),
                         lossless=all(a.output_ids == c.output_ids for a, c in zip(plain_out, spec_out))
                         if temp == 0 else None,
                         window_bytes_per_request=st.window_bytes,
-                        graphed=f"verify {st.verify_graphed}/{st.steps}, fold {st.fold_graphed}/{st.steps}",
+                        graphed=f"verify {st.verify_graphed}/{st.steps}, fold {st.fold_graphed}/{st.steps}, "
+                                f"captured {st.captures}",
                         fit_batch=fit_batch(config, cfg, dtype, prompts, args.gen_len, gamma, st.window_bytes)))
                     planned = spec.decoder.strategy.planner
                     if planned is not None:  # the step seconds it planned on: (batch, verify tokens) -> s
@@ -241,6 +277,7 @@ def main(argv=None) -> None:
                     del spec
                     free(args.device)
     head = ("batch", "temperature", "planner", "rollback", "plain_tok_s", "spec_tok_s", "speedup",
+            "plain_decode_tok_s", "spec_decode_tok_s", "decode_speedup",
             "mean_tokens_per_verify", "draft_acceptance", "verify_tokens_per_step", "lossless",
             "window_bytes_per_request", "fit_batch", "graphed")
     print("| " + " | ".join(head) + " |")

@@ -31,7 +31,7 @@ from collections.abc import Callable
 
 import torch
 
-from rollout.forward import _bucket, capture_graph
+from rollout.forward import GraphChoice, _bucket, capture_graph
 from rollout.spec.graphs import BATCH_BUCKETS
 from rollout.spec.replay import PROJECTIONS, KDAInputs, decode_kda_step, fold, kda_mixers
 
@@ -48,8 +48,9 @@ class FoldGraphs:
         max_batch = runner.config.max_running
         self.buckets = [b for b in BATCH_BUCKETS if b < max_batch] + [max_batch]
         self.graphs: dict[int, tuple] = {}  # bucket -> (graph or None, static inputs)
+        self.choice = GraphChoice()  # a larger captured bucket serves one asked for only a few times
         self.failed = False
-        self.replays = 0
+        self.captures = self.replays = 0
 
     def fold(self, inputs: KDAInputs, slots: list[int], counts: list[int], positions: list[int],
              chunk_size: int, at_boundary: Callable[[int, int], None] | None = None) -> None:
@@ -57,6 +58,8 @@ class FoldGraphs:
         or after a failed capture)."""
         n = len(slots)
         bucket = None if self.failed else _bucket(n, self.buckets)
+        if bucket is not None:  # keys (bucket, 0): a fold has no history bucket
+            bucket = self.choice.choose((bucket, 0), ((b, 0) for b in self.graphs))[0]
         if bucket is None:
             return fold(self.runner.model, self.states, inputs, slots, counts, positions, chunk_size, at_boundary)
         static = self._static(bucket, inputs)
@@ -111,6 +114,7 @@ class FoldGraphs:
                       start=torch.zeros(bucket, dtype=torch.long, device=device),
                       stop=torch.zeros(bucket, dtype=torch.long, device=device),
                       base=torch.arange(bucket, device=device) * w)
+        self.captures += 1  # counted as on CUDA when the padded shape runs eagerly (the CPU tests' policy)
         if not self.capture:
             self.graphs[bucket] = (None, static)
             return static

@@ -9,7 +9,11 @@ tensors of the graph's memory, refilled by every replay, so the fold reads them 
 as it reads an eager step's.
 
 Padding: a batch is padded to its bucket with rows on the pools' sink slot and sink page, the history to
-a page-rounded power of two (the zero page beyond a row's end). A row close to its length limit still
+a page-rounded power of two (the zero page beyond a row's end). A bucket gets its own graph once asked for
+a few times; until then a larger captured one serves it (`rollout.forward.GraphChoice`, as the decode
+graphs do): a rollout's batch shrinks through most buckets as its rows stop, and a capture of a batch-256
+verify costs about three eager forwards (2026-12-03, one H200: recaptures inside a timed run were most of a
+speculative step's time). A row close to its length limit still
 feeds `width` tokens (verification stops at its limit, `rollout.spec.verify`): its page table is extended
 with the sink page, so the tokens past its pages write only there, and positions inside its pages never
 read them (attention is causal).
@@ -24,7 +28,7 @@ import logging
 
 import torch
 
-from rollout.forward import _bucket, capture_graph, model_step
+from rollout.forward import GraphChoice, _bucket, capture_graph, model_step
 from rollout.spec.replay import KDAInputs, PROJECTIONS, VerifyStateCache, hooks, kda_mixers
 from rollout.state_cache import BatchLayout
 
@@ -49,6 +53,7 @@ class VerifyGraphs:
         self.hist_buckets = sorted({min(top, max(page, 1 << s)) for s in range(6, 40) if (1 << (s - 1)) < top})
         # (batch bucket, history bucket, *adapter key) -> (graph, ids, layout, logits, hooked outputs)
         self.graphs: dict[tuple, tuple] = {}
+        self.choice = GraphChoice()
         self.failed = False
         self.captures = self.replays = 0
 
@@ -60,13 +65,19 @@ class VerifyGraphs:
         slots = {pool.slot_of(r.req.adapter) for r in batch}
         return (next(iter(slots)), float(pool.scale[next(iter(slots))])) if len(slots) == 1 else None
 
-    def key(self, batch) -> tuple | None:
-        """The graph that serves `batch` (None: run it eagerly)."""
+    def exact_key(self, batch) -> tuple | None:
+        """The buckets of `batch` (None: run it eagerly)."""
         if self.failed or (slot_key := self._slot_key(batch)) is None:
             return None
         bb = _bucket(len(batch), self.batch_buckets)
         sb = _bucket(max(r.pos for r in batch) + self.width, self.hist_buckets)
         return None if bb is None or sb is None else (bb, sb, *slot_key)
+
+    def key(self, batch) -> tuple | None:
+        """The graph that serves a step of `batch`, counting the ask (`rollout.forward.GraphChoice`: a larger
+        captured graph serves a bucket asked for fewer than `CAPTURE_AFTER` times); None: run it eagerly."""
+        exact = self.exact_key(batch)
+        return None if exact is None else self.choice.choose(exact, self.graphs)
 
     def run(self, key: tuple, batch, ids: torch.Tensor) -> tuple[torch.Tensor, KDAInputs, dict[str, torch.Tensor]]:
         """ids [N, width] (device) for `batch` -> what `rollout.spec.replay.verify_forward` returns for rows

@@ -57,7 +57,8 @@ class SpecStats:
     tokens emitted (kept drafts plus one per row, before a stop cut), the most draft-window bytes per row
     a step needed (ReplaySSM: its KDA inputs; the snapshot baseline: its gamma state snapshots), and the
     steps whose verify forward and whose fold replayed a captured CUDA graph (the rest ran eagerly, the CPU's
-    padded shapes included: a benchmark's way to tell a slow step from an eager one)."""
+    padded shapes included), and the graphs the steps captured (verify and fold; a capture costs about three
+    eager forwards): a benchmark's way to tell a slow step from an eager or a capturing one."""
 
     steps: int = 0
     rows: int = 0
@@ -67,6 +68,7 @@ class SpecStats:
     window_bytes: int = 0
     verify_graphed: int = 0
     fold_graphed: int = 0
+    captures: int = 0
 
     @property
     def mean_accepted(self) -> float:
@@ -147,9 +149,10 @@ class SpecDecode(DecodeStrategy):
                 window.commit(self.runner.states, slots, lengths, committed, positions, chunk, checkpoint)
             elif self.graph_verify:
                 folds = self._folds()
-                replays = folds.replays
+                replays, captures = folds.replays, folds.captures
                 folds.fold(inputs, slots, committed, positions, chunk, checkpoint)
                 self.stats.fold_graphed += folds.capture and folds.replays > replays
+                self.stats.captures += folds.captures - captures
             else:
                 fold(self.runner.model, self.runner.states, inputs, slots, committed, positions, chunk, checkpoint)
         with record_function("spec.observe"):
@@ -176,9 +179,10 @@ class SpecDecode(DecodeStrategy):
         graphs = self._graphs(width)
         key = graphs.key(batch) if graphs is not None else None
         if key is not None:
-            replays = graphs.replays
+            replays, captures = graphs.replays, graphs.captures
             logits, inputs, tapped = graphs.run(key, batch, block[:, :width].contiguous())
             self.stats.verify_graphed += graphs.capture and graphs.replays > replays
+            self.stats.captures += graphs.captures - captures
             return logits.view(n, width, -1), inputs, tapped
         lengths = [k + 1 for k in num]
         ragged = any(k < g1 for k in lengths)
@@ -227,7 +231,7 @@ class SpecDecode(DecodeStrategy):
         pages = [kv.sink_page] * -(-per // kv.page_size)
         fake = [_Probe(states.sink_slot, pages) for _ in range(rows)]
         graphs = self._graphs(per)
-        key = graphs.key(fake) if graphs is not None else None
+        key = graphs.exact_key(fake) if graphs is not None else None
         if key is not None:
             graphs.run(key, fake, torch.zeros(rows, per, dtype=torch.long, device=self.runner.device))
         else:

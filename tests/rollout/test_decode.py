@@ -121,9 +121,13 @@ def test_graph_key_pads_into_a_larger_graph_until_a_bucket_is_asked_for_often_en
     assert [graphs.graph_key(3, 10) for _ in range(4)] == [(12, 64), (12, 64), (4, 64), (4, 64)]
     graphs.graphs[(4, 64)] = None
     assert graphs.graph_key(2, 10) == (4, 64)  # the smallest larger graph serves
-    assert graphs.graph_key(2, 100) == (2, 128)  # no graph of that history bucket
+    assert graphs.graph_key(2, 100) == (2, 128)  # no graph of that history bucket or longer
     assert graphs.graph_key(14, 10) == (16, 64)  # nothing larger than 16
     assert graphs.graph_key(3, 10, (1, 2.0)) == (4, 64, 1, 2.0)  # another adapter key: its own graphs
+    graphs.graphs[(16, 256)] = graphs.graphs[(2, 256)] = None
+    assert graphs.graph_key(2, 100) == (2, 256)  # a longer history serves too, the smallest batch first
+    assert graphs.graph_key(12, 10) == (12, 64)  # captured: exact
+    assert graphs.graph_key(14, 70) == (16, 256)
 
 
 def test_a_shrinking_batch_decodes_through_larger_graphs_exactly(monkeypatch):
@@ -154,6 +158,25 @@ def test_a_shrinking_batch_decodes_through_larger_graphs_exactly(monkeypatch):
     assert sorted(graphs.graphs) == [(2, 64), (4, 64), (8, 64)]
     assert (graphs.captures, graphs.replays) == (3, 11)
     assert eng.counters() == {"graph_captures": 3, "graph_replays": 11, "retractions": 0}
+    eng.check_invariants()
+
+
+def test_a_graph_of_a_longer_history_serves_a_shorter_one_exactly():
+    """A captured (batch 8, history 256) graph serves every step of a small, short batch (its padded history
+    reads the zero page, masked by position) until a bucket has been asked for three times; outputs equal
+    the plain engine's."""
+    prompts = [prompt(5 + 4 * i, 70 + i) for i in range(3)]
+    params = SamplingParams(temperature=0, max_new_tokens=6)
+    plain = engine(max_prefill_tokens=64).generate(prompts, params)
+    eng = engine(max_prefill_tokens=64, max_running=8)
+    graphs = padded_graphs(eng, 8)
+    graphs.graphs[(8, 256)] = None
+    padded = eng.generate(prompts, params)
+    for a, b in zip(plain, padded):
+        assert a.output_ids == b.output_ids
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+    assert sorted(graphs.graphs) == [(4, 64), (8, 256)]  # (4, 64) captured on its third ask
+    assert (graphs.captures, graphs.replays) == (1, 6)  # the overlap schedule feeds one step past the limit
     eng.check_invariants()
 
 

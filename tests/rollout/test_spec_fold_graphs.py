@@ -2,7 +2,7 @@
 the eager fold's KDA state, and hands a chunk-boundary checkpoint the state in the middle of a row's tokens:
 bit for bit when every row commits the whole block (the eager fold then steps the same rows at every
 position), within fp32 rounding for committed counts 1..width (the eager fold steps only the rows still
-folding, and the CPU's batched matmuls round by batch shape), rows packed ragged (a planner's verify) or
+folding, and the CPU's batched matmuls round by batch shape) or through a larger bucket's graph, rows packed ragged (a planner's verify) or
 dense (the graphed verify). The GPU twin (graphs captured and replayed) is tests/gpu/test_spec_gpu.py."""
 
 import pytest
@@ -37,14 +37,16 @@ def snapshot(states):
     return {name: {k: v.clone() for k, v in getattr(states, name).items()} for name in ("conv", "recurrent")}
 
 
-@pytest.mark.parametrize("dense,counts", [(True, [5] * 6), (True, [1, 2, 3, 4, 5, 5]), (False, [1, 2, 3, 4, 5, 5])])
-def test_the_padded_fold_commits_the_eager_folds_state(dense, counts):
-    eng = engine(max_running=6)
+@pytest.mark.parametrize("dense,counts,larger", [(True, [5] * 6, False), (True, [1, 2, 3, 4, 5, 5], False),
+                                                 (False, [1, 2, 3, 4, 5, 5], False), (True, [5] * 6, True)])
+def test_the_padded_fold_commits_the_eager_folds_state(dense, counts, larger):
+    """larger: six rows (bucket 8) folded through an already captured bucket 12, more padding rows."""
+    eng = engine(max_running=12 if larger else 6)
     runner, states = eng.runner, eng.states
-    slots = [0, 3, 1, 4, 2, 5]  # six rows: bucket 6
+    slots = [0, 3, 1, 4, 2, 5]  # six rows: bucket 6 of max_running 6
     lengths = [WIDTH] * 6 if dense else [1, 3, 3, 5, 5, 5]  # a ragged verify feeds at least the committed tokens
     positions = [0, 5, 6, 7, 62, 16]  # chunk 8: rows 1-4 cross a boundary mid-fold when their counts reach it
-    exact = all(c == WIDTH for c in counts)
+    exact = all(c == WIDTH for c in counts) and not larger  # the CPU's matmuls round by batch shape
     inputs = random_inputs(runner, lengths, seed=1)
     randomize_states(states, seed=2)
     start = snapshot(states)
@@ -63,7 +65,10 @@ def test_the_padded_fold_commits_the_eager_folds_state(dense, counts):
 
     want, want_seen = run(lambda *a: fold(runner.model, states, *a))
     graphs = FoldGraphs(runner, WIDTH, capture=False)
+    if larger:
+        graphs._static(12, inputs)
     got, got_seen = run(graphs.fold)
+    assert sorted(graphs.graphs) == ([12] if larger else [6]) and graphs.captures == 1
     crossing = {(n, p + 8 - p % 8) for n, (p, c) in enumerate(zip(positions, counts)) if 8 - p % 8 < c}
     assert crossing and set(got_seen) == set(want_seen) == crossing
     assert graphs.replays == 2  # up to the boundaries, then the rest

@@ -274,12 +274,10 @@ class Engine:
         ids = [t for r, end in plan for t in r.tokens[r.pos:end]]
         # media only when there is some: a text prefill's call is the one it always was
         logits = self.runner.forward(batch, ids, lengths, **({} if media is None else {"media": media}))
-        done = []
-        for i, (r, end) in enumerate(plan):
+        for r, end in plan:
             r.pos = end
-            self.memory.donate(r)
-            if r.pos == len(r.tokens):
-                done.append(i)
+        self.memory.donate(batch)
+        done = [i for i, (r, _) in enumerate(plan) if r.pos == len(r.tokens)]
         if done:
             rows = done if len(done) < len(plan) else slice(None)
             batch = [plan[i][0] for i in done]

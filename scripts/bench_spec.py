@@ -107,12 +107,14 @@ def prompts_for(target: Path, n: int) -> list[list[int]]:
     return [tok.encode(rows[i % len(rows)], add_bos=True) for i in range(n)]
 
 
-def warm_up(engine: Engine, prompts, params, runs: int = 3) -> None:
+def warm_up(engine: Engine, prompts, params, runs: int = 6) -> None:
     """Untimed runs identical to the timed one, so it reads steady-state steps, not CUDA-graph captures or
     autotuning (2026-12-02: a batch-1 warm-up left batches 8-256 capturing inside the timed run, a 9x
     slower spec step at batch 8). A speculative engine's rows advance at random rates, so its batch shrinks
-    through other buckets each run: it warms up until a run captures no graph (at most `runs` runs); its
-    stats then restart, counting the timed requests only."""
+    through other buckets each run, and a bucket is captured on its third ask (`rollout.forward.GraphChoice`),
+    which may fall in a later run: it warms up until a run captures no graph (at most `runs` runs; 3 left
+    captures in the timed runs at batch 8-256 on the H200, 2026-12-04); its stats then restart, counting the
+    timed requests only."""
     spec = isinstance(engine.decoder.strategy, SpecDecode)
     for _ in range(runs if spec else 1):
         if spec:

@@ -138,6 +138,8 @@ run_job() {
         --gen-len 64 --sampled --json "$STATE/decode_sampled.json" ;;
     samplingtest) job samplingtest python -m pytest tests/gpu/test_decode_kernels.py -q -m gpu -rA --tb=short \
         -p no:cacheprovider -k sampling ;;
+    advtest) job advtest python -m pytest tests/gpu/test_decode_kernels.py -q -m gpu -rA --tb=short -p no:cacheprovider \
+        -k "advancing or pooled" ;;  # the fold's recurrence (kda_advance) against decode steps, bit for bit
     kernels) job kernels python -m pytest tests/gpu/test_decode_kernels.py -q -m gpu -rA --tb=short -p no:cacheprovider ;;
     *) echo "unknown job $1"; return 1 ;;
     esac

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from miles_k3.kernels import use_kernels
 
 __all__ = ["kda_gate", "kda_gate_beta", "l2norm", "math_dtype", "kda_recurrent", "kda_chunked", "kda",
-           "PooledState"]
+           "kda_advance", "PooledState"]
 
 _GATE_FORMS = ("softplus", "lower_bound")
 _MODES = ("auto", "recurrent", "chunked")
@@ -346,6 +346,37 @@ def _kda_pooled(q, k, v, g, beta, state: PooledState, **kwargs):
     o, ht = kda(q, k, v, g, beta, initial_state=pool.index_select(0, index), output_final_state=True, **kwargs)
     pool.index_copy_(0, index, ht.to(pool.dtype))
     return o, state
+
+
+def kda_advance(q, k, v, g, beta, state: PooledState, *, scratch: int, scale=None, use_qk_l2norm=False) -> None:
+    """Advance pool rows `state.index` [N] by their T tokens each (q, k, g [N, T, H, K], v [N, T, H, V], beta
+    [N, T, H]), token by token as T decode steps of `kda` would, and write back only the final states. A token
+    whose g and beta are zero leaves its row's state bit for bit (decay exp(0) = 1, a zero write), so rows
+    advance by different counts in one call (the speculative fold's masked block).
+
+    On CUDA, fla's recurrent kernel in its continuous-batching mode with per-token state rows: each row's
+    slot at the first and last token and `scratch` (a pool row nobody reads, written by every row) in
+    between, so a state is read once and written twice instead of once per token; its arithmetic per token is
+    the decode step's (same kernel, fixed tiling), so the states equal T decode steps' bit for bit. Elsewhere
+    the recurrent reference, gathered and scattered."""
+    pool, index = state
+    if q.is_cuda and pool.dtype == torch.float32 and pool[0].is_contiguous() and not torch.is_grad_enabled():
+        return _kda_fla_advance(q, k, v, g, beta, state, scratch, scale, use_qk_l2norm)
+    _, ht = kda(q, k, v, g, beta, scale=scale, initial_state=pool.index_select(0, index), output_final_state=True,
+                use_qk_l2norm=use_qk_l2norm, mode="recurrent")
+    pool.index_copy_(0, index, ht.to(pool.dtype))
+
+
+def _kda_fla_advance(q, k, v, g, beta, state: PooledState, scratch: int, scale, use_qk_l2norm) -> None:
+    """`kda_advance` through fla's recurrent kernel (its docstring)."""
+    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd  # lazy: needs triton + a GPU
+
+    pool, index = state
+    rows = torch.full(q.shape[:2], scratch, dtype=torch.long, device=index.device)  # [N, T]: where token t's state goes
+    rows[:, 0] = rows[:, -1] = index  # the first token's row is also where the state is read
+    fused_recurrent_kda_fwd(q=q.contiguous(), k=k.contiguous(), v=v.contiguous(), g=g.contiguous(),
+                            beta=beta.contiguous(), scale=scale, initial_state=pool, inplace_final_state=True,
+                            ssm_state_indices=rows, use_qk_l2norm_in_kernel=use_qk_l2norm)
 
 
 def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,

@@ -3,13 +3,16 @@
 The eager fold (`rollout.spec.replay.fold`) walks each committed token through every KDA layer, a few
 dozen small ops per layer and token: on one H200 (2026-12-02, random k3-small, batch 1) that was 77 ms of
 host time per verify step against 3 ms on the device (`scripts/profile_spec.py`). `FoldGraphs` runs the
-same ops (`decode_kda_step`) on every row of a batch bucket at every position 0..width-1, layer by layer:
-gather the rows' working state once, step it `width` times with each row's update masked to its own
-tokens (a masked row keeps its state unchanged, an active row gets exactly the eager fold's value: the
-recurrent state through a masked row's inputs, decay 0 and beta 0, with no select over the state; the
-small conv state by `torch.where`), scatter it back once. Layers are independent in the fold (each reads only its own raw
-inputs), so folding layer by layer instead of token by token commits the same state. Padding rows sit on
-the sink slot with nothing to fold.
+same ops on every row of a batch bucket at every position 0..width-1, layer by layer: the conv steps and
+gates of each position (`decode_kda_inputs`, the decode step's own calls), each row's updates masked to
+its own tokens (a masked token has decay 0 and beta 0, so it leaves the recurrent state bit for bit; the
+small conv state by `torch.where`), then the recurrence over all `width` positions in one call
+(`miles_k3.ops.kda.kda_advance`: on CUDA the decode kernel over T = width tokens, reading each row's state
+in its slot once and writing it back, bit for bit what `width` decode steps write). The recurrence was a
+gather, a kernel per position and a scatter over the whole state, about 14 passes over k3-small's 6.5 MB a
+row: 15 ms of a batch-256 step's fold on one H200 (2026-12-03), as long as its verify forward. Layers are
+independent in the fold (each reads only its own raw inputs), so folding layer by layer instead of token by
+token commits the same state. Padding rows sit on the sink slot with nothing to fold.
 
 Inputs are static buffers, one [bucket * width, C] per KDA layer and projection, row n's tokens at
 n * width + j: a verify of `width` tokens per row (the graphed verify) fills them with one copy, a
@@ -33,7 +36,8 @@ import torch
 
 from rollout.forward import GraphChoice, _bucket, capture_graph
 from rollout.spec.graphs import BATCH_BUCKETS
-from rollout.spec.replay import PROJECTIONS, KDAInputs, decode_kda_step, fold, kda_mixers
+from miles_k3.ops.kda import PooledState, kda_advance
+from rollout.spec.replay import PROJECTIONS, KDAInputs, decode_kda_inputs, fold, kda_mixers
 
 log = logging.getLogger(__name__)
 
@@ -134,13 +138,14 @@ class FoldGraphs:
         with torch.inference_mode():
             for layer, mixer in self.mixers.items():
                 conv = states.conv[layer].index_select(0, slots)
-                rec = states.recurrent[layer].index_select(0, slots)
+                per_token = []  # ((q, k, v), g, beta) of position j
                 for j in range(self.width):
                     active = (start <= j) & (j < stop)
                     raw = {p: static["raw"][layer][p].index_select(0, base + j)[:, None] for p in PROJECTIONS}
-                    # inactive rows keep their recurrent state through their inputs (decode_kda_step)
-                    new_conv, rec = decode_kda_step(mixer, raw, conv, rec, active)
+                    qkv, g, beta, new_conv = decode_kda_inputs(mixer, raw, conv, active)
                     conv = torch.where(active[:, None, None, None], new_conv.to(conv.dtype), conv)
-                    rec = rec.float()
+                    per_token.append((*qkv, g, beta))
                 states.conv[layer].index_copy_(0, slots, conv)
-                states.recurrent[layer].index_copy_(0, slots, rec)
+                q, k, v, g, beta = (torch.cat(parts, dim=1) for parts in zip(*per_token))
+                kda_advance(q, k, v, g, beta, PooledState(states.recurrent[layer], slots),
+                            scratch=self.states.sink_slot, use_qk_l2norm=True)

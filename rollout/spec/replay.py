@@ -110,12 +110,23 @@ def decode_kda_step(mixer: KDAMixer, raw: dict[str, torch.Tensor], conv: torch.T
                     active: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """What `KDAMixer.forward` does to the state for one decode token per row, from that token's raw
     projections raw[name] [R, 1, C] and the rows' state (conv [R, 3, HK, W-1], recurrent [R, H, K, V]):
-    returns the new (conv, recurrent).
+    returns the new (conv, recurrent). `active`: as `decode_kda_inputs`'."""
+    (q, k, v), g, beta, new_conv = decode_kda_inputs(mixer, raw, conv, active)
+    _, state = mixer.cp.kda(q, k, v, g, beta, initial_state=recurrent, output_final_state=True, cu_seqlens=None,
+                            use_qk_l2norm=True)
+    return new_conv, state
+
+
+def decode_kda_inputs(mixer: KDAMixer, raw: dict[str, torch.Tensor], conv: torch.Tensor,
+                      active: torch.Tensor | None = None):
+    """The recurrence's inputs of one decode token per row (`decode_kda_step`'s first half): ((q, k, v)
+    [R, 1, H, D] after the short convs, g [R, 1, H, K], beta [R, 1, H], the new conv state).
 
     `active` [R] bool: rows where it is False keep their recurrent state bit for bit, by their inputs, not by
     a select over the state: their decay is 0 (exp(0) = 1 exactly) and their beta 0, so the delta rule adds
     exact zeros. (A `torch.where` over the recurrent state reads it twice and writes it once more per token:
-    by arithmetic 5 GB a position at batch 256 on k3-small's 6.5 MB of KDA state a row.) Their conv state still moves: the caller selects it (small)."""
+    by arithmetic 5 GB a position at batch 256 on k3-small's 6.5 MB of KDA state a row.) Their conv state
+    still moves: the caller selects it (small)."""
     c, cp = mixer.config, mixer.cp
     r = conv.shape[0]
     heads = (r, 1, mixer.heads, c.kda_head_dim)
@@ -132,9 +143,7 @@ def decode_kda_step(mixer: KDAMixer, raw: dict[str, torch.Tensor], conv: torch.T
     if active is not None:
         g = torch.where(active[:, None, None, None], g, 0.0)
         beta = torch.where(active[:, None, None], beta, 0.0)
-    _, state = cp.kda(*qkv, g, beta, initial_state=recurrent, output_final_state=True, cu_seqlens=None,
-                      use_qk_l2norm=True)
-    return torch.stack(new_conv, dim=1), state
+    return qkv, g, beta, torch.stack(new_conv, dim=1)
 
 
 def fold(model: K3ForCausalLM, states: KDAStatePool, inputs: KDAInputs, slots: list[int], counts: list[int],

@@ -148,6 +148,31 @@ def test_a_pooled_kda_state_steps_in_place_on_cuda_as_the_gathered_call_does():
     assert torch.equal(pool[others], before[others])
 
 
+def test_advancing_pooled_kda_states_by_a_masked_block_equals_the_decode_steps_on_cuda_bit_for_bit():
+    """The speculative fold's recurrence (`kda_advance`: fla's kernel over T tokens a row, per-token state rows)
+    writes each row's slot what its live tokens' decode steps write, bit for bit, compiled for the device."""
+    from miles_k3.ops.kda import PooledState, kda, kda_advance
+
+    g = torch.Generator(device=DEV).manual_seed(2)
+    n, t, h, d, slots = 6, 5, 8, 128, 11
+    q, k, v = (torch.randn(n, t, h, d, device=DEV, generator=g, dtype=torch.bfloat16) for _ in range(3))
+    live = torch.arange(t, device=DEV)[None, :] < torch.tensor([0, 1, 2, 3, 5, 5], device=DEV)[:, None]
+    gate = torch.where(live[..., None, None], -torch.rand(n, t, h, d, device=DEV, generator=g), 0.0)
+    beta = torch.where(live[..., None], torch.rand(n, t, h, device=DEV, generator=g), 0.0)
+    pool = torch.randn(slots, h, d, d, device=DEV, generator=g)
+    index = torch.tensor([4, 9, 1, 7, 2, 10], device=DEV)
+    want, before = pool.clone(), pool.clone()
+    with torch.inference_mode():
+        for j in range(t):
+            rows = live[:, j].nonzero()[:, 0]
+            kda(*(a[rows, j:j + 1] for a in (q, k, v, gate, beta)), initial_state=PooledState(want, index[rows]),
+                output_final_state=True, use_qk_l2norm=True)
+        kda_advance(q, k, v, gate, beta, PooledState(pool, index), scratch=0, use_qk_l2norm=True)
+    assert torch.equal(pool[index], want[index])
+    others = torch.tensor([3, 5, 6, 8], device=DEV)
+    assert torch.equal(pool[others], before[others])
+
+
 def test_a_pooled_conv_state_is_rewritten_in_its_slot_on_cuda_as_the_gathered_kernel_call_does():
     from miles_k3.ops.kda import PooledState
     from miles_k3.ops.short_conv import causal_short_conv

@@ -2,7 +2,8 @@
 indexed rows of the pool in place, to the values a gathered call gives, and leaves every other row alone.
 On CUDA a decode step does that inside fla's recurrent kernel (its continuous-batching state indices); that
 kernel runs here through Triton's interpreter, against fla's own gathered call bit for bit, and its launch
-compiles for sm_90 (`miles_k3.kernels.compile_check`)."""
+compiles for sm_90 (`miles_k3.kernels.compile_check`). `kda_advance` (the speculative fold's recurrence: T
+tokens a row, masked tokens no-ops) writes the state T decode steps write, bit for bit, on both paths."""
 
 import json
 import os
@@ -12,7 +13,7 @@ import textwrap
 
 import torch
 
-from miles_k3.ops.kda import PooledState, kda
+from miles_k3.ops.kda import PooledState, kda, kda_advance
 from tests.rollout.interpreted import assert_interpreted_ok
 
 
@@ -75,3 +76,52 @@ def test_flas_in_place_recurrence_equals_its_gathered_call_bit_for_bit_and_compi
     proc = subprocess.run([sys.executable, "-m", "miles_k3.kernels.compile_check", str(path)], env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+
+
+def _masked_block(seed=2, n=5, t=4, counts=(0, 1, 2, 4, 3)):
+    """A fold's block: row n's first counts[n] tokens are its own, the rest masked (g = beta = 0)."""
+    (q, k, v, gate, beta), pool = _inputs(n=n, t=t, seed=seed)
+    live = torch.arange(t)[None, :] < torch.tensor(counts)[:, None]  # [N, T]
+    return (q, k, v, torch.where(live[..., None, None], gate, 0.0), torch.where(live[..., None], beta, 0.0)), pool, live
+
+
+def test_advancing_a_pooled_state_by_a_masked_block_equals_its_decode_steps_bit_for_bit():
+    args, pool, live = _masked_block()
+    index = torch.tensor([3, 1, 7, 8, 5])
+    want = pool.clone()
+    for t in range(live.shape[1]):  # decode steps of the rows whose token t is live
+        rows = live[:, t].nonzero()[:, 0]
+        step = [a[rows, t:t + 1] for a in args]
+        kda(*step, initial_state=PooledState(want, index[rows]), output_final_state=True, use_qk_l2norm=True)
+    before = pool.clone()
+    kda_advance(*args, PooledState(pool, index), scratch=0, use_qk_l2norm=True)
+    assert torch.equal(pool[index], want[index]) and not torch.equal(pool[index], before[index])
+    assert torch.equal(pool[index[0]], before[index[0]])  # a row with no live token
+    others = torch.tensor([2, 4, 6])  # the scratch row (0) is free to change
+    assert torch.equal(pool[others], before[others])
+
+
+_FLA_ADVANCE = textwrap.dedent("""
+    import torch
+    from miles_k3.ops.kda import PooledState, _kda_fla_advance, _kda_fla_in_place
+    from tests.ops.test_kda_pooled import _masked_block
+
+    args, pool, live = _masked_block()
+    index = torch.tensor([3, 1, 7, 8, 5])
+    want = pool.clone()
+    for t in range(live.shape[1]):
+        rows = live[:, t].nonzero()[:, 0]
+        _kda_fla_in_place(*(a[rows, t:t + 1] for a in args), PooledState(want, index[rows]), None, True)
+    before = pool.clone()
+    _kda_fla_advance(*args, PooledState(pool, index), 0, None, True)
+    assert torch.equal(pool[index], want[index]), float((pool[index] - want[index]).abs().max())
+    others = torch.tensor([2, 4, 6])
+    assert torch.equal(pool[others], before[others])
+    print("ok")
+""")
+
+
+def test_flas_kernel_advances_a_masked_block_as_its_decode_steps_bit_for_bit():
+    """The CUDA path of `kda_advance` (fla's kernel over T tokens with per-token state rows) against T of the
+    decode step's in-place calls, through Triton's interpreter."""
+    assert_interpreted_ok(_FLA_ADVANCE, timeout=300)

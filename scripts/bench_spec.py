@@ -28,9 +28,10 @@ Per batch size B: B held-out prompts of the target's task (cycled), --gen-len ne
 and at temperature 1 (seeded per request). Each row gets fresh engines (plain, then one per planner and
 rollback); each is warmed up first (`warm_up`). tok_s = generated tokens / wall seconds of `generate`
 (prefill included: identical work in both engines). decode_tok_s leaves the prefill out: the tokens after
-each request's first (which the prefill samples) over the wall seconds less the prefill's, timed once per
-row as the plain engine's `generate` of the same prompts with one new token (2026-12-03, one H200: at batch
-256 the prefill of 128-token prompts was most of plain decoding's wall time). Greedy rows check
+each request's first (which the prefill samples) over the seconds after every request has its first token,
+in the same timed run (`run`; 2026-12-03, one H200: at batch 256 the prefill of 128-token prompts was most
+of plain decoding's wall time, and a prefill timed in a separate run was too noisy to subtract); prefill_s
+is the plain run's time before that point. Greedy rows check
 losslessness (outputs equal token for token). mean_tokens_per_verify = tokens a row advances per verify step (accepted drafts +
 1); verify_tokens_per_step = anchors + drafts verified per step.
 
@@ -44,7 +45,6 @@ slot, the KV pages of its longest prompt + --gen-len + gamma + 1 positions, and 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 import json
 import platform
@@ -126,23 +126,28 @@ def warm_up(engine: Engine, prompts, params, runs: int = 6) -> None:
         engine.decoder.strategy.stats = SpecStats()
 
 
-def run(engine: Engine, prompts, params) -> tuple[list, float]:
-    """The timed run after `warm_up`: (outputs, seconds)."""
+def run(engine: Engine, prompts, params) -> tuple[list, float, float]:
+    """The timed run after `warm_up`: (outputs, seconds, decode seconds). Decode seconds start once every
+    request has its first token (the prefill samples it), the device drained there: the steps after it
+    decode only, since the engine prefills before it decodes and every request is admitted at once."""
     warm_up(engine, prompts, params)
+    cuda = engine.runner.device.type == "cuda"
+    sched = engine.scheduler
+    ids = [engine.submit(p, sp) for p, sp in zip(prompts, params)]
+    done: dict[int, object] = {}
     t0 = time.perf_counter()
-    outs = engine.generate(prompts, params)
-    if engine.runner.device.type == "cuda":
+    t_decode = None
+    while len(done) < len(ids):
+        for c in engine.step():
+            done[c.request_id] = c
+        if t_decode is None and not sched.waiting and all(r.req.output_ids for r in sched.running):
+            if cuda:
+                torch.cuda.synchronize()
+            t_decode = time.perf_counter()
+    if cuda:
         torch.cuda.synchronize()
-    return outs, time.perf_counter() - t0
-
-
-def timed(engine: Engine, prompts, params) -> float:
-    """Seconds of one `generate` on a warm engine."""
-    t0 = time.perf_counter()
-    engine.generate(prompts, params)
-    if engine.runner.device.type == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter() - t0
+    end = time.perf_counter()
+    return [done[i] for i in ids], end - t0, end - (t_decode or end)
 
 
 def fit_batch(config: K3Config, ecfg: EngineConfig, dtype: torch.dtype, prompts, gen_len: int, gamma: int,
@@ -236,13 +241,12 @@ def main(argv=None) -> None:
             ecfg = dict(memory_bytes=int(args.memory_gb * 2**30), max_running=max(b, 1),
                         max_seq_len=max(256, max(map(len, prompts)) + args.gen_len + gamma + 1))
             plain = Engine(model, EngineConfig(**ecfg))
-            plain_out, plain_s = run(plain, prompts, params)
+            plain_out, plain_s, plain_dec_s = run(plain, prompts, params)
             plain_tok = sum(len(c.output_ids) for c in plain_out)
-            prefill_s = timed(plain, prompts, [dataclasses.replace(p, max_new_tokens=1) for p in params])
             del plain
 
-            def decode_tok_s(tokens: int, seconds: float) -> float:
-                return round((tokens - b) / max(seconds - prefill_s, 1e-9), 1)
+            def decode_tok_s(tokens: int, seconds: float) -> float:  # the tokens after each request's first
+                return round((tokens - b) / max(seconds, 1e-9), 1)
             if controlled:  # the target's own continuations, from the plain run just done
                 drafter = ControlledDrafter({tuple(p): c.output_ids for p, c in zip(prompts, plain_out)},
                                             config.vocab_size, acceptance_of(args.drafter))
@@ -251,17 +255,18 @@ def main(argv=None) -> None:
                     cfg = EngineConfig(**ecfg, overlap="off", speculation=SpecConfig(
                         drafter=drafter, gamma=gamma, planner=planner, rollback=rollback))
                     spec = Engine(model, cfg)
-                    spec_out, spec_s = run(spec, prompts, params)
+                    spec_out, spec_s, spec_dec_s = run(spec, prompts, params)
                     st = spec.decoder.strategy.stats
                     spec_tok = sum(len(c.output_ids) for c in spec_out)
                     rows.append(dict(
                         batch=b, temperature=temp, gamma=gamma, planner=planner, rollback=rollback,
                         plain_tok_s=round(plain_tok / plain_s, 1), spec_tok_s=round(spec_tok / spec_s, 1),
                         speedup=round((spec_tok / spec_s) / (plain_tok / plain_s), 3),
-                        plain_decode_tok_s=decode_tok_s(plain_tok, plain_s),
-                        spec_decode_tok_s=decode_tok_s(spec_tok, spec_s),
-                        decode_speedup=round(decode_tok_s(spec_tok, spec_s) / decode_tok_s(plain_tok, plain_s), 3),
-                        prefill_s=round(prefill_s, 3),
+                        plain_decode_tok_s=decode_tok_s(plain_tok, plain_dec_s),
+                        spec_decode_tok_s=decode_tok_s(spec_tok, spec_dec_s),
+                        decode_speedup=round(decode_tok_s(spec_tok, spec_dec_s) / decode_tok_s(plain_tok, plain_dec_s),
+                                             3),
+                        prefill_s=round(plain_s - plain_dec_s, 3),
                         mean_tokens_per_verify=round(st.mean_accepted, 3),
                         draft_acceptance=round(st.accepted / max(st.drafted, 1), 3),
                         verify_tokens_per_step=round((st.rows + st.drafted) / max(st.steps, 1), 1),

@@ -96,6 +96,10 @@ run_job() {
         --device cuda --dtype bfloat16 --batch-sizes 1,8,64,256 --planners verify_all,cost_aware \
         --rollback replay --temperatures 0 --prompt-len 128 --gen-len 64 --memory-gb 16 \
         --json "$STATE/bench_spec_h200.json" ;;
+    specbench_big) job specbench_big python scripts/bench_spec.py --target preset:k3-small --peaked \
+        --drafter controlled:0.8 --device cuda --dtype bfloat16 --batch-sizes 64,256 --planners verify_all \
+        --rollback replay --temperatures 0 --prompt-len 128 --gen-len 64 --memory-gb 16 \
+        --json "$STATE/bench_spec_big_h200.json" ;;  # specbench's large batches, verify_all only (a short call)
     specmix) job specmix python scripts/bench_spec.py --target preset:k3-small --peaked --drafter controlled:0.3-0.95 \
         --device cuda --dtype bfloat16 --batch-sizes 64,256 --planners verify_all,cost_aware --rollback replay \
         --temperatures 0 --prompt-len 128 --gen-len 64 --memory-gb 16 --json "$STATE/bench_spec_mixed_h200.json" ;;

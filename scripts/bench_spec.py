@@ -96,9 +96,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--memory-gb", type=float, default=0.25)
+    ap.add_argument("--max-prefill-tokens", type=int, default=None, help="EngineConfig.max_prefill_tokens of "
+                    "every engine (default: 4096 on cuda, as bench_rollout.py and the GPU recipe; the engine's "
+                    "own default elsewhere)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", type=Path, default=None, help="write the rows here")
     return ap.parse_args(argv)
+
+
+def prefill_budget(device: str, given: int | None) -> dict:
+    """The engines' max_prefill_tokens as EngineConfig keywords: `given`, else 4096 on CUDA (512-token steps,
+    the engine's default, made a batch-256 run's prefill 32 host-bound forwards), else the engine's default."""
+    tokens = given or (4096 if device.startswith("cuda") else None)
+    return {} if tokens is None else dict(max_prefill_tokens=tokens)
 
 
 def prompts_for(target: Path, n: int) -> list[list[int]]:
@@ -231,6 +241,7 @@ def main(argv=None) -> None:
     drafter = None if controlled else DSparkDrafter.load(args.drafter, model)
     gamma = args.gamma or (4 if controlled else drafter.config.block_size)
     preset = args.target.startswith("preset:")
+    prefill = prefill_budget(args.device, args.max_prefill_tokens)
     rows = []
     for b in [int(x) for x in args.batch_sizes.split(",")]:
         prompts = (random_prompts(b, args.prompt_len, config.vocab_size) if preset
@@ -239,7 +250,7 @@ def main(argv=None) -> None:
             params = [SamplingParams(temperature=temp, max_new_tokens=args.gen_len, stop_token_ids=(2,), seed=i)
                       for i in range(b)]
             ecfg = dict(memory_bytes=int(args.memory_gb * 2**30), max_running=max(b, 1),
-                        max_seq_len=max(256, max(map(len, prompts)) + args.gen_len + gamma + 1))
+                        max_seq_len=max(256, max(map(len, prompts)) + args.gen_len + gamma + 1), **prefill)
             plain = Engine(model, EngineConfig(**ecfg))
             plain_out, plain_s, plain_dec_s = run(plain, prompts, params)
             plain_tok = sum(len(c.output_ids) for c in plain_out)
@@ -292,7 +303,8 @@ def main(argv=None) -> None:
     for r in rows:
         print("| " + " | ".join("-" if r[h] is None else str(r[h]) for h in head) + " |")
     meta = dict(target=str(args.target), drafter=str(args.drafter), device=args.device, dtype=args.dtype,
-                threads=args.threads, machine=platform.machine(), torch=torch.__version__, gen_len=args.gen_len,
+                threads=args.threads, max_prefill_tokens=prefill.get("max_prefill_tokens"),
+                machine=platform.machine(), torch=torch.__version__, gen_len=args.gen_len,
                 prompt_len=args.prompt_len if preset else None,
                 device_name=torch.cuda.get_device_name() if args.device == "cuda" else platform.processor(),
                 date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),

@@ -22,7 +22,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_spec import build_target, free, random_prompts, warm_up  # noqa: E402
+from bench_spec import build_target, free, prefill_budget, random_prompts, warm_up  # noqa: E402
 from controlled_drafter import ControlledDrafter  # noqa: E402
 from rollout.config import EngineConfig  # noqa: E402
 from rollout.engine import Engine  # noqa: E402
@@ -74,7 +74,8 @@ def main(argv=None) -> None:
         prompts = random_prompts(b, args.prompt_len, config.vocab_size)
         params = [SamplingParams(temperature=0.0, max_new_tokens=args.gen_len, stop_token_ids=(2,)) for _ in prompts]
         ecfg = dict(memory_bytes=int(args.memory_gb * 2**30), max_running=b,
-                    max_seq_len=max(256, args.prompt_len + args.gen_len + args.gamma + 1))
+                    max_seq_len=max(256, args.prompt_len + args.gen_len + args.gamma + 1),
+                    **prefill_budget(args.device, None))
         print(f"== batch {b}: plain", flush=True)
         plain = profiled(Engine(model, EngineConfig(**ecfg)), prompts, params, args.device, args.rows)
         free(args.device)

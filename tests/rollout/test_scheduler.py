@@ -60,6 +60,25 @@ def test_packed_prefill_equals_the_reference_and_packs_several_requests(monkeypa
     eng.check_invariants()
 
 
+def test_a_packed_prefill_copies_its_rows_checkpoints_in_one_call_and_later_requests_hit_them(monkeypatch):
+    """Four prompts of 16 tokens (chunk 8) in one 64-token prefill: every row ends on a chunk boundary, and
+    their snapshots are one copy call (one gather per pool tensor, not one per row); a request that shares
+    each prompt then restores the checkpoint it took and decodes exactly as a cold run."""
+    prompts = [prompt(16, 50 + i) for i in range(4)]
+    params = SamplingParams(temperature=0, max_new_tokens=3)
+    eng = engine(max_prefill_tokens=64)
+    calls = []
+    real = eng.states.copy_slots
+    monkeypatch.setattr(eng.states, "copy_slots", lambda src, dst: calls.append(len(src)) or real(src, dst))
+    eng.generate(prompts, params)
+    assert calls[0] == 4  # the prefill's four snapshots, one call
+    longer = [p + prompt(5, 60 + i) for i, p in enumerate(prompts)]
+    done = eng.generate(longer, params)
+    for p, c in zip(longer, done):
+        assert c.cached_tokens == 16 and c.output_ids == cold(p, params).output_ids
+    eng.check_invariants()
+
+
 def test_a_grpo_batch_of_short_prompts_prefills_in_one_forward(monkeypatch):
     """256 samples of 32 short prompts (6-12 tokens): the default max_prefill_requests packs them into one
     prefill forward (16 per forward took 16), with the same outputs."""

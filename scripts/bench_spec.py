@@ -31,9 +31,9 @@ rollback); each is warmed up first (`warm_up`). tok_s = generated tokens / wall 
 each request's first (which the prefill samples) over the seconds after every request has its first token,
 in the same timed run (`run`; 2026-12-03, one H200: at batch 256 the prefill of 128-token prompts was most
 of plain decoding's wall time, and a prefill timed in a separate run was too noisy to subtract); prefill_s
-is the plain run's time before that point. Greedy rows check
-losslessness (outputs equal token for token). mean_tokens_per_verify = tokens a row advances per verify step (accepted drafts +
-1); verify_tokens_per_step = anchors + drafts verified per step.
+is the plain run's time before that point. Greedy rows check losslessness (outputs equal token for token).
+mean_tokens_per_verify = tokens a row advances per verify step (accepted drafts + 1);
+verify_tokens_per_step = anchors + drafts verified per step.
 
 window_bytes_per_request: the most draft-window bytes one row needed in a step, measured from the strategy
 (`SpecStats.window_bytes`: replay, the KDA layers' raw inputs of its verified tokens; snapshot, its gamma
@@ -123,7 +123,7 @@ def warm_up(engine: Engine, prompts, params, runs: int = 6) -> None:
     slower spec step at batch 8). A speculative engine's rows advance at random rates, so its batch shrinks
     through other buckets each run, and a bucket is captured on its third ask (`rollout.forward.GraphChoice`),
     which may fall in a later run: it warms up until a run captures no graph (at most `runs` runs; 3 left
-    captures in the timed runs at batch 8-256 on the H200, 2026-12-04); its stats then restart, counting the
+    captures in the timed runs at batch 8-256 on the H200, 2026-12-03); its stats then restart, counting the
     timed requests only."""
     spec = isinstance(engine.decoder.strategy, SpecDecode)
     for _ in range(runs if spec else 1):

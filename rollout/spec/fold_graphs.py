@@ -34,9 +34,9 @@ from collections.abc import Callable
 
 import torch
 
+from miles_k3.ops.kda import PooledState, kda_advance
 from rollout.forward import GraphChoice, _bucket, capture_graph
 from rollout.spec.graphs import BATCH_BUCKETS
-from miles_k3.ops.kda import PooledState, kda_advance
 from rollout.spec.replay import PROJECTIONS, KDAInputs, decode_kda_inputs, fold, kda_mixers
 
 log = logging.getLogger(__name__)

@@ -318,18 +318,28 @@ class PooledState(NamedTuple):
     index: torch.Tensor
 
 
-def _kda_fla_in_place(q, k, v, g, beta, state: PooledState, scale, use_qk_l2norm) -> torch.Tensor:
+def _fla_pool_fits(q: torch.Tensor, pool: torch.Tensor) -> bool:
+    """Whether fla's recurrent kernel can step `pool`'s rows in place for `q`: CUDA, no autograd, an fp32 pool
+    whose rows are contiguous (any slot stride: the unified arena's)."""
+    return q.is_cuda and not torch.is_grad_enabled() and pool.dtype == torch.float32 and pool[0].is_contiguous()
+
+
+def _kda_fla_in_place(q, k, v, g, beta, state: PooledState, scale, use_qk_l2norm,
+                      rows: torch.Tensor | None = None) -> torch.Tensor:
     """fla's recurrent kernel reading and writing pool rows `index` (its continuous-batching mode, the same
-    arithmetic as its plain mode, so the state is the one the gathered call would give) -> o."""
+    arithmetic as its plain mode, so the state is the one the gathered call would give) -> o. `rows` [N, T]:
+    the pool row each token's state is written to, the first token's also read (default: `index`, T = 1)."""
     from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd  # lazy: needs triton + a GPU
 
     _check_kda_inputs(q, k, v, g, beta, None, None, values=False)
-    if state.pool.shape[1:] != (q.shape[2], q.shape[3], v.shape[-1]) or state.index.shape != (q.shape[0],):
-        raise ValueError(f"pooled state {tuple(state.pool.shape)} / index {tuple(state.index.shape)} does not "
-                         f"fit q {tuple(q.shape)}, v {tuple(v.shape)}")
+    rows = state.index if rows is None else rows
+    if state.pool.shape[1:] != (q.shape[2], q.shape[3], v.shape[-1]) or state.index.shape != (q.shape[0],) \
+            or rows.shape not in ((q.shape[0],), tuple(q.shape[:2])):
+        raise ValueError(f"pooled state {tuple(state.pool.shape)} / index {tuple(state.index.shape)} / rows "
+                         f"{tuple(rows.shape)} does not fit q {tuple(q.shape)}, v {tuple(v.shape)}")
     o, _ = fused_recurrent_kda_fwd(
         q=q.contiguous(), k=k.contiguous(), v=v.contiguous(), g=g.contiguous(), beta=beta.contiguous(),
-        scale=scale, initial_state=state.pool, inplace_final_state=True, ssm_state_indices=state.index,
+        scale=scale, initial_state=state.pool, inplace_final_state=True, ssm_state_indices=rows,
         use_qk_l2norm_in_kernel=use_qk_l2norm)
     return o.to(v.dtype)
 
@@ -339,9 +349,8 @@ def _kda_pooled(q, k, v, g, beta, state: PooledState, **kwargs):
     a CUDA decode step without autograd (nor while torch.compile traces: the opt-in compiled decode step
     keeps the gathered call it traced before), else gather, compute, scatter."""
     pool, index = state
-    if kwargs["mode"] == "auto" and q.is_cuda and q.shape[1] == 1 and kwargs["cu_seqlens"] is None \
-            and not torch.is_grad_enabled() and not torch.compiler.is_compiling() \
-            and pool.dtype == torch.float32 and pool[0].is_contiguous():  # any slot stride (the unified arena's)
+    if kwargs["mode"] == "auto" and q.shape[1] == 1 and kwargs["cu_seqlens"] is None \
+            and not torch.compiler.is_compiling() and _fla_pool_fits(q, pool):
         return _kda_fla_in_place(q, k, v, g, beta, state, kwargs["scale"], kwargs["use_qk_l2norm"]), state
     o, ht = kda(q, k, v, g, beta, initial_state=pool.index_select(0, index), output_final_state=True, **kwargs)
     pool.index_copy_(0, index, ht.to(pool.dtype))
@@ -360,7 +369,7 @@ def kda_advance(q, k, v, g, beta, state: PooledState, *, scratch: int, scale=Non
     the decode step's (same kernel, fixed tiling), so the states equal T decode steps' bit for bit. Elsewhere
     the recurrent reference, gathered and scattered."""
     pool, index = state
-    if q.is_cuda and pool.dtype == torch.float32 and pool[0].is_contiguous() and not torch.is_grad_enabled():
+    if _fla_pool_fits(q, pool):
         return _kda_fla_advance(q, k, v, g, beta, state, scratch, scale, use_qk_l2norm)
     _, ht = kda(q, k, v, g, beta, scale=scale, initial_state=pool.index_select(0, index), output_final_state=True,
                 use_qk_l2norm=use_qk_l2norm, mode="recurrent")
@@ -369,14 +378,9 @@ def kda_advance(q, k, v, g, beta, state: PooledState, *, scratch: int, scale=Non
 
 def _kda_fla_advance(q, k, v, g, beta, state: PooledState, scratch: int, scale, use_qk_l2norm) -> None:
     """`kda_advance` through fla's recurrent kernel (its docstring)."""
-    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd  # lazy: needs triton + a GPU
-
-    pool, index = state
-    rows = torch.full(q.shape[:2], scratch, dtype=torch.long, device=index.device)  # [N, T]: where token t's state goes
-    rows[:, 0] = rows[:, -1] = index  # the first token's row is also where the state is read
-    fused_recurrent_kda_fwd(q=q.contiguous(), k=k.contiguous(), v=v.contiguous(), g=g.contiguous(),
-                            beta=beta.contiguous(), scale=scale, initial_state=pool, inplace_final_state=True,
-                            ssm_state_indices=rows, use_qk_l2norm_in_kernel=use_qk_l2norm)
+    rows = torch.full(q.shape[:2], scratch, dtype=torch.long, device=state.index.device)  # [N, T]
+    rows[:, 0] = rows[:, -1] = state.index
+    _kda_fla_in_place(q, k, v, g, beta, state, scale, use_qk_l2norm, rows=rows)
 
 
 def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,

@@ -148,4 +148,4 @@ class FoldGraphs:
                 states.conv[layer].index_copy_(0, slots, conv)
                 q, k, v, g, beta = (torch.cat(parts, dim=1) for parts in zip(*per_token))
                 kda_advance(q, k, v, g, beta, PooledState(states.recurrent[layer], slots),
-                            scratch=self.states.sink_slot, use_qk_l2norm=True)
+                            scratch=states.sink_slot, use_qk_l2norm=True)

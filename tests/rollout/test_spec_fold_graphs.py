@@ -2,8 +2,8 @@
 the eager fold's KDA state, and hands a chunk-boundary checkpoint the state in the middle of a row's tokens:
 bit for bit when every row commits the whole block (the eager fold then steps the same rows at every
 position), within fp32 rounding for committed counts 1..width (the eager fold steps only the rows still
-folding, and the CPU's batched matmuls round by batch shape) or through a larger bucket's graph, rows packed ragged (a planner's verify) or
-dense (the graphed verify). The GPU twin (graphs captured and replayed) is tests/gpu/test_spec_gpu.py."""
+folding, and the CPU's batched matmuls round by batch shape) or through a larger bucket's graph, rows packed
+ragged (a planner's verify) or dense (the graphed verify). The GPU twin (graphs captured and replayed) is tests/gpu/test_spec_gpu.py."""
 
 import pytest
 import torch

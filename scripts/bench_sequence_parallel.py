@@ -46,7 +46,7 @@ def _saved_bytes_hooks(seen: dict[tuple[int, str], int], weights: set[tuple[int,
 
 def run_rank(rank: int, world: int, port: int, args: argparse.Namespace, sequence_parallel: bool, out: str) -> None:
     from megatron_patches.model import build_policy
-    from megatron_patches.parallel import destroy_parallel, init_parallel
+    from megatron_patches.parallel import destroy_parallel, end_world, init_parallel
     from miles_k3.model.config import K3Config
     from miles_k3.model.lora_spec import LoraSpec
     from miles_k3.model.modeling import reference_state
@@ -88,7 +88,7 @@ def run_rank(rank: int, world: int, port: int, args: argparse.Namespace, sequenc
         torch.save(result, f"{out}/rank{rank}.pt")
         destroy_parallel()
     finally:
-        dist.destroy_process_group()
+        end_world()
 
 
 def measure(layout: str, args: argparse.Namespace) -> dict:

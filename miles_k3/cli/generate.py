@@ -178,6 +178,7 @@ def encode_images(paths: tuple[Path, ...], model_path: str, dtype: str, device: 
 
     from miles_k3.data.image_processor import ImageProcessor
     from miles_k3.model.vision import K3VisionModel
+    from megatron_patches.parallel import end_world
     from miles_k3.trainer.base import TORCH_DTYPES
     from rollout.media import ImageFeatures
 
@@ -283,6 +284,7 @@ def _worker(rank: int, world: int, port: int, args: GenerateArgs, rows: list[lis
     import torch
     import torch.distributed as dist
 
+    from megatron_patches.parallel import end_world
     from miles_k3.trainer.base import TORCH_DTYPES
     from rollout.config import EngineConfig
     from rollout.parallel import build_sharded_engine
@@ -315,7 +317,7 @@ def _worker(rank: int, world: int, port: int, args: GenerateArgs, rows: list[lis
             engine.stop_followers()
         Path(result).write_text(json.dumps(answer))
     finally:
-        dist.destroy_process_group()
+        end_world()
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

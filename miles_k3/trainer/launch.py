@@ -202,11 +202,10 @@ def _rank_main(rank: int, rc: ResolvedConfig, run_dir: str, init_method: str, in
                 del state  # a preset's dict or the checkpoint's lazy source: the policy holds its own slices
                 _serve(trainer, rank)
         finally:
-            from megatron_patches.parallel import destroy_parallel
+            from megatron_patches.parallel import destroy_parallel, end_world
 
             destroy_parallel()
-            if dist.is_initialized():
-                dist.destroy_process_group()
+            end_world()
 
 
 def _drive(rc: ResolvedConfig, run_dir: str, engine: RolloutWorker, trainer: TrainWorker, world: int,

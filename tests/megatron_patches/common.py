@@ -11,6 +11,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
+from megatron_patches.parallel import end_world
 from miles_k3.model import K3Config, K3ForCausalLM
 
 CONFIG = K3Config.from_preset("k3-tiny")
@@ -64,7 +65,7 @@ def spawned_rank(rank: int, world: int, port: int, watchdog_s: float, backend: s
     try:
         yield
     finally:
-        dist.destroy_process_group()
+        end_world()
 
 
 @contextlib.contextmanager

@@ -325,6 +325,7 @@ def _sharded_worker(rank: int, port: int, out: str) -> None:
 
     import torch.distributed as dist
 
+    from megatron_patches.parallel import end_world
     from miles_k3.model.modeling import reference_state
     from rollout.model_runner import build_engine_model
     from rollout.parallel import EngineTP
@@ -346,20 +347,16 @@ def _sharded_worker(rank: int, port: int, out: str) -> None:
             eng.follow()
         eng.check_invariants()
     finally:
-        dist.destroy_process_group()
+        end_world()
 
 
 def test_a_sharded_engine_takes_rank_0s_features(tmp_path):
-    import socket
-
     import torch.multiprocessing as mp
 
+    from megatron_patches.parallel import free_port
     from miles_k3.model.modeling import reference_state
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_sharded_worker, args=(port, str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_sharded_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
     ref = type(MODEL)(MODEL.config).eval()
     ref.load_state_dict(reference_state(MODEL.config))
     a, b = image(9, 30), image(9, 31)

@@ -8,13 +8,13 @@ parity."""
 from __future__ import annotations
 
 import random
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from megatron_patches.parallel import end_world, free_port
 from miles_k3.model import K3Config
 from miles_k3.model.lora_spec import LoraSpec
 from miles_k3.model.modeling import reference_state
@@ -197,7 +197,7 @@ def worker(rank: int, world: int, port: int, out: str, checkpoint: str) -> None:
         results["controls"] = _controls(rank)
         results["reads"] = _reads(checkpoint)
     finally:
-        dist.destroy_process_group()
+        end_world()
     torch.save(results, f"{out}/rank{rank}.pt")
 
 
@@ -236,12 +236,6 @@ def single():
         return _summary(workload(engine, adapter(1), adapter(2)), engine)
     finally:
         torch.set_num_threads(threads)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

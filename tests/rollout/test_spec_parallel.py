@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from megatron_patches.parallel import end_world, free_port
 from miles_k3.model import K3Config
 from miles_k3.model.modeling import reference_state
 from rollout.config import EngineConfig
@@ -20,7 +21,6 @@ from rollout.model_runner import build_engine_model
 from rollout.request import SamplingParams
 from rollout.spec import SpecConfig
 from rollout.spec.drafter import DSparkConfig, DSparkDrafter
-from tests.rollout.test_engine_parallel import free_port
 from tests.rollout.test_spec_engine import ScriptedDrafter
 
 CONFIG = K3Config.from_preset("k3-tiny")
@@ -92,7 +92,7 @@ def worker(rank: int, world: int, port: int, out: str, script: dict) -> None:
             results[f"{case}.rank"] = (engine.counters(), s.steps, s.accepted, s.emitted,
                                        engine.kv.allocator.num_free, engine.states.allocator.num_free)
     finally:
-        dist.destroy_process_group()
+        end_world()
     torch.save(results, f"{out}/rank{rank}.pt")
 
 

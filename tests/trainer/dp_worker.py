@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megatron_patches.parallel import end_world
 from miles_k3.trainer.batch import TrainBatch
 
 
@@ -29,4 +30,4 @@ def worker(rank: int, world: int, port: int, out: str, overrides: tuple[str, ...
         metrics = trainer.train(one_group())
         torch.save({k: float(v) for k, v in metrics.items()}, f"{out}/rank{rank}.pt")
     finally:
-        dist.destroy_process_group()
+        end_world()

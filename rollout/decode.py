@@ -25,7 +25,7 @@ from rollout.cache_manager import CacheManager, Running
 from rollout.model_runner import ModelRunner
 from rollout.sampler import sample_on_device
 from rollout.scheduler import Scheduler
-from rollout.transfer import to_device
+from rollout.transfer import to_device, to_host
 
 
 @dataclass(eq=False)
@@ -64,16 +64,20 @@ class DecodeStrategy:
     - radix cache: never directly. Locks, inserts and checkpoints are the pipeline's: after `launch` it
       snapshots every row whose new `pos` is a chunk boundary, and after `read` it inserts the launch's
       `snapshots`. A row that advances several tokens can cross a boundary inside its step: the strategy
-      takes that snapshot itself (`CacheManager.snapshot`, when its working slot holds the state at the
-      boundary) and lists it in `launch.snapshots` as (row, boundary position, slot).
+      takes that snapshot itself (`CacheManager.snapshots`, when its working slot holds the state at the
+      boundary) and lists it in `launch.snapshots` as (row, boundary position, slot) by the end of `read`.
+      A strategy with `own_checkpoints` takes every boundary's snapshot of its step itself, the step's
+      end included, and the pipeline takes none.
     - sampler: draws with the row's own noise, so a request's outputs do not depend on the batch or the
       schedule: `sample_on_device` keyed by (r.req.seed, the drawn token's position), or a stateful
       `r.generator` (set for seeded requests) drawn from in a fixed order per step that depends only on the row.
     - `launch` of a strategy with `overlaps` enqueues and must not wait for the device (no `.item()`,
       `.tolist()`, blocking copies): the overlap schedule relies on it. A strategy without `overlaps` may
-      wait (a verify step needs its accepted lengths). `launch` advances each row's `pos` past the
-      positions it committed: the new `pos` never exceeds the row's token count after `read`'s tokens are
-      appended (tokens past a stop token or the length limit are neither returned nor committed).
+      wait (a verify step's accepted lengths decide its fold), best in `read`. `launch` advances each
+      row's `pos` past the positions it committed, or, without `overlaps`, `read` does (the pipeline reads
+      such a step right after launching it): the new `pos` never exceeds the row's token count after
+      `read`'s tokens are appended (tokens past a stop token or the length limit are neither returned nor
+      committed).
     - `ids` is each row's next input token: a host list, or with overlap the previous launch's device
       `tokens` (rows selected). A strategy whose rows can advance by more than one token per step cannot be
       fed that way: it must set `overlaps = False`.
@@ -81,6 +85,7 @@ class DecodeStrategy:
 
     lookahead = 1  # KV positions past r.pos one step may write per row
     overlaps = True  # whether a launch's `tokens` [N] can feed the next launch before `read`
+    own_checkpoints = False  # whether the strategy snapshots every chunk boundary of its step (see above)
 
     def use_memory(self, memory: CacheManager) -> None:
         """The cache manager whose `snapshot` / `free_snapshot` the strategy may call (see above)."""
@@ -103,15 +108,7 @@ class OneToken(DecodeStrategy):
         logits = self.runner.forward(batch, ids, [1] * len(batch))
         tokens, logps = sample_on_device(logits, [r.req.params for r in batch], [r.req.seed for r in batch],
                                          [r.pos + 1 for r in batch])  # the new token's position
-        both = torch.stack([tokens.to(torch.float64), logps.to(torch.float64)])
-        ready = None
-        if both.is_cuda:
-            host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
-            host.copy_(both, non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record()
-        else:
-            host = both
+        host, ready = to_host(torch.stack([tokens.to(torch.float64), logps.to(torch.float64)]))
         for r in batch:
             r.pos += 1
         return DecodeLaunch(batch, tokens, host, ready)
@@ -177,9 +174,10 @@ class DecodePipeline:
         """Enqueue a step, then snapshot the working state of rows reaching a chunk boundary now, before a
         later step overwrites it (after the strategy's own snapshots of boundaries crossed inside the step)."""
         launch = self.strategy.launch(batch, ids)
-        chunk = self.memory.config.chunk_size
-        rows = [r for r in batch if r.pos % chunk == 0]
-        launch.snapshots += [(r, r.pos, snap) for r, snap in zip(rows, self.memory.snapshots(rows))]
+        if not self.strategy.own_checkpoints:
+            chunk = self.memory.config.chunk_size
+            rows = [r for r in batch if r.pos % chunk == 0]
+            launch.snapshots += [(r, r.pos, snap) for r, snap in zip(rows, self.memory.snapshots(rows))]
         return launch
 
     def _continue(self, prev: DecodeLaunch) -> DecodeLaunch | None:

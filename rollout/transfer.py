@@ -1,4 +1,4 @@
-"""Host values to device tensors without waiting for the device.
+"""Host values to device tensors, and device values to the host, without waiting for the device.
 
 A blocking host-to-device copy (`torch.tensor(values, device=cuda)`) synchronizes the stream first, so
 the host would stall until every enqueued step finished: exactly what the overlap schedule
@@ -17,3 +17,16 @@ def to_device(values, device: torch.device | str, dtype: torch.dtype | None = No
     if dtype is not None and host.dtype != dtype:
         host = host.to(dtype)
     return host.to(device, non_blocking=True)
+
+
+def to_host(x: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """x's values on the host without waiting for them: a CUDA tensor is copied into pinned memory
+    asynchronously, with an event that marks the copy (synchronize it before reading); a CPU tensor is
+    returned as it is, with no event."""
+    if not x.is_cuda:
+        return x, None
+    host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+    host.copy_(x, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    return host, ready

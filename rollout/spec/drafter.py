@@ -6,6 +6,7 @@ block drafter of DSpark.
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -16,9 +17,11 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from rollout.media import packed_media
+from rollout.spec.contexts import ContextWindows
 from rollout.request import SamplingParams
 from rollout.spec.replay import hooks
 from rollout.spec.verify import draw
+from rollout.transfer import to_device
 
 
 class Drafter:
@@ -167,7 +170,7 @@ class DSparkDrafter(nn.Module, Drafter):
         self._shared: tuple[torch.Tensor, torch.Tensor] | None = None  # (embedding [V, D], lm_head [V, D])
         self._gather = None  # a sharded target's vocab-parallel gather of the lm_head's logits (`share`)
         self._runner = None
-        self._contexts: dict[int, tuple] = {}  # request id -> (request, target features [m, F])
+        self.contexts = ContextWindows(config.context_window)  # each request's latest target features
         self.taps = {}
 
     # ------------------------------------------------------------ the target
@@ -228,16 +231,9 @@ class DSparkDrafter(nn.Module, Drafter):
     # ----------------------------------------------------------- the engine
     @torch.inference_mode()
     def propose(self, batch, anchors, gamma, params, generators):
-        live = {r.req.request_id for r in batch}
-        self._contexts = {k: v for k, v in self._contexts.items() if k in live or v[0].finish_reason is None}
-        self._catch_up([r for r in batch if r.req.request_id not in self._contexts])
-        feats = [self._contexts[r.req.request_id][1] for r in batch]
-        width = max(f.shape[0] for f in feats)
-        ctx = torch.zeros(len(batch), max(width, 1), feats[0].shape[1], device=anchors.device)
-        mask = torch.zeros(len(batch), max(width, 1), dtype=torch.bool, device=anchors.device)
-        for i, f in enumerate(feats):
-            ctx[i, :f.shape[0]] = f
-            mask[i, :f.shape[0]] = True
+        self.contexts.drop_finished({r.req.request_id for r in batch})
+        self._catch_up([r for r in batch if r.req.request_id not in self.contexts])
+        ctx, mask = self.contexts.read([r.req.request_id for r in batch])
         h = self.block_hidden(ctx, mask, anchors, gamma)
         drafts, qs, confs, prev = [], [], [], anchors
         for k in range(1, gamma + 1):
@@ -249,13 +245,8 @@ class DSparkDrafter(nn.Module, Drafter):
         return torch.stack(drafts, 1), torch.stack(qs, 1), torch.stack(confs, 1)
 
     def observe(self, batch, tapped, lengths, counts):
-        feats = _features(tapped, self.config.target_layers)[0]
-        start = 0
-        for r, length, c in zip(batch, lengths, counts):
-            req, old = self._contexts[r.req.request_id]
-            new = torch.cat([old, feats[start:start + c].float()])[-self.config.context_window:]
-            self._contexts[r.req.request_id] = (req, new)
-            start += length
+        starts = [0, *itertools.accumulate(lengths)][:-1]
+        self.contexts.append([r.req for r in batch], _features(tapped, self.config.target_layers)[0], starts, counts)
 
     def _catch_up(self, rows) -> None:
         """Contexts for requests the drafter has not seen: one packed target pass over their computed
@@ -266,17 +257,18 @@ class DSparkDrafter(nn.Module, Drafter):
             return
         runner = self._runner
         lengths = [r.pos for r in rows]
-        ids = torch.tensor([t for r in rows for t in r.tokens[:r.pos]], device=runner.device)[None]
-        cu = torch.tensor([0, *lengths], device=runner.device).cumsum(0)
+        ids = to_device([t for r in rows for t in r.tokens[:r.pos]], runner.device)[None]
+        cu = to_device([0, *lengths], runner.device).cumsum(0)
         if runner.adapters is not None:
             runner.adapters.set_batch([runner.adapters.slot_of(r.req.adapter) for r in rows], lengths)
         media = packed_media([(r.req.media, 0, r.pos) for r in rows], runner.device)  # None: no row has images
         store: dict[str, torch.Tensor] = {}
         with hooks(self.taps, store):
             runner.model.model.hidden(ids, None, cu, media=media)
-        feats = _features(store, self.config.target_layers)[0].float()
-        for r, start, end in zip(rows, cu[:-1].tolist(), cu[1:].tolist()):
-            self._contexts[r.req.request_id] = (r.req, feats[max(start, end - self.config.context_window):end])
+        keep = [min(n, self.config.context_window) for n in lengths]
+        ends = list(itertools.accumulate(lengths))
+        self.contexts.append([r.req for r in rows], _features(store, self.config.target_layers)[0],
+                             [e - k for e, k in zip(ends, keep)], keep)
 
     # ------------------------------------------------------------ save / load
     def save(self, path: str | Path) -> None:

@@ -18,10 +18,15 @@ Inputs are static buffers, one [bucket * width, C] per KDA layer and projection,
 n * width + j: a verify of `width` tokens per row (the graphed verify) fills them with one copy, a
 planner's ragged verify with one index_copy.
 
-Chunk boundaries: a row whose committed tokens run past a prefix-cache checkpoint position must hand its
-state there to `at_boundary` before folding on, and a graph cannot call back mid-replay. Such a step
-replays twice: up to each crossing row's boundary, the callbacks, then the rest (each row folds its tokens
-start <= j < stop, both static inputs). A row crosses at most one boundary per step (chunk_size >= width).
+Counts on the device: `fold` takes each row's committed count as a device tensor and never reads it, so
+the fold is enqueued right behind the verify that decided it, and the host reads the step once, at its
+end (`rollout.spec.strategy`). Chunk boundaries: a row that may reach a prefix-cache checkpoint position
+this step (one within its verified tokens) must leave its state there in a checkpoint slot, and whether it
+reaches it is not known yet. Such a step replays twice: up to min(boundary, count) per row, a copy of
+every such row's working state (`checkpoint`), then the rest (each row folds its tokens start <= j < stop,
+both static inputs on the device). The caller keeps the checkpoints of rows whose count reached the
+boundary and frees the others, once it reads the counts. A row meets at most one boundary per step
+(chunk_size >= width).
 
 `capture=False` runs the same padded function eagerly: the CPU tests' way to check it against the eager
 fold, bit for bit.
@@ -37,7 +42,8 @@ import torch
 from miles_k3.ops.kda import PooledState, kda_advance
 from rollout.forward import GraphChoice, _bucket, capture_graph
 from rollout.spec.graphs import BATCH_BUCKETS
-from rollout.spec.replay import PROJECTIONS, KDAInputs, decode_kda_inputs, fold, kda_mixers
+from rollout.spec.replay import PROJECTIONS, KDAInputs, decode_kda_inputs, fold, kda_mixers, with_checkpoints
+from rollout.transfer import to_device
 
 log = logging.getLogger(__name__)
 
@@ -56,37 +62,46 @@ class FoldGraphs:
         self.failed = False
         self.captures = self.replays = 0
 
-    def fold(self, inputs: KDAInputs, slots: list[int], counts: list[int], positions: list[int],
-             chunk_size: int, at_boundary: Callable[[int, int], None] | None = None) -> None:
-        """What `rollout.spec.replay.fold` does, through the bucket's graph (eagerly past the largest bucket
-        or after a failed capture)."""
+    def fold(self, inputs: KDAInputs, slots: list[int], counts: torch.Tensor, positions: list[int],
+             chunk_size: int, checkpoint: Callable[[list[int]], list[int | None]]
+             ) -> list[tuple[int, int, int | None]]:
+        """What `rollout.spec.replay.fold` does, through the bucket's graph, with counts [N] on the device
+        (eagerly, reading the counts, past the largest bucket or after a failed capture).
+
+        `checkpoint(rows)` copies those rows' working state into fresh slots (`CacheManager.snapshots`).
+        Returns (row, boundary position, slot) for every checkpoint taken: a row's is its state at the
+        boundary when the row committed up to it (positions[row] + counts[row] >= boundary), else the caller
+        frees it."""
         n = len(slots)
         bucket = None if self.failed else _bucket(n, self.buckets)
         if bucket is not None:  # keys (bucket, 0): a fold has no history bucket
             bucket = self.choice.choose((bucket, 0), ((b, 0) for b in self.graphs))[0]
-        if bucket is None:
-            return fold(self.runner.model, self.states, inputs, slots, counts, positions, chunk_size, at_boundary)
-        static = self._static(bucket, inputs)
+        static = None if bucket is None else self._static(bucket, inputs)
         if static is None:
-            return fold(self.runner.model, self.states, inputs, slots, counts, positions, chunk_size, at_boundary)
+            host = counts.tolist()
+            return with_checkpoints(
+                lambda at: fold(self.runner.model, self.states, inputs, slots, host, positions, chunk_size, at),
+                host, positions, chunk_size, checkpoint)
         self._load(static, inputs, slots, bucket)
-        # tokens a row folds before its state must be checkpointed: up to the next chunk boundary
+        # tokens a row folds before its state may be checkpointed: up to the next chunk boundary
         cut = [chunk_size - p % chunk_size for p in positions]
-        crossing = [i for i in range(n) if at_boundary is not None and cut[i] < counts[i]]
-        stops = [min(k, c) if at_boundary is not None else c for k, c in zip(cut, counts)]
-        self._replay(static, [0] * n, stops, bucket)
-        if crossing:
-            for i in crossing:
-                at_boundary(i, positions[i] + cut[i])
-            self._replay(static, stops, counts, bucket)
+        reach = [i for i in range(n) if cut[i] <= inputs.lengths[i]]
+        if not reach:
+            self._replay(static, None, counts, bucket)
+            return []
+        first = torch.minimum(counts, to_device(cut, counts.device))
+        self._replay(static, None, first, bucket)
+        snaps = checkpoint(reach)
+        self._replay(static, first, counts, bucket)
+        return [(i, positions[i] + cut[i], snap) for i, snap in zip(reach, snaps)]
 
     def _load(self, static: dict, inputs: KDAInputs, slots: list[int], bucket: int) -> None:
         n, w = len(slots), self.width
         device = static["slots"].device
-        static["slots"].copy_(torch.tensor(slots + [self.states.sink_slot] * (bucket - n)))
+        static["slots"].copy_(to_device(slots + [self.states.sink_slot] * (bucket - n), device))
         dense = all(k == w for k in inputs.lengths)
-        dest = None if dense else torch.tensor([i * w + j for i, k in enumerate(inputs.lengths) for j in range(k)],
-                                               device=device)
+        dest = None if dense else to_device([i * w + j for i, k in enumerate(inputs.lengths) for j in range(k)],
+                                            device)
         for layer, per in static["raw"].items():
             for p, buf in per.items():
                 src = inputs.layers[layer][p][0]
@@ -95,10 +110,14 @@ class FoldGraphs:
                 else:
                     buf.index_copy_(0, dest, src)
 
-    def _replay(self, static: dict, starts: list[int], stops: list[int], bucket: int) -> None:
-        pad = [0] * (bucket - len(starts))
-        static["start"].copy_(torch.tensor(starts + pad))
-        static["stop"].copy_(torch.tensor(stops + pad))
+    def _replay(self, static: dict, starts: torch.Tensor | None, stops: torch.Tensor, bucket: int) -> None:
+        """Fold row n's tokens starts[n] <= j < stops[n] (starts None: from 0); padding rows fold nothing."""
+        n = stops.shape[0]
+        static["start"].zero_()
+        if starts is not None:
+            static["start"][:n].copy_(starts)
+        static["stop"].zero_()
+        static["stop"][:n].copy_(stops)
         graph = self.graphs[bucket][0]
         if graph is None:
             self._step(static)

@@ -172,5 +172,24 @@ def fold(model: K3ForCausalLM, states: KDAStatePool, inputs: KDAInputs, slots: l
                     at_boundary(n, pos)
 
 
+def with_checkpoints(run: Callable[[Callable[[int, int], None]], None], counts: list[int], positions: list[int],
+                     chunk_size: int, checkpoint: Callable[[list[int]], list[int | None]]
+                     ) -> list[tuple[int, int, int | None]]:
+    """Run a fold that reads its counts on the host (`run(at_boundary)`: `fold`, or the snapshot baseline's
+    `SnapshotWindow.commit`) and checkpoint every chunk boundary a row reaches: the ones it crosses through
+    `at_boundary`, mid-fold, the one it ends on after the fold. `checkpoint(rows)` copies the rows' working
+    state into fresh slots. -> (row, boundary position, slot), as `FoldGraphs.fold` returns them."""
+    taken: list[tuple[int, int, int | None]] = []
+
+    def at_boundary(n: int, pos: int) -> None:
+        taken.append((n, pos, checkpoint([n])[0]))
+
+    run(at_boundary)
+    ends = [n for n, (p, c) in enumerate(zip(positions, counts)) if c and (p + c) % chunk_size == 0]
+    if ends:
+        taken += [(n, positions[n] + counts[n], snap) for n, snap in zip(ends, checkpoint(ends))]
+    return taken
+
+
 def _device(states: KDAStatePool) -> torch.device:
     return next(iter(states.recurrent.values())).device

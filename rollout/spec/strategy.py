@@ -22,7 +22,16 @@ The step's phases run under `torch.profiler.record_function` labels (`spec.propo
 `spec.verify`, `spec.sync`, `spec.fold`, `spec.observe`): `scripts/profile_spec.py` reads them.
 
 MLA rows written for rejected drafts lie past `pos` and are rewritten by the next step before anything
-reads them. The step waits for its accepted lengths on the host (`overlaps = False`).
+reads them.
+
+One read per step, at its end: `launch` enqueues draft, verify, the counts each row commits (cut at its
+stop tokens and length on the device, `_committed`), their copy to the host and the graphed fold, which
+takes those counts on the device; the host reaches `read` while the device still runs the verify forward,
+and only `read` waits. The fold cannot call back at a chunk boundary it does not know it reaches, so it
+checkpoints every row that may reach one this step and `read` keeps the checkpoints of the rows that did
+(`own_checkpoints`: the end-of-step boundary too). The eager fold and the snapshot baseline read the counts
+in `launch`. The next step still needs this one's counts (its positions, pages and anchors), so steps do
+not overlap each other (`overlaps = False`).
 
 CUDA graphs: on CUDA (where the decode graphs apply) the verify forward replays a graph of an [N, w]
 block by batch bucket and width (`rollout.spec.graphs`): w = gamma + 1 under verify_all, w = the planner's
@@ -45,10 +54,10 @@ from rollout.spec.config import SpecConfig
 from rollout.spec.fold_graphs import FoldGraphs
 from rollout.spec.graphs import VerifyGraphs
 from rollout.spec.planner import CostSurface, VerifyPlanner
-from rollout.spec.replay import fold, verify_forward
+from rollout.spec.replay import fold, verify_forward, with_checkpoints
 from rollout.spec.snapshot import SnapshotWindow
 from rollout.spec.verify import verify
-from rollout.transfer import to_device
+from rollout.transfer import to_device, to_host
 
 
 @dataclass
@@ -78,14 +87,19 @@ class SpecStats:
 
 @dataclass(eq=False)
 class SpecLaunch(DecodeLaunch):
-    """A verify step, already read back: each row's emitted tokens and log-probs."""
+    """A verify step enqueued: `tokens` [N, w] and `host` [N, 2w + 1] (tokens, their log-probs, the count each
+    row commits; filled asynchronously on CUDA, `ready` marks the copy), the boundary checkpoints the fold
+    took before the counts were known (row, position, slot), and what `read` completes the step with."""
 
-    out_tokens: list[list[int]] = field(default_factory=list)
-    out_logps: list[list[float]] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)  # each row's pos before the step
+    checkpoints: list[tuple[int, int, int | None]] = field(default_factory=list)
+    tapped: dict[str, torch.Tensor] = field(default_factory=dict)
+    lengths: list[int] = field(default_factory=list)  # tokens each row fed the verify forward
 
 
 class SpecDecode(DecodeStrategy):
     overlaps = False
+    own_checkpoints = True
 
     def __init__(self, runner: ModelRunner, spec: SpecConfig, graphs: bool | None = None,
                  surface: CostSurface | None = None):
@@ -112,6 +126,8 @@ class SpecDecode(DecodeStrategy):
         self.memory = memory
 
     def launch(self, batch: list[Running], ids: list[int] | torch.Tensor) -> SpecLaunch:
+        """Enqueue the step: draft, verify, the counts each row commits, their copy to the host, the fold.
+        Nothing here waits for the device when verify and fold are graphed; `read` does, once."""
         n, g = len(batch), self.gamma
         anchors = ids if torch.is_tensor(ids) else to_device(ids, self.runner.device)
         params, gens = [r.req.params for r in batch], [r.generator for r in batch]
@@ -123,48 +139,70 @@ class SpecDecode(DecodeStrategy):
         num = [min(k, r.req.params.max_new_tokens - len(r.req.output_ids) - 1) for k, r in zip(num, batch)]
         with record_function("spec.verify_forward"):
             logits, inputs, tapped = self._verify_forward(batch, torch.cat([anchors[:, None], drafts], dim=1), num)
-        lengths = inputs.lengths
         window = self._window() if self.rollback == "snapshot" else None
         if window is not None:  # the baseline: every verified step's state, before acceptance is known
             window.record(self.runner.model, self.runner.states, inputs, [r.slot for r in batch])
         w = logits.shape[1]  # a graph of width max(num) + 1 verifies only that many positions
         with record_function("spec.verify"):
             tokens, logps, counts = verify(logits, drafts[:, :w - 1], q[:, :w - 1], params, gens, num)
-        with record_function("spec.sync"):
-            host = torch.stack([tokens.to(torch.float64), logps.to(torch.float64)]).cpu()  # the step's one sync
-        out_t, out_l = [], []
-        for r, toks, lps, c in zip(batch, host[0].long().tolist(), host[1].tolist(), counts.tolist()):
-            keep = _cut(r, toks[:c])
-            out_t.append(toks[:keep])
-            out_l.append(lps[:keep])
-        committed = [len(t) for t in out_t]  # the anchor and the kept drafts before the last emitted token
-        snapshots = []
-
-        def checkpoint(i: int, pos: int) -> None:
-            snapshots.append((batch[i], pos, self.memory.snapshot(batch[i])))
-
+            committed = _committed(batch, tokens, counts)
+        both = [tokens.double(), logps.double(), committed.double()[:, None], counts.double()[:, None]]
+        host, ready = to_host(torch.cat(both, dim=1))  # the step's one read, waited for in `read`
         slots, positions, chunk = [r.slot for r in batch], [r.pos for r in batch], self.memory.config.chunk_size
+
+        def checkpoint(rows: list[int]) -> list[int | None]:
+            return self.memory.snapshots([batch[i] for i in rows])
+
         with record_function("spec.fold"):
-            if window is not None:
-                window.commit(self.runner.states, slots, lengths, committed, positions, chunk, checkpoint)
-            elif self.graph_verify:
+            if self.graph_verify and window is None:
                 folds = self._folds()
                 replays, captures = folds.replays, folds.captures
-                folds.fold(inputs, slots, committed, positions, chunk, checkpoint)
+                taken = folds.fold(inputs, slots, committed, positions, chunk, checkpoint)
                 self.stats.fold_graphed += folds.capture and folds.replays > replays
                 self.stats.captures += folds.captures - captures
+            else:  # the eager fold and the snapshot baseline read their counts here
+                counts_h = committed.tolist()
+                if window is not None:
+                    def run(at):
+                        window.commit(self.runner.states, slots, inputs.lengths, counts_h, positions, chunk, at)
+                else:
+                    def run(at):
+                        fold(self.runner.model, self.runner.states, inputs, slots, counts_h, positions, chunk, at)
+                taken = with_checkpoints(run, counts_h, positions, chunk, checkpoint)
+        self.stats.window_bytes = max(self.stats.window_bytes,
+                                      inputs.nbytes() // n if window is None else window.nbytes_per_row)
+        self.stats.drafted += sum(num)
+        return SpecLaunch(batch, tokens, host, ready, [], positions, taken, tapped, inputs.lengths)
+
+    def read(self, launch: SpecLaunch) -> tuple[list[list[int]], list[list[float]]]:
+        """Wait for the step's copy, then complete it on the host: each row's committed tokens and log-probs,
+        its checkpoints kept or freed, the drafter's view, `pos`, the counters."""
+        with record_function("spec.sync"):
+            if launch.ready is not None:
+                launch.ready.synchronize()
+            rows = launch.host.tolist()
+        w = launch.tokens.shape[1]
+        out_t, out_l, committed, emitted = [], [], [], 0
+        for row in rows:
+            c = int(row[2 * w])
+            out_t.append([int(t) for t in row[:c]])
+            out_l.append(row[w:w + c])
+            committed.append(c)
+            emitted += int(row[2 * w + 1])
+        for i, pos, snap in launch.checkpoints:
+            if pos <= launch.positions[i] + committed[i]:
+                launch.snapshots.append((launch.batch[i], pos, snap))
             else:
-                fold(self.runner.model, self.runner.states, inputs, slots, committed, positions, chunk, checkpoint)
+                self.memory.free_snapshot(snap)
         with record_function("spec.observe"):
-            self.drafter.observe(batch, tapped, lengths, committed)
-        for r, c in zip(batch, committed):
+            self.drafter.observe(launch.batch, launch.tapped, launch.lengths, committed)
+        for r, c in zip(launch.batch, committed):
             r.pos += c
         s = self.stats
-        s.steps, s.rows, s.drafted = s.steps + 1, s.rows + n, s.drafted + sum(num)
-        s.accepted += int(counts.sum()) - n
-        s.emitted += int(counts.sum())
-        s.window_bytes = max(s.window_bytes, inputs.nbytes() // n if window is None else window.nbytes_per_row)
-        return SpecLaunch(batch, tokens, host, None, snapshots, out_t, out_l)
+        s.steps, s.rows = s.steps + 1, s.rows + len(committed)
+        s.accepted += emitted - len(committed)
+        s.emitted += emitted
+        return out_t, out_l
 
     def _verify_forward(self, batch: list[Running], block: torch.Tensor, num: list[int]):
         """The verify forward of each row's anchor and its first num[n] drafts (block [N, g + 1]): logits
@@ -239,9 +277,6 @@ class SpecDecode(DecodeStrategy):
         if self.runner.device.type == "cuda":
             torch.cuda.synchronize()
 
-    def read(self, launch: SpecLaunch) -> tuple[list[list[int]], list[list[float]]]:
-        return launch.out_tokens, launch.out_logps
-
 
 @dataclass
 class _Probe:
@@ -253,10 +288,17 @@ class _Probe:
     req: object = field(default_factory=lambda: type("NoAdapter", (), {"adapter": None})())
 
 
-def _cut(r: Running, tokens: list[int]) -> int:
-    """How many of `tokens` the request takes: up to its first stop token or its length limit."""
-    params, done = r.req.params, len(r.req.output_ids)
-    for k, tok in enumerate(tokens):
-        if tok in params.stop_token_ids or done + k + 1 >= params.max_new_tokens:
-            return k + 1
-    return len(tokens)
+def _committed(batch: list[Running], tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """[N] on the device: of row n's counts[n] emitted tokens, those it takes: up to its first stop token
+    (kept) and its remaining length. The tokens past them are neither returned nor committed."""
+    stops = [r.req.params.stop_token_ids for r in batch]
+    left = to_device([r.req.params.max_new_tokens - len(r.req.output_ids) for r in batch], counts.device)
+    counts = torch.minimum(counts, left)
+    width = max(map(len, stops))
+    if not width:
+        return counts
+    table = to_device([list(s) + [-1] * (width - len(s)) for s in stops], counts.device)
+    w = tokens.shape[1]
+    hit = (tokens[:, :, None] == table[:, None, :]).any(-1) & (torch.arange(w, device=counts.device) < counts[:, None])
+    first = torch.where(hit.any(1), hit.long().argmax(1) + 1, counts)  # argmax: the first True
+    return torch.minimum(counts, first)

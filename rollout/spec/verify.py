@@ -88,7 +88,7 @@ def verify(logits: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor, params: 
     rows_params = [p for p in params for _ in range(g1)]
     logp, target = warp(logits.reshape(n * g1, vocab), rows_params)
     logp, target = logp.view(n, g1, vocab), target.view(n, g1, vocab)
-    greedy_rows = torch.tensor([p.temperature == 0 for p in params], device=device)
+    greedy_rows = to_device([p.temperature == 0 for p in params], device)
     argmax = _math(logits).argmax(dim=-1)  # [N, G + 1]
 
     uniforms = torch.zeros(n, g, dtype=target.dtype, device=device)

@@ -45,7 +45,8 @@ def test_the_reported_q_is_the_distribution_each_draft_was_drawn_from():
             self.req = type("R", (), {"request_id": i, "finish_reason": None})()
 
     rows = [Row(i) for i in range(5)]
-    d._contexts = {i: (rows[i].req, feats[i]) for i in range(5)}
+    counts = [len(f) for f in feats]
+    d.contexts.append([r.req for r in rows], torch.cat(feats), [sum(counts[:i]) for i in range(5)], counts)
     params = [SamplingParams(temperature=1.0)] * 4 + [SamplingParams(temperature=0)]
     gens = [torch.Generator().manual_seed(i) for i in range(5)]
     drafts, q, reported_conf = d.propose(rows, anchors, 3, params, gens)
@@ -74,7 +75,7 @@ def test_engine_context_equals_a_fresh_target_pass_and_greedy_stays_lossless():
     with hooks(d.taps, store), torch.inference_mode():
         MODEL.model.hidden(torch.tensor(r.tokens[:r.pos])[None], None, None)
     fresh = _features(store, d.config.target_layers)[0, -16:]
-    kept = d._contexts[rid][1]
+    kept = d.contexts.get(rid)
     assert kept.shape == fresh.shape
     torch.testing.assert_close(kept, fresh, atol=1e-4, rtol=1e-4)
     while eng.has_work():
@@ -83,7 +84,7 @@ def test_engine_context_equals_a_fresh_target_pass_and_greedy_stays_lossless():
     for a, b in zip(want, got):
         assert a.output_ids == b.output_ids
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
-    assert not d._contexts.keys() - {c.request_id for c in got}  # finished requests' contexts are dropped
+    assert not d.contexts.ids() - {c.request_id for c in got}  # finished requests' contexts are dropped
 
 
 def test_save_load_round_trip_and_bad_directories(tmp_path):

@@ -49,8 +49,17 @@ class ScriptedDrafter(Drafter):
         self.counts += counts
 
 
-def spec_engine(drafter: Drafter, memory: int = ROOMY, **kw) -> Engine:
-    return engine(memory, speculation=SpecConfig(drafter=drafter, gamma=GAMMA), **kw)
+def spec_engine(drafter: Drafter, memory: int = ROOMY, graphs: bool = False, **kw) -> Engine:
+    """graphs: verify and fold through the CUDA graphs' padded functions (run eagerly on CPU), whose fold takes
+    its counts on the device; else the packed verify and the eager fold (the CPU's default)."""
+    spec = SpecConfig(drafter=drafter, gamma=GAMMA)
+    eng = engine(memory, speculation=spec, **kw)
+    if graphs:
+        from rollout.spec.strategy import SpecDecode
+
+        eng.decoder.strategy = SpecDecode(eng.runner, spec, graphs=True)
+        eng.decoder.strategy.use_memory(eng.memory)
+    return eng
 
 
 def script_for(prompts, params) -> dict[tuple, list[int]]:
@@ -132,12 +141,16 @@ def test_the_committed_kda_state_equals_plain_decode_for_every_accepted_length(a
         torch.testing.assert_close(got[layer], want[layer], atol=1e-5, rtol=1e-5)
 
 
-def test_a_block_crossing_a_chunk_boundary_checkpoints_the_plain_state():
-    """Chunks of 8: a 6-token prompt's first block commits positions 6..9, crossing 8 inside the block;
-    the checkpoint the tree gets at 8 equals the plain engine's."""
+@pytest.mark.parametrize("graphs", [False, True])
+@pytest.mark.parametrize("accept", [None, 1])
+def test_a_block_reaching_a_chunk_boundary_checkpoints_the_plain_state(accept, graphs):
+    """Chunks of 8: a 6-token prompt's first block commits positions 6..9 (every draft right), crossing 8
+    inside the block, or 6..7 (one right), ending on it; the checkpoint the tree gets at 8 equals the plain
+    engine's. Graphed, the fold does not know its counts and checkpoints every row that may reach 8: the
+    ones that do not are freed (the pools drain)."""
     p = prompt(6, 6)
     params = SamplingParams(temperature=0, max_new_tokens=6)
-    spec = spec_engine(ScriptedDrafter(script_for([p], params), wrong=0.0))
+    spec = spec_engine(ScriptedDrafter(script_for([p], params), wrong=0.0, accept=accept), graphs=graphs)
     plain = engine()
     outs = [e.generate([p], params)[0] for e in (spec, plain)]
     assert outs[0].output_ids == outs[1].output_ids
@@ -148,6 +161,8 @@ def test_a_block_crossing_a_chunk_boundary_checkpoints_the_plain_state():
         for table in ("conv", "recurrent"):
             a, b = (getattr(e.states, table)[layer][m.checkpoint_slot] for e, m in zip((spec, plain), found))
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert spec.decoder.strategy.stats.steps == (2 if accept is None else 3)
+    assert_pools_drain_to_full(spec)
 
 
 def test_a_seeded_sampled_request_does_not_depend_on_its_batch():
@@ -164,13 +179,14 @@ def test_a_seeded_sampled_request_does_not_depend_on_its_batch():
     assert alone.logprobs == pytest.approx(mixed.logprobs, abs=1e-5)
 
 
-@settings(max_examples=4, deadline=None)
-@given(seed=st.integers(0, 2**31 - 1), memory=st.sampled_from([TIGHT["memory"], ROOMY]))
-def test_fuzz_with_speculation_keeps_every_pool_invariant(seed, memory):
+@settings(max_examples=6, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), memory=st.sampled_from([TIGHT["memory"], ROOMY]), graphs=st.booleans())
+def test_fuzz_with_speculation_keeps_every_pool_invariant(seed, memory, graphs):
     """Random shared-prefix requests, greedy and sampled, aborts and pool pressure: the accounting holds
-    after every step, the engine drains, every page and slot comes back."""
+    after every step, the engine drains, every page and slot comes back (graphed: the fold's checkpoints of
+    rows that did not reach their boundary too)."""
     rng = random.Random(seed)
-    eng = spec_engine(ScriptedDrafter({}, wrong=0.5), memory, state_fraction=0.95)
+    eng = spec_engine(ScriptedDrafter({}, wrong=0.5), memory, graphs=graphs, state_fraction=0.95)
     bases = [prompt(24, 100 + i) for i in range(2)]
     for _ in range(16):
         if rng.random() < 0.4:

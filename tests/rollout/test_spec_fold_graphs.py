@@ -1,5 +1,6 @@
 """The graphed fold's padded function (rollout/spec/fold_graphs.py, run eagerly on CPU: capture=False) commits
-the eager fold's KDA state, and hands a chunk-boundary checkpoint the state in the middle of a row's tokens:
+the eager fold's KDA state, with its counts on the device, and checkpoints every chunk boundary a row may reach
+(the ones it reaches hold the eager fold's state there, in the middle of a row's tokens or at its end):
 bit for bit when every row commits the whole block (the eager fold then steps the same rows at every
 position), within fp32 rounding for committed counts 1..width (the eager fold steps only the rows still
 folding, and the CPU's batched matmuls round by batch shape) or through a larger bucket's graph, rows packed
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from rollout.spec.fold_graphs import FoldGraphs
-from rollout.spec.replay import PROJECTIONS, KDAInputs, fold, kda_mixers
+from rollout.spec.replay import PROJECTIONS, KDAInputs, fold, kda_mixers, with_checkpoints
 from tests.rollout.common import engine
 
 WIDTH = 5
@@ -45,7 +46,7 @@ def test_the_padded_fold_commits_the_eager_folds_state(dense, counts, larger):
     runner, states = eng.runner, eng.states
     slots = [0, 3, 1, 4, 2, 5]  # six rows: bucket 6 of max_running 6
     lengths = [WIDTH] * 6 if dense else [1, 3, 3, 5, 5, 5]  # a ragged verify feeds at least the committed tokens
-    positions = [0, 5, 6, 7, 62, 16]  # chunk 8: rows 1-4 cross a boundary mid-fold when their counts reach it
+    positions = [0, 5, 6, 7, 62, 19]  # chunk 8: rows 1-4 cross a boundary mid-fold when counts reach it, 5 ends on one
     exact = all(c == WIDTH for c in counts) and not larger  # the CPU's matmuls round by batch shape
     inputs = random_inputs(runner, lengths, seed=1)
     randomize_states(states, seed=2)
@@ -55,22 +56,28 @@ def test_the_padded_fold_commits_the_eager_folds_state(dense, counts, larger):
         for name in ("conv", "recurrent"):
             for k, v in getattr(states, name).items():
                 v.copy_(start[name][k])
-        seen = {}
+        copies = []
 
-        def at_boundary(n, pos):
-            seen[(n, pos)] = {name: {k: v[slots[n]].clone() for k, v in getattr(states, name).items()}
-                              for name in ("conv", "recurrent")}
-        folder(inputs, slots, counts, positions, 8, at_boundary)
-        return snapshot(states), seen
+        def checkpoint(rows):  # what CacheManager.snapshots copies: the rows' working state, now
+            copies.extend({name: {k: v[slots[n]].clone() for k, v in getattr(states, name).items()}
+                           for name in ("conv", "recurrent")} for n in rows)
+            return list(range(len(copies) - len(rows), len(copies)))
+        taken = folder(checkpoint)
+        return snapshot(states), {(n, pos): copies[snap] for n, pos, snap in taken
+                                  if pos <= positions[n] + counts[n]}, taken
 
-    want, want_seen = run(lambda *a: fold(runner.model, states, *a))
+    want, want_seen, _ = run(lambda ck: with_checkpoints(
+        lambda at: fold(runner.model, states, inputs, slots, counts, positions, 8, at), counts, positions, 8, ck))
     graphs = FoldGraphs(runner, WIDTH, capture=False)
     if larger:
         graphs._static(12, inputs)
-    got, got_seen = run(graphs.fold)
+    got, got_seen, taken = run(lambda ck: graphs.fold(inputs, slots, torch.tensor(counts), positions, 8, ck))
     assert sorted(graphs.graphs) == ([12] if larger else [6]) and graphs.captures == 1
-    crossing = {(n, p + 8 - p % 8) for n, (p, c) in enumerate(zip(positions, counts)) if 8 - p % 8 < c}
-    assert crossing and set(got_seen) == set(want_seen) == crossing
+    reached = {(n, p + 8 - p % 8) for n, (p, c) in enumerate(zip(positions, counts)) if 8 - p % 8 <= c}
+    assert (5, 24) in reached and set(got_seen) == set(want_seen) == reached
+    # every row whose verified tokens meet a boundary got a checkpoint, reached or not (the counts stay on the
+    # device); the caller frees the unreached ones
+    assert {n for n, _, _ in taken} == {n for n, (p, k) in enumerate(zip(positions, lengths)) if 8 - p % 8 <= k}
     assert graphs.replays == 2  # up to the boundaries, then the rest
 
     def same(a, b):

@@ -1,0 +1,68 @@
+"""The drafter's context windows (rollout/spec/contexts.py): after any sequence of appends (a catch-up of up to a
+whole window, then verify steps committing 1..5 features), each request's window is the latest `window`
+features it was given, in order, exactly; a batch read puts them right-aligned under a mask that covers them
+only; rows of finished requests are reused, a retracted (unfinished) request keeps its window, and the
+buffer grows past its first capacity without losing any."""
+
+import random
+from types import SimpleNamespace
+
+import torch
+
+from rollout.spec.contexts import ContextWindows
+
+W, F = 6, 3
+
+
+def request(rid: int):
+    return SimpleNamespace(request_id=rid, finish_reason=None)
+
+
+def test_windows_hold_the_latest_features_in_order_through_appends_drops_and_growth():
+    rng = random.Random(0)
+    windows = ContextWindows(W)
+    want: dict[int, torch.Tensor] = {}
+    reqs = {}
+    counter = 0
+    for step in range(40):
+        if step % 7 == 6:  # some requests finish, one is retracted (unfinished, not in the batch): kept
+            done = rng.sample(sorted(want), k=min(3, len(want)))
+            for rid in done[:-1]:
+                reqs[rid].finish_reason = "stop"
+                del want[rid]
+            live = set(want) - {done[-1]}
+            windows.drop_finished(live)
+            assert windows.ids() == set(want)
+        batch = rng.sample(sorted(want), k=min(len(want), rng.randint(1, 5)))
+        batch += [max(reqs, default=-1) + 1 + i for i in range(rng.randint(0, 3))]  # new requests
+        counts, parts = [], []
+        for rid in batch:
+            reqs.setdefault(rid, request(rid))
+            c = rng.randint(1, 2 * W) if rid not in want else rng.randint(1, 5)
+            part = torch.arange(counter, counter + c, dtype=torch.float32)[:, None].expand(c, F) + 0.5
+            counter += c
+            pad = rng.randint(0, 2)  # a verify feeds more tokens than a row commits
+            parts.append(torch.cat([part, torch.full((pad, F), -1.0)]))
+            counts.append(c)
+            want[rid] = torch.cat([want.get(rid, torch.empty(0, F)), part])[-W:]
+        starts = [sum(len(p) for p in parts[:i]) for i in range(len(parts))]
+        windows.append([reqs[r] for r in batch], torch.cat(parts), starts, counts)
+        for rid, feats in want.items():
+            assert torch.equal(windows.get(rid), feats), (step, rid)
+        ctx, mask = windows.read(batch)
+        for i, rid in enumerate(batch):
+            n = len(want[rid])
+            assert mask[i].tolist() == [False] * (W - n) + [True] * n
+            assert torch.equal(ctx[i][mask[i]], want[rid])
+    assert windows.features.shape[0] > 8  # grew past its first capacity
+
+
+def test_a_finished_requests_row_is_reused_and_starts_empty():
+    windows = ContextWindows(W)
+    a, b = request(1), request(2)
+    windows.append([a], torch.ones(4, F), [0], [4])
+    row = windows.row_of[1]
+    a.finish_reason = "stop"
+    windows.drop_finished(set())
+    windows.append([b], torch.full((2, F), 2.0), [0], [2])
+    assert windows.row_of[2] == row and torch.equal(windows.get(2), torch.full((2, F), 2.0))

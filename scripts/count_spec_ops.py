@@ -1,12 +1,13 @@
 """Count the ops a DSpark drafter runs per verify step, by batch size: a device-independent proxy for its kernel
 launches, which on a GPU are host time in the speculative step's serial path.
 
-    python scripts/count_spec_ops.py --batch-sizes 8,64,256 [--json ops.json]
+    python scripts/count_spec_ops.py --batch-sizes 8,64,256 [--samples K] [--json ops.json]
 
 Runs the shipped long-output pair (`miles_k3/assets/k3-tiny-steps` and its drafter) on CPU, greedy, its
-held-out prompts, and counts every aten op dispatched inside the drafter's `propose` (the catch-up target
-pass of newly admitted requests, the block forward, the draws) and `observe` (the committed features into each
-request's context window), per verify step. Work that does not grow with the batch stays flat; a per-row
+held-out prompts (`--samples K`: batch / K prompts, each K times, as a GRPO group), and counts every aten op
+dispatched inside the drafter's `propose` (the catch-up target pass of newly admitted requests, the block
+forward, the draws) and `observe` (the committed features into each request's context window), per verify
+step, with the run's wall seconds (on a CPU the catch-up's compute shows there). Work that does not grow with the batch stays flat; a per-row
 loop shows as ops growing with it (2026-12-04: the context windows were a slice, a cat and two copies a row).
 The target's own verify forward and fold are CUDA graphs on a GPU and not counted here: `profile_spec.py`
 times the whole step there.
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -65,30 +67,35 @@ class CountingDrafter(DSparkDrafter):
         self.ops["observe"] += c.ops
 
 
-def count(batch: int, gen_len: int) -> dict:
+def count(batch: int, gen_len: int, samples: int = 1) -> dict:
     _, model = build_target(str(PAIR), torch.float32, "cpu")
     drafter = CountingDrafter.load(PAIR / "drafter", model)
-    prompts = prompts_for(PAIR, batch)
+    prompts = [p for p in prompts_for(PAIR, -(-batch // samples)) for _ in range(samples)][:batch]
     engine = Engine(model, EngineConfig(memory_bytes=1 << 30, max_running=batch, max_seq_len=256,
                                         speculation=SpecConfig(drafter=drafter, gamma=drafter.config.block_size)))
+    start = time.perf_counter()
     engine.generate(prompts, SamplingParams(temperature=0, max_new_tokens=gen_len, stop_token_ids=(2,)))
+    wall = time.perf_counter() - start
     steps = engine.decoder.strategy.stats.steps
-    return dict(batch=batch, steps=steps, **{f"{k}_ops_per_step": round(v / steps, 1)
-                                             for k, v in drafter.ops.items()})
+    return dict(batch=batch, samples=samples, steps=steps, wall_s=round(wall, 2),
+                **{f"{k}_ops_per_step": round(v / steps, 1) for k, v in drafter.ops.items()})
 
 
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch-sizes", default="8,64,256")
     ap.add_argument("--gen-len", type=int, default=16, help="new tokens per request")
+    ap.add_argument("--samples", type=int, default=1, help="requests per prompt (a GRPO group's size)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", type=Path, help="write the rows here")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    rows = [count(int(b), args.gen_len) for b in args.batch_sizes.split(",")]
-    print("| batch | verify steps | propose ops / step | observe ops / step |\n|---:|---:|---:|---:|")
+    rows = [count(int(b), args.gen_len, args.samples) for b in args.batch_sizes.split(",")]
+    print("| batch | samples a prompt | verify steps | wall s | propose ops / step | observe ops / step |\n"
+          "|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['batch']} | {r['steps']} | {r['propose_ops_per_step']} | {r['observe_ops_per_step']} |")
+        print(f"| {r['batch']} | {r['samples']} | {r['steps']} | {r['wall_s']} | {r['propose_ops_per_step']} | "
+              f"{r['observe_ops_per_step']} |")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2) + "\n")
     return rows

@@ -252,23 +252,28 @@ class DSparkDrafter(nn.Module, Drafter):
         """Contexts for requests the drafter has not seen: one packed target pass over their computed
         tokens (no cache: the pools are not touched), the tapped states of the latest positions kept. A
         request's image features are spliced in at its pads as the engine's prefill did (`packed_media`),
-        so the drafter reads the target states the engine computed."""
+        so the drafter reads the target states the engine computed. Requests with the same computed tokens
+        and adapter and no images (a GRPO group's samples, before they part) share one row of the pass."""
         if not rows:
             return
         runner = self._runner
-        lengths = [r.pos for r in rows]
-        ids = to_device([t for r in rows for t in r.tokens[:r.pos]], runner.device)[None]
+        first: dict[tuple, int] = {}  # (adapter, computed tokens) -> the row computed for it
+        of = [first.setdefault((r.req.adapter, tuple(r.tokens[:r.pos])) if r.req.media is None else (id(r),), i)
+              for i, r in enumerate(rows)]
+        unique = [rows[i] for i in first.values()]
+        lengths = [r.pos for r in unique]
+        ids = to_device([t for r in unique for t in r.tokens[:r.pos]], runner.device)[None]
         cu = to_device([0, *lengths], runner.device).cumsum(0)
         if runner.adapters is not None:
-            runner.adapters.set_batch([runner.adapters.slot_of(r.req.adapter) for r in rows], lengths)
-        media = packed_media([(r.req.media, 0, r.pos) for r in rows], runner.device)  # None: no row has images
+            runner.adapters.set_batch([runner.adapters.slot_of(r.req.adapter) for r in unique], lengths)
+        media = packed_media([(r.req.media, 0, r.pos) for r in unique], runner.device)  # None: no row has images
         store: dict[str, torch.Tensor] = {}
         with hooks(self.taps, store):
             runner.model.model.hidden(ids, None, cu, media=media)
-        keep = [min(n, self.config.context_window) for n in lengths]
-        ends = list(itertools.accumulate(lengths))
+        ends = dict(zip(first.values(), itertools.accumulate(lengths)))
+        keep = [min(r.pos, self.config.context_window) for r in rows]
         self.contexts.append([r.req for r in rows], _features(store, self.config.target_layers)[0],
-                             [e - k for e, k in zip(ends, keep)], keep)
+                             [ends[i] - k for i, k in zip(of, keep)], keep)
 
     # ------------------------------------------------------------ save / load
     def save(self, path: str | Path) -> None:

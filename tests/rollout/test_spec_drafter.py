@@ -1,5 +1,6 @@
 """The DSpark drafter (rollout/spec/drafter.py): the q it reports is the distribution it drew from, the
-target context it keeps per request equals a fresh target pass over the request's tokens, a saved drafter
+target context it keeps per request equals a fresh target pass over the request's tokens (a group's shared
+prompt computed once), a saved drafter
 loads to the same drafts, bad directories and mismatched targets fail by name, and the engine stays
 lossless with it."""
 
@@ -85,6 +86,31 @@ def test_engine_context_equals_a_fresh_target_pass_and_greedy_stays_lossless():
         assert a.output_ids == b.output_ids
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
     assert not d.contexts.ids() - {c.request_id for c in got}  # finished requests' contexts are dropped
+
+
+def test_a_groups_catch_up_computes_each_distinct_prefix_once():
+    """Three samples of one prompt (a GRPO group) and one other prompt catch up in a pass over two rows, and each
+    sample's window equals a fresh target pass over its own tokens."""
+    from types import SimpleNamespace
+
+    d = drafter(3)
+    engine(speculation=SpecConfig(drafter=d, gamma=3))  # attaches the drafter to an engine's runner
+    a, b = prompt(20, 40), prompt(9, 41)
+    rows = [SimpleNamespace(req=SimpleNamespace(request_id=i, adapter=None, media=None, finish_reason=None),
+                            pos=len(t), tokens=t) for i, t in enumerate([a, b, a, a])]
+    fed = []
+    handle = MODEL.model.embed_tokens.register_forward_hook(lambda m, args, out: fed.append(args[0].numel()))
+    try:
+        d._catch_up(rows)
+    finally:
+        handle.remove()
+    assert fed == [len(a) + len(b)]
+    for r in rows:
+        store: dict = {}
+        with hooks(d.taps, store), torch.inference_mode():
+            MODEL.model.hidden(torch.tensor(r.tokens)[None], None, None)
+        torch.testing.assert_close(d.contexts.get(r.req.request_id), _features(store, d.config.target_layers)[0, -16:],
+                                   atol=1e-4, rtol=1e-4)
 
 
 def test_save_load_round_trip_and_bad_directories(tmp_path):

@@ -90,6 +90,13 @@ class DecodeStrategy:
     def use_memory(self, memory: CacheManager) -> None:
         """The cache manager whose `snapshot` / `free_snapshot` the strategy may call (see above)."""
 
+    def prefill(self, forward: Callable[[], torch.Tensor], batch: list[Running], spans: list[tuple[int, int]]
+                ) -> torch.Tensor:
+        """Run one of the engine's packed prefill forwards (`forward()` returns its logits) over `batch`, row
+        n computing positions spans[n] = (start, end): a strategy that keeps per-request state from the
+        target's activations (a drafter's context) reads them here. The plain strategy just runs it."""
+        return forward()
+
     def launch(self, batch: list[Running], ids: list[int] | torch.Tensor) -> DecodeLaunch:
         raise NotImplementedError
 

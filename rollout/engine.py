@@ -273,7 +273,9 @@ class Engine:
         media = packed_media([(r.req.media, r.pos, end) for r, end in plan], self.runner.device)
         ids = [t for r, end in plan for t in r.tokens[r.pos:end]]
         # media only when there is some: a text prefill's call is the one it always was
-        logits = self.runner.forward(batch, ids, lengths, **({} if media is None else {"media": media}))
+        logits = self.decoder.strategy.prefill(
+            lambda: self.runner.forward(batch, ids, lengths, **({} if media is None else {"media": media})),
+            batch, [(r.pos, end) for r, end in plan])
         for r, end in plan:
             r.pos = end
         self.memory.donate(batch)

@@ -8,8 +8,12 @@ whatever the batch size: a per-row slice, cat and copy cost a few launches a row
 GPU is milliseconds of host time a step. Context positions carry no position embedding (the drafter
 attends over them as a set, masked), so where a window sits in its row changes nothing but padding.
 
+Each window also knows the position it ends at (`end`: the features of positions [end - length, end)), so a
+caller can tell a continuation (a verify step's or a prefill chunk's features starting at `end`) from a
+repeat or a gap (a retracted request prefilled again) and `drop` a window it cannot continue.
+
 Safe to call: `append` and `read` with requests the buffer holds (`append` adds the ones it does not);
-`drop_finished` between steps. Rows of dropped requests are reused.
+`drop_finished` and `drop` between steps. Rows of dropped requests are reused.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ class ContextWindows:
         self.length: torch.Tensor | None = None  # [capacity] real features of each row
         self.row_of: dict[int, int] = {}  # request id -> row
         self.request_of: dict[int, object] = {}  # request id -> its Request (whether it finished)
+        self.ends: dict[int, int] = {}  # request id -> the position after its window's newest feature
         self.free: list[int] = []
 
     def __contains__(self, request_id: int) -> bool:
@@ -37,11 +42,19 @@ class ContextWindows:
     def ids(self) -> set[int]:
         return set(self.row_of)
 
+    def end(self, request_id: int) -> int | None:
+        """The position after the request's newest feature; None when the buffer holds no window for it."""
+        return self.ends.get(request_id)
+
+    def drop(self, request_id: int) -> None:
+        """Forget a request's window (its row is reused)."""
+        self.free.append(self.row_of.pop(request_id))
+        del self.request_of[request_id], self.ends[request_id]
+
     def drop_finished(self, live: set[int]) -> None:
         """Free the rows of requests outside `live` that finished (a retracted request keeps its window)."""
         for rid in [k for k, req in self.request_of.items() if k not in live and req.finish_reason is not None]:
-            self.free.append(self.row_of.pop(rid))
-            del self.request_of[rid]
+            self.drop(rid)
 
     def get(self, request_id: int) -> torch.Tensor:
         """One request's window [length, F], oldest first."""
@@ -56,9 +69,11 @@ class ContextWindows:
         return self.features.index_select(0, idx), mask
 
     @torch.inference_mode()  # the buffer is an inference tensor (made in the drafter's inference-mode propose)
-    def append(self, requests: list, features: torch.Tensor, starts: list[int], counts: list[int]) -> None:
+    def append(self, requests: list, features: torch.Tensor, starts: list[int], counts: list[int],
+               ends: list[int]) -> None:
         """Request n's window takes features[starts[n] : starts[n] + counts[n]] ([T, F], in order) as its
-        newest, keeping the latest `window`. A request the buffer does not hold starts empty."""
+        newest, keeping the latest `window`; they are the features of positions [ends[n] - counts[n],
+        ends[n]). A request the buffer does not hold starts empty."""
         rows = [self._row(req, features) for req in requests]
         n, w, f = len(rows), self.window, features.shape[-1]
         device = self.features.device
@@ -74,8 +89,9 @@ class ContextWindows:
         kept = flat.index_select(0, src.clamp(0, flat.shape[0] - 1).flatten()).view(n, w, f)
         self.features.index_copy_(0, idx, kept)
         self.length.index_copy_(0, idx, torch.clamp(length + count, max=w))
-        for req in requests:
+        for req, end in zip(requests, ends):
             self.request_of[req.request_id] = req
+            self.ends[req.request_id] = end
 
     def _row(self, req, features: torch.Tensor) -> int:
         if req.request_id in self.row_of:

@@ -28,9 +28,10 @@ class Drafter:
     """Proposes `gamma` tokens per row after each row's anchor (its next input token), with the exact
     distribution q each draft was drawn from (verification is lossless only against the true q).
 
-    Call order, per engine: `attach(runner)` once; then per speculative step `propose` before the verify
-    forward and `observe` after the accepted lengths are known. `taps` (filled by `attach`) are target
-    modules whose outputs the strategy reads during the verify forward and hands to `observe`.
+    Call order, per engine: `attach(runner)` once; `prefilled` after each prefill forward; then per
+    speculative step `propose` before the verify forward and `observe` after the accepted lengths are
+    known. `taps` (filled by `attach`) are target modules whose outputs the strategy reads during the
+    prefill and verify forwards and hands to `prefilled` and `observe`.
 
     Draws: a sampled row's drafts come from its own generator (`rollout.spec.verify.draw`: one [V]
     exponential draw per draft, left to right), greedy rows draft the argmax and draw nothing.
@@ -54,7 +55,12 @@ class Drafter:
     def observe(self, batch: list, tapped: dict[str, torch.Tensor], lengths: list[int], counts: list[int]) -> None:
         """After a verify forward: `tapped[name]` the outputs of `taps` at every fed token ([1, sum lengths,
         ...], row by row, lengths[n] each: the anchor then the drafts), counts[n] the tokens row n committed
-        (the anchor and its surviving drafts)."""
+        (the anchor and its surviving drafts), from its `pos` on."""
+
+    def prefilled(self, rows: list, spans: list[tuple[int, int]], tapped: dict[str, torch.Tensor]) -> None:
+        """After one of the engine's packed prefill forwards: row n computed positions spans[n] = (start,
+        end), `tapped[name]` the outputs of `taps` at every fed token ([1, sum(end - start), ...], row by
+        row)."""
 
 
 # ----------------------------------------------------------------------------------------- DSpark
@@ -246,7 +252,34 @@ class DSparkDrafter(nn.Module, Drafter):
 
     def observe(self, batch, tapped, lengths, counts):
         starts = [0, *itertools.accumulate(lengths)][:-1]
-        self.contexts.append([r.req for r in batch], _features(tapped, self.config.target_layers)[0], starts, counts)
+        self.contexts.append([r.req for r in batch], _features(tapped, self.config.target_layers)[0], starts, counts,
+                             [r.pos + c for r, c in zip(batch, counts)])
+
+    def prefilled(self, rows, spans, tapped):
+        """Windows from the engine's own prefill, so that a request needs no catch-up pass: a chunk that
+        reaches a window's end extends it past there (a retracted request prefilled again repeats positions
+        its window already holds); a chunk from position 0, or one at least a window long, starts one; other
+        chunks (after a prefix hit, shorter than a window) leave the request to `_catch_up`, which recomputes
+        what the hit skipped."""
+        w = self.config.context_window
+        picks = []  # (request, offset of its first new feature in `tapped`, how many, the position after them)
+        offset = 0
+        for r, (s, e) in zip(rows, spans):
+            rid, end = r.req.request_id, self.contexts.end(r.req.request_id)
+            if end is not None and s <= end:  # continues the window, past the positions it holds
+                if e > end:
+                    picks.append((r.req, offset + end - s, e - end, e))
+            elif s == 0 or e - s >= w:
+                if end is not None:
+                    self.contexts.drop(rid)
+                k = min(w, e - s)
+                picks.append((r.req, offset + e - s - k, k, e))
+            elif end is not None:
+                self.contexts.drop(rid)
+            offset += e - s
+        if picks:
+            reqs, starts, counts, ends = map(list, zip(*picks))
+            self.contexts.append(reqs, _features(tapped, self.config.target_layers)[0], starts, counts, ends)
 
     def _catch_up(self, rows) -> None:
         """Contexts for requests the drafter has not seen: one packed target pass over their computed
@@ -273,7 +306,7 @@ class DSparkDrafter(nn.Module, Drafter):
         ends = dict(zip(first.values(), itertools.accumulate(lengths)))
         keep = [min(r.pos, self.config.context_window) for r in rows]
         self.contexts.append([r.req for r in rows], _features(store, self.config.target_layers)[0],
-                             [ends[i] - k for i, k in zip(of, keep)], keep)
+                             [ends[i] - k for i, k in zip(of, keep)], keep, [r.pos for r in rows])
 
     # ------------------------------------------------------------ save / load
     def save(self, path: str | Path) -> None:

@@ -54,7 +54,7 @@ from rollout.spec.config import SpecConfig
 from rollout.spec.fold_graphs import FoldGraphs
 from rollout.spec.graphs import VerifyGraphs
 from rollout.spec.planner import CostSurface, VerifyPlanner
-from rollout.spec.replay import fold, verify_forward, with_checkpoints
+from rollout.spec.replay import fold, hooks, verify_forward, with_checkpoints
 from rollout.spec.snapshot import SnapshotWindow
 from rollout.spec.verify import verify
 from rollout.transfer import to_device, to_host
@@ -124,6 +124,17 @@ class SpecDecode(DecodeStrategy):
 
     def use_memory(self, memory: CacheManager) -> None:
         self.memory = memory
+
+    def prefill(self, forward, batch, spans):
+        """The prefill forward with the drafter's taps read, handed to `Drafter.prefilled` (its contexts from
+        the engine's own prefill rather than a pass of their own)."""
+        if not self.drafter.taps:
+            return forward()
+        tapped: dict[str, torch.Tensor] = {}
+        with hooks(self.drafter.taps, tapped):
+            logits = forward()
+        self.drafter.prefilled(batch, spans, tapped)
+        return logits
 
     def launch(self, batch: list[Running], ids: list[int] | torch.Tensor) -> SpecLaunch:
         """Enqueue the step: draft, verify, the counts each row commits, their copy to the host, the fold.

@@ -46,9 +46,11 @@ def test_windows_hold_the_latest_features_in_order_through_appends_drops_and_gro
             counts.append(c)
             want[rid] = torch.cat([want.get(rid, torch.empty(0, F)), part])[-W:]
         starts = [sum(len(p) for p in parts[:i]) for i in range(len(parts))]
-        windows.append([reqs[r] for r in batch], torch.cat(parts), starts, counts)
+        ends = [(windows.end(r) or 0) + c for r, c in zip(batch, counts)]
+        windows.append([reqs[r] for r in batch], torch.cat(parts), starts, counts, ends)
         for rid, feats in want.items():
             assert torch.equal(windows.get(rid), feats), (step, rid)
+        assert all(windows.end(r) == e for r, e in zip(batch, ends))
         ctx, mask = windows.read(batch)
         for i, rid in enumerate(batch):
             n = len(want[rid])
@@ -60,9 +62,10 @@ def test_windows_hold_the_latest_features_in_order_through_appends_drops_and_gro
 def test_a_finished_requests_row_is_reused_and_starts_empty():
     windows = ContextWindows(W)
     a, b = request(1), request(2)
-    windows.append([a], torch.ones(4, F), [0], [4])
+    windows.append([a], torch.ones(4, F), [0], [4], [4])
     row = windows.row_of[1]
     a.finish_reason = "stop"
     windows.drop_finished(set())
-    windows.append([b], torch.full((2, F), 2.0), [0], [2])
+    windows.append([b], torch.full((2, F), 2.0), [0], [2], [2])
     assert windows.row_of[2] == row and torch.equal(windows.get(2), torch.full((2, F), 2.0))
+    assert windows.end(1) is None and windows.end(2) == 2

@@ -18,9 +18,9 @@ from tests.rollout.common import MODEL, engine, prompt
 C = MODEL.config
 
 
-def drafter(seed: int = 0, **kw) -> DSparkDrafter:
+def drafter(seed: int = 0, cls: type = DSparkDrafter, **kw) -> DSparkDrafter:
     torch.manual_seed(seed)
-    d = DSparkDrafter(DSparkConfig(target_layers=(1, 4), hidden_size=C.hidden_size, vocab_size=C.vocab_size,
+    d = cls(DSparkConfig(target_layers=(1, 4), hidden_size=C.hidden_size, vocab_size=C.vocab_size,
                                    block_size=3, context_window=16, **kw))
     with torch.no_grad():  # a drafter with something to say: non-zero Markov head and temperatures
         d.markov_out.weight.normal_(0, 0.5)
@@ -47,7 +47,7 @@ def test_the_reported_q_is_the_distribution_each_draft_was_drawn_from():
 
     rows = [Row(i) for i in range(5)]
     counts = [len(f) for f in feats]
-    d.contexts.append([r.req for r in rows], torch.cat(feats), [sum(counts[:i]) for i in range(5)], counts)
+    d.contexts.append([r.req for r in rows], torch.cat(feats), [sum(counts[:i]) for i in range(5)], counts, counts)
     params = [SamplingParams(temperature=1.0)] * 4 + [SamplingParams(temperature=0)]
     gens = [torch.Generator().manual_seed(i) for i in range(5)]
     drafts, q, reported_conf = d.propose(rows, anchors, 3, params, gens)
@@ -111,6 +111,79 @@ def test_a_groups_catch_up_computes_each_distinct_prefix_once():
             MODEL.model.hidden(torch.tensor(r.tokens)[None], None, None)
         torch.testing.assert_close(d.contexts.get(r.req.request_id), _features(store, d.config.target_layers)[0, -16:],
                                    atol=1e-4, rtol=1e-4)
+
+
+class CatchUps(DSparkDrafter):
+    """Records the requests each catch-up pass computed."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.caught: list[int] = []
+
+    def _catch_up(self, rows) -> None:
+        self.caught += [r.req.request_id for r in rows]
+        super()._catch_up(rows)
+
+
+def fresh_window(d, r) -> torch.Tensor:
+    store: dict = {}
+    with hooks(d.taps, store), torch.inference_mode():
+        MODEL.model.hidden(torch.tensor(r.tokens[:r.pos])[None], None, None)
+    return _features(store, d.config.target_layers)[0, -d.config.context_window:]
+
+
+def test_windows_come_from_the_engines_prefill_and_a_short_suffix_after_a_hit_catches_up():
+    """Prompts prefilled from position 0 (one over two prefill steps) need no catch-up pass: their windows
+    come from the engine's prefill. After a prefix hit, a computed suffix of a window or more does not either;
+    a shorter one catches up. Every window equals a fresh target pass over the request's computed tokens,
+    and greedy output stays the plain engine's."""
+    d = drafter(5, cls=CatchUps)
+    eng = engine(speculation=SpecConfig(drafter=d, gamma=3))  # 16 prompt tokens a prefill step, chunks of 8
+    a, b = prompt(20, 50), prompt(9, 51)
+    long_tail, short_tail = a[:16] + prompt(18, 52), a[:16] + prompt(5, 53)
+    params = SamplingParams(temperature=0, max_new_tokens=12)
+    ids = [eng.submit(p, params) for p in (a, b)]
+    while len(eng.scheduler.running) < 2 or not all(r.pos > len(p) for r, p in zip(eng.scheduler.running, (a, b))):
+        eng.step()
+    assert d.caught == []
+    assert eng.memory.match(None, short_tail).prefix_len == 16  # both tails will hit a's first 16 tokens
+    ids += [eng.submit(p, params) for p in (long_tail, short_tail)]
+    for _ in range(6):
+        eng.step()
+    assert d.caught == [ids[3]]
+    for r in eng.scheduler.running:
+        if r.req.request_id in d.contexts:
+            torch.testing.assert_close(d.contexts.get(r.req.request_id), fresh_window(d, r), atol=1e-4, rtol=1e-4)
+    done = {}
+    while eng.has_work():
+        done.update((c.request_id, c) for c in eng.step())
+    want = engine().generate([a, b, long_tail, short_tail], params)
+    assert [done[i].output_ids for i in ids] == [w.output_ids for w in want]
+
+
+def test_a_retracted_request_prefilled_again_keeps_a_true_window():
+    """Tight pools retract requests mid-decode; prefilled again from their prefix hit, they repeat positions
+    their windows hold: after every step each window still equals a fresh target pass, and greedy output
+    stays the plain engine's."""
+    from tests.rollout.common import TIGHT
+
+    d = drafter(6)
+    eng = engine(TIGHT["memory"], state_fraction=TIGHT["state_fraction"], speculation=SpecConfig(drafter=d, gamma=3))
+    base = prompt(11, 60)
+    prompts = [base, base + prompt(3, 61), prompt(6, 62), base[:9] + prompt(2, 63)]
+    params = SamplingParams(temperature=0, max_new_tokens=14)
+    ids = [eng.submit(p, params) for p in prompts]
+    done, checked = {}, 0
+    while eng.has_work():
+        done.update((c.request_id, c) for c in eng.step())
+        for r in eng.scheduler.running:
+            if r.req.request_id in d.contexts and d.contexts.end(r.req.request_id) == r.pos:
+                torch.testing.assert_close(d.contexts.get(r.req.request_id), fresh_window(d, r), atol=1e-4,
+                                           rtol=1e-4)
+                checked += 1
+    assert eng.counters()["retractions"] > 0 and checked > 0
+    want = engine().generate(prompts, params)
+    assert [done[i].output_ids for i in ids] == [w.output_ids for w in want]
 
 
 def test_save_load_round_trip_and_bad_directories(tmp_path):

@@ -87,9 +87,10 @@ class SpecStats:
 
 @dataclass(eq=False)
 class SpecLaunch(DecodeLaunch):
-    """A verify step enqueued: `tokens` [N, w] and `host` [N, 2w + 1] (tokens, their log-probs, the count each
-    row commits; filled asynchronously on CUDA, `ready` marks the copy), the boundary checkpoints the fold
-    took before the counts were known (row, position, slot), and what `read` completes the step with."""
+    """A verify step enqueued: `tokens` [N, w] and `host` [N, 2w + 2] (tokens, their log-probs, the count each
+    row commits, the count it emitted before the stop cut; filled asynchronously on CUDA, `ready` marks the
+    copy), the boundary checkpoints the fold took before the counts were known (row, position, slot), and
+    what `read` completes the step with."""
 
     positions: list[int] = field(default_factory=list)  # each row's pos before the step
     checkpoints: list[tuple[int, int, int | None]] = field(default_factory=list)

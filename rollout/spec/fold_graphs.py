@@ -102,13 +102,12 @@ class FoldGraphs:
         dense = all(k == w for k in inputs.lengths)
         dest = None if dense else to_device([i * w + j for i, k in enumerate(inputs.lengths) for j in range(k)],
                                             device)
-        for layer, per in static["raw"].items():
-            for p, buf in per.items():
-                src = inputs.layers[layer][p][0]
-                if dense:
-                    buf[: n * w].copy_(src)
-                else:
-                    buf.index_copy_(0, dest, src)
+        pairs = [(buf, inputs.layers[layer][p][0]) for layer, per in static["raw"].items() for p, buf in per.items()]
+        if dense:  # every KDA layer's five projections in one multi-tensor copy, not a launch each
+            torch._foreach_copy_([buf[: n * w] for buf, _ in pairs], [src for _, src in pairs])
+        else:
+            for buf, src in pairs:
+                buf.index_copy_(0, dest, src)
 
     def _replay(self, static: dict, starts: torch.Tensor | None, stops: torch.Tensor, bucket: int) -> None:
         """Fold row n's tokens starts[n] <= j < stops[n] (starts None: from 0); padding rows fold nothing."""

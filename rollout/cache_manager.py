@@ -59,7 +59,6 @@ class Running:
     pages: list[int]
     tree_pages: int = 0  # pages[:tree_pages] belong to the radix tree (locked); the rest are the request's
     fork_pos: int | None = None  # chunk-aligned branch point where a prefill chunk must end (Marconi)
-    generator: torch.Generator | None = None  # the request's own sampling noise (seeded requests)
 
     @property
     def private(self) -> list[int]:

@@ -69,8 +69,7 @@ class DecodeStrategy:
       A strategy with `own_checkpoints` takes every boundary's snapshot of its step itself, the step's
       end included, and the pipeline takes none.
     - sampler: draws with the row's own noise, so a request's outputs do not depend on the batch or the
-      schedule: `sample_on_device` keyed by (r.req.seed, the drawn token's position), or a stateful
-      `r.generator` (set for seeded requests) drawn from in a fixed order per step that depends only on the row.
+      schedule: `rollout.noise` keyed by (r.req.seed or one of its streams, the drawn token's position).
     - `launch` of a strategy with `overlaps` enqueues and must not wait for the device (no `.item()`,
       `.tolist()`, blocking copies): the overlap schedule relies on it. A strategy without `overlaps` may
       wait (a verify step's accepted lengths decide its fold), best in `read`. `launch` advances each

@@ -174,10 +174,7 @@ class Engine:
 
     def _add(self, req: Request, seed: int, stream: bool) -> None:
         req.seed = seed
-        generator = None  # for strategies that draw from a stateful generator (speculation)
-        if req.params.seed is not None or self.channel is not None:
-            generator = torch.Generator(device=self.runner.device).manual_seed(seed)
-        self.scheduler.add(req, generator)
+        self.scheduler.add(req)
         if stream:
             self._events[req.request_id] = []
 

@@ -22,6 +22,7 @@ MASK = 0xFFFFFFFF
 MIX_1, MIX_2 = 0x7FEB352D, 0x846CA68B  # lowbias32's multipliers
 SEED_SALT, KEY_SALT = 0x3C6EF372, 0xA54FF53A
 MAX_SEED = 1 << 62  # seeds are drawn in [0, 2^62) (`rollout.engine`); both words of one are hashed
+STREAM_SALT = 0x510E527F
 
 
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
@@ -51,6 +52,27 @@ def uniforms(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.
     i = torch.arange(vocab, device=seeds.device)
     h = mix(mix(a[:, None] ^ i[None, :]) ^ b[:, None])
     return ((h >> 9) * 2 + 1).float() * 2.0 ** -24
+
+
+def _mix32(x: int) -> int:
+    """`mix` on one Python int holding a uint32 value."""
+    x ^= x >> 16
+    x = (x * MIX_1) & MASK
+    x ^= x >> 15
+    x = (x * MIX_2) & MASK
+    return x ^ (x >> 16)
+
+
+def stream_seed(seed: int, stream: int) -> int:
+    """The seed of a request's noise stream `stream`: 0 is the request's seed itself (the plain sampler's
+    draws), and each other stream is an unrelated seed in [0, 2^62) derived from both words of the seed, so a
+    request draws independent noise for different purposes at the same position (speculation's drafts,
+    acceptance tests and final tokens: `rollout.spec.verify`)."""
+    if stream == 0:
+        return seed
+    lo = _mix32(_mix32((seed & MASK) ^ STREAM_SALT ^ stream) ^ (seed >> 32))
+    hi = _mix32(lo ^ _mix32(stream ^ KEY_SALT))
+    return ((hi << 32) | lo) % MAX_SEED
 
 
 def exponentials(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:

@@ -27,8 +27,9 @@ calls are applied at once and logged, and each `step()` first broadcasts the log
 group, so it never waits on the device stream). The other ranks sit in `Engine.follow()`, apply the same
 calls in the same order and step. Everything the scheduler reads is then the same on every rank: request
 ids come with the submit, page / slot allocation and the trees' logical clocks are deterministic, the
-logits are all-gathered (the same bytes everywhere), and every request samples from its own generator
-(under TP an unseeded request gets a seed drawn by rank 0), so the tokens agree without being sent.
+logits are all-gathered (the same bytes everywhere), and every request samples from its own seed's noise
+(an unseeded request gets a seed drawn by rank 0, sent with the submit), so the tokens agree without being
+sent.
 """
 
 from __future__ import annotations

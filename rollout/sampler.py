@@ -37,8 +37,14 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
 def sample_on_device(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
                      positions: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """As `sample`, but returns device tensors (tokens [B] int64, log-probs [B] fp32) without syncing."""
+    return sample_keys(logits, params, to_device([seeds, positions], logits.device, torch.long))
+
+
+def sample_keys(logits: torch.Tensor, params: list[SamplingParams], keys: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sample_on_device` with each row's (seed, position) as a [2, B] int64 tensor on the logits' device
+    (positions the device computed: a speculative step's)."""
     with torch.inference_mode():
-        keys = to_device([seeds, positions], logits.device, torch.long)
         if not kernels.use_kernels(logits):
             return _sample_torch(logits, params, keys)
         from rollout.kernels.sampling import sample_rows  # triton: CUDA builds and the interpreter only

@@ -19,8 +19,6 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-import torch
-
 from rollout.cache_manager import CacheManager, Running
 from rollout.config import EngineConfig
 from rollout.request import Request
@@ -41,23 +39,19 @@ class Scheduler:
         self.lookahead = lookahead  # KV positions a decode step writes per row (`DecodeStrategy.lookahead`)
         self.waiting: deque[Request] = deque()
         self.running: list[Running] = []
-        self.generators: dict[int, torch.Generator] = {}  # request id -> its sampling generator (seeded ones)
         self.num_retractions = 0
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def add(self, req: Request, generator: torch.Generator | None) -> None:
+    def add(self, req: Request) -> None:
         self.waiting.append(req)
-        if generator is not None:
-            self.generators[req.request_id] = generator
 
     def abort(self, request_id: int) -> Request | None:
         """Take the request out of the queue or the running set (its memory back); None if unknown."""
         for req in self.waiting:
             if req.request_id == request_id:
                 self.waiting.remove(req)
-                self.generators.pop(request_id, None)
                 return req
         for r in self.running:
             if r.req.request_id == request_id:
@@ -100,7 +94,6 @@ class Scheduler:
             if r is None:  # no state slot: wait for one to be released
                 self.waiting.appendleft(req)
                 break
-            r.generator = self.generators.get(req.request_id)
             self.running.append(r)
             if r.prefilling:
                 prefilling.setdefault((req.adapter, tuple(keys[:c])), []).append(r)
@@ -208,7 +201,7 @@ class Scheduler:
         return True
 
     def retract(self, r: Running) -> None:
-        """r goes back to the front of the queue with its output so far (and its generator)."""
+        """r goes back to the front of the queue with its output so far."""
         self._release(r)
         r.req.retractions += 1
         self.num_retractions += 1
@@ -217,7 +210,6 @@ class Scheduler:
     def finish(self, r: Running) -> None:
         """r is done (finished or aborted)."""
         self._release(r)
-        self.generators.pop(r.req.request_id, None)
 
     def _release(self, r: Running) -> None:
         self.memory.release(r)

@@ -47,7 +47,7 @@ class ControlledDrafter(Drafter):
             self._truth[i, :len(c)] = torch.tensor(c, dtype=torch.long)
         self._rates = torch.tensor(list(self.rates.values()), dtype=torch.float32)
 
-    def propose(self, batch, anchors, gamma, params, generators):
+    def propose(self, batch, anchors, gamma, params):
         if any(p.temperature > 0 for p in params):
             raise ValueError("ControlledDrafter drafts for greedy rows only")
         n, v = len(batch), self.vocab_size

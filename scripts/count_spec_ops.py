@@ -1,9 +1,10 @@
 """Count the ops a DSpark drafter runs per verify step, by batch size: a device-independent proxy for its kernel
 launches, which on a GPU are host time in the speculative step's serial path.
 
-    python scripts/count_spec_ops.py --batch-sizes 8,64,256 [--samples K] [--json ops.json]
+    python scripts/count_spec_ops.py --batch-sizes 8,64,256 [--samples K] [--temperature T] [--json ops.json]
 
-Runs the shipped long-output pair (`miles_k3/assets/k3-tiny-steps` and its drafter) on CPU, greedy, its
+Runs the shipped long-output pair (`miles_k3/assets/k3-tiny-steps` and its drafter) on CPU, greedy (or
+sampled at `--temperature`, where the drafter draws its tokens), its
 held-out prompts (`--samples K`: batch / K prompts, each K times, as a GRPO group), and counts every aten op
 dispatched inside the drafter's `propose` (the catch-up target pass of newly admitted requests, the block
 forward, the draws) and `observe` (the committed features into each request's context window), per verify
@@ -67,17 +68,18 @@ class CountingDrafter(DSparkDrafter):
         self.ops["observe"] += c.ops
 
 
-def count(batch: int, gen_len: int, samples: int = 1) -> dict:
+def count(batch: int, gen_len: int, samples: int = 1, temperature: float = 0.0) -> dict:
     _, model = build_target(str(PAIR), torch.float32, "cpu")
     drafter = CountingDrafter.load(PAIR / "drafter", model)
     prompts = [p for p in prompts_for(PAIR, -(-batch // samples)) for _ in range(samples)][:batch]
     engine = Engine(model, EngineConfig(memory_bytes=1 << 30, max_running=batch, max_seq_len=256,
                                         speculation=SpecConfig(drafter=drafter, gamma=drafter.config.block_size)))
     start = time.perf_counter()
-    engine.generate(prompts, SamplingParams(temperature=0, max_new_tokens=gen_len, stop_token_ids=(2,)))
+    engine.generate(prompts, SamplingParams(temperature=temperature, max_new_tokens=gen_len, stop_token_ids=(2,),
+                                            seed=0))
     wall = time.perf_counter() - start
     steps = engine.decoder.strategy.stats.steps
-    return dict(batch=batch, samples=samples, steps=steps, wall_s=round(wall, 2),
+    return dict(batch=batch, samples=samples, temperature=temperature, steps=steps, wall_s=round(wall, 2),
                 **{f"{k}_ops_per_step": round(v / steps, 1) for k, v in drafter.ops.items()})
 
 
@@ -86,11 +88,12 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--batch-sizes", default="8,64,256")
     ap.add_argument("--gen-len", type=int, default=16, help="new tokens per request")
     ap.add_argument("--samples", type=int, default=1, help="requests per prompt (a GRPO group's size)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", type=Path, help="write the rows here")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    rows = [count(int(b), args.gen_len, args.samples) for b in args.batch_sizes.split(",")]
+    rows = [count(int(b), args.gen_len, args.samples, args.temperature) for b in args.batch_sizes.split(",")]
     print("| batch | samples a prompt | verify steps | wall s | propose ops / step | observe ops / step |\n"
           "|---:|---:|---:|---:|---:|---:|")
     for r in rows:

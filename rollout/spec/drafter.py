@@ -33,8 +33,8 @@ class Drafter:
     known. `taps` (filled by `attach`) are target modules whose outputs the strategy reads during the
     prefill and verify forwards and hands to `prefilled` and `observe`.
 
-    Draws: a sampled row's drafts come from its own generator (`rollout.spec.verify.draw`: one [V]
-    exponential draw per draft, left to right), greedy rows draft the argmax and draw nothing.
+    Draws: a sampled row's draft at position p comes from its request's DRAFT noise stream at p
+    (`rollout.spec.verify.draw`), greedy rows draft the argmax and draw nothing.
     """
 
     max_gamma: int = 1 << 30  # the longest block this drafter can propose
@@ -44,9 +44,10 @@ class Drafter:
     def attach(self, runner) -> None:
         """Meet the engine's `ModelRunner` (read the target's shared weights, name `taps`)."""
 
-    def propose(self, batch: list, anchors: torch.Tensor, gamma: int, params: list[SamplingParams],
-                generators: list[torch.Generator | None]) -> tuple[torch.Tensor, torch.Tensor]:
-        """batch: the rows (`Running`); anchors [N] their next input tokens (device) -> (drafts [N, gamma]
+    def propose(self, batch: list, anchors: torch.Tensor, gamma: int, params: list[SamplingParams]
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """batch: the rows (`Running`: the anchor sits at r.pos, draft k at r.pos + k); anchors [N] their next
+        input tokens (device) -> (drafts [N, gamma]
         long, q [N, gamma, V]: row n's draft j was drawn from q[n, j] given drafts[n, :j]), and with
         `has_confidence` a third item, confidences [N, gamma]: c[n, j] estimates that draft j survives
         given the earlier ones did, and reads only the drafts before j."""
@@ -236,15 +237,16 @@ class DSparkDrafter(nn.Module, Drafter):
 
     # ----------------------------------------------------------- the engine
     @torch.inference_mode()
-    def propose(self, batch, anchors, gamma, params, generators):
+    def propose(self, batch, anchors, gamma, params):
         self.contexts.drop_finished({r.req.request_id for r in batch})
         self._catch_up([r for r in batch if r.req.request_id not in self.contexts])
         ctx, mask = self.contexts.read([r.req.request_id for r in batch])
         h = self.block_hidden(ctx, mask, anchors, gamma)
         drafts, qs, confs, prev = [], [], [], anchors
+        seeds, at = [r.req.seed for r in batch], to_device([r.pos for r in batch], anchors.device)
         for k in range(1, gamma + 1):
             logits, conf = self.position_logits(h[:, k], prev, k)  # reads the drafts before k only
-            prev, q = draw(logits, params, generators)
+            prev, q = draw(logits, params, seeds, at + k)
             drafts.append(prev)
             qs.append(q)
             confs.append(conf)

@@ -142,9 +142,9 @@ class SpecDecode(DecodeStrategy):
         Nothing here waits for the device when verify and fold are graphed; `read` does, once."""
         n, g = len(batch), self.gamma
         anchors = ids if torch.is_tensor(ids) else to_device(ids, self.runner.device)
-        params, gens = [r.req.params for r in batch], [r.generator for r in batch]
+        params, seeds = [r.req.params for r in batch], [r.req.seed for r in batch]
         with record_function("spec.propose"):
-            drafts, q, *conf = self.drafter.propose(batch, anchors, g, params, gens)
+            drafts, q, *conf = self.drafter.propose(batch, anchors, g, params)
             num = [g] * n if self.planner is None else self.planner.plan(
                 [r.req.request_id for r in batch], conf[0], by_width=self.graph_verify)
         # a row emits at most its remaining tokens, so it verifies no drafts past its length limit
@@ -156,7 +156,8 @@ class SpecDecode(DecodeStrategy):
             window.record(self.runner.model, self.runner.states, inputs, [r.slot for r in batch])
         w = logits.shape[1]  # a graph of width max(num) + 1 verifies only that many positions
         with record_function("spec.verify"):
-            tokens, logps, counts = verify(logits, drafts[:, :w - 1], q[:, :w - 1], params, gens, num)
+            anchor_at = to_device([r.pos for r in batch], logits.device)
+            tokens, logps, counts = verify(logits, drafts[:, :w - 1], q[:, :w - 1], params, seeds, anchor_at, num)
             committed = _committed(batch, tokens, counts)
         both = [tokens.double(), logps.double(), committed.double()[:, None], counts.double()[:, None]]
         host, ready = to_host(torch.cat(both, dim=1))  # the step's one read, waited for in `read`

@@ -9,10 +9,14 @@ bonus token is drawn from p'_gamma. Each emitted token is then distributed as p'
 whatever q is (speculative sampling's identity). Greedy rows (temperature 0) accept a draft while it equals
 the first argmax of the logits and emit the argmax where it first differs: the plain engine's tokens.
 
-Draws: a sampled row takes, from its own generator and in this order, gamma uniforms (one per draft) and
-one [V] exponential noise draw for its final token (the sampler's exponential race), whatever survives, so
-a seeded request's draws depend only on its own seed and step count, never on its batch. Greedy rows draw
-nothing.
+Draws: counter-based noise (`rollout.noise`), a function of the request's seed, a stream and the position
+of the token it decides, as the plain sampler's: a draft at position p is drawn with the DRAFT stream at p
+(`draw`, through the sampler and its kernel), draft p's acceptance test takes the ACCEPT stream's uniform
+at p, and the final token at p is drawn from the residual (or p') with the FINAL stream at p. The whole
+batch draws in a few launches, and a request's draws depend only on its seed and the positions, never on
+its batch, its schedule or how steps split its tokens. Noise is reused only at positions a step left
+undecided (after its first rejection): it decided nothing emitted, so it is still independent of
+everything emitted, and each emitted token keeps its exact law. Greedy rows draw nothing.
 
 Log-probs: at every emitted position, the verify forward's untruncated log-prob of the emitted token at
 the request's temperature (temperature 1 when greedy): the sampler's convention.
@@ -22,9 +26,18 @@ from __future__ import annotations
 
 import torch
 
+from rollout import noise
 from rollout.request import SamplingParams
-from rollout.sampler import truncate_probs
+from rollout.sampler import sample_keys, truncate_probs
 from rollout.transfer import to_device
+
+DRAFT, ACCEPT, FINAL = 1, 2, 3  # the request's noise streams (`rollout.noise.stream_seed`); 0 is plain sampling's
+
+
+def stream_keys(seeds: list[int], stream: int, positions: torch.Tensor) -> torch.Tensor:
+    """[2, B] int64 (seed of `stream`, position) per row, on the positions' device (`sample_keys`' form)."""
+    streamed = to_device([noise.stream_seed(s, stream) for s in seeds], positions.device, torch.long)
+    return torch.stack([streamed, positions.long()])
 
 
 def _math(t: torch.Tensor) -> torch.Tensor:
@@ -43,25 +56,14 @@ def warp(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Tens
     return logp, probs / probs.sum(-1, keepdim=True)
 
 
-def race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-    """The exponential race: argmax_i probs_i / E_i picks i with probability probs_i / sum(probs)."""
-    return (probs / noise).argmax(dim=-1)
-
-
-def draw(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+def draw(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], positions: torch.Tensor
          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A drafter's draw at one position: logits [B, V] -> (tokens [B], q [B, V] the exact distribution each
-    token came from). Sampled rows take p' of their logits (the request's temperature / top-k / top-p) and
-    one [V] exponential draw from their generator; greedy rows take the first argmax (q one-hot on it)."""
+    """A drafter's draw of the token at positions[b] (device [B]) for each row: logits [B, V] -> (tokens [B],
+    q [B, V] the exact distribution each token came from). Sampled rows draw from p' of their logits (the
+    request's temperature / top-k / top-p) with their DRAFT-stream noise, through the sampler (its kernel
+    on CUDA); greedy rows take the first argmax (q one-hot on it)."""
     _, q = warp(logits, params)
-    tokens = _math(logits).argmax(dim=-1)
-    noise = torch.ones_like(q)
-    sampled = [i for i, p in enumerate(params) if p.temperature > 0]
-    for i in sampled:
-        noise[i].exponential_(generator=generators[i])
-    if sampled:
-        rows = to_device(sampled, q.device)
-        tokens = tokens.index_copy(0, rows, race(q[rows], noise[rows]))
+    tokens, _ = sample_keys(logits, params, stream_keys(seeds, DRAFT, positions))
     greedy = [i for i, p in enumerate(params) if p.temperature == 0]
     if greedy:
         rows = to_device(greedy, q.device)
@@ -70,11 +72,13 @@ def draw(logits: torch.Tensor, params: list[SamplingParams], generators: list[to
 
 
 def verify(logits: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None], num_drafts: list[int] | None = None
+           seeds: list[int], positions: torch.Tensor, num_drafts: list[int] | None = None
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One verify step for N rows (see the module docstring).
 
     logits [N, G + 1, V]: the verify forward's, at the anchor and each draft; drafts [N, G]; q [N, G, V];
+    seeds: the rows' requests'; positions [N] (device): each anchor's position (draft j sits at
+    positions[n] + j);
     `num_drafts[n]` (<= G, default G): how many of row n's drafts are verified (the rest count as rejected
     and are never read). Returns device tensors: tokens [N, G + 1] (row n emits tokens[n, :counts[n]]: its
     surviving drafts, then the correction or bonus token), their log-probs [N, G + 1], counts [N]."""
@@ -91,12 +95,9 @@ def verify(logits: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor, params: 
     greedy_rows = to_device([p.temperature == 0 for p in params], device)
     argmax = _math(logits).argmax(dim=-1)  # [N, G + 1]
 
-    uniforms = torch.zeros(n, g, dtype=target.dtype, device=device)
-    noise = torch.ones(n, vocab, dtype=target.dtype, device=device)
-    for i, p in enumerate(params):
-        if p.temperature > 0:
-            uniforms[i].uniform_(generator=generators[i])
-            noise[i].exponential_(generator=generators[i])
+    at = positions.long()[:, None] + torch.arange(1, g + 1, device=device)  # each draft's position
+    acc = stream_keys(seeds, ACCEPT, at[:, 0])[0]
+    uniforms = noise.uniforms(acc[:, None].expand(n, g).reshape(-1), at.reshape(-1), 1).view(n, g).to(target.dtype)
 
     # which drafts survive
     q = _math(q).to(target.dtype)
@@ -116,7 +117,13 @@ def verify(logits: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor, params: 
     residual = torch.where(rejected, (p_final - q_final).clamp_min(0), p_final)
     # a residual with no mass (p' == q up to rounding) can only be reached by rounding: draw from p'
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_final)
-    final = torch.where(greedy_rows, argmax.gather(1, accepted[:, None])[:, 0], race(residual, noise))
+    final = argmax.gather(1, accepted[:, None])[:, 0]
+    sampled = [i for i, p in enumerate(params) if p.temperature > 0]
+    if sampled:  # the residual's draw: the sampler's race over its log, at temperature 1, no truncation
+        rows = to_device(sampled, device)
+        keys = stream_keys([seeds[i] for i in sampled], FINAL, positions.long()[rows] + accepted[rows] + 1)
+        drawn, _ = sample_keys(torch.log(residual[rows]), [SamplingParams(temperature=1.0)] * len(sampled), keys)
+        final = final.index_copy(0, rows, drawn)
 
     tokens = torch.cat([drafts, drafts.new_zeros(n, 1)], dim=1)
     tokens = tokens.scatter(1, accepted[:, None], final[:, None])

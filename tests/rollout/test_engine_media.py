@@ -237,7 +237,7 @@ class ReferenceDrafter(Drafter):
     def __init__(self):
         self.script: dict[int, list[int]] = {}
 
-    def propose(self, batch, anchors, gamma, params, generators):
+    def propose(self, batch, anchors, gamma, params):
         v = MODEL.config.vocab_size
         rows = []
         for r in batch:

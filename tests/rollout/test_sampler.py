@@ -64,6 +64,19 @@ def test_noise_is_uniform_and_unrelated_across_rows_positions_and_vocabulary():
     assert torch.equal(noise.uniforms(seeds[:1], torch.tensor([0]), 64), u[:1, :64])
 
 
+def test_a_seeds_streams_are_distinct_seeds_whose_noise_is_unrelated():
+    """Stream 0 is the seed itself; other streams are deterministic seeds in [0, 2^62), distinct across streams
+    and seeds, whose uniforms at the same position are uncorrelated with the seed's own."""
+    seeds = [0, 1, 2, 1 << 40, (1 << 62) - 1, 12345]
+    derived = {(s, k): noise.stream_seed(s, k) for s in seeds for k in range(4)}
+    assert all(derived[(s, 0)] == s for s in seeds)
+    assert all(0 <= v < noise.MAX_SEED for v in derived.values()) and len(set(derived.values())) == len(derived)
+    assert noise.stream_seed(12345, 2) == derived[(12345, 2)]
+    rows = torch.tensor([derived[(12345, k)] for k in range(4)])
+    u = noise.uniforms(rows, torch.full((4,), 9), 4096)
+    assert float((torch.corrcoef(u) - torch.eye(4)).abs().max()) < 0.06
+
+
 def test_sampling_kernel_matches_the_definition_token_for_token():
     assert_interpreted_ok(textwrap.dedent("""
         import os

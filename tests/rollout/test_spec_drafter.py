@@ -41,16 +41,16 @@ def test_the_reported_q_is_the_distribution_each_draft_was_drawn_from():
     anchors = torch.tensor([5, 9, 11, 40, 3])
     feats = [ctx[i, mask[i]] for i in range(5)]
 
-    class Row:  # what propose reads of a Running: its request id and the context it keeps
+    class Row:  # what propose reads of a Running: its request (id, seed) and its position
         def __init__(self, i):
-            self.req = type("R", (), {"request_id": i, "finish_reason": None})()
+            self.req = type("R", (), {"request_id": i, "finish_reason": None, "seed": 40 + i})()
+            self.pos = 3 * i
 
     rows = [Row(i) for i in range(5)]
     counts = [len(f) for f in feats]
     d.contexts.append([r.req for r in rows], torch.cat(feats), [sum(counts[:i]) for i in range(5)], counts, counts)
     params = [SamplingParams(temperature=1.0)] * 4 + [SamplingParams(temperature=0)]
-    gens = [torch.Generator().manual_seed(i) for i in range(5)]
-    drafts, q, reported_conf = d.propose(rows, anchors, 3, params, gens)
+    drafts, q, reported_conf = d.propose(rows, anchors, 3, params)
     with torch.no_grad():
         logits, conf = d.teacher_forced(ctx, mask, anchors, drafts)
     torch.testing.assert_close(q[:4], logits[:4].softmax(-1), atol=1e-6, rtol=1e-5)

@@ -31,7 +31,7 @@ class ScriptedDrafter(Drafter):
         self.rng = random.Random(0)
         self.counts: list[int] = []
 
-    def propose(self, batch, anchors, gamma, params, generators):
+    def propose(self, batch, anchors, gamma, params):
         rows = []
         for r in batch:
             ref, k = self.script.get(tuple(r.req.prompt_ids), []), len(r.req.output_ids)

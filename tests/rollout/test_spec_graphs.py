@@ -82,8 +82,8 @@ class ConfidentDrafter(ScriptedDrafter):
 
     has_confidence = True
 
-    def propose(self, batch, anchors, gamma, params, generators):
-        drafts, q = super().propose(batch, anchors, gamma, params, generators)
+    def propose(self, batch, anchors, gamma, params):
+        drafts, q = super().propose(batch, anchors, gamma, params)
         sure = torch.tensor([0.95 if r.req.request_id % 2 == 0 else 0.2 for r in batch], device=anchors.device)
         return drafts, q, sure[:, None].expand(len(batch), gamma)
 

@@ -76,14 +76,14 @@ def test_sampled_speculation_through_the_planner_keeps_the_target_distribution()
     probs = exact(target, params)
     df = len(probs) - 1
 
-    def planned(logits, drafts, q, plist, gens):
+    def planned(logits, drafts, q, plist, seeds, at):
         conf = torch.cat([torch.ones(len(drafts), 1), (drafts[:, :-1] % 2).float() * 0.8 + 0.1], 1)  # reads x_<j
-        return verify(logits, drafts, q, plist, gens, fill(survival(conf), len(drafts)))
+        return verify(logits, drafts, q, plist, seeds, at, fill(survival(conf), len(drafts)))
 
-    def lossy(logits, drafts, q, plist, gens):
+    def lossy(logits, drafts, q, plist, seeds, at):
         qx = q.gather(2, drafts[..., None])[..., 0]
         keep = [int((row < 0.5).long().cumprod(0).sum()) for row in qx]  # reads x_j itself
-        return verify(logits, drafts, q, plist, gens, keep)
+        return verify(logits, drafts, q, plist, seeds, at, keep)
 
     assert chi2(speculate(target, draft, params, ROWS, planned), probs) < chi2_bound(df)
     assert chi2(speculate(target, draft, params, ROWS // 2, lossy), probs) > 3 * chi2_bound(df)

@@ -1,6 +1,7 @@
-"""Lossless verification (rollout/spec/verify.py): sampled speculation emits the target's distribution, a
-lossy acceptance rule fails the same test, greedy keeps exactly the argmax run, and a row's draws come
-from its own generator only."""
+"""Lossless verification (rollout/spec/verify.py): sampled speculation emits the target's distribution (its
+noise a function of seed, stream and position, reused at positions a step left undecided), a lossy
+acceptance rule fails the same test, greedy keeps exactly the argmax run, and a row's draws depend on its
+own seed and positions only."""
 
 import itertools
 import math
@@ -32,21 +33,23 @@ def warped(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 def speculate(target: torch.Tensor, draft: torch.Tensor, params: SamplingParams, rows: int, rule=verify):
     """`rows` independent chains of L tokens after token 0 from a Markov target (logits target[prev]),
-    drafted from a Markov drafter (logits draft[prev]) in blocks of GAMMA, verified by `rule`."""
-    gens = [torch.Generator().manual_seed(1000 + i) for i in range(rows)]
+    drafted from a Markov drafter (logits draft[prev]) in blocks of GAMMA, verified by `rule`. Row i is a
+    request of seed 1000 + i whose anchor sits at position len(out[i]) - 1."""
+    seeds = [1000 + i for i in range(rows)]
     out = [[0] for _ in range(rows)]
     plist = [params] * rows
     while min(len(o) for o in out) <= L:
         anchor = torch.tensor([o[-1] for o in out])
+        at = torch.tensor([len(o) - 1 for o in out])
         drafts, qs, prev = [], [], anchor
-        for _ in range(GAMMA):
-            tok, q = draw(draft[prev], plist, gens)
+        for k in range(1, GAMMA + 1):
+            tok, q = draw(draft[prev], plist, seeds, at + k)
             drafts.append(tok)
             qs.append(q)
             prev = tok
         drafts, q = torch.stack(drafts, 1), torch.stack(qs, 1)
         fed = torch.cat([anchor[:, None], drafts], 1)  # the verify forward sees anchor, d1 .. dG
-        tokens, _, counts = rule(target[fed], drafts, q, plist, gens)
+        tokens, _, counts = rule(target[fed], drafts, q, plist, seeds, at)
         for o, t, c in zip(out, tokens.tolist(), counts.tolist()):
             o.extend(t[:c])
     return [tuple(o[1:L + 1]) for o in out]
@@ -90,8 +93,8 @@ def test_sampled_speculation_emits_the_target_distribution(params):
     df = sum(p > 0 for p in probs.values()) - 1
     assert chi2(speculate(target, draft, params, ROWS), probs) < chi2_bound(df)
 
-    def accept_all(logits, drafts, q, plist, gens):
-        tokens, logps, _ = verify(logits, drafts, q, plist, gens)
+    def accept_all(logits, drafts, q, plist, seeds, at):
+        tokens, logps, _ = verify(logits, drafts, q, plist, seeds, at)
         return torch.cat([drafts, tokens[:, -1:]], 1), logps, torch.full((drafts.shape[0],), GAMMA + 1)
 
     assert chi2(speculate(target, draft, params, ROWS // 4, accept_all), probs) > 5 * chi2_bound(df)
@@ -101,13 +104,13 @@ def test_an_exact_drafter_is_always_accepted():
     """q == p': every draft survives (the ratio is 1), so a row emits gamma + 1 tokens per block."""
     target, _ = tables(1)
     params = SamplingParams(temperature=1.0)
-    gens = [torch.Generator().manual_seed(i) for i in range(64)]
+    seeds, at = list(range(64)), torch.zeros(64, dtype=torch.long)
     anchor = torch.zeros(64, dtype=torch.long)
-    tok1, q1 = draw(target[anchor], [params] * 64, gens)
-    tok2, q2 = draw(target[tok1], [params] * 64, gens)
+    tok1, q1 = draw(target[anchor], [params] * 64, seeds, at + 1)
+    tok2, q2 = draw(target[tok1], [params] * 64, seeds, at + 2)
     drafts = torch.stack([tok1, tok2], 1)
     _, _, counts = verify(target[torch.cat([anchor[:, None], drafts], 1)], drafts, torch.stack([q1, q2], 1),
-                          [params] * 64, gens)
+                          [params] * 64, seeds, at)
     assert counts.tolist() == [GAMMA + 1] * 64
 
 
@@ -119,27 +122,31 @@ def test_greedy_keeps_the_argmax_run_and_reports_temperature_one_logprobs():
     drafts = torch.stack([best[0, :2], torch.stack([best[1, 0], (best[1, 1] + 1) % 7]),
                           torch.stack([(best[2, 0] + 1) % 7, best[2, 1]])])
     greedy = [SamplingParams(temperature=0)] * 3
-    tokens, logps, counts = verify(logits, drafts, torch.zeros(3, GAMMA, 7), greedy, [None] * 3)
+    at = torch.zeros(3, dtype=torch.long)
+    tokens, logps, counts = verify(logits, drafts, torch.zeros(3, GAMMA, 7), greedy, [0] * 3, at)
     assert counts.tolist() == [3, 2, 1]
     assert tokens[0].tolist() == best[0].tolist()
     assert tokens[1, :2].tolist() == best[1, :2].tolist() and tokens[2, 0] == best[2, 0]
     ref = torch.log_softmax(logits, -1).gather(2, tokens[..., None])[..., 0]
     assert torch.equal(logps, ref)
-    _, _, capped = verify(logits, drafts, torch.zeros(3, GAMMA, 7), greedy, [None] * 3, num_drafts=[1, 2, 0])
+    _, _, capped = verify(logits, drafts, torch.zeros(3, GAMMA, 7), greedy, [0] * 3, at, num_drafts=[1, 2, 0])
     assert capped.tolist() == [2, 2, 1]
 
 
 def test_a_rows_draws_do_not_depend_on_its_batch():
-    """A seeded row's drafts and verified tokens are the same alone and among other rows."""
+    """A row's drafts and verified tokens are the same alone and among other rows (other seeds, positions), and
+    change with its seed."""
     target, draft = tables(3)
     params = SamplingParams(temperature=1.0)
 
-    def run(n_rows):
-        gens = [torch.Generator().manual_seed(7)] + [torch.Generator().manual_seed(100 + i) for i in range(n_rows - 1)]
+    def run(n_rows, seed=7):
+        seeds = [seed] + [100 + i for i in range(n_rows - 1)]
+        at = torch.tensor([5] + [i % 3 for i in range(n_rows - 1)])
         anchor = torch.zeros(n_rows, dtype=torch.long)
-        tok, q = draw(draft[anchor], [params] * n_rows, gens)
+        tok, q = draw(draft[anchor], [params] * n_rows, seeds, at + 1)
         tokens, logps, counts = verify(target[torch.stack([anchor, tok], 1)], tok[:, None], q[:, None],
-                                       [params] * n_rows, gens)
+                                       [params] * n_rows, seeds, at)
         return tok[0].item(), tokens[0, :counts[0]].tolist(), logps[0, :counts[0]].tolist()
 
     assert run(1) == run(9)
+    assert len({tuple(run(1, seed)[1]) for seed in range(12)}) > 1

@@ -16,6 +16,8 @@ representable in fp32 and never 0 or 1.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 MASK = 0xFFFFFFFF
@@ -63,6 +65,7 @@ def _mix32(x: int) -> int:
     return x ^ (x >> 16)
 
 
+@functools.lru_cache(maxsize=1 << 16)  # a speculative step asks for every row's streams: most were asked before
 def stream_seed(seed: int, stream: int) -> int:
     """The seed of a request's noise stream `stream`: 0 is the request's seed itself (the plain sampler's
     draws), and each other stream is an unrelated seed in [0, 2^62) derived from both words of the seed, so a

@@ -8,8 +8,9 @@ sampled at `--temperature`, where the drafter draws its tokens), its
 held-out prompts (`--samples K`: batch / K prompts, each K times, as a GRPO group), and counts every aten op
 dispatched inside the drafter's `propose` (the catch-up target pass of newly admitted requests, the block
 forward, the draws) and `observe` (the committed features into each request's context window), per verify
-step, with the run's wall seconds (on a CPU the catch-up's compute shows there). Work that does not grow with the batch stays flat; a per-row
-loop shows as ops growing with it (2026-12-04: the context windows were a slice, a cat and two copies a row).
+step, with the run's wall seconds (on a CPU the catch-up's compute shows there). Work that does not grow
+with the batch stays flat; a per-row loop shows as ops growing with it (2026-12-04: the context windows
+were a slice, a cat and two copies a row).
 The target's own verify forward and fold are CUDA graphs on a GPU and not counted here: `profile_spec.py`
 times the whole step there.
 """

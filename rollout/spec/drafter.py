@@ -20,7 +20,7 @@ from rollout.media import packed_media
 from rollout.spec.contexts import ContextWindows
 from rollout.request import SamplingParams
 from rollout.spec.replay import hooks
-from rollout.spec.verify import draw
+from rollout.spec.verify import DRAFT, draw, stream_seeds
 from rollout.transfer import to_device
 
 
@@ -243,7 +243,8 @@ class DSparkDrafter(nn.Module, Drafter):
         ctx, mask = self.contexts.read([r.req.request_id for r in batch])
         h = self.block_hidden(ctx, mask, anchors, gamma)
         drafts, qs, confs, prev = [], [], [], anchors
-        seeds, at = [r.req.seed for r in batch], to_device([r.pos for r in batch], anchors.device)
+        seeds = stream_seeds([r.req.seed for r in batch], DRAFT, anchors.device)
+        at = to_device([r.pos for r in batch], anchors.device)
         for k in range(1, gamma + 1):
             logits, conf = self.position_logits(h[:, k], prev, k)  # reads the drafts before k only
             prev, q = draw(logits, params, seeds, at + k)

@@ -34,10 +34,10 @@ from rollout.transfer import to_device
 DRAFT, ACCEPT, FINAL = 1, 2, 3  # the request's noise streams (`rollout.noise.stream_seed`); 0 is plain sampling's
 
 
-def stream_keys(seeds: list[int], stream: int, positions: torch.Tensor) -> torch.Tensor:
-    """[2, B] int64 (seed of `stream`, position) per row, on the positions' device (`sample_keys`' form)."""
-    streamed = to_device([noise.stream_seed(s, stream) for s in seeds], positions.device, torch.long)
-    return torch.stack([streamed, positions.long()])
+def stream_seeds(seeds: list[int], stream: int, device: torch.device | str) -> torch.Tensor:
+    """[B] int64 on `device`: each request's seed of `stream`."""
+    return to_device([noise.stream_seed(s, stream) for s in seeds], device, torch.long)
+
 
 
 def _math(t: torch.Tensor) -> torch.Tensor:
@@ -56,14 +56,15 @@ def warp(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Tens
     return logp, probs / probs.sum(-1, keepdim=True)
 
 
-def draw(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], positions: torch.Tensor
+def draw(logits: torch.Tensor, params: list[SamplingParams], seeds: torch.Tensor, positions: torch.Tensor
          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A drafter's draw of the token at positions[b] (device [B]) for each row: logits [B, V] -> (tokens [B],
-    q [B, V] the exact distribution each token came from). Sampled rows draw from p' of their logits (the
-    request's temperature / top-k / top-p) with their DRAFT-stream noise, through the sampler (its kernel
-    on CUDA); greedy rows take the first argmax (q one-hot on it)."""
+    """A drafter's draw of the token at positions[b] for each row: logits [B, V], seeds [B] the requests'
+    DRAFT-stream seeds (`stream_seeds(..., DRAFT, ...)`, device) -> (tokens [B], q [B, V] the exact
+    distribution each token came from). Sampled rows draw from p' of their logits (the request's
+    temperature / top-k / top-p) with that noise, through the sampler (its kernel on CUDA); greedy rows take
+    the first argmax (q one-hot on it)."""
     _, q = warp(logits, params)
-    tokens, _ = sample_keys(logits, params, stream_keys(seeds, DRAFT, positions))
+    tokens, _ = sample_keys(logits, params, torch.stack([seeds, positions.long()]))
     greedy = [i for i, p in enumerate(params) if p.temperature == 0]
     if greedy:
         rows = to_device(greedy, q.device)
@@ -96,8 +97,8 @@ def verify(logits: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor, params: 
     argmax = _math(logits).argmax(dim=-1)  # [N, G + 1]
 
     at = positions.long()[:, None] + torch.arange(1, g + 1, device=device)  # each draft's position
-    acc = stream_keys(seeds, ACCEPT, at[:, 0])[0]
-    uniforms = noise.uniforms(acc[:, None].expand(n, g).reshape(-1), at.reshape(-1), 1).view(n, g).to(target.dtype)
+    acc = stream_seeds(seeds, ACCEPT, device)[:, None].expand(n, g)
+    uniforms = noise.uniforms(acc.reshape(-1), at.reshape(-1), 1).view(n, g).to(target.dtype)
 
     # which drafts survive
     q = _math(q).to(target.dtype)
@@ -110,9 +111,9 @@ def verify(logits: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor, params: 
     accepted = ok.long().cumprod(dim=1).sum(dim=1)  # [N]: the surviving prefix
 
     # the final token at position `accepted`: the residual after a rejection, p' after a full block
-    at = accepted[:, None, None].expand(n, 1, vocab)
-    p_final = target.gather(1, at)[:, 0]
-    q_final = torch.cat([q, torch.zeros_like(q[:, :1])], dim=1).gather(1, at)[:, 0]
+    idx = accepted[:, None, None].expand(n, 1, vocab)
+    p_final = target.gather(1, idx)[:, 0]
+    q_final = torch.cat([q, torch.zeros_like(q[:, :1])], dim=1).gather(1, idx)[:, 0]
     rejected = (accepted < limit)[:, None]
     residual = torch.where(rejected, (p_final - q_final).clamp_min(0), p_final)
     # a residual with no mass (p' == q up to rounding) can only be reached by rounding: draw from p'
@@ -121,7 +122,8 @@ def verify(logits: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor, params: 
     sampled = [i for i, p in enumerate(params) if p.temperature > 0]
     if sampled:  # the residual's draw: the sampler's race over its log, at temperature 1, no truncation
         rows = to_device(sampled, device)
-        keys = stream_keys([seeds[i] for i in sampled], FINAL, positions.long()[rows] + accepted[rows] + 1)
+        keys = torch.stack([stream_seeds([seeds[i] for i in sampled], FINAL, device),
+                            positions.long()[rows] + accepted[rows] + 1])
         drawn, _ = sample_keys(torch.log(residual[rows]), [SamplingParams(temperature=1.0)] * len(sampled), keys)
         final = final.index_copy(0, rows, drawn)
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from rollout.request import SamplingParams
-from rollout.spec.verify import draw, verify
+from rollout.spec.verify import DRAFT, draw, stream_seeds, verify
 
 V, L, GAMMA = 4, 3, 2  # vocabulary, tokens generated per chain, drafts per block
 ROWS = 12_000
@@ -43,7 +43,7 @@ def speculate(target: torch.Tensor, draft: torch.Tensor, params: SamplingParams,
         at = torch.tensor([len(o) - 1 for o in out])
         drafts, qs, prev = [], [], anchor
         for k in range(1, GAMMA + 1):
-            tok, q = draw(draft[prev], plist, seeds, at + k)
+            tok, q = draw(draft[prev], plist, stream_seeds(seeds, DRAFT, "cpu"), at + k)
             drafts.append(tok)
             qs.append(q)
             prev = tok
@@ -106,8 +106,8 @@ def test_an_exact_drafter_is_always_accepted():
     params = SamplingParams(temperature=1.0)
     seeds, at = list(range(64)), torch.zeros(64, dtype=torch.long)
     anchor = torch.zeros(64, dtype=torch.long)
-    tok1, q1 = draw(target[anchor], [params] * 64, seeds, at + 1)
-    tok2, q2 = draw(target[tok1], [params] * 64, seeds, at + 2)
+    tok1, q1 = draw(target[anchor], [params] * 64, stream_seeds(seeds, DRAFT, "cpu"), at + 1)
+    tok2, q2 = draw(target[tok1], [params] * 64, stream_seeds(seeds, DRAFT, "cpu"), at + 2)
     drafts = torch.stack([tok1, tok2], 1)
     _, _, counts = verify(target[torch.cat([anchor[:, None], drafts], 1)], drafts, torch.stack([q1, q2], 1),
                           [params] * 64, seeds, at)
@@ -143,10 +143,49 @@ def test_a_rows_draws_do_not_depend_on_its_batch():
         seeds = [seed] + [100 + i for i in range(n_rows - 1)]
         at = torch.tensor([5] + [i % 3 for i in range(n_rows - 1)])
         anchor = torch.zeros(n_rows, dtype=torch.long)
-        tok, q = draw(draft[anchor], [params] * n_rows, seeds, at + 1)
+        tok, q = draw(draft[anchor], [params] * n_rows, stream_seeds(seeds, DRAFT, "cpu"), at + 1)
         tokens, logps, counts = verify(target[torch.stack([anchor, tok], 1)], tok[:, None], q[:, None],
                                        [params] * n_rows, seeds, at)
         return tok[0].item(), tokens[0, :counts[0]].tolist(), logps[0, :counts[0]].tolist()
 
     assert run(1) == run(9)
     assert len({tuple(run(1, seed)[1]) for seed in range(12)}) > 1
+
+
+def test_the_sampling_kernel_draws_the_definitions_drafts_and_final_tokens():
+    """Through Triton's interpreter: with the kernels on, `draw` and `verify` emit the tokens of the torch
+    definition, the residual's zeros (log -inf) included."""
+    import textwrap
+
+    from tests.rollout.interpreted import assert_interpreted_ok
+
+    assert_interpreted_ok(textwrap.dedent("""
+        import os
+        import torch
+        from rollout.request import SamplingParams
+        from rollout.spec.verify import DRAFT, draw, stream_seeds, verify
+
+        def run():
+            g = torch.Generator().manual_seed(0)
+            target, draft = torch.randn(40, 40, generator=g) * 2, torch.randn(40, 40, generator=g) * 2
+            params = [SamplingParams(temperature=t) for t in (1.0, 0.7, 0.0)] * 4
+            seeds, at = list(range(12)), torch.arange(12) * 5
+            anchor = torch.arange(12) % 40
+            tok, q = draw(draft[anchor], params, stream_seeds(seeds, DRAFT, "cpu"), at + 1)
+            fed = torch.stack([anchor, tok], 1)
+            tokens, logps, counts = verify(target[fed], tok[:, None], q[:, None], params, seeds, at)
+            return tok, tokens, counts
+
+        from miles_k3 import kernels
+
+        os.environ["MILES_K3_KERNELS"] = "0"
+        kernels.reset()
+        want = run()
+        os.environ["MILES_K3_KERNELS"] = "interpret"
+        kernels.reset()
+        assert kernels.available("cpu")
+        got = run()
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), (got, want)
+        assert (want[2] == 1).any() and (want[2] == 2).any()  # rejections (residual draws) and acceptances
+        print("ok")
+    """), timeout=600)

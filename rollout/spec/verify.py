@@ -64,7 +64,10 @@ def draw(logits: torch.Tensor, params: list[SamplingParams], seeds: torch.Tensor
     temperature / top-k / top-p) with that noise, through the sampler (its kernel on CUDA); greedy rows take
     the first argmax (q one-hot on it)."""
     _, q = warp(logits, params)
-    tokens, _ = sample_keys(logits, params, torch.stack([seeds, positions.long()]))
+    if all(p.temperature == 0 for p in params):
+        tokens = _math(logits).argmax(dim=-1)
+    else:
+        tokens, _ = sample_keys(logits, params, torch.stack([seeds, positions.long()]))
     greedy = [i for i, p in enumerate(params) if p.temperature == 0]
     if greedy:
         rows = to_device(greedy, q.device)

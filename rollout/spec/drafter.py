@@ -17,8 +17,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from rollout.media import packed_media
-from rollout.spec.contexts import ContextWindows
 from rollout.request import SamplingParams
+from rollout.spec.contexts import ContextWindows
 from rollout.spec.replay import hooks
 from rollout.spec.verify import DRAFT, draw, stream_seeds
 from rollout.transfer import to_device

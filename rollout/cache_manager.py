@@ -9,7 +9,7 @@ running request and a tree. A request's life, as the scheduler and decode pipeli
    allocated (stream order makes the copy read the checkpoint before any later write to that slot).
 2. `grow` / `grow_all` before a forward: pages for the positions it writes, evicting unlocked tree leaves;
    on failure the scheduler retracts a request and asks again.
-3. `donate` after a prefill chunk, `snapshot` + `donate_at` around a decode step: the page-aligned computed
+3. `donate` after a prefill chunk, `snapshots` + `donate_at` around a decode step: the page-aligned computed
    prefix goes to the tree (by index, no copy) and, at a chunk boundary, a copy of the working state.
 4. `release`: a final KV insert, unlock, and the request's private pages and working slot back to the pools
    (finish, abort and retraction alike).
@@ -21,9 +21,9 @@ Unified memory (`EngineConfig.unified_memory`): both pools live in one `UnifiedA
 (`rollout.unified_memory`), so a kind that runs short evicts the other kind too (same kind first: tree
 leaves for pages, checkpoints for slots; then the other), and a free can move blocks. The manager renames
 every holder it knows when the arena moves a block (`_renamed`: the trees and the admitted requests, which
-it tracks from `admit` to `release`); a snapshot slot handed out by `snapshot` is pinned until it comes
+it tracks from `admit` to `release`); a snapshot slot handed out by `snapshots` is pinned until it comes
 back through `donate_at` or `free_snapshot` (the decode pipeline holds it in between, where nothing can
-rename it). `snapshot` and `free_snapshot` never move a block (the arena defers their compactions to the
+rename it). `snapshots` and `free_snapshot` never move a block (the arena defers their compactions to the
 next other call), since a decode strategy calls them in the middle of its step, holding its rows' slot ids
 and page tables as it gathered them. A `MatchResult` is a host copy of ids: `admit` matches again when its own allocations freed or
 moved anything. Admission takes the working slot and the pages of the rest of the prompt together, so a
@@ -278,13 +278,10 @@ class CacheManager:
         for r in rows:
             self.donate_at(r, r.pos, snaps.get(id(r)))
 
-    def snapshot(self, r: Running) -> int | None:
-        """Copy r's working state into a fresh slot (None when no slot can be freed for it). Moves no block."""
-        return self.snapshots([r])[0]
-
     def snapshots(self, rows: list[Running]) -> list[int | None]:
-        """`snapshot` of each row, their copies in one gather per pool tensor: a decode batch reaches its chunk
-        boundaries together, and a copy call per row was a few launches per row at that step."""
+        """Copy each row's working state into a fresh slot (None for a row no slot can be freed for), the
+        copies in one gather per pool tensor: a decode batch reaches its chunk boundaries together, and a copy
+        call per row was a few launches per row at that step. Moves no block."""
         snaps: list[int | None] = []
         with self._no_moves():
             for _ in rows:

@@ -58,7 +58,7 @@ class DecodeStrategy:
     - pools: through `ModelRunner.forward` (or, for a step that must not commit its KDA state, a forward
       over a cache of its own, `rollout.spec.replay`), writing each row's KV at positions [r.pos, r.pos +
       lookahead) of its own pages and its working KDA slot. A strategy that must undo state takes slots
-      from and gives them back to the cache manager (`snapshot`, `free_snapshot`) within its own launch /
+      from and gives them back to the cache manager (`snapshots`, `free_snapshot`) within its own launch /
       read; rejected KV rows need nothing (they lie past the row's pos and are rewritten before anything
       reads them).
     - radix cache: never directly. Locks, inserts and checkpoints are the pipeline's: after `launch` it
@@ -87,7 +87,7 @@ class DecodeStrategy:
     own_checkpoints = False  # whether the strategy snapshots every chunk boundary of its step (see above)
 
     def use_memory(self, memory: CacheManager) -> None:
-        """The cache manager whose `snapshot` / `free_snapshot` the strategy may call (see above)."""
+        """The cache manager whose `snapshots` / `free_snapshot` the strategy may call (see above)."""
 
     def prefill(self, forward: Callable[[], torch.Tensor], batch: list[Running], spans: list[tuple[int, int]]
                 ) -> torch.Tensor:

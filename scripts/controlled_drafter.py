@@ -34,7 +34,7 @@ class ControlledDrafter(Drafter):
         lo, hi = acceptance if isinstance(acceptance, tuple) else (acceptance, acceptance)
         if not 0.0 <= lo <= hi <= 1.0:
             raise ValueError(f"acceptance must be a rate or a range lo <= hi inside [0, 1], got {acceptance}")
-        self.continuations, self.vocab_size = continuations, vocab_size
+        self.vocab_size = vocab_size
         self.generator = torch.Generator().manual_seed(seed)
         draws = torch.rand(len(continuations), generator=self.generator, dtype=torch.float64).tolist()
         self.rates = {p: lo + (hi - lo) * u for p, u in zip(continuations, draws)}

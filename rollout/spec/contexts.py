@@ -36,9 +36,6 @@ class ContextWindows:
     def __contains__(self, request_id: int) -> bool:
         return request_id in self.row_of
 
-    def __len__(self) -> int:
-        return len(self.row_of)
-
     def ids(self) -> set[int]:
         return set(self.row_of)
 
@@ -74,13 +71,13 @@ class ContextWindows:
         """Request n's window takes features[starts[n] : starts[n] + counts[n]] ([T, F], in order) as its
         newest, keeping the latest `window`; they are the features of positions [ends[n] - counts[n],
         ends[n]). A request the buffer does not hold starts empty."""
-        rows = [self._row(req, features) for req in requests]
+        fresh = [req.request_id not in self.row_of for req in requests]
+        rows = [self._row(req.request_id, features) for req in requests]
         n, w, f = len(rows), self.window, features.shape[-1]
         device = self.features.device
         idx = to_device(rows, device)
         start, count = to_device(starts, device), to_device(counts, device)
-        fresh = to_device([self.request_of[req.request_id] is None for req in requests], device)
-        length = torch.where(fresh, 0, self.length.index_select(0, idx))
+        length = torch.where(to_device(fresh, device), 0, self.length.index_select(0, idx))
         k = torch.arange(w, 0, -1, device=device)[None, :]  # position w - k holds the k-th newest
         new = n * w + start[:, None] + count[:, None] - k  # in [old rows | features]
         old = torch.arange(n, device=device)[:, None] * w + (w - (k - count[:, None])).clamp(0, w - 1)
@@ -93,14 +90,12 @@ class ContextWindows:
             self.request_of[req.request_id] = req
             self.ends[req.request_id] = end
 
-    def _row(self, req, features: torch.Tensor) -> int:
-        if req.request_id in self.row_of:
-            return self.row_of[req.request_id]
-        if not self.free:
-            self._grow(features)
-        row = self.row_of[req.request_id] = self.free.pop()
-        self.request_of[req.request_id] = None  # fresh until `append` fills it
-        return row
+    def _row(self, request_id: int, features: torch.Tensor) -> int:
+        if request_id not in self.row_of:
+            if not self.free:
+                self._grow(features)
+            self.row_of[request_id] = self.free.pop()
+        return self.row_of[request_id]
 
     def _grow(self, features: torch.Tensor) -> None:
         old = 0 if self.features is None else self.features.shape[0]

@@ -37,7 +37,8 @@ CUDA graphs: on CUDA (where the decode graphs apply) the verify forward replays 
 block by batch bucket and width (`rollout.spec.graphs`): w = gamma + 1 under verify_all, w = the planner's
 width under the cost-aware planner (it plans by width there: every row verifies w - 1 drafts, which the
 graph computes anyway; its cost surface is measured on these graphs; rows near their length limit verify
-fewer), and the fold replays a graph by batch bucket (`rollout.spec.fold_graphs`). Batches that mix adapters and the CPU run the packed eager forward.
+fewer), and the fold replays a graph by batch bucket (`rollout.spec.fold_graphs`). Batches that mix adapters
+and the CPU run the packed eager forward.
 """
 
 from __future__ import annotations
@@ -92,7 +93,6 @@ class SpecLaunch(DecodeLaunch):
     copy), the boundary checkpoints the fold took before the counts were known (row, position, slot), and
     what `read` completes the step with."""
 
-    positions: list[int] = field(default_factory=list)  # each row's pos before the step
     checkpoints: list[tuple[int, int, int | None]] = field(default_factory=list)
     tapped: dict[str, torch.Tensor] = field(default_factory=dict)
     lengths: list[int] = field(default_factory=list)  # tokens each row fed the verify forward
@@ -142,7 +142,7 @@ class SpecDecode(DecodeStrategy):
         Nothing here waits for the device when verify and fold are graphed; `read` does, once."""
         n, g = len(batch), self.gamma
         anchors = ids if torch.is_tensor(ids) else to_device(ids, self.runner.device)
-        params, seeds = [r.req.params for r in batch], [r.req.seed for r in batch]
+        params, seeds, positions = [r.req.params for r in batch], [r.req.seed for r in batch], [r.pos for r in batch]
         with record_function("spec.propose"):
             drafts, q, *conf = self.drafter.propose(batch, anchors, g, params)
             num = [g] * n if self.planner is None else self.planner.plan(
@@ -156,12 +156,12 @@ class SpecDecode(DecodeStrategy):
             window.record(self.runner.model, self.runner.states, inputs, [r.slot for r in batch])
         w = logits.shape[1]  # a graph of width max(num) + 1 verifies only that many positions
         with record_function("spec.verify"):
-            anchor_at = to_device([r.pos for r in batch], logits.device)
-            tokens, logps, counts = verify(logits, drafts[:, :w - 1], q[:, :w - 1], params, seeds, anchor_at, num)
+            tokens, logps, counts = verify(logits, drafts[:, :w - 1], q[:, :w - 1], params, seeds,
+                                           to_device(positions, logits.device), num)
             committed = _committed(batch, tokens, counts)
         both = [tokens.double(), logps.double(), committed.double()[:, None], counts.double()[:, None]]
         host, ready = to_host(torch.cat(both, dim=1))  # the step's one read, waited for in `read`
-        slots, positions, chunk = [r.slot for r in batch], [r.pos for r in batch], self.memory.config.chunk_size
+        slots, chunk = [r.slot for r in batch], self.memory.config.chunk_size
 
         def checkpoint(rows: list[int]) -> list[int | None]:
             return self.memory.snapshots([batch[i] for i in rows])
@@ -185,7 +185,7 @@ class SpecDecode(DecodeStrategy):
         self.stats.window_bytes = max(self.stats.window_bytes,
                                       inputs.nbytes() // n if window is None else window.nbytes_per_row)
         self.stats.drafted += sum(num)
-        return SpecLaunch(batch, tokens, host, ready, [], positions, taken, tapped, inputs.lengths)
+        return SpecLaunch(batch, tokens, host, ready, [], taken, tapped, inputs.lengths)
 
     def read(self, launch: SpecLaunch) -> tuple[list[list[int]], list[list[float]]]:
         """Wait for the step's copy, then complete it on the host: each row's committed tokens and log-probs,
@@ -202,8 +202,8 @@ class SpecDecode(DecodeStrategy):
             out_l.append(row[w:w + c])
             committed.append(c)
             emitted += int(row[2 * w + 1])
-        for i, pos, snap in launch.checkpoints:
-            if pos <= launch.positions[i] + committed[i]:
+        for i, pos, snap in launch.checkpoints:  # the rows' pos still stand before the step here
+            if pos <= launch.batch[i].pos + committed[i]:
                 launch.snapshots.append((launch.batch[i], pos, snap))
             else:
                 self.memory.free_snapshot(snap)

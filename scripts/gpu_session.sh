@@ -100,6 +100,12 @@ run_job() {
         --drafter controlled:0.8 --device cuda --dtype bfloat16 --batch-sizes 64,256 --planners verify_all \
         --rollback replay --temperatures 0 --prompt-len 128 --gen-len 64 --memory-gb 16 \
         --json "$STATE/bench_spec_big_h200.json" ;;  # specbench's large batches, verify_all only (a short call)
+    specsmall) job specsmall python scripts/bench_spec.py --target preset:k3-small --peaked --drafter controlled:0.8 \
+        --device cuda --dtype bfloat16 --batch-sizes 1,8 --planners verify_all,cost_aware --rollback replay \
+        --temperatures 0 --prompt-len 128 --gen-len 64 --memory-gb 16 \
+        --json "$STATE/bench_spec_small_h200.json" ;;  # specbench's small batches, where a step is launch-bound
+    specprof_small) job specprof_small python scripts/profile_spec.py --device cuda --batch-sizes 1,8 \
+        --planners verify_all --gen-len 32 --rows 30 ;;
     specmix) job specmix python scripts/bench_spec.py --target preset:k3-small --peaked --drafter controlled:0.3-0.95 \
         --device cuda --dtype bfloat16 --batch-sizes 64,256 --planners verify_all,cost_aware --rollback replay \
         --temperatures 0 --prompt-len 128 --gen-len 64 --memory-gb 16 --json "$STATE/bench_spec_mixed_h200.json" ;;
@@ -143,7 +149,7 @@ run_job() {
     samplingtest) job samplingtest python -m pytest tests/gpu/test_decode_kernels.py -q -m gpu -rA --tb=short \
         -p no:cacheprovider -k sampling ;;
     advtest) job advtest python -m pytest tests/gpu/test_decode_kernels.py -q -m gpu -rA --tb=short -p no:cacheprovider \
-        -k "advancing or pooled" ;;  # the fold's recurrence (kda_advance) against decode steps, bit for bit
+        -k "advancing or pooled or frozen" ;;  # the fold's and verify's recurrence against decode steps, bit for bit
     kernels) job kernels python -m pytest tests/gpu/test_decode_kernels.py -q -m gpu -rA --tb=short -p no:cacheprovider ;;
     *) echo "unknown job $1"; return 1 ;;
     esac

@@ -26,7 +26,8 @@ if TYPE_CHECKING:
 class KDAState(NamedTuple):
     """One KDA layer's carried state: conv histories [B, H*K, W-1] for q, k, v (the last W-1 pre-conv
     inputs), and the recurrent state [B, H, K, V] in fp32, or a `miles_k3.ops.kda.PooledState` (rows of a
-    cache's pool, which the `kda` op updates in place and hands back as the final state)."""
+    cache's pool, which the `kda` op updates in place and hands back as the final state), or a
+    `miles_k3.ops.kda.FrozenRows` (rows of a pool the op only reads: its final state is None)."""
 
     conv_q: torch.Tensor
     conv_k: torch.Tensor

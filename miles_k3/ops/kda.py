@@ -19,9 +19,12 @@ Shapes used throughout (``N`` = number of sequences: ``B``, or
 
 A `PooledState` as `kda`'s initial state is a state kept in a cache's pool (the engine's slots): the op reads
 rows `index` of the pool and writes the final state back into them, and returns the same `PooledState` as
-its final state. On CUDA a decode step (T = 1) does that inside fla's recurrent kernel (its continuous-
-batching state indices: no gathered copy of the states and no scatter back, the bytes that grow with the
-batch); elsewhere the op gathers, runs as with a plain state, and scatters: the same values either way.
+its final state. On CUDA a decode step (T = 1) does that inside a recurrent kernel reading and writing the
+slots (ours, `miles_k3.kernels.kda_rows`, where `use_kernels` says so; else fla's, through its continuous-
+batching state indices): no gathered copy of the states and no scatter back, the bytes that grow with the
+batch; elsewhere the op gathers, runs as with a plain state, and scatters: the same values either way.
+`FrozenRows` is the same start read and never written (a speculative verify's committed state): the op
+returns no final state.
 
 fp64 inputs keep fp64 math so that exactness tests (a context-parallel split against the unsplit op, whose
 chunk boundaries and so summation orders differ) can hold to 1e-10; every other dtype computes in fp32.
@@ -37,7 +40,7 @@ import torch.nn.functional as F
 from miles_k3.kernels import use_kernels
 
 __all__ = ["kda_gate", "kda_gate_beta", "l2norm", "math_dtype", "kda_recurrent", "kda_chunked", "kda",
-           "kda_advance", "PooledState"]
+           "kda_advance", "PooledState", "FrozenRows"]
 
 _GATE_FORMS = ("softplus", "lower_bound")
 _MODES = ("auto", "recurrent", "chunked")
@@ -318,6 +321,16 @@ class PooledState(NamedTuple):
     index: torch.Tensor
 
 
+class FrozenRows(NamedTuple):
+    """N initial states read from rows `index` [N] of `pool` ([slots, H, K, V] fp32) and never written: `kda`
+    computes the outputs from them and returns no final state (a speculative verify reads the committed state;
+    the fold writes what is accepted). Meant for short rows (a verify's few tokens): on CUDA the recurrent
+    kernel (`miles_k3.kernels.kda_rows`), which runs a row's tokens one after another."""
+
+    pool: torch.Tensor
+    index: torch.Tensor
+
+
 def _fla_pool_fits(q: torch.Tensor, pool: torch.Tensor) -> bool:
     """Whether fla's recurrent kernel can step `pool`'s rows in place for `q`: CUDA, no autograd, an fp32 pool
     whose rows are contiguous (any slot stride: the unified arena's)."""
@@ -345,16 +358,44 @@ def _kda_fla_in_place(q, k, v, g, beta, state: PooledState, scale, use_qk_l2norm
 
 
 def _kda_pooled(q, k, v, g, beta, state: PooledState, **kwargs):
-    """`kda` from and back into a pooled state (module docstring): in place through fla's state indices for
-    a CUDA decode step without autograd (nor while torch.compile traces: the opt-in compiled decode step
-    keeps the gathered call it traced before), else gather, compute, scatter."""
+    """`kda` from and back into a pooled state (module docstring): in place for a CUDA decode step without
+    autograd (nor while torch.compile traces: the opt-in compiled decode step keeps the gathered call it
+    traced before), through our kernel where `use_kernels` says so, else fla's state indices; otherwise
+    gather, compute, scatter."""
     pool, index = state
-    if kwargs["mode"] == "auto" and q.shape[1] == 1 and kwargs["cu_seqlens"] is None \
-            and not torch.compiler.is_compiling() and _fla_pool_fits(q, pool):
-        return _kda_fla_in_place(q, k, v, g, beta, state, kwargs["scale"], kwargs["use_qk_l2norm"]), state
+    if kwargs["mode"] == "auto" and q.shape[1] == 1 and kwargs["cu_seqlens"] is None:
+        if _rows_kernel_fits(q, v, pool):
+            from miles_k3.kernels.kda_rows import kda_rows  # imported here: CPU installs never load triton
+
+            return kda_rows(q, k, v, g, beta, pool, index, scale=kwargs["scale"],
+                            use_qk_l2norm=kwargs["use_qk_l2norm"], write=True), state
+        if not torch.compiler.is_compiling() and _fla_pool_fits(q, pool):
+            return _kda_fla_in_place(q, k, v, g, beta, state, kwargs["scale"], kwargs["use_qk_l2norm"]), state
     o, ht = kda(q, k, v, g, beta, initial_state=pool.index_select(0, index), output_final_state=True, **kwargs)
     pool.index_copy_(0, index, ht.to(pool.dtype))
     return o, state
+
+
+def _rows_kernel_fits(q: torch.Tensor, v: torch.Tensor, pool: torch.Tensor) -> bool:
+    """Whether our recurrent kernel (`miles_k3.kernels.kda_rows`) takes a pooled call: `use_kernels` (CUDA,
+    inference mode, not while compiling) and a pool it reads in place."""
+    if not use_kernels(q):
+        return False
+    from miles_k3.kernels.kda_rows import supports  # imported here: CPU installs never load triton
+
+    return supports(q, v, pool)
+
+
+def _kda_frozen(q, k, v, g, beta, state: FrozenRows, **kwargs):
+    """`kda` from read-only pool rows (`FrozenRows`): our kernel where it fits, else the gathered call."""
+    pool, index = state
+    if kwargs["mode"] == "auto" and _rows_kernel_fits(q, v, pool):
+        from miles_k3.kernels.kda_rows import kda_rows  # imported here: CPU installs never load triton
+
+        return kda_rows(q, k, v, g, beta, pool, index, scale=kwargs["scale"], use_qk_l2norm=kwargs["use_qk_l2norm"],
+                        write=False, cu_seqlens=kwargs["cu_seqlens"]), None
+    o, _ = kda(q, k, v, g, beta, initial_state=pool.index_select(0, index), output_final_state=False, **kwargs)
+    return o, None
 
 
 def kda_advance(q, k, v, g, beta, state: PooledState, *, scratch: int, scale=None, use_qk_l2norm=False) -> None:
@@ -363,12 +404,18 @@ def kda_advance(q, k, v, g, beta, state: PooledState, *, scratch: int, scale=Non
     whose g and beta are zero leaves its row's state bit for bit (decay exp(0) = 1, a zero write), so rows
     advance by different counts in one call (the speculative fold's masked block).
 
-    On CUDA, fla's recurrent kernel in its continuous-batching mode with per-token state rows: each row's
-    slot at the first and last token and `scratch` (a pool row nobody reads, written by every row) in
-    between, so a state is read once and written twice instead of once per token; its arithmetic per token is
-    the decode step's (same kernel, fixed tiling), so the states equal T decode steps' bit for bit. Elsewhere
-    the recurrent reference, gathered and scattered."""
+    On CUDA, the decode step's kernel over the T tokens: ours (`miles_k3.kernels.kda_rows`, where
+    `use_kernels` says so), which reads a row's state once and writes it once; else fla's recurrent kernel in
+    its continuous-batching mode with per-token state rows: each row's slot at the first and last token and
+    `scratch` (a pool row nobody reads, written by every row) in between. Either way the arithmetic per token
+    is the decode step's (same kernel, fixed tiling), so the states equal T decode steps' bit for bit.
+    Elsewhere the recurrent reference, gathered and scattered."""
     pool, index = state
+    if _rows_kernel_fits(q, v, pool):
+        from miles_k3.kernels.kda_rows import kda_rows  # imported here: CPU installs never load triton
+
+        kda_rows(q, k, v, g, beta, pool, index, scale=scale, use_qk_l2norm=use_qk_l2norm, write=True)
+        return
     if _fla_pool_fits(q, pool):
         return _kda_fla_advance(q, k, v, g, beta, state, scratch, scale, use_qk_l2norm)
     _, ht = kda(q, k, v, g, beta, scale=scale, initial_state=pool.index_select(0, index), output_final_state=True,
@@ -386,7 +433,8 @@ def _kda_fla_advance(q, k, v, g, beta, state: PooledState, scratch: int, scale, 
 def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
         use_qk_l2norm=False, mode="auto", chunk_size=64):
     """KDA with backend dispatch; same contract as :func:`kda_recurrent`, and a `PooledState` as
-    `initial_state` is updated in place and returned as the final state (module docstring).
+    `initial_state` is updated in place and returned as the final state, a `FrozenRows` only read (no final
+    state) (module docstring).
 
     ``mode``: ``"recurrent"`` / ``"chunked"`` force the torch references on any
     device. ``"auto"`` uses fla on CUDA (``chunk_kda`` for T > 1, the
@@ -395,6 +443,9 @@ def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=
     """
     if mode not in _MODES:
         raise ValueError(f"`mode` must be one of {_MODES}, got {mode!r}")
+    if isinstance(initial_state, FrozenRows):
+        return _kda_frozen(q, k, v, g, beta, initial_state, scale=scale, cu_seqlens=cu_seqlens,
+                           use_qk_l2norm=use_qk_l2norm, mode=mode, chunk_size=chunk_size)
     if isinstance(initial_state, PooledState):
         return _kda_pooled(q, k, v, g, beta, initial_state, scale=scale, cu_seqlens=cu_seqlens,
                            use_qk_l2norm=use_qk_l2norm, mode=mode, chunk_size=chunk_size)

@@ -2,17 +2,23 @@
 
 The eager fold (`rollout.spec.replay.fold`) walks each committed token through every KDA layer, a few
 dozen small ops per layer and token: on one H200 (2026-12-02, random k3-small, batch 1) that was 77 ms of
-host time per verify step against 3 ms on the device (`scripts/profile_spec.py`). `FoldGraphs` runs the
-same ops on every row of a batch bucket at every position 0..width-1, layer by layer: the conv steps and
-gates of each position (`decode_kda_inputs`, the decode step's own calls), each row's updates masked to
-its own tokens (a masked token has decay 0 and beta 0, so it leaves the recurrent state bit for bit; the
-small conv state by `torch.where`), then the recurrence over all `width` positions in one call
-(`miles_k3.ops.kda.kda_advance`: on CUDA the decode kernel over T = width tokens, reading each row's state
-in its slot once and writing it back, bit for bit what `width` decode steps write). The recurrence was a
-gather, a kernel per position and a scatter over the whole state, about 14 passes over k3-small's 6.5 MB a
-row: 15 ms of a batch-256 step's fold on one H200 (2026-12-03), as long as its verify forward. Layers are
-independent in the fold (each reads only its own raw inputs), so folding layer by layer instead of token by
-token commits the same state. Padding rows sit on the sink slot with nothing to fold.
+host time per verify step against 3 ms on the device (`scripts/profile_spec.py`). `FoldGraphs` folds
+every row of a batch bucket over all `width` positions at once, layer by layer, in two parts:
+
+- prepare: the block's short convs and gates, one call each for all positions (`block_kda_inputs`: the
+  decode step's own per-element ops, so position j's values are what j decode steps compute), and the
+  conv history (the state before the block, then the block's inputs);
+- advance from `start` to `stop` per row: the recurrence over all `width` positions in one call
+  (`miles_k3.ops.kda.kda_advance`: on CUDA the decode kernel over T = width tokens, reading each row's
+  state in its slot once and writing it back, bit for bit what `width` decode steps write), each row's
+  tokens outside start <= j < stop masked (decay 0 and beta 0 leave the recurrent state bit for bit), and
+  the conv state at `stop` read off the history.
+
+Layers are independent in the fold (each reads only its own raw inputs), so folding layer by layer instead
+of token by token commits the same state. Padding rows sit on the sink slot with nothing to fold. The
+2026-12-03 fold ran the convs and gates position by position (about 80 launches a layer, 1,900 a step
+when it checkpoints): on one H200 at batch 1 (12-04) that was about 6 ms of a 7 ms speculative step's
+device time, and its graph's launch costs host time by node.
 
 Inputs are static buffers, one [bucket * width, C] per KDA layer and projection, row n's tokens at
 n * width + j: a verify of `width` tokens per row (the graphed verify) fills them with one copy, a
@@ -22,9 +28,9 @@ Counts on the device: `fold` takes each row's committed count as a device tensor
 the fold is enqueued right behind the verify that decided it, and the host reads the step once, at its
 end (`rollout.spec.strategy`). Chunk boundaries: a row that may reach a prefix-cache checkpoint position
 this step (one within its verified tokens) must leave its state there in a checkpoint slot, and whether it
-reaches it is not known yet. Such a step replays twice: up to min(boundary, count) per row, a copy of
-every such row's working state (`checkpoint`), then the rest (each row folds its tokens start <= j < stop,
-both static inputs on the device). The caller keeps the checkpoints of rows whose count reached the
+reaches it is not known yet. Such a step replays twice: prepare and advance up to min(boundary, count) per row, a copy of
+every such row's working state (`checkpoint`), then advance the rest from the prepared block (a second
+graph: the slot's conv state has moved, the block's history has not). The caller keeps the checkpoints of rows whose count reached the
 boundary and frees the others, once it reads the counts. A row meets at most one boundary per step
 (chunk_size >= width).
 
@@ -42,7 +48,7 @@ import torch
 from miles_k3.ops.kda import PooledState, kda_advance
 from rollout.forward import GraphChoice, _bucket, capture_graph
 from rollout.spec.graphs import BATCH_BUCKETS
-from rollout.spec.replay import PROJECTIONS, KDAInputs, decode_kda_inputs, fold, kda_mixers, with_checkpoints
+from rollout.spec.replay import PROJECTIONS, KDAInputs, block_kda_inputs, fold, kda_mixers, with_checkpoints
 from rollout.transfer import to_device
 
 log = logging.getLogger(__name__)
@@ -57,7 +63,7 @@ class FoldGraphs:
         self.mixers = kda_mixers(runner.model)
         max_batch = runner.config.max_running
         self.buckets = [b for b in BATCH_BUCKETS if b < max_batch] + [max_batch]
-        self.graphs: dict[int, tuple] = {}  # bucket -> (graph or None, static inputs)
+        self.graphs: dict[int, tuple] = {}  # bucket -> (prepare-and-advance graph, advance graph, static inputs)
         self.choice = GraphChoice()  # a larger captured bucket serves one asked for only a few times
         self.failed = False
         self.captures = self.replays = 0
@@ -110,60 +116,67 @@ class FoldGraphs:
                 buf.index_copy_(0, dest, src)
 
     def _replay(self, static: dict, starts: torch.Tensor | None, stops: torch.Tensor, bucket: int) -> None:
-        """Fold row n's tokens starts[n] <= j < stops[n] (starts None: from 0); padding rows fold nothing."""
+        """Fold row n's tokens starts[n] <= j < stops[n]; starts None: from 0, preparing the block first (a
+        fold's first replay), else from the block the first replay prepared. Padding rows fold nothing."""
         n = stops.shape[0]
         static["start"].zero_()
         if starts is not None:
             static["start"][:n].copy_(starts)
         static["stop"].zero_()
         static["stop"][:n].copy_(stops)
-        graph = self.graphs[bucket][0]
+        whole, rest, _ = self.graphs[bucket]
+        graph = whole if starts is None else rest
         if graph is None:
-            self._step(static)
+            self._step(static, prepare=starts is None)
         else:
             graph.replay()
         self.replays += 1
 
     def _static(self, bucket: int, inputs: KDAInputs) -> dict | None:
         """The bucket's static inputs (raw buffers shaped and typed as `inputs`' projections), capturing its
-        graph the first time; None when the capture fails."""
+        graphs the first time; None when a capture fails."""
         if bucket in self.graphs:
-            return self.graphs[bucket][1]
+            return self.graphs[bucket][2]
         device, w = self.runner.device, self.width
         raw = {layer: {p: inputs.layers[layer][p].new_zeros(bucket * w, inputs.layers[layer][p].shape[-1])
                        for p in PROJECTIONS} for layer in self.mixers}
         static = dict(raw=raw, slots=torch.full((bucket,), self.states.sink_slot, dtype=torch.long, device=device),
                       start=torch.zeros(bucket, dtype=torch.long, device=device),
                       stop=torch.zeros(bucket, dtype=torch.long, device=device),
-                      base=torch.arange(bucket, device=device) * w)
+                      positions=torch.arange(w, device=device))
         self.captures += 1  # counted as on CUDA when the padded shape runs eagerly (the CPU tests' policy)
         if not self.capture:
-            self.graphs[bucket] = (None, static)
+            self.graphs[bucket] = (None, None, static)
             return static
-        try:  # warm-up and capture fold nothing: stop = 0 on the sink slot
-            graph, _ = capture_graph(lambda: self._step(static))
+        try:  # warm-ups and captures fold nothing: stop = 0 on the sink slot. The second graph reads the block
+            # the first one's capture prepared (its output tensors, kept in `static`): a capture only records,
+            # so the first graph is replayed once before the second one's warm-ups read that block (else they
+            # would fold whatever that memory held into the sink slot: NaNs that padding rows read later)
+            whole, _ = capture_graph(lambda: self._step(static, prepare=True))
+            whole.replay()
+            rest, _ = capture_graph(lambda: self._step(static, prepare=False))
         except Exception:  # noqa: BLE001 - any capture failure means: fold eagerly from now on
             log.warning("CUDA graph capture of the fold failed for batch %d; folding eagerly", bucket, exc_info=True)
             self.failed = True
             return None
-        self.graphs[bucket] = (graph, static)
+        self.graphs[bucket] = (whole, rest, static)
         return static
 
-    def _step(self, static: dict) -> None:
-        """The padded fold: every row, every position, masked to start <= j < stop."""
-        slots, start, stop, base = static["slots"], static["start"], static["stop"], static["base"]
-        states = self.states
+    def _step(self, static: dict, prepare: bool) -> None:
+        """The padded fold: every row, masked to start <= j < stop; `prepare` first computes the block's convs,
+        gates and conv history (`block_kda_inputs`) into static["block"]."""
+        slots, start, stop, j = static["slots"], static["start"], static["stop"], static["positions"]
+        states, bucket, w = self.states, slots.shape[0], self.width
         with torch.inference_mode():
-            for layer, mixer in self.mixers.items():
-                conv = states.conv[layer].index_select(0, slots)
-                per_token = []  # ((q, k, v), g, beta) of position j
-                for j in range(self.width):
-                    active = (start <= j) & (j < stop)
-                    raw = {p: static["raw"][layer][p].index_select(0, base + j)[:, None] for p in PROJECTIONS}
-                    qkv, g, beta, new_conv = decode_kda_inputs(mixer, raw, conv, active)
-                    conv = torch.where(active[:, None, None, None], new_conv.to(conv.dtype), conv)
-                    per_token.append((*qkv, g, beta))
-                states.conv[layer].index_copy_(0, slots, conv)
-                q, k, v, g, beta = (torch.cat(parts, dim=1) for parts in zip(*per_token))
-                kda_advance(q, k, v, g, beta, PooledState(states.recurrent[layer], slots),
+            if prepare:
+                static["block"] = {
+                    layer: block_kda_inputs(mixer, {p: static["raw"][layer][p].view(bucket, w, -1) for p in PROJECTIONS},
+                                            states.conv[layer].index_select(0, slots))
+                    for layer, mixer in self.mixers.items()}
+            active = (start[:, None] <= j) & (j < stop[:, None])  # [bucket, w]
+            for layer, ((q, k, v), g, beta, history) in static["block"].items():
+                window = stop[:, None, None, None] + torch.arange(history.shape[-1] - w, device=stop.device)
+                states.conv[layer].index_copy_(0, slots, history.gather(-1, window.expand(*history.shape[:3], -1)))
+                kda_advance(q, k, v, torch.where(active[..., None, None], g, 0.0),
+                            torch.where(active[..., None], beta, 0.0), PooledState(states.recurrent[layer], slots),
                             scratch=states.sink_slot, use_qk_l2norm=True)

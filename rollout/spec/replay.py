@@ -3,8 +3,8 @@ the accepted tokens.
 
 The verify forward runs the row's anchor and drafts through the target over the pools (`verify_forward`):
 MLA writes the block's KV rows into the row's pages (rows past the accepted length are rewritten before
-anything reads them: MLA's KV is append-only), while every KDA layer reads the working slot and its new
-state is dropped (`VerifyStateCache`). What the fold needs is kept instead: each KDA layer's raw per-token
+anything reads them: MLA's KV is append-only), while every KDA layer reads the working slot where it lies
+and computes no new state (`VerifyStateCache`, `miles_k3.ops.kda.FrozenRows`). What the fold needs is kept instead: each KDA layer's raw per-token
 inputs, the q / k / v projections before the short conv, the gate projection `f` and the beta projection
 `b` (`KDAInputs`, read with forward hooks on those projections: the mixer's later values are not
 reachable from outside it). About (3 H K + H K + H) numbers per token and layer against a state snapshot
@@ -30,7 +30,7 @@ import torch
 from miles_k3.model.cache import KDAState
 from miles_k3.model.layers import KDAMixer
 from miles_k3.model.modeling import K3ForCausalLM
-from miles_k3.ops.kda import kda_gate_beta
+from miles_k3.ops.kda import FrozenRows, kda_gate_beta
 from rollout.memory import KDAStatePool
 from rollout.model_runner import ModelRunner
 from rollout.state_cache import PoolStateCache
@@ -44,9 +44,11 @@ class VerifyStateCache(PoolStateCache):
     state is dropped (the fold commits the accepted part); MLA rows are written as in any step."""
 
     def kda_state(self, layer_idx: int) -> KDAState:
-        """The committed state as copies: the pool's rows themselves (`PooledState`) would be stepped in
-        place by the short conv and `kda` ops."""
-        return KDAState(*(p.pool.index_select(0, p.index) for p in super().kda_state(layer_idx)))
+        """The committed state: the conv states as copies (the pool's rows themselves, `PooledState`, would be
+        stepped in place by the short conv), the recurrent one as `FrozenRows` (read where it lies, never
+        written)."""
+        *conv, recurrent = super().kda_state(layer_idx)
+        return KDAState(*(p.pool.index_select(0, p.index) for p in conv), FrozenRows(*recurrent))
 
     def set_kda_state(self, layer_idx, state) -> None:
         pass
@@ -106,44 +108,39 @@ def verify_forward(runner: ModelRunner, batch, ids: list[int], lengths: list[int
     return logits, inputs, tapped
 
 
-def decode_kda_step(mixer: KDAMixer, raw: dict[str, torch.Tensor], conv: torch.Tensor, recurrent: torch.Tensor,
-                    active: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def decode_kda_step(mixer: KDAMixer, raw: dict[str, torch.Tensor], conv: torch.Tensor, recurrent: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """What `KDAMixer.forward` does to the state for one decode token per row, from that token's raw
     projections raw[name] [R, 1, C] and the rows' state (conv [R, 3, HK, W-1], recurrent [R, H, K, V]):
-    returns the new (conv, recurrent). `active`: as `decode_kda_inputs`'."""
-    (q, k, v), g, beta, new_conv = decode_kda_inputs(mixer, raw, conv, active)
+    returns the new (conv, recurrent)."""
+    (q, k, v), g, beta, history = block_kda_inputs(mixer, raw, conv)
     _, state = mixer.cp.kda(q, k, v, g, beta, initial_state=recurrent, output_final_state=True, cu_seqlens=None,
                             use_qk_l2norm=True)
-    return new_conv, state
+    return history[..., 1:], state
 
 
-def decode_kda_inputs(mixer: KDAMixer, raw: dict[str, torch.Tensor], conv: torch.Tensor,
-                      active: torch.Tensor | None = None):
-    """The recurrence's inputs of one decode token per row (`decode_kda_step`'s first half): ((q, k, v)
-    [R, 1, H, D] after the short convs, g [R, 1, H, K], beta [R, 1, H], the new conv state).
+def block_kda_inputs(mixer: KDAMixer, raw: dict[str, torch.Tensor], conv: torch.Tensor):
+    """The recurrence's inputs of a block of T tokens per row, from their raw projections raw[name] [R, T, C]
+    and the rows' conv state before the block (conv [R, 3, HK, W-1]): ((q, k, v) [R, T, H, D] after the short
+    convs, g [R, T, H, K], beta [R, T, H], and the conv history [R, 3, HK, W-1+T] in conv's dtype: the state,
+    then the block's inputs, so the conv state after t of the block's tokens is history[..., t:t+W-1]).
 
-    `active` [R] bool: rows where it is False keep their recurrent state bit for bit, by their inputs, not by
-    a select over the state: their decay is 0 (exp(0) = 1 exactly) and their beta 0, so the delta rule adds
-    exact zeros. (A `torch.where` over the recurrent state reads it twice and writes it once more per token:
-    by arithmetic 5 GB a position at batch 256 on k3-small's 6.5 MB of KDA state a row.) Their conv state
-    still moves: the caller selects it (small)."""
+    One call per op for the whole block: the short convs' taps and the gate compute per element (the
+    decode step's own calls: `cp.short_convs`, `kda_gate_beta`), so token t's values are the ones t
+    single-token steps from the same state compute, bit for bit (the conv's outputs only look back)."""
     c, cp = mixer.config, mixer.cp
-    r = conv.shape[0]
-    heads = (r, 1, mixer.heads, c.kda_head_dim)
-    qkv, new_conv = [], []
-    for i, p in enumerate("qkv"):
-        y, st = cp.short_conv(raw[f"{p}_proj"], getattr(mixer, f"{p}_conv1d").weight, state=conv[:, i],
-                              cu_seqlens=None)
-        qkv.append(y.view(heads))
-        new_conv.append(st)
+    r, t = raw["q_proj"].shape[:2]
+    heads = (r, t, mixer.heads, c.kda_head_dim)
+    xs = [raw[f"{p}_proj"] for p in "qkv"]
+    convs = cp.short_convs(xs, [getattr(mixer, f"{p}_conv1d").weight for p in "qkv"],
+                           states=[conv[:, i] for i in range(3)], cu_seqlens=None)
+    qkv = [y.view(heads) for y, _ in convs]
     # the mixer's own gate call (kda_gate_beta: one kernel where kernels run), so the fold's state is the plain
     # decode step's bit for bit
     g, beta = kda_gate_beta(raw["f_b_proj"], raw["b_proj"], mixer.A_log, mixer.dt_bias, num_heads=mixer.heads,
                             form=c.kda_gate_form, lower_bound=c.kda_gate_lower_bound)
-    if active is not None:
-        g = torch.where(active[:, None, None, None], g, 0.0)
-        beta = torch.where(active[:, None, None], beta, 0.0)
-    return qkv, g, beta, torch.stack(new_conv, dim=1)
+    history = torch.cat([conv, torch.stack(xs, dim=1).transpose(2, 3).to(conv.dtype)], dim=-1)
+    return qkv, g, beta, history
 
 
 def fold(model: K3ForCausalLM, states: KDAStatePool, inputs: KDAInputs, slots: list[int], counts: list[int],

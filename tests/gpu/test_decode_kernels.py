@@ -127,8 +127,9 @@ def test_the_engine_with_kernels_agrees_with_the_definition_on_cuda(monkeypatch)
 
 
 def test_a_pooled_kda_state_steps_in_place_on_cuda_as_the_gathered_call_does():
-    """The engine's recurrent states stay in their slots (`PooledState`): fla's kernel with state indices
-    gives the gathered call's output and state bit for bit, and no other slot moves."""
+    """The engine's recurrent states stay in their slots (`PooledState`): the in-place kernel (ours,
+    `miles_k3.kernels.kda_rows`) gives fla's gathered call's output and state bit for bit (the same arithmetic
+    and tiling), and no other slot moves."""
     from miles_k3.ops.kda import PooledState, kda
 
     g = torch.Generator(device=DEV).manual_seed(0)
@@ -149,8 +150,8 @@ def test_a_pooled_kda_state_steps_in_place_on_cuda_as_the_gathered_call_does():
 
 
 def test_advancing_pooled_kda_states_by_a_masked_block_equals_the_decode_steps_on_cuda_bit_for_bit():
-    """The speculative fold's recurrence (`kda_advance`: fla's kernel over T tokens a row, per-token state rows)
-    writes each row's slot what its live tokens' decode steps write, bit for bit, compiled for the device."""
+    """The speculative fold's recurrence (`kda_advance`: the decode step's kernel over T tokens a row) writes each
+    row's slot what its live tokens' decode steps write, bit for bit, compiled for the device."""
     from miles_k3.ops.kda import PooledState, kda, kda_advance
 
     g = torch.Generator(device=DEV).manual_seed(2)
@@ -171,6 +172,32 @@ def test_advancing_pooled_kda_states_by_a_masked_block_equals_the_decode_steps_o
     assert torch.equal(pool[index], want[index])
     others = torch.tensor([3, 5, 6, 8], device=DEV)
     assert torch.equal(pool[others], before[others])
+
+
+def test_a_verify_reads_frozen_rows_on_cuda_and_outputs_the_decode_steps_values_bit_for_bit():
+    """A speculative verify's KDA (`FrozenRows`: the committed states read where they lie) writes no slot, gives
+    fla's chunked call's outputs within bf16 rounding, and exactly the outputs its tokens' decode steps give."""
+    from miles_k3.ops.kda import FrozenRows, PooledState, kda
+
+    g = torch.Generator(device=DEV).manual_seed(3)
+    n, t, h, d, slots = 6, 5, 8, 128, 11
+    q, k, v = (torch.randn(n, t, h, d, device=DEV, generator=g, dtype=torch.bfloat16) for _ in range(3))
+    gate, beta = -torch.rand(n, t, h, d, device=DEV, generator=g), torch.rand(n, t, h, device=DEV, generator=g)
+    pool = torch.randn(slots, h, d, d, device=DEV, generator=g)
+    index = torch.tensor([4, 9, 1, 7, 2, 10], device=DEV)
+    before = pool.clone()
+    with torch.inference_mode():
+        o, final = kda(q, k, v, gate, beta, initial_state=FrozenRows(pool, index), output_final_state=True,
+                       use_qk_l2norm=True)
+        o_chunk, _ = kda(q, k, v, gate, beta, initial_state=before[index], use_qk_l2norm=True)
+        steps, outs = before.clone(), []
+        for j in range(t):
+            o_j, _ = kda(*(a[:, j:j + 1] for a in (q, k, v, gate, beta)), initial_state=PooledState(steps, index),
+                         output_final_state=True, use_qk_l2norm=True)
+            outs.append(o_j)
+    assert final is None and torch.equal(pool, before)
+    torch.testing.assert_close(o.float(), o_chunk.float(), atol=3e-2, rtol=3e-2)
+    assert torch.equal(o, torch.cat(outs, dim=1))
 
 
 def test_a_pooled_conv_state_is_rewritten_in_its_slot_on_cuda_as_the_gathered_kernel_call_does():

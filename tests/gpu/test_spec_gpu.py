@@ -80,3 +80,23 @@ def test_graphed_and_eager_verify_agree(model, plain):
     eager = spec_engine(model, script, cuda_graphs=False)
     assert not eager.decoder.strategy.graph_verify
     assert_greedy_agree(eager.generate(ps, PARAMS), spec_engine(model, script).generate(ps, PARAMS))
+
+
+@pytest.mark.parametrize("dense,counts", [(True, [5] * 6), (True, [1, 2, 3, 4, 5, 5]), (False, [0, 2, 3, 4, 5, 5])])
+def test_the_graphed_fold_commits_the_eager_folds_state_bit_for_bit(model, dense, counts):
+    """The fold's graphs (a block's convs and gates in one call each, the recurrence in one `kda_advance` per
+    layer, checkpoints mid-block) against the eager fold (token by token, the decode step's calls), bf16 inputs:
+    the working states and every reached checkpoint equal bit for bit (the CPU twin, within fp32 rounding:
+    tests/rollout/test_spec_fold_graphs.py)."""
+    from tests.rollout.test_spec_fold_graphs import fold_both_ways
+
+    eng = Engine(model, EngineConfig(max_prefill_tokens=64, **{**CFG, "max_running": 6}))
+    want, want_seen, got, got_seen = fold_both_ways(eng, counts, dense, larger=False, capture=True,
+                                                    dtype=torch.bfloat16)
+    for key in want_seen:
+        for name in ("conv", "recurrent"):
+            for k in want_seen[key][name]:
+                assert torch.equal(got_seen[key][name][k], want_seen[key][name][k]), (key, name, k)
+    for name in ("conv", "recurrent"):
+        for k in want[name]:
+            assert torch.equal(got[name][k], want[name][k]), (name, k)

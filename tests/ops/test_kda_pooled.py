@@ -1,9 +1,10 @@
 """`kda` over a `PooledState` (the engine's recurrent states stay in their slots): the op steps exactly the
 indexed rows of the pool in place, to the values a gathered call gives, and leaves every other row alone.
-On CUDA a decode step does that inside fla's recurrent kernel (its continuous-batching state indices); that
-kernel runs here through Triton's interpreter, against fla's own gathered call bit for bit, and its launch
-compiles for sm_90 (`miles_k3.kernels.compile_check`). `kda_advance` (the speculative fold's recurrence: T
-tokens a row, masked tokens no-ops) writes the state T decode steps write, bit for bit, on both paths."""
+On CUDA a decode step does that inside a recurrent kernel with state indices: ours (`miles_k3.kernels.kda_rows`,
+which also reads a verify's `FrozenRows` without writing them) or fla's (MILES_K3_KERNELS=0). Both run here
+through Triton's interpreter, against the gathered call, and their launches compile for sm_90
+(`miles_k3.kernels.compile_check`). `kda_advance` (the speculative fold's recurrence: T tokens a row, masked
+tokens no-ops) writes the state T decode steps write, bit for bit, on every path."""
 
 import json
 import os
@@ -125,3 +126,71 @@ def test_flas_kernel_advances_a_masked_block_as_its_decode_steps_bit_for_bit():
     """The CUDA path of `kda_advance` (fla's kernel over T tokens with per-token state rows) against T of the
     decode step's in-place calls, through Triton's interpreter."""
     assert_interpreted_ok(_FLA_ADVANCE, timeout=300)
+
+
+_ROWS = textwrap.dedent("""
+    import json, os
+    import torch
+    from miles_k3.kernels import interpreted_launches
+    from miles_k3.kernels.kda_rows import kda_rows
+    from miles_k3.ops.kda import kda
+    from tests.ops.test_kda_pooled import _inputs, _masked_block
+
+    index = torch.tensor([3, 1, 7, 8, 5])
+    others = torch.tensor([0, 2, 4, 6])
+    record = []
+    with interpreted_launches(record):
+        # read only (a verify): the gathered reference's outputs, the pool untouched
+        args, pool = _inputs(t=6)
+        before = pool.clone()
+        o = kda_rows(*args, pool, index, scale=None, use_qk_l2norm=True, write=False)
+        want, _ = kda(*args, initial_state=before[index], use_qk_l2norm=True, mode="recurrent")
+        torch.testing.assert_close(o, want, atol=1e-5, rtol=1e-5)
+        assert torch.equal(pool, before)
+        # packed rows (a planner's ragged verify, a row of none): each row's outputs are its unpacked call's
+        lengths = [1, 6, 3, 0, 4]
+        packed = [torch.cat([a[n, :c] for n, c in enumerate(lengths)])[None] for a in args]
+        cu = torch.tensor([0, *lengths]).cumsum(0)
+        o_packed = kda_rows(*packed, pool, index, scale=None, use_qk_l2norm=True, write=False, cu_seqlens=cu)
+        assert torch.equal(o_packed[0], torch.cat([o[n, :c] for n, c in enumerate(lengths)]))
+        assert torch.equal(pool, before)
+        # a masked block in one call (the fold) writes the state its single-token calls (decode steps) write
+        args, pool, live = _masked_block()
+        steps = pool.clone()
+        for t in range(live.shape[1]):
+            rows = live[:, t].nonzero()[:, 0]
+            kda_rows(*(a[rows, t:t + 1] for a in args), steps, index[rows], scale=None, use_qk_l2norm=True,
+                     write=True)
+        before = pool.clone()
+        kda_rows(*args, pool, index, scale=None, use_qk_l2norm=True, write=True)
+        assert torch.equal(pool[index], steps[index]) and not torch.equal(pool[index], before[index])
+        assert torch.equal(pool[index[0]], before[index[0]])  # a row with no live token
+        assert torch.equal(pool[others], before[others])
+        # in bf16 inputs, as the engine calls it
+        args, pool = _inputs(t=1)
+        ref = pool.clone()
+        o = kda_rows(*(a.bfloat16() if i < 3 else a for i, a in enumerate(args)), pool, index, scale=None,
+                     use_qk_l2norm=True, write=True)
+        assert o.dtype == torch.bfloat16 and not torch.equal(pool[index], ref[index])
+    with open(os.environ["LAUNCHES_JSON"], "w") as f:
+        json.dump(record, f)
+    print("ok")
+""")
+
+
+def test_our_pooled_recurrence_reads_or_steps_the_rows_and_a_block_equals_its_steps_bit_for_bit(tmp_path):
+    """`miles_k3.kernels.kda_rows` through Triton's interpreter: read-only (a verify) gives the reference's
+    outputs and leaves the pool alone, packed rows give their unpacked outputs, a masked block written in one
+    call is the state its single-token calls (the decode step) write bit for bit; every launch compiles for
+    sm_90."""
+    path = tmp_path / "launches.json"
+    os.environ["LAUNCHES_JSON"] = str(path)
+    try:
+        assert_interpreted_ok(_ROWS, timeout=300)
+    finally:
+        del os.environ["LAUNCHES_JSON"]
+    assert {s["kernel"].split(":")[1] for s in json.loads(path.read_text())} == {"_kda_rows"}
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-m", "miles_k3.kernels.compile_check", str(path)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]

@@ -1,5 +1,5 @@
 """The engine through the kernel path (`miles_k3.kernels`: norms, AttnRes, SiTU-GLU, short conv, KDA gate,
-router, MoE dispatch and combine; the engine's paged MLA attention), on CPU through Triton's interpreter
+router, MoE dispatch and combine, the pooled KDA recurrence; the engine's paged MLA attention), on CPU through Triton's interpreter
 (MILES_K3_KERNELS=interpret, in a subprocess: TRITON_INTERPRET must be set before triton is imported):
 greedy decoding of a k3-tiny engine in fp32 gives the definition's tokens and log-probs within fp32 rounding,
 plain and speculative (the fold steps the state with the same kernels as the decode step), and every kernel
@@ -43,8 +43,8 @@ _SCRIPT = textwrap.dedent("""
         kernels.reset()
 
     got, launches = run(mla_attention="triton")
-    assert {"_rms_norm", "_gated_rms_norm", "_attn_res_mix", "_situ_glu", "_short_conv", "_kda_gate", "_route",
-            "_align", "_combine", "_mla_attention"} <= set(launches), launches
+    assert {"_rms_norm", "_gated_rms_norm", "_attn_res_mix", "_situ_glu", "_short_conv", "_kda_gate", "_kda_rows",
+            "_route", "_align", "_combine", "_mla_attention"} <= set(launches), launches
     set_mode("0")
     want, none = run()
     assert none == {}, none
@@ -56,6 +56,7 @@ _SCRIPT = textwrap.dedent("""
     drafter = ScriptedDrafter({tuple(p): c.output_ids for p, c in zip(prompts, want)}, wrong=0.3)
     spec, launches = run(speculation=SpecConfig(drafter=drafter, gamma=3), mla_attention="triton")
     assert launches.get("_kda_gate", 0) > 0 and launches.get("_mla_attention", 0) > 0
+    assert launches.get("_kda_rows", 0) > 0  # the verify reads the committed states where they lie
     for a, b in zip(spec, want):
         assert a.output_ids == b.output_ids
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
@@ -100,5 +101,5 @@ def test_every_launch_of_the_run_compiles_for_the_h200(launches):
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     kernels = {spec["kernel"].split(":")[1] for spec in json.loads(launches.read_text())}
-    assert {"_rms_norm", "_gated_rms_norm", "_attn_res_mix", "_situ_glu", "_short_conv", "_kda_gate",
+    assert {"_rms_norm", "_gated_rms_norm", "_attn_res_mix", "_situ_glu", "_short_conv", "_kda_gate", "_kda_rows",
             "_route", "_align", "_combine", "_mla_attention", "_mla_merge"} <= kernels, kernels

@@ -14,6 +14,8 @@ each prompt (taken from the plain engine's run of the same row), each draft kept
 acceptance is set, not trained: it measures what speculation costs and returns on a target without a
 trained drafter (greedy rows only). controlled:LO-HI gives each prompt its own rate, uniform in [LO, HI],
 and its drafts that rate as confidence: mixed traffic, where the cost-aware planner has rows to rank.
+--drafter-cost dspark adds a real drafter's cost to it: an untrained DSpark drafter of the default shape runs
+at every call (its taps, context windows and block forward) and its drafts are dropped.
 
 --peaked makes such a random target's greedy continuation robust to rounding. A random init's next-token
 choice is a near-tie (and so is its sigmoid routing over 64 experts): on one H200 in bf16 (2026-12-02) random
@@ -66,7 +68,7 @@ from rollout.memory import PoolSizes  # noqa: E402
 from rollout.model_runner import build_engine_model  # noqa: E402
 from rollout.request import SamplingParams  # noqa: E402
 from rollout.spec import SpecConfig  # noqa: E402
-from rollout.spec.drafter import DSparkDrafter  # noqa: E402
+from rollout.spec.drafter import DSparkConfig, DSparkDrafter, default_target_layers  # noqa: E402
 from rollout.spec.strategy import SpecDecode, SpecStats  # noqa: E402
 from miles_k3.model.modeling import reference_state  # noqa: E402
 from controlled_drafter import ControlledDrafter  # noqa: E402  (scripts/, next to this file)
@@ -83,6 +85,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "probability P, or a rate per prompt uniform in [LO, HI])")
     ap.add_argument("--gamma", type=int, default=None, help="drafts per block (default: the drafter's block; 4 "
                     "for a controlled drafter)")
+    ap.add_argument("--drafter-cost", choices=("none", "dspark"), default="none", help="with a controlled drafter: "
+                    "dspark also runs an untrained DSpark drafter of the default shape at every call and drops its "
+                    "drafts (scripts/controlled_drafter.py, `shadow`), so the figures include a real drafter's cost")
     ap.add_argument("--temperatures", default="0,1", help="comma-separated (0: greedy)")
     ap.add_argument("--prompt-len", type=int, default=64, help="random prompt tokens (--target preset: only)")
     ap.add_argument("--peaked", action="store_true", help="--target preset: a random target whose greedy next "
@@ -220,6 +225,15 @@ def random_prompts(n: int, length: int, vocab: int) -> list[list[int]]:
     return torch.randint(3, vocab, (n, length), generator=g).tolist()  # ids 0-2: pad, bos, eos
 
 
+def shadow_drafter(config, gamma: int) -> DSparkDrafter:
+    """An untrained DSpark drafter of the shape `scripts/train_drafter.py` trains for this target (seeded): a
+    controlled drafter's shadow (`--drafter-cost dspark`)."""
+    torch.manual_seed(0)
+    return DSparkDrafter(DSparkConfig(target_layers=default_target_layers(config.num_hidden_layers),
+                                      hidden_size=config.hidden_size, vocab_size=config.vocab_size,
+                                      block_size=gamma))
+
+
 def free(device: str) -> None:
     """Let a finished engine's pools and graphs go before the next is built (a batch-256 engine's pools are GBs)."""
     gc.collect()
@@ -235,6 +249,9 @@ def main(argv=None) -> None:
     controlled = args.drafter.startswith("controlled:")
     if controlled and any(t > 0 for t in temperatures):
         raise ValueError("--drafter controlled:P drafts for greedy rows only: give --temperatures 0")
+    if args.drafter_cost != "none" and not controlled:
+        raise ValueError("--drafter-cost adds a shadow drafter's cost to a controlled drafter: give --drafter "
+                         "controlled:P")
     if args.peaked and not args.target.startswith("preset:"):
         raise ValueError("--peaked reshapes a random preset (--target preset:NAME) only")
     config, model = build_target(args.target, dtype, args.device, args.peaked)
@@ -260,7 +277,9 @@ def main(argv=None) -> None:
                 return round((tokens - b) / max(seconds, 1e-9), 1)
             if controlled:  # the target's own continuations, from the plain run just done
                 drafter = ControlledDrafter({tuple(p): c.output_ids for p, c in zip(prompts, plain_out)},
-                                            config.vocab_size, acceptance_of(args.drafter))
+                                            config.vocab_size, acceptance_of(args.drafter),
+                                            shadow=shadow_drafter(config, gamma) if args.drafter_cost == "dspark"
+                                            else None)
             for planner in args.planners.split(","):
                 for rollback in args.rollback.split(","):
                     cfg = EngineConfig(**ecfg, overlap="off", speculation=SpecConfig(
@@ -302,7 +321,8 @@ def main(argv=None) -> None:
     print("|" + "---|" * len(head))
     for r in rows:
         print("| " + " | ".join("-" if r[h] is None else str(r[h]) for h in head) + " |")
-    meta = dict(target=str(args.target), drafter=str(args.drafter), device=args.device, dtype=args.dtype,
+    meta = dict(target=str(args.target), drafter=str(args.drafter), drafter_cost=args.drafter_cost,
+                device=args.device, dtype=args.dtype,
                 threads=args.threads, max_prefill_tokens=prefill.get("max_prefill_tokens"),
                 machine=platform.machine(), torch=torch.__version__, gen_len=args.gen_len,
                 prompt_len=args.prompt_len if preset else None,

@@ -17,6 +17,11 @@ come from its own seeded generator, not the rows'.
 it (seeded), as chat traffic mixes easy and hard requests. With one rate the planner has nothing to rank and
 sets its budget from the cost surface alone; with a range it can spend the verify tokens on the rows that
 keep them.
+
+`shadow`: a real drafter (an untrained `DSparkDrafter` of the shape one would train) that runs alongside at
+every call (attach, prefill windows, propose, observe) and whose drafts are dropped: its taps, context
+windows and block forward cost what a trained one's cost, while acceptance stays the controlled rate. So a
+bench of speculation's costs includes the drafter's own, on a target no drafter was trained for.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ class ControlledDrafter(Drafter):
     has_confidence = True
 
     def __init__(self, continuations: dict[tuple[int, ...], list[int]], vocab_size: int,
-                 acceptance: float | tuple[float, float], seed: int = 0):
+                 acceptance: float | tuple[float, float], seed: int = 0, shadow: Drafter | None = None):
         lo, hi = acceptance if isinstance(acceptance, tuple) else (acceptance, acceptance)
         if not 0.0 <= lo <= hi <= 1.0:
             raise ValueError(f"acceptance must be a rate or a range lo <= hi inside [0, 1], got {acceptance}")
@@ -46,10 +51,28 @@ class ControlledDrafter(Drafter):
         for i, c in enumerate(continuations.values()):
             self._truth[i, :len(c)] = torch.tensor(c, dtype=torch.long)
         self._rates = torch.tensor(list(self.rates.values()), dtype=torch.float32)
+        self.shadow = shadow
+        if shadow is not None:
+            self.max_gamma = shadow.max_gamma
+
+    def attach(self, runner) -> None:
+        if self.shadow is not None:
+            self.shadow.attach(runner)
+            self.taps = self.shadow.taps  # the strategy reads these during prefill and verify, for the shadow
+
+    def observe(self, batch, tapped, lengths, counts) -> None:
+        if self.shadow is not None:
+            self.shadow.observe(batch, tapped, lengths, counts)
+
+    def prefilled(self, rows, spans, tapped) -> None:
+        if self.shadow is not None:
+            self.shadow.prefilled(rows, spans, tapped)
 
     def propose(self, batch, anchors, gamma, params):
         if any(p.temperature > 0 for p in params):
             raise ValueError("ControlledDrafter drafts for greedy rows only")
+        if self.shadow is not None:  # its cost, not its drafts
+            self.shadow.propose(batch, anchors, gamma, params)
         n, v = len(batch), self.vocab_size
         rows = torch.tensor([self._row[tuple(r.req.prompt_ids)] for r in batch], dtype=torch.long)
         done = torch.tensor([len(r.req.output_ids) for r in batch], dtype=torch.long)

@@ -106,6 +106,10 @@ run_job() {
         --json "$STATE/bench_spec_small_h200.json" ;;  # specbench's small batches, where a step is launch-bound
     specprof_small) job specprof_small python scripts/profile_spec.py --device cuda --batch-sizes 1,8 \
         --planners verify_all --gen-len 32 --rows 30 ;;
+    specshadow) job specshadow python scripts/bench_spec.py --target preset:k3-small --peaked --drafter controlled:0.8 \
+        --drafter-cost dspark --device cuda --dtype bfloat16 --batch-sizes 1,8,64,256 --planners verify_all \
+        --rollback replay --temperatures 0 --prompt-len 128 --gen-len 64 --memory-gb 16 \
+        --json "$STATE/bench_spec_shadow_h200.json" ;;  # the same with a real (untrained) DSpark drafter's cost
     specmix) job specmix python scripts/bench_spec.py --target preset:k3-small --peaked --drafter controlled:0.3-0.95 \
         --device cuda --dtype bfloat16 --batch-sizes 64,256 --planners verify_all,cost_aware --rollback replay \
         --temperatures 0 --prompt-len 128 --gen-len 64 --memory-gb 16 --json "$STATE/bench_spec_mixed_h200.json" ;;

@@ -52,7 +52,7 @@ from rollout.request import SamplingParams  # noqa: E402
 from rollout.spec import SpecConfig  # noqa: E402
 from rollout.spec import distill  # noqa: E402
 from rollout.spec.distill import Blocks, DistillConfig, Distiller, anchors, make_blocks, teacher  # noqa: E402
-from rollout.spec.drafter import DSparkConfig, DSparkDrafter  # noqa: E402
+from rollout.spec.drafter import DSparkConfig, DSparkDrafter, default_target_layers  # noqa: E402
 
 ASSET = Path(__file__).resolve().parents[1] / "miles_k3" / "assets" / "k3-tiny-arith"
 
@@ -86,11 +86,6 @@ def read_prompts(path: Path, n: int, tok: ArithmeticTokenizer) -> list[list[int]
         raise SystemExit(f"--target: {path} not found (an asset folder holds train.jsonl and heldout.jsonl)")
     rows = [json.loads(line) for line in path.read_text().splitlines()[:n]]
     return [tok.encode(r["prompt"], add_bos=True) for r in rows]
-
-
-def default_layers(num_layers: int) -> tuple[int, ...]:
-    """Three evenly spaced target layers (1, 3, 5 of 6), fewer on a shallower target."""
-    return tuple(sorted({(2 * k + 1) * num_layers // 6 for k in range(3)}))
 
 
 def target_engine(args, drafter=None, gamma: int = 4) -> Engine:
@@ -167,7 +162,7 @@ def main(argv=None) -> None:
     print(f"sampling {len(train_p)} + {len(held_p)} responses from {args.target.name} at T={args.temperature}")
     train_s, held_s = generate(engine, train_p, args, 0), generate(engine, held_p, args, 10**6)
     target = K3ForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
-    layers = (default_layers(target.config.num_hidden_layers) if args.target_layers is None
+    layers = (default_target_layers(target.config.num_hidden_layers) if args.target_layers is None
               else tuple(int(i) for i in args.target_layers.split(",")))
     train_t, held_t = teacher(target, train_s, layers), teacher(target, held_s, layers)
     train_x, held_x = anchors(train_s), anchors(held_s)

@@ -105,6 +105,12 @@ class DSparkConfig:
                              f"{target_config.num_hidden_layers} layers")
 
 
+def default_target_layers(num_layers: int) -> tuple[int, ...]:
+    """The target layers a drafter taps unless told: three evenly spaced ones (1, 3, 5 of 6), fewer on a
+    shallower target."""
+    return tuple(sorted({(2 * k + 1) * num_layers // 6 for k in range(3)}))
+
+
 class _DraftLayer(nn.Module):
     """Pre-norm attention (queries from the block; keys / values from the projected target context, then
     the block, all visible: bidirectional inside the block) and a SiLU-gated MLP."""

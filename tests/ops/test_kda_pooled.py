@@ -65,18 +65,24 @@ _FLA = textwrap.dedent("""
 """)
 
 
-def test_flas_in_place_recurrence_equals_its_gathered_call_bit_for_bit_and_compiles(tmp_path):
+def run_and_compile(script: str, tmp_path) -> list[str]:
+    """Run `script` under Triton's interpreter (it records its launches to $LAUNCHES_JSON), then compile every
+    launch for sm_90 with Triton's own compiler. -> the launched kernels' names, in order."""
     path = tmp_path / "launches.json"
     os.environ["LAUNCHES_JSON"] = str(path)
     try:
-        assert_interpreted_ok(_FLA, timeout=300)
+        assert_interpreted_ok(script, timeout=300)
     finally:
         del os.environ["LAUNCHES_JSON"]
-    assert [s["kernel"].split(":")[1] for s in json.loads(path.read_text())] == ["fused_recurrent_kda_fwd_kernel"]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-m", "miles_k3.kernels.compile_check", str(path)], env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return [spec["kernel"].split(":")[1] for spec in json.loads(path.read_text())]
+
+
+def test_flas_in_place_recurrence_equals_its_gathered_call_bit_for_bit_and_compiles(tmp_path):
+    assert run_and_compile(_FLA, tmp_path) == ["fused_recurrent_kda_fwd_kernel"]
 
 
 def _masked_block(seed=2, n=5, t=4, counts=(0, 1, 2, 4, 3)):
@@ -183,14 +189,4 @@ def test_our_pooled_recurrence_reads_or_steps_the_rows_and_a_block_equals_its_st
     outputs and leaves the pool alone, packed rows give their unpacked outputs, a masked block written in one
     call is the state its single-token calls (the decode step) write bit for bit; every launch compiles for
     sm_90."""
-    path = tmp_path / "launches.json"
-    os.environ["LAUNCHES_JSON"] = str(path)
-    try:
-        assert_interpreted_ok(_ROWS, timeout=300)
-    finally:
-        del os.environ["LAUNCHES_JSON"]
-    assert {s["kernel"].split(":")[1] for s in json.loads(path.read_text())} == {"_kda_rows"}
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-m", "miles_k3.kernels.compile_check", str(path)], env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert set(run_and_compile(_ROWS, tmp_path)) == {"_kda_rows"}

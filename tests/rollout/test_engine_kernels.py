@@ -61,6 +61,18 @@ _SCRIPT = textwrap.dedent("""
         assert a.output_ids == b.output_ids
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
 
+    # the same through the graphs' padded functions (run eagerly here): the fold's block (a grouped short conv
+    # over the block, the gate, our recurrence over T tokens) commits the decode steps' state
+    from tests.rollout.test_spec_engine import spec_engine
+    with kernels.interpreted_launches(record) as launches:
+        eng = spec_engine(ScriptedDrafter({tuple(p): c.output_ids for p, c in zip(prompts, want)}, wrong=0.3),
+                          graphs=True, max_running=4, mla_attention="triton")
+        graphed = eng.generate(prompts, params)
+    assert eng.decoder.strategy._fold_graphs.replays > 0 and launches.get("_kda_rows", 0) > 0
+    for a, b in zip(graphed, want):
+        assert a.output_ids == b.output_ids
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
+
     from tests.ops.kernel_cases import op_calls  # k3-small's widths, for the compile check's specializations
     with torch.inference_mode(), kernels.interpreted_launches(record):
         for dtype in (torch.float32, torch.bfloat16):

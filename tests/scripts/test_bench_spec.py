@@ -81,3 +81,26 @@ def test_a_controlled_drafter_refuses_sampled_rows():
 
     with pytest.raises(ValueError, match="greedy rows only"):
         bench_spec.main(["--target", "preset:k3-tiny", "--drafter", "controlled:0.5", "--batch-sizes", "1"])
+
+
+def test_a_controlled_drafter_with_a_dspark_shadow_keeps_its_acceptance_and_runs_the_shadow(tmp_path, monkeypatch):
+    """--drafter-cost dspark: an untrained DSpark drafter rides along (taps, windows from the prefill and every
+    verify, a block forward per step) and its drafts are dropped: greedy output is still the target's and every
+    draft is kept at rate 1, as without it; a non-controlled drafter refuses the flag by name."""
+    import pytest
+
+    made = []
+    build = bench_spec.shadow_drafter
+    monkeypatch.setattr(bench_spec, "shadow_drafter", lambda config, gamma: made.append(build(config, gamma)) or made[-1])
+    out = tmp_path / "bench.json"
+    bench_spec.main(["--target", "preset:k3-tiny", "--drafter", "controlled:1.0", "--drafter-cost", "dspark",
+                     "--temperatures", "0", "--batch-sizes", "3", "--prompt-len", "10", "--gen-len", "11",
+                     "--gamma", "4", "--threads", "1", "--json", str(out)])
+    report = json.loads(out.read_text())
+    (row,) = report["rows"]
+    assert report["meta"]["drafter_cost"] == "dspark"
+    assert row["lossless"] and row["draft_acceptance"] == 1 and row["mean_tokens_per_verify"] > 3
+    (shadow,) = made
+    assert shadow.taps and shadow.contexts.ids()  # attached to the target, its windows filled
+    with pytest.raises(ValueError, match="--drafter-cost"):
+        bench_spec.main(["--drafter", str(tmp_path / "none"), "--drafter-cost", "dspark"])

@@ -8,8 +8,9 @@ verify forward of gamma + 1 tokens per row, the fold, the planner) does not. Thi
 target's greedy continuation of each prompt (from a plain greedy run of the same engine settings) and
 proposes, at every draft position independently, the target's next token with probability `acceptance`
 and another token otherwise: greedy verification then keeps each draft with probability `acceptance` given
-the earlier ones survived, whatever the weights (a random-init k3-small included). Greedy rows only: its
-q is one-hot on each draft, which is exact, but only a greedy target accepts it at the stated rate.
+the earlier ones survived, whatever the weights (a random-init k3-small included). Greedy rows only: only
+greedy verification keeps its drafts at the stated rate, and it reads no q, so none is returned (a one-hot
+q would be exact).
 Confidences are each row's own rate (the cost-aware planner then has true confidences to rank by). Draws
 come from its own seeded generator, not the rows'.
 
@@ -83,6 +84,5 @@ class ControlledDrafter(Drafter):
         keep = torch.rand(n, gamma, generator=self.generator) < rates[:, None]
         other = (truth + torch.randint(1, v, (n, gamma), generator=self.generator)) % v  # never the target's
         drafts = torch.where(keep, truth, other).to(anchors.device)
-        q = torch.zeros(n, gamma, v, device=anchors.device).scatter_(2, drafts[..., None], 1.0)  # one-hot, fp32 only
         conf = rates[:, None].expand(n, gamma).to(anchors.device)
-        return drafts, q, conf
+        return drafts, None, conf  # q: none for greedy rows (its one-hot over k3-small's vocabulary: 0.7 GB at 256)

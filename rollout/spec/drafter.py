@@ -48,7 +48,8 @@ class Drafter:
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """batch: the rows (`Running`: the anchor sits at r.pos, draft k at r.pos + k); anchors [N] their next
         input tokens (device) -> (drafts [N, gamma]
-        long, q [N, gamma, V]: row n's draft j was drawn from q[n, j] given drafts[n, :j]), and with
+        long, q [N, gamma, V]: row n's draft j was drawn from q[n, j] given drafts[n, :j]; None when every
+        row is greedy, whose verification reads no q), and with
         `has_confidence` a third item, confidences [N, gamma]: c[n, j] estimates that draft j survives
         given the earlier ones did, and reads only the drafts before j."""
         raise NotImplementedError
@@ -257,7 +258,8 @@ class DSparkDrafter(nn.Module, Drafter):
             drafts.append(prev)
             qs.append(q)
             confs.append(conf)
-        return torch.stack(drafts, 1), torch.stack(qs, 1), torch.stack(confs, 1)
+        q = None if qs[0] is None else torch.stack(qs, 1)  # None: every row greedy (`draw`)
+        return torch.stack(drafts, 1), q, torch.stack(confs, 1)
 
     def observe(self, batch, tapped, lengths, counts):
         starts = [0, *itertools.accumulate(lengths)][:-1]

@@ -156,7 +156,8 @@ class SpecDecode(DecodeStrategy):
             window.record(self.runner.model, self.runner.states, inputs, [r.slot for r in batch])
         w = logits.shape[1]  # a graph of width max(num) + 1 verifies only that many positions
         with record_function("spec.verify"):
-            tokens, logps, counts = verify(logits, drafts[:, :w - 1], q[:, :w - 1], params, seeds,
+            q = None if q is None else q[:, :w - 1]  # None: every row greedy
+            tokens, logps, counts = verify(logits, drafts[:, :w - 1], q, params, seeds,
                                            to_device(positions, logits.device), num)
             committed = _committed(batch, tokens, counts)
         both = [tokens.double(), logps.double(), committed.double()[:, None], counts.double()[:, None]]

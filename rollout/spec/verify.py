@@ -62,12 +62,13 @@ def draw(logits: torch.Tensor, params: list[SamplingParams], seeds: torch.Tensor
     DRAFT-stream seeds (`stream_seeds(..., DRAFT, ...)`, device) -> (tokens [B], q [B, V] the exact
     distribution each token came from). Sampled rows draw from p' of their logits (the request's
     temperature / top-k / top-p) with that noise, through the sampler (its kernel on CUDA); greedy rows take
-    the first argmax (q one-hot on it)."""
-    _, q = warp(logits, params)
+    the first argmax (q one-hot on it). q is None when every row is greedy: greedy verification reads no q,
+    and building it (a softmax and a one-hot over the vocabulary for every row and draft position) was about
+    4 GB of memory traffic a batch-256 step at k3-small's 163,840-token vocabulary."""
     if all(p.temperature == 0 for p in params):
-        tokens = _math(logits).argmax(dim=-1)
-    else:
-        tokens, _ = sample_keys(logits, params, torch.stack([seeds, positions.long()]))
+        return _math(logits).argmax(dim=-1), None
+    _, q = warp(logits, params)
+    tokens, _ = sample_keys(logits, params, torch.stack([seeds, positions.long()]))
     greedy = [i for i, p in enumerate(params) if p.temperature == 0]
     if greedy:
         rows = to_device(greedy, q.device)
@@ -75,12 +76,13 @@ def draw(logits: torch.Tensor, params: list[SamplingParams], seeds: torch.Tensor
     return tokens, q
 
 
-def verify(logits: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor, params: list[SamplingParams],
+def verify(logits: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | None, params: list[SamplingParams],
            seeds: list[int], positions: torch.Tensor, num_drafts: list[int] | None = None
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One verify step for N rows (see the module docstring).
 
-    logits [N, G + 1, V]: the verify forward's, at the anchor and each draft; drafts [N, G]; q [N, G, V];
+    logits [N, G + 1, V]: the verify forward's, at the anchor and each draft; drafts [N, G]; q [N, G, V] (None
+    when every row is greedy: argmax agreement reads no q);
     seeds: the rows' requests'; positions [N] (device): each anchor's position (draft j sits at
     positions[n] + j);
     `num_drafts[n]` (<= G, default G): how many of row n's drafts are verified (the rest count as rejected
@@ -93,6 +95,8 @@ def verify(logits: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor, params: 
     limit = to_device(limit, device)
     if all(p.temperature == 0 for p in params):
         return _verify_greedy(logits, drafts, limit)
+    if q is None:
+        raise ValueError("verify: sampled rows need the drafter's q (a drafter returns None only for greedy rows)")
     rows_params = [p for p in params for _ in range(g1)]
     logp, target = warp(logits.reshape(n * g1, vocab), rows_params)
     logp, target = logp.view(n, g1, vocab), target.view(n, g1, vocab)

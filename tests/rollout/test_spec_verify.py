@@ -131,6 +131,13 @@ def test_greedy_keeps_the_argmax_run_and_reports_temperature_one_logprobs():
     assert torch.equal(logps, ref)
     _, _, capped = verify(logits, drafts, torch.zeros(3, GAMMA, 7), greedy, [0] * 3, at, num_drafts=[1, 2, 0])
     assert capped.tolist() == [2, 2, 1]
+    # greedy verification reads no q: a drafter's all-greedy draw gives none, and the same tokens come out
+    tok, q = draw(logits[:, 0], greedy, stream_seeds([0] * 3, DRAFT, "cpu"), at + 1)
+    assert q is None and torch.equal(tok, best[:, 0])
+    again, again_logps, again_counts = verify(logits, drafts, None, greedy, [0] * 3, at)
+    assert torch.equal(again, tokens) and torch.equal(again_logps, logps) and again_counts.tolist() == [3, 2, 1]
+    with pytest.raises(ValueError, match="q"):  # a sampled row without its q, by name
+        verify(logits, drafts, None, [SamplingParams(temperature=1.0)] * 3, [0] * 3, at)
 
 
 def test_a_rows_draws_do_not_depend_on_its_batch():

@@ -24,15 +24,15 @@ Inputs are static buffers, one [bucket * width, C] per KDA layer and projection,
 n * width + j: a verify of `width` tokens per row (the graphed verify) fills them with one copy, a
 planner's ragged verify with one index_copy.
 
-Counts on the device: `fold` takes each row's committed count as a device tensor and never reads it, so
-the fold is enqueued right behind the verify that decided it, and the host reads the step once, at its
-end (`rollout.spec.strategy`). Chunk boundaries: a row that may reach a prefix-cache checkpoint position
-this step (one within its verified tokens) must leave its state there in a checkpoint slot, and whether it
-reaches it is not known yet. Such a step replays twice: prepare and advance up to min(boundary, count) per row, a copy of
-every such row's working state (`checkpoint`), then advance the rest from the prepared block (a second
-graph: the slot's conv state has moved, the block's history has not). The caller keeps the checkpoints of rows whose count reached the
-boundary and frees the others, once it reads the counts. A row meets at most one boundary per step
-(chunk_size >= width).
+Counts on the device: `fold` takes each row's committed count as a device tensor and never reads it, so the
+fold is enqueued right behind the verify that decided it, and the host reads the step once, at its end
+(`rollout.spec.strategy`). Chunk boundaries: a row that may reach a prefix-cache checkpoint position this step
+(one within its verified tokens) must leave its state there in a checkpoint slot, and whether it reaches it is
+not known yet. Such a step replays twice: prepare and advance up to min(boundary, count) per row, a copy of
+every such row's working state (`checkpoint`), then advance the rest from the prepared block (a second graph:
+the slot's conv state has moved, the block's history has not). The caller keeps the checkpoints of rows whose
+count reached the boundary and frees the others, once it reads the counts. A row meets at most one boundary per
+step (chunk_size >= width).
 
 `capture=False` runs the same padded function eagerly: the CPU tests' way to check it against the eager
 fold, bit for bit.
@@ -143,7 +143,8 @@ class FoldGraphs:
         static = dict(raw=raw, slots=torch.full((bucket,), self.states.sink_slot, dtype=torch.long, device=device),
                       start=torch.zeros(bucket, dtype=torch.long, device=device),
                       stop=torch.zeros(bucket, dtype=torch.long, device=device),
-                      positions=torch.arange(w, device=device))
+                      offsets=torch.arange(w, device=device),  # a block's positions
+                      window=torch.arange(next(iter(self.states.conv.values())).shape[-1], device=device))
         self.captures += 1  # counted as on CUDA when the padded shape runs eagerly (the CPU tests' policy)
         if not self.capture:
             self.graphs[bucket] = (None, None, static)
@@ -165,18 +166,19 @@ class FoldGraphs:
     def _step(self, static: dict, prepare: bool) -> None:
         """The padded fold: every row, masked to start <= j < stop; `prepare` first computes the block's convs,
         gates and conv history (`block_kda_inputs`) into static["block"]."""
-        slots, start, stop, j = static["slots"], static["start"], static["stop"], static["positions"]
+        slots, start, stop = static["slots"], static["start"], static["stop"]
         states, bucket, w = self.states, slots.shape[0], self.width
         with torch.inference_mode():
             if prepare:
-                static["block"] = {
-                    layer: block_kda_inputs(mixer, {p: static["raw"][layer][p].view(bucket, w, -1) for p in PROJECTIONS},
-                                            states.conv[layer].index_select(0, slots))
-                    for layer, mixer in self.mixers.items()}
-            active = (start[:, None] <= j) & (j < stop[:, None])  # [bucket, w]
+                static["block"] = {}
+                for layer, mixer in self.mixers.items():
+                    raw = {p: buf.view(bucket, w, -1) for p, buf in static["raw"][layer].items()}
+                    static["block"][layer] = block_kda_inputs(mixer, raw, states.conv[layer].index_select(0, slots))
+            j = static["offsets"]
+            active = (start[:, None] <= j) & (j < stop[:, None])  # [bucket, w]: the tokens each row folds
+            at_stop = stop[:, None, None, None] + static["window"]  # the history entries of the conv state at stop
             for layer, ((q, k, v), g, beta, history) in static["block"].items():
-                window = stop[:, None, None, None] + torch.arange(history.shape[-1] - w, device=stop.device)
-                states.conv[layer].index_copy_(0, slots, history.gather(-1, window.expand(*history.shape[:3], -1)))
+                states.conv[layer].index_copy_(0, slots, history.gather(-1, at_stop.expand(*history.shape[:3], -1)))
                 kda_advance(q, k, v, torch.where(active[..., None, None], g, 0.0),
                             torch.where(active[..., None], beta, 0.0), PooledState(states.recurrent[layer], slots),
                             scratch=states.sink_slot, use_qk_l2norm=True)

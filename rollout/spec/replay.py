@@ -1,14 +1,14 @@
 """ReplaySSM: a verify forward that never writes the committed KDA state, and the fold that commits only
 the accepted tokens.
 
-The verify forward runs the row's anchor and drafts through the target over the pools (`verify_forward`):
-MLA writes the block's KV rows into the row's pages (rows past the accepted length are rewritten before
-anything reads them: MLA's KV is append-only), while every KDA layer reads the working slot where it lies
-and computes no new state (`VerifyStateCache`, `miles_k3.ops.kda.FrozenRows`). What the fold needs is kept instead: each KDA layer's raw per-token
-inputs, the q / k / v projections before the short conv, the gate projection `f` and the beta projection
-`b` (`KDAInputs`, read with forward hooks on those projections: the mixer's later values are not
-reachable from outside it). About (3 H K + H K + H) numbers per token and layer against a state snapshot
-of H K V + 3 H K (W - 1): for k3-small's K = V = 128 about 32x less per drafted token.
+The verify forward runs the row's anchor and drafts through the target over the pools (`verify_forward`): MLA
+writes the block's KV rows into the row's pages (rows past the accepted length are rewritten before anything
+reads them: MLA's KV is append-only), while every KDA layer reads the working slot where it lies and computes
+no new state (`VerifyStateCache`, `miles_k3.ops.kda.FrozenRows`). What the fold needs is kept instead: each KDA
+layer's raw per-token inputs, the q / k / v projections before the short conv, the gate projection `f` and the
+beta projection `b` (`KDAInputs`, read with forward hooks on those projections: the mixer's later values are
+not reachable from outside it). About (3 H K + H K + H) numbers per token and layer against a state snapshot of
+H K V + 3 H K (W - 1): for k3-small's K = V = 128 about 32x less per drafted token.
 
 `fold` then replays, token by token and for the accepted prefix only, exactly what a plain decode step
 does after those projections (short conv step, gate, beta, one recurrent KDA step, through the mixer's
@@ -40,8 +40,8 @@ PROJECTIONS = ("q_proj", "k_proj", "v_proj", "f_b_proj", "b_proj")
 
 
 class VerifyStateCache(PoolStateCache):
-    """`PoolStateCache` for a verify forward: KDA layers read the committed working state and their new
-    state is dropped (the fold commits the accepted part); MLA rows are written as in any step."""
+    """`PoolStateCache` for a verify forward: KDA layers read the committed working state and write none (the
+    fold commits the accepted part); MLA rows are written as in any step."""
 
     def kda_state(self, layer_idx: int) -> KDAState:
         """The committed state: the conv states as copies (the pool's rows themselves, `PooledState`, would be

@@ -91,7 +91,8 @@ def test_a_controlled_drafter_with_a_dspark_shadow_keeps_its_acceptance_and_runs
 
     made = []
     build = bench_spec.shadow_drafter
-    monkeypatch.setattr(bench_spec, "shadow_drafter", lambda config, gamma: made.append(build(config, gamma)) or made[-1])
+    monkeypatch.setattr(bench_spec, "shadow_drafter",
+                        lambda config, gamma: made.append(build(config, gamma)) or made[-1])
     out = tmp_path / "bench.json"
     bench_spec.main(["--target", "preset:k3-tiny", "--drafter", "controlled:1.0", "--drafter-cost", "dspark",
                      "--temperatures", "0", "--batch-sizes", "3", "--prompt-len", "10", "--gen-len", "11",

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import TypeVar
 
 import torch
@@ -98,6 +98,33 @@ def model_step(model: K3ForCausalLM, ids: torch.Tensor, cache: PoolStateCache,
 # rollout's batch passes through most buckets for one to three steps each as samples stop; a steady batch
 # (the benchmark's) asks for the same bucket every step and is captured on its third.
 CAPTURE_AFTER = 3
+
+
+@contextlib.contextmanager
+def hooks(modules: dict[str, torch.nn.Module], store: dict[str, torch.Tensor]) -> Iterator[None]:
+    """While open, each module's forward output lands in store[name] (the last call's)."""
+
+    def keep(name):
+        def hook(_module, _inputs, output):
+            store[name] = output
+        return hook
+
+    handles = [m.register_forward_hook(keep(name)) for name, m in modules.items()]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def tapped_rows(store: dict[str, torch.Tensor | tuple], n: int) -> dict[str, torch.Tensor]:
+    """Hooked outputs of a step of one token a row ([B, 1, ...], or a tuple led by it: a decoder layer's)
+    as the packed form a drafter reads: [1, n, ...], the first n rows."""
+    rows = {}
+    for name, out in store.items():
+        out = out[0] if isinstance(out, tuple) else out
+        rows[name] = out.reshape(1, -1, *out.shape[2:])[:, :n]
+    return rows
 
 
 class GraphChoice:
@@ -193,18 +220,20 @@ class DecodeGraphs:
             and _bucket(hist, self.hist_buckets) is not None \
             and (self.adapters is None or self.adapters.batch_slot is not None)
 
-    def run(self, ids: torch.Tensor, slots: list[int], positions: list[int], page_tables: list[list[int]]
-            ) -> torch.Tensor:
-        """One decode token per request (ids [N] on the pools' device) -> logits [N, V]. Enqueues only:
-        inputs go to the device with asynchronous copies, so the host can prepare the next step while
-        this one runs."""
+    def run(self, ids: torch.Tensor, slots: list[int], positions: list[int], page_tables: list[list[int]],
+            taps: dict[str, torch.nn.Module] | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """One decode token per request (ids [N] on the pools' device) -> (logits [N, V], the outputs of `taps`,
+        modules of the model, at each row's token: [1, N, ...] by name, empty without taps; a tapped step has
+        graphs of its own, which hold those outputs). Enqueues only: inputs go to the device with asynchronous
+        copies, so the host can prepare the next step while this one runs."""
         n = ids.shape[0]
+        taps = taps or {}
         slot_key: tuple = ()
         if self.adapters is not None:
             slot = self.adapters.batch_slot
             assert slot is not None, "run() needs one adapter slot for the whole batch (see usable)"
             slot_key = (slot, float(self.adapters.scale[slot]))
-        key = self.graph_key(n, max(positions) + 1, slot_key)
+        key = self.graph_key(n, max(positions) + 1, slot_key + (("tapped",) if taps else ()))
         bb, sb = key[0], key[1]
         pad = bb - n
         # built on the host and copied straight into the graph's static inputs (no device-side temporary)
@@ -221,23 +250,23 @@ class DecodeGraphs:
                 self.graphs[key] = None
                 self.captures += 1
             self.replays += 1
-            return self._step(ids_t, layout)[:n]
+            return self._tapped_step(ids_t, layout, taps, n)
         if key not in self.graphs:
             try:
-                self.graphs[key] = self._capture(bb, sb)
+                self.graphs[key] = self._capture(bb, sb, taps)
                 self.captures += 1
             except Exception:  # noqa: BLE001 - any capture failure means: run eagerly from now on
                 log.warning("CUDA graph capture failed for batch %d, history %d, adapter %s; decoding eagerly",
                             bb, sb, slot_key or None, exc_info=True)
                 self.failed = True
                 self.graphs.clear()
-                return self._step(ids_t, layout.to(self._device))[:n]
-        graph, static_ids, static_layout, out = self.graphs[key]
+                return self._tapped_step(ids_t, layout.to(self._device), taps, n)
+        graph, static_ids, static_layout, out, store = self.graphs[key]
         static_ids.copy_(ids_t)
         static_layout.copy_(layout)
         graph.replay()
         self.replays += 1
-        return out[:n]
+        return out[:n], tapped_rows(store, n)
 
     @property
     def _device(self) -> torch.device:
@@ -247,10 +276,17 @@ class DecodeGraphs:
         with torch.inference_mode():
             return self._model_step(self.model, ids, PoolStateCache(self.kv, self.states, layout), None)
 
-    def _capture(self, bb: int, sb: int):
+    def _tapped_step(self, ids: torch.Tensor, layout: BatchLayout, taps: dict, n: int):
+        store: dict[str, torch.Tensor] = {}
+        with hooks(taps, store):
+            logits = self._step(ids, layout)
+        return logits[:n], tapped_rows(store, n)
+
+    def _capture(self, bb: int, sb: int, taps: dict):
         # Warm-up and capture run on sink-only inputs, so they touch no request's state or KV.
         layout = BatchLayout.build(self.kv, [self.states.sink_slot] * bb, [0] * bb, [1] * bb,
                                    [[self.kv.sink_page]] * bb, self._device, hist_len=sb, dcp_rank=self.dcp_rank)
         ids = torch.zeros(bb, 1, dtype=torch.long, device=self._device)
-        graph, out = capture_graph(lambda: self._step(ids, layout))
-        return graph, ids, layout, out
+        store: dict[str, torch.Tensor] = {}  # the taps' outputs inside the graph's memory, refilled by replays
+        graph, out = capture_graph(lambda: self._step(ids, layout), lambda: hooks(taps, store))
+        return graph, ids, layout, out, store

@@ -29,7 +29,7 @@ from miles_k3.model.lora_spec import LoraSpec
 from miles_k3.model.modeling import K3ForCausalLM, MediaEmbeds
 from miles_k3.model.moe import RoutedExperts
 from rollout.config import EngineConfig
-from rollout.forward import DecodeGraphs, model_step
+from rollout.forward import DecodeGraphs, hooks, model_step, tapped_rows
 from rollout.linears import EngineExperts, EngineLinear, Shard
 from rollout.lora import AdapterPool
 from rollout.memory import KDAStatePool, KVPagePool
@@ -285,7 +285,7 @@ class ModelRunner:
                                     lengths if packed else 1)
         graphed = not packed and cache_class is PoolStateCache and media is None and self.graphs is not None
         if graphed and self.graphs.usable(len(batch), max(r.pos for r in batch) + 1):
-            return self.graphs.run(ids, [r.slot for r in batch], [r.pos for r in batch], [r.pages for r in batch])
+            return self.graphs.run(ids, [r.slot for r in batch], [r.pos for r in batch], [r.pages for r in batch])[0]
         layout = BatchLayout.build(self.kv, [r.slot for r in batch], [r.pos for r in batch], lengths,
                                    [r.pages for r in batch], self.device, dcp_rank=self.dcp_rank)
         cache = cache_class(self.kv, self.states, layout)
@@ -296,3 +296,20 @@ class ModelRunner:
             ids_t, cu = ids[:, None], None
         with torch.inference_mode():
             return model_step(self.model, ids_t, cache, cu, every_token, media)
+
+    def forward_tapped(self, batch: list[Running], ids: list[int] | torch.Tensor, taps: dict[str, torch.nn.Module]
+                       ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """A decode step (one token a row, as `forward`) that also returns the outputs of `taps` (modules of the
+        model) at each row's token, [1, N, ...] by name: a speculative engine's plain step, whose drafter reads
+        them. From a decode graph of its own where graphs serve the batch (`DecodeGraphs.run`)."""
+        if not torch.is_tensor(ids):
+            ids = to_device(ids, self.device)
+        if self.adapters is not None:
+            self.adapters.set_batch([self.adapters.slot_of(r.req.adapter) for r in batch], 1)
+        if self.graphs is not None and self.graphs.usable(len(batch), max(r.pos for r in batch) + 1):
+            return self.graphs.run(ids, [r.slot for r in batch], [r.pos for r in batch], [r.pages for r in batch],
+                                   taps)
+        store: dict[str, torch.Tensor] = {}
+        with hooks(taps, store):
+            logits = self.forward(batch, ids, [1] * len(batch))
+        return logits, tapped_rows(store, len(batch))

@@ -88,6 +88,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--drafter-cost", choices=("none", "dspark"), default="none", help="with a controlled drafter: "
                     "dspark also runs an untrained DSpark drafter of the default shape at every call and drops its "
                     "drafts (scripts/controlled_drafter.py, `shadow`), so the figures include a real drafter's cost")
+    ap.add_argument("--max-batch", type=int, default=None, help="SpecConfig.max_batch of the speculative engines "
+                    "(speculate only in batches of at most this many rows; default: always)")
     ap.add_argument("--temperatures", default="0,1", help="comma-separated (0: greedy)")
     ap.add_argument("--prompt-len", type=int, default=64, help="random prompt tokens (--target preset: only)")
     ap.add_argument("--peaked", action="store_true", help="--target preset: a random target whose greedy next "
@@ -283,7 +285,7 @@ def main(argv=None) -> None:
             for planner in args.planners.split(","):
                 for rollback in args.rollback.split(","):
                     cfg = EngineConfig(**ecfg, overlap="off", speculation=SpecConfig(
-                        drafter=drafter, gamma=gamma, planner=planner, rollback=rollback))
+                        drafter=drafter, gamma=gamma, planner=planner, rollback=rollback, max_batch=args.max_batch))
                     spec = Engine(model, cfg)
                     spec_out, spec_s, spec_dec_s = run(spec, prompts, params)
                     st = spec.decoder.strategy.stats
@@ -297,7 +299,7 @@ def main(argv=None) -> None:
                         decode_speedup=round(decode_tok_s(spec_tok, spec_dec_s) / decode_tok_s(plain_tok, plain_dec_s),
                                              3),
                         prefill_s=round(plain_s - plain_dec_s, 3),
-                        mean_tokens_per_verify=round(st.mean_accepted, 3),
+                        plain_steps=st.plain_steps, mean_tokens_per_verify=round(st.mean_accepted, 3),
                         draft_acceptance=round(st.accepted / max(st.drafted, 1), 3),
                         verify_tokens_per_step=round((st.rows + st.drafted) / max(st.steps, 1), 1),
                         lossless=all(a.output_ids == c.output_ids for a, c in zip(plain_out, spec_out))

@@ -64,6 +64,7 @@ class GenerateArgs:
     drafter: str | None
     gamma: int | None
     spec_planner: str | None
+    spec_max_batch: int | None
     device: str
     dtype: str | None
     quantize: str
@@ -102,7 +103,7 @@ class GenerateArgs:
                            tokenizer=self.tokenizer, device=self.device, dtype=self.dtype, quantize=self.quantize,
                            memory_mb=self.memory_mb, max_running=self.max_running, max_seq_len=self.max_seq_len,
                            speculative=self.speculative, drafter=self.drafter, gamma=self.gamma,
-                           spec_planner=self.spec_planner)
+                           spec_planner=self.spec_planner, spec_max_batch=self.spec_max_batch)
 
     def sampling(self, row: int, stops: tuple[int, ...]):
         from rollout.request import SamplingParams
@@ -342,7 +343,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ep", action="store_true", help="with --tp: whole routed experts, num_experts / tp per rank")
     from rollout.server.config import ServeConfig
 
-    for name in ("speculative", "drafter", "gamma", "spec_planner"):  # the server's flags, help and defaults
+    # the server's flags, help and defaults
+    for name in ("speculative", "drafter", "gamma", "spec_planner", "spec_max_batch"):
         f = ServeConfig.__dataclass_fields__[name]
         p.add_argument("--" + name.replace("_", "-"), type=f.metadata.get("type", str), default=f.default,
                        help=f.metadata["help"])

@@ -158,12 +158,12 @@ def _renamed(build, component: type, prefix: str = ""):
 
 
 @dataclass
-class SpeculativeCfg(component_fields(SpecConfig, ("gamma", "planner"))):
+class SpeculativeCfg(component_fields(SpecConfig, ("gamma", "planner", "max_batch"))):
     """rollout.speculative.*: DSpark speculation in the rollout engine (lossless: each sample's tokens and
     log-probs follow the policy with or without it, only faster) and the online distillation that keeps the
-    drafter in step with the policy as RL moves it. Off unless `drafter` is set. `gamma` and `planner` are
-    SpecConfig's (its defaults and checks); the distill_* fields are DistillConfig's, under the trainer's
-    names (its defaults and checks)."""
+    drafter in step with the policy as RL moves it. Off unless `drafter` is set. `gamma`, `planner` and
+    `max_batch` (speculate only in batches that small: a rollout's tail) are SpecConfig's (its defaults and
+    checks); the distill_* fields are DistillConfig's, under the trainer's names (its defaults and checks)."""
 
     # a DSpark drafter directory (config.json + model.safetensors, written by scripts/train_drafter.py), or
     # builtin:<asset>/drafter; None: no speculation
@@ -201,7 +201,7 @@ class SpeculativeCfg(component_fields(SpecConfig, ("gamma", "planner"))):
         if self.drafter is None:
             return None
         return _renamed(lambda: SpecConfig(drafter=builtin_path(self.drafter), gamma=self.gamma,
-                                           planner=self.planner), SpecConfig)
+                                           planner=self.planner, max_batch=self.max_batch), SpecConfig)
 
     def distill(self) -> DistillConfig:
         return DistillConfig(steps=self.distill_steps, lr=self.distill_lr, blocks=self.distill_blocks,

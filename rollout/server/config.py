@@ -62,6 +62,9 @@ class ServeConfig:
     spec_planner: str | None = field(default=None, metadata={
         "help": "with --speculative: verify_all or cost_aware (how many drafts a verify checks); default: "
                 "SpecConfig's"})
+    spec_max_batch: int | None = field(default=None, metadata={
+        "help": "with --speculative: speculate only while at most this many requests decode together; larger "
+                "batches decode one token a step; default: always speculate", "type": int})
     max_queued: int = field(default=256, metadata={
         "help": "samples that may wait for a decode slot beyond the max-running ones; past that, 429"})
     shutdown_timeout: float = field(default=30.0, metadata={
@@ -108,12 +111,14 @@ class ServeConfig:
             return None
         from rollout.spec import SpecConfig
 
-        given = {k: v for k, v in (("gamma", self.gamma), ("planner", self.spec_planner)) if v is not None}
+        given = {k: v for k, v in (("gamma", self.gamma), ("planner", self.spec_planner),
+                                   ("max_batch", self.spec_max_batch)) if v is not None}
         try:
             return SpecConfig(drafter=Path(builtin_path(self.drafter)), **given)
         except ValueError as e:  # "SpecConfig.gamma must ..." -> the flag's name
             raise ValueError(str(e).replace("SpecConfig.planner", "--spec-planner")
-                             .replace("SpecConfig.gamma", "--gamma")) from None
+                             .replace("SpecConfig.gamma", "--gamma")
+                             .replace("SpecConfig.max_batch", "--spec-max-batch")) from None
 
     # ------------------------------------------------------------------- check
     def check(self) -> None:

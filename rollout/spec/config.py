@@ -38,6 +38,11 @@ class SpecConfig:
     # "snapshot" (the baseline it replaces: a full state snapshot after every draft step, the accepted
     # one kept, rollout.spec.snapshot); both commit the same state
     rollback: str = "replay"
+    # speculate only while the decode batch has at most this many rows; a larger batch decodes one token a row
+    # per step (the plain decode step, its graphs capturing the drafter's taps so its context stays current),
+    # since there a block of gamma + 1 tokens costs about its tokens' worth (one H200, k3-small, 2026-12-04:
+    # 1.6x plain decoding at batch 1, 0.9x at 64, 0.47x at 256); None: every step speculates
+    max_batch: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.drafter, (str, Path, Drafter)):
@@ -49,6 +54,10 @@ class SpecConfig:
             raise ValueError(f"SpecConfig.planner must be one of {PLANNERS}, got {self.planner!r}")
         if self.rollback not in ROLLBACKS:
             raise ValueError(f"SpecConfig.rollback must be one of {ROLLBACKS}, got {self.rollback!r}")
+        if self.max_batch is not None and (isinstance(self.max_batch, bool) or not isinstance(self.max_batch, int)
+                                           or self.max_batch < 1):
+            raise ValueError(f"SpecConfig.max_batch must be an integer >= 1 (None: every step speculates), got "
+                             f"{self.max_batch!r}")
 
     def __eq__(self, other) -> bool:
         """Field by field, a `Drafter` instance by its class: each rank of a sharded engine builds its own
@@ -62,7 +71,7 @@ class SpecConfig:
 
     def _key(self) -> tuple:
         drafter = type(self.drafter).__qualname__ if isinstance(self.drafter, Drafter) else str(self.drafter)
-        return drafter, self.gamma, self.planner, self.rollback
+        return drafter, self.gamma, self.planner, self.rollback, self.max_batch
 
     def build_drafter(self, runner) -> Drafter:
         """The drafter for the engine's `ModelRunner`, loaded when `drafter` is a directory."""

@@ -19,7 +19,7 @@ from torch import nn
 from rollout.media import packed_media
 from rollout.request import SamplingParams
 from rollout.spec.contexts import ContextWindows
-from rollout.spec.replay import hooks
+from rollout.forward import hooks
 from rollout.spec.verify import DRAFT, draw, stream_seeds
 from rollout.transfer import to_device
 

@@ -28,8 +28,8 @@ import logging
 
 import torch
 
-from rollout.forward import GraphChoice, _bucket, capture_graph, model_step
-from rollout.spec.replay import KDAInputs, PROJECTIONS, VerifyStateCache, hooks, kda_mixers
+from rollout.forward import GraphChoice, _bucket, capture_graph, hooks, model_step
+from rollout.spec.replay import KDAInputs, PROJECTIONS, VerifyStateCache, kda_mixers
 from rollout.state_cache import BatchLayout
 
 log = logging.getLogger(__name__)

@@ -21,8 +21,7 @@ to `at_boundary`, which takes the prefix cache's checkpoint.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -31,6 +30,7 @@ from miles_k3.model.cache import KDAState
 from miles_k3.model.layers import KDAMixer
 from miles_k3.model.modeling import K3ForCausalLM
 from miles_k3.ops.kda import FrozenRows, kda_gate_beta
+from rollout.forward import hooks
 from rollout.memory import KDAStatePool
 from rollout.model_runner import ModelRunner
 from rollout.state_cache import PoolStateCache
@@ -64,23 +64,6 @@ class KDAInputs:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for per in self.layers.values() for t in per.values())
-
-
-@contextmanager
-def hooks(modules: dict[str, torch.nn.Module], store: dict[str, torch.Tensor]) -> Iterator[None]:
-    """While open, each module's forward output lands in store[name] (the last call's)."""
-
-    def keep(name):
-        def hook(_module, _inputs, output):
-            store[name] = output
-        return hook
-
-    handles = [m.register_forward_hook(keep(name)) for name, m in modules.items()]
-    try:
-        yield
-    finally:
-        for h in handles:
-            h.remove()
 
 
 def kda_mixers(model: K3ForCausalLM) -> dict[int, KDAMixer]:

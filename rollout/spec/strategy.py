@@ -51,11 +51,13 @@ from torch.profiler import record_function
 from rollout.cache_manager import CacheManager, Running
 from rollout.decode import DecodeLaunch, DecodeStrategy
 from rollout.model_runner import ModelRunner
+from rollout.sampler import sample_on_device
 from rollout.spec.config import SpecConfig
 from rollout.spec.fold_graphs import FoldGraphs
 from rollout.spec.graphs import VerifyGraphs
 from rollout.spec.planner import CostSurface, VerifyPlanner
-from rollout.spec.replay import fold, hooks, verify_forward, with_checkpoints
+from rollout.forward import hooks
+from rollout.spec.replay import fold, verify_forward, with_checkpoints
 from rollout.spec.snapshot import SnapshotWindow
 from rollout.spec.verify import verify
 from rollout.transfer import to_device, to_host
@@ -63,7 +65,8 @@ from rollout.transfer import to_device, to_host
 
 @dataclass
 class SpecStats:
-    """Counted since the strategy was built: verify steps, rows verified, drafts verified, drafts kept,
+    """Counted since the strategy was built: verify steps (and plain ones, above `max_batch`), rows verified,
+    drafts verified, drafts kept,
     tokens emitted (kept drafts plus one per row, before a stop cut), the most draft-window bytes per row
     a step needed (ReplaySSM: its KDA inputs; the snapshot baseline: its gamma state snapshots), and the
     steps whose verify forward and whose fold replayed a captured CUDA graph (the rest ran eagerly, the CPU's
@@ -71,6 +74,7 @@ class SpecStats:
     eager forwards): a benchmark's way to tell a slow step from an eager or a capturing one."""
 
     steps: int = 0
+    plain_steps: int = 0  # steps of a batch over `SpecConfig.max_batch`: one token a row, no drafts
     rows: int = 0
     drafted: int = 0
     accepted: int = 0
@@ -96,6 +100,7 @@ class SpecLaunch(DecodeLaunch):
     checkpoints: list[tuple[int, int, int | None]] = field(default_factory=list)
     tapped: dict[str, torch.Tensor] = field(default_factory=dict)
     lengths: list[int] = field(default_factory=list)  # tokens each row fed the verify forward
+    plain: bool = False  # a plain step (one token a row, above `SpecConfig.max_batch`)
 
 
 class SpecDecode(DecodeStrategy):
@@ -108,7 +113,7 @@ class SpecDecode(DecodeStrategy):
         None: where the runner's decode graphs apply (CUDA), eager otherwise. On CPU True runs their padded
         shapes eagerly. The cost-aware planner's surface is then measured on the graphed forward it runs;
         `surface` plans on a given one instead (measured elsewhere, or a known staircase in a test)."""
-        self.runner, self.gamma, self.rollback = runner, spec.gamma, spec.rollback
+        self.runner, self.gamma, self.rollback, self.max_batch = runner, spec.gamma, spec.rollback, spec.max_batch
         if graphs is None:
             graphs = runner.graphs_apply()
         self.graph_verify = graphs
@@ -142,6 +147,8 @@ class SpecDecode(DecodeStrategy):
         Nothing here waits for the device when verify and fold are graphed; `read` does, once."""
         n, g = len(batch), self.gamma
         anchors = ids if torch.is_tensor(ids) else to_device(ids, self.runner.device)
+        if self.max_batch is not None and n > self.max_batch:
+            return self._plain(batch, anchors)
         params, seeds, positions = [r.req.params for r in batch], [r.req.seed for r in batch], [r.pos for r in batch]
         with record_function("spec.propose"):
             drafts, q, *conf = self.drafter.propose(batch, anchors, g, params)
@@ -213,10 +220,28 @@ class SpecDecode(DecodeStrategy):
         for r, c in zip(launch.batch, committed):
             r.pos += c
         s = self.stats
-        s.steps, s.rows = s.steps + 1, s.rows + len(committed)
-        s.accepted += emitted - len(committed)
-        s.emitted += emitted
+        if launch.plain:
+            s.plain_steps += 1
+        else:
+            s.steps, s.rows = s.steps + 1, s.rows + len(committed)
+            s.accepted += emitted - len(committed)
+            s.emitted += emitted
         return out_t, out_l
+
+    def _plain(self, batch: list[Running], anchors: torch.Tensor) -> SpecLaunch:
+        """One token a row, as plain decoding samples it (`OneToken`), in the form `read` completes: the
+        drafter's taps read at each row's token (its `observe` gets one committed token a row, so its context
+        stays current for the steps that speculate again), a row reaching a chunk boundary checkpointed."""
+        n = len(batch)
+        logits, tapped = self.runner.forward_tapped(batch, anchors, self.drafter.taps)
+        tokens, logps = sample_on_device(logits, [r.req.params for r in batch], [r.req.seed for r in batch],
+                                         [r.pos + 1 for r in batch])
+        ones = torch.ones(n, 2, dtype=torch.float64, device=tokens.device)  # committed and emitted: one token
+        host, ready = to_host(torch.cat([tokens.double()[:, None], logps.double()[:, None], ones], dim=1))
+        chunk = self.memory.config.chunk_size
+        ends = [i for i, r in enumerate(batch) if (r.pos + 1) % chunk == 0]
+        taken = [(i, batch[i].pos + 1, snap) for i, snap in zip(ends, self.memory.snapshots([batch[i] for i in ends]))]
+        return SpecLaunch(batch, tokens[:, None], host, ready, [], taken, tapped, [1] * n, plain=True)
 
     def _verify_forward(self, batch: list[Running], block: torch.Tensor, num: list[int]):
         """The verify forward of each row's anchor and its first num[n] drafts (block [N, g + 1]): logits

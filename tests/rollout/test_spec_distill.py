@@ -18,7 +18,7 @@ from rollout.request import SamplingParams
 from rollout.spec import SpecConfig
 from rollout.spec.distill import DistillConfig, Distiller, anchors, make_blocks, teacher, teacher_blocks
 from rollout.spec.drafter import DSparkConfig, DSparkDrafter, _features
-from rollout.spec.replay import hooks
+from rollout.forward import hooks
 
 ASSET = Path(miles_k3.__file__).parent / "assets" / "k3-tiny-arith"
 TARGET = K3ForCausalLM.from_pretrained(ASSET).eval()  # trained: its distributions are worth imitating

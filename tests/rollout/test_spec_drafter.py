@@ -9,10 +9,11 @@ import json
 import pytest
 import torch
 
+from rollout.forward import DecodeGraphs
 from rollout.request import SamplingParams
 from rollout.spec import SpecConfig
+from rollout.forward import hooks
 from rollout.spec.drafter import DSparkConfig, DSparkDrafter, _features
-from rollout.spec.replay import hooks
 from tests.rollout.common import MODEL, engine, prompt
 
 C = MODEL.config
@@ -159,6 +160,44 @@ def test_windows_come_from_the_engines_prefill_and_a_short_suffix_after_a_hit_ca
         done.update((c.request_id, c) for c in eng.step())
     want = engine().generate([a, b, long_tail, short_tail], params)
     assert [done[i].output_ids for i in ids] == [w.output_ids for w in want]
+
+
+@pytest.mark.parametrize("graphed", [False, True])
+def test_above_max_batch_plain_steps_keep_the_window_current_and_the_output_plain_decodings(graphed):
+    """SpecConfig.max_batch=2 over four requests of different lengths: while more than two decode, each step is
+    a plain one (one token a row, the drafter fed its taps: eagerly, or from the decode graphs' tapped variant,
+    padded shapes run eagerly here), then the last two speculate. After plain steps every window equals a fresh
+    target pass over the request's tokens (no catch-up needed), the greedy output is plain decoding's, and a
+    chunk boundary a plain step reached is checkpointed for the prefix cache."""
+    d = drafter(2)
+    prompts = [prompt(n, 30 + n) for n in (5, 9, 13, 17)]
+    params = [SamplingParams(temperature=0, max_new_tokens=m) for m in (4, 6, 14, 16)]
+    want = engine().generate(prompts, params)
+    eng = engine(speculation=SpecConfig(drafter=d, gamma=3, max_batch=2))
+    if graphed:
+        eng.graphs = DecodeGraphs(eng.model, eng.kv, eng.states, max_batch=4, max_seq_len=256, capture=False)
+    ids = [eng.submit(p, q) for p, q in zip(prompts, params)]
+    stats = eng.decoder.strategy.stats
+    done = {}
+    while eng.has_work() and stats.plain_steps < 2:
+        done.update((c.request_id, c) for c in eng.step())
+    assert stats.plain_steps == 2 and stats.steps == 0 and len(eng.scheduler.running) == 4
+    for r in eng.scheduler.running:
+        torch.testing.assert_close(d.contexts.get(r.req.request_id), fresh_window(d, r), atol=1e-4, rtol=1e-4)
+    while eng.has_work():
+        done.update((c.request_id, c) for c in eng.step())
+    assert stats.steps > 0 and stats.plain_steps >= 2
+    for rid, w in zip(ids, want):
+        assert done[rid].output_ids == w.output_ids
+        assert done[rid].logprobs == pytest.approx(w.logprobs, abs=1e-4)
+    if graphed:
+        assert any("tapped" in key for key in eng.graphs.graphs)
+    # request 2 (13 prompt tokens) crossed the chunk boundary at 16 in a plain step: its checkpoint is in the
+    # prefix cache, and a prompt extending its tokens resumes there with plain decoding's continuation
+    again = prompts[2] + want[2].output_ids[:5]
+    hit = eng.generate([again], SamplingParams(temperature=0, max_new_tokens=4))[0]
+    assert hit.cached_tokens == 16
+    assert hit.output_ids == engine().generate([again], SamplingParams(temperature=0, max_new_tokens=4))[0].output_ids
 
 
 def test_a_retracted_request_prefilled_again_keeps_a_true_window():

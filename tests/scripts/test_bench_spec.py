@@ -50,6 +50,11 @@ def test_a_controlled_drafter_on_a_random_preset_is_lossless_at_its_set_acceptan
                      "--batch-sizes", "3", "--prompt-len", "10", "--gen-len", "11", "--gamma", "4", "--threads", "1",
                      "--json", str(out)])
     (none,) = json.loads(out.read_text())["rows"]
+    bench_spec.main(["--target", "preset:k3-tiny", "--drafter", "controlled:1.0", "--temperatures", "0",
+                     "--batch-sizes", "3", "--prompt-len", "10", "--gen-len", "11", "--gamma", "4", "--threads", "1",
+                     "--max-batch", "2", "--json", str(out)])
+    (gated,) = json.loads(out.read_text())["rows"]  # three rows over --max-batch 2: plain steps at first
+    assert gated["lossless"] and gated["plain_steps"] > 0 and full["plain_steps"] == none["plain_steps"] == 0
     assert full["lossless"] and none["lossless"]
     assert none["draft_acceptance"] == 0 and none["mean_tokens_per_verify"] == 1
     assert full["draft_acceptance"] == 1 and full["mean_tokens_per_verify"] > 3  # blocks of 5, cut at the length limit

@@ -44,6 +44,7 @@ def drafter_dir(tmp_path_factory):
     (["DRAFTER", "rollout.speculative.gamma=0"], r"^rollout\.speculative\.gamma must be an integer >= 1"),
     (["DRAFTER", "rollout.speculative.gamma=5"], r"^rollout\.speculative\.gamma must be <= the drafter's block_size"),
     (["DRAFTER", "rollout.speculative.planner=best"], r"^rollout\.speculative\.planner must be one of"),
+    (["DRAFTER", "rollout.speculative.max_batch=0"], r"^rollout\.speculative\.max_batch must be an integer >= 1"),
     (["DRAFTER", "rollout.speculative.distill_every=-1"], r"^rollout\.speculative\.distill_every must be an integer"),
     (["rollout.speculative.distill_lr=0"], r"^rollout\.speculative\.distill_lr must be > 0"),
     (["rollout.speculative.distill_decay=2"], r"^rollout\.speculative\.distill_decay must be <= 1"),
@@ -62,10 +63,12 @@ def test_speculation_is_off_by_default_and_takes_its_components_defaults(drafter
     assert resolve(composed()).engine.speculation is None
     spec = resolve(composed(f"rollout.speculative.drafter={drafter_dir}")).engine.speculation
     assert isinstance(spec, SpecConfig) and spec.drafter == str(drafter_dir)
-    assert (spec.gamma, spec.planner) == (SpecConfig.gamma, SpecConfig.planner)
+    assert (spec.gamma, spec.planner, spec.max_batch) == (SpecConfig.gamma, SpecConfig.planner, SpecConfig.max_batch)
     cfg = SpeculativeCfg()
     assert cfg.distill() == DistillConfig()
-    assert (cfg.gamma, cfg.planner) == (SpecConfig.gamma, SpecConfig.planner)
+    assert (cfg.gamma, cfg.planner, cfg.max_batch) == (SpecConfig.gamma, SpecConfig.planner, SpecConfig.max_batch)
+    gated = resolve(composed(f"rollout.speculative.drafter={drafter_dir}", "rollout.speculative.max_batch=32"))
+    assert gated.engine.speculation.max_batch == 32
 
 
 @pytest.fixture(scope="module")

@@ -31,9 +31,9 @@ from typing import Callable, NamedTuple
 import torch
 import torch.nn.functional as F
 
+from rollout.forward import hooks
 from rollout.media import packed_media
 from rollout.spec.drafter import DSparkConfig, DSparkDrafter, _features
-from rollout.forward import hooks
 
 CE_WEIGHT, TV_WEIGHT, BCE_WEIGHT = 0.1, 0.9, 1.0  # DSpark's loss mix
 

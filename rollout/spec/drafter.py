@@ -16,10 +16,10 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from rollout.forward import hooks
 from rollout.media import packed_media
 from rollout.request import SamplingParams
 from rollout.spec.contexts import ContextWindows
-from rollout.forward import hooks
 from rollout.spec.verify import DRAFT, draw, stream_seeds
 from rollout.transfer import to_device
 

@@ -50,13 +50,13 @@ from torch.profiler import record_function
 
 from rollout.cache_manager import CacheManager, Running
 from rollout.decode import DecodeLaunch, DecodeStrategy
+from rollout.forward import hooks
 from rollout.model_runner import ModelRunner
 from rollout.sampler import sample_on_device
 from rollout.spec.config import SpecConfig
 from rollout.spec.fold_graphs import FoldGraphs
 from rollout.spec.graphs import VerifyGraphs
 from rollout.spec.planner import CostSurface, VerifyPlanner
-from rollout.forward import hooks
 from rollout.spec.replay import fold, verify_forward, with_checkpoints
 from rollout.spec.snapshot import SnapshotWindow
 from rollout.spec.verify import verify

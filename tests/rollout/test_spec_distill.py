@@ -14,11 +14,11 @@ from miles_k3.model import K3ForCausalLM
 from miles_k3.tasks import ArithmeticTokenizer
 from rollout.config import EngineConfig
 from rollout.engine import Engine
+from rollout.forward import hooks
 from rollout.request import SamplingParams
 from rollout.spec import SpecConfig
 from rollout.spec.distill import DistillConfig, Distiller, anchors, make_blocks, teacher, teacher_blocks
 from rollout.spec.drafter import DSparkConfig, DSparkDrafter, _features
-from rollout.forward import hooks
 
 ASSET = Path(miles_k3.__file__).parent / "assets" / "k3-tiny-arith"
 TARGET = K3ForCausalLM.from_pretrained(ASSET).eval()  # trained: its distributions are worth imitating

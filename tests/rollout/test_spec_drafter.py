@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from rollout.forward import DecodeGraphs
+from rollout.forward import hooks
 from rollout.request import SamplingParams
 from rollout.spec import SpecConfig
-from rollout.forward import hooks
 from rollout.spec.drafter import DSparkConfig, DSparkDrafter, _features
 from tests.rollout.common import MODEL, engine, prompt
 

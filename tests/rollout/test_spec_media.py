@@ -9,10 +9,10 @@ from types import SimpleNamespace
 import torch
 
 from miles_k3.model import MediaEmbeds
+from rollout.forward import hooks
 from rollout.spec import SpecConfig
 from rollout.spec.distill import make_blocks, teacher, teacher_blocks
 from rollout.spec.drafter import _features
-from rollout.forward import hooks
 from tests.rollout.common import MODEL, assert_pools_drain_to_full, drain
 from tests.rollout.test_engine_media import GREEDY, PAD, assert_matches, image, media_engine, media_prompt, reference
 from tests.rollout.test_spec_drafter import drafter as dspark

@@ -262,6 +262,9 @@ class DSparkDrafter(nn.Module, Drafter):
         return torch.stack(drafts, 1), q, torch.stack(confs, 1)
 
     def observe(self, batch, tapped, lengths, counts):
+        # finished requests' windows go here too, not only in `propose`: a run of plain steps (a batch over
+        # SpecConfig.max_batch) proposes nothing while requests finish
+        self.contexts.drop_finished({r.req.request_id for r in batch})
         starts = [0, *itertools.accumulate(lengths)][:-1]
         self.contexts.append([r.req for r in batch], _features(tapped, self.config.target_layers)[0], starts, counts,
                              [r.pos + c for r, c in zip(batch, counts)])

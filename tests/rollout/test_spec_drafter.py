@@ -184,6 +184,11 @@ def test_above_max_batch_plain_steps_keep_the_window_current_and_the_output_plai
     assert stats.plain_steps == 2 and stats.steps == 0 and len(eng.scheduler.running) == 4
     for r in eng.scheduler.running:
         torch.testing.assert_close(d.contexts.get(r.req.request_id), fresh_window(d, r), atol=1e-4, rtol=1e-4)
+    while ids[0] not in done:
+        done.update((c.request_id, c) for c in eng.step())
+    plain = stats.plain_steps
+    done.update((c.request_id, c) for c in eng.step())  # three rows: plain still, and nothing proposes
+    assert stats.plain_steps == plain + 1 and ids[0] not in d.contexts  # a finished request's window is freed
     while eng.has_work():
         done.update((c.request_id, c) for c in eng.step())
     assert stats.steps > 0 and stats.plain_steps >= 2

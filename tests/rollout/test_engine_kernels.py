@@ -3,10 +3,11 @@ router, MoE dispatch and combine, the pooled KDA recurrence; the engine's paged 
 through Triton's interpreter (MILES_K3_KERNELS=interpret, in a subprocess: TRITON_INTERPRET must be set
 before triton is imported): greedy decoding of a k3-tiny engine in fp32 gives the definition's tokens and
 log-probs within fp32 rounding, plain and speculative, eager and through the graphs' padded functions (the
-fold steps the state with the same kernels as the decode step), and every kernel ran. Each launch the run made, and the launches of each op at k3-small's
-widths (tests/ops/kernel_cases.py), of the MoE dispatch at K3's and of the MLA attention at k3-small's with
-a split history, then compiles for the H200 (sm_90) with Triton's own compiler, which the interpreter does
-not apply (`miles_k3.kernels.compile_check`). The kernels' own bounds: tests/ops/test_kernels_*.py."""
+fold steps the state with the same kernels as the decode step), and every kernel ran. Each launch the run
+made, and the launches of each op at k3-small's widths (tests/ops/kernel_cases.py), of the MoE dispatch at
+K3's and of the MLA attention at k3-small's with a split history, then compiles for the H200 (sm_90) with
+Triton's own compiler, which the interpreter does not apply (`miles_k3.kernels.compile_check`). The kernels'
+own bounds: tests/ops/test_kernels_*.py."""
 
 import json
 import os

@@ -71,7 +71,8 @@ def test_a_speculative_stream_carries_the_same_text(clients):
     (["--speculative", "dspark", "--drafter", "/nonexistent"], "--drafter /nonexistent: no drafter here"),
     (["--speculative", "dspark", "--drafter", "DRAFTER", "--gamma", "0"], "--gamma must be an integer >= 1"),
     (["--speculative", "dspark", "--drafter", "DRAFTER", "--spec-planner", "psychic"], "--spec-planner must be"),
-    (["--speculative", "dspark", "--drafter", "DRAFTER", "--spec-max-batch", "0"], "--spec-max-batch must be an integer >= 1"),
+    (["--speculative", "dspark", "--drafter", "DRAFTER", "--spec-max-batch", "0"],
+     "--spec-max-batch must be an integer >= 1"),
 ])
 def test_bad_speculation_flags_stop_the_server_with_one_line(flags, match, drafter_dir):
     flags = [str(drafter_dir) if f == "DRAFTER" else f for f in flags]

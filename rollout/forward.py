@@ -117,13 +117,14 @@ def hooks(modules: dict[str, torch.nn.Module], store: dict[str, torch.Tensor]) -
             h.remove()
 
 
-def tapped_rows(store: dict[str, torch.Tensor | tuple], n: int) -> dict[str, torch.Tensor]:
-    """Hooked outputs of a step of one token a row ([B, 1, ...], or a tuple led by it: a decoder layer's)
-    as the packed form a drafter reads: [1, n, ...], the first n rows."""
+def tapped_rows(store: dict[str, torch.Tensor | tuple], tokens: int) -> dict[str, torch.Tensor]:
+    """Hooked outputs of a step of the same tokens a row ([B, T, ...], or a tuple led by it: a decoder
+    layer's) in the packed form the fold and a drafter read: [1, tokens, ...], the first `tokens` row by row
+    (a padded batch's real rows)."""
     rows = {}
     for name, out in store.items():
         out = out[0] if isinstance(out, tuple) else out
-        rows[name] = out.reshape(1, -1, *out.shape[2:])[:, :n]
+        rows[name] = out.reshape(1, -1, *out.shape[2:])[:, :tokens]
     return rows
 
 

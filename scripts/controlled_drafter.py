@@ -85,4 +85,4 @@ class ControlledDrafter(Drafter):
         other = (truth + torch.randint(1, v, (n, gamma), generator=self.generator)) % v  # never the target's
         drafts = torch.where(keep, truth, other).to(anchors.device)
         conf = rates[:, None].expand(n, gamma).to(anchors.device)
-        return drafts, None, conf  # q: none for greedy rows (its one-hot over k3-small's vocabulary: 0.7 GB at 256)
+        return drafts, None, conf  # q: none for greedy rows (a one-hot over k3-small's vocabulary: 0.7 GB at 256)

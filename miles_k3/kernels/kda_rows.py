@@ -4,8 +4,8 @@ speculative verify and the speculative fold, one kernel.
 fla's recurrent kernel (`fla.ops.kda.fused_recurrent`) in its continuous-batching mode reads a row's state
 from a pool slot but writes the state after every token (to a slot per token): for the verify forward,
 which may not write the committed state at all, and for the fold, which only needs the last one, that is
-T writes of the whole state where zero or one will do (k3-small: 6.5 MB of KDA state a row, so 1.7 GB a
-write at batch 256). The speculative verify ran fla's chunked kernel instead, over gathered copies of the
+T writes of the whole state where zero or one will do (k3-small: 6.5 MB of KDA state a row, so by
+arithmetic 1.7 GB a write at batch 256). The speculative verify ran fla's chunked kernel instead, over gathered copies of the
 states, and returned a final state nobody kept: five to six passes over the states a step.
 
 Contract of `kda_rows(q, k, v, g, beta, pool, index, scale, use_qk_l2norm, write, cu_seqlens)`:

@@ -364,11 +364,9 @@ def _kda_pooled(q, k, v, g, beta, state: PooledState, **kwargs):
     gather, compute, scatter."""
     pool, index = state
     if kwargs["mode"] == "auto" and q.shape[1] == 1 and kwargs["cu_seqlens"] is None:
-        if _rows_kernel_fits(q, v, pool):
-            from miles_k3.kernels.kda_rows import kda_rows  # imported here: CPU installs never load triton
-
-            return kda_rows(q, k, v, g, beta, pool, index, scale=kwargs["scale"],
-                            use_qk_l2norm=kwargs["use_qk_l2norm"], write=True), state
+        if (rows := _rows_kernel(q, v, pool)) is not None:
+            return rows(q, k, v, g, beta, pool, index, scale=kwargs["scale"], use_qk_l2norm=kwargs["use_qk_l2norm"],
+                        write=True), state
         if not torch.compiler.is_compiling() and _fla_pool_fits(q, pool):
             return _kda_fla_in_place(q, k, v, g, beta, state, kwargs["scale"], kwargs["use_qk_l2norm"]), state
     o, ht = kda(q, k, v, g, beta, initial_state=pool.index_select(0, index), output_final_state=True, **kwargs)
@@ -376,24 +374,22 @@ def _kda_pooled(q, k, v, g, beta, state: PooledState, **kwargs):
     return o, state
 
 
-def _rows_kernel_fits(q: torch.Tensor, v: torch.Tensor, pool: torch.Tensor) -> bool:
-    """Whether our recurrent kernel (`miles_k3.kernels.kda_rows`) takes a pooled call: `use_kernels` (CUDA,
-    inference mode, not while compiling) and a pool it reads in place."""
+def _rows_kernel(q: torch.Tensor, v: torch.Tensor, pool: torch.Tensor) -> Callable | None:
+    """Our recurrent kernel's entry (`miles_k3.kernels.kda_rows.kda_rows`) when it takes a pooled call:
+    `use_kernels` (CUDA, inference mode, not while compiling) and a pool it reads in place; else None."""
     if not use_kernels(q):
-        return False
-    from miles_k3.kernels.kda_rows import supports  # imported here: CPU installs never load triton
+        return None
+    from miles_k3.kernels import kda_rows  # imported here: CPU installs never load triton
 
-    return supports(q, v, pool)
+    return kda_rows.kda_rows if kda_rows.supports(q, v, pool) else None
 
 
 def _kda_frozen(q, k, v, g, beta, state: FrozenRows, **kwargs):
     """`kda` from read-only pool rows (`FrozenRows`): our kernel where it fits, else the gathered call."""
     pool, index = state
-    if kwargs["mode"] == "auto" and _rows_kernel_fits(q, v, pool):
-        from miles_k3.kernels.kda_rows import kda_rows  # imported here: CPU installs never load triton
-
-        return kda_rows(q, k, v, g, beta, pool, index, scale=kwargs["scale"], use_qk_l2norm=kwargs["use_qk_l2norm"],
-                        write=False, cu_seqlens=kwargs["cu_seqlens"]), None
+    if kwargs["mode"] == "auto" and (rows := _rows_kernel(q, v, pool)) is not None:
+        return rows(q, k, v, g, beta, pool, index, scale=kwargs["scale"], use_qk_l2norm=kwargs["use_qk_l2norm"],
+                    write=False, cu_seqlens=kwargs["cu_seqlens"]), None
     o, _ = kda(q, k, v, g, beta, initial_state=pool.index_select(0, index), output_final_state=False, **kwargs)
     return o, None
 
@@ -411,10 +407,8 @@ def kda_advance(q, k, v, g, beta, state: PooledState, *, scratch: int, scale=Non
     is the decode step's (same kernel, fixed tiling), so the states equal T decode steps' bit for bit.
     Elsewhere the recurrent reference, gathered and scattered."""
     pool, index = state
-    if _rows_kernel_fits(q, v, pool):
-        from miles_k3.kernels.kda_rows import kda_rows  # imported here: CPU installs never load triton
-
-        kda_rows(q, k, v, g, beta, pool, index, scale=scale, use_qk_l2norm=use_qk_l2norm, write=True)
+    if (rows := _rows_kernel(q, v, pool)) is not None:
+        rows(q, k, v, g, beta, pool, index, scale=scale, use_qk_l2norm=use_qk_l2norm, write=True)
         return
     if _fla_pool_fits(q, pool):
         return _kda_fla_advance(q, k, v, g, beta, state, scratch, scale, use_qk_l2norm)

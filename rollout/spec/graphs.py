@@ -28,7 +28,7 @@ import logging
 
 import torch
 
-from rollout.forward import GraphChoice, _bucket, capture_graph, hooks, model_step
+from rollout.forward import GraphChoice, _bucket, capture_graph, hooks, model_step, tapped_rows
 from rollout.spec.replay import KDAInputs, PROJECTIONS, VerifyStateCache, kda_mixers
 from rollout.state_cache import BatchLayout
 
@@ -134,9 +134,7 @@ class VerifyGraphs:
         t = n * self.width
         inputs = KDAInputs([self.width] * n)
         tapped = {}
-        for name, out in store.items():
-            out = out[0] if isinstance(out, tuple) else out
-            flat = out.reshape(1, -1, *out.shape[2:])[:, :t]
+        for name, flat in tapped_rows(store, t).items():
             if name.startswith("tap."):
                 tapped[name[4:]] = flat
             else:

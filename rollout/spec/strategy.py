@@ -239,9 +239,9 @@ class SpecDecode(DecodeStrategy):
         ones = torch.ones(n, 2, dtype=torch.float64, device=tokens.device)  # committed and emitted: one token
         host, ready = to_host(torch.cat([tokens.double()[:, None], logps.double()[:, None], ones], dim=1))
         chunk = self.memory.config.chunk_size
-        ends = [i for i, r in enumerate(batch) if (r.pos + 1) % chunk == 0]
-        taken = [(i, batch[i].pos + 1, snap) for i, snap in zip(ends, self.memory.snapshots([batch[i] for i in ends]))]
-        return SpecLaunch(batch, tokens[:, None], host, ready, [], taken, tapped, [1] * n, plain=True)
+        ends = [r for r in batch if (r.pos + 1) % chunk == 0]  # reached for sure: the pipeline's inserts
+        snaps = [(r, r.pos + 1, snap) for r, snap in zip(ends, self.memory.snapshots(ends))]
+        return SpecLaunch(batch, tokens[:, None], host, ready, snaps, [], tapped, [1] * n, plain=True)
 
     def _verify_forward(self, batch: list[Running], block: torch.Tensor, num: list[int]):
         """The verify forward of each row's anchor and its first num[n] drafts (block [N, g + 1]): logits

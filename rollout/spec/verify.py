@@ -39,7 +39,6 @@ def stream_seeds(seeds: list[int], stream: int, device: torch.device | str) -> t
     return to_device([noise.stream_seed(s, stream) for s in seeds], device, torch.long)
 
 
-
 def _math(t: torch.Tensor) -> torch.Tensor:
     # fp32 like the sampler, fp64 kept for fp64 inputs (the exactness tests)
     return t.to(torch.promote_types(t.dtype, torch.float32))
@@ -63,8 +62,8 @@ def draw(logits: torch.Tensor, params: list[SamplingParams], seeds: torch.Tensor
     distribution each token came from). Sampled rows draw from p' of their logits (the request's
     temperature / top-k / top-p) with that noise, through the sampler (its kernel on CUDA); greedy rows take
     the first argmax (q one-hot on it). q is None when every row is greedy: greedy verification reads no q,
-    and building it (a softmax and a one-hot over the vocabulary for every row and draft position) was about
-    4 GB of memory traffic a batch-256 step at k3-small's 163,840-token vocabulary."""
+    and building it (a softmax and a one-hot over the vocabulary for every row and draft position) is, by
+    arithmetic, about 4 GB of memory traffic a batch-256 step at k3-small's 163,840-token vocabulary."""
     if all(p.temperature == 0 for p in params):
         return _math(logits).argmax(dim=-1), None
     _, q = warp(logits, params)

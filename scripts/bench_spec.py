@@ -316,7 +316,7 @@ def main(argv=None) -> None:
                     del spec
                     free(args.device)
     head = ("batch", "temperature", "planner", "rollback", "plain_tok_s", "spec_tok_s", "speedup",
-            "plain_decode_tok_s", "spec_decode_tok_s", "decode_speedup",
+            "plain_decode_tok_s", "spec_decode_tok_s", "decode_speedup", "plain_steps",
             "mean_tokens_per_verify", "draft_acceptance", "verify_tokens_per_step", "lossless",
             "window_bytes_per_request", "fit_batch", "graphed")
     print("| " + " | ".join(head) + " |")

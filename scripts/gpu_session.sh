@@ -114,6 +114,10 @@ run_job() {
         --drafter-cost dspark --max-batch 32 --device cuda --dtype bfloat16 --batch-sizes 64,256 \
         --planners verify_all --rollback replay --temperatures 0 --prompt-len 128 --gen-len 64 --memory-gb 16 \
         --json "$STATE/bench_spec_gate_h200.json" ;;  # above 32 rows plain steps: against specshadow's 64 / 256
+    specplan) job specplan python scripts/bench_spec.py --target preset:k3-small --peaked --drafter controlled:0.8 \
+        --drafter-cost dspark --device cuda --dtype bfloat16 --batch-sizes 1,8,64,256 \
+        --planners verify_all,cost_aware --rollback replay --temperatures 0 --prompt-len 128 --gen-len 64 \
+        --memory-gb 16 --json "$STATE/bench_spec_plan_h200.json" ;;  # the planner (plain steps where no block pays)
     specmix) job specmix python scripts/bench_spec.py --target preset:k3-small --peaked --drafter controlled:0.3-0.95 \
         --device cuda --dtype bfloat16 --batch-sizes 64,256 --planners verify_all,cost_aware --rollback replay \
         --temperatures 0 --prompt-len 128 --gen-len 64 --memory-gb 16 --json "$STATE/bench_spec_mixed_h200.json" ;;

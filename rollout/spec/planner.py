@@ -25,15 +25,29 @@ whether draft j is verified depends on the drafts before j and on other rows, ne
 (by width: on the previous step only): verification then keeps each emitted token's distribution the
 target's. A rule that read draft j (say, verifying it only when q(x_j) is high) would bias what is emitted.
 
+No drafts at all is a plan too: when the lagged survivals do not pay for a block at this batch (budget or
+width 0), the step decodes one token a row without drafting (the strategy's plain step), and the
+surface's one-token-a-row shelf is priced as that plain step. Where a block costs nearly its tokens' worth
+(k3-small at batch 256 on an H200: 5 tokens a row are 2.4 plain steps of work, for 3.3 kept) the planner
+then decodes plainly, and speculates again where a step is bound by launches and bytes (small batches). A
+run of plain steps learns no confidences, so after `explore_every` of them one step verifies every draft.
+
+The probes see only the verify forward; a whole step also drafts, verifies and folds, and the host does
+its share. So the steps the engine runs price the surface too (`observe`, single-process engines): a
+shelf's first real step replaces its probe, later ones move a running mean, a step that captured a graph
+is not counted. A sharded engine's ranks time differently and must plan alike, so they plan on the
+leader's start-up surface only.
+
 The budget is the batch's, so with this planner a seeded request's tokens (not their distribution) can
-depend on what it is batched with; `verify_all` keeps them batch-independent.
+depend on what it is batched with, and, with steps observed, on the machine's timings; `verify_all` keeps
+them batch-independent.
 """
 
 from __future__ import annotations
 
 import bisect
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -42,28 +56,44 @@ import torch
 class CostSurface:
     """Step seconds of a verify forward by (rows, total tokens), measured once on the device it runs on.
     `seconds` reads the staircase: the smallest measured batch >= rows, then the smallest measured total
-    >= tokens at that batch (the shelf the step lands on)."""
+    >= tokens at that batch (the shelf the step lands on). One token a row is the plain step's price."""
 
     table: dict[int, list[tuple[int, float]]]  # rows -> [(total tokens, seconds)] sorted by tokens
+    observed: set[tuple[int, int]] = field(default_factory=set)  # (batch, shelf index) priced by real steps
+
+    def batch(self, rows: int) -> int:
+        """The measured batch whose shelf `rows` rows are priced on."""
+        sizes = sorted(self.table)
+        return sizes[min(bisect.bisect_left(sizes, rows), len(sizes) - 1)]
+
+    def _cell(self, rows: int, tokens: int) -> tuple[int, int]:
+        b = self.batch(rows)
+        shelf = self.table[b]
+        return b, min(bisect.bisect_left([t for t, _ in shelf], tokens), len(shelf) - 1)
 
     def seconds(self, rows: int, tokens: int) -> float:
-        sizes = sorted(self.table)
-        b = sizes[min(bisect.bisect_left(sizes, rows), len(sizes) - 1)]
-        shelf = self.table[b]
-        i = min(bisect.bisect_left([t for t, _ in shelf], tokens), len(shelf) - 1)
-        return shelf[i][1]
+        b, i = self._cell(rows, tokens)
+        return self.table[b][i][1]
+
+    def observe(self, rows: int, tokens: int, seconds: float, weight: float = 0.5) -> None:
+        """A whole step the engine ran, read where `seconds(rows, tokens)` reads: the cell's first observed
+        step replaces its probe, later ones move it by `weight` toward themselves."""
+        b, i = self._cell(rows, tokens)
+        t, old = self.table[b][i]
+        new = seconds if (b, i) not in self.observed else old + weight * (seconds - old)
+        self.table[b][i] = (t, new)
+        self.observed.add((b, i))
 
     def edges(self, rows: int) -> list[int]:
         """Each shelf's far edge at `rows` rows (the measured batch `seconds` reads): the most total tokens
         before the price changes, ascending."""
-        sizes = sorted(self.table)
-        shelf = self.table[sizes[min(bisect.bisect_left(sizes, rows), len(sizes) - 1)]]
+        shelf = self.table[self.batch(rows)]
         return [t for k, (t, s) in enumerate(shelf) if k + 1 == len(shelf) or shelf[k + 1][1] != s]
 
     @classmethod
     def measure(cls, step, batches: list[int], gamma: int, repeats: int = 3) -> "CostSurface":
-        """`step(rows, tokens_per_row)` runs one verify forward of that shape; the median of `repeats`
-        timed runs after one warm-up, for every batch and 1..gamma + 1 tokens per row."""
+        """`step(rows, tokens_per_row)` runs one forward of that shape (one token a row: the plain step);
+        the median of `repeats` timed runs after one warm-up, for every batch and 1..gamma + 1 tokens per row."""
         table = {}
         for b in batches:
             shelf = []
@@ -102,11 +132,13 @@ def budget(lagged: torch.Tensor, surface: CostSurface) -> int:
 
 
 def width(lagged: torch.Tensor, surface: CostSurface) -> int:
-    """Drafts every row verifies when the step costs N x w whatever is verified (graphs), from the previous
-    step's survival estimates [N, G]: the d in 0..G whose expected tokens per second is the highest."""
+    """Drafts every row verifies when the step costs its graph's bucket x w whatever is verified, from the
+    previous step's survival estimates [N, G]: the d in 0..G whose expected tokens per second is the highest
+    (priced at the measured batch the rows run on, as `VerifyPlanner.observe` records them)."""
     n, g = lagged.shape
+    b = surface.batch(n)
     expected = [n + e for e in torch.cat([lagged.new_zeros(1), lagged.float().sum(0).cumsum(0)]).tolist()]
-    rates = [expected[d] / surface.seconds(n, n * (d + 1)) for d in range(g + 1)]
+    rates = [expected[d] / surface.seconds(b, b * (d + 1)) for d in range(g + 1)]
     return max(range(g + 1), key=lambda d: (rates[d], -d))
 
 
@@ -122,20 +154,43 @@ def fill(current: torch.Tensor, tokens: int) -> list[int]:
 
 
 class VerifyPlanner:
-    """Per step: `plan(rows, current confidences)` -> drafts to verify per row, keeping the step's
-    survivals per request for the next step's budget (a request with none yet counts `prior` per draft)."""
+    """Per step, before drafting: `allot(rows, gamma)` -> the step's width or token budget from the lagged
+    survivals (0: a plain step, no drafts); after drafting: `plan(rows, current confidences, allotted)` ->
+    drafts to verify per row, keeping the step's survivals per request for the next step's (a request with
+    none yet counts `prior` per draft). `by_width`: plan widths (graphed verify), else packed budgets.
+    `observe`: a step's wall time prices the surface (module docstring), when `learn`."""
 
-    def __init__(self, surface: CostSurface, prior: float = 0.5):
-        self.surface, self.prior = surface, prior
+    def __init__(self, surface: CostSurface, prior: float = 0.5, by_width: bool = False, learn: bool = False,
+                 explore_every: int = 16):
+        self.surface, self.prior, self.by_width, self.learn = surface, prior, by_width, learn
+        self.explore_every = explore_every
+        self.plain_run = 0  # plain steps in a row, the planner's choice
         self.lagged: dict[int, torch.Tensor] = {}  # request id -> its previous step's survival [G]
 
-    def plan(self, request_ids: list[int], conf: torch.Tensor, by_width: bool = False) -> list[int]:
-        """Drafts to verify per row (module docstring): packed, or `by_width` (every row the same count)."""
-        n, g = conf.shape
+    def allot(self, request_ids: list[int], g: int) -> int:
+        """From the previous step's survivals only: every row's drafts (by width) or the batch's draft tokens
+        (packed); 0 decodes one token a row, unless `explore_every` plain steps ran in a row (then all)."""
         prior = survival(torch.full((1, g), self.prior))[0]
         lagged = torch.stack([self.lagged.get(rid, prior)[:g] for rid in request_ids])
+        allotted = width(lagged, self.surface) if self.by_width else budget(lagged, self.surface)
+        if allotted == 0 and self.plain_run >= self.explore_every:
+            allotted = g if self.by_width else g * len(request_ids)
+        self.plain_run = self.plain_run + 1 if allotted == 0 else 0
+        return allotted
+
+    def plan(self, request_ids: list[int], conf: torch.Tensor, allotted: int) -> list[int]:
+        """Drafts to verify per row (module docstring) for `allot`'s nonzero answer; the current confidences
+        [N, G] rank the positions (packed) and become the next step's lagged survivals."""
         current = survival(conf)
         self.lagged = {rid: s for rid, s in zip(request_ids, current)}
-        if by_width:
-            return [width(lagged, self.surface)] * n
-        return fill(current, budget(lagged, self.surface))
+        return [allotted] * len(request_ids) if self.by_width else fill(current, allotted)
+
+    def observe(self, rows: int, per: int | list[int], seconds: float) -> None:
+        """A step that ran `rows` rows, `per` tokens each (a graph's width) or per[n] (packed), in `seconds`."""
+        if not self.learn:
+            return
+        if self.by_width:
+            b = self.surface.batch(rows)
+            self.surface.observe(b, b * per, seconds)
+        else:
+            self.surface.observe(rows, per * rows if isinstance(per, int) else sum(per), seconds)

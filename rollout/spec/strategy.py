@@ -1,7 +1,8 @@
 """Speculative decoding as a decode strategy: draft a block, verify it in one target forward, keep a prefix.
 
 Per step and row: the drafter proposes gamma tokens after the anchor (the row's next input token); the
-planner (`SpecConfig.planner`) picks how many of them to verify (all, or the cost-aware planner's prefix),
+planner (`SpecConfig.planner`) picks how many of them to verify (all, or the cost-aware planner's prefix,
+or none: the planner's plain step, one token a row without drafting, where no block pays at this batch),
 never past the row's length limit; one packed target forward feeds the anchor and those drafts
 (`rollout.spec.replay.verify_forward`, which leaves the committed KDA state untouched);
 `rollout.spec.verify.verify` keeps the surviving drafts and draws the token after them; the emitted
@@ -43,6 +44,7 @@ and the CPU run the packed eager forward.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -100,7 +102,9 @@ class SpecLaunch(DecodeLaunch):
     checkpoints: list[tuple[int, int, int | None]] = field(default_factory=list)
     tapped: dict[str, torch.Tensor] = field(default_factory=dict)
     lengths: list[int] = field(default_factory=list)  # tokens each row fed the verify forward
-    plain: bool = False  # a plain step (one token a row, above `SpecConfig.max_batch`)
+    plain: bool = False  # a plain step (one token a row: above `SpecConfig.max_batch`, or the planner's choice)
+    started: float = 0.0  # perf_counter at launch: the planner prices the step's cell with launch-to-read
+    captured: int = 0  # graphs captured before the step (a step that captured one is not a price)
 
 
 class SpecDecode(DecodeStrategy):
@@ -125,8 +129,9 @@ class SpecDecode(DecodeStrategy):
         self.memory: CacheManager | None = None
         self.stats = SpecStats()
         self.planner = None
-        if spec.planner == "cost_aware":
-            self.planner = VerifyPlanner(surface or self._measure_surface())
+        if spec.planner == "cost_aware":  # steps price a measured surface, on one process (planner docstring)
+            learn = surface is None and runner.model.model.tp.size == 1
+            self.planner = VerifyPlanner(surface or self._measure_surface(), by_width=graphs, learn=learn)
 
     def use_memory(self, memory: CacheManager) -> None:
         self.memory = memory
@@ -146,14 +151,18 @@ class SpecDecode(DecodeStrategy):
         """Enqueue the step: draft, verify, the counts each row commits, their copy to the host, the fold.
         Nothing here waits for the device when verify and fold are graphed; `read` does, once."""
         n, g = len(batch), self.gamma
+        started, captured = time.perf_counter(), self._captured()
         anchors = ids if torch.is_tensor(ids) else to_device(ids, self.runner.device)
         if self.max_batch is not None and n > self.max_batch:
-            return self._plain(batch, anchors)
+            return self._plain(batch, anchors, started, captured)
+        rids = [r.req.request_id for r in batch]
+        allotted = g if self.planner is None else self.planner.allot(rids, g)  # from the previous step only
+        if allotted == 0:  # no drafts pay for themselves at this batch: one token a row
+            return self._plain(batch, anchors, started, captured)
         params, seeds, positions = [r.req.params for r in batch], [r.req.seed for r in batch], [r.pos for r in batch]
         with record_function("spec.propose"):
             drafts, q, *conf = self.drafter.propose(batch, anchors, g, params)
-            num = [g] * n if self.planner is None else self.planner.plan(
-                [r.req.request_id for r in batch], conf[0], by_width=self.graph_verify)
+            num = [g] * n if self.planner is None else self.planner.plan(rids, conf[0], allotted)
         # a row emits at most its remaining tokens, so it verifies no drafts past its length limit
         num = [min(k, r.req.params.max_new_tokens - len(r.req.output_ids) - 1) for k, r in zip(num, batch)]
         with record_function("spec.verify_forward"):
@@ -193,7 +202,7 @@ class SpecDecode(DecodeStrategy):
         self.stats.window_bytes = max(self.stats.window_bytes,
                                       inputs.nbytes() // n if window is None else window.nbytes_per_row)
         self.stats.drafted += sum(num)
-        return SpecLaunch(batch, tokens, host, ready, [], taken, tapped, inputs.lengths)
+        return SpecLaunch(batch, tokens, host, ready, [], taken, tapped, inputs.lengths, False, started, captured)
 
     def read(self, launch: SpecLaunch) -> tuple[list[list[int]], list[list[float]]]:
         """Wait for the step's copy, then complete it on the host: each row's committed tokens and log-probs,
@@ -219,6 +228,9 @@ class SpecDecode(DecodeStrategy):
             self.drafter.observe(launch.batch, launch.tapped, launch.lengths, committed)
         for r, c in zip(launch.batch, committed):
             r.pos += c
+        if self.planner is not None and self._captured() == launch.captured:
+            per = launch.tokens.shape[1] if self.planner.by_width else launch.lengths
+            self.planner.observe(len(launch.batch), per, time.perf_counter() - launch.started)
         s = self.stats
         if launch.plain:
             s.plain_steps += 1
@@ -228,7 +240,7 @@ class SpecDecode(DecodeStrategy):
             s.emitted += emitted
         return out_t, out_l
 
-    def _plain(self, batch: list[Running], anchors: torch.Tensor) -> SpecLaunch:
+    def _plain(self, batch: list[Running], anchors: torch.Tensor, started: float, captured: int) -> SpecLaunch:
         """One token a row, as plain decoding samples it (`OneToken`), in the form `read` completes: the
         drafter's taps read at each row's token (its `observe` gets one committed token a row, so its context
         stays current for the steps that speculate again), a row reaching a chunk boundary checkpointed."""
@@ -241,7 +253,11 @@ class SpecDecode(DecodeStrategy):
         chunk = self.memory.config.chunk_size
         ends = [r for r in batch if (r.pos + 1) % chunk == 0]  # reached for sure: the pipeline's inserts
         snaps = [(r, r.pos + 1, snap) for r, snap in zip(ends, self.memory.snapshots(ends))]
-        return SpecLaunch(batch, tokens[:, None], host, ready, snaps, [], tapped, [1] * n, plain=True)
+        return SpecLaunch(batch, tokens[:, None], host, ready, snaps, [], tapped, [1] * n, True, started, captured)
+
+    def _captured(self) -> int:
+        """Graphs captured so far: the verify and fold graphs', and the decode graphs' (plain steps)."""
+        return self.stats.captures + self.runner.graph_counts()[0]
 
     def _verify_forward(self, batch: list[Running], block: torch.Tensor, num: list[int]):
         """The verify forward of each row's anchor and its first num[n] drafts (block [N, g + 1]): logits
@@ -303,10 +319,16 @@ class SpecDecode(DecodeStrategy):
 
     def _probe(self, rows: int, per: int) -> None:
         """A verify forward of `rows` rows of `per` tokens on the pools' sink slot and sink page (they hold no
-        request's state), graphed when the steps will be: the cost surface's measurement."""
+        request's state), graphed when the steps will be: the cost surface's measurement. One token a row is
+        the plain step the planner runs when no drafts pay (`_plain`'s tapped decode step)."""
         kv, states = self.runner.kv, self.runner.states
         pages = [kv.sink_page] * -(-per // kv.page_size)
         fake = [_Probe(states.sink_slot, pages) for _ in range(rows)]
+        if per == 1:
+            self.runner.forward_tapped(fake, [0] * rows, self.drafter.taps)
+            if self.runner.device.type == "cuda":
+                torch.cuda.synchronize()
+            return
         graphs = self._graphs(per)
         key = graphs.exact_key(fake) if graphs is not None else None
         if key is not None:

@@ -1,16 +1,17 @@
 """The cost-aware verify planner (rollout/spec/planner.py): whether draft j is verified never depends on
 draft j (so sampled speculation through it keeps the target's distribution, and a rule that reads draft j
-does not), the budget stops at the first loss on a staircase cost surface, and the engine with the planner
-stays lossless."""
+does not), the budget stops at the first loss on a staircase cost surface, a step decodes plainly where no
+block pays, the engine's steps price the surface, and the engine with the planner stays lossless."""
 
 import pytest
 import torch
 
 from rollout.request import SamplingParams
 from rollout.spec import SpecConfig
+from rollout.spec.strategy import SpecDecode
 from rollout.spec.planner import CostSurface, VerifyPlanner, budget, fill, survival, width
 from rollout.spec.verify import verify
-from tests.rollout.common import engine, prompt
+from tests.rollout.common import assert_pools_drain_to_full, engine, prompt
 from tests.rollout.test_spec_drafter import drafter
 from tests.rollout.test_spec_verify import ROWS, chi2, chi2_bound, exact, speculate, tables
 
@@ -61,10 +62,43 @@ def test_by_width_every_row_verifies_the_best_width_of_the_lagged_confidences():
     assert width(survival(torch.full((2, 4), 0.0)), surface) == 0
     assert width(survival(torch.full((2, 4), 1.0)), CostSurface({2: [(2 * w, 1.0) for w in range(1, 6)]})) == 4
     risers = CostSurface({2: [(2, 1.0), (4, 1.5), (6, 1.6), (8, 2.0), (10, 2.1)]})
-    planner = VerifyPlanner(risers, prior=0.9)
-    assert planner.plan([0, 1], torch.full((2, 4), 0.01), by_width=True) == [4, 4]  # the prior's, not 0.01's
-    assert planner.plan([0, 1], torch.full((2, 4), 0.99), by_width=True) == [0, 0]  # last step's 0.01
-    assert planner.plan([0, 1], torch.full((2, 4), 0.99), by_width=True) == [4, 4]
+    planner = VerifyPlanner(risers, prior=0.9, by_width=True)
+    assert planner.allot([0, 1], 4) == 4  # the prior's
+    assert planner.plan([0, 1], torch.full((2, 4), 0.01), 4) == [4, 4]  # the allotted width, not 0.01's
+    assert planner.allot([0, 1], 4) == 0  # last step's 0.01: a plain step, nothing drafted
+    assert planner.allot([0, 1], 4) == 0 and planner.lagged[0][0] == pytest.approx(0.01)  # a plain step learns none
+
+
+def test_when_no_block_pays_the_planner_decodes_plainly_and_explores_every_so_often():
+    """A surface on which a block costs more than its tokens (a compute-bound batch) allots nothing, from
+    the lagged survivals, until `explore_every` plain steps ran in a row; then one step verifies every draft
+    (its confidences refresh the lagged ones). Packed budgets the same."""
+    dear = {4: [(4 * per, float(per)) for per in range(1, 5)]}  # a block of w tokens a row costs w plain steps
+    for by_width, full in ((True, 3), (False, 12)):
+        planner = VerifyPlanner(CostSurface({k: list(v) for k, v in dear.items()}), prior=0.9, by_width=by_width,
+                                explore_every=3)
+        allotted = [planner.allot(list(range(4)), 3) for _ in range(8)]
+        assert allotted == [0, 0, 0, full, 0, 0, 0, full]
+        planner.plan(list(range(4)), torch.full((4, 3), 1.0), full)
+        assert planner.allot(list(range(4)), 3) == 0  # sure drafts do not pay on this surface either
+
+
+def test_steps_price_the_surface_first_by_replacing_the_probe_then_by_a_running_mean():
+    """The probes time only the verify forward; `observe` puts a whole step's seconds where `seconds` reads
+    them (by width: the measured batch's cell for that width, whatever the rows), and a planner that does not
+    learn (a given surface, a sharded engine) leaves its surface alone."""
+    surface = CostSurface({4: [(4, 1.0), (8, 2.0)], 8: [(8, 1.0), (16, 2.0)]})
+    planner = VerifyPlanner(surface, by_width=True, learn=True)
+    planner.observe(3, 2, 6.0)  # 3 rows run on the batch-4 graph of width 2
+    assert surface.seconds(4, 8) == 6.0 and surface.seconds(8, 16) == 2.0
+    planner.observe(4, 2, 2.0)
+    assert surface.seconds(4, 8) == 4.0
+    packed = VerifyPlanner(CostSurface({4: [(4, 1.0), (8, 2.0)]}), learn=True)
+    packed.observe(4, [1, 2, 1, 1], 3.0)  # 5 tokens land on the 8-token shelf
+    assert packed.surface.seconds(4, 5) == 3.0 and packed.surface.seconds(4, 4) == 1.0
+    frozen = VerifyPlanner(CostSurface({4: [(4, 1.0), (8, 2.0)]}), by_width=True)
+    frozen.observe(4, 2, 9.0)
+    assert frozen.surface.seconds(4, 8) == 2.0
 
 
 def test_sampled_speculation_through_the_planner_keeps_the_target_distribution():
@@ -101,6 +135,43 @@ def test_the_engine_with_the_planner_is_lossless():
     for a, b in zip(want, got):
         assert a.output_ids == b.output_ids
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+
+
+def test_where_blocks_never_pay_the_engine_decodes_plainly_and_stays_lossless():
+    """The cost-aware engine on a surface where a block of w tokens a row costs w plain steps: it drafts only
+    on its exploring steps, decodes the rest one token a row (the drafter's windows kept current), and its
+    greedy tokens equal plain greedy; the pools drain. On a surface where the block is nearly free it
+    speculates on every step."""
+
+    prompts = [prompt(n, 60 + n) for n in (5, 9, 14)]
+    params = SamplingParams(temperature=0, max_new_tokens=12)
+    want = engine(max_running=4).generate(prompts, params)
+    for per_token, speculates in ((1.0, False), (0.01, True)):
+        surface = CostSurface({b: [(b * per, 1.0 + per_token * (per - 1)) for per in range(1, 5)] for b in (1, 2, 3, 4)})
+        spec = SpecConfig(drafter=drafter(3), gamma=3, planner="cost_aware")
+        eng = engine(max_running=4, speculation=spec)
+        eng.decoder.strategy = strategy = SpecDecode(eng.runner, spec, surface=surface)
+        strategy.use_memory(eng.memory)
+        strategy.planner.explore_every = 4
+        got = eng.generate(prompts, params)
+        for a, b in zip(want, got):
+            assert a.output_ids == b.output_ids
+            assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+        s = strategy.stats
+        if speculates:
+            assert s.plain_steps == 0 and s.steps > 0
+        else:  # after the prior's first steps, one exploring step in five
+            assert s.plain_steps > 0 and s.steps <= s.plain_steps // 4 + 2
+        assert_pools_drain_to_full(eng)
+
+
+def test_a_measured_surface_is_priced_by_the_steps_the_engine_runs():
+    """Single-process and measured at start: the engine's steps replace their cells' probes."""
+    eng = engine(max_running=4, speculation=SpecConfig(drafter=drafter(3), gamma=3, planner="cost_aware"))
+    planner = eng.decoder.strategy.planner
+    assert planner.learn and not planner.surface.observed
+    eng.generate([prompt(7, 70), prompt(11, 71)], SamplingParams(temperature=0, max_new_tokens=6))
+    assert planner.surface.observed
 
 
 def test_the_planner_needs_confidences():

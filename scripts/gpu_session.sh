@@ -123,6 +123,8 @@ run_job() {
         --temperatures 0 --prompt-len 128 --gen-len 64 --memory-gb 16 --json "$STATE/bench_spec_mixed_h200.json" ;;
     specprof) job specprof python scripts/profile_spec.py --device cuda --batch-sizes 256 \
         --planners verify_all --gen-len 32 --rows 30 ;;
+    specprof_dspark) job specprof_dspark python scripts/profile_spec.py --device cuda --batch-sizes 1,256 \
+        --planners verify_all --gen-len 32 --rows 30 --drafter-cost dspark ;;  # where a real drafter's time goes
     specprof0) job specprof0 env MILES_K3_KERNELS=0 python scripts/profile_spec.py --device cuda --batch-sizes 256 \
         --planners verify_all --gen-len 32 --rows 30 ;;  # the same without our kernels (2026-12-02: 1.5x faster)
     trainmem_long) job trainmem_long python scripts/bench_train_memory.py --device cuda --preset k3-small \

@@ -22,7 +22,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_spec import build_target, free, prefill_budget, random_prompts, warm_up  # noqa: E402
+from bench_spec import build_target, free, prefill_budget, random_prompts, shadow_drafter, warm_up  # noqa: E402
 from controlled_drafter import ControlledDrafter  # noqa: E402
 from rollout.config import EngineConfig  # noqa: E402
 from rollout.engine import Engine  # noqa: E402
@@ -68,6 +68,8 @@ def main(argv=None) -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
     ap.add_argument("--memory-gb", type=float, default=16)
     ap.add_argument("--rows", type=int, default=25, help="op rows per table")
+    ap.add_argument("--drafter-cost", choices=("none", "dspark"), default="none",
+                    help="dspark: an untrained DSpark drafter runs alongside (bench_spec.py's flag of that name)")
     args = ap.parse_args(argv)
     config, model = build_target(args.target, getattr(torch, args.dtype), args.device, peaked=True)
     for b in [int(x) for x in args.batch_sizes.split(",")]:
@@ -79,8 +81,9 @@ def main(argv=None) -> None:
         print(f"== batch {b}: plain", flush=True)
         plain = profiled(Engine(model, EngineConfig(**ecfg)), prompts, params, args.device, args.rows)
         free(args.device)
+        shadow = shadow_drafter(config, args.gamma) if args.drafter_cost == "dspark" else None
         drafter = ControlledDrafter({tuple(p): o.output_ids for p, o in zip(prompts, plain)}, config.vocab_size,
-                                    args.acceptance)
+                                    args.acceptance, shadow=shadow)
         for planner in args.planners.split(","):
             print(f"== batch {b}: speculative, {planner}", flush=True)
             cfg = EngineConfig(**ecfg, overlap="off",

@@ -33,9 +33,9 @@ then decodes plainly, and speculates again where a step is bound by launches and
 run of plain steps learns no confidences, so after `explore_every` of them one step verifies every draft.
 
 The probes see only the verify forward; a whole step also drafts, verifies and folds, and the host does
-its share. So the steps the engine runs price the surface too (`observe`, single-process engines): a
-shelf's first real step replaces its probe, later ones move a running mean, a step that captured a graph
-is not counted. A sharded engine's ranks time differently and must plan alike, so they plan on the
+its share. So the steps the engine runs price the surface too (`observe`, single-process engines): from a
+cell's second real step on, the median of its latest steps replaces the probe (a cell's first step, and a
+step that captured a graph, may compile or capture: not counted). A sharded engine's ranks time differently and must plan alike, so they plan on the
 leader's start-up surface only.
 
 The budget is the batch's, so with this planner a seeded request's tokens (not their distribution) can
@@ -59,7 +59,7 @@ class CostSurface:
     >= tokens at that batch (the shelf the step lands on). One token a row is the plain step's price."""
 
     table: dict[int, list[tuple[int, float]]]  # rows -> [(total tokens, seconds)] sorted by tokens
-    observed: set[tuple[int, int]] = field(default_factory=set)  # (batch, shelf index) priced by real steps
+    observed: dict[tuple[int, int], list[float]] = field(default_factory=dict)  # (batch, shelf index) -> steps
 
     def batch(self, rows: int) -> int:
         """The measured batch whose shelf `rows` rows are priced on."""
@@ -75,14 +75,18 @@ class CostSurface:
         b, i = self._cell(rows, tokens)
         return self.table[b][i][1]
 
-    def observe(self, rows: int, tokens: int, seconds: float, weight: float = 0.5) -> None:
-        """A whole step the engine ran, read where `seconds(rows, tokens)` reads: the cell's first observed
-        step replaces its probe, later ones move it by `weight` toward themselves."""
+    def observe(self, rows: int, tokens: int, seconds: float, recent: int = 5) -> None:
+        """A whole step the engine ran, read where `seconds(rows, tokens)` reads. A cell's first step is left
+        out (a shape's first run may compile a kernel or grow the allocator: 0.3-0.7 s on the H200,
+        2026-12-04, which priced plain steps out for good); from the second on, the cell's price is the
+        median of its latest `recent` steps, so one slow step (a collection, a compile) does not move it."""
         b, i = self._cell(rows, tokens)
-        t, old = self.table[b][i]
-        new = seconds if (b, i) not in self.observed else old + weight * (seconds - old)
-        self.table[b][i] = (t, new)
-        self.observed.add((b, i))
+        seen = self.observed.setdefault((b, i), [])
+        seen.append(seconds)
+        del seen[1:-recent]  # the first step (never a price) and the latest `recent`
+        if len(seen) > 1:
+            steps = sorted(seen[1:])
+            self.table[b][i] = (self.table[b][i][0], steps[len(steps) // 2])
 
     def edges(self, rows: int) -> list[int]:
         """Each shelf's far edge at `rows` rows (the measured batch `seconds` reads): the most total tokens

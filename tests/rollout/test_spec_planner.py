@@ -83,21 +83,30 @@ def test_when_no_block_pays_the_planner_decodes_plainly_and_explores_every_so_of
         assert planner.allot(list(range(4)), 3) == 0  # sure drafts do not pay on this surface either
 
 
-def test_steps_price_the_surface_first_by_replacing_the_probe_then_by_a_running_mean():
+def test_steps_price_the_surface_from_their_second_on_by_the_median_of_the_latest():
     """The probes time only the verify forward; `observe` puts a whole step's seconds where `seconds` reads
-    them (by width: the measured batch's cell for that width, whatever the rows), and a planner that does not
-    learn (a given surface, a sharded engine) leaves its surface alone."""
+    them (by width: the measured batch's cell for that width, whatever the rows). A cell's first step may
+    compile or grow memory and is never a price; later, one slow step does not move the median of the
+    latest five. A planner that does not learn (a given surface, a sharded engine) leaves its surface alone."""
     surface = CostSurface({4: [(4, 1.0), (8, 2.0)], 8: [(8, 1.0), (16, 2.0)]})
     planner = VerifyPlanner(surface, by_width=True, learn=True)
-    planner.observe(3, 2, 6.0)  # 3 rows run on the batch-4 graph of width 2
+    planner.observe(3, 2, 600.0)  # 3 rows run on the batch-4 graph of width 2: its first step, a compile
+    assert surface.seconds(4, 8) == 2.0
+    planner.observe(4, 2, 6.0)
     assert surface.seconds(4, 8) == 6.0 and surface.seconds(8, 16) == 2.0
-    planner.observe(4, 2, 2.0)
-    assert surface.seconds(4, 8) == 4.0
+    for sec in (5.0, 7.0, 90.0, 6.5):
+        planner.observe(4, 2, sec)
+    assert surface.seconds(4, 8) == 6.5  # the median of 6, 5, 7, 90, 6.5
+    for _ in range(5):
+        planner.observe(4, 2, 3.0)
+    assert surface.seconds(4, 8) == 3.0  # the latest five only
     packed = VerifyPlanner(CostSurface({4: [(4, 1.0), (8, 2.0)]}), learn=True)
-    packed.observe(4, [1, 2, 1, 1], 3.0)  # 5 tokens land on the 8-token shelf
+    for _ in range(2):
+        packed.observe(4, [1, 2, 1, 1], 3.0)  # 5 tokens land on the 8-token shelf
     assert packed.surface.seconds(4, 5) == 3.0 and packed.surface.seconds(4, 4) == 1.0
     frozen = VerifyPlanner(CostSurface({4: [(4, 1.0), (8, 2.0)]}), by_width=True)
-    frozen.observe(4, 2, 9.0)
+    for _ in range(2):
+        frozen.observe(4, 2, 9.0)
     assert frozen.surface.seconds(4, 8) == 2.0
 
 
@@ -169,9 +178,11 @@ def test_a_measured_surface_is_priced_by_the_steps_the_engine_runs():
     """Single-process and measured at start: the engine's steps replace their cells' probes."""
     eng = engine(max_running=4, speculation=SpecConfig(drafter=drafter(3), gamma=3, planner="cost_aware"))
     planner = eng.decoder.strategy.planner
+    probed = {b: list(shelf) for b, shelf in planner.surface.table.items()}
     assert planner.learn and not planner.surface.observed
-    eng.generate([prompt(7, 70), prompt(11, 71)], SamplingParams(temperature=0, max_new_tokens=6))
-    assert planner.surface.observed
+    eng.generate([prompt(7, 70), prompt(11, 71)], SamplingParams(temperature=0, max_new_tokens=8))
+    priced = [(b, i) for (b, i), steps in planner.surface.observed.items() if len(steps) > 1]
+    assert priced and all(planner.surface.table[b][i] != probed[b][i] for b, i in priced)
 
 
 def test_the_planner_needs_confidences():

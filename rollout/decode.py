@@ -36,13 +36,15 @@ class DecodeLaunch:
     step's input; `host` [2, N] float64 receives tokens and log-probs (pinned, filled asynchronously on
     CUDA; `ready` marks the copy). `snapshots` holds (request, position, checkpoint slot or None) for rows
     that reached a chunk boundary: the state was copied when the step was enqueued, the tree insert waits
-    for the tokens."""
+    for the tokens. `overlaps`: whether the next step may be enqueued before this one is read (it advanced
+    every row's `pos` by one and its `tokens` feed the next step); a step that is not is read at once."""
 
     batch: list[Running]
     tokens: torch.Tensor
     host: torch.Tensor
     ready: torch.cuda.Event | None
     snapshots: list[tuple[Running, int, int | None]] = field(default_factory=list)
+    overlaps: bool = True
 
 
 class DecodeStrategy:
@@ -70,21 +72,26 @@ class DecodeStrategy:
       end included, and the pipeline takes none.
     - sampler: draws with the row's own noise, so a request's outputs do not depend on the batch or the
       schedule: `rollout.noise` keyed by (r.req.seed or one of its streams, the drawn token's position).
-    - `launch` of a strategy with `overlaps` enqueues and must not wait for the device (no `.item()`,
-      `.tolist()`, blocking copies): the overlap schedule relies on it. A strategy without `overlaps` may
-      wait (a verify step's accepted lengths decide its fold), best in `read`. `launch` advances each
-      row's `pos` past the positions it committed, or, without `overlaps`, `read` does (the pipeline reads
-      such a step right after launching it): the new `pos` never exceeds the row's token count after
+    - a launch with `overlaps` (`DecodeLaunch.overlaps`) enqueues and must not wait for the device (no
+      `.item()`, `.tolist()`, blocking copies): the overlap schedule relies on it; it advances each row's
+      `pos` by one. A launch without `overlaps` may wait (a verify step's accepted lengths decide its
+      fold), best in `read`, and `read` advances `pos` past the positions the row committed (the pipeline
+      reads such a step right after launching it): the new `pos` never exceeds the row's token count after
       `read`'s tokens are appended (tokens past a stop token or the length limit are neither returned nor
       committed).
     - `ids` is each row's next input token: a host list, or with overlap the previous launch's device
-      `tokens` (rows selected). A strategy whose rows can advance by more than one token per step cannot be
-      fed that way: it must set `overlaps = False`.
+      `tokens` (rows selected). `continues(batch)` is asked before a step is launched that way (the host
+      has not read the previous one): a strategy whose next step would advance rows by more than one
+      token, or needs their tokens on the host, says False, and the pipeline reads first.
     """
 
     lookahead = 1  # KV positions past r.pos one step may write per row
-    overlaps = True  # whether a launch's `tokens` [N] can feed the next launch before `read`
     own_checkpoints = False  # whether the strategy snapshots every chunk boundary of its step (see above)
+
+    def continues(self, batch: list[Running]) -> bool:
+        """Whether the next step of `batch` may be launched before the previous step is read (its launch
+        then has `overlaps`)."""
+        return True
 
     def use_memory(self, memory: CacheManager) -> None:
         """The cache manager whose `snapshots` / `free_snapshot` the strategy may call (see above)."""
@@ -150,7 +157,7 @@ class DecodePipeline:
                  on_tokens: Callable[[list[Running], list[list[int]], list[list[float]]], None], overlap: bool):
         self.strategy, self.scheduler, self.memory, self.on_tokens = strategy, scheduler, memory, on_tokens
         strategy.use_memory(memory)
-        self.overlap = overlap and strategy.overlaps
+        self.overlap = overlap
         self.inflight: DecodeLaunch | None = None  # the enqueued step not yet read back (overlap)
 
     def run(self, batch: list[Running]) -> None:
@@ -158,7 +165,7 @@ class DecodePipeline:
         if not batch:
             return
         launch = self._launch(batch, [r.tokens[r.pos] for r in batch])
-        if self.overlap:
+        if self.overlap and launch.overlaps:
             self.inflight = launch
         else:
             self.resolve(launch)
@@ -188,10 +195,12 @@ class DecodePipeline:
 
     def _continue(self, prev: DecodeLaunch) -> DecodeLaunch | None:
         keep = self.scheduler.continue_decode(prev.batch)
-        if keep is None:
+        if keep is None or not self.strategy.continues([prev.batch[i] for i in keep]):
             return None
         ids = prev.tokens if len(keep) == len(prev.batch) else prev.tokens[to_device(keep, prev.tokens.device)]
-        return self._launch([prev.batch[i] for i in keep], ids)
+        launch = self._launch([prev.batch[i] for i in keep], ids)
+        assert launch.overlaps, "a strategy's continues() said yes to a launch that must be read at once"
+        return launch
 
     def resolve(self, launch: DecodeLaunch) -> None:
         """Read a launched step's tokens back: tree inserts for its snapshots, then the tokens. Rows of

@@ -284,7 +284,7 @@ def main(argv=None) -> None:
                                             else None)
             for planner in args.planners.split(","):
                 for rollback in args.rollback.split(","):
-                    cfg = EngineConfig(**ecfg, overlap="off", speculation=SpecConfig(
+                    cfg = EngineConfig(**ecfg, speculation=SpecConfig(
                         drafter=drafter, gamma=gamma, planner=planner, rollback=rollback, max_batch=args.max_batch))
                     spec = Engine(model, cfg)
                     spec_out, spec_s, spec_dec_s = run(spec, prompts, params)

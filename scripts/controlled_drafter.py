@@ -61,9 +61,9 @@ class ControlledDrafter(Drafter):
             self.shadow.attach(runner)
             self.taps = self.shadow.taps  # the strategy reads these during prefill and verify, for the shadow
 
-    def observe(self, batch, tapped, lengths, counts) -> None:
+    def observe(self, batch, tapped, lengths, counts, starts) -> None:
         if self.shadow is not None:
-            self.shadow.observe(batch, tapped, lengths, counts)
+            self.shadow.observe(batch, tapped, lengths, counts, starts)
 
     def prefilled(self, rows, spans, tapped) -> None:
         if self.shadow is not None:

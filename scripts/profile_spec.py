@@ -86,7 +86,7 @@ def main(argv=None) -> None:
                                     args.acceptance, shadow=shadow)
         for planner in args.planners.split(","):
             print(f"== batch {b}: speculative, {planner}", flush=True)
-            cfg = EngineConfig(**ecfg, overlap="off",
+            cfg = EngineConfig(**ecfg,
                                speculation=SpecConfig(drafter=drafter, gamma=args.gamma, planner=planner))
             profiled(Engine(model, cfg), prompts, params, args.device, args.rows)
             free(args.device)

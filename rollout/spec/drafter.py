@@ -54,10 +54,12 @@ class Drafter:
         given the earlier ones did, and reads only the drafts before j."""
         raise NotImplementedError
 
-    def observe(self, batch: list, tapped: dict[str, torch.Tensor], lengths: list[int], counts: list[int]) -> None:
-        """After a verify forward: `tapped[name]` the outputs of `taps` at every fed token ([1, sum lengths,
-        ...], row by row, lengths[n] each: the anchor then the drafts), counts[n] the tokens row n committed
-        (the anchor and its surviving drafts), from its `pos` on."""
+    def observe(self, batch: list, tapped: dict[str, torch.Tensor], lengths: list[int], counts: list[int],
+                starts: list[int]) -> None:
+        """After a verify forward (or a plain step: one token a row): `tapped[name]` the outputs of `taps` at
+        every fed token ([1, sum lengths, ...], row by row, lengths[n] each: the anchor then the drafts),
+        counts[n] the tokens row n committed (the anchor and its surviving drafts), from position starts[n]
+        on (the row's `pos` when the step was launched; a plain step has advanced it since)."""
 
     def prefilled(self, rows: list, spans: list[tuple[int, int]], tapped: dict[str, torch.Tensor]) -> None:
         """After one of the engine's packed prefill forwards: row n computed positions spans[n] = (start,
@@ -270,13 +272,13 @@ class DSparkDrafter(nn.Module, Drafter):
         q = None if qs[0] is None else torch.stack(qs, 1)  # None: every row greedy (`draw`)
         return torch.stack(drafts, 1), q, torch.stack(confs, 1)
 
-    def observe(self, batch, tapped, lengths, counts):
+    def observe(self, batch, tapped, lengths, counts, starts):
         # finished requests' windows go here too, not only in `propose`: a run of plain steps (a batch over
         # SpecConfig.max_batch) proposes nothing while requests finish
         self.contexts.drop_finished({r.req.request_id for r in batch})
-        starts = [0, *itertools.accumulate(lengths)][:-1]
-        self.contexts.append([r.req for r in batch], _features(tapped, self.config.target_layers)[0], starts, counts,
-                             [r.pos + c for r, c in zip(batch, counts)])
+        offsets = [0, *itertools.accumulate(lengths)][:-1]  # row n's features in `tapped`
+        self.contexts.append([r.req for r in batch], _features(tapped, self.config.target_layers)[0], offsets, counts,
+                             [s + c for s, c in zip(starts, counts)])
 
     def prefilled(self, rows, spans, tapped):
         """Windows from the engine's own prefill, so that a request needs no catch-up pass: a chunk that

@@ -171,14 +171,20 @@ class VerifyPlanner:
         self.plain_run = 0  # plain steps in a row, the planner's choice
         self.lagged: dict[int, torch.Tensor] = {}  # request id -> its previous step's survival [G]
 
-    def allot(self, request_ids: list[int], g: int) -> int:
+    def choose(self, request_ids: list[int], g: int) -> int:
         """From the previous step's survivals only: every row's drafts (by width) or the batch's draft tokens
-        (packed); 0 decodes one token a row, unless `explore_every` plain steps ran in a row (then all)."""
+        (packed); 0 decodes one token a row, unless `explore_every` plain steps ran in a row (then all).
+        Changes nothing: `allot` is this choice, counted."""
         prior = survival(torch.full((1, g), self.prior))[0]
         lagged = torch.stack([self.lagged.get(rid, prior)[:g] for rid in request_ids])
         allotted = width(lagged, self.surface) if self.by_width else budget(lagged, self.surface)
         if allotted == 0 and self.plain_run >= self.explore_every:
             allotted = g if self.by_width else g * len(request_ids)
+        return allotted
+
+    def allot(self, request_ids: list[int], g: int) -> int:
+        """`choose`, counting the run of plain steps it makes."""
+        allotted = self.choose(request_ids, g)
         self.plain_run = self.plain_run + 1 if allotted == 0 else 0
         return allotted
 

@@ -31,8 +31,10 @@ takes those counts on the device; the host reaches `read` while the device still
 and only `read` waits. The fold cannot call back at a chunk boundary it does not know it reaches, so it
 checkpoints every row that may reach one this step and `read` keeps the checkpoints of the rows that did
 (`own_checkpoints`: the end-of-step boundary too). The eager fold and the snapshot baseline read the counts
-in `launch`. The next step still needs this one's counts (its positions, pages and anchors), so steps do
-not overlap each other (`overlaps = False`).
+in `launch`. The next step needs a verify step's counts (its positions, pages and anchors), so a verify step
+is read before the next is launched. A plain step (one token a row) overlaps as plain decoding does: it
+advances `pos` at launch, and while the next step would be plain too (`continues`: over `max_batch`, or the
+planner's choice, which reads nothing a plain step changes) the pipeline launches it before reading this one.
 
 CUDA graphs: on CUDA (where the decode graphs apply) the verify forward replays a graph of an [N, w]
 block by batch bucket and width (`rollout.spec.graphs`): w = gamma + 1 under verify_all, w = the planner's
@@ -102,13 +104,13 @@ class SpecLaunch(DecodeLaunch):
     checkpoints: list[tuple[int, int, int | None]] = field(default_factory=list)
     tapped: dict[str, torch.Tensor] = field(default_factory=dict)
     lengths: list[int] = field(default_factory=list)  # tokens each row fed the verify forward
+    starts: list[int] = field(default_factory=list)  # each row's pos at launch (its first fed token's position)
     plain: bool = False  # a plain step (one token a row: above `SpecConfig.max_batch`, or the planner's choice)
     started: float = 0.0  # perf_counter at launch: the planner prices the step's cell with launch-to-read
     captured: int = 0  # graphs captured before the step (a step that captured one is not a price)
 
 
 class SpecDecode(DecodeStrategy):
-    overlaps = False
     own_checkpoints = True
 
     def __init__(self, runner: ModelRunner, spec: SpecConfig, graphs: bool | None = None,
@@ -128,6 +130,7 @@ class SpecDecode(DecodeStrategy):
         self.drafter = spec.build_drafter(runner)
         self.memory: CacheManager | None = None
         self.stats = SpecStats()
+        self.unread = 0  # plain steps launched and not yet read (the pipeline's overlap)
         self.planner = None
         if spec.planner == "cost_aware":  # steps price a measured surface, on one process (planner docstring)
             learn = surface is None and runner.model.model.tp.size == 1
@@ -135,6 +138,13 @@ class SpecDecode(DecodeStrategy):
 
     def use_memory(self, memory: CacheManager) -> None:
         self.memory = memory
+
+    def continues(self, batch: list[Running]) -> bool:
+        """Only into a plain step: over `max_batch`, or where the planner would allot no drafts (its choice
+        reads the lagged survivals and the surface, which a plain step leaves as they are until it is read)."""
+        if self.max_batch is not None and len(batch) > self.max_batch:
+            return True
+        return self.planner is not None and self.planner.choose([r.req.request_id for r in batch], self.gamma) == 0
 
     def prefill(self, forward, batch, spans):
         """The prefill forward with the drafter's taps read, handed to `Drafter.prefilled` (its contexts from
@@ -152,13 +162,15 @@ class SpecDecode(DecodeStrategy):
         Nothing here waits for the device when verify and fold are graphed; `read` does, once."""
         n, g = len(batch), self.gamma
         started, captured = time.perf_counter(), self._captured()
-        anchors = ids if torch.is_tensor(ids) else to_device(ids, self.runner.device)
+        anchors = ids.reshape(-1) if torch.is_tensor(ids) else to_device(ids, self.runner.device)
         if self.max_batch is not None and n > self.max_batch:
             return self._plain(batch, anchors, started, captured)
         rids = [r.req.request_id for r in batch]
         allotted = g if self.planner is None else self.planner.allot(rids, g)  # from the previous step only
         if allotted == 0:  # no drafts pay for themselves at this batch: one token a row
             return self._plain(batch, anchors, started, captured)
+        if self.unread:  # a verify step needs every row's tokens and positions on the host
+            raise RuntimeError("SpecDecode: a verify step launched before the plain step in flight was read")
         params, seeds, positions = [r.req.params for r in batch], [r.req.seed for r in batch], [r.pos for r in batch]
         with record_function("spec.propose"):
             drafts, q, *conf = self.drafter.propose(batch, anchors, g, params)
@@ -202,7 +214,8 @@ class SpecDecode(DecodeStrategy):
         self.stats.window_bytes = max(self.stats.window_bytes,
                                       inputs.nbytes() // n if window is None else window.nbytes_per_row)
         self.stats.drafted += sum(num)
-        return SpecLaunch(batch, tokens, host, ready, [], taken, tapped, inputs.lengths, False, started, captured)
+        return SpecLaunch(batch, tokens, host, ready, [], overlaps=False, checkpoints=taken, tapped=tapped,
+                          lengths=inputs.lengths, starts=positions, started=started, captured=captured)
 
     def read(self, launch: SpecLaunch) -> tuple[list[list[int]], list[list[float]]]:
         """Wait for the step's copy, then complete it on the host: each row's committed tokens and log-probs,
@@ -225,9 +238,12 @@ class SpecDecode(DecodeStrategy):
             else:
                 self.memory.free_snapshot(snap)
         with record_function("spec.observe"):
-            self.drafter.observe(launch.batch, launch.tapped, launch.lengths, committed)
-        for r, c in zip(launch.batch, committed):
-            r.pos += c
+            self.drafter.observe(launch.batch, launch.tapped, launch.lengths, committed, launch.starts)
+        if launch.plain:
+            self.unread -= 1  # its rows' pos advanced at launch
+        else:
+            for r, c in zip(launch.batch, committed):
+                r.pos += c
         if self.planner is not None and self._captured() == launch.captured:
             per = launch.tokens.shape[1] if self.planner.by_width else launch.lengths
             self.planner.observe(len(launch.batch), per, time.perf_counter() - launch.started)
@@ -243,17 +259,23 @@ class SpecDecode(DecodeStrategy):
     def _plain(self, batch: list[Running], anchors: torch.Tensor, started: float, captured: int) -> SpecLaunch:
         """One token a row, as plain decoding samples it (`OneToken`), in the form `read` completes: the
         drafter's taps read at each row's token (its `observe` gets one committed token a row, so its context
-        stays current for the steps that speculate again), a row reaching a chunk boundary checkpointed."""
+        stays current for the steps that speculate again), a row reaching a chunk boundary checkpointed,
+        every row's `pos` advanced here, so the next plain step may be launched before this one is read."""
         n = len(batch)
+        starts = [r.pos for r in batch]
         logits, tapped = self.runner.forward_tapped(batch, anchors, self.drafter.taps)
         tokens, logps = sample_on_device(logits, [r.req.params for r in batch], [r.req.seed for r in batch],
-                                         [r.pos + 1 for r in batch])
+                                         [p + 1 for p in starts])
         ones = torch.ones(n, 2, dtype=torch.float64, device=tokens.device)  # committed and emitted: one token
         host, ready = to_host(torch.cat([tokens.double()[:, None], logps.double()[:, None], ones], dim=1))
         chunk = self.memory.config.chunk_size
-        ends = [r for r in batch if (r.pos + 1) % chunk == 0]  # reached for sure: the pipeline's inserts
-        snaps = [(r, r.pos + 1, snap) for r, snap in zip(ends, self.memory.snapshots(ends))]
-        return SpecLaunch(batch, tokens[:, None], host, ready, snaps, [], tapped, [1] * n, True, started, captured)
+        for r in batch:
+            r.pos += 1
+        ends = [r for r in batch if r.pos % chunk == 0]  # reached for sure: the pipeline's inserts
+        snaps = [(r, r.pos, snap) for r, snap in zip(ends, self.memory.snapshots(ends))]
+        self.unread += 1
+        return SpecLaunch(batch, tokens[:, None], host, ready, snaps, tapped=tapped, lengths=[1] * n, starts=starts,
+                          plain=True, started=started, captured=captured)
 
     def _captured(self) -> int:
         """Graphs captured so far: the verify and fold graphs', and the decode graphs' (plain steps)."""

@@ -14,7 +14,7 @@ from rollout.forward import hooks
 from rollout.request import SamplingParams
 from rollout.spec import SpecConfig
 from rollout.spec.drafter import DSparkConfig, DSparkDrafter, _features
-from tests.rollout.common import MODEL, engine, prompt
+from tests.rollout.common import MODEL, assert_pools_drain_to_full, engine, prompt
 
 C = MODEL.config
 
@@ -203,6 +203,30 @@ def test_above_max_batch_plain_steps_keep_the_window_current_and_the_output_plai
     hit = eng.generate([again], SamplingParams(temperature=0, max_new_tokens=4))[0]
     assert hit.cached_tokens == 16
     assert hit.output_ids == engine().generate([again], SamplingParams(temperature=0, max_new_tokens=4))[0].output_ids
+
+
+def test_plain_steps_overlap_as_plain_decoding_does_and_speculation_resumes_after_them():
+    """With the overlap schedule, a plain step (over max_batch) is launched before the previous plain step is
+    read, as plain decoding's are; once the batch fits max_batch the pipeline reads first and the rows
+    speculate. Greedy tokens and log-probs equal plain decoding's, every plain step is read once, the pools
+    drain."""
+    d = drafter(2)
+    prompts = [prompt(n, 50 + n) for n in (5, 9, 13, 17)]
+    params = [SamplingParams(temperature=0, max_new_tokens=m) for m in (5, 7, 14, 16)]
+    want = engine(overlap="off").generate(prompts, params)
+    eng = engine(overlap="on", speculation=SpecConfig(drafter=d, gamma=3, max_batch=2))
+    strategy = eng.decoder.strategy
+    ids = [eng.submit(p, q) for p, q in zip(prompts, params)]
+    done, in_flight = {}, 0
+    while eng.has_work():
+        done.update((c.request_id, c) for c in eng.step())
+        in_flight += getattr(eng.decoder.inflight, "plain", False)
+        eng.check_invariants()
+    assert in_flight > 3 and strategy.stats.steps > 0 and strategy.unread == 0
+    for rid, w in zip(ids, want):
+        assert done[rid].output_ids == w.output_ids
+        assert done[rid].logprobs == pytest.approx(w.logprobs, abs=1e-4)
+    assert_pools_drain_to_full(eng)
 
 
 def test_a_retracted_request_prefilled_again_keeps_a_true_window():

@@ -45,7 +45,7 @@ class ScriptedDrafter(Drafter):
         drafts = torch.tensor(rows, device=anchors.device)
         return drafts, torch.nn.functional.one_hot(drafts, V).float()
 
-    def observe(self, batch, tapped, lengths, counts):
+    def observe(self, batch, tapped, lengths, counts, starts):
         self.counts += counts
 
 

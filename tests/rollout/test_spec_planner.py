@@ -146,11 +146,12 @@ def test_the_engine_with_the_planner_is_lossless():
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
 
 
-def test_where_blocks_never_pay_the_engine_decodes_plainly_and_stays_lossless():
+@pytest.mark.parametrize("overlap", ["off", "on"])
+def test_where_blocks_never_pay_the_engine_decodes_plainly_and_stays_lossless(overlap):
     """The cost-aware engine on a surface where a block of w tokens a row costs w plain steps: it drafts only
-    on its exploring steps, decodes the rest one token a row (the drafter's windows kept current), and its
-    greedy tokens equal plain greedy; the pools drain. On a surface where the block is nearly free it
-    speculates on every step."""
+    on its exploring steps, decodes the rest one token a row (the drafter's windows kept current; with the
+    overlap schedule, each plain step launched before the last is read), and its greedy tokens equal plain
+    greedy; the pools drain. On a surface where the block is nearly free it speculates on every step."""
 
     prompts = [prompt(n, 60 + n) for n in (5, 9, 14)]
     params = SamplingParams(temperature=0, max_new_tokens=12)
@@ -158,7 +159,7 @@ def test_where_blocks_never_pay_the_engine_decodes_plainly_and_stays_lossless():
     for per_token, speculates in ((1.0, False), (0.01, True)):
         surface = CostSurface({b: [(b * per, 1.0 + per_token * (per - 1)) for per in range(1, 5)] for b in (1, 2, 3, 4)})
         spec = SpecConfig(drafter=drafter(3), gamma=3, planner="cost_aware")
-        eng = engine(max_running=4, speculation=spec)
+        eng = engine(max_running=4, speculation=spec, overlap=overlap)
         eng.decoder.strategy = strategy = SpecDecode(eng.runner, spec, surface=surface)
         strategy.use_memory(eng.memory)
         strategy.planner.explore_every = 4

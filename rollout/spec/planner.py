@@ -35,7 +35,10 @@ run of plain steps learns no confidences, so after `explore_every` of them one s
 The probes see only the verify forward; a whole step also drafts, verifies and folds, and the host does
 its share. So the steps the engine runs price the surface too (`observe`, single-process engines): from a
 cell's second real step on, the median of its latest steps replaces the probe (a cell's first step, and a
-step that captured a graph, may compile or capture: not counted). A sharded engine's ranks time differently and must plan alike, so they plan on the
+step that captured a graph, may compile or capture: not counted); a step's time runs from its launch, or
+from the previous read when it was launched before that (an overlapped plain step), to its read. Prices
+are read as a staircase that never falls (`CostSurface.seconds`), so a cell priced by a few noisy steps
+cannot make a wider verify look cheaper than a narrower one. A sharded engine's ranks time differently and must plan alike, so they plan on the
 leader's start-up surface only.
 
 The budget is the batch's, so with this planner a seeded request's tokens (not their distribution) can
@@ -46,6 +49,7 @@ them batch-independent.
 from __future__ import annotations
 
 import bisect
+import itertools
 import time
 from dataclasses import dataclass, field
 
@@ -72,8 +76,13 @@ class CostSurface:
         return b, min(bisect.bisect_left([t for t, _ in shelf], tokens), len(shelf) - 1)
 
     def seconds(self, rows: int, tokens: int) -> float:
+        """The step's price: the dearest measured cell at or below it on its shelf (a step of more tokens never
+        costs less, so one noisy cheap reading does not make a wider step look cheaper than a narrower one)."""
         b, i = self._cell(rows, tokens)
-        return self.table[b][i][1]
+        return self._prices(b)[i]
+
+    def _prices(self, b: int) -> list[float]:
+        return list(itertools.accumulate((s for _, s in self.table[b]), max))
 
     def observe(self, rows: int, tokens: int, seconds: float, recent: int = 5) -> None:
         """A whole step the engine ran, read where `seconds(rows, tokens)` reads. A cell's first step is left
@@ -91,8 +100,9 @@ class CostSurface:
     def edges(self, rows: int) -> list[int]:
         """Each shelf's far edge at `rows` rows (the measured batch `seconds` reads): the most total tokens
         before the price changes, ascending."""
-        shelf = self.table[self.batch(rows)]
-        return [t for k, (t, s) in enumerate(shelf) if k + 1 == len(shelf) or shelf[k + 1][1] != s]
+        b = self.batch(rows)
+        tokens, prices = [t for t, _ in self.table[b]], self._prices(b)
+        return [t for k, (t, s) in enumerate(zip(tokens, prices)) if k + 1 == len(prices) or prices[k + 1] != s]
 
     @classmethod
     def measure(cls, step, batches: list[int], gamma: int, repeats: int = 3) -> "CostSurface":

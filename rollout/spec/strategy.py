@@ -131,6 +131,7 @@ class SpecDecode(DecodeStrategy):
         self.memory: CacheManager | None = None
         self.stats = SpecStats()
         self.unread = 0  # plain steps launched and not yet read (the pipeline's overlap)
+        self._last_read = 0.0  # perf_counter when the last step's read ended
         self.planner = None
         if spec.planner == "cost_aware":  # steps price a measured surface, on one process (planner docstring)
             learn = surface is None and runner.model.model.tp.size == 1
@@ -244,9 +245,13 @@ class SpecDecode(DecodeStrategy):
         else:
             for r, c in zip(launch.batch, committed):
                 r.pos += c
+        now = time.perf_counter()
         if self.planner is not None and self._captured() == launch.captured:
+            # from its launch, or from the last read when it was launched before that (an overlapped plain step:
+            # its launch-to-read spans the next step's launch too), to its read: the step's share of the time
             per = launch.tokens.shape[1] if self.planner.by_width else launch.lengths
-            self.planner.observe(len(launch.batch), per, time.perf_counter() - launch.started)
+            self.planner.observe(len(launch.batch), per, now - max(launch.started, self._last_read))
+        self._last_read = now
         s = self.stats
         if launch.plain:
             s.plain_steps += 1

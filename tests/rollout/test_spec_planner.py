@@ -53,6 +53,16 @@ def test_the_budget_climbs_a_riser_for_the_whole_shelf_above_it():
     assert flat.edges(4) == [12, 20] and budget(lagged, flat) == 8
 
 
+def test_a_wider_step_never_reads_cheaper_than_a_narrower_one_on_its_shelf():
+    """The staircase never falls: a noisy cheap reading of a wider step (a cell priced by few steps) takes
+    the dearest price below it, and the shelves' edges follow those prices."""
+    surface = CostSurface({2: [(2, 2.0), (4, 2.2), (6, 4.0), (8, 2.5)]})
+    assert [surface.seconds(2, t) for t in (2, 4, 6, 8)] == [2.0, 2.2, 4.0, 4.0]
+    assert surface.edges(2) == [2, 4, 8]
+    # read raw, the 2.5 of four tokens a row would win: (2 + 2 x 2.44) / 2.5 against (2 + 2 x 0.9) / 2.2
+    assert width(survival(torch.full((2, 3), 0.9)), surface) == 1
+
+
 def test_by_width_every_row_verifies_the_best_width_of_the_lagged_confidences():
     """Graphs cost N x w whatever is verified: the width with the most expected tokens per second, from the
     previous step's confidences only (this step's never move it); hopeless drafts verify none."""

@@ -125,6 +125,8 @@ run_job() {
         --planners verify_all --gen-len 32 --rows 30 ;;
     specprof_dspark) job specprof_dspark python scripts/profile_spec.py --device cuda --batch-sizes 1,256 \
         --planners verify_all --gen-len 32 --rows 30 --drafter-cost dspark ;;  # where a real drafter's time goes
+    specprof_plan) job specprof_plan python scripts/profile_spec.py --device cuda --batch-sizes 1 \
+        --planners verify_all,cost_aware --gen-len 64 --rows 20 --drafter-cost dspark ;;  # the planner's spec steps
     specprof0) job specprof0 env MILES_K3_KERNELS=0 python scripts/profile_spec.py --device cuda --batch-sizes 256 \
         --planners verify_all --gen-len 32 --rows 30 ;;  # the same without our kernels (2026-12-02: 1.5x faster)
     trainmem_long) job trainmem_long python scripts/bench_train_memory.py --device cuda --preset k3-small \

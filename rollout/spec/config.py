@@ -29,9 +29,9 @@ class SpecConfig:
     # per step and its pages must cover gamma + 1 positions past its computed ones (`lookahead`)
     gamma: int = 4
     # how many of each row's drafts a verify step checks: "verify_all" (gamma per row), or "cost_aware"
-    # (rollout.spec.planner: a token budget from the previous step's confidences against a verify cost
-    # surface measured when the engine starts, filled by the current confidences; needs a drafter with a
-    # confidence head)
+    # (rollout.spec.planner: a token budget from the previous step's confidences against a step cost
+    # surface measured when the engine starts and priced by its own steps, filled by the current
+    # confidences; none where no block pays: a plain step; needs a drafter with a confidence head)
     planner: str = "verify_all"
     # how a verify step's KDA state gets back to the accepted length: "replay" (ReplaySSM: the verify pass
     # never writes the state; a fold replays the accepted tokens' stored inputs, rollout.spec.replay) or

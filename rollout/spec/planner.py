@@ -38,8 +38,8 @@ cell's second real step on, the median of its latest steps replaces the probe (a
 step that captured a graph, may compile or capture: not counted); a step's time runs from its launch, or
 from the previous read when it was launched before that (an overlapped plain step), to its read. Prices
 are read as a staircase that never falls (`CostSurface.seconds`), so a cell priced by a few noisy steps
-cannot make a wider verify look cheaper than a narrower one. A sharded engine's ranks time differently and must plan alike, so they plan on the
-leader's start-up surface only.
+cannot make a wider verify look cheaper than a narrower one. A sharded engine's ranks time differently and
+must plan alike, so they plan on the leader's start-up surface only.
 
 The budget is the batch's, so with this planner a seeded request's tokens (not their distribution) can
 depend on what it is batched with, and, with steps observed, on the machine's timings; `verify_all` keeps
@@ -58,7 +58,8 @@ import torch
 
 @dataclass
 class CostSurface:
-    """Step seconds of a verify forward by (rows, total tokens), measured once on the device it runs on.
+    """Step seconds by (rows, total tokens), probed at start-up on the device it runs on (`measure`), then
+    priced by the steps the engine runs (`observe`).
     `seconds` reads the staircase: the smallest measured batch >= rows, then the smallest measured total
     >= tokens at that batch (the shelf the step lands on). One token a row is the plain step's price."""
 

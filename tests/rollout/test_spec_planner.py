@@ -167,7 +167,8 @@ def test_where_blocks_never_pay_the_engine_decodes_plainly_and_stays_lossless(ov
     params = SamplingParams(temperature=0, max_new_tokens=12)
     want = engine(max_running=4).generate(prompts, params)
     for per_token, speculates in ((1.0, False), (0.01, True)):
-        surface = CostSurface({b: [(b * per, 1.0 + per_token * (per - 1)) for per in range(1, 5)] for b in (1, 2, 3, 4)})
+        surface = CostSurface({b: [(b * per, 1.0 + per_token * (per - 1)) for per in range(1, 5)]
+                               for b in (1, 2, 3, 4)})
         spec = SpecConfig(drafter=drafter(3), gamma=3, planner="cost_aware")
         eng = engine(max_running=4, speculation=spec, overlap=overlap)
         eng.decoder.strategy = strategy = SpecDecode(eng.runner, spec, surface=surface)

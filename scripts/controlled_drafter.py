@@ -61,6 +61,10 @@ class ControlledDrafter(Drafter):
             self.shadow.attach(runner)
             self.taps = self.shadow.taps  # the strategy reads these during prefill and verify, for the shadow
 
+    @property
+    def captures(self) -> int:
+        return 0 if self.shadow is None else self.shadow.captures
+
     def observe(self, batch, tapped, lengths, counts, starts) -> None:
         if self.shadow is not None:
             self.shadow.observe(batch, tapped, lengths, counts, starts)

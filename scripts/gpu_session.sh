@@ -127,6 +127,10 @@ run_job() {
         --planners verify_all --gen-len 32 --rows 30 --drafter-cost dspark ;;  # where a real drafter's time goes
     specprof_plan) job specprof_plan python scripts/profile_spec.py --device cuda --batch-sizes 1 \
         --planners verify_all,cost_aware --gen-len 64 --rows 20 --drafter-cost dspark ;;  # the planner's spec steps
+    specdraft) job specdraft python scripts/bench_spec.py --target preset:k3-small --peaked --drafter controlled:0.8 \
+        --drafter-cost dspark --device cuda --dtype bfloat16 --batch-sizes 1,8 --planners verify_all \
+        --rollback replay --temperatures 0 --prompt-len 128 --gen-len 64 --memory-gb 16 \
+        --json "$STATE/bench_spec_draft_h200.json" ;;  # specplan's small batches: the drafter from CUDA graphs
     specprof0) job specprof0 env MILES_K3_KERNELS=0 python scripts/profile_spec.py --device cuda --batch-sizes 256 \
         --planners verify_all --gen-len 32 --rows 30 ;;  # the same without our kernels (2026-12-02: 1.5x faster)
     trainmem_long) job trainmem_long python scripts/bench_train_memory.py --device cuda --preset k3-small \

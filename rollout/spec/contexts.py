@@ -60,7 +60,14 @@ class ContextWindows:
 
     def read(self, request_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The batch's windows [N, window, F] and which positions are real [N, window] (bool)."""
-        idx = to_device([self.row_of[k] for k in request_ids], self.features.device)
+        return self.read_rows(to_device(self.rows(request_ids), self.features.device))
+
+    def rows(self, request_ids: list[int]) -> list[int]:
+        """The buffer rows holding these requests' windows."""
+        return [self.row_of[k] for k in request_ids]
+
+    def read_rows(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`read` by buffer rows idx [N] (device): the form a CUDA graph replays, idx its static input."""
         pos = torch.arange(self.window, device=idx.device)
         mask = pos[None, :] >= self.window - self.length.index_select(0, idx)[:, None]
         return self.features.index_select(0, idx), mask

@@ -20,6 +20,7 @@ from rollout.forward import hooks
 from rollout.media import packed_media
 from rollout.request import SamplingParams
 from rollout.spec.contexts import ContextWindows
+from rollout.spec.draft_graphs import DraftGraphs
 from rollout.spec.verify import DRAFT, draw, stream_seeds
 from rollout.transfer import to_device
 
@@ -39,6 +40,7 @@ class Drafter:
 
     max_gamma: int = 1 << 30  # the longest block this drafter can propose
     has_confidence = False  # whether `propose` also returns confidences (the cost-aware planner needs them)
+    captures: int = 0  # CUDA graphs the drafter captured so far (a step that captures one is not a timing)
     taps: dict[str, torch.nn.Module] = {}
 
     def attach(self, runner) -> None:
@@ -68,6 +70,7 @@ class Drafter:
 
 
 # ----------------------------------------------------------------------------------------- DSpark
+_GREEDY = SamplingParams(temperature=0)
 @dataclass(frozen=True)
 class DSparkConfig:
     """A DSpark block drafter's shape; stored as the drafter directory's `config.json`. Checked on
@@ -188,6 +191,7 @@ class DSparkDrafter(nn.Module, Drafter):
         self._runner = None
         self.contexts = ContextWindows(config.context_window)  # each request's latest target features
         self.taps = {}
+        self.graphs: DraftGraphs | None = None  # greedy proposals from CUDA graphs (`attach`)
 
     # ------------------------------------------------------------ the target
     def share(self, target) -> None:
@@ -203,10 +207,21 @@ class DSparkDrafter(nn.Module, Drafter):
         layers = {layer.layer_idx: layer for layer in target.model.layers}
         self.taps = {f"layer{i}": layers[i] for i in self.config.target_layers}
 
-    def attach(self, runner) -> None:
+    def attach(self, runner, graphs: bool | None = None) -> None:
+        """`graphs`: greedy proposals from CUDA graphs (`rollout.spec.draft_graphs`); None: where the runner's
+        decode graphs apply (CUDA) and the target is not sharded (a vocab-parallel lm_head's gather is a
+        collective). On CPU True runs their padded shapes eagerly."""
         self.share(runner.model)
         self._runner = runner
         self.to(runner.device).eval()
+        if graphs is None:
+            graphs = runner.graphs_apply() and self._gather is None
+        self.graphs = DraftGraphs(self._greedy, lambda: self.contexts.features, runner.config.max_running,
+                                  capture=runner.device.type == "cuda") if graphs else None
+
+    @property
+    def captures(self) -> int:
+        return 0 if self.graphs is None else self.graphs.captures
 
     # ------------------------------------------------------------- the math
     def block_hidden(self, ctx: torch.Tensor, ctx_mask: torch.Tensor, anchors: torch.Tensor, gamma: int
@@ -254,18 +269,36 @@ class DSparkDrafter(nn.Module, Drafter):
     def propose(self, batch, anchors, gamma, params):
         self.contexts.drop_finished({r.req.request_id for r in batch})
         self._catch_up([r for r in batch if r.req.request_id not in self.contexts])
-        ctx, mask = self.contexts.read([r.req.request_id for r in batch])
+        rows = self.contexts.rows([r.req.request_id for r in batch])
+        if all(p.temperature == 0 for p in params):
+            if self.graphs is not None and self.graphs.usable(len(batch)):
+                drafts, conf = self.graphs.run(rows, anchors, gamma)
+            else:
+                drafts, conf = self._greedy(to_device(rows, anchors.device), anchors, gamma)
+            return drafts, None, conf
+        seeds = stream_seeds([r.req.seed for r in batch], DRAFT, anchors.device)
+        at = to_device([r.pos for r in batch], anchors.device)
+        return self._block(to_device(rows, anchors.device), anchors, gamma, params, seeds, at)
+
+    def _greedy(self, idx: torch.Tensor, anchors: torch.Tensor, gamma: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """An all-greedy block (`_block` with greedy rows, which read no seeds or positions): drafts and
+        confidences from two device tensors, the form `DraftGraphs` captures."""
+        drafts, _, conf = self._block(idx, anchors, gamma, [_GREEDY] * len(anchors), None, None)
+        return drafts, conf
+
+    def _block(self, idx, anchors, gamma, params, seeds, at):
+        """The block proposal of the windows in buffer rows idx [N] after anchors [N]: drafts [N, gamma], q
+        (None when every row is greedy), confidences [N, gamma]."""
+        ctx, mask = self.contexts.read_rows(idx)
         h = self.block_hidden(ctx, mask, anchors, gamma)
         # every position's lm_head logits in one GEMM in the head's own dtype: the vocabulary's rows read once a
         # step, not once a position, and never copied to the drafter's dtype (k3-small: 0.34 GB of bf16 rows,
         # 0.67 GB as an fp32 copy). The draws read these logits exactly as computed, so q stays exact.
         base = self.head_logits(h[:, 1:].to(self._shared[1].dtype))
         drafts, qs, confs, prev = [], [], [], anchors
-        seeds = stream_seeds([r.req.seed for r in batch], DRAFT, anchors.device)
-        at = to_device([r.pos for r in batch], anchors.device)
         for k in range(1, gamma + 1):
             logits, conf = self.position_logits(h[:, k], prev, k, base[:, k - 1])  # reads the drafts before k only
-            prev, q = draw(logits, params, seeds, at + k)
+            prev, q = draw(logits, params, seeds, None if at is None else at + k)
             drafts.append(prev)
             qs.append(q)
             confs.append(conf)

@@ -74,8 +74,8 @@ class SpecStats:
     tokens emitted (kept drafts plus one per row, before a stop cut), the most draft-window bytes per row
     a step needed (ReplaySSM: its KDA inputs; the snapshot baseline: its gamma state snapshots), and the
     steps whose verify forward and whose fold replayed a captured CUDA graph (the rest ran eagerly, the CPU's
-    padded shapes included), and the graphs the steps captured (verify and fold; a capture costs about three
-    eager forwards): a benchmark's way to tell a slow step from an eager or a capturing one."""
+    padded shapes included), and the graphs the steps captured (verify, fold and the drafter's; a capture
+    costs about three eager forwards): a benchmark's way to tell a slow step from an eager or a capturing one."""
 
     steps: int = 0
     plain_steps: int = 0  # steps of a batch over `SpecConfig.max_batch`: one token a row, no drafts
@@ -174,7 +174,9 @@ class SpecDecode(DecodeStrategy):
             raise RuntimeError("SpecDecode: a verify step launched before the plain step in flight was read")
         params, seeds, positions = [r.req.params for r in batch], [r.req.seed for r in batch], [r.pos for r in batch]
         with record_function("spec.propose"):
+            drafter_captures = self.drafter.captures
             drafts, q, *conf = self.drafter.propose(batch, anchors, g, params)
+            self.stats.captures += self.drafter.captures - drafter_captures
             num = [g] * n if self.planner is None else self.planner.plan(rids, conf[0], allotted)
         # a row emits at most its remaining tokens, so it verifies no drafts past its length limit
         num = [min(k, r.req.params.max_new_tokens - len(r.req.output_ids) - 1) for k, r in zip(num, batch)]

@@ -1,6 +1,6 @@
 """Speculative decoding's CUDA path (run on the device machine): the verify forward replayed from CUDA graphs by
-batch bucket (rollout/spec/graphs.py) equals the eager packed verify, and greedy with speculation equals
-plain greedy, all in bf16 (the CPU twin of the padded shapes, exact in fp32: tests/rollout/test_spec_graphs.py).
+batch bucket (rollout/spec/graphs.py) equals the eager packed verify, the drafter's graphed proposals equal its
+eager ones (rollout/spec/draft_graphs.py), and greedy with speculation equals plain greedy, all in bf16 (the CPU twin of the padded shapes, exact in fp32: tests/rollout/test_spec_graphs.py).
 
     .venv/bin/python -m pytest -q -m gpu tests/gpu/test_spec_gpu.py
 """
@@ -100,3 +100,30 @@ def test_the_graphed_fold_commits_the_eager_folds_state_bit_for_bit(model, dense
     for name in ("conv", "recurrent"):
         for k in want[name]:
             assert torch.equal(got[name][k], want[name][k]), (name, k)
+
+
+def test_a_graphed_drafter_proposes_the_eager_drafts_on_cuda(model, plain):
+    """A DSpark drafter on the bf16 engine: its greedy proposals replayed from CUDA graphs (captured on a
+    bucket's third ask) equal the eager block's drafts, confidences within bf16 tolerance; then a whole
+    speculative run through it equals plain greedy."""
+    from rollout.spec.drafter import DSparkConfig, DSparkDrafter
+
+    ps, want = plain
+    c = model.config
+    torch.manual_seed(0)
+    d = DSparkDrafter(DSparkConfig(target_layers=(1, 3), hidden_size=c.hidden_size, vocab_size=c.vocab_size,
+                                   block_size=GAMMA))
+    eng = Engine(model, EngineConfig(max_prefill_tokens=64, **CFG, speculation=SpecConfig(drafter=d, gamma=GAMMA)))
+    assert d.graphs is not None and d.graphs.capture
+    got = eng.generate(ps, PARAMS)
+    assert_greedy_agree(want, got)
+    assert d.graphs.captures > 0 and d.graphs.replays == eng.decoder.strategy.stats.steps
+    rows = list(range(5))
+    anchors = torch.tensor([5, 6, 7, 8, 9], device="cuda")
+    for _ in range(3):
+        drafts, conf = d.graphs.run(rows, anchors, GAMMA)
+    pad = next(b for b in d.graphs.batch_buckets if b >= 5) - 5  # the eager block at the graph's shape
+    want_d, want_c = d._greedy(torch.tensor(rows + [0] * pad, device="cuda"),
+                               torch.cat([anchors, anchors.new_zeros(pad)]), GAMMA)
+    assert torch.equal(drafts, want_d[:5])
+    torch.testing.assert_close(conf.float(), want_c[:5].float(), atol=2e-2, rtol=2e-2)

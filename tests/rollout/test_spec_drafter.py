@@ -229,6 +229,48 @@ def test_plain_steps_overlap_as_plain_decoding_does_and_speculation_resumes_afte
     assert_pools_drain_to_full(eng)
 
 
+def test_graphed_greedy_proposals_equal_the_eager_block_at_every_bucket():
+    """`DraftGraphs` at its padded shapes (run eagerly here, as capture=False does) proposes the eager block's
+    drafts and confidences for batches of 1-6 rows in any buffer order; a bucket is captured on its third ask
+    (a larger captured graph serves it until then); a context buffer that grows drops the graphs."""
+    from types import SimpleNamespace
+
+    d = drafter(3)
+    eng = engine(speculation=SpecConfig(drafter=d, gamma=3), max_running=6)
+    d.attach(eng.runner, graphs=True)
+    g = torch.Generator().manual_seed(0)
+    reqs = [SimpleNamespace(request_id=i, finish_reason=None) for i in range(6)]
+    feats = torch.randn(6 * 16, len(d.config.target_layers) * C.hidden_size, generator=g)
+    d.contexts.append(reqs, feats, [16 * i for i in range(6)], [4 + 2 * i for i in range(6)], [20] * 6)
+    for n in (6, 1, 3, 3, 3, 5):
+        rows = d.contexts.rows([5 - i for i in range(n)])
+        anchors = torch.randint(3, C.vocab_size, (n,), generator=g)
+        want_drafts, want_conf = d._greedy(torch.tensor(rows), anchors, 3)
+        drafts, conf = d.graphs.run(rows, anchors, 3)
+        assert torch.equal(drafts, want_drafts)
+        torch.testing.assert_close(conf, want_conf, atol=1e-6, rtol=1e-5)
+    assert sorted(k[0] for k in d.graphs.graphs) == [4, 6]  # 1 and the first two 3s padded to 6; the third 3 gets 4
+    more = [SimpleNamespace(request_id=i, finish_reason=None) for i in range(6, 12)]
+    d.contexts.append(more, feats, [0] * 6, [1] * 6, [1] * 6)  # past the buffer's 8 rows: it grows
+    d.graphs.run(d.contexts.rows([11]), anchors[:1], 3)
+    assert list(d.graphs.graphs) == [(1, 0, 3)]
+
+
+def test_greedy_speculation_through_a_graphed_drafter_equals_plain_greedy():
+    """The engine's steps draft through `DraftGraphs` (padded shapes, eager on CPU): greedy equals plain greedy,
+    the proposals come from the graphs, and their captures count in the strategy's."""
+    d = drafter(4)
+    prompts = [prompt(n, 90 + n) for n in (5, 9, 13)]
+    params = SamplingParams(temperature=0, max_new_tokens=9)
+    want = engine().generate(prompts, params)
+    eng = engine(speculation=SpecConfig(drafter=d, gamma=3), max_running=4)
+    d.attach(eng.runner, graphs=True)
+    got = eng.generate(prompts, params)
+    assert [c.output_ids for c in got] == [c.output_ids for c in want]
+    assert d.graphs.replays == eng.decoder.strategy.stats.steps > 0
+    assert eng.decoder.strategy.stats.captures == d.graphs.captures > 0
+
+
 def test_a_retracted_request_prefilled_again_keeps_a_true_window():
     """Tight pools retract requests mid-decode; prefilled again from their prefix hit, they repeat positions
     their windows hold: after every step each window still equals a fresh target pass, and greedy output

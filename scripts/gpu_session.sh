@@ -127,6 +127,8 @@ run_job() {
         --planners verify_all --gen-len 32 --rows 30 --drafter-cost dspark ;;  # where a real drafter's time goes
     specprof_plan) job specprof_plan python scripts/profile_spec.py --device cuda --batch-sizes 1 \
         --planners verify_all,cost_aware --gen-len 64 --rows 20 --drafter-cost dspark ;;  # the planner's spec steps
+    specdrafttest) job specdrafttest python -m pytest tests/gpu/test_spec_gpu.py -q -m gpu -rA --tb=short \
+        -p no:cacheprovider -k drafter ;;
     specdraft) job specdraft python scripts/bench_spec.py --target preset:k3-small --peaked --drafter controlled:0.8 \
         --drafter-cost dspark --device cuda --dtype bfloat16 --batch-sizes 1,8 --planners verify_all \
         --rollback replay --temperatures 0 --prompt-len 128 --gen-len 64 --memory-gb 16 \

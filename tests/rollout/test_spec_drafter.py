@@ -229,6 +229,26 @@ def test_plain_steps_overlap_as_plain_decoding_does_and_speculation_resumes_afte
     assert_pools_drain_to_full(eng)
 
 
+def test_a_verify_step_launched_into_an_unread_plain_step_is_refused():
+    """A strategy that says it continues into a step that is not plain (here: always) would verify rows whose
+    last token and position the host has not read: SpecDecode refuses that launch."""
+    from rollout.spec.strategy import SpecDecode
+
+    class Continues(SpecDecode):
+        def continues(self, batch):
+            return True
+
+    spec = SpecConfig(drafter=drafter(2), gamma=3, max_batch=2)
+    eng = engine(overlap="on", speculation=spec)
+    eng.decoder.strategy = Continues(eng.runner, spec)
+    eng.decoder.strategy.use_memory(eng.memory)
+    for p in (prompt(n, 60 + n) for n in (5, 9, 13)):
+        eng.submit(p, SamplingParams(temperature=0, max_new_tokens=6))
+    with pytest.raises(RuntimeError, match="plain step in flight"):
+        while eng.has_work():
+            eng.step()
+
+
 def test_graphed_greedy_proposals_equal_the_eager_block_at_every_bucket():
     """`DraftGraphs` at its padded shapes (run eagerly here, as capture=False does) proposes the eager block's
     drafts and confidences for batches of 1-6 rows in any buffer order; a bucket is captured on its third ask

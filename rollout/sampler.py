@@ -59,8 +59,30 @@ def sample_keys(logits: torch.Tensor, params: list[SamplingParams], keys: torch.
         return tokens, logps
 
 
+def sample_scaled(logits: torch.Tensor, temps: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sample_keys` for rows that all draw (temperature > 0) without truncation, read from device tensors only
+    (temps fp32 [B], keys int64 [2, B]): the form a CUDA graph can hold (the drafter's, `rollout.spec.draft_graphs`)."""
+    if kernels.use_kernels(logits):
+        from rollout.kernels.sampling import sample_rows  # triton: CUDA builds and the interpreter only
+
+        return sample_rows(logits, temps, keys)
+    scaled = logits.float() / temps[:, None]
+    tokens = _race(scaled, keys)
+    return tokens, torch.log_softmax(scaled, dim=-1).gather(1, tokens[:, None])[:, 0]
+
+
+def _race(score: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """The exponential race over scores [B, V] (-inf: excluded): each row's draw with its (seed, position) noise."""
+    return (score - torch.log(noise.exponentials(keys[0], keys[1], score.shape[-1]))).argmax(dim=-1)
+
+
 def _truncates(p: SamplingParams, vocab: int) -> bool:
     return 0 < p.top_k < vocab or p.top_p < 1.0
+
+
+def truncates(params: list[SamplingParams], vocab: int) -> bool:
+    """Whether any row's top-k or top-p excludes tokens of a `vocab`-token distribution."""
+    return any(_truncates(p, vocab) for p in params)
 
 
 def _sample_torch(logits: torch.Tensor, params: list[SamplingParams], keys: torch.Tensor
@@ -79,11 +101,10 @@ def _sample_torch(logits: torch.Tensor, params: list[SamplingParams], keys: torc
         rows_t = rows if isinstance(rows, slice) else to_device(drawn, device, torch.long)
         score = scaled[rows]
         kept = [params[i] for i in drawn]
-        if any(_truncates(p, vocab) for p in kept):
+        if truncates(kept, vocab):
             probs = truncate_probs(logprobs[rows].exp(), kept)
             score = torch.where(probs > 0, score, float("-inf"))
-        score = score - torch.log(noise.exponentials(keys[0, rows_t], keys[1, rows_t], vocab))
-        choice = score.argmax(dim=-1)
+        choice = _race(score, keys[:, rows_t])
         tokens = choice if isinstance(rows, slice) else tokens.index_copy(0, rows_t, choice)
     return tokens, logprobs.gather(1, tokens[:, None])[:, 0]
 

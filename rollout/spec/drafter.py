@@ -21,7 +21,8 @@ from rollout.media import packed_media
 from rollout.request import SamplingParams
 from rollout.spec.contexts import ContextWindows
 from rollout.spec.draft_graphs import DraftGraphs
-from rollout.spec.verify import DRAFT, draw, stream_seeds
+from rollout.sampler import truncates
+from rollout.spec.verify import DRAFT, draw, draw_scaled, stream_seeds
 from rollout.transfer import to_device
 
 
@@ -216,7 +217,7 @@ class DSparkDrafter(nn.Module, Drafter):
         self.to(runner.device).eval()
         if graphs is None:
             graphs = runner.graphs_apply() and self._gather is None
-        self.graphs = DraftGraphs(self._greedy, lambda: self.contexts.features, runner.config.max_running,
+        self.graphs = DraftGraphs(self._from_tensors, lambda: self.contexts.features, runner.config.max_running,
                                   capture=runner.device.type == "cuda") if graphs else None
 
     @property
@@ -270,25 +271,34 @@ class DSparkDrafter(nn.Module, Drafter):
         self.contexts.drop_finished({r.req.request_id for r in batch})
         self._catch_up([r for r in batch if r.req.request_id not in self.contexts])
         rows = self.contexts.rows([r.req.request_id for r in batch])
-        if all(p.temperature == 0 for p in params):
-            if self.graphs is not None and self.graphs.usable(len(batch)):
-                drafts, conf = self.graphs.run(rows, anchors, gamma)
-            else:
-                drafts, conf = self._greedy(to_device(rows, anchors.device), anchors, gamma)
-            return drafts, None, conf
-        seeds = stream_seeds([r.req.seed for r in batch], DRAFT, anchors.device)
-        at = to_device([r.pos for r in batch], anchors.device)
-        return self._block(to_device(rows, anchors.device), anchors, gamma, params, seeds, at)
+        greedy = all(p.temperature == 0 for p in params)
+        seeds = None if greedy else stream_seeds([r.req.seed for r in batch], DRAFT, anchors.device)
+        at = None if greedy else to_device([r.pos for r in batch], anchors.device)
+        plain = greedy or (all(p.temperature > 0 for p in params) and not truncates(params, self.config.vocab_size))
+        if plain and self.graphs is not None and self.graphs.usable(len(batch)):
+            sampling = None if greedy else ([p.temperature for p in params], seeds, at)
+            return self.graphs.run(rows, anchors, gamma, sampling)
+        idx = to_device(rows, anchors.device)
+        if greedy:
+            return self._from_tensors(idx, anchors, gamma, None)
+        return self._block(idx, anchors, gamma, lambda logits, k: draw(logits, params, seeds, at + k))
 
-    def _greedy(self, idx: torch.Tensor, anchors: torch.Tensor, gamma: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """An all-greedy block (`_block` with greedy rows, which read no seeds or positions): drafts and
-        confidences from two device tensors, the form `DraftGraphs` captures."""
-        drafts, _, conf = self._block(idx, anchors, gamma, [_GREEDY] * len(anchors), None, None)
-        return drafts, conf
+    def _from_tensors(self, idx: torch.Tensor, anchors: torch.Tensor, gamma: int,
+                      sampling: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> tuple:
+        """The block of a batch whose rows are all greedy (`sampling` None) or all sample without top-k / top-p
+        (`sampling`: temperatures fp32 [N], DRAFT-stream seeds [N], positions [N]), read from device tensors
+        only: the form `DraftGraphs` captures."""
+        if sampling is None:
+            greedy = [_GREEDY] * len(anchors)
+            return self._block(idx, anchors, gamma, lambda logits, k: draw(logits, greedy, None, None))
+        temps, seeds, at = sampling
+        return self._block(idx, anchors, gamma,
+                           lambda logits, k: draw_scaled(logits, temps, torch.stack([seeds, at + k])))
 
-    def _block(self, idx, anchors, gamma, params, seeds, at):
-        """The block proposal of the windows in buffer rows idx [N] after anchors [N]: drafts [N, gamma], q
-        (None when every row is greedy), confidences [N, gamma]."""
+    def _block(self, idx: torch.Tensor, anchors: torch.Tensor, gamma: int, pick) -> tuple:
+        """The block proposal of the windows in buffer rows idx [N] after anchors [N], `pick(logits, k)` drawing
+        position k's drafts and their q: drafts [N, gamma], q (None when every row is greedy), confidences
+        [N, gamma]."""
         ctx, mask = self.contexts.read_rows(idx)
         h = self.block_hidden(ctx, mask, anchors, gamma)
         # every position's lm_head logits in one GEMM in the head's own dtype: the vocabulary's rows read once a
@@ -298,7 +308,7 @@ class DSparkDrafter(nn.Module, Drafter):
         drafts, qs, confs, prev = [], [], [], anchors
         for k in range(1, gamma + 1):
             logits, conf = self.position_logits(h[:, k], prev, k, base[:, k - 1])  # reads the drafts before k only
-            prev, q = draw(logits, params, seeds, None if at is None else at + k)
+            prev, q = pick(logits, k)
             drafts.append(prev)
             qs.append(q)
             confs.append(conf)

@@ -28,7 +28,7 @@ import torch
 
 from rollout import noise
 from rollout.request import SamplingParams
-from rollout.sampler import sample_keys, truncate_probs
+from rollout.sampler import sample_keys, sample_scaled, truncate_probs
 from rollout.transfer import to_device
 
 DRAFT, ACCEPT, FINAL = 1, 2, 3  # the request's noise streams (`rollout.noise.stream_seed`); 0 is plain sampling's
@@ -50,8 +50,14 @@ def warp(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Tens
     renormalized, what a draw follows). Greedy rows use temperature 1 and their p' is not meaningful."""
     logits = _math(logits)
     temps = [p.temperature if p.temperature > 0 else 1.0 for p in params]
-    logp = torch.log_softmax(logits / to_device(temps, logits.device, logits.dtype)[:, None], dim=-1)
-    probs = truncate_probs(logp.exp(), params)
+    return _warp(logits, to_device(temps, logits.device, logits.dtype), params)
+
+
+def _warp(logits: torch.Tensor, temps: torch.Tensor, params: list[SamplingParams] | None
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`warp` with the temperatures a tensor [B]; `params` None: no row truncates."""
+    logp = torch.log_softmax(logits / temps[:, None].to(logits.dtype), dim=-1)
+    probs = logp.exp() if params is None else truncate_probs(logp.exp(), params)
     return logp, probs / probs.sum(-1, keepdim=True)
 
 
@@ -73,6 +79,14 @@ def draw(logits: torch.Tensor, params: list[SamplingParams], seeds: torch.Tensor
         rows = to_device(greedy, q.device)
         q = q.index_copy(0, rows, torch.nn.functional.one_hot(tokens[rows], q.shape[-1]).to(q.dtype))
     return tokens, q
+
+
+def draw_scaled(logits: torch.Tensor, temps: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`draw` for rows that all sample (temperature > 0) without truncation, read from device tensors only:
+    temps fp32 [B], keys int64 [2, B] (each row's DRAFT-stream seed and drawn position) -> (tokens [B], q [B, V]).
+    The same draw and q as `draw` for such rows; the form a CUDA graph can hold (`rollout.spec.draft_graphs`)."""
+    tokens, _ = sample_scaled(logits, temps, keys)
+    return tokens, _warp(_math(logits), temps, None)[1]
 
 
 def verify(logits: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | None, params: list[SamplingParams],

@@ -103,9 +103,9 @@ def test_the_graphed_fold_commits_the_eager_folds_state_bit_for_bit(model, dense
 
 
 def test_a_graphed_drafter_proposes_the_eager_drafts_on_cuda(model, plain):
-    """A DSpark drafter on the bf16 engine: its greedy proposals replayed from CUDA graphs (captured on a
-    bucket's third ask) equal the eager block's drafts, confidences within bf16 tolerance; then a whole
-    speculative run through it equals plain greedy."""
+    """A DSpark drafter on the bf16 engine: a whole speculative run through its graphed proposals equals plain
+    greedy; its greedy and sampled proposals replayed from CUDA graphs (captured on a bucket's third ask)
+    equal the eager block's at the graph's shape: the same drafts, q and confidences within tolerance."""
     from rollout.spec.drafter import DSparkConfig, DSparkDrafter
 
     ps, want = plain
@@ -121,10 +121,20 @@ def test_a_graphed_drafter_proposes_the_eager_drafts_on_cuda(model, plain):
     rows = list(range(5))
     anchors = torch.tensor([5, 6, 7, 8, 9], device="cuda")
     pad = next(b for b in d.graphs.batch_buckets if b >= 5) - 5  # the eager block at the graph's shape
+    idx = torch.tensor(rows + [0] * pad, device="cuda")
+    ids = torch.cat([anchors, anchors.new_zeros(pad)])
+    temps = [1.0, 0.7, 1.3, 1.0, 0.9]
+    seeds, at = torch.arange(5, device="cuda") + 11, torch.arange(5, device="cuda") + 40
     with torch.inference_mode():  # as the engine proposes
-        for _ in range(3):
-            drafts, conf = d.graphs.run(rows, anchors, GAMMA)
-        want_d, want_c = d._greedy(torch.tensor(rows + [0] * pad, device="cuda"),
-                                   torch.cat([anchors, anchors.new_zeros(pad)]), GAMMA)
-    assert torch.equal(drafts, want_d[:5])
-    torch.testing.assert_close(conf.float(), want_c[:5].float(), atol=2e-2, rtol=2e-2)
+        for sampling in (None, (temps, seeds, at)):
+            for _ in range(3):  # a bucket's graph is captured on its third ask
+                got = d.graphs.run(rows, anchors, GAMMA, sampling)
+            padded = None if sampling is None else (
+                torch.tensor(temps + [1.0] * pad, device="cuda"), torch.cat([seeds, seeds.new_zeros(pad)]),
+                torch.cat([at, at.new_zeros(pad)]))
+            want = d._from_tensors(idx, ids, GAMMA, padded)
+            assert torch.equal(got[0], want[0][:5])
+            torch.testing.assert_close(got[2].float(), want[2][:5].float(), atol=2e-2, rtol=2e-2)
+            if sampling is not None:
+                torch.testing.assert_close(got[1], want[1][:5], atol=1e-5, rtol=1e-4)
+    assert d.graphs.captures >= 2 and not d.graphs.failed

@@ -249,11 +249,16 @@ def test_a_verify_step_launched_into_an_unread_plain_step_is_refused():
             eng.step()
 
 
-def test_graphed_greedy_proposals_equal_the_eager_block_at_every_bucket():
-    """`DraftGraphs` at its padded shapes (run eagerly here, as capture=False does) proposes the eager block's
-    drafts and confidences for batches of 1-6 rows in any buffer order; a bucket is captured on its third ask
-    (a larger captured graph serves it until then); a context buffer that grows drops the graphs."""
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_graphed_proposals_equal_the_eager_block_at_every_bucket(temperature):
+    """`DraftGraphs` at its padded shapes (run eagerly here, as capture=False does) proposes what the eager
+    block does for batches of 1-6 rows in any buffer order: the same drafts and confidences, and for sampled
+    rows (their temperatures, seeds and positions as tensors: `draw_scaled`) the same q as `draw` with the
+    rows' settings. A bucket is captured on its third ask (a larger captured graph serves it until then); a
+    context buffer that grows drops the graphs."""
     from types import SimpleNamespace
+
+    from rollout.sampler import truncates
 
     d = drafter(3)
     eng = engine(speculation=SpecConfig(drafter=d, gamma=3), max_running=6)
@@ -263,17 +268,26 @@ def test_graphed_greedy_proposals_equal_the_eager_block_at_every_bucket():
     feats = torch.randn(6 * 16, len(d.config.target_layers) * C.hidden_size, generator=g)
     d.contexts.append(reqs, feats, [16 * i for i in range(6)], [4 + 2 * i for i in range(6)], [20] * 6)
     for n in (6, 1, 3, 3, 3, 5):
-        rows = d.contexts.rows([5 - i for i in range(n)])
+        ids = [5 - i for i in range(n)]
+        batch = [SimpleNamespace(req=SimpleNamespace(request_id=i, seed=100 + i), pos=20 + i) for i in ids]
+        params = [SamplingParams(temperature=temperature * (1 + 0.1 * i)) for i in range(n)]
+        assert not truncates(params, C.vocab_size)
         anchors = torch.randint(3, C.vocab_size, (n,), generator=g)
-        want_drafts, want_conf = d._greedy(torch.tensor(rows), anchors, 3)
-        drafts, conf = d.graphs.run(rows, anchors, 3)
-        assert torch.equal(drafts, want_drafts)
-        torch.testing.assert_close(conf, want_conf, atol=1e-6, rtol=1e-5)
+        graphs, d.graphs = d.graphs, None
+        want = d.propose(batch, anchors, 3, params)  # eager: `draw` with the rows' settings
+        d.graphs = graphs
+        got = d.propose(batch, anchors, 3, params)
+        assert torch.equal(got[0], want[0])
+        torch.testing.assert_close(got[2], want[2], atol=1e-6, rtol=1e-5)
+        if temperature:
+            torch.testing.assert_close(got[1], want[1], atol=1e-6, rtol=1e-5)
+        else:
+            assert got[1] is want[1] is None
     assert sorted(k[0] for k in d.graphs.graphs) == [4, 6]  # 1 and the first two 3s padded to 6; the third 3 gets 4
     more = [SimpleNamespace(request_id=i, finish_reason=None) for i in range(6, 12)]
     d.contexts.append(more, feats, [0] * 6, [1] * 6, [1] * 6)  # past the buffer's 8 rows: it grows
     d.graphs.run(d.contexts.rows([11]), anchors[:1], 3)
-    assert list(d.graphs.graphs) == [(1, 0, 3)]
+    assert list(d.graphs.graphs) == [(1, 0, 3, False)]
 
 
 def test_greedy_speculation_through_a_graphed_drafter_equals_plain_greedy():
@@ -289,6 +303,24 @@ def test_greedy_speculation_through_a_graphed_drafter_equals_plain_greedy():
     assert [c.output_ids for c in got] == [c.output_ids for c in want]
     assert d.graphs.replays == eng.decoder.strategy.stats.steps > 0
     assert eng.decoder.strategy.stats.captures == d.graphs.captures > 0
+
+
+def test_sampled_speculation_through_a_graphed_drafter_draws_what_the_eager_drafter_draws():
+    """Seeded sampled rows: the graphed drafter's drafts and q are the eager one's, so the engine emits the
+    same tokens and log-probs either way (the sampled proposals came from the graphs)."""
+    prompts = [prompt(n, 95 + n) for n in (5, 9, 13)]
+    params = [SamplingParams(temperature=t, max_new_tokens=9) for t in (1.0, 0.7, 1.3)]
+    runs = []
+    for graphed in (False, True):
+        d = drafter(5)
+        eng = engine(speculation=SpecConfig(drafter=d, gamma=3), max_running=4)
+        d.attach(eng.runner, graphs=graphed)
+        runs.append([(c.output_ids, c.logprobs) for c in eng.generate(prompts, params)])
+        if graphed:
+            assert any(key[3] for key in d.graphs.graphs) and d.graphs.replays == eng.decoder.strategy.stats.steps
+    for (ids_e, lp_e), (ids_g, lp_g) in zip(*runs):
+        assert ids_g == ids_e
+        assert lp_g == pytest.approx(lp_e, abs=1e-5)
 
 
 def test_a_retracted_request_prefilled_again_keeps_a_true_window():

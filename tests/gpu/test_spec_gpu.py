@@ -1,6 +1,7 @@
 """Speculative decoding's CUDA path (run on the device machine): the verify forward replayed from CUDA graphs by
 batch bucket (rollout/spec/graphs.py) equals the eager packed verify, the drafter's graphed proposals equal its
-eager ones (rollout/spec/draft_graphs.py), and greedy with speculation equals plain greedy, all in bf16 (the CPU twin of the padded shapes, exact in fp32: tests/rollout/test_spec_graphs.py).
+eager ones (rollout/spec/draft_graphs.py), and greedy with speculation equals plain greedy, all in bf16 (the CPU
+twin of the padded shapes, exact in fp32: tests/rollout/test_spec_graphs.py).
 
     .venv/bin/python -m pytest -q -m gpu tests/gpu/test_spec_gpu.py
 """

@@ -19,9 +19,9 @@ from torch import nn
 from rollout.forward import hooks
 from rollout.media import packed_media
 from rollout.request import SamplingParams
+from rollout.sampler import truncates
 from rollout.spec.contexts import ContextWindows
 from rollout.spec.draft_graphs import DraftGraphs
-from rollout.sampler import truncates
 from rollout.spec.verify import DRAFT, draw, draw_scaled, stream_seeds
 from rollout.transfer import to_device
 
@@ -72,6 +72,8 @@ class Drafter:
 
 # ----------------------------------------------------------------------------------------- DSpark
 _GREEDY = SamplingParams(temperature=0)
+
+
 @dataclass(frozen=True)
 class DSparkConfig:
     """A DSpark block drafter's shape; stored as the drafter directory's `config.json`. Checked on
@@ -192,7 +194,7 @@ class DSparkDrafter(nn.Module, Drafter):
         self._runner = None
         self.contexts = ContextWindows(config.context_window)  # each request's latest target features
         self.taps = {}
-        self.graphs: DraftGraphs | None = None  # greedy proposals from CUDA graphs (`attach`)
+        self.graphs: DraftGraphs | None = None  # proposals from CUDA graphs (`attach`)
 
     # ------------------------------------------------------------ the target
     def share(self, target) -> None:
@@ -209,7 +211,7 @@ class DSparkDrafter(nn.Module, Drafter):
         self.taps = {f"layer{i}": layers[i] for i in self.config.target_layers}
 
     def attach(self, runner, graphs: bool | None = None) -> None:
-        """`graphs`: greedy proposals from CUDA graphs (`rollout.spec.draft_graphs`); None: where the runner's
+        """`graphs`: proposals from CUDA graphs (`rollout.spec.draft_graphs`); None: where the runner's
         decode graphs apply (CUDA) and the target is not sharded (a vocab-parallel lm_head's gather is a
         collective). On CPU True runs their padded shapes eagerly."""
         self.share(runner.model)
@@ -274,8 +276,9 @@ class DSparkDrafter(nn.Module, Drafter):
         greedy = all(p.temperature == 0 for p in params)
         seeds = None if greedy else stream_seeds([r.req.seed for r in batch], DRAFT, anchors.device)
         at = None if greedy else to_device([r.pos for r in batch], anchors.device)
-        plain = greedy or (all(p.temperature > 0 for p in params) and not truncates(params, self.config.vocab_size))
-        if plain and self.graphs is not None and self.graphs.usable(len(batch)):
+        tensors_only = greedy or (all(p.temperature > 0 for p in params)
+                                  and not truncates(params, self.config.vocab_size))
+        if tensors_only and self.graphs is not None and self.graphs.usable(len(batch)):
             sampling = None if greedy else ([p.temperature for p in params], seeds, at)
             return self.graphs.run(rows, anchors, gamma, sampling)
         idx = to_device(rows, anchors.device)

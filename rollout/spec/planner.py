@@ -193,9 +193,10 @@ class VerifyPlanner:
             allotted = g if self.by_width else g * len(request_ids)
         return allotted
 
-    def allot(self, request_ids: list[int], g: int) -> int:
-        """`choose`, counting the run of plain steps it makes."""
-        allotted = self.choose(request_ids, g)
+    def allot(self, request_ids: list[int], g: int, chosen: int | None = None) -> int:
+        """`choose` (or its answer `chosen` for these rows, made since nothing changed), counting the run of
+        plain steps it makes."""
+        allotted = self.choose(request_ids, g) if chosen is None else chosen
         self.plain_run = self.plain_run + 1 if allotted == 0 else 0
         return allotted
 

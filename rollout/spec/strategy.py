@@ -69,7 +69,7 @@ from rollout.transfer import to_device, to_host
 
 @dataclass
 class SpecStats:
-    """Counted since the strategy was built: verify steps (and plain ones, above `max_batch`), rows verified,
+    """Counted since the strategy was built: verify steps (and plain ones), rows verified,
     drafts verified, drafts kept,
     tokens emitted (kept drafts plus one per row, before a stop cut), the most draft-window bytes per row
     a step needed (ReplaySSM: its KDA inputs; the snapshot baseline: its gamma state snapshots), and the
@@ -78,7 +78,7 @@ class SpecStats:
     costs about three eager forwards): a benchmark's way to tell a slow step from an eager or a capturing one."""
 
     steps: int = 0
-    plain_steps: int = 0  # steps of a batch over `SpecConfig.max_batch`: one token a row, no drafts
+    plain_steps: int = 0  # one token a row, no drafts: a batch over `SpecConfig.max_batch`, or the planner's choice
     rows: int = 0
     drafted: int = 0
     accepted: int = 0
@@ -131,6 +131,7 @@ class SpecDecode(DecodeStrategy):
         self.memory: CacheManager | None = None
         self.stats = SpecStats()
         self.unread = 0  # plain steps launched and not yet read (the pipeline's overlap)
+        self._chosen: int | None = None  # the planner's choice `continues` made for the launch right after it
         self._last_read = 0.0  # perf_counter when the last step's read ended
         self.planner = None
         if spec.planner == "cost_aware":  # steps price a measured surface, on one process (planner docstring)
@@ -145,7 +146,11 @@ class SpecDecode(DecodeStrategy):
         reads the lagged survivals and the surface, which a plain step leaves as they are until it is read)."""
         if self.max_batch is not None and len(batch) > self.max_batch:
             return True
-        return self.planner is not None and self.planner.choose([r.req.request_id for r in batch], self.gamma) == 0
+        if self.planner is None:
+            return False
+        plain = self.planner.choose([r.req.request_id for r in batch], self.gamma) == 0
+        self._chosen = 0 if plain else None  # a yes is followed by this batch's launch at once; a no may not be
+        return plain
 
     def prefill(self, forward, batch, spans):
         """The prefill forward with the drafter's taps read, handed to `Drafter.prefilled` (its contexts from
@@ -167,7 +172,8 @@ class SpecDecode(DecodeStrategy):
         if self.max_batch is not None and n > self.max_batch:
             return self._plain(batch, anchors, started, captured)
         rids = [r.req.request_id for r in batch]
-        allotted = g if self.planner is None else self.planner.allot(rids, g)  # from the previous step only
+        chosen, self._chosen = self._chosen, None  # `continues` chose for this very batch: not twice a step
+        allotted = g if self.planner is None else self.planner.allot(rids, g, chosen)  # from the previous step only
         if allotted == 0:  # no drafts pay for themselves at this batch: one token a row
             return self._plain(batch, anchors, started, captured)
         if self.unread:  # a verify step needs every row's tokens and positions on the host
@@ -285,7 +291,7 @@ class SpecDecode(DecodeStrategy):
                           plain=True, started=started, captured=captured)
 
     def _captured(self) -> int:
-        """Graphs captured so far: the verify and fold graphs', and the decode graphs' (plain steps)."""
+        """Graphs captured so far: the steps' (verify, fold, the drafter's) and the decode graphs' (plain steps)."""
         return self.stats.captures + self.runner.graph_counts()[0]
 
     def _verify_forward(self, batch: list[Running], block: torch.Tensor, num: list[int]):
@@ -353,14 +359,11 @@ class SpecDecode(DecodeStrategy):
         kv, states = self.runner.kv, self.runner.states
         pages = [kv.sink_page] * -(-per // kv.page_size)
         fake = [_Probe(states.sink_slot, pages) for _ in range(rows)]
+        graphs = None if per == 1 else self._graphs(per)
+        key = graphs.exact_key(fake) if graphs is not None else None
         if per == 1:
             self.runner.forward_tapped(fake, [0] * rows, self.drafter.taps)
-            if self.runner.device.type == "cuda":
-                torch.cuda.synchronize()
-            return
-        graphs = self._graphs(per)
-        key = graphs.exact_key(fake) if graphs is not None else None
-        if key is not None:
+        elif key is not None:
             graphs.run(key, fake, torch.zeros(rows, per, dtype=torch.long, device=self.runner.device))
         else:
             verify_forward(self.runner, fake, [0] * (rows * per), [per] * rows)

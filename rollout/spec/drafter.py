@@ -305,8 +305,8 @@ class DSparkDrafter(nn.Module, Drafter):
         ctx, mask = self.contexts.read_rows(idx)
         h = self.block_hidden(ctx, mask, anchors, gamma)
         # every position's lm_head logits in one GEMM in the head's own dtype: the vocabulary's rows read once a
-        # step, not once a position, and never copied to the drafter's dtype (k3-small: 0.34 GB of bf16 rows,
-        # 0.67 GB as an fp32 copy). The draws read these logits exactly as computed, so q stays exact.
+        # step, not once a position, and never copied to the drafter's dtype (k3-small, by arithmetic: 0.34 GB of bf16
+        # rows, 0.67 GB as an fp32 copy). The draws read these logits exactly as computed, so q stays exact.
         base = self.head_logits(h[:, 1:].to(self._shared[1].dtype))
         drafts, qs, confs, prev = [], [], [], anchors
         for k in range(1, gamma + 1):

@@ -87,8 +87,8 @@ class CostSurface:
 
     def observe(self, rows: int, tokens: int, seconds: float, recent: int = 5) -> None:
         """A whole step the engine ran, read where `seconds(rows, tokens)` reads. A cell's first step is left
-        out (a shape's first run may compile a kernel or grow the allocator: 0.3-0.7 s on the H200,
-        2026-12-04, which priced plain steps out for good); from the second on, the cell's price is the
+        out (a shape's first run may compile a kernel or grow the allocator: such steps read 0.3-0.7 s on the
+        H200, 2026-12-04, which priced plain steps out for good); from the second on, the cell's price is the
         median of its latest `recent` steps, so one slow step (a collection, a compile) does not move it."""
         b, i = self._cell(rows, tokens)
         seen = self.observed.setdefault((b, i), [])

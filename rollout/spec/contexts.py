@@ -1,16 +1,18 @@
 """The DSpark drafter's view of each request: its latest target features, kept on the device.
 
 A block drafter reads, per request, the tapped target states of the last `window` positions before the
-anchor (`rollout.spec.drafter.DSparkDrafter.block_hidden`). `ContextWindows` keeps them in one buffer,
-a row per request, right-aligned (the newest feature last, `length` of them real), so that reading a
-batch's windows and appending a verify step's committed features are a gather and a scatter each,
-whatever the batch size: a per-row slice, cat and copy cost a few launches a row, which at batch 256 on a
-GPU is milliseconds of host time a step. Context positions carry no position embedding (the drafter
-attends over them as a set, masked), so where a window sits in its row changes nothing but padding.
+anchor (`rollout.spec.drafter.DSparkDrafter.block_hidden`). `ContextWindows` keeps them in one buffer, a
+row per request, each row a ring: position p's feature in slot p % window, `length` of the latest
+positions real. Reading a batch's windows is a gather, and a step's append writes only the features it
+adds (a scatter of its committed positions, whatever the batch size): the right-aligned buffer it replaces
+shifted every row's whole window every step (k3-small, batch 256: about 1.6 GB of copies a step, by
+arithmetic). Context positions carry no position embedding (the drafter attends over them as a set,
+masked), so where a feature sits in its row changes nothing but the mask. Features are stored in the
+dtype of the first ones given (the drafter gives them in its own dtype, which it would cast them to).
 
-Each window also knows the position it ends at (`end`: the features of positions [end - length, end)), so a
-caller can tell a continuation (a verify step's or a prefill chunk's features starting at `end`) from a
-repeat or a gap (a retracted request prefilled again) and `drop` a window it cannot continue.
+Each window knows the position it ends at (`end`: the features of positions [end - length, end)). An append
+that does not continue a window where it ends (a repeat or a gap: a retracted request prefilled again)
+starts the window afresh; a caller may also `drop` a window it cannot continue.
 
 Safe to call: `append` and `read` with requests the buffer holds (`append` adds the ones it does not);
 `drop_finished` and `drop` between steps. Rows of dropped requests are reused.
@@ -26,8 +28,9 @@ from rollout.transfer import to_device
 class ContextWindows:
     def __init__(self, window: int):
         self.window = window
-        self.features: torch.Tensor | None = None  # [capacity, window, F] fp32, right-aligned per row
+        self.features: torch.Tensor | None = None  # [capacity, window, F], position p of a row in slot p % window
         self.length: torch.Tensor | None = None  # [capacity] real features of each row
+        self.last: torch.Tensor | None = None  # [capacity] the position after each row's newest feature
         self.row_of: dict[int, int] = {}  # request id -> row
         self.request_of: dict[int, object] = {}  # request id -> its Request (whether it finished)
         self.ends: dict[int, int] = {}  # request id -> the position after its window's newest feature
@@ -55,11 +58,12 @@ class ContextWindows:
 
     def get(self, request_id: int) -> torch.Tensor:
         """One request's window [length, F], oldest first."""
-        row = self.row_of[request_id]
-        return self.features[row, self.window - int(self.length[row]):]
+        row, end = self.row_of[request_id], self.ends[request_id]
+        slots = torch.arange(end - int(self.length[row]), end, device=self.features.device) % self.window
+        return self.features[row].index_select(0, slots)
 
     def read(self, request_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The batch's windows [N, window, F] and which positions are real [N, window] (bool)."""
+        """The batch's windows [N, window, F] and which slots are real [N, window] (bool)."""
         return self.read_rows(to_device(self.rows(request_ids), self.features.device))
 
     def rows(self, request_ids: list[int]) -> list[int]:
@@ -67,35 +71,38 @@ class ContextWindows:
         return [self.row_of[k] for k in request_ids]
 
     def read_rows(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """`read` by buffer rows idx [N] (device): the form a CUDA graph replays, idx its static input."""
-        pos = torch.arange(self.window, device=idx.device)
-        mask = pos[None, :] >= self.window - self.length.index_select(0, idx)[:, None]
-        return self.features.index_select(0, idx), mask
+        """`read` by buffer rows idx [N] (device): the form a CUDA graph replays, idx its static input. A slot
+        is real when the position it holds is among the row's latest `length`."""
+        slot = torch.arange(self.window, device=idx.device)
+        age = (self.last.index_select(0, idx)[:, None] - 1 - slot) % self.window  # 0: the newest
+        return self.features.index_select(0, idx), age < self.length.index_select(0, idx)[:, None]
 
     @torch.inference_mode()  # the buffer is an inference tensor (made in the drafter's inference-mode propose)
     def append(self, requests: list, features: torch.Tensor, starts: list[int], counts: list[int],
                ends: list[int]) -> None:
         """Request n's window takes features[starts[n] : starts[n] + counts[n]] ([T, F], in order) as its
         newest, keeping the latest `window`; they are the features of positions [ends[n] - counts[n],
-        ends[n]). A request the buffer does not hold starts empty."""
-        fresh = [req.request_id not in self.row_of for req in requests]
+        ends[n]). A request the buffer does not hold, or whose window does not end at ends[n] - counts[n],
+        starts empty."""
+        afresh = [self.ends.get(req.request_id) != e - c for req, e, c in zip(requests, ends, counts)]
         rows = [self._row(req.request_id, features) for req in requests]
-        n, w, f = len(rows), self.window, features.shape[-1]
-        device = self.features.device
-        idx = to_device(rows, device)
-        start, count = to_device(starts, device), to_device(counts, device)
-        length = torch.where(to_device(fresh, device), 0, self.length.index_select(0, idx))
-        k = torch.arange(w, 0, -1, device=device)[None, :]  # position w - k holds the k-th newest
-        new = n * w + start[:, None] + count[:, None] - k  # in [old rows | features]
-        old = torch.arange(n, device=device)[:, None] * w + (w - (k - count[:, None])).clamp(0, w - 1)
-        src = torch.where(k <= count[:, None], new, old)  # past length + count: masked, any row will do
-        flat = torch.cat([self.features.index_select(0, idx).reshape(n * w, f), features.to(self.features.dtype)])
-        kept = flat.index_select(0, src.clamp(0, flat.shape[0] - 1).flatten()).view(n, w, f)
-        self.features.index_copy_(0, idx, kept)
+        w, device = self.window, self.features.device
+        keep = [min(c, w) for c in counts]  # the newest of a row's features that its window holds
+        idx, start, count, end, k, fresh = to_device([rows, starts, counts, ends, keep, afresh], device)
+        total = sum(keep)
+        if total:  # one (row, kept feature) pair each: its slot in the buffer and its row in `features`
+            pair = torch.repeat_interleave(torch.arange(len(rows), device=device), k, output_size=total)
+            j = torch.arange(total, device=device) - (k.cumsum(0) - k)[pair]  # 0 .. k - 1 along each row
+            position = end[pair] - k[pair] + j
+            source = start[pair] + count[pair] - k[pair] + j
+            flat = self.features.view(-1, self.features.shape[-1])
+            flat.index_copy_(0, idx[pair] * w + position % w, features.index_select(0, source).to(flat.dtype))
+        length = torch.where(fresh.bool(), 0, self.length.index_select(0, idx))
         self.length.index_copy_(0, idx, torch.clamp(length + count, max=w))
-        for req, end in zip(requests, ends):
+        self.last.index_copy_(0, idx, end)
+        for req, e in zip(requests, ends):
             self.request_of[req.request_id] = req
-            self.ends[req.request_id] = end
+            self.ends[req.request_id] = e
 
     def _row(self, request_id: int, features: torch.Tensor) -> int:
         if request_id not in self.row_of:
@@ -107,10 +114,11 @@ class ContextWindows:
     def _grow(self, features: torch.Tensor) -> None:
         old = 0 if self.features is None else self.features.shape[0]
         cap = max(8, 2 * old)
-        grown = torch.zeros(cap, self.window, features.shape[-1], dtype=torch.float32, device=features.device)
+        dtype = features.dtype if self.features is None else self.features.dtype
+        grown = torch.zeros(cap, self.window, features.shape[-1], dtype=dtype, device=features.device)
         length = torch.zeros(cap, dtype=torch.long, device=features.device)
+        last = torch.zeros(cap, dtype=torch.long, device=features.device)
         if old:
-            grown[:old] = self.features
-            length[:old] = self.length
-        self.features, self.length = grown, length
+            grown[:old], length[:old], last[:old] = self.features, self.length, self.last
+        self.features, self.length, self.last = grown, length, last
         self.free.extend(range(cap - 1, old - 1, -1))

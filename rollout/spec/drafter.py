@@ -323,7 +323,7 @@ class DSparkDrafter(nn.Module, Drafter):
         # SpecConfig.max_batch) proposes nothing while requests finish
         self.contexts.drop_finished({r.req.request_id for r in batch})
         offsets = [0, *itertools.accumulate(lengths)][:-1]  # row n's features in `tapped`
-        self.contexts.append([r.req for r in batch], _features(tapped, self.config.target_layers)[0], offsets, counts,
+        self.contexts.append([r.req for r in batch], self._context(tapped), offsets, counts,
                              [s + c for s, c in zip(starts, counts)])
 
     def prefilled(self, rows, spans, tapped):
@@ -350,7 +350,7 @@ class DSparkDrafter(nn.Module, Drafter):
             offset += e - s
         if picks:
             reqs, starts, counts, ends = map(list, zip(*picks))
-            self.contexts.append(reqs, _features(tapped, self.config.target_layers)[0], starts, counts, ends)
+            self.contexts.append(reqs, self._context(tapped), starts, counts, ends)
 
     def _catch_up(self, rows) -> None:
         """Contexts for requests the drafter has not seen: one packed target pass over their computed
@@ -376,8 +376,12 @@ class DSparkDrafter(nn.Module, Drafter):
             runner.model.model.hidden(ids, None, cu, media=media)
         ends = dict(zip(first.values(), itertools.accumulate(lengths)))
         keep = [min(r.pos, self.config.context_window) for r in rows]
-        self.contexts.append([r.req for r in rows], _features(store, self.config.target_layers)[0],
+        self.contexts.append([r.req for r in rows], self._context(store),
                              [ends[i] - k for i, k in zip(of, keep)], keep, [r.pos for r in rows])
+
+    def _context(self, tapped: dict[str, torch.Tensor | tuple]) -> torch.Tensor:
+        """The tapped features [T, F] in the dtype `block_hidden` casts them to: the windows store them so."""
+        return _features(tapped, self.config.target_layers)[0].to(self.fc.weight.dtype)
 
     # ------------------------------------------------------------ save / load
     def save(self, path: str | Path) -> None:

@@ -34,11 +34,15 @@ run of plain steps learns no confidences, so after `explore_every` of them one s
 
 The probes see only the verify forward; a whole step also drafts, verifies and folds, and the host does
 its share. So the steps the engine runs price the surface too (`observe`, single-process engines): from a
-cell's second real step on, the median of its latest steps replaces the probe (a cell's first step, and a
-step that captured a graph, may compile or capture: not counted); a step's time runs from its launch, or
-from the previous read when it was launched before that (an overlapped plain step), to its read. Prices
-are read as a staircase that never falls (`CostSurface.seconds`), so a cell priced by a few noisy steps
-cannot make a wider verify look cheaper than a narrower one. A sharded engine's ranks time differently and
+cell's second real step on, the lower median of its probe and its latest steps is its price (a cell's first
+step, and a step that captured a graph, may compile or capture: not counted; one slow step moves no price
+until another confirms it); a step's time runs from its launch, or from the previous read when it was
+launched before that (an overlapped plain step), to its read. Prices are read as a staircase that never
+falls (`CostSurface.seconds`): where a cell reads dearer than a wider one, the two are pooled, weighted by
+the readings behind each (the monotone least-squares fit), so a cell priced by a few noisy steps can make
+neither a wider verify look cheaper than a narrower one nor every wider one dear (2026-12-04, batch 1 on
+the H200: a 2-token cell read 6.1 ms against 4.4-5.6 ms for 3-5 tokens and, as a running maximum, priced
+every block out). A sharded engine's ranks time differently and
 must plan alike, so they plan on the leader's start-up surface only.
 
 The budget is the batch's, so with this planner a seeded request's tokens (not their distribution) can
@@ -49,7 +53,6 @@ them batch-independent.
 from __future__ import annotations
 
 import bisect
-import itertools
 import time
 from dataclasses import dataclass, field
 
@@ -65,6 +68,7 @@ class CostSurface:
 
     table: dict[int, list[tuple[int, float]]]  # rows -> [(total tokens, seconds)] sorted by tokens
     observed: dict[tuple[int, int], list[float]] = field(default_factory=dict)  # (batch, shelf index) -> steps
+    probed: dict[tuple[int, int], float] = field(default_factory=dict)  # a cell's price before its first step
 
     def batch(self, rows: int) -> int:
         """The measured batch whose shelf `rows` rows are priced on."""
@@ -77,26 +81,31 @@ class CostSurface:
         return b, min(bisect.bisect_left([t for t, _ in shelf], tokens), len(shelf) - 1)
 
     def seconds(self, rows: int, tokens: int) -> float:
-        """The step's price: the dearest measured cell at or below it on its shelf (a step of more tokens never
-        costs less, so one noisy cheap reading does not make a wider step look cheaper than a narrower one)."""
+        """The step's price on the staircase fitted to the cells of its batch (`_prices`): a step of more tokens
+        never costs less."""
         b, i = self._cell(rows, tokens)
         return self._prices(b)[i]
 
     def _prices(self, b: int) -> list[float]:
-        return list(itertools.accumulate((s for _, s in self.table[b]), max))
+        """The batch's cells as a non-decreasing staircase: each cell weighted by the readings behind it (its
+        probe and the steps it keeps), cells that fall below a narrower one pooled into their weighted mean."""
+        weights = [max(len(self.observed.get((b, i), ())), 1) for i in range(len(self.table[b]))]
+        return monotone([s for _, s in self.table[b]], weights)
 
     def observe(self, rows: int, tokens: int, seconds: float, recent: int = 5) -> None:
         """A whole step the engine ran, read where `seconds(rows, tokens)` reads. A cell's first step is left
         out (a shape's first run may compile a kernel or grow the allocator: such steps read 0.3-0.7 s on the
         H200, 2026-12-04, which priced plain steps out for good); from the second on, the cell's price is the
-        median of its latest `recent` steps, so one slow step (a collection, a compile) does not move it."""
+        lower median of its probe and its latest `recent` steps, so one slow step (a collection, a compile)
+        does not move it until another confirms it."""
         b, i = self._cell(rows, tokens)
+        self.probed.setdefault((b, i), self.table[b][i][1])
         seen = self.observed.setdefault((b, i), [])
         seen.append(seconds)
         del seen[1:-recent]  # the first step (never a price) and the latest `recent`
         if len(seen) > 1:
-            steps = sorted(seen[1:])
-            self.table[b][i] = (self.table[b][i][0], steps[len(steps) // 2])
+            readings = sorted([self.probed[b, i], *seen[1:]])
+            self.table[b][i] = (self.table[b][i][0], readings[(len(readings) - 1) // 2])
 
     def edges(self, rows: int) -> list[int]:
         """Each shelf's far edge at `rows` rows (the measured batch `seconds` reads): the most total tokens
@@ -122,6 +131,20 @@ class CostSurface:
                 shelf.append((b * per, sorted(times)[len(times) // 2]))
             table[b] = shelf
         return cls(table)
+
+
+def monotone(values: list[float], weights: list[float]) -> list[float]:
+    """The non-decreasing sequence nearest `values` in weighted least squares (pool adjacent violators: a
+    value below the one before it is pooled with it into their weighted mean, until none falls)."""
+    pools: list[list[float]] = []  # [weighted sum, weight, cells]
+    for v, w in zip(values, weights):
+        pools.append([v * w, w, 1])
+        while len(pools) > 1 and pools[-2][0] / pools[-2][1] > pools[-1][0] / pools[-1][1]:
+            total, weight, cells = pools.pop()
+            pools[-1][0] += total
+            pools[-1][1] += weight
+            pools[-1][2] += cells
+    return [total / weight for total, weight, cells in pools for _ in range(cells)]
 
 
 def survival(conf: torch.Tensor) -> torch.Tensor:

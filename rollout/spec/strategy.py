@@ -75,7 +75,11 @@ class SpecStats:
     a step needed (ReplaySSM: its KDA inputs; the snapshot baseline: its gamma state snapshots), and the
     steps whose verify forward and whose fold replayed a captured CUDA graph (the rest ran eagerly, the CPU's
     padded shapes included), and the graphs the steps captured (verify, fold and the drafter's; a capture
-    costs about three eager forwards): a benchmark's way to tell a slow step from an eager or a capturing one."""
+    costs about three eager forwards): a benchmark's way to tell a slow step from an eager or a capturing one.
+    `plain_seconds` / `verify_seconds`: the steps' own times as the planner reads them (from launch, or from
+    the previous read for a step launched before it, to read; the `untimed` steps that captured a graph, and
+    their `untimed_seconds`, apart): against the run's wall time, the host's work between steps that no
+    step's price carries."""
 
     steps: int = 0
     plain_steps: int = 0  # one token a row, no drafts: a batch over `SpecConfig.max_batch`, or the planner's choice
@@ -87,6 +91,10 @@ class SpecStats:
     verify_graphed: int = 0
     fold_graphed: int = 0
     captures: int = 0
+    plain_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    untimed: int = 0
+    untimed_seconds: float = 0.0
 
     @property
     def mean_accepted(self) -> float:
@@ -253,14 +261,21 @@ class SpecDecode(DecodeStrategy):
         else:
             for r, c in zip(launch.batch, committed):
                 r.pos += c
+        # from its launch, or from the last read when it was launched before that (an overlapped plain step:
+        # its launch-to-read spans the next step's launch too), to its read: the step's share of the time
         now = time.perf_counter()
-        if self.planner is not None and self._captured() == launch.captured:
-            # from its launch, or from the last read when it was launched before that (an overlapped plain step:
-            # its launch-to-read spans the next step's launch too), to its read: the step's share of the time
-            per = launch.tokens.shape[1] if self.planner.by_width else launch.lengths
-            self.planner.observe(len(launch.batch), per, now - max(launch.started, self._last_read))
+        seconds, s = now - max(launch.started, self._last_read), self.stats
         self._last_read = now
-        s = self.stats
+        if self._captured() != launch.captured:
+            s.untimed, s.untimed_seconds = s.untimed + 1, s.untimed_seconds + seconds
+        else:
+            if launch.plain:
+                s.plain_seconds += seconds
+            else:
+                s.verify_seconds += seconds
+            if self.planner is not None:
+                per = launch.tokens.shape[1] if self.planner.by_width else launch.lengths
+                self.planner.observe(len(launch.batch), per, seconds)
         if launch.plain:
             s.plain_steps += 1
         else:

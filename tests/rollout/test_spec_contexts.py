@@ -1,7 +1,6 @@
 """The drafter's context windows (rollout/spec/contexts.py): after any sequence of appends (a catch-up of up to a
 whole window, then verify steps committing 1..5 features), each request's window is the latest `window`
-features it was given, in order, exactly; a batch read puts them right-aligned under a mask that covers them
-only; rows of finished requests are reused, a retracted (unfinished) request keeps its window, and the
+features it was given, in order, exactly; a batch read holds them under a mask that covers them only; rows of finished requests are reused, a retracted (unfinished) request keeps its window, and the
 buffer grows past its first capacity without losing any."""
 
 import random
@@ -52,10 +51,9 @@ def test_windows_hold_the_latest_features_in_order_through_appends_drops_and_gro
             assert torch.equal(windows.get(rid), feats), (step, rid)
         assert all(windows.end(r) == e for r, e in zip(batch, ends))
         ctx, mask = windows.read(batch)
-        for i, rid in enumerate(batch):
-            n = len(want[rid])
-            assert mask[i].tolist() == [False] * (W - n) + [True] * n
-            assert torch.equal(ctx[i][mask[i]], want[rid])
+        for i, rid in enumerate(batch):  # the real slots hold the window, in ring order (features increase)
+            real = ctx[i][mask[i]]
+            assert torch.equal(real[real[:, 0].argsort()], want[rid])
     assert windows.features.shape[0] > 8  # grew past its first capacity
 
 
@@ -69,3 +67,24 @@ def test_a_finished_requests_row_is_reused_and_starts_empty():
     windows.append([b], torch.full((2, F), 2.0), [0], [2], [2])
     assert windows.row_of[2] == row and torch.equal(windows.get(2), torch.full((2, F), 2.0))
     assert windows.end(1) is None and windows.end(2) == 2
+
+
+def test_an_append_that_does_not_continue_a_window_starts_it_afresh():
+    """A repeat or a gap in positions (a retracted request prefilled again) would leave stale slots real."""
+    windows = ContextWindows(W)
+    a = request(1)
+    windows.append([a], torch.arange(4.0)[:, None].expand(4, F), [0], [4], [4])  # positions 0..3
+    windows.append([a], torch.full((2, F), 9.0), [0], [2], [7])  # positions 5, 6: a gap at 4
+    assert torch.equal(windows.get(1), torch.full((2, F), 9.0)) and windows.end(1) == 7
+    windows.append([a], torch.full((1, F), 5.0), [0], [1], [8])  # continues at 7
+    assert windows.get(1)[:, 0].tolist() == [9.0, 9.0, 5.0]
+
+
+def test_an_append_writes_only_the_slots_of_the_positions_it_adds():
+    windows = ContextWindows(W)
+    reqs = [request(i) for i in range(3)]
+    windows.append(reqs, torch.randn(3 * W, F), [0, W, 2 * W], [W] * 3, [W] * 3)
+    before = windows.features.clone()
+    windows.append(reqs[1:2], torch.full((2, F), 7.0), [0], [2], [W + 2])  # positions W, W + 1: slots 0, 1
+    changed = (windows.features != before).any(-1).nonzero().tolist()
+    assert changed == [[windows.row_of[1], 0], [windows.row_of[1], 1]]

@@ -9,7 +9,7 @@ import torch
 from rollout.request import SamplingParams
 from rollout.spec import SpecConfig
 from rollout.spec.strategy import SpecDecode
-from rollout.spec.planner import CostSurface, VerifyPlanner, budget, fill, survival, width
+from rollout.spec.planner import CostSurface, VerifyPlanner, budget, fill, monotone, survival, width
 from rollout.spec.verify import verify
 from tests.rollout.common import assert_pools_drain_to_full, engine, prompt
 from tests.rollout.test_spec_drafter import drafter
@@ -54,13 +54,27 @@ def test_the_budget_climbs_a_riser_for_the_whole_shelf_above_it():
 
 
 def test_a_wider_step_never_reads_cheaper_than_a_narrower_one_on_its_shelf():
-    """The staircase never falls: a noisy cheap reading of a wider step (a cell priced by few steps) takes
-    the dearest price below it, and the shelves' edges follow those prices."""
+    """The staircase never falls: cells that read cheaper than a narrower one are pooled with it into their
+    mean, weighted by the readings behind each, so a noisy cell neither makes a wider step look cheaper nor,
+    as a running maximum would, prices every wider step at its own noise."""
     surface = CostSurface({2: [(2, 2.0), (4, 2.2), (6, 4.0), (8, 2.5)]})
-    assert [surface.seconds(2, t) for t in (2, 4, 6, 8)] == [2.0, 2.2, 4.0, 4.0]
+    assert [surface.seconds(2, t) for t in (2, 4, 6, 8)] == [2.0, 2.2, 3.25, 3.25]
     assert surface.edges(2) == [2, 4, 8]
-    # read raw, the 2.5 of four tokens a row would win: (2 + 2 x 2.44) / 2.5 against (2 + 2 x 0.9) / 2.2
-    assert width(survival(torch.full((2, 3), 0.9)), surface) == 1
+    # read raw, the 2.5 of four tokens a row would win: (2 + 2 x 2.44) / 2.5; pooled, 6.88 / 3.25 still does
+    assert width(survival(torch.full((2, 3), 0.9)), surface) == 3
+    # batch 1 on the H200 (2026-12-04): a 2-token cell read 6.1 ms; as a running maximum every block cost that
+    noisy = CostSurface({1: [(1, 2.06), (2, 6.13), (3, 4.44), (4, 5.60), (5, 5.37)]})
+    for i, steps in ((0, 6), (3, 3), (4, 6)):  # cells that many steps confirmed weigh more than the noisy one
+        noisy.observed[1, i] = [0.0] * steps
+    assert [round(noisy.seconds(1, t), 3) for t in range(1, 6)] == [2.06, 5.285, 5.285, 5.447, 5.447]
+    assert width(survival(torch.full((1, 4), 0.8)), noisy) == 4
+
+
+def test_the_monotone_fit_pools_falling_cells_by_weight():
+    assert monotone([1.0, 3.0, 2.0, 4.0], [1, 1, 1, 1]) == [1.0, 2.5, 2.5, 4.0]
+    assert monotone([1.0, 3.0, 2.0], [1, 1, 3]) == [1.0, 2.25, 2.25]
+    assert monotone([5.0, 4.0, 3.0], [1, 1, 1]) == [4.0, 4.0, 4.0]
+    assert monotone([1.0, 2.0], [1, 1]) == [1.0, 2.0]
 
 
 def test_by_width_every_row_verifies_the_best_width_of_the_lagged_confidences():
@@ -96,22 +110,24 @@ def test_when_no_block_pays_the_planner_decodes_plainly_and_explores_every_so_of
 def test_steps_price_the_surface_from_their_second_on_by_the_median_of_the_latest():
     """The probes time only the verify forward; `observe` puts a whole step's seconds where `seconds` reads
     them (by width: the measured batch's cell for that width, whatever the rows). A cell's first step may
-    compile or grow memory and is never a price; later, one slow step does not move the median of the
-    latest five. A planner that does not learn (a given surface, a sharded engine) leaves its surface alone."""
+    compile or grow memory and is never a price; later, the price is the lower median of the probe and the
+    latest five steps, so one slow step does not move it. A planner that does not learn (a given surface, a sharded engine) leaves its surface alone."""
     surface = CostSurface({4: [(4, 1.0), (8, 2.0)], 8: [(8, 1.0), (16, 2.0)]})
     planner = VerifyPlanner(surface, by_width=True, learn=True)
     planner.observe(3, 2, 600.0)  # 3 rows run on the batch-4 graph of width 2: its first step, a compile
     assert surface.seconds(4, 8) == 2.0
     planner.observe(4, 2, 6.0)
+    assert surface.seconds(4, 8) == 2.0  # one step against the probe: the probe stands until another confirms it
+    planner.observe(4, 2, 6.0)
     assert surface.seconds(4, 8) == 6.0 and surface.seconds(8, 16) == 2.0
-    for sec in (5.0, 7.0, 90.0, 6.5):
+    for sec in (5.0, 7.0, 90.0):
         planner.observe(4, 2, sec)
-    assert surface.seconds(4, 8) == 6.5  # the median of 6, 5, 7, 90, 6.5
+    assert surface.seconds(4, 8) == 6.0  # the lower median of the probe 2 and 6, 6, 5, 7, 90
     for _ in range(5):
         planner.observe(4, 2, 3.0)
     assert surface.seconds(4, 8) == 3.0  # the latest five only
     packed = VerifyPlanner(CostSurface({4: [(4, 1.0), (8, 2.0)]}), learn=True)
-    for _ in range(2):
+    for _ in range(3):
         packed.observe(4, [1, 2, 1, 1], 3.0)  # 5 tokens land on the 8-token shelf
     assert packed.surface.seconds(4, 5) == 3.0 and packed.surface.seconds(4, 4) == 1.0
     frozen = VerifyPlanner(CostSurface({4: [(4, 1.0), (8, 2.0)]}), by_width=True)

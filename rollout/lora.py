@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from miles_k3.model.lora_spec import LoraSpec
-from rollout.transfer import to_device
+from rollout.transfer import host_tensor, to_device
 
 
 class AdapterPool:
@@ -132,10 +132,10 @@ class AdapterPool:
     def set_batch(self, row_slots: list[int], tokens_per_row: int | list[int]) -> None:
         """The adapter slot of each batch row for the next forward. Rows carry `tokens_per_row` new tokens:
         one int for an [N, T] batch, or one count per row for a packed [1, sum T] batch."""
-        self.row_slots = torch.tensor(row_slots, dtype=torch.long)
+        self.row_slots = host_tensor(row_slots, torch.long)
         self.tokens_per_row = tokens_per_row
         self.batch_slot = (row_slots[0] if row_slots else 0) if len(set(row_slots)) <= 1 else None
-        counts = tokens_per_row if isinstance(tokens_per_row, int) else torch.tensor(tokens_per_row)
+        counts = tokens_per_row if isinstance(tokens_per_row, int) else host_tensor(tokens_per_row)
         self._token_slots = self.row_slots.repeat_interleave(counts)  # once a step, not once per adapted linear
         self._device_slots = {}
         if self.batch_slot is None and self.mixed_kernel == "triton":  # copied once a step, asynchronously

@@ -127,6 +127,10 @@ run_job() {
         --planners verify_all --gen-len 32 --rows 30 --drafter-cost dspark ;;  # where a real drafter's time goes
     specprof_plan) job specprof_plan python scripts/profile_spec.py --device cuda --batch-sizes 1 \
         --planners verify_all,cost_aware --gen-len 64 --rows 20 --drafter-cost dspark ;;  # the planner's spec steps
+    specprof_plan256) job specprof_plan256 python scripts/profile_spec.py --device cuda --batch-sizes 256 \
+        --planners cost_aware --gen-len 64 --rows 25 --drafter-cost dspark ;;  # the planner's plain steps at 256
+    decode256) job decode256 python scripts/bench_rollout.py --device cuda --batch-sizes 1,256 \
+        --json "$STATE/bench_rollout_1_256.json" ;;  # plain decoding only, no peer: a short A/B of the step
     specdrafttest) job specdrafttest python -m pytest tests/gpu/test_spec_gpu.py -q -m gpu -rA --tb=short \
         -p no:cacheprovider -k drafter ;;
     specdraft) job specdraft python scripts/bench_spec.py --target preset:k3-small --peaked --drafter controlled:0.8 \

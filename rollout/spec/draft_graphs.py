@@ -25,6 +25,7 @@ import torch
 
 from rollout.forward import GraphChoice, _bucket, capture_graph
 from rollout.spec.graphs import BATCH_BUCKETS
+from rollout.transfer import host_tensor
 
 log = logging.getLogger(__name__)
 
@@ -62,10 +63,10 @@ class DraftGraphs:
             self._read = self.buffer()
         key = self.choice.choose((_bucket(n, self.batch_buckets), 0, gamma, sampling is not None), self.graphs)
         pad = key[0] - n
-        inputs = [torch.tensor(rows + [0] * pad, dtype=torch.long), _padded(anchors, pad, 0)]
+        inputs = [host_tensor(rows + [0] * pad, torch.long), _padded(anchors, pad, 0)]
         if sampling is not None:
             temps, seeds, at = sampling
-            inputs += [torch.tensor(temps + [1.0] * pad, dtype=torch.float32), _padded(seeds, pad, 0),
+            inputs += [host_tensor(temps + [1.0] * pad, torch.float32), _padded(seeds, pad, 0),
                        _padded(at, pad, 0)]
         if not self.capture:  # counted as a capture / replay would be, so the CPU tests see the policy
             if key not in self.graphs:

@@ -173,6 +173,7 @@ class RolloutWorker:
         drafter in place, the optimizer rebuilt with `config` and its state restored."""
         drafter = self._dspark()
         drafter.load_state_dict(state["drafter"])  # copies into the existing tensors
+        drafter.forget_contexts()
         self._distiller = Distiller(drafter, config)
         self._distiller.load_state_dict(state["distiller"])
 

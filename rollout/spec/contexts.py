@@ -1,14 +1,15 @@
 """The DSpark drafter's view of each request: its latest target features, kept on the device.
 
-A block drafter reads, per request, the tapped target states of the last `window` positions before the
-anchor (`rollout.spec.drafter.DSparkDrafter.block_hidden`). `ContextWindows` keeps them in one buffer, a
+A block drafter reads, per request, features of the last `window` positions before the anchor (the DSpark
+drafter's: each draft layer's keys and values of the tapped target states there, computed once per position,
+`rollout.spec.drafter.DSparkDrafter.context`). `ContextWindows` keeps them in one buffer, a
 row per request, each row a ring: position p's feature in slot p % window, `length` of the latest
 positions real. Reading a batch's windows is a gather, and a step's append writes only the features it
 adds (a scatter of its committed positions, whatever the batch size): the right-aligned buffer it replaces
 shifted every row's whole window every step (k3-small, batch 256: about 1.6 GB of copies a step, by
 arithmetic). Context positions carry no position embedding (the drafter attends over them as a set,
 masked), so where a feature sits in its row changes nothing but the mask. Features are stored in the
-dtype of the first ones given (the drafter gives them in its own dtype, which it would cast them to).
+dtype of the first ones given.
 
 Each window knows the position it ends at (`end`: the features of positions [end - length, end)). An append
 that does not continue a window where it ends (a repeat or a gap: a retracted request prefilled again)

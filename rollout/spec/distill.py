@@ -262,6 +262,7 @@ class Distiller:
             loss.backward()
         torch.nn.utils.clip_grad_norm_(self.params, self.config.grad_clip)
         self.opt.step()
+        self.drafter.forget_contexts()  # an engine's windows hold keys and values of the old weights
         self.sched.step()
         self.opt.zero_grad(set_to_none=True)  # no gradient buffers kept between distillations
         return {"loss": float(loss.detach()), **parts}

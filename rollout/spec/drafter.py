@@ -136,15 +136,21 @@ class _DraftLayer(nn.Module):
         self.up = nn.Linear(d, c.intermediate_size, bias=False)
         self.down = nn.Linear(c.intermediate_size, d, bias=False)
 
-    def forward(self, x: torch.Tensor, ctx: torch.Tensor, ctx_mask: torch.Tensor) -> torch.Tensor:
+    def context(self, c: torch.Tensor) -> torch.Tensor:
+        """The projected context features c [.., D] as this layer's keys and values [.., 2D]: per position, so
+        an engine computes them once, when the position's target states arrive (`DSparkDrafter.context`)."""
+        return torch.cat([self.ctx_k(c), self.ctx_v(c)], dim=-1)
+
+    def forward(self, x: torch.Tensor, ctx_kv: torch.Tensor, ctx_mask: torch.Tensor) -> torch.Tensor:
+        """x [N, T, D] the block; ctx_kv [N, C, 2D] the context's keys and values (`context`)."""
         n, t, d = x.shape
         h = self.attn_norm(x)
 
         def split(y):
             return y.view(n, -1, self.heads, d // self.heads).transpose(1, 2)
 
-        keys = torch.cat([self.ctx_k(ctx), self.k(h)], dim=1)
-        values = torch.cat([self.ctx_v(ctx), self.v(h)], dim=1)
+        keys = torch.cat([ctx_kv[..., :d], self.k(h)], dim=1)
+        values = torch.cat([ctx_kv[..., d:], self.v(h)], dim=1)
         visible = torch.cat([ctx_mask, ctx_mask.new_ones(n, t)], dim=1)[:, None, None, :]
         o = F.scaled_dot_product_attention(split(self.q(h)), split(keys), split(values), attn_mask=visible)
         x = x + self.o(o.transpose(1, 2).reshape(n, t, d))
@@ -167,7 +173,9 @@ class DSparkDrafter(nn.Module, Drafter):
     given the earlier ones did.
 
     In the engine the context is the target's states at the request's latest `context_window` computed
-    positions: those of each verify forward's committed tokens (`observe`, from the tapped layers), and, for
+    positions, kept as each draft layer's keys and values of them (`context`, computed once a position:
+    `ContextWindows`; `forget_contexts` when the weights change): those of each verify forward's committed
+    tokens (`observe`, from the tapped layers), and, for
     requests the drafter has not seen (their prompts were prefilled by the engine), one packed target pass
     over their computed tokens (`_catch_up`: the prefill forward's hidden states are not exposed to
     strategies)."""
@@ -227,18 +235,24 @@ class DSparkDrafter(nn.Module, Drafter):
         return 0 if self.graphs is None else self.graphs.captures
 
     # ------------------------------------------------------------- the math
-    def block_hidden(self, ctx: torch.Tensor, ctx_mask: torch.Tensor, anchors: torch.Tensor, gamma: int
+    def context(self, features: torch.Tensor) -> torch.Tensor:
+        """Target features [.., F] (the tapped layers' states, concatenated) -> every draft layer's context keys
+        and values [.., num_layers * 2D]: position by position, so the engine's windows keep these
+        (`ContextWindows`) and a proposal computes none (k3-small at batch 256: the 64-position windows' fc
+        and key / value projections were most of a proposal's 8 ms on the H200, 2026-12-04)."""
+        c = self.fc_norm(self.fc(features.to(self.fc.weight.dtype)))
+        return torch.cat([layer.context(c) for layer in self.layers], dim=-1)
+
+    def block_hidden(self, ctx_kv: torch.Tensor, ctx_mask: torch.Tensor, anchors: torch.Tensor, gamma: int
                      ) -> torch.Tensor:
-        """ctx [N, C, F] target features (ctx_mask [N, C] True where real), anchors [N] -> the block's
-        outputs [N, gamma + 1, D] (position 0 the anchor)."""
+        """ctx_kv [N, C, num_layers * 2D] the context's keys and values (`context`; ctx_mask [N, C] True where
+        real), anchors [N] -> the block's outputs [N, gamma + 1, D] (position 0 the anchor)."""
         embed, _ = self._shared
         n, d = anchors.shape[0], self.config.hidden_size
-        dtype = self.fc.weight.dtype
-        c = self.fc_norm(self.fc(ctx.to(dtype)))
-        x = torch.cat([embed[anchors].to(dtype)[:, None], self.mask_embed.expand(n, gamma, d)], dim=1)
+        x = torch.cat([embed[anchors].to(self.fc.weight.dtype)[:, None], self.mask_embed.expand(n, gamma, d)], dim=1)
         x = x + self.pos_embed[:gamma + 1]
-        for layer in self.layers:
-            x = layer(x, c, ctx_mask)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, ctx_kv[..., 2 * d * i:2 * d * (i + 1)], ctx_mask)
         return self.norm(x)
 
     def head_logits(self, h: torch.Tensor) -> torch.Tensor:
@@ -262,7 +276,7 @@ class DSparkDrafter(nn.Module, Drafter):
         """Training: logits [N, G, V] and confidences [N, G] with the true previous tokens (block_tokens
         [N, G], the tokens after the anchor) in the Markov head."""
         g = block_tokens.shape[1]
-        h = self.block_hidden(ctx, ctx_mask, anchors, g)
+        h = self.block_hidden(self.context(ctx), ctx_mask, anchors, g)
         prev = torch.cat([anchors[:, None], block_tokens[:, :-1]], dim=1)
         outs = [self.position_logits(h[:, k], prev[:, k - 1], k) for k in range(1, g + 1)]
         return torch.stack([o[0] for o in outs], 1), torch.stack([o[1] for o in outs], 1)
@@ -379,9 +393,18 @@ class DSparkDrafter(nn.Module, Drafter):
         self.contexts.append([r.req for r in rows], self._context(store),
                              [ends[i] - k for i, k in zip(of, keep)], keep, [r.pos for r in rows])
 
+    @torch.inference_mode()
     def _context(self, tapped: dict[str, torch.Tensor | tuple]) -> torch.Tensor:
-        """The tapped features [T, F] in the dtype `block_hidden` casts them to: the windows store them so."""
-        return _features(tapped, self.config.target_layers)[0].to(self.fc.weight.dtype)
+        """The draft layers' context keys and values [T, num_layers * 2D] of the tapped positions: what the
+        windows keep."""
+        return self.context(_features(tapped, self.config.target_layers)[0])
+
+    def forget_contexts(self) -> None:
+        """Drop every request's window: they hold keys and values of the drafter's weights as they were, so
+        whatever changes the weights in place (a distillation step, a load) calls this; requests then catch
+        up (`_catch_up`) on their next proposal."""
+        for rid in self.contexts.ids():
+            self.contexts.drop(rid)
 
     # ------------------------------------------------------------ save / load
     def save(self, path: str | Path) -> None:

@@ -135,6 +135,26 @@ def test_the_engines_drafter_trains_in_place_and_speculation_stays_lossless():
     check_lossless()
 
 
+def test_a_distillation_drops_the_windows_of_requests_in_flight():
+    """The windows hold the draft layers' keys and values under the old weights: a request decoding across a
+    distillation catches up under the new ones, and stays lossless."""
+    d = new_drafter(2)
+    eng = new_engine(d)
+    greedy = SamplingParams(temperature=0, max_new_tokens=12, stop_token_ids=(2,))
+    want = new_engine().generate(PROMPTS[:1], greedy)
+    rid = eng.submit(PROMPTS[0], greedy)
+    while rid not in d.contexts:
+        eng.step()
+    seqs = SEQS[:8]
+    Distiller(d, DistillConfig(steps=1, lr=1e-2, blocks=16)).distil(
+        seqs, lambda ex: teacher_blocks(TARGET, seqs, ex, d.config), random.Random(2))
+    assert not d.contexts.ids()
+    done = {}
+    while eng.has_work():
+        done.update((c.request_id, c) for c in eng.step())
+    assert done[rid].output_ids == want[0].output_ids
+
+
 @pytest.mark.parametrize("field, value", [("steps", 0), ("blocks", 0), ("lr", 0.0), ("decay", 1.5),
                                           ("heldout_every", 1), ("grad_clip", -1.0), ("weight_decay", "x")])
 def test_bad_distill_settings_fail_by_field_name(field, value):

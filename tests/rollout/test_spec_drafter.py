@@ -49,7 +49,9 @@ def test_the_reported_q_is_the_distribution_each_draft_was_drawn_from():
 
     rows = [Row(i) for i in range(5)]
     counts = [len(f) for f in feats]
-    d.contexts.append([r.req for r in rows], torch.cat(feats), [sum(counts[:i]) for i in range(5)], counts, counts)
+    with torch.no_grad():  # the windows keep the draft layers' keys and values of the features
+        kv = d.context(torch.cat(feats))
+    d.contexts.append([r.req for r in rows], kv, [sum(counts[:i]) for i in range(5)], counts, counts)
     params = [SamplingParams(temperature=1.0)] * 4 + [SamplingParams(temperature=0)]
     drafts, q, reported_conf = d.propose(rows, anchors, 3, params)
     with torch.no_grad():
@@ -76,7 +78,7 @@ def test_engine_context_equals_a_fresh_target_pass_and_greedy_stays_lossless():
     store: dict = {}
     with hooks(d.taps, store), torch.inference_mode():
         MODEL.model.hidden(torch.tensor(r.tokens[:r.pos])[None], None, None)
-    fresh = _features(store, d.config.target_layers)[0, -16:]
+    fresh = d.context(_features(store, d.config.target_layers)[0, -16:])
     kept = d.contexts.get(rid)
     assert kept.shape == fresh.shape
     torch.testing.assert_close(kept, fresh, atol=1e-4, rtol=1e-4)
@@ -110,8 +112,8 @@ def test_a_groups_catch_up_computes_each_distinct_prefix_once():
         store: dict = {}
         with hooks(d.taps, store), torch.inference_mode():
             MODEL.model.hidden(torch.tensor(r.tokens)[None], None, None)
-        torch.testing.assert_close(d.contexts.get(r.req.request_id), _features(store, d.config.target_layers)[0, -16:],
-                                   atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(d.contexts.get(r.req.request_id),
+                                   d.context(_features(store, d.config.target_layers)[0, -16:]), atol=1e-4, rtol=1e-4)
 
 
 class CatchUps(DSparkDrafter):
@@ -130,7 +132,7 @@ def fresh_window(d, r) -> torch.Tensor:
     store: dict = {}
     with hooks(d.taps, store), torch.inference_mode():
         MODEL.model.hidden(torch.tensor(r.tokens[:r.pos])[None], None, None)
-    return _features(store, d.config.target_layers)[0, -d.config.context_window:]
+        return d.context(_features(store, d.config.target_layers)[0, -d.config.context_window:])
 
 
 def test_windows_come_from_the_engines_prefill_and_a_short_suffix_after_a_hit_catches_up():
@@ -265,7 +267,7 @@ def test_graphed_proposals_equal_the_eager_block_at_every_bucket(temperature):
     d.attach(eng.runner, graphs=True)
     g = torch.Generator().manual_seed(0)
     reqs = [SimpleNamespace(request_id=i, finish_reason=None) for i in range(6)]
-    feats = torch.randn(6 * 16, len(d.config.target_layers) * C.hidden_size, generator=g)
+    feats = torch.randn(6 * 16, 2 * C.hidden_size * d.config.num_layers, generator=g)  # keys and values
     d.contexts.append(reqs, feats, [16 * i for i in range(6)], [4 + 2 * i for i in range(6)], [20] * 6)
     for n in (6, 1, 3, 3, 3, 5):
         ids = [5 - i for i in range(n)]

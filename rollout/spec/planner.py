@@ -58,6 +58,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rollout.transfer import to_host
+
 
 @dataclass
 class CostSurface:
@@ -203,12 +205,15 @@ class VerifyPlanner:
         self.surface, self.prior, self.by_width, self.learn = surface, prior, by_width, learn
         self.explore_every = explore_every
         self.plain_run = 0  # plain steps in a row, the planner's choice
-        self.lagged: dict[int, torch.Tensor] = {}  # request id -> its previous step's survival [G]
+        self.lagged: dict[int, torch.Tensor] = {}  # request id -> its previous step's survival [G], on the host
+        self._copied: tuple | None = None  # the last plan's (request ids, survivals on their way to the host, event)
 
     def choose(self, request_ids: list[int], g: int) -> int:
         """From the previous step's survivals only: every row's drafts (by width) or the batch's draft tokens
         (packed); 0 decodes one token a row, unless `explore_every` plain steps ran in a row (then all).
-        Changes nothing: `allot` is this choice, counted."""
+        Changes nothing: `allot` is this choice, counted. Reads host tensors only: the strategy asks it
+        (`SpecDecode.continues`) with a plain step in flight, which a device read would wait for."""
+        self._settle()
         prior = survival(torch.full((1, g), self.prior))[0]
         lagged = torch.stack([self.lagged.get(rid, prior)[:g] for rid in request_ids])
         allotted = width(lagged, self.surface) if self.by_width else budget(lagged, self.surface)
@@ -227,8 +232,17 @@ class VerifyPlanner:
         """Drafts to verify per row (module docstring) for `allot`'s nonzero answer; the current confidences
         [N, G] rank the positions (packed) and become the next step's lagged survivals."""
         current = survival(conf)
-        self.lagged = {rid: s for rid, s in zip(request_ids, current)}
+        self._copied = (list(request_ids), *to_host(current))  # read by the next `choose`, after this step's read
         return [allotted] * len(request_ids) if self.by_width else fill(current, allotted)
+
+    def _settle(self) -> None:
+        """The last plan's survivals as the lagged ones. Its step was read before the next choice (a verify step
+        is read before anything is launched after it), so its copy is done and this does not wait."""
+        if self._copied is not None:
+            ids, host, ready = self._copied
+            if ready is not None:
+                ready.synchronize()
+            self.lagged, self._copied = dict(zip(ids, host)), None
 
     def observe(self, rows: int, per: int | list[int], seconds: float) -> None:
         """A step that ran `rows` rows, `per` tokens each (a graph's width) or per[n] (packed), in `seconds`."""

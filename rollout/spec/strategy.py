@@ -246,12 +246,13 @@ class SpecDecode(DecodeStrategy):
             out_t = [[t] for t in launch.host[:, 0].long().tolist()]
             out_l = [[lp] for lp in launch.host[:, 1].tolist()]
             committed, emitted = [1] * len(out_t), len(out_t)
-        for row in [] if launch.plain else launch.host.tolist():
-            c = int(row[2 * w])
-            out_t.append([int(t) for t in row[:c]])
-            out_l.append(row[w:w + c])
-            committed.append(c)
-            emitted += int(row[2 * w + 1])
+        else:
+            for row in launch.host.tolist():
+                c = int(row[2 * w])
+                out_t.append([int(t) for t in row[:c]])
+                out_l.append(row[w:w + c])
+                committed.append(c)
+                emitted += int(row[2 * w + 1])
         for i, pos, snap in launch.checkpoints:  # the rows' pos still stand before the step here
             if pos <= launch.batch[i].pos + committed[i]:
                 launch.snapshots.append((launch.batch[i], pos, snap))

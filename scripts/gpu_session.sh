@@ -31,6 +31,7 @@ mkdir -p "$STATE" "$OUT"
 bash .whl/install.sh >/dev/null || { echo "wheel install failed"; exit 1; }
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TRITON_CACHE_AUTOTUNING=1
 export TRITON_CACHE_DIR=/tmp/triton_cache_k3 TORCHINDUCTOR_CACHE_DIR=/tmp/inductor_cache_k3
+export NCCL_NVLS_ENABLE=0  # NVLink multicast off on the multi-GPU kinds (the device tool's notes say why)
 if [ -d .triton_cache ] && [ ! -e "$STATE/cache_seeded" ]; then
     mkdir -p "$TRITON_CACHE_DIR" && cp -rn .triton_cache/. "$TRITON_CACHE_DIR"/ && touch "$STATE/cache_seeded"
 fi
@@ -131,6 +132,12 @@ run_job() {
         --planners cost_aware --gen-len 64 --rows 25 --drafter-cost dspark ;;  # the planner's plain steps at 256
     decode256) job decode256 python scripts/bench_rollout.py --device cuda --batch-sizes 1,256 \
         --json "$STATE/bench_rollout_1_256.json" ;;  # plain decoding only, no peer: a short A/B of the step
+    # issue 19 (needs nvidia-h200-x2 / -x4): the trainer's layouts through miles-train against one GPU, k3-small
+    layouts2) job layouts2 python scripts/bench_layouts.py --recipe k3_small_gpu \
+        --layouts single,tp2,sp2,dp2,pp2,ep2,cp2 --steps 2 --work-dir /tmp/layouts --timeout 900 \
+        --json "$STATE/layouts2.json" ;;
+    layouts4) job layouts4 python scripts/bench_layouts.py --recipe k3_small_gpu --layouts single,tp2_pp2,pp2_ep2 \
+        --steps 2 --work-dir /tmp/layouts4 --timeout 900 --json "$STATE/layouts4.json" ;;
     specdrafttest) job specdrafttest python -m pytest tests/gpu/test_spec_gpu.py -q -m gpu -rA --tb=short \
         -p no:cacheprovider -k drafter ;;
     specdraft) job specdraft python scripts/bench_spec.py --target preset:k3-small --peaked --drafter controlled:0.8 \

@@ -22,8 +22,8 @@ SUMMED = ("loss", "pg_loss", "kl_loss")
 
 class Piece(NamedTuple):
     """One micro-batch: its sequences (`batch`), their packed form, its index in this rank's list, and the
-    weight of its loss: 1, or 0 for a stand-in (`data_share`) that runs the step's collectives and adds
-    nothing."""
+    weight of its loss: 1, or 0 for a stand-in (`data_share`, `even_out`) that runs the step's collectives and
+    adds nothing."""
 
     batch: TrainBatch
     packed: Packed
@@ -71,6 +71,32 @@ def micro_batches(batch: TrainBatch, max_tokens: int | None, device: torch.devic
     return [Piece(sub, pack(sub, device), k, weight) for k, sub in enumerate(batch.select(r) for r in rows)]
 
 
+def even_out(pieces: list[Piece], device: torch.device) -> list[Piece]:
+    """This rank's micro-batches, extended with stand-ins (its first sequence alone, weight 0) to as many as the
+    data-parallel rank with the most has, under expert parallelism: a micro-batch's expert dispatch is a
+    collective of the expert group, which spans data-parallel ranks whose shares (and token budgets) can cut
+    into different counts; one rank's extra micro-batch then waited for a dispatch the others never ran (two
+    gloo ranks of `parallel=ep2 parallel.micro_batch_tokens=64`: a hang; PP=2 x EP=2: a collective size
+    mismatch). Without expert parallelism nothing spans data-parallel ranks per micro-batch: unchanged."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    if ps.get_expert_model_parallel_world_size() == 1 or ps.get_data_parallel_world_size() == 1:
+        return pieces
+    group = ps.get_data_parallel_group()
+    most = _collective(torch.tensor([len(pieces)]), group)
+    dist.all_reduce(most, op=dist.ReduceOp.MAX, group=group)
+    first = pieces[0].batch.select([0])
+    return pieces + [Piece(first, pack(first, device), len(pieces) + k, 0.0) for k in range(int(most) - len(pieces))]
+
+
+def _collective(t: torch.Tensor, group) -> torch.Tensor:
+    """t where `group`'s backend takes it: nccl reduces device tensors only, gloo host ones."""
+    import torch.distributed as dist
+
+    return t.to(torch.device("cuda", torch.cuda.current_device())) if dist.get_backend(group) == "nccl" else t
+
+
 def combine_metrics(per_piece: list[dict[str, torch.Tensor]], tokens: list[int], total_tokens: int
                     ) -> dict[str, torch.Tensor]:
     """The metrics of this rank's micro-batches (`tokens[i]` loss-carrying response tokens each, of the minibatch's
@@ -88,5 +114,8 @@ def combine_metrics(per_piece: list[dict[str, torch.Tensor]], tokens: list[int],
         flat += values * torch.tensor([1.0 if name in SUMMED else n / total_tokens for name in names],
                                       dtype=torch.float64)
     if ps.get_data_parallel_world_size() > 1:
-        dist.all_reduce(flat, group=ps.get_data_parallel_group())
+        group = ps.get_data_parallel_group()
+        reduced = _collective(flat, group)  # nccl takes device tensors only: the metrics' one copy there and back
+        dist.all_reduce(reduced, group=group)
+        flat = reduced.cpu()
     return dict(zip(names, flat.float()))

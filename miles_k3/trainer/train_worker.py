@@ -24,7 +24,7 @@ import torch
 from miles_k3.algo import policy_loss
 from miles_k3.model.config import K3Config
 from miles_k3.trainer.batch import TrainBatch
-from miles_k3.trainer.micro_batches import Piece, combine_metrics, data_share, micro_batches
+from miles_k3.trainer.micro_batches import Piece, combine_metrics, data_share, even_out, micro_batches
 
 
 class TrainWorker:
@@ -108,12 +108,13 @@ class TrainWorker:
         the whole batch; a data-parallel rank trains on its share of each minibatch's groups, in micro-batches
         through megatron's schedule, each loss normalized by the whole minibatch's denominators, so the
         summed gradients are the whole minibatch's. Returns metrics of the whole batch averaged over the
-        minibatches (the same on every rank), plus lr and grad_norm."""
+        minibatches (the same on every rank), plus lr and grad_norm, and on CUDA train_peak_gib (the most
+        memory any rank's process has held so far)."""
         from megatron_patches.lora import adapters_disabled, clip_lora_grad_norm_, reduce_lora_grads_
         from megatron_patches.schedule import forward_backward
 
         minibatches = batch.split_by_groups(self.algo.updates_per_step)
-        plans = [micro_batches(share, self.micro_batch_tokens, self.device, weight)
+        plans = [even_out(micro_batches(share, self.micro_batch_tokens, self.device, weight), self.device)
                  for share, weight in map(data_share, minibatches)]
         old = None
         if len(plans) > 1:  # pi_old is the policy before this step's first update (eval mode: no dropout)
@@ -144,6 +145,11 @@ class TrainWorker:
             for name, v in metrics.items():
                 sums[name] = sums.get(name, 0.0) + float(v) / len(plans)
         sums["lr"] = self.scheduler.get_last_lr()[0]  # the rate this step used
+        if self.device.type == "cuda":  # the largest of the ranks' peaks (the colocated engine's pools included)
+            peak = torch.tensor([torch.cuda.max_memory_allocated(self.device) / 2**30], device=self.device)
+            if torch.distributed.is_initialized():
+                torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
+            sums["train_peak_gib"] = float(peak)
         self.scheduler.step()
         self.policy.eval()
         return sums

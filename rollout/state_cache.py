@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from array import array
 from dataclasses import dataclass
 
 import torch
@@ -28,18 +27,18 @@ from miles_k3.ops.kda import PooledState
 from rollout import dcp
 from rollout.attention import absorbed_attention
 from rollout.memory import KDAStatePool, KVPagePool
-from rollout.transfer import to_device
+from rollout.transfer import host_tensor, to_device
 
 
 def _page_table(page_tables: list[list[int]], width: int, fill: int) -> torch.Tensor:
     """[N, width] int64: each row's first `width` pages, then `fill`. Built from one flat buffer and a mask:
     a nested torch.tensor of a batch-256 step's tables took 1-2 ms of the host's step on the H200."""
     rows = [t if len(t) <= width else t[:width] for t in page_tables]
-    flat = array("q", itertools.chain.from_iterable(rows))
+    flat = list(itertools.chain.from_iterable(rows))
     table = torch.full((len(rows), width), fill, dtype=torch.long)
     if flat:
-        filled = torch.arange(width)[None, :] < torch.tensor([len(t) for t in rows])[:, None]
-        table[filled] = torch.frombuffer(flat, dtype=torch.long)
+        filled = torch.arange(width)[None, :] < host_tensor([len(t) for t in rows])[:, None]
+        table[filled] = host_tensor(flat, torch.long)
     return table
 
 

@@ -85,16 +85,16 @@ class ContextWindows:
         newest, keeping the latest `window`; they are the features of positions [ends[n] - counts[n],
         ends[n]). A request the buffer does not hold, or whose window does not end at ends[n] - counts[n],
         starts empty."""
-        w, rows, afresh, keep = self.window, [], [], []
+        w, rows, afresh = self.window, [], []
         for req, e, c in zip(requests, ends, counts):  # one pass: at batch 256 this is a step's host time
             rid = req.request_id
             afresh.append(self.ends.get(rid) != e - c)
             rows.append(self._row(rid, features))
-            keep.append(min(c, w))  # the newest of a row's features that its window holds
             self.request_of[rid], self.ends[rid] = req, e
         device = self.features.device  # after `_row`, which may grow the buffer
-        idx, start, count, end, k, fresh = to_device([rows, starts, counts, ends, keep, afresh], device)
-        total = sum(keep)
+        idx, start, count, end, fresh = to_device([rows, starts, counts, ends, afresh], device)
+        k = count.clamp(max=w)  # the newest of a row's features that its window holds
+        total = sum(min(c, w) for c in counts)
         if total:  # one (row, kept feature) pair each: its slot in the buffer and its row in `features`
             pair = torch.repeat_interleave(torch.arange(len(rows), device=device), k, output_size=total)
             j = torch.arange(total, device=device) - (k.cumsum(0) - k)[pair]  # 0 .. k - 1 along each row

@@ -175,7 +175,8 @@ def capture_graph(step: Callable[[], T], context: Callable[[], contextlib.Abstra
 
 class DecodeGraphs:
     """Decode steps at padded shapes, replayed from CUDA graphs (`capture=True`, CUDA only) or run eagerly
-    at the same padded shapes (`capture=False`: the CPU tests' way to check padding and bucketing).
+    at the same padded shapes (`capture=False`: the CPU tests' way to check padding and bucketing; outputs
+    come back in buffers the key's next step refills, as a replay's do).
 
     Graphs read the pools' tensors by address: drop this object when the pools are rebuilt. A capture
     that fails (an op that syncs, say) is logged and turns graphs off; the engine then runs eagerly.
@@ -205,6 +206,7 @@ class DecodeGraphs:
         # key (batch bucket, history bucket, *adapter key) -> captured graph (None when capture=False: the
         # padded shape is then run eagerly, but the bucket policy is the same)
         self.graphs: dict[tuple, tuple | None] = {}
+        self._outputs: dict[tuple, tuple] = {}  # capture=False: each key's output buffers (`_as_replayed`)
         self.failed = False
         self.replays = 0
         self.captures = 0
@@ -251,7 +253,7 @@ class DecodeGraphs:
                 self.graphs[key] = None
                 self.captures += 1
             self.replays += 1
-            return self._tapped_step(ids_t, layout, taps, n)
+            return self._as_replayed(key, *self._tapped_step(ids_t, layout, taps, bb), n)
         if key not in self.graphs:
             try:
                 self.graphs[key] = self._capture(bb, sb, taps)
@@ -267,6 +269,19 @@ class DecodeGraphs:
         static_layout.copy_(layout)
         graph.replay()
         self.replays += 1
+        return out[:n], tapped_rows(store, n)
+
+    def _as_replayed(self, key: tuple, logits: torch.Tensor, tapped: dict[str, torch.Tensor], n: int
+                     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """An eager padded step's outputs (all `key[0]` rows) returned as a replay returns them: rows of buffers
+        that the key's next step refills, so a caller that reads them after enqueueing that step fails on CPU
+        as it would on CUDA."""
+        if key not in self._outputs:
+            self._outputs[key] = (torch.empty_like(logits), {k: torch.empty_like(v) for k, v in tapped.items()})
+        out, store = self._outputs[key]
+        out.copy_(logits)
+        for k, v in tapped.items():
+            store[k].copy_(v)
         return out[:n], tapped_rows(store, n)
 
     @property

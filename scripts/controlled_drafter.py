@@ -65,6 +65,10 @@ class ControlledDrafter(Drafter):
     def captures(self) -> int:
         return 0 if self.shadow is None else self.shadow.captures
 
+    def probe(self, rows, gamma, sampled=False) -> None:
+        if self.shadow is not None:
+            self.shadow.probe(rows, gamma, sampled)
+
     def observe(self, batch, tapped, lengths, counts, starts) -> None:
         if self.shadow is not None:
             self.shadow.observe(batch, tapped, lengths, counts, starts)

@@ -16,7 +16,7 @@ that does not continue a window where it ends (a repeat or a gap: a retracted re
 starts the window afresh; a caller may also `drop` a window it cannot continue.
 
 Safe to call: `append` and `read` with requests the buffer holds (`append` adds the ones it does not);
-`drop_finished` and `drop` between steps. Rows of dropped requests are reused.
+`drop_finished`, `drop` and `reserve` between steps. Rows of dropped requests are reused.
 """
 
 from __future__ import annotations
@@ -105,6 +105,12 @@ class ContextWindows:
         length = torch.where(fresh.bool(), 0, self.length.index_select(0, idx))
         self.length.index_copy_(0, idx, torch.clamp(length + count, max=w))
         self.last.index_copy_(0, idx, end)
+
+    def reserve(self, rows: int, width: int, dtype: torch.dtype, device: torch.device) -> None:
+        """Room for `rows` windows of `width` features each before any request arrives (so the buffer, which
+        CUDA graphs read by address, does not grow under them while that many requests decode)."""
+        while self.features is None or self.features.shape[0] < rows:
+            self._grow(torch.empty(0, width, dtype=dtype, device=device))
 
     def _row(self, request_id: int, features: torch.Tensor) -> int:
         if request_id not in self.row_of:

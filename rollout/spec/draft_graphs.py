@@ -53,15 +53,18 @@ class DraftGraphs:
         return not self.failed and _bucket(n, self.batch_buckets) is not None
 
     def run(self, rows: list[int], anchors: torch.Tensor, gamma: int,
-            sampling: tuple[list[float], torch.Tensor, torch.Tensor] | None = None) -> tuple:
+            sampling: tuple[list[float], torch.Tensor, torch.Tensor] | None = None, exact: bool = False) -> tuple:
         """`propose`'s outputs for N rows (buffer rows `rows`, anchors [N] on the device; `sampling`: the rows'
         temperatures, DRAFT-stream seeds [N] and positions [N] on the device, None when every row is greedy),
-        from the graph of the batch's bucket (after `usable`)."""
+        from the graph of the batch's bucket (after `usable`). `exact`: that bucket's own graph, captured now
+        if it is not yet (the start-up probes'), not a larger one in its stead."""
         n = len(rows)
         if self.buffer() is not self._read:  # the buffer grew: graphs captured over the old one read freed memory
             self.graphs.clear()
             self._read = self.buffer()
-        key = self.choice.choose((_bucket(n, self.batch_buckets), 0, gamma, sampling is not None), self.graphs)
+        key = (_bucket(n, self.batch_buckets), 0, gamma, sampling is not None)
+        if not exact:
+            key = self.choice.choose(key, self.graphs)
         pad = key[0] - n
         inputs = [host_tensor(rows + [0] * pad, torch.long), _padded(anchors, pad, 0)]
         if sampling is not None:

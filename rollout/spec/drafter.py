@@ -30,9 +30,9 @@ class Drafter:
     """Proposes `gamma` tokens per row after each row's anchor (its next input token), with the exact
     distribution q each draft was drawn from (verification is lossless only against the true q).
 
-    Call order, per engine: `attach(runner)` once; `prefilled` after each prefill forward; then per
-    speculative step `propose` before the verify forward and `observe` after the accepted lengths are
-    known. `taps` (filled by `attach`) are target modules whose outputs the strategy reads during the
+    Call order, per engine: `attach(runner)` once, then `probe` as the engine's start-up measurement asks;
+    `prefilled` after each prefill forward; then per speculative step `propose` before the verify forward
+    and `observe` after the accepted lengths are known (a plain step's, at its launch). `taps` (filled by `attach`) are target modules whose outputs the strategy reads during the
     prefill and verify forwards and hands to `prefilled` and `observe`.
 
     Draws: a sampled row's draft at position p comes from its request's DRAFT noise stream at p
@@ -57,12 +57,20 @@ class Drafter:
         given the earlier ones did, and reads only the drafts before j."""
         raise NotImplementedError
 
+    def probe(self, rows: int, gamma: int, sampled: bool = False) -> None:
+        """Propose for `rows` rows that hold no request, as a step of that many rows proposes (from its CUDA
+        graph where steps use one, captured by the probes): the engine's start-up cost probe, which prices
+        whole speculative steps (`SpecDecode._probe`). Greedy rows, or with `sampled` rows at temperature 1.
+        A drafter with no device work of its own does nothing."""
+
     def observe(self, batch: list, tapped: dict[str, torch.Tensor], lengths: list[int], counts: list[int],
                 starts: list[int]) -> None:
-        """After a verify forward (or a plain step: one token a row): `tapped[name]` the outputs of `taps` at
-        every fed token ([1, sum lengths, ...], row by row, lengths[n] each: the anchor then the drafts),
-        counts[n] the tokens row n committed (the anchor and its surviving drafts), from position starts[n]
-        on (the row's `pos` when the step was launched; a plain step has advanced it since)."""
+        """After a verify step is read (or as a plain step, one token a row, is launched): `tapped[name]` the
+        outputs of `taps` at every fed token ([1, sum lengths, ...], row by row, lengths[n] each: the anchor
+        then the drafts), counts[n] the tokens row n committed (the anchor and its surviving drafts), from
+        position starts[n] on (the row's `pos` when the step was launched; a plain step has advanced it since).
+        `tapped` may be a graph's static outputs, valid until the next step is enqueued: what is kept of them
+        is computed here, in stream order."""
 
     def prefilled(self, rows: list, spans: list[tuple[int, int]], tapped: dict[str, torch.Tensor]) -> None:
         """After one of the engine's packed prefill forwards: row n computed positions spans[n] = (start,
@@ -299,6 +307,26 @@ class DSparkDrafter(nn.Module, Drafter):
         if greedy:
             return self._from_tensors(idx, anchors, gamma, None)
         return self._block(idx, anchors, gamma, lambda logits, k: draw(logits, params, seeds, at + k))
+
+    @torch.inference_mode()
+    def probe(self, rows, gamma, sampled=False):
+        # every row reads buffer row 0 (no request's window is changed, a blank one is read as such); the
+        # buffer is made as large as the engine runs first, so graphs captured here are not dropped by a
+        # growth when the requests arrive (`DraftGraphs`: they read the buffer by address)
+        c = self.config
+        self.contexts.reserve(self._runner.config.max_running, 2 * c.num_layers * c.hidden_size,
+                              self.fc.weight.dtype, self.fc.weight.device)
+        device = self.fc.weight.device
+        anchors = torch.zeros(rows, dtype=torch.long, device=device)
+        sampling = None
+        if sampled:
+            sampling = (torch.ones(rows, device=device), torch.zeros(rows, dtype=torch.long, device=device),
+                        torch.zeros(rows, dtype=torch.long, device=device))
+        if self.graphs is not None and self.graphs.usable(rows):
+            self.graphs.run([0] * rows, anchors, gamma, None if sampling is None else ([1.0] * rows, *sampling[1:]),
+                            exact=True)
+        else:
+            self._from_tensors(torch.zeros(rows, dtype=torch.long, device=device), anchors, gamma, sampling)
 
     def _from_tensors(self, idx: torch.Tensor, anchors: torch.Tensor, gamma: int,
                       sampling: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> tuple:

@@ -69,10 +69,11 @@ class FoldGraphs:
         self.captures = self.replays = 0
 
     def fold(self, inputs: KDAInputs, slots: list[int], counts: torch.Tensor, positions: list[int],
-             chunk_size: int, checkpoint: Callable[[list[int]], list[int | None]]
+             chunk_size: int, checkpoint: Callable[[list[int]], list[int | None]], exact: bool = False
              ) -> list[tuple[int, int, int | None]]:
         """What `rollout.spec.replay.fold` does, through the bucket's graph, with counts [N] on the device
-        (eagerly, reading the counts, past the largest bucket or after a failed capture).
+        (eagerly, reading the counts, past the largest bucket or after a failed capture). `exact`: the
+        bucket's own graph, captured now if it is not yet (the start-up probes'), not a larger one.
 
         `checkpoint(rows)` copies those rows' working state into fresh slots (`CacheManager.snapshots`).
         Returns (row, boundary position, slot) for every checkpoint taken: a row's is its state at the
@@ -80,7 +81,7 @@ class FoldGraphs:
         frees it."""
         n = len(slots)
         bucket = None if self.failed else _bucket(n, self.buckets)
-        if bucket is not None:  # keys (bucket, 0): a fold has no history bucket
+        if bucket is not None and not exact:  # keys (bucket, 0): a fold has no history bucket
             bucket = self.choice.choose((bucket, 0), ((b, 0) for b in self.graphs))[0]
         static = None if bucket is None else self._static(bucket, inputs)
         if static is None:

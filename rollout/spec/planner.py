@@ -31,6 +31,10 @@ surface's one-token-a-row shelf is priced as that plain step. Where a block cost
 (k3-small at batch 256 on an H200: 5 tokens a row are 2.4 plain steps of work, for 3.3 kept) the planner
 then decodes plainly, and speculates again where a step is bound by launches and bytes (small batches). A
 run of plain steps learns no confidences, so after `explore_every` of them one step verifies every draft.
+Such a step costs a block's whole price (k3-small at batch 256 on an H200, 2026-12-04: 15.4 ms against a
+4.0 ms plain step), so an exploration whose fresh survivals still choose plain steps doubles the wait
+before the next one (up to `explore_max` plain steps), and one that turns the planner to speculation
+resets it: where blocks never pay the explorations cost a vanishing share of the run.
 
 The probes see only the verify forward; a whole step also drafts, verifies and folds, and the host does
 its share. So the steps the engine runs price the surface too (`observe`, single-process engines): from a
@@ -201,30 +205,46 @@ class VerifyPlanner:
     `observe`: a step's wall time prices the surface (module docstring), when `learn`."""
 
     def __init__(self, surface: CostSurface, prior: float = 0.5, by_width: bool = False, learn: bool = False,
-                 explore_every: int = 16):
+                 explore_every: int = 16, explore_max: int = 512):
         self.surface, self.prior, self.by_width, self.learn = surface, prior, by_width, learn
-        self.explore_every = explore_every
+        self.explore_every, self.explore_max = explore_every, explore_max
+        self.wait = explore_every  # plain steps in a row before the next exploring step (module docstring)
         self.plain_run = 0  # plain steps in a row, the planner's choice
+        self._explored = False  # the last allotment was an exploration: the next one judges it
         self.lagged: dict[int, torch.Tensor] = {}  # request id -> its previous step's survival [G], on the host
         self._copied: tuple | None = None  # the last plan's (request ids, survivals on their way to the host, event)
+        # the last choice's ((request ids, g), their lagged survivals [N, g]): stacking them is most of a choice's
+        # host time (about 0.3 ms for 256 rows on the 2-core CPU), and nothing changes them between plans
+        self._rows: tuple | None = None
 
     def choose(self, request_ids: list[int], g: int) -> int:
         """From the previous step's survivals only: every row's drafts (by width) or the batch's draft tokens
-        (packed); 0 decodes one token a row, unless `explore_every` plain steps ran in a row (then all).
+        (packed); 0 decodes one token a row, unless `wait` plain steps ran in a row (then all: exploring).
         Changes nothing: `allot` is this choice, counted. Reads host tensors only: the strategy asks it
         (`SpecDecode.continues`) with a plain step in flight, which a device read would wait for."""
+        return self._choice(request_ids, g)[0]
+
+    def _choice(self, request_ids: list[int], g: int) -> tuple[int, bool]:
+        """`choose`'s answer and whether it explores."""
         self._settle()
-        prior = survival(torch.full((1, g), self.prior))[0]
-        lagged = torch.stack([self.lagged.get(rid, prior)[:g] for rid in request_ids])
+        key = (tuple(request_ids), g)
+        if self._rows is None or self._rows[0] != key:  # a run of plain steps asks of the same rows each step
+            prior = survival(torch.full((1, g), self.prior))[0]
+            self._rows = key, torch.stack([self.lagged.get(rid, prior)[:g] for rid in request_ids])
+        lagged = self._rows[1]
         allotted = width(lagged, self.surface) if self.by_width else budget(lagged, self.surface)
-        if allotted == 0 and self.plain_run >= self.explore_every:
-            allotted = g if self.by_width else g * len(request_ids)
-        return allotted
+        if allotted == 0 and self.plain_run >= self.wait:
+            return (g if self.by_width else g * len(request_ids)), True
+        return allotted, False
 
     def allot(self, request_ids: list[int], g: int, chosen: int | None = None) -> int:
-        """`choose` (or its answer `chosen` for these rows, made since nothing changed), counting the run of
-        plain steps it makes."""
-        allotted = self.choose(request_ids, g) if chosen is None else chosen
+        """`choose` (or its answer `chosen` for these rows, made since nothing changed: `continues` asks only
+        whether a step is plain, which an exploration never is), counting the run of plain steps it makes;
+        the first choice after an exploration sets the wait before the next one."""
+        allotted, exploring = self._choice(request_ids, g) if chosen is None else (chosen, False)
+        if self._explored:
+            self.wait = min(2 * self.wait, self.explore_max) if allotted == 0 else self.explore_every
+        self._explored = exploring
         self.plain_run = self.plain_run + 1 if allotted == 0 else 0
         return allotted
 
@@ -242,7 +262,7 @@ class VerifyPlanner:
             ids, host, ready = self._copied
             if ready is not None:
                 ready.synchronize()
-            self.lagged, self._copied = dict(zip(ids, host)), None
+            self.lagged, self._copied, self._rows = dict(zip(ids, host)), None, None
 
     def observe(self, rows: int, per: int | list[int], seconds: float) -> None:
         """A step that ran `rows` rows, `per` tokens each (a graph's width) or per[n] (packed), in `seconds`."""

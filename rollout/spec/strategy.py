@@ -258,11 +258,11 @@ class SpecDecode(DecodeStrategy):
                 launch.snapshots.append((launch.batch[i], pos, snap))
             else:
                 self.memory.free_snapshot(snap)
-        with record_function("spec.observe"):
-            self.drafter.observe(launch.batch, launch.tapped, launch.lengths, committed, launch.starts)
         if launch.plain:
-            self.unread -= 1  # its rows' pos advanced at launch
+            self.unread -= 1  # its rows' pos advanced, and the drafter saw its taps, at launch
         else:
+            with record_function("spec.observe"):
+                self.drafter.observe(launch.batch, launch.tapped, launch.lengths, committed, launch.starts)
             for r, c in zip(launch.batch, committed):
                 r.pos += c
         # from its launch, or from the last read when it was launched before that (an overlapped plain step:
@@ -290,9 +290,12 @@ class SpecDecode(DecodeStrategy):
 
     def _plain(self, batch: list[Running], anchors: torch.Tensor, started: float, captured: int) -> SpecLaunch:
         """One token a row, as plain decoding samples it (`OneToken`), in the form `read` completes: the
-        drafter's taps read at each row's token (its `observe` gets one committed token a row, so its context
-        stays current for the steps that speculate again), a row reaching a chunk boundary checkpointed,
-        every row's `pos` advanced here, so the next plain step may be launched before this one is read."""
+        drafter's taps read at each row's token and handed to its `observe` here, one committed token a row
+        (so its context stays current for the steps that speculate again), a row reaching a chunk boundary
+        checkpointed, every row's `pos` advanced here, so the next plain step may be launched before this one
+        is read. The taps are observed at launch, not at read: from a decode graph they are its static
+        outputs, which the next plain step's replay refills, and under overlap that replay is enqueued before
+        this step is read (the drafter would read the next position's states as this one's)."""
         n = len(batch)
         starts = [r.pos for r in batch]
         logits, tapped = self.runner.forward_tapped(batch, anchors, self.drafter.taps)
@@ -305,8 +308,10 @@ class SpecDecode(DecodeStrategy):
             r.pos += 1
         ends = [r for r in batch if r.pos % chunk == 0]  # reached for sure: the pipeline's inserts
         snaps = [(r, r.pos, snap) for r, snap in zip(ends, self.memory.snapshots(ends))]
+        with record_function("spec.observe"):
+            self.drafter.observe(batch, tapped, [1] * n, [1] * n, starts)
         self.unread += 1
-        return SpecLaunch(batch, tokens[:, None], host, ready, snaps, tapped=tapped, lengths=[1] * n, starts=starts,
+        return SpecLaunch(batch, tokens[:, None], host, ready, snaps, lengths=[1] * n, starts=starts,
                           plain=True, started=started, captured=captured)
 
     def _captured(self) -> int:
@@ -363,29 +368,41 @@ class SpecDecode(DecodeStrategy):
         return self._snapshots
 
     def _measure_surface(self) -> CostSurface:
-        """The verify forward's step time by batch and tokens per row, on this device; under TP every rank
-        plans on the leader's measurement (its probes ran on all ranks), so all accept alike."""
+        """A speculative step's time by batch and tokens per row, on this device; under TP every rank plans on
+        the leader's measurement (its probes ran on all ranks), so all accept alike. The probes capture the
+        graphs a step of each batch uses but for the history's (the drafter's, greedy and sampled, and the
+        fold's), so a run that speculates rarely (the planner's exploring steps) does not capture them
+        mid-run (2026-12-04, batch 256 on an H200: 5 of 60 steps captured, 0.71x the steady rate)."""
         max_running = self.runner.config.max_running
-        sizes = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < max_running]
-        surface = CostSurface.measure(self._probe, sizes + [max_running], self.gamma)
+        sizes = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < max_running] + [max_running]
+        surface = CostSurface.measure(self._probe, sizes, self.gamma)
+        for rows in sizes:  # the sampled proposals' graphs (the probes time the greedy ones)
+            self.drafter.probe(rows, self.gamma, sampled=True)
         tp = self.runner.model.model.tp
         return tp.broadcast_object(surface) if tp.size > 1 else surface
 
     def _probe(self, rows: int, per: int) -> None:
-        """A verify forward of `rows` rows of `per` tokens on the pools' sink slot and sink page (they hold no
-        request's state), graphed when the steps will be: the cost surface's measurement. One token a row is
-        the plain step the planner runs when no drafts pay (`_plain`'s tapped decode step)."""
+        """A step of `rows` rows on the pools' sink slot and sink page (they hold no request's state), graphed
+        where the steps will be: the cost surface's measurement. `per` > 1: a speculative step of that width
+        (the drafter's proposal, the verify forward of `per` tokens a row, a fold that commits nothing); one
+        token a row: the plain step the planner runs when no drafts pay (`_plain`'s tapped decode step)."""
         kv, states = self.runner.kv, self.runner.states
         pages = [kv.sink_page] * -(-per // kv.page_size)
         fake = [_Probe(states.sink_slot, pages) for _ in range(rows)]
-        graphs = None if per == 1 else self._graphs(per)
-        key = graphs.exact_key(fake) if graphs is not None else None
         if per == 1:
             self.runner.forward_tapped(fake, [0] * rows, self.drafter.taps)
-        elif key is not None:
-            graphs.run(key, fake, torch.zeros(rows, per, dtype=torch.long, device=self.runner.device))
         else:
-            verify_forward(self.runner, fake, [0] * (rows * per), [per] * rows)
+            self.drafter.probe(rows, self.gamma)
+            graphs = self._graphs(per)
+            key = graphs.exact_key(fake) if graphs is not None else None
+            if key is not None:
+                _, inputs, _ = graphs.run(key, fake, torch.zeros(rows, per, dtype=torch.long, device=self.runner.device))
+            else:
+                _, inputs, _ = verify_forward(self.runner, fake, [0] * (rows * per), [per] * rows)
+            if self.graph_verify and self.rollback == "replay":  # no chunk boundary in the block: one replay
+                nothing = torch.zeros(rows, dtype=torch.long, device=self.runner.device)
+                self._folds().fold(inputs, [states.sink_slot] * rows, nothing, [0] * rows, per + 1, lambda r: [],
+                                   exact=True)
         if self.runner.device.type == "cuda":
             torch.cuda.synchronize()
 

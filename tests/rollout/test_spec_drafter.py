@@ -207,24 +207,35 @@ def test_above_max_batch_plain_steps_keep_the_window_current_and_the_output_plai
     assert hit.output_ids == engine().generate([again], SamplingParams(temperature=0, max_new_tokens=4))[0].output_ids
 
 
-def test_plain_steps_overlap_as_plain_decoding_does_and_speculation_resumes_after_them():
+@pytest.mark.parametrize("graphed", [False, True])
+def test_plain_steps_overlap_as_plain_decoding_does_and_speculation_resumes_after_them(graphed):
     """With the overlap schedule, a plain step (over max_batch) is launched before the previous plain step is
     read, as plain decoding's are; once the batch fits max_batch the pipeline reads first and the rows
     speculate. Greedy tokens and log-probs equal plain decoding's, every plain step is read once, the pools
-    drain."""
+    drain. The drafter's windows take each plain step's taps as it is launched: with a step in flight every
+    window equals a fresh target pass up to the row's pos, also when the taps come from the decode graphs'
+    outputs, which the next step's replay (enqueued before this step is read) refills."""
     d = drafter(2)
     prompts = [prompt(n, 50 + n) for n in (5, 9, 13, 17)]
     params = [SamplingParams(temperature=0, max_new_tokens=m) for m in (5, 7, 14, 16)]
     want = engine(overlap="off").generate(prompts, params)
     eng = engine(overlap="on", speculation=SpecConfig(drafter=d, gamma=3, max_batch=2))
+    if graphed:
+        eng.graphs = DecodeGraphs(eng.model, eng.kv, eng.states, max_batch=4, max_seq_len=256, capture=False)
     strategy = eng.decoder.strategy
     ids = [eng.submit(p, q) for p, q in zip(prompts, params)]
-    done, in_flight = {}, 0
+    done, in_flight, checked = {}, 0, 0
     while eng.has_work():
         done.update((c.request_id, c) for c in eng.step())
-        in_flight += getattr(eng.decoder.inflight, "plain", False)
+        if getattr(eng.decoder.inflight, "plain", False):
+            in_flight += 1
+            for r in eng.decoder.inflight.batch:
+                if r in eng.scheduler.running:
+                    torch.testing.assert_close(d.contexts.get(r.req.request_id), fresh_window(d, r),
+                                               atol=1e-4, rtol=1e-4)
+                    checked += 1
         eng.check_invariants()
-    assert in_flight > 3 and strategy.stats.steps > 0 and strategy.unread == 0
+    assert in_flight > 3 and checked > 8 and strategy.stats.steps > 0 and strategy.unread == 0
     for rid, w in zip(ids, want):
         assert done[rid].output_ids == w.output_ids
         assert done[rid].logprobs == pytest.approx(w.logprobs, abs=1e-4)

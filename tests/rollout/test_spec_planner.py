@@ -93,18 +93,35 @@ def test_by_width_every_row_verifies_the_best_width_of_the_lagged_confidences():
     assert planner.allot([0, 1], 4) == 0 and planner.lagged[0][0] == pytest.approx(0.01)  # a plain step learns none
 
 
-def test_when_no_block_pays_the_planner_decodes_plainly_and_explores_every_so_often():
+def test_when_no_block_pays_the_planner_decodes_plainly_and_explores_ever_more_rarely():
     """A surface on which a block costs more than its tokens (a compute-bound batch) allots nothing, from
     the lagged survivals, until `explore_every` plain steps ran in a row; then one step verifies every draft
-    (its confidences refresh the lagged ones). Packed budgets the same."""
+    (its confidences refresh the lagged ones). An exploration after which the planner still decodes plainly
+    doubles the wait before the next (3, then 6, then 12 plain steps), up to `explore_max`. Packed budgets
+    the same."""
     dear = {4: [(4 * per, float(per)) for per in range(1, 5)]}  # a block of w tokens a row costs w plain steps
     for by_width, full in ((True, 3), (False, 12)):
         planner = VerifyPlanner(CostSurface({k: list(v) for k, v in dear.items()}), prior=0.9, by_width=by_width,
-                                explore_every=3)
-        allotted = [planner.allot(list(range(4)), 3) for _ in range(8)]
-        assert allotted == [0, 0, 0, full, 0, 0, 0, full]
+                                explore_every=3, explore_max=8)
+        allotted = [planner.allot(list(range(4)), 3) for _ in range(42)]
+        assert set(allotted) == {0, full}
+        assert [i for i, a in enumerate(allotted) if a] == [3, 10, 19, 28, 37]  # waits 3, 6, 8, 8, 8
         planner.plan(list(range(4)), torch.full((4, 3), 1.0), full)
         assert planner.allot(list(range(4)), 3) == 0  # sure drafts do not pay on this surface either
+
+
+def test_an_exploration_that_turns_the_planner_to_speculation_resets_the_wait():
+    """Where a block pays only for sure drafts, the prior decodes plainly; an exploration whose confidences
+    are sure makes the next step speculate, and the wait before the next exploration returns to
+    `explore_every` (after a doubled one)."""
+    cheap = CostSurface({4: [(4 * per, 1.0 + 0.5 * (per - 1)) for per in range(1, 5)]})
+    planner = VerifyPlanner(cheap, prior=0.1, by_width=True, explore_every=3)
+    ids = list(range(4))
+    assert [planner.allot(ids, 3) for _ in range(11)] == [0, 0, 0, 3, 0, 0, 0, 0, 0, 0, 3]  # waits 3, then 6
+    planner.plan(ids, torch.ones(4, 3), 3)
+    assert planner.allot(ids, 3) == 3 and planner.wait == 3
+    planner.plan(ids, torch.zeros(4, 3), 3)
+    assert [planner.allot(ids, 3) for _ in range(4)] == [0, 0, 0, 3]
 
 
 def test_steps_price_the_surface_from_their_second_on_by_the_median_of_the_latest():
@@ -189,7 +206,7 @@ def test_where_blocks_never_pay_the_engine_decodes_plainly_and_stays_lossless(ov
         eng = engine(max_running=4, speculation=spec, overlap=overlap)
         eng.decoder.strategy = strategy = SpecDecode(eng.runner, spec, surface=surface)
         strategy.use_memory(eng.memory)
-        strategy.planner.explore_every = 4
+        strategy.planner.explore_every = strategy.planner.wait = 4
         got = eng.generate(prompts, params)
         for a, b in zip(want, got):
             assert a.output_ids == b.output_ids

@@ -124,20 +124,26 @@ def prompts_for(target: Path, n: int) -> list[list[int]]:
     return [tok.encode(rows[i % len(rows)], add_bos=True) for i in range(n)]
 
 
-def warm_up(engine: Engine, prompts, params, runs: int = 6) -> None:
+def warm_up(engine: Engine, prompts, params, runs: int = 10, clean: int = 2) -> None:
     """Untimed runs identical to the timed one, so it reads steady-state steps, not CUDA-graph captures or
     autotuning (2026-12-02: a batch-1 warm-up left batches 8-256 capturing inside the timed run, a 9x
     slower spec step at batch 8). A speculative engine's rows advance at random rates, so its batch shrinks
     through other buckets each run, and a bucket is captured on its third ask (`rollout.forward.GraphChoice`),
-    which may fall in a later run: it warms up until a run captures no graph (at most `runs` runs; 3 left
-    captures in the timed runs at batch 8-256 on the H200, 2026-12-03); its stats then restart, counting the
-    timed requests only."""
+    which may fall in a later run: it warms up until `clean` runs in a row capture no graph of any kind (the
+    strategy's and the decode graphs: the planner's plain steps use tapped decode graphs of their own), at
+    most `runs` runs (one run that captured nothing left captures in the timed runs at batch 64 and 256 on
+    the H200, 2026-12-04); its stats then restart, counting the timed requests only."""
     spec = isinstance(engine.decoder.strategy, SpecDecode)
+
+    def captured() -> int:
+        return engine.runner.graph_counts()[0] + (engine.decoder.strategy.stats.captures if spec else 0)
+
+    quiet = 0
     for _ in range(runs if spec else 1):
-        if spec:
-            engine.decoder.strategy.stats = SpecStats()
+        before = captured()
         engine.generate(prompts, params)
-        if not spec or engine.decoder.strategy.stats.captures == 0:
+        quiet = quiet + 1 if captured() == before else 0
+        if quiet >= clean:
             break
     if spec:
         engine.decoder.strategy.stats = SpecStats()

@@ -31,7 +31,7 @@ from rollout.spec import SpecConfig  # noqa: E402
 
 
 def profiled(engine: Engine, prompts, params, device: str, rows: int):
-    warm_up(engine, prompts, params)  # as bench_spec.py's: until a run captures no graph
+    warm_up(engine, prompts, params)  # as bench_spec.py's: until two runs in a row capture no graph
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
     with profile(activities=acts) as prof:
         t0 = time.perf_counter()

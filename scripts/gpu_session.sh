@@ -120,6 +120,7 @@ run_job() {
         --planners verify_all,cost_aware --rollback replay --temperatures 0 --prompt-len 128 --gen-len 64 \
         --memory-gb 16 --json "$STATE/bench_spec_plan_h200.json" ;;  # the planner (plain steps where no block pays)
     specmix) job specmix python scripts/bench_spec.py --target preset:k3-small --peaked --drafter controlled:0.3-0.95 \
+        --drafter-cost dspark \
         --device cuda --dtype bfloat16 --batch-sizes 64,256 --planners verify_all,cost_aware --rollback replay \
         --temperatures 0 --prompt-len 128 --gen-len 64 --memory-gb 16 --json "$STATE/bench_spec_mixed_h200.json" ;;
     specprof) job specprof python scripts/profile_spec.py --device cuda --batch-sizes 256 \

@@ -201,7 +201,9 @@ class VerifyPlanner:
     """Per step, before drafting: `allot(rows, gamma)` -> the step's width or token budget from the lagged
     survivals (0: a plain step, no drafts); after drafting: `plan(rows, current confidences, allotted)` ->
     drafts to verify per row, keeping the step's survivals per request for the next step's (a request with
-    none yet counts `prior` per draft). `by_width`: plan widths (graphed verify), else packed budgets.
+    none yet counts the last plan's mean survival per position, or `prior` per draft before any plan: with
+    the fixed prior a new request on a surface where only good drafts pay decoded plainly until an
+    exploration, 16 plain steps a request at batch 1 on the H200, 2026-12-04). `by_width`: plan widths (graphed verify), else packed budgets.
     `observe`: a step's wall time prices the surface (module docstring), when `learn`."""
 
     def __init__(self, surface: CostSurface, prior: float = 0.5, by_width: bool = False, learn: bool = False,
@@ -212,6 +214,7 @@ class VerifyPlanner:
         self.plain_run = 0  # plain steps in a row, the planner's choice
         self._explored = False  # the last allotment was an exploration: the next one judges it
         self.lagged: dict[int, torch.Tensor] = {}  # request id -> its previous step's survival [G], on the host
+        self.recent: torch.Tensor | None = None  # the last plan's mean survival [G]: a new request's estimate
         self._copied: tuple | None = None  # the last plan's (request ids, survivals on their way to the host, event)
         # the last choice's ((request ids, g), their lagged survivals [N, g]): stacking them is most of a choice's
         # host time (about 0.3 ms for 256 rows on the 2-core CPU), and nothing changes them between plans
@@ -229,7 +232,7 @@ class VerifyPlanner:
         self._settle()
         key = (tuple(request_ids), g)
         if self._rows is None or self._rows[0] != key:  # a run of plain steps asks of the same rows each step
-            prior = survival(torch.full((1, g), self.prior))[0]
+            prior = survival(torch.full((1, g), self.prior))[0] if self.recent is None else self.recent
             self._rows = key, torch.stack([self.lagged.get(rid, prior)[:g] for rid in request_ids])
         lagged = self._rows[1]
         allotted = width(lagged, self.surface) if self.by_width else budget(lagged, self.surface)
@@ -263,6 +266,8 @@ class VerifyPlanner:
             if ready is not None:
                 ready.synchronize()
             self.lagged, self._copied, self._rows = dict(zip(ids, host)), None, None
+            if len(ids):
+                self.recent = host.mean(0)
 
     def observe(self, rows: int, per: int | list[int], seconds: float) -> None:
         """A step that ran `rows` rows, `per` tokens each (a graph's width) or per[n] (packed), in `seconds`."""

@@ -110,6 +110,21 @@ def test_when_no_block_pays_the_planner_decodes_plainly_and_explores_ever_more_r
         assert planner.allot(list(range(4)), 3) == 0  # sure drafts do not pay on this surface either
 
 
+def test_a_new_request_starts_from_the_last_plans_mean_survival_not_the_prior():
+    """Where only good drafts pay, the fixed prior decodes plainly; once a plan has seen sure drafts, a request
+    that arrives after it (no survivals of its own) is estimated at that plan's mean survival per position and
+    speculates at once; unsure ones lower the estimate for the next newcomer."""
+    cheap = CostSurface({2: [(2 * per, 1.0 + 0.5 * (per - 1)) for per in range(1, 5)]})
+    planner = VerifyPlanner(cheap, prior=0.1, by_width=True)
+    assert planner.allot([0, 1], 3) == 0  # the prior: nothing pays
+    planner.allot([0, 1], 3)
+    planner.plan([0, 1], torch.tensor([[1.0, 1.0, 0.9], [1.0, 0.8, 0.9]]), 3)
+    assert planner.allot([7, 8], 3) == 3  # newcomers, on the last plan's estimate
+    torch.testing.assert_close(planner.recent, torch.tensor([1.0, 0.9, 0.81]))
+    planner.plan([7, 8], torch.full((2, 3), 0.05), 3)
+    assert planner.allot([9, 10], 3) == 0
+
+
 def test_an_exploration_that_turns_the_planner_to_speculation_resets_the_wait():
     """Where a block pays only for sure drafts, the prior decodes plainly; an exploration whose confidences
     are sure makes the next step speculate, and the wait before the next exploration returns to

@@ -73,6 +73,10 @@ class ControlledDrafter(Drafter):
         if self.shadow is not None:
             self.shadow.observe(batch, tapped, lengths, counts, starts)
 
+    def observe_plain(self, batch, tapped, starts) -> None:
+        if self.shadow is not None:
+            self.shadow.observe_plain(batch, tapped, starts)
+
     def prefilled(self, rows, spans, tapped) -> None:
         if self.shadow is not None:
             self.shadow.prefilled(rows, spans, tapped)

@@ -32,8 +32,9 @@ class Drafter:
 
     Call order, per engine: `attach(runner)` once, then `probe` as the engine's start-up measurement asks;
     `prefilled` after each prefill forward; then per speculative step `propose` before the verify forward
-    and `observe` after the accepted lengths are known (a plain step's, at its launch). `taps` (filled by `attach`) are target modules whose outputs the strategy reads during the
-    prefill and verify forwards and hands to `prefilled` and `observe`.
+    and `observe` after the accepted lengths are known, and per plain step `observe_plain` at its launch.
+    `taps` (filled by `attach`) are target modules whose outputs the strategy reads during the prefill,
+    verify and plain forwards and hands to `prefilled` and the observes.
 
     Draws: a sampled row's draft at position p comes from its request's DRAFT noise stream at p
     (`rollout.spec.verify.draw`), greedy rows draft the argmax and draw nothing.
@@ -65,12 +66,17 @@ class Drafter:
 
     def observe(self, batch: list, tapped: dict[str, torch.Tensor], lengths: list[int], counts: list[int],
                 starts: list[int]) -> None:
-        """After a verify step is read (or as a plain step, one token a row, is launched): `tapped[name]` the
-        outputs of `taps` at every fed token ([1, sum lengths, ...], row by row, lengths[n] each: the anchor
-        then the drafts), counts[n] the tokens row n committed (the anchor and its surviving drafts), from
-        position starts[n] on (the row's `pos` when the step was launched; a plain step has advanced it since).
-        `tapped` may be a graph's static outputs, valid until the next step is enqueued: what is kept of them
-        is computed here, in stream order."""
+        """After a verify step is read: `tapped[name]` the outputs of `taps` at every fed token ([1, sum
+        lengths, ...], row by row, lengths[n] each: the anchor then the drafts), counts[n] the tokens row n
+        committed (the anchor and its surviving drafts), from position starts[n] on (the row's `pos` when
+        the step was launched)."""
+
+    def observe_plain(self, batch: list, tapped: dict[str, torch.Tensor], starts: list[int]) -> None:
+        """As a plain step (one token a row, committed) is launched, before the next step is enqueued: `observe`
+        of it (lengths and counts 1), which a drafter may defer until it next proposes (a planner can decode
+        plainly for hundreds of steps). `tapped` is a decode graph's static outputs, which the next step's
+        replay refills: whatever is kept of them is copied here, in stream order."""
+        self.observe(batch, tapped, [1] * len(batch), [1] * len(batch), starts)
 
     def prefilled(self, rows: list, spans: list[tuple[int, int]], tapped: dict[str, torch.Tensor]) -> None:
         """After one of the engine's packed prefill forwards: row n computed positions spans[n] = (start,
@@ -208,7 +214,8 @@ class DSparkDrafter(nn.Module, Drafter):
         self._shared: tuple[torch.Tensor, torch.Tensor] | None = None  # (embedding [V, D], lm_head [V, D])
         self._gather = None  # a sharded target's vocab-parallel gather of the lm_head's logits (`share`)
         self._runner = None
-        self.contexts = ContextWindows(config.context_window)  # each request's latest target features
+        # each request's latest target features; plain steps' raw taps projected when read (`defer`)
+        self.contexts = ContextWindows(config.context_window, project=self.context)
         self.taps = {}
         self.graphs: DraftGraphs | None = None  # proposals from CUDA graphs (`attach`)
 
@@ -368,6 +375,13 @@ class DSparkDrafter(nn.Module, Drafter):
         self.contexts.append([r.req for r in batch], self._context(tapped), offsets, counts,
                              [s + c for s, c in zip(starts, counts)])
 
+    def observe_plain(self, batch, tapped, starts):
+        # the raw taps copied out of the graph's outputs here (the cat), in stream order; projected and written
+        # when the windows are next read (`ContextWindows.defer`)
+        self.contexts.drop_finished({r.req.request_id for r in batch})
+        self.contexts.defer([r.req for r in batch], _features(tapped, self.config.target_layers)[0],
+                            [s + 1 for s in starts])
+
     def prefilled(self, rows, spans, tapped):
         """Windows from the engine's own prefill, so that a request needs no catch-up pass: a chunk that
         reaches a window's end extends it past there (a retracted request prefilled again repeats positions
@@ -431,8 +445,7 @@ class DSparkDrafter(nn.Module, Drafter):
         """Drop every request's window: they hold keys and values of the drafter's weights as they were, so
         whatever changes the weights in place (a distillation step, a load) calls this; requests then catch
         up (`_catch_up`) on their next proposal."""
-        for rid in self.contexts.ids():
-            self.contexts.drop(rid)
+        self.contexts.clear()  # the deferred raw taps too: requests catch up whole
 
     # ------------------------------------------------------------ save / load
     def save(self, path: str | Path) -> None:

@@ -290,8 +290,8 @@ class SpecDecode(DecodeStrategy):
 
     def _plain(self, batch: list[Running], anchors: torch.Tensor, started: float, captured: int) -> SpecLaunch:
         """One token a row, as plain decoding samples it (`OneToken`), in the form `read` completes: the
-        drafter's taps read at each row's token and handed to its `observe` here, one committed token a row
-        (so its context stays current for the steps that speculate again), a row reaching a chunk boundary
+        drafter's taps read at each row's token and handed to its `observe_plain` here (so its context stays
+        current for the steps that speculate again), a row reaching a chunk boundary
         checkpointed, every row's `pos` advanced here, so the next plain step may be launched before this one
         is read. The taps are observed at launch, not at read: from a decode graph they are its static
         outputs, which the next plain step's replay refills, and under overlap that replay is enqueued before
@@ -309,7 +309,7 @@ class SpecDecode(DecodeStrategy):
         ends = [r for r in batch if r.pos % chunk == 0]  # reached for sure: the pipeline's inserts
         snaps = [(r, r.pos, snap) for r, snap in zip(ends, self.memory.snapshots(ends))]
         with record_function("spec.observe"):
-            self.drafter.observe(batch, tapped, [1] * n, [1] * n, starts)
+            self.drafter.observe_plain(batch, tapped, starts)
         self.unread += 1
         return SpecLaunch(batch, tokens[:, None], host, ready, snaps, lengths=[1] * n, starts=starts,
                           plain=True, started=started, captured=captured)

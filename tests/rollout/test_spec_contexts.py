@@ -88,3 +88,66 @@ def test_an_append_writes_only_the_slots_of_the_positions_it_adds():
     windows.append(reqs[1:2], torch.full((2, F), 7.0), [0], [2], [W + 2])  # positions W, W + 1: slots 0, 1
     changed = (windows.features != before).any(-1).nonzero().tolist()
     assert changed == [[windows.row_of[1], 0], [windows.row_of[1], 1]]
+
+
+def test_deferred_plain_steps_leave_the_windows_appends_one_at_a_time_would():
+    """Plain steps (one position for every row of a batch) deferred, with `project` applied when read: runs
+    of the same requests' next positions, a run longer than the window (its oldest steps never written), a
+    run broken by a changed batch and one broken by a gap, and a verify-style append between runs, leave
+    every window and end exactly as the projected features appended step by step. A run is projected and
+    written once, when something reads the windows."""
+    rng = random.Random(1)
+    projected = []
+
+    def project(raw):
+        projected.append(raw.shape[0])
+        return raw * 2.0 + 1.0
+
+    deferred, stepwise = ContextWindows(W, project=project), ContextWindows(W)
+    reqs = {i: request(i) for i in range(5)}
+    pos = {i: 0 for i in reqs}
+    counter = 0.0
+
+    def step(ids, jump=0):
+        nonlocal counter
+        raw = torch.arange(counter, counter + len(ids))[:, None].expand(len(ids), F).clone()
+        counter += len(ids)
+        for i in ids:
+            pos[i] += 1 + jump
+        ends = [pos[i] for i in ids]
+        deferred.defer([reqs[i] for i in ids], raw, ends)
+        stepwise.append([reqs[i] for i in ids], raw * 2.0 + 1.0, list(range(len(ids))), [1] * len(ids), ends)
+
+    for _ in range(2 * W + 1):  # longer than a window: one projection of its latest W steps
+        step([0, 1, 2])
+    assert projected == [] and deferred.row_of == {}
+    for i in (0, 1, 2):
+        assert torch.equal(deferred.get(i), stepwise.get(i)) and deferred.end(i) == stepwise.end(i)
+    assert projected == [3 * W]
+    for _ in range(3):
+        step([0, 1, 2])
+    step([1, 3])  # another batch: the run before it is written
+    step([1, 3])
+    step([1, 3], jump=2)  # a gap: a new run
+    for _ in range(rng.randint(1, 4)):
+        step([4, 1, 3])
+    feats = torch.full((3, F), -5.0)  # a verify step's append between runs
+    ends = [pos[0] + 3]
+    pos[0] += 3
+    deferred.append([reqs[0]], feats, [0], [3], ends)
+    stepwise.append([reqs[0]], feats, [0], [3], ends)
+    step([0, 2])
+    for i in reqs:
+        assert torch.equal(deferred.get(i), stepwise.get(i)) and deferred.end(i) == stepwise.end(i), i
+    ctx, mask = deferred.read(list(reqs))
+    want_ctx, want_mask = stepwise.read(list(reqs))
+    assert torch.equal(mask, want_mask) and torch.equal(ctx[mask], want_ctx[want_mask])
+
+
+def test_clear_forgets_the_windows_and_the_deferred_run():
+    windows = ContextWindows(W, project=lambda raw: raw)
+    a = request(1)
+    windows.append([a], torch.ones(2, F), [0], [2], [2])
+    windows.defer([a], torch.ones(1, F), [3])
+    windows.clear()
+    assert windows.ids() == set() and windows.end(1) is None

@@ -34,7 +34,11 @@ run of plain steps learns no confidences, so after `explore_every` of them one s
 Such a step costs a block's whole price (k3-small at batch 256 on an H200, 2026-12-04: 15.4 ms against a
 4.0 ms plain step), so an exploration whose fresh survivals still choose plain steps doubles the wait
 before the next one (up to `explore_max` plain steps), and one that turns the planner to speculation
-resets it: where blocks never pay the explorations cost a vanishing share of the run.
+resets it: where blocks never pay the explorations cost a vanishing share of the run. The other way too:
+a run of speculative steps prices no plain step, and a plain cell priced too high at start-up (the same
+code's batch-256 plain probe read 4.2, 5.4 and 8.2 ms on three H200s, 2026-12-04) would keep the planner
+speculating where it loses, so after `explore_every` blocks in a row one step decodes plainly, with the
+same backoff.
 
 The probes see only the verify forward; a whole step also drafts, verifies and folds, and the host does
 its share. So the steps the engine runs price the surface too (`observe`, single-process engines): from a
@@ -210,9 +214,11 @@ class VerifyPlanner:
                  explore_every: int = 16, explore_max: int = 512):
         self.surface, self.prior, self.by_width, self.learn = surface, prior, by_width, learn
         self.explore_every, self.explore_max = explore_every, explore_max
-        self.wait = explore_every  # plain steps in a row before the next exploring step (module docstring)
+        self.wait = explore_every  # plain steps in a row before a block is explored (module docstring)
+        self.block_wait = explore_every  # speculative steps in a row before a plain step is explored
         self.plain_run = 0  # plain steps in a row, the planner's choice
-        self._explored = False  # the last allotment was an exploration: the next one judges it
+        self.block_run = 0  # speculative steps in a row
+        self._explored: str | None = None  # the last allotment explored ("block" or "plain"): the next one judges it
         self.lagged: dict[int, torch.Tensor] = {}  # request id -> its previous step's survival [G], on the host
         self.recent: torch.Tensor | None = None  # the last plan's mean survival [G]: a new request's estimate
         self._copied: tuple | None = None  # the last plan's (request ids, survivals on their way to the host, event)
@@ -222,13 +228,14 @@ class VerifyPlanner:
 
     def choose(self, request_ids: list[int], g: int) -> int:
         """From the previous step's survivals only: every row's drafts (by width) or the batch's draft tokens
-        (packed); 0 decodes one token a row, unless `wait` plain steps ran in a row (then all: exploring).
-        Changes nothing: `allot` is this choice, counted. Reads host tensors only: the strategy asks it
-        (`SpecDecode.continues`) with a plain step in flight, which a device read would wait for."""
+        (packed); 0 decodes one token a row. Exploring: after `wait` plain steps in a row, all drafts; after
+        `block_wait` speculative steps in a row, a plain step. Changes nothing: `allot` is this choice,
+        counted. Reads host tensors only: the strategy asks it (`SpecDecode.continues`) with a plain step in
+        flight, which a device read would wait for."""
         return self._choice(request_ids, g)[0]
 
-    def _choice(self, request_ids: list[int], g: int) -> tuple[int, bool]:
-        """`choose`'s answer and whether it explores."""
+    def _choice(self, request_ids: list[int], g: int) -> tuple[int, str | None]:
+        """`choose`'s answer and what it explores, if anything."""
         self._settle()
         key = (tuple(request_ids), g)
         if self._rows is None or self._rows[0] != key:  # a run of plain steps asks of the same rows each step
@@ -237,18 +244,22 @@ class VerifyPlanner:
         lagged = self._rows[1]
         allotted = width(lagged, self.surface) if self.by_width else budget(lagged, self.surface)
         if allotted == 0 and self.plain_run >= self.wait:
-            return (g if self.by_width else g * len(request_ids)), True
-        return allotted, False
+            return (g if self.by_width else g * len(request_ids)), "block"
+        if allotted and self.block_run >= self.block_wait:
+            return 0, "plain"
+        return allotted, None
 
-    def allot(self, request_ids: list[int], g: int, chosen: int | None = None) -> int:
-        """`choose` (or its answer `chosen` for these rows, made since nothing changed: `continues` asks only
-        whether a step is plain, which an exploration never is), counting the run of plain steps it makes;
-        the first choice after an exploration sets the wait before the next one."""
-        allotted, exploring = self._choice(request_ids, g) if chosen is None else (chosen, False)
-        if self._explored:
+    def allot(self, request_ids: list[int], g: int) -> int:
+        """`choose`, counted: the runs of plain and speculative steps it makes; the first choice after an
+        exploration doubles the wait before the next of its kind when the explored step did not turn the
+        planner (up to `explore_max`), else sets it back to `explore_every`."""
+        allotted, exploring = self._choice(request_ids, g)
+        if self._explored == "block":
             self.wait = min(2 * self.wait, self.explore_max) if allotted == 0 else self.explore_every
+        elif self._explored == "plain":
+            self.block_wait = min(2 * self.block_wait, self.explore_max) if allotted else self.explore_every
         self._explored = exploring
-        self.plain_run = self.plain_run + 1 if allotted == 0 else 0
+        self.plain_run, self.block_run = (self.plain_run + 1, 0) if allotted == 0 else (0, self.block_run + 1)
         return allotted
 
     def plan(self, request_ids: list[int], conf: torch.Tensor, allotted: int) -> list[int]:

@@ -139,7 +139,6 @@ class SpecDecode(DecodeStrategy):
         self.memory: CacheManager | None = None
         self.stats = SpecStats()
         self.unread = 0  # plain steps launched and not yet read (the pipeline's overlap)
-        self._chosen: int | None = None  # the planner's choice `continues` made for the launch right after it
         self._last_read = 0.0  # perf_counter when the last step's read ended
         self.planner = None
         if spec.planner == "cost_aware":  # steps price a measured surface, on one process (planner docstring)
@@ -156,9 +155,7 @@ class SpecDecode(DecodeStrategy):
             return True
         if self.planner is None:
             return False
-        plain = self.planner.choose([r.req.request_id for r in batch], self.gamma) == 0
-        self._chosen = 0 if plain else None  # a yes is followed by this batch's launch at once; a no may not be
-        return plain
+        return self.planner.choose([r.req.request_id for r in batch], self.gamma) == 0
 
     def prefill(self, forward, batch, spans):
         """The prefill forward with the drafter's taps read, handed to `Drafter.prefilled` (its contexts from
@@ -180,8 +177,7 @@ class SpecDecode(DecodeStrategy):
         if self.max_batch is not None and n > self.max_batch:
             return self._plain(batch, anchors, started, captured)
         rids = [r.req.request_id for r in batch]
-        chosen, self._chosen = self._chosen, None  # `continues` chose for this very batch: not twice a step
-        allotted = g if self.planner is None else self.planner.allot(rids, g, chosen)  # from the previous step only
+        allotted = g if self.planner is None else self.planner.allot(rids, g)  # from the previous step only
         if allotted == 0:  # no drafts pay for themselves at this batch: one token a row
             return self._plain(batch, anchors, started, captured)
         if self.unread:  # a verify step needs every row's tokens and positions on the host

@@ -125,6 +125,24 @@ def test_a_new_request_starts_from_the_last_plans_mean_survival_not_the_prior():
     assert planner.allot([9, 10], 3) == 0
 
 
+def test_a_plain_step_priced_too_high_at_start_up_is_explored_and_repriced():
+    """The start-up probe priced the plain step at 10 (a slow machine's first seconds), so blocks look better;
+    after `explore_every` blocks in a row one step decodes plainly (then, the plain cell still priced by its
+    probe, after twice as many), its real cost (1.0) reprices the cell from its second step on, and the
+    planner decodes plainly from there, exploring blocks as before."""
+    surface = CostSurface({4: [(4, 10.0), (8, 3.0), (12, 3.2), (16, 3.4)]})
+    planner = VerifyPlanner(surface, prior=0.5, by_width=True, learn=True, explore_every=3)
+    ids, picks = list(range(4)), []
+    for _ in range(20):
+        a = planner.allot(ids, 3)
+        picks.append(a)
+        if a:
+            planner.plan(ids, torch.full((4, 3), 0.5), a)
+        planner.observe(4, a + 1, 1.0 if a == 0 else 3.0)
+    assert picks[:11] == [3, 3, 3, 0, 3, 3, 3, 3, 3, 3, 0]  # plain explored after 3 blocks, then after 6
+    assert picks[11:13] == [0, 0] and picks[13] == 3 and picks[11:].count(0) >= 7
+
+
 def test_an_exploration_that_turns_the_planner_to_speculation_resets_the_wait():
     """Where a block pays only for sure drafts, the prior decodes plainly; an exploration whose confidences
     are sure makes the next step speculate, and the wait before the next exploration returns to

@@ -59,7 +59,7 @@ from rollout.model_runner import ModelRunner
 from rollout.sampler import sample_on_device
 from rollout.spec.config import SpecConfig
 from rollout.spec.fold_graphs import FoldGraphs
-from rollout.spec.graphs import VerifyGraphs
+from rollout.spec.graphs import BATCH_BUCKETS, VerifyGraphs
 from rollout.spec.planner import CostSurface, VerifyPlanner
 from rollout.spec.replay import fold, verify_forward, with_checkpoints
 from rollout.spec.snapshot import SnapshotWindow
@@ -365,14 +365,18 @@ class SpecDecode(DecodeStrategy):
 
     def _measure_surface(self) -> CostSurface:
         """A speculative step's time by batch and tokens per row, on this device; under TP every rank plans on
-        the leader's measurement (its probes ran on all ranks), so all accept alike. The probes capture the
-        graphs a step of each batch uses but for the history's (the drafter's, greedy and sampled, and the
-        fold's), so a run that speculates rarely (the planner's exploring steps) does not capture them
-        mid-run (2026-12-04, batch 256 on an H200: 5 of 60 steps captured, 0.71x the steady rate)."""
+        the leader's measurement (its probes ran on all ranks), so all accept alike. The probes, and one untimed
+        step of each graph bucket between the measured batches, capture the graphs a step of every bucket uses
+        but for the history's (the drafter's, greedy and sampled, and the fold's), so a run that speculates
+        rarely (the planner's exploring steps) does not capture them mid-run (2026-12-04, batch 256 on an
+        H200: 5 of 60 steps captured, 0.71x the steady rate)."""
         max_running = self.runner.config.max_running
         sizes = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < max_running] + [max_running]
         surface = CostSurface.measure(self._probe, sizes, self.gamma)
-        for rows in sizes:  # the sampled proposals' graphs (the probes time the greedy ones)
+        between = [b for b in BATCH_BUCKETS if b < max_running and b not in sizes]  # the graphs' other buckets
+        for rows in between:  # untimed: their graphs only
+            self._probe(rows, self.gamma + 1)
+        for rows in sizes + between:  # the sampled proposals' graphs (the probes time the greedy ones)
             self.drafter.probe(rows, self.gamma, sampled=True)
         tp = self.runner.model.model.tp
         return tp.broadcast_object(surface) if tp.size > 1 else surface

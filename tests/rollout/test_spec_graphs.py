@@ -125,14 +125,14 @@ def test_the_planner_verifies_through_graphs_by_width_and_stays_lossless():
 def test_the_start_up_probes_capture_every_batchs_drafter_and_fold_graphs_before_any_request():
     """The cost-aware planner's start-up probes run whole speculative steps of each batch they measure (the
     drafter's proposal, the verify forward, a fold that commits nothing), each from its bucket's own graph,
-    and the sampled proposals too: every bucket's drafter graphs (greedy and sampled) and fold graph exist
-    before the first request, so a run that speculates captures none of them. The probes touch no
+    one untimed step of every other bucket, and the sampled proposals too: every bucket's drafter graphs
+    (greedy and sampled) and fold graph exist before the first request, so a run that speculates captures none of them. The probes touch no
     request's state: greedy output equals plain greedy."""
     from rollout.spec.planner import CostSurface
     from tests.rollout.test_spec_drafter import drafter
 
     d = drafter(3)
-    eng = engine(speculation=SpecConfig(drafter=d, gamma=GAMMA), max_running=4)
+    eng = engine(speculation=SpecConfig(drafter=d, gamma=GAMMA), max_running=14)
     spec = SpecConfig(drafter=d, gamma=GAMMA, planner="cost_aware")
     # a speculating surface for the run; the probes' own measurement below is the CPU's
     cheap = CostSurface({b: [(b * per, 1.0 + 0.01 * (per - 1)) for per in range(1, GAMMA + 2)] for b in (1, 2, 4)})
@@ -140,9 +140,10 @@ def test_the_start_up_probes_capture_every_batchs_drafter_and_fold_graphs_before
     strategy.use_memory(eng.memory)
     d.attach(eng.runner, graphs=True)  # padded proposals, run eagerly on CPU
     measured = strategy._measure_surface()
-    assert sorted(measured.table) == [1, 2, 4]
-    assert sorted(d.graphs.graphs) == [(b, 0, GAMMA, s) for b in (1, 2, 4) for s in (False, True)]
-    assert sorted(strategy._fold_graphs.graphs) == [1, 2, 4]
+    assert sorted(measured.table) == [1, 2, 4, 8, 14]  # timed; bucket 12's graphs captured untimed
+    buckets = [1, 2, 4, 8, 12, 14]
+    assert sorted(d.graphs.graphs) == [(b, 0, GAMMA, s) for b in buckets for s in (False, True)]
+    assert sorted(strategy._fold_graphs.graphs) == buckets
     drafts, folds, replays = d.graphs.captures, strategy._fold_graphs.captures, strategy._fold_graphs.replays
     ps = [prompt(n, 120 + n) for n in (5, 9, 13)]
     params = SamplingParams(temperature=0, max_new_tokens=10)

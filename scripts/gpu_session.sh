@@ -139,6 +139,11 @@ run_job() {
         --json "$STATE/layouts2.json" ;;
     layouts4) job layouts4 python scripts/bench_layouts.py --recipe k3_small_gpu --layouts single,tp2_pp2,pp2_ep2 \
         --steps 2 --work-dir /tmp/layouts4 --timeout 900 --json "$STATE/layouts4.json" ;;
+    # the sharded engine's layouts against one GPU (greedy agreement, decode tok/s at 1 / 64 / 256, KV per GPU)
+    engine2) job engine2 python scripts/bench_engine_layouts.py --device cuda --layouts single,tp2,tp2_dcp2,ep2 \
+        --batch-sizes 1,64,256 --json "$STATE/engine_layouts2.json" ;;
+    engine4) job engine4 python scripts/bench_engine_layouts.py --device cuda --layouts single,tp4,tp4_dcp2,tp4_dcp4,ep4 \
+        --batch-sizes 1,64,256 --json "$STATE/engine_layouts4.json" ;;
     specdrafttest) job specdrafttest python -m pytest tests/gpu/test_spec_gpu.py -q -m gpu -rA --tb=short \
         -p no:cacheprovider -k drafter ;;
     specdraft) job specdraft python scripts/bench_spec.py --target preset:k3-small --peaked --drafter controlled:0.8 \

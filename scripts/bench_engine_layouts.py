@@ -39,7 +39,8 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_spec import peak, random_prompts  # noqa: E402  (scripts/, next to this file)
+from bench_layouts import names_from  # noqa: E402  (scripts/, next to this file)
+from bench_spec import peak, random_prompts  # noqa: E402
 from megatron_patches.parallel import end_world, free_port  # noqa: E402
 from miles_k3.model.config import PRESETS, K3Config  # noqa: E402
 from miles_k3.model.modeling import reference_state  # noqa: E402
@@ -59,7 +60,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
     ap.add_argument("--preset", choices=sorted(PRESETS), help="default: k3-small on cuda, k3-tiny on cpu")
     ap.add_argument("--dtype", choices=sorted(DTYPES), help="default: bf16 on cuda, fp32 on cpu")
-    ap.add_argument("--layouts", default="single,tp2", help=f"comma-separated, from {', '.join(LAYOUTS)}")
+    ap.add_argument("--layouts", type=names_from(LAYOUTS), default="single,tp2",
+                    help=f"comma-separated, from {', '.join(LAYOUTS)}")
     ap.add_argument("--batch-sizes", default="1,64,256", help="decode batch sizes, e.g. 1,64,256")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--gen-len", type=int, default=64, help="new tokens per request (>= 2)")
@@ -67,10 +69,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--timeout", type=int, default=900, help="seconds a layout may take")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
-    args.layouts = args.layouts.split(",")
-    unknown = [n for n in args.layouts if n not in LAYOUTS]
-    if unknown:
-        ap.error(f"--layouts: unknown {', '.join(unknown)}; known: {', '.join(LAYOUTS)}")
     try:
         args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     except ValueError:

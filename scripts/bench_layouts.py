@@ -22,6 +22,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 # name -> (the layout's overrides, processes): the recipes/parallel presets, and PP=2 x EP=2 on four ranks
@@ -40,10 +41,22 @@ RUN = ["trainer.eval_before=false", "trainer.eval_every=0", "trainer.save_every=
        "logging.wandb=disabled", "logging.progress=false"]
 
 
+def names_from(known) -> Callable[[str], list[str]]:
+    """An argparse type: comma-separated names, each one of `known` (else an error naming the unknown ones)."""
+    def parse(value: str) -> list[str]:
+        names = value.split(",")
+        unknown = [n for n in names if n not in known]
+        if unknown:
+            raise argparse.ArgumentTypeError(f"unknown {', '.join(unknown)}; known: {', '.join(known)}")
+        return names
+    return parse
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--recipe", default="k3_grpo", help="a recipes/recipe name (k3_small_gpu on a GPU)")
-    ap.add_argument("--layouts", default="single,tp2", help=f"comma-separated, from {', '.join(LAYOUTS)}")
+    ap.add_argument("--layouts", type=names_from(LAYOUTS), default="single,tp2",
+                    help=f"comma-separated, from {', '.join(LAYOUTS)}")
     ap.add_argument("--steps", type=int, default=2, help="GRPO steps a run (the last one is timed)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="a Hydra override for every run (repeatable)")
@@ -51,10 +64,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--timeout", type=int, default=1800, help="seconds a run may take")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
-    args.layouts = args.layouts.split(",")
-    unknown = [n for n in args.layouts if n not in LAYOUTS]
-    if unknown:
-        ap.error(f"--layouts: unknown {', '.join(unknown)}; known: {', '.join(LAYOUTS)}")
     if args.steps < 1:
         ap.error("--steps must be at least 1")
     return args

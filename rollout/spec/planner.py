@@ -40,8 +40,9 @@ code's batch-256 plain probe read 4.2, 5.4 and 8.2 ms on three H200s, 2026-12-04
 speculating where it loses, so after `explore_every` blocks in a row one step decodes plainly, with the
 same backoff.
 
-The probes see only the verify forward; a whole step also drafts, verifies and folds, and the host does
-its share. So the steps the engine runs price the surface too (`observe`, single-process engines): from a
+The probes time whole steps on rows that hold no request (the proposal, the verify forward, a fold that
+commits nothing: `SpecDecode._probe`), but not a real batch's host work, histories or drafts kept. So the
+steps the engine runs price the surface too (`observe`, single-process engines): from a
 cell's second real step on, the lower median of its probe and its latest steps is its price (a cell's first
 step, and a step that captured a graph, may compile or capture: not counted; one slow step moves no price
 until another confirms it); a step's time runs from its launch, or from the previous read when it was
@@ -50,8 +51,8 @@ falls (`CostSurface.seconds`): where a cell reads dearer than a wider one, the t
 the readings behind each (the monotone least-squares fit), so a cell priced by a few noisy steps can make
 neither a wider verify look cheaper than a narrower one nor every wider one dear (2026-12-04, batch 1 on
 the H200: a 2-token cell read 6.1 ms against 4.4-5.6 ms for 3-5 tokens and, as a running maximum, priced
-every block out). A sharded engine's ranks time differently and
-must plan alike, so they plan on the leader's start-up surface only.
+every block out). A sharded engine's ranks time differently and must plan alike, so they plan on the
+leader's start-up surface only.
 
 The budget is the batch's, so with this planner a seeded request's tokens (not their distribution) can
 depend on what it is batched with, and, with steps observed, on the machine's timings; `verify_all` keeps
@@ -207,8 +208,9 @@ class VerifyPlanner:
     drafts to verify per row, keeping the step's survivals per request for the next step's (a request with
     none yet counts the last plan's mean survival per position, or `prior` per draft before any plan: with
     the fixed prior a new request on a surface where only good drafts pay decoded plainly until an
-    exploration, 16 plain steps a request at batch 1 on the H200, 2026-12-04). `by_width`: plan widths (graphed verify), else packed budgets.
-    `observe`: a step's wall time prices the surface (module docstring), when `learn`."""
+    exploration, 16 plain steps a request at batch 1 on the H200, 2026-12-04). `by_width`: plan widths
+    (graphed verify), else packed budgets. `observe`: a step's wall time prices the surface (module
+    docstring), when `learn`."""
 
     def __init__(self, surface: CostSurface, prior: float = 0.5, by_width: bool = False, learn: bool = False,
                  explore_every: int = 16, explore_max: int = 512):

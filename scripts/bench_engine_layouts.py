@@ -110,7 +110,8 @@ def timed(engine: Engine, prompts: list[list[int]], gen_len: int) -> tuple[list[
     while len(done) < len(ids):
         for c in engine.step():
             done[c.request_id] = c
-        if t_decode is None and not engine.scheduler.waiting and all(r.req.output_ids for r in engine.scheduler.running):
+        sched = engine.scheduler
+        if t_decode is None and not sched.waiting and all(r.req.output_ids for r in sched.running):
             if cuda:
                 torch.cuda.synchronize()
             t_decode = time.perf_counter()

@@ -396,7 +396,8 @@ class SpecDecode(DecodeStrategy):
             graphs = self._graphs(per)
             key = graphs.exact_key(fake) if graphs is not None else None
             if key is not None:
-                _, inputs, _ = graphs.run(key, fake, torch.zeros(rows, per, dtype=torch.long, device=self.runner.device))
+                block = torch.zeros(rows, per, dtype=torch.long, device=self.runner.device)
+                _, inputs, _ = graphs.run(key, fake, block)
             else:
                 _, inputs, _ = verify_forward(self.runner, fake, [0] * (rows * per), [per] * rows)
             if self.graph_verify and self.rollback == "replay":  # no chunk boundary in the block: one replay

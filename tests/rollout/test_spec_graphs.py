@@ -121,12 +121,11 @@ def test_the_planner_verifies_through_graphs_by_width_and_stays_lossless():
     assert_pools_drain_to_full(eng)
 
 
-
 def test_the_start_up_probes_capture_every_batchs_drafter_and_fold_graphs_before_any_request():
-    """The cost-aware planner's start-up probes run whole speculative steps of each batch they measure (the
-    drafter's proposal, the verify forward, a fold that commits nothing), each from its bucket's own graph,
-    one untimed step of every other bucket, and the sampled proposals too: every bucket's drafter graphs
-    (greedy and sampled) and fold graph exist before the first request, so a run that speculates captures none of them. The probes touch no
+    """The cost-aware planner's start-up probes run whole speculative steps of each batch they measure (the drafter's
+    proposal, the verify forward, a fold that commits nothing), each from its bucket's own graph, one untimed step
+    of every other bucket, and the sampled proposals too: every bucket's drafter graphs (greedy and sampled) and
+    fold graph exist before the first request, so a run that speculates captures none of them. The probes touch no
     request's state: greedy output equals plain greedy."""
     from rollout.spec.planner import CostSurface
     from tests.rollout.test_spec_drafter import drafter

@@ -158,10 +158,11 @@ def test_an_exploration_that_turns_the_planner_to_speculation_resets_the_wait():
 
 
 def test_steps_price_the_surface_from_their_second_on_by_the_median_of_the_latest():
-    """The probes time steps of rows that hold no request; `observe` puts a real step's seconds where `seconds` reads
-    them (by width: the measured batch's cell for that width, whatever the rows). A cell's first step may
-    compile or grow memory and is never a price; later, the price is the lower median of the probe and the
-    latest five steps, so one slow step does not move it. A planner that does not learn (a given surface, a sharded engine) leaves its surface alone."""
+    """The probes time steps of rows that hold no request; `observe` puts a real step's seconds where `seconds`
+    reads them (by width: the measured batch's cell for that width, whatever the rows). A cell's first step
+    may compile or grow memory and is never a price; later, the price is the lower median of the probe and
+    the latest five steps, so one slow step does not move it. A planner that does not learn (a given surface,
+    a sharded engine) leaves its surface alone."""
     surface = CostSurface({4: [(4, 1.0), (8, 2.0)], 8: [(8, 1.0), (16, 2.0)]})
     planner = VerifyPlanner(surface, by_width=True, learn=True)
     planner.observe(3, 2, 600.0)  # 3 rows run on the batch-4 graph of width 2: its first step, a compile

@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_layouts import names_from  # noqa: E402  (scripts/, next to this file)
-from bench_spec import peak, random_prompts  # noqa: E402
+from bench_spec import drive, peak, random_prompts  # noqa: E402
 from megatron_patches.parallel import end_world, free_port  # noqa: E402
 from miles_k3.model.config import PRESETS, K3Config  # noqa: E402
 from miles_k3.model.modeling import reference_state  # noqa: E402
@@ -103,24 +103,9 @@ def weights(args) -> tuple[K3Config, dict]:
 def timed(engine: Engine, prompts: list[list[int]], gen_len: int) -> tuple[list[list[int]], float]:
     """Greedy outputs and decode tok/s (the tokens after each request's first over the seconds after every
     request has it)."""
-    params = SamplingParams(temperature=0, max_new_tokens=gen_len)
-    cuda = engine.runner.device.type == "cuda"
-    ids = [engine.submit(p, params) for p in prompts]
-    done, t_decode = {}, None
-    while len(done) < len(ids):
-        for c in engine.step():
-            done[c.request_id] = c
-        sched = engine.scheduler
-        if t_decode is None and not sched.waiting and all(r.req.output_ids for r in sched.running):
-            if cuda:
-                torch.cuda.synchronize()
-            t_decode = time.perf_counter()
-    if cuda:
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - (t_decode or time.perf_counter())
-    outs = [done[i].output_ids for i in ids]
-    tokens = sum(len(o) - 1 for o in outs)
-    return outs, round(tokens / max(seconds, 1e-9), 1)
+    done, _, seconds = drive(engine, prompts, [SamplingParams(temperature=0, max_new_tokens=gen_len)] * len(prompts))
+    outs = [c.output_ids for c in done]
+    return outs, round(sum(len(o) - 1 for o in outs) / max(seconds, 1e-9), 1)
 
 
 def measure(engine: Engine, args, vocab: int) -> dict:

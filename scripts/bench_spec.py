@@ -156,6 +156,13 @@ def run(engine: Engine, prompts, params) -> tuple[list, float, float, int]:
     request is admitted at once."""
     warm_up(engine, prompts, params)
     captured = engine.runner.graph_counts()[0]
+    outs, seconds, decode_seconds = drive(engine, prompts, params)
+    return outs, seconds, decode_seconds, engine.runner.graph_counts()[0] - captured
+
+
+def drive(engine: Engine, prompts, params) -> tuple[list, float, float]:
+    """Submit every prompt at once and step until all finish: (completions in prompt order, seconds, decode
+    seconds: from when every request has its first token, the device drained there, to the end)."""
     cuda = engine.runner.device.type == "cuda"
     sched = engine.scheduler
     ids = [engine.submit(p, sp) for p, sp in zip(prompts, params)]
@@ -172,7 +179,7 @@ def run(engine: Engine, prompts, params) -> tuple[list, float, float, int]:
     if cuda:
         torch.cuda.synchronize()
     end = time.perf_counter()
-    return [done[i] for i in ids], end - t0, end - (t_decode or end), engine.runner.graph_counts()[0] - captured
+    return [done[i] for i in ids], end - t0, end - (t_decode or end)
 
 
 def fit_batch(config: K3Config, ecfg: EngineConfig, dtype: torch.dtype, prompts, gen_len: int, gamma: int,

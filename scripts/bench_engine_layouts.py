@@ -40,10 +40,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_layouts import names_from  # noqa: E402  (scripts/, next to this file)
-from bench_spec import drive, peak, random_prompts  # noqa: E402
+from bench_spec import drive, random_prompts, target_state  # noqa: E402
 from megatron_patches.parallel import end_world, free_port  # noqa: E402
 from miles_k3.model.config import PRESETS, K3Config  # noqa: E402
-from miles_k3.model.modeling import reference_state  # noqa: E402
 from rollout.config import EngineConfig  # noqa: E402
 from rollout.engine import Engine  # noqa: E402
 from rollout.model_runner import build_engine_model  # noqa: E402
@@ -94,10 +93,7 @@ def engine_config(args, dcp: int) -> EngineConfig:
 
 def weights(args) -> tuple[K3Config, dict]:
     """The preset's seeded weights, peaked: the same on every rank."""
-    config = K3Config.from_preset(args.preset)
-    state = reference_state(config)
-    peak(state)
-    return config, state
+    return target_state(f"preset:{args.preset}", peaked=True)
 
 
 def timed(engine: Engine, prompts: list[list[int]], gen_len: int) -> tuple[list[list[int]], float]:

@@ -210,6 +210,14 @@ def peak(state: dict[str, torch.Tensor], seed: int = 0) -> None:
 def build_target(target: str, dtype: torch.dtype, device: str, peaked: bool = False):
     """(config, engine model) of a checkpoint directory or a `preset:NAME` (random init, seed 0; `peaked`:
     see `peak`)."""
+    config, state = target_state(target, peaked)
+    model, _ = build_engine_model(config, state, quantize="none", dtype=dtype, device=device)
+    return config, model
+
+
+def target_state(target: str, peaked: bool = False) -> tuple[K3Config, dict[str, torch.Tensor]]:
+    """`build_target`'s config and logical state dict, before an engine is built (a sharded engine builds its
+    ranks from it)."""
     if target.startswith("preset:"):
         config = K3Config.from_preset(target[len("preset:"):])
         torch.manual_seed(0)
@@ -221,8 +229,7 @@ def build_target(target: str, dtype: torch.dtype, device: str, peaked: bool = Fa
     else:
         config = K3Config.from_json_file(Path(target) / "config.json")
         state = load_state_dict(Path(target), config)
-    model, _ = build_engine_model(config, state, quantize="none", dtype=dtype, device=device)
-    return config, model
+    return config, state
 
 
 def acceptance_of(spec: str) -> float | tuple[float, float]:

@@ -323,17 +323,12 @@ class DSparkDrafter(nn.Module, Drafter):
         c = self.config
         self.contexts.reserve(self._runner.config.max_running, 2 * c.num_layers * c.hidden_size,
                               self.fc.weight.dtype, self.fc.weight.device)
-        device = self.fc.weight.device
-        anchors = torch.zeros(rows, dtype=torch.long, device=device)
-        sampling = None
-        if sampled:
-            sampling = (torch.ones(rows, device=device), torch.zeros(rows, dtype=torch.long, device=device),
-                        torch.zeros(rows, dtype=torch.long, device=device))
+        zeros = torch.zeros(rows, dtype=torch.long, device=self.fc.weight.device)  # rows, anchors, seeds, positions
         if self.graphs is not None and self.graphs.usable(rows):
-            self.graphs.run([0] * rows, anchors, gamma, None if sampling is None else ([1.0] * rows, *sampling[1:]),
-                            exact=True)
+            self.graphs.run([0] * rows, zeros, gamma, ([1.0] * rows, zeros, zeros) if sampled else None, exact=True)
         else:
-            self._from_tensors(torch.zeros(rows, dtype=torch.long, device=device), anchors, gamma, sampling)
+            self._from_tensors(zeros, zeros, gamma, (torch.ones(rows, device=zeros.device), zeros, zeros)
+                               if sampled else None)
 
     def _from_tensors(self, idx: torch.Tensor, anchors: torch.Tensor, gamma: int,
                       sampling: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> tuple:

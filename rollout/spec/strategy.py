@@ -112,7 +112,7 @@ class SpecLaunch(DecodeLaunch):
     checkpoints: list[tuple[int, int, int | None]] = field(default_factory=list)
     tapped: dict[str, torch.Tensor] = field(default_factory=dict)
     lengths: list[int] = field(default_factory=list)  # tokens each row fed the verify forward
-    starts: list[int] = field(default_factory=list)  # each row's pos at launch (its first fed token's position)
+    starts: list[int] = field(default_factory=list)  # a verify step's rows' pos at launch (their first fed position)
     plain: bool = False  # a plain step (one token a row: above `SpecConfig.max_batch`, or the planner's choice)
     started: float = 0.0  # perf_counter at launch: the planner prices the step's cell with launch-to-read
     captured: int = 0  # graphs captured before the step (a step that captured one is not a price)
@@ -307,8 +307,8 @@ class SpecDecode(DecodeStrategy):
         with record_function("spec.observe"):
             self.drafter.observe_plain(batch, tapped, starts)
         self.unread += 1
-        return SpecLaunch(batch, tokens[:, None], host, ready, snaps, lengths=[1] * n, starts=starts,
-                          plain=True, started=started, captured=captured)
+        return SpecLaunch(batch, tokens[:, None], host, ready, snaps, lengths=[1] * n, plain=True, started=started,
+                          captured=captured)
 
     def _captured(self) -> int:
         """Graphs captured so far: the steps' (verify, fold, the drafter's) and the decode graphs' (plain steps)."""

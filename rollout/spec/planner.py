@@ -225,7 +225,7 @@ class VerifyPlanner:
         self.recent: torch.Tensor | None = None  # the last plan's mean survival [G]: a new request's estimate
         self._copied: tuple | None = None  # the last plan's (request ids, survivals on their way to the host, event)
         # the last choice's ((request ids, g), their lagged survivals [N, g]): stacking them is most of a choice's
-        # host time (about 0.3 ms for 256 rows on the 2-core CPU), and nothing changes them between plans
+        # host time, and nothing changes them between plans
         self._rows: tuple | None = None
 
     def choose(self, request_ids: list[int], g: int) -> int:

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from miles_k3.kernels import use_kernels
 from miles_k3.model.layers import KDAMixer, MLAMixer
 from miles_k3.model.linear import SINGLE, ExpertsSpec, LinearSpec, TensorParallel
 from miles_k3.model.moe import GLUMLP, LatentMoE, RoutedExperts
@@ -40,6 +41,18 @@ class Shard(NamedTuple):
     dim: int
     start: int
     length: int
+
+
+def base_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x W^T for a base weight: a decode step's few rows through the few-rows kernel where `use_kernels` says so
+    (`miles_k3.kernels.few_rows_linear`: cuBLAS pads a batch-1 row to a tile of 8 or more and takes 4-8 us for a
+    weight read in 0.5-2), otherwise F.linear. Both accumulate in fp32 and round once."""
+    if use_kernels(x):
+        from miles_k3.kernels import few_rows_linear  # imported here: CPU installs never load triton
+
+        if few_rows_linear.supports(x, weight):
+            return few_rows_linear.linear(x, weight)
+    return F.linear(x, weight)
 
 
 class EngineLinear(nn.Module):
@@ -77,7 +90,7 @@ class EngineLinear(nn.Module):
         return self.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.shared.output(self, x) if self.shared is not None else F.linear(x, self.base_weight(x.dtype))
+        y = self.shared.output(self, x) if self.shared is not None else base_gemm(x, self.base_weight(x.dtype))
         if self.pool is not None:
             y = self.pool.add_delta(self.name, x, y, self.pool.lead_slots(x))
         if self.reduce:
@@ -134,7 +147,7 @@ class SharedInputGEMM:
         """member's base output x W_member^T: its columns of the shared GEMM's output for `x`."""
         key = id(member)
         if self._input is not x or key not in self._pending:
-            self._input, self._out = x, F.linear(x, self.base_weight(x.dtype))
+            self._input, self._out = x, base_gemm(x, self.base_weight(x.dtype))
             self._pending = set(self.columns)
         self._pending.discard(key)
         out = self._out[..., self.columns[key]]
@@ -163,8 +176,9 @@ def _same_input_linears(module: nn.Module) -> list[list[str]]:
 
 
 def share_input_gemms(model: nn.Module) -> int:
-    """Group the engine linears that read the same input into `SharedInputGEMM`s (once: linears already in a
-    group are left alone). Returns the number of groups made."""
+    """Group the engine linears that read the same input into `SharedInputGEMM`s, and stack each routed-expert
+    module's gate and up weights (`EngineExperts.share_gate_up`); once: linears already grouped are left alone.
+    Returns the number of groups made."""
     made = 0
     for module in model.modules():  # an MoE before its shared experts' GLU, so they join the MoE's group
         for paths in _same_input_linears(module):
@@ -175,6 +189,9 @@ def share_input_gemms(model: nn.Module) -> int:
             group = SharedInputGEMM(members)
             for m in members:
                 m.shared = group
+            made += 1
+        if isinstance(module, EngineExperts) and not module.gate_up:
+            module.share_gate_up()
             made += 1
     return made
 
@@ -236,6 +253,28 @@ class EngineExperts(RoutedExperts):
                               full=(full_in, full_out, e), a_shard=a_shard, b_shard=b_shard)
         if self.quantized:
             self.register_load_state_dict_pre_hook(self._quantize_stacked)
+        self.gate_up = False  # whether w1 / w3 are the row blocks of one stacked "w13" (`share_gate_up`)
+
+    def share_gate_up(self) -> None:
+        """Store w1 and w3 as the two row blocks of one stacked weight [E, 2I, in] (`w13`, or `w13_packed` /
+        `w13_scale` when MXFP4: rows are independent in both), each a view of its block, so a batch's gate and
+        up projections are one grouped GEMM: one launch and one pass over the expert's rows instead of two
+        (k3-small on the H200: 10 against 20 us a layer at batch 1, 28 against 36 at batch 256,
+        `scripts/bench_decode_kernels.py`). Memory does not grow and the state dict is unchanged; call once,
+        after the weights are loaded (`share_input_gemms`)."""
+        if self.gate_up:
+            return
+        for suffix in ("_packed", "_scale") if self.quantized else ("",):
+            w1, w3 = getattr(self, f"w1{suffix}"), getattr(self, f"w3{suffix}")
+            both = torch.cat([w1.detach(), w3.detach()], dim=1)
+            rows = w1.shape[1]
+            setattr(self, f"w13{suffix}", both)  # a plain attribute: not in the state dict
+            for name, view in ((f"w1{suffix}", both[:, :rows]), (f"w3{suffix}", both[:, rows:])):
+                if isinstance(w1, nn.Parameter):
+                    setattr(self, name, nn.Parameter(view, requires_grad=False))
+                else:
+                    self._buffers[name] = view
+        self.gate_up = True
 
     def forward(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
@@ -302,8 +341,8 @@ class EngineExperts(RoutedExperts):
                          ) -> torch.Tensor:
         """As `RoutedExperts._experts_grouped`; with `token_of` (each row's token) the LoRA terms follow each
         row's own adapter slot (mixed batches) instead of the batch's one slot."""
-        proj = self._grouped_proj(xs.shape[0], counts, torch.cumsum(counts, 0, dtype=torch.int32), token_of)
-        return proj("w2", self._act(proj("w1", xs), proj("w3", xs)))
+        proj = self._grouped_projs(xs.shape[0], counts, torch.cumsum(counts, 0, dtype=torch.int32), token_of)
+        return proj(("w2",), self._act(*proj(("w1", "w3"), xs)))[0]
 
     def _expert_of_row(self, counts: torch.Tensor, num_rows: int) -> torch.Tensor:
         # output_size keeps repeat_interleave from reading the counts on the host (no sync, capturable)
@@ -316,8 +355,12 @@ class EngineExperts(RoutedExperts):
             experts = torch.arange(n + 1, device=counts.device).clamp(max=n - 1)
         return torch.repeat_interleave(experts, counts, output_size=num_rows)
 
-    def _grouped_proj(self, num_rows: int, counts: torch.Tensor, offs: torch.Tensor,
-                      token_of: torch.Tensor | None = None):
+    def _grouped_projs(self, num_rows: int, counts: torch.Tensor, offs: torch.Tensor,
+                       token_of: torch.Tensor | None = None):
+        """The engine's `RoutedExperts._grouped_proj`: proj(names, x) -> [x @ W_name[e]^T + its LoRA term for
+        each name] over each expert's rows of x, for names that read the same x, so ("w1", "w3") runs as one
+        GEMM over `w13` after `share_gate_up` (not for mixed adapters, whose per-row kernel adds into a whole
+        base output in place)."""
         # "torch": decoding every expert costs one pass over the packed bytes, cheaper than a launch chain
         # per expert; "triton" decodes tiles next to the MMA and writes no bf16 copy.
         if self.quantized and self.mxfp4_matmul == "triton":
@@ -345,18 +388,21 @@ class EngineExperts(RoutedExperts):
             slot_of_row = self.pool.device_token_slots()[token_of]
             expert_of_row = self._expert_of_row(counts, num_rows)
 
-            def proj(name: str, x: torch.Tensor) -> torch.Tensor:
+            def one(name: str, x: torch.Tensor) -> torch.Tensor:  # (in place into a fresh base output)
                 return self.pool.add_rows_delta(f"{self.spec.name}.{name}", x, base(name, x), slot_of_row,
                                                 expert_of_row)
-            return proj
+            return lambda names, x: [one(name, x) for name in names]
 
-        if self.pool is None:
-            return base
-
-        def proj(name: str, x: torch.Tensor) -> torch.Tensor:
-            y = base(name, x)
-            delta = self.pool.grouped_delta(f"{self.spec.name}.{name}", x, offs)
+        def with_delta(name: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            delta = None if self.pool is None else self.pool.grouped_delta(f"{self.spec.name}.{name}", x, offs)
             return y if delta is None else y + delta
+
+        def proj(names: tuple[str, ...], x: torch.Tensor) -> list[torch.Tensor]:
+            if names == ("w1", "w3") and self.gate_up:  # one GEMM over the stacked pair, split by columns
+                ys = base("w13", x).chunk(2, dim=-1)
+            else:
+                ys = [base(name, x) for name in names]
+            return [with_delta(name, x, y) for name, y in zip(names, ys)]
 
         return proj
 

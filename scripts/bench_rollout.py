@@ -436,8 +436,9 @@ def profile_decode(model: K3ForCausalLM, ecfg: EngineConfig, batch: int, args, d
     events = prof.key_averages()
     device_key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
     text = (f"decode bs={batch}: {wall * 1e3:.2f} ms per step (profiled, 5 steps)\n\n"
-            + events.table(sort_by=device_key, row_limit=35) + "\n\n"
+            + events.table(sort_by=device_key, row_limit=70) + "\n\n"
             + events.table(sort_by="cpu_time_total", row_limit=35))
+    prof.export_chrome_trace(str(folder / f"trace_decode_bs{batch}.json"))
     sync(device)
     start = time.perf_counter()
     for _ in range(10):
@@ -452,6 +453,7 @@ def profile_decode(model: K3ForCausalLM, ecfg: EngineConfig, batch: int, args, d
     host.disable()
     out = io.StringIO()
     pstats.Stats(host, stream=out).sort_stats("tottime").print_stats(30)
+    pstats.Stats(host, stream=out).sort_stats("cumulative").print_stats("rollout|miles_k3", 45)
     text += f"\n\ndecode bs={batch}: {plain * 1e3:.2f} ms per step unprofiled; then 10 steps under cProfile:\n"
     (folder / f"profile_decode_bs{batch}.txt").write_text(text + out.getvalue())
 

@@ -189,6 +189,8 @@ run_job() {
         -p no:cacheprovider -k sampling ;;
     advtest) job advtest python -m pytest tests/gpu/test_decode_kernels.py -q -m gpu -rA --tb=short -p no:cacheprovider \
         -k "advancing or pooled or frozen" ;;  # the fold's and verify's recurrence against decode steps, bit for bit
+    # the decode kernels against what they replace, at k3-small's shapes, inside CUDA graphs (a minute)
+    decodekernels) job decodekernels python scripts/bench_decode_kernels.py --json "$STATE/bench_decode_kernels.json" ;;
     kernels) job kernels python -m pytest tests/gpu/test_decode_kernels.py -q -m gpu -rA --tb=short -p no:cacheprovider ;;
     *) echo "unknown job $1"; return 1 ;;
     esac

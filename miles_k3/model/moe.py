@@ -11,7 +11,7 @@ from miles_k3.model.config import K3Config
 from miles_k3.model.linear import ExpertsFactory, ExpertsSpec, LinearFactory, LinearSpec
 from miles_k3.model.norm import RMSNorm
 from miles_k3.ops.glu import glu
-from miles_k3.ops.router import route_tokens
+from miles_k3.ops.router import route_tokens, router_logits
 
 
 class GLUMLP(nn.Module):
@@ -156,8 +156,7 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.config
-        logits = F.linear(x.float(), self.weight.float())
-        return route_tokens(logits, self.e_score_correction_bias, c.num_experts_per_token,
+        return route_tokens(router_logits(x, self.weight), self.e_score_correction_bias, c.num_experts_per_token,
                             num_groups=c.num_expert_group, topk_group=c.topk_group,
                             renormalize=c.moe_renormalize, scaling_factor=c.routed_scaling_factor)
 

@@ -13,8 +13,22 @@ Without groups, where `miles_k3.kernels.use_kernels` says so, this runs as one T
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from miles_k3.kernels import use_kernels
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [N, D], weight [E, D] -> logits x W^T [N, E] in fp32 whatever the inputs' dtype (fp64 ones too, as
+    transformers' router does): routing is decided on fp32 scores. A decode step's few rows run the few-rows
+    kernel (`miles_k3.kernels.few_rows_linear`: bf16 x read as it is, no upcast copy, no fp32 GEMM launch)
+    where `use_kernels` says so; this is the definition."""
+    if use_kernels(x):
+        from miles_k3.kernels import few_rows_linear as kernels  # imported here: CPU installs never load triton
+
+        if kernels.supports(x, weight, torch.float32):
+            return kernels.linear(x, weight, torch.float32)
+    return F.linear(x.float(), weight.float())
 
 
 def route_tokens(

@@ -10,7 +10,7 @@ from miles_k3.ops.attnres import add_attn_res_mix_rms_norm, attn_res_mix
 from miles_k3.ops.glu import situ_glu
 from miles_k3.ops.kda import kda_gate_beta
 from miles_k3.ops.norm import gated_rms_norm, rms_norm
-from miles_k3.ops.router import route_tokens
+from miles_k3.ops.router import route_tokens, router_logits
 from miles_k3.ops.short_conv import causal_short_conv, causal_short_convs
 
 
@@ -32,6 +32,7 @@ def op_calls(device: str, dtype: torch.dtype, seed: int = 0) -> dict[str, Callab
     qkv, planes = rand(4, 1, 3 * 96 * 4 + 8).to(dtype), rand(4, 3, 96 * 4, 3).to(dtype)  # one GEMM's q | k | v
     group = ([qkv[..., i * 384:(i + 1) * 384] for i in range(3)], [conv_w] * 3, [planes[:, i] for i in range(3)])
     logits, bias = rand(64, 896), rand(896, scale=0.1)  # the router's GEMM output is fp32
+    router = rand(896, 7168, scale=0.01)  # an fp32 router weight (its logits O(1): the bounds' scale)
     return {
         "rms_norm": lambda: rms_norm(x, w, 1e-5),
         "gated_rms_norm": lambda: gated_rms_norm(x.view(3, 56, 128), gate.view(3, 56, 128), w[:128], 1e-5),
@@ -43,5 +44,6 @@ def op_calls(device: str, dtype: torch.dtype, seed: int = 0) -> dict[str, Callab
         "short_conv_no_state": lambda: causal_short_conv(row, conv_w)[0],
         "short_convs": lambda: torch.cat([y for y, _ in causal_short_convs(*group[:2], states=group[2])], -1),
         "kda_gate": lambda: kda_gate_beta(f, b, a_log, dt, num_heads=4, form="lower_bound")[0],
+        "router_logits": lambda: router_logits(x[:2], router),  # a decode step's few rows
         "route": lambda: route_tokens(logits, bias, 16),
     }

@@ -41,7 +41,8 @@ def test_shared_input_gemms_keep_outputs_weights_and_state_dict(quantize):
     groups = share_input_gemms(model)
     c = REF.config
     moe = sum(c.is_moe_layer(i) for i in range(c.num_hidden_layers))
-    assert groups == c.num_hidden_layers + moe + (c.num_hidden_layers - moe)  # a mixer and an MLP / MoE each
+    # a mixer and an MLP / MoE each, and each MoE's routed gate / up
+    assert groups == c.num_hidden_layers + moe + (c.num_hidden_layers - moe) + moe
     assert share_input_gemms(model) == 0  # once
     mixer = next(m for m in model.modules() if isinstance(m, KDAMixer))
     name = "weight_packed" if quantize == "all" else "weight"
@@ -51,6 +52,42 @@ def test_shared_input_gemms_keep_outputs_weights_and_state_dict(quantize):
     after = model.state_dict()
     assert after.keys() == before.keys() and all(torch.equal(after[n], t) for n, t in before.items())
     torch.testing.assert_close(logprobs(model), want, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("quantize", ["none", "experts"])
+def test_stacked_expert_gate_up_gives_the_separate_gemms_outputs(quantize):
+    """After `share_gate_up` a batch's routed gate and up projections are one grouped GEMM over the stacked
+    w13 (bf16 or MXFP4 bytes), split by columns, each with its own LoRA term: the separate GEMMs' outputs,
+    with and without the batch's adapter; w1 / w3 become views of w13 and the state dict is unchanged."""
+    from rollout.linears import EngineExperts
+
+    model, pool = build_engine_model(REF.config, {k: v.bfloat16() for k, v in REF.state_dict().items()},
+                                     quantize=quantize, lora=LoraSpec(rank=8), dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(2)
+    adapter = {}
+    for name in pool.A:  # a random adapter on every target
+        adapter[f"{name}.lora_A"] = (torch.randn(pool.A[name].shape[1:], generator=g) * 0.2).bfloat16()
+        adapter[f"{name}.lora_B"] = (torch.randn(pool.B[name].shape[1:], generator=g) * 0.2).bfloat16()
+    pool.add_adapter("a", adapter)
+    experts = next(m for m in model.modules() if isinstance(m, EngineExperts))
+    e = experts.spec.num_experts
+    counts = torch.tensor([3, 0, 5, 1] + [0] * (e - 4))
+    xs = torch.randn(int(counts.sum()), experts.spec.width, generator=g).bfloat16()
+    before_state = {k: v.clone() for k, v in model.state_dict().items()}
+    wants = []
+    for slot in (1, 0):
+        pool.set_batch([slot] * 4, 1)
+        wants.append(experts._experts_grouped(xs, counts))
+    experts.share_gate_up()
+    name = "w1_packed" if quantize == "experts" else "w1"
+    assert experts.gate_up and getattr(experts, name).untyped_storage().data_ptr() == \
+        getattr(experts, name.replace("w1", "w13")).untyped_storage().data_ptr()
+    after = model.state_dict()
+    assert after.keys() == before_state.keys() and all(torch.equal(after[k], v) for k, v in before_state.items())
+    for slot, want in zip((1, 0), wants):
+        pool.set_batch([slot] * 4, 1)
+        torch.testing.assert_close(experts._experts_grouped(xs, counts), want, rtol=0, atol=0)
+    assert not torch.equal(wants[0], wants[1])  # the adapter's term is there to be kept
 
 
 def test_a_shared_gemm_member_called_out_of_pattern_gets_its_own_output():

@@ -7,7 +7,8 @@ Defaults depend on --device (k3-small / bf16 / large sizes on cuda, k3-tiny / fp
 cpu); every resolved value is printed and written to the JSON. Each workload gets a fresh engine (fresh
 pools, empty radix cache) sized by --memory-gb, so no workload sees another's cache.
 
-- decode: B random prompts of --prompt-len, greedy, --gen-len new tokens each. The engine packs prefill
+- decode: B random prompts of --prompt-len, greedy, --gen-len new tokens each, on the engine's own bf16 build
+  of the preset's random weights (`engine_built`: what a served checkpoint runs). The engine packs prefill
   chunks of several requests per step (up to --max-prefill-tokens), and prefills before it decodes, so
   the prefill steps run first (timed apart, reported as batch prefill tok/s); then the first decode step
   runs untimed (it pays one-off costs: kernel autotuning, allocator growth, CUDA graph capture) and the
@@ -150,7 +151,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--profile", type=Path, help="also write torch.profiler tables of decode steps (bs=1 and the "
-                                                 "largest batch) into this folder")
+                                                 "largest batch; with --rl-path, the RL engine's at the largest) into "
+                                                 "this folder")
     args = ap.parse_args(argv)
     if args.sampled and args.peer != "none":
         ap.error("--sampled compares against no peer: drop --peer")
@@ -285,15 +287,22 @@ def step_floor(model: K3ForCausalLM, batch: int, context: float, kv_dtype: torch
 
 
 # -------------------------------------------------------------- workloads
-def bench_decode(model: K3ForCausalLM, ecfg: EngineConfig, batch: int, args, device,
-                 adapters: AdapterPool | None = None) -> dict:
-    """With `adapters`, every request decodes with its adapter "policy" (one slot for the batch)."""
+def submitted(model: K3ForCausalLM, ecfg: EngineConfig, batch: int, args, adapters: AdapterPool | None) -> Engine:
+    """A fresh engine holding the decode workload's `batch` requests (greedy, or sampled with a seed each under
+    --sampled; with `adapters`, each request on its adapter "policy")."""
     engine = Engine(model, ecfg, adapters)
     prompts = random_prompts(batch, args.prompt_len, model.config.vocab_size, args.seed + batch)
     for i, p in enumerate(prompts):
         params = SamplingParams(temperature=1.0, seed=args.seed + i, max_new_tokens=args.gen_len) if args.sampled \
             else SamplingParams(temperature=0, max_new_tokens=args.gen_len)
         engine.submit(p, params, adapter="policy" if adapters is not None else None)
+    return engine
+
+
+def bench_decode(model: K3ForCausalLM, ecfg: EngineConfig, batch: int, args, device,
+                 adapters: AdapterPool | None = None) -> dict:
+    """With `adapters`, every request decodes with its adapter "policy" (one slot for the batch)."""
+    engine = submitted(model, ecfg, batch, args, adapters)
     done: dict[int, Completion] = {}
     sync(device)
     start = time.perf_counter()
@@ -323,6 +332,15 @@ def bench_decode(model: K3ForCausalLM, ecfg: EngineConfig, batch: int, args, dev
             "decode_tokens": tokens, "decode_s": decode_s, "decode_tok_s": tokens / decode_s,
             "step_ms": decode_s / tokens * batch * 1e3,  # per token of every request: the step a batch needs
             **(counts := engine.counters()), "retractions": counts["retractions"] - retractions}
+
+
+def engine_built(reference: K3ForCausalLM, dtype: torch.dtype, device) -> K3ForCausalLM:
+    """`reference`'s weights as the engine builds a bf16 model from a checkpoint (`build_engine_model`, no
+    MXFP4, no adapter): its own linears, so its steps run what a served model's do (shared-input GEMMs, the
+    few-rows kernel, stacked expert gate / up; the router in fp32). Until 2026-12-04 the plain rows ran the
+    reference module itself, which has none of these."""
+    return build_engine_model(reference.config, reference.state_dict(), quantize="none", dtype=dtype,
+                              device=device)[0]
 
 
 def rl_engine_model(model: K3ForCausalLM, dtype: torch.dtype, device) -> tuple[K3ForCausalLM, AdapterPool]:
@@ -407,7 +425,8 @@ def hf_decode(hf, batch: int, args, device, vocab: int) -> dict:
             "step_ms": decode_s / (args.gen_len - 1) * 1e3}
 
 
-def profile_decode(model: K3ForCausalLM, ecfg: EngineConfig, batch: int, args, device, folder: Path) -> None:
+def profile_decode(model: K3ForCausalLM, ecfg: EngineConfig, batch: int, args, device, folder: Path,
+                   adapters: AdapterPool | None = None, tag: str = "") -> None:
     """Profile a few decode steps (after prefill and warm-up steps) and write the top ops by device and by
     host time: where a step's time goes, for deciding what to speed up. Then a few more steps unprofiled
     (the step as the bench times it) and under cProfile: the host's Python by function, where waiting for
@@ -418,9 +437,7 @@ def profile_decode(model: K3ForCausalLM, ecfg: EngineConfig, batch: int, args, d
 
     from torch.profiler import ProfilerActivity, profile
 
-    engine = Engine(model, ecfg)
-    for p in random_prompts(batch, args.prompt_len, model.config.vocab_size, args.seed + batch):
-        engine.submit(p, SamplingParams(temperature=0, max_new_tokens=args.gen_len))
+    engine = submitted(model, ecfg, batch, args, adapters)
     run_until_prefilled(engine, {})
     for _ in range(3):
         engine.step()
@@ -435,10 +452,10 @@ def profile_decode(model: K3ForCausalLM, ecfg: EngineConfig, batch: int, args, d
     folder.mkdir(parents=True, exist_ok=True)
     events = prof.key_averages()
     device_key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    text = (f"decode bs={batch}: {wall * 1e3:.2f} ms per step (profiled, 5 steps)\n\n"
+    text = (f"decode{tag} bs={batch}: {wall * 1e3:.2f} ms per step (profiled, 5 steps)\n\n"
             + events.table(sort_by=device_key, row_limit=70) + "\n\n"
             + events.table(sort_by="cpu_time_total", row_limit=35))
-    prof.export_chrome_trace(str(folder / f"trace_decode_bs{batch}.json"))
+    prof.export_chrome_trace(str(folder / f"trace_decode{tag}_bs{batch}.json"))
     sync(device)
     start = time.perf_counter()
     for _ in range(10):
@@ -454,8 +471,8 @@ def profile_decode(model: K3ForCausalLM, ecfg: EngineConfig, batch: int, args, d
     out = io.StringIO()
     pstats.Stats(host, stream=out).sort_stats("tottime").print_stats(30)
     pstats.Stats(host, stream=out).sort_stats("cumulative").print_stats("rollout|miles_k3", 45)
-    text += f"\n\ndecode bs={batch}: {plain * 1e3:.2f} ms per step unprofiled; then 10 steps under cProfile:\n"
-    (folder / f"profile_decode_bs{batch}.txt").write_text(text + out.getvalue())
+    text += f"\n\ndecode{tag} bs={batch}: {plain * 1e3:.2f} ms per step unprofiled; then 10 steps under cProfile:\n"
+    (folder / f"profile_decode{tag}_bs{batch}.txt").write_text(text + out.getvalue())
 
 
 def failed_row(e: Exception, **key) -> dict:
@@ -491,7 +508,8 @@ def main(argv: list[str] | None = None) -> dict:
     batch_sizes = args.batch_sizes if 1 in args.batch_sizes else [1, *args.batch_sizes]  # bs=1 feeds the floor
 
     bandwidth = measure_bandwidth(device)
-    model = build_ours(config, dtype, device)
+    reference = build_ours(config, dtype, device)
+    model = engine_built(reference, dtype, device)
     total_bytes, read_bytes = weight_bytes(model)
     warm = Engine(model, ecfg).generate(random_prompts(2, 8, config.vocab_size, args.seed),
                                         SamplingParams(temperature=0, max_new_tokens=4))  # first-call costs
@@ -513,7 +531,7 @@ def main(argv: list[str] | None = None) -> dict:
                             **guarded(lambda: bench_decode(model, plain, b, args, device), device, batch=b)}, model)
                    for b in batch_sizes]
     if args.rl_path:
-        rl_model, pool = rl_engine_model(model, dtype, device)
+        rl_model, pool = rl_engine_model(reference, dtype, device)
         kinds = ["torch", "triton"] if device.type == "cuda" else ["torch"]  # the Triton kernel needs CUDA
         for kind in kinds:
             rl_cfg = dataclasses.replace(ecfg, mxfp4_matmul=kind)
@@ -521,6 +539,9 @@ def main(argv: list[str] | None = None) -> dict:
                                 **guarded(lambda: bench_decode(rl_model, rl_cfg, b, args, device, pool), device,
                                           batch=b)}, rl_model)
                        for b in batch_sizes]
+        if args.profile:  # the step the GRPO loop's rollout runs: the last kind's (the one the engine picks on CUDA)
+            guarded(lambda: profile_decode(rl_model, rl_cfg, max(batch_sizes), args, device, args.profile, pool,
+                                           "_rl"), device)
         del rl_model, pool
         free_memory(device)
     prefill = guarded(lambda: bench_prefill(model, ecfg, args, device), device, prompt_len=args.prefill_len)
@@ -528,21 +549,22 @@ def main(argv: list[str] | None = None) -> dict:
     if args.profile:
         for b in sorted({1, max(batch_sizes)}):
             guarded(lambda: profile_decode(model, ecfg, b, args, device, args.profile), device)
-    model = None  # frees it before the peer models are built (lambdas above read it, so no del)
+    model = reference = None  # frees them before the peer models are built (lambdas above read model, so no del)
     free_memory(device)
 
     if args.peer == "hf":
-        kimi = build_ours(kimi_linear_form(config), dtype, device)
+        kimi_reference = build_ours(kimi_linear_form(config), dtype, device)
+        kimi = engine_built(kimi_reference, dtype, device)
         for b in batch_sizes:
             decode.append(floored({"model": "miles-k3 (kimi-linear form)",
                                    **guarded(lambda: bench_decode(kimi, ecfg, b, args, device), device, batch=b)},
                                   kimi))
         hf, hf_failure = None, {}
         try:
-            hf = hf_peer(kimi, dtype, device)
+            hf = hf_peer(kimi_reference, dtype, device)
         except Exception as e:
             hf_failure = failed_row(e)
-        del kimi
+        del kimi, kimi_reference
         free_memory(device)
         for b in batch_sizes:
             row = hf_failure or guarded(lambda: hf_decode(hf, b, args, device, config.vocab_size), device)

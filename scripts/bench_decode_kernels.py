@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from miles_k3 import kernels as seam  # noqa: E402
 from miles_k3.model.config import K3Config  # noqa: E402
+from rollout.forward import capture_graph  # noqa: E402
 
 LINEAR_SHAPES = [(4232, 1024), (2048, 1024), (1024, 1024), (1024, 768), (1024, 512), (128, 1024), (1024, 4096),
                  (163840, 1024)]  # (out, in): KDA's shared GEMM ... the lm_head (k3-small, after share_input_gemms)
@@ -35,16 +36,7 @@ LINEAR_SHAPES = [(4232, 1024), (2048, 1024), (1024, 1024), (1024, 768), (1024, 5
 
 def graph_us(fn, reps: int, rounds: int) -> float:
     """Microseconds per call of `fn` replayed from a CUDA graph of `reps` calls (best of `rounds`)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
+    graph, _ = capture_graph(lambda: [fn() for _ in range(reps)])
     graph.replay()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

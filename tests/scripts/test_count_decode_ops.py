@@ -35,6 +35,6 @@ def test_by_line_attributes_every_counted_op_to_a_repository_line():
     # the same step's count (the dispatch mode's ranges add no op), every op placed on a line of this repository
     assert res["compute_ops"] == plain["compute_ops"] == sum(sum(ops.values()) for ops in lines.values())
     assert "?" not in lines and all(":" in where and not where.startswith("/") for where in lines)
-    # the router's fp32 GEMM is attributed to the Router's forward, the MoE's grouped GEMMs too
-    assert any(w.startswith("miles_k3/model/moe.py:") and "aten::mm" in ops for w, ops in lines.items())
+    # the router's fp32 GEMM is attributed to its op (`router_logits`), the MoE's grouped GEMMs too
+    assert any(w.startswith("miles_k3/ops/router.py:") and "aten::mm" in ops for w, ops in lines.items())
     assert sum(ops.get("aten::_grouped_mm", 0) for ops in lines.values()) == plain["by_op"]["aten::_grouped_mm"]

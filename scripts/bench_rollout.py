@@ -14,7 +14,9 @@ pools, empty radix cache) sized by --memory-gb, so no workload sees another's ca
   runs untimed (it pays one-off costs: kernel autotuning, allocator growth, CUDA graph capture) and the
   remaining decode steps are timed together, not one by one (a sync per step would stall the overlap
   schedule; with overlap the first step's read-back is untimed too): decode_tok_s = tokens they generated /
-  their seconds, step_ms = their seconds per step. On CUDA the decode steps replay CUDA graphs
+  their seconds, step_ms = their seconds per step (the JSON also has each engine step's span as the stream
+  saw it, from CUDA events that do not wait: its median, its maximum and the time in steps over twice the
+  median, which tell a steady step from a few slow ones). On CUDA the decode steps replay CUDA graphs
   (`graph_replays` counts them; --no-cuda-graphs runs them eagerly), and with --overlap on or auto the
   same decode rows run again with overlap off ("miles-k3 (overlap off)") for contrast.
 - --rl-path: the decode rows again on the GRPO loop's engine: routed experts packed MXFP4, multiplied by
@@ -202,6 +204,22 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+class StepMark:
+    """A point between two engine steps, without waiting for the device: a CUDA event recorded on the stream
+    (the overlap schedule must not be stalled), or the host clock on CPU, where every op has finished."""
+
+    def __init__(self, device: torch.device):
+        self.event = torch.cuda.Event(enable_timing=True) if device.type == "cuda" else None
+        if self.event is not None:
+            self.event.record()
+        self.t = time.perf_counter()
+
+    @staticmethod
+    def ms(a: "StepMark", b: "StepMark") -> float:
+        """Milliseconds between two marks (after a device sync on CUDA)."""
+        return a.event.elapsed_time(b.event) if a.event is not None else (b.t - a.t) * 1e3
+
+
 def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(3, vocab, (n, length), generator=gen).tolist()
@@ -319,18 +337,23 @@ def bench_decode(model: K3ForCausalLM, ecfg: EngineConfig, batch: int, args, dev
     # which keeps the next step enqueued while the host reads the last one back.
     sync(device)
     start = time.perf_counter()
-    steps = 0
+    marks = [StepMark(device)]
     while engine.has_work():
         done.update((c.request_id, c) for c in engine.step())
-        steps += 1
+        marks.append(StepMark(device))
     sync(device)
     decode_s = time.perf_counter() - start
+    spans = sorted(StepMark.ms(a, b) for a, b in zip(marks, marks[1:]))  # each engine step, as the stream saw it
     tokens = sum(len(c.output_ids) for c in done.values()) - before
     engine.check_invariants()
     assert len(done) == batch and all(len(c.output_ids) == args.gen_len for c in done.values())
     return {"batch": batch, "status": "ok", "batch_prefill_tok_s": batch * args.prompt_len / prefill_s,
             "decode_tokens": tokens, "decode_s": decode_s, "decode_tok_s": tokens / decode_s,
             "step_ms": decode_s / tokens * batch * 1e3,  # per token of every request: the step a batch needs
+            # engine steps one by one (overlap: a step's read-back and the next launch), to tell a steady step
+            # from a few slow ones (a snapshot step, the batch's end)
+            "engine_step_ms_p50": spans[len(spans) // 2], "engine_step_ms_max": spans[-1],
+            "engine_steps_over_2x_p50_ms": sum(t for t in spans if t > 2 * spans[len(spans) // 2]),
             **(counts := engine.counters()), "retractions": counts["retractions"] - retractions}
 
 

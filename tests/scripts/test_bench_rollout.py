@@ -43,6 +43,9 @@ def test_bench_rollout_json_and_prefix_reuse(tmp_path):
     assert all(r["status"] == "ok" and r["decode_tok_s"] > 0 and r["retractions"] == 0 for r in rows)
     # first decode step untimed: 4 new tokens = 1 from the prefill + 1 warmup + 2 timed, per request
     assert [r["decode_tokens"] for r in rows] == [2, 6]
+    for r in rows:  # the timed steps one by one: two of them, which make up the timed seconds
+        assert 0 < r["engine_step_ms_p50"] <= r["engine_step_ms_max"] <= r["decode_s"] * 1e3
+        assert 0 <= r["engine_steps_over_2x_p50_ms"] <= r["decode_s"] * 1e3
 
     g = res["group"]
     computed, no_cache = res["prefill_tokens_computed"], res["prefill_tokens_no_cache"]

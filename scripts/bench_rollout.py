@@ -212,7 +212,8 @@ class StepMark:
         self.event = torch.cuda.Event(enable_timing=True) if device.type == "cuda" else None
         if self.event is not None:
             self.event.record()
-        self.t = time.perf_counter()
+        else:
+            self.t = time.perf_counter()
 
     @staticmethod
     def ms(a: "StepMark", b: "StepMark") -> float:
@@ -357,20 +358,20 @@ def bench_decode(model: K3ForCausalLM, ecfg: EngineConfig, batch: int, args, dev
             **(counts := engine.counters()), "retractions": counts["retractions"] - retractions}
 
 
-def engine_built(reference: K3ForCausalLM, dtype: torch.dtype, device) -> K3ForCausalLM:
-    """`reference`'s weights as the engine builds a bf16 model from a checkpoint (`build_engine_model`, no
-    MXFP4, no adapter): its own linears, so its steps run what a served model's do (shared-input GEMMs, the
-    few-rows kernel, stacked expert gate / up; the router in fp32). Until 2026-12-04 the plain rows ran the
-    reference module itself, which has none of these."""
-    return build_engine_model(reference.config, reference.state_dict(), quantize="none", dtype=dtype,
-                              device=device)[0]
+def engine_built(reference: K3ForCausalLM, dtype: torch.dtype, device, quantize: str = "none",
+                 lora: LoraSpec | None = None) -> tuple[K3ForCausalLM, AdapterPool | None]:
+    """`reference`'s weights as the engine builds a model from a checkpoint (`build_engine_model`; by default
+    bf16, no MXFP4, no adapter): its own linears, so its steps run what a served model's do (shared-input
+    GEMMs, the few-rows kernel, stacked expert gate / up; the router in fp32). Until 2026-12-04 the plain rows
+    ran the reference module itself, which has none of these."""
+    return build_engine_model(reference.config, reference.state_dict(), quantize=quantize, lora=lora,
+                              max_adapters=1, dtype=dtype, device=device)
 
 
 def rl_engine_model(model: K3ForCausalLM, dtype: torch.dtype, device) -> tuple[K3ForCausalLM, AdapterPool]:
     """`model`'s weights as the GRPO loop's engine holds them: routed experts packed MXFP4, a rank-16 adapter
     pool on the default targets holding one random adapter "policy" (nonzero, so its term is computed)."""
-    engine_model, pool = build_engine_model(model.config, model.state_dict(), quantize="experts",
-                                            lora=LoraSpec(rank=16), max_adapters=1, dtype=dtype, device=device)
+    engine_model, pool = engine_built(model, dtype, device, quantize="experts", lora=LoraSpec(rank=16))
     gen = torch.Generator().manual_seed(0)
     pool.add_adapter("policy", {f"{name}.lora_{part}": (torch.randn(store[name].shape[1:], generator=gen) * 0.01)
                                 .to(device, dtype)
@@ -532,7 +533,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     bandwidth = measure_bandwidth(device)
     reference = build_ours(config, dtype, device)
-    model = engine_built(reference, dtype, device)
+    model, _ = engine_built(reference, dtype, device)
     total_bytes, read_bytes = weight_bytes(model)
     warm = Engine(model, ecfg).generate(random_prompts(2, 8, config.vocab_size, args.seed),
                                         SamplingParams(temperature=0, max_new_tokens=4))  # first-call costs
@@ -577,7 +578,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     if args.peer == "hf":
         kimi_reference = build_ours(kimi_linear_form(config), dtype, device)
-        kimi = engine_built(kimi_reference, dtype, device)
+        kimi, _ = engine_built(kimi_reference, dtype, device)
         for b in batch_sizes:
             decode.append(floored({"model": "miles-k3 (kimi-linear form)",
                                    **guarded(lambda: bench_decode(kimi, ecfg, b, args, device), device, batch=b)},

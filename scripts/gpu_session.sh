@@ -182,10 +182,10 @@ run_job() {
     decodeprof_long) job decodeprof_long python scripts/bench_rollout.py --device cuda --batch-sizes 256 \
         --prompt-len 2048 --gen-len 32 --prefill-len 512 --group-prompts 1 --group-n 2 --overlap off \
         --profile "$STATE/decodeprof_long" --json "$STATE/decodeprof_long.json" ;;
-    # decode as an RL rollout samples (temperature 1, a seed per request) at batch 1 / 64 / 256 / 512
     # where the GRPO loop's rollout step goes at batch 512 (MXFP4 experts, a rank-16 adapter, sampled)
     rlprof) job rlprof python scripts/bench_rollout.py --device cuda --batch-sizes 512 --gen-len 48 --sampled \
         --rl-path --profile "$STATE/decodeprof_rl" --json "$STATE/decodeprof_rl.json" ;;
+    # decode as an RL rollout samples (temperature 1, a seed per request) at batch 1 / 64 / 256 / 512
     decodesampled) job decodesampled python scripts/bench_rollout.py --device cuda --batch-sizes 1,64,256,512 \
         --gen-len 64 --sampled --json "$STATE/decode_sampled.json" ;;
     samplingtest) job samplingtest python -m pytest tests/gpu/test_decode_kernels.py -q -m gpu -rA --tb=short \

@@ -42,8 +42,8 @@ def test_situ_glu_kernel_equals_the_definition_on_cuda(dtype):
 
 def test_few_rows_linear_equals_f_linear_on_cuda():
     """The few-rows kernel against cuBLAS at k3-small's decode shapes (rows 1-4; the 163,840-row lm_head,
-    past MAX_WORK, too: `linear` computes it when called): both accumulate in fp32 and round once, so bf16 outputs within one ulp (fp32: a few ulps of the
-    sum's magnitude)."""
+    past MAX_WORK, too: `linear` computes it when called): both accumulate in fp32 and round once, so bf16
+    outputs within one ulp (fp32: a few ulps of the sum's magnitude)."""
     from miles_k3.kernels.few_rows_linear import linear
 
     g = torch.Generator(device=DEV).manual_seed(0)

@@ -281,12 +281,15 @@ class CacheManager:
     def snapshots(self, rows: list[Running]) -> list[int | None]:
         """Copy each row's working state into a fresh slot (None for a row no slot can be freed for), the
         copies in one gather per pool tensor: a decode batch reaches its chunk boundaries together, and a copy
-        call per row was a few launches per row at that step. Moves no block."""
-        snaps: list[int | None] = []
+        call per row was a few launches per row at that step. Slots are taken for the rows in order, evicting
+        the checkpoints the batch lacks in one pass over the trees (2026-12-04, one H200: a pass per row made a
+        batch-512 decode's boundary steps 0.5-0.9 s). Moves no block."""
+        alloc = self.states.allocator
         with self._no_moves():
-            for _ in rows:
-                snap = self._alloc(self.states.allocator, 1, self.evict_checkpoints)
-                snaps.append(None if snap is None else snap[0])
+            if alloc.num_free < len(rows):
+                self.evict_checkpoints(len(rows) - alloc.num_free)
+            got = alloc.alloc(min(len(rows), alloc.num_free))
+        snaps: list[int | None] = [*got, *[None] * (len(rows) - len(got))]
         taken = [(r.slot, s) for r, s in zip(rows, snaps) if s is not None]
         self.states.copy_slots([src for src, _ in taken], [dst for _, dst in taken])
         if self.arena is not None and taken:  # held by the caller until donate_at / free_snapshot: no moves

@@ -95,11 +95,15 @@ class HybridRadixCache:
     def _child_key(self, tokens: list[int], at: int) -> tuple[int, ...]:
         return tuple(tokens[at:at + self.page_size])
 
-    def _match_len(self, key: list[int], tokens: list[int], at: int) -> int:
-        """Tokens of `key` matching tokens[at:], in whole pages."""
-        n = 0
+    def _match_len(self, key: list[int], tokens: list[int], at: int, end: int | None = None) -> int:
+        """Tokens of `key` matching tokens[at:end], in whole pages. A whole edge is one list comparison first
+        (the usual case: a request re-inserting its own path), page by page only where it differs."""
         p = self.page_size
-        while n + p <= len(key) and at + n + p <= len(tokens) and key[n:n + p] == tokens[at + n:at + n + p]:
+        span = min(len(key), (len(tokens) if end is None else end) - at) // p * p
+        if tokens[at:at + span] == (key if span == len(key) else key[:span]):
+            return span
+        n = 0
+        while n + p <= span and key[n:n + p] == tokens[at + n:at + n + p]:
             n += p
         return n
 
@@ -201,7 +205,7 @@ class HybridRadixCache:
                 canonical.extend(leaf.pages)
                 node, pos = leaf, n
                 break
-            m = self._match_len(child.key, tokens[:n], pos)
+            m = self._match_len(child.key, tokens, pos, n)
             if m < len(child.key):
                 child = self._split(child, m)
             mine = pages[pos // self.page_size:(pos + m) // self.page_size]

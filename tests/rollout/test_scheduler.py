@@ -79,6 +79,37 @@ def test_a_packed_prefill_copies_its_rows_checkpoints_in_one_call_and_later_requ
     eng.check_invariants()
 
 
+def test_a_batch_short_of_snapshot_slots_evicts_the_checkpoints_it_lacks_in_one_pass(monkeypatch):
+    """A state pool full of older prompts' checkpoints: rows reaching a chunk boundary together take their
+    snapshot slots by one eviction pass over the tree for the whole shortfall, not one pass per row (a pass
+    walks every node: at batch 512 a pass per row made a boundary step 0.9 s), and decode exactly as cold."""
+    from rollout.radix_cache import HybridRadixCache
+
+    eng = engine(memory=2 * 16 * 83_968 + 4096, state_fraction=0.5)
+    assert eng.states.allocator.capacity == 16
+    eng.generate([prompt(20, 300 + i) for i in range(6)], SamplingParams(temperature=0, max_new_tokens=1))
+    passes, calls = [], []
+    evict, snapshots = HybridRadixCache.evict_checkpoints, eng.memory.snapshots
+    monkeypatch.setattr(HybridRadixCache, "evict_checkpoints",
+                        lambda cache, n: passes.append(n) or evict(cache, n))
+
+    def counted(rows):
+        before = len(passes)
+        out = snapshots(rows)
+        calls.append((len(rows), len(passes) - before, sum(s is not None for s in out)))
+        return out
+
+    monkeypatch.setattr(eng.memory, "snapshots", counted)
+    params = SamplingParams(temperature=0, max_new_tokens=6)
+    prompts = [prompt(12, 400 + i) for i in range(6)]
+    done = eng.generate(prompts, params)
+    assert all(n_passes <= 1 for _, n_passes, _ in calls)
+    assert any(rows > 1 and n_passes == 1 and got == rows for rows, n_passes, got in calls)  # the path ran
+    for p, c in zip(prompts, done):
+        assert c.output_ids == cold(p, params).output_ids
+    assert_pools_drain_to_full(eng)
+
+
 def test_a_grpo_batch_of_short_prompts_prefills_in_one_forward(monkeypatch):
     """256 samples of 32 short prompts (6-12 tokens): the default max_prefill_requests packs them into one
     prefill forward (16 per forward took 16), with the same outputs."""

@@ -330,7 +330,7 @@ class CacheManager:
         holds two copies of a prefix: its footprint stays what `submit` checked against the pool. The
         freed pages are only rewritten by later kernels on the same stream."""
         full = (r.pos if end is None else end) // self.config.page_size
-        res = r.cache.insert(r.keys, r.pages[:full], checkpoints)
+        res = r.cache.insert(r.keys, r.pages[:full], checkpoints, start=r.node)  # r.node: its last insert's end
         r.pages[:full] = res.pages
         self.kv.allocator.free(res.duplicate_pages)
         r.tree_pages = full

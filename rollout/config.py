@@ -33,7 +33,7 @@ class EngineConfig:
     max_prefill_requests: int = 256  # requests packed into one prefill forward (short prompts: many fit the budget)
     cuda_graphs: bool = True  # decode from CUDA graphs on CUDA (batches whose rows share one adapter slot)
     # MXFP4 routed experts in bf16: "torch" decodes them to a bf16 copy per forward, then torch._grouped_mm;
-    # "triton" runs rollout/kernels/mxfp4_moe.py, which decodes tiles in registers (CUDA only); "auto" takes
+    # "triton" runs rollout/kernels/expert_gemm.py, which decodes tiles in registers (CUDA only); "auto" takes
     # triton on CUDA (faster at every batch size measured on the H200, docs/benchmarks.md), torch elsewhere
     mxfp4_matmul: str = "auto"
     # LoRA terms of batches whose rows use different adapters (multi-adapter serving; an RL rollout uses one):

@@ -364,14 +364,10 @@ class EngineExperts(RoutedExperts):
         # "torch": decoding every expert costs one pass over the packed bytes, cheaper than a launch chain
         # per expert; "triton" decodes tiles next to the MMA and writes no bf16 copy.
         if self.quantized and self.mxfp4_matmul == "triton":
-            from rollout.kernels.mxfp4_moe import block_schedule, default_block_m, mxfp4_grouped_matmul
-
-            bm = default_block_m(num_rows, counts.numel())
-            schedule = block_schedule(counts, num_rows, bm)  # shared by w1, w3 and w2
+            from rollout.kernels.expert_gemm import mxfp4_grouped_matmul
 
             def base(name: str, x: torch.Tensor) -> torch.Tensor:
-                return mxfp4_grouped_matmul(x, counts, getattr(self, f"{name}_packed"), getattr(self, f"{name}_scale"),
-                                            block_m=bm, schedule=schedule)
+                return mxfp4_grouped_matmul(x, counts, getattr(self, f"{name}_packed"), getattr(self, f"{name}_scale"))
         elif self.quantized and num_rows < counts.numel():
             # Fewer rows than experts (small-batch decode: bs=1 routes top-k rows): decode only the weights
             # the rows use, one per row, instead of every expert. The row count is a static shape, so the
@@ -382,7 +378,13 @@ class EngineExperts(RoutedExperts):
                 return torch.bmm(self.stacked_weight(name, x.dtype, expert_of_row), x[:, :, None])[:, :, 0]
         else:
             def base(name: str, x: torch.Tensor) -> torch.Tensor:
-                return torch._grouped_mm(x, self.stacked_weight(name, x.dtype).transpose(1, 2), offs=offs)
+                w = self.stacked_weight(name, x.dtype)
+                if not self.quantized and use_kernels(x):  # decode sizes: the Triton grouped GEMM (its docstring)
+                    from rollout.kernels import expert_gemm
+
+                    if expert_gemm.supports(x, w):
+                        return expert_gemm.grouped_matmul(x, counts, w)
+                return torch._grouped_mm(x, w.transpose(1, 2), offs=offs)
 
         if token_of is not None:  # mixed adapters: per-row (slot, expert) matrices through the Triton kernel
             slot_of_row = self.pool.device_token_slots()[token_of]

@@ -167,9 +167,11 @@ class HybridRadixCache:
         upper.children[tuple(node.key[: self.page_size])] = node
         return upper
 
-    def _node_ending_at(self, tokens: list[int], end: int) -> Node:
-        """The node on tokens' (already inserted) path that ends exactly at `end`, splitting if needed."""
-        node, pos = self.root, 0
+    def _node_ending_at(self, tokens: list[int], end: int, below: Node | None = None) -> Node:
+        """The node on tokens' (already inserted) path that ends exactly at `end`, splitting if needed; the
+        walk starts at `below` (a node on the path) when it ends at or before `end`."""
+        node = below if below is not None and below.end <= end else self.root
+        pos = node.end
         while pos < end:
             node = node.children[self._child_key(tokens, pos)]
             if pos + len(node.key) > end:
@@ -177,14 +179,21 @@ class HybridRadixCache:
             pos += len(node.key)
         return node
 
-    def insert(self, tokens: list[int], pages: list[int], checkpoints: dict[int, int] | None = None) -> InsertResult:
+    def insert(self, tokens: list[int], pages: list[int], checkpoints: dict[int, int] | None = None,
+               start: Node | None = None) -> InsertResult:
         """Cache the first len(pages) * page_size tokens with the request's KV pages, and donate
         `checkpoints` {position: slot} (positions: multiples of chunk_size, within the prefix).
 
         Pages the tree lacked become tree-owned; pages for positions it already had come back as
         duplicates (identical ids are the tree's own, from match_prefix). A donated slot at a position that
         already has a checkpoint comes back rejected. Then the per-path checkpoint cap is enforced along
-        this path, freeing the evicted slots into the slot allocator."""
+        this path, freeing the evicted slots into the slot allocator.
+
+        `start`: a node on tokens' path whose prefix the caller already holds as the tree's own, pages
+        included (pages[:start.end // page_size] are its path's pages: a running request's locked node after
+        its last insert); the walk then begins there instead of matching that prefix again from the root (a
+        decode step's inserts re-matched the whole prompt, about 20 nodes a row). The path above `start` is
+        touched for LRU all the same."""
         n = len(pages) * self.page_size
         if n > len(tokens):
             raise ValueError(f"{len(pages)} pages cover {n} tokens but only {len(tokens)} were given")
@@ -195,6 +204,12 @@ class HybridRadixCache:
                                  f"{self.chunk_size} within the inserted prefix ({n} tokens)")
         now = next(self._clock)
         node, pos, duplicates, canonical = self.root, 0, [], []
+        if start is not None and start.end <= n:
+            node, pos, canonical = start, start.end, pages[:start.end // self.page_size]
+            above = start.parent
+            while above is not None:
+                above.last_access = now
+                above = above.parent
         while pos < n:
             node.last_access = now
             child = node.children.get(self._child_key(tokens, pos))
@@ -215,7 +230,7 @@ class HybridRadixCache:
         node.last_access = now
         rejected, planted = [], []
         for p in sorted(checkpoints):
-            target = self._node_ending_at(tokens, p)
+            target = self._node_ending_at(tokens, p, start)
             if target.checkpoint is None:
                 target.checkpoint = checkpoints[p]
                 target.last_access = now

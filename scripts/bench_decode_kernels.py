@@ -9,6 +9,8 @@ Rows (ours against the baseline, same inputs, same run):
   shapes for 1 to MAX_ROWS rows;
 - the routed experts' gate and up as one grouped GEMM over the stacked w13 (`EngineExperts.share_gate_up`)
   against two grouped GEMMs, at a decode step's (token, expert) pairs for batch 1 / 8 / 64 / 256 / 512;
+- the bf16 routed experts' GEMMs through `rollout.kernels.expert_gemm.grouped_matmul` (each tile setting of
+  EXPERT_TILES) against `torch._grouped_mm` (cuBLAS), at the same pairs;
 - the short conv (in place, q / k / v in one launch) and AttnRes mixing against their torch definitions.
 
     python scripts/bench_decode_kernels.py --json out.json      # CUDA only
@@ -83,6 +85,38 @@ def gate_up_rows(args, config: K3Config) -> list[dict]:
     return rows
 
 
+# (block_n, block_k, num_warps, num_stages) tried for the bf16 expert GEMM; the first is grouped_matmul's default
+EXPERT_TILES = [(64, 64, 4, 3), (32, 128, 4, 3), (64, 128, 4, 4), (128, 64, 8, 3), (32, 64, 2, 4), (128, 128, 8, 3)]
+
+
+def expert_gemm_rows(args, config: K3Config) -> list[dict]:
+    """The bf16 routed experts' GEMMs (w13 after share_gate_up, then w2) through `expert_gemm.grouped_matmul` at
+    each tile setting against `torch._grouped_mm`, at a decode step's (token, expert) pairs; the row keeps the
+    default tile's time as ours and lists every setting's."""
+    from rollout.kernels.expert_gemm import grouped_matmul
+
+    e, w, i = config.num_experts, config.expert_width, config.moe_intermediate_size
+    weights = {"w13": torch.randn(e, 2 * i, w, device="cuda", dtype=torch.bfloat16) * 0.03,
+               "w2": torch.randn(e, w, i, device="cuda", dtype=torch.bfloat16) * 0.03}
+    rows = []
+    for batch in (1, 8, 64, 256, 512):
+        pairs = batch * config.num_experts_per_token
+        counts = torch.bincount(torch.randint(0, e, (pairs,), device="cuda"), minlength=e)
+        offs = counts.cumsum(0).to(torch.int32)
+        for name, wt in weights.items():
+            x = torch.randn(pairs, wt.shape[2], device="cuda", dtype=torch.bfloat16)
+            sweep = {"x".join(map(str, t)): graph_us(lambda t=t: grouped_matmul(x, counts, wt, block_n=t[0], block_k=t[1],
+                                                                            num_warps=t[2], num_stages=t[3]),
+                                                     args.reps, args.rounds) for t in EXPERT_TILES}
+            base = graph_us(lambda: torch._grouped_mm(x, wt.transpose(1, 2), offs=offs), args.reps, args.rounds)
+            best = min(sweep, key=sweep.get)
+            rows.append({"kernel": f"experts_{name}_bf16", "shape": f"batch {batch}: {pairs} rows, {e} x "
+                         f"{wt.shape[1]} x {wt.shape[2]}", "ours_us": sweep["x".join(map(str, EXPERT_TILES[0]))],
+                         "baseline": f"torch._grouped_mm; best tile {best}: {sweep[best]:.2f} us",
+                         "baseline_us": base, "all_weights_gb_s": wt.numel() * 2 / sweep[best] / 1e3, "sweep": sweep})
+    return rows
+
+
 def row_kernel_rows(args, config: K3Config) -> list[dict]:
     """The short conv and AttnRes mixing: our kernels (inference mode) against the definitions (no_grad)."""
     from miles_k3.ops.attnres import attn_res_mix
@@ -128,7 +162,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         raise SystemExit("bench_decode_kernels.py: MILES_K3_KERNELS=0 turns the kernels off; unset it")
     torch.manual_seed(0)
     config = K3Config.from_preset(args.preset)
-    rows = linear_rows(args) + gate_up_rows(args, config) + row_kernel_rows(args, config)
+    rows = (linear_rows(args) + gate_up_rows(args, config) + expert_gemm_rows(args, config)
+            + row_kernel_rows(args, config))
     print(f"decode kernels, {args.preset} shapes, {torch.cuda.get_device_name()}, torch {torch.__version__}; "
           f"us per call inside a CUDA graph (best of {args.rounds} replays of {args.reps} calls)")
     print(f"{'kernel':18s} {'shape':42s} {'ours':>8s} {'baseline':>9s} {'speedup':>8s}  baseline is")

@@ -194,6 +194,9 @@ run_job() {
         -k "advancing or pooled or frozen" ;;  # the fold's and verify's recurrence against decode steps, bit for bit
     # the decode kernels against what they replace, at k3-small's shapes, inside CUDA graphs (a minute)
     decodekernels) job decodekernels python scripts/bench_decode_kernels.py --json "$STATE/bench_decode_kernels.json" ;;
+    # the grouped expert GEMMs compiled in bf16 (bf16 and MXFP4 weights) and the engine with them (seconds)
+    experttest) job experttest python -m pytest tests/gpu/test_engine_cuda.py -q -m gpu -rA --tb=short \
+        -p no:cacheprovider -k "expert_gemms or graph_decode_equals or graph_decode_with" ;;
     kernels) job kernels python -m pytest tests/gpu/test_decode_kernels.py -q -m gpu -rA --tb=short -p no:cacheprovider ;;
     *) echo "unknown job $1"; return 1 ;;
     esac

@@ -130,23 +130,29 @@ def test_graph_decode_with_adapter_and_mxfp4_experts():
     eng.check_invariants()
 
 
-def test_triton_mxfp4_grouped_gemm_bf16_and_in_the_engine():
-    """The kernel compiled, in bf16 (the interpreter's bf16 dot is unusable, so the CPU test is fp32 only),
-    and the engine's greedy decode with it against the torch decode-then-grouped-GEMM path."""
+def test_triton_expert_gemms_bf16_and_in_the_engine():
+    """The grouped expert kernels compiled, in bf16 (the interpreter's bf16 dot is unusable, so the CPU test
+    is fp32 only): bf16 weights against cuBLAS's grouped GEMM (both accumulate in fp32 and round once: they
+    differ by summation order only), MXFP4 against decode-then-grouped-GEMM; then the engine's greedy decode
+    with the MXFP4 kernel against the torch path."""
     from miles_k3.ops.mxfp4 import dequantize_mxfp4, quantize_mxfp4
-    from rollout.kernels.mxfp4_moe import mxfp4_grouped_matmul
+    from rollout.kernels.expert_gemm import grouped_matmul, mxfp4_grouped_matmul
     from rollout.model_runner import build_engine_model
 
     g = torch.Generator().manual_seed(0)
-    for e, n, k, rows in [(64, 384, 512, 512), (64, 512, 384, 4096), (8, 96, 64, 3)]:
-        packed, scales = quantize_mxfp4(torch.randn(e, n, k, generator=g) * 0.05)
-        packed, scales = packed.cuda(), scales.cuda()
+    for e, n, k, rows in [(64, 768, 512, 1024), (64, 512, 384, 1024), (64, 384, 512, 4096), (8, 96, 64, 3),
+                          (64, 768, 512, 4)]:
         idx = torch.randint(0, e, (rows,), generator=g).sort().values
         counts = torch.bincount(idx, minlength=e).cuda()
+        offs = counts.cumsum(0).to(torch.int32)
         x = torch.randn(rows, k, generator=g).cuda().bfloat16()
+        w = (torch.randn(e, n, k, generator=g) * 0.05).cuda().bfloat16()
+        got, want = grouped_matmul(x, counts, w).float(), torch._grouped_mm(x, w.transpose(1, 2), offs=offs).float()
+        assert float((got - want).abs().max()) <= 2 ** -7 * float(want.abs().max()), (e, n, k, rows)
+        packed, scales = quantize_mxfp4(torch.randn(e, n, k, generator=g) * 0.05)
+        packed, scales = packed.cuda(), scales.cuda()
         got = mxfp4_grouped_matmul(x, counts, packed, scales)
-        want = torch._grouped_mm(x, dequantize_mxfp4(packed, scales, torch.bfloat16).transpose(1, 2),
-                                 offs=counts.cumsum(0).to(torch.int32))
+        want = torch._grouped_mm(x, dequantize_mxfp4(packed, scales, torch.bfloat16).transpose(1, 2), offs=offs)
         assert float((got.float() - want.float()).norm() / want.float().norm()) < 1e-2, (e, n, k, rows)
 
     ref = small_model()

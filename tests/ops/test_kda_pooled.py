@@ -6,16 +6,12 @@ through Triton's interpreter, against the gathered call, and their launches comp
 (`miles_k3.kernels.compile_check`). `kda_advance` (the speculative fold's recurrence: T tokens a row, masked
 tokens no-ops) writes the state T decode steps write, bit for bit, on every path."""
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import torch
 
 from miles_k3.ops.kda import PooledState, kda, kda_advance
-from tests.rollout.interpreted import assert_interpreted_ok
+from tests.rollout.interpreted import assert_interpreted_ok, run_and_compile
 
 
 def _inputs(n=5, t=1, h=2, d=32, slots=9, seed=0):
@@ -63,22 +59,6 @@ _FLA = textwrap.dedent("""
         json.dump(record, f)
     print("ok")
 """)
-
-
-def run_and_compile(script: str, tmp_path) -> list[str]:
-    """Run `script` under Triton's interpreter (it records its launches to $LAUNCHES_JSON), then compile every
-    launch for sm_90 with Triton's own compiler. -> the launched kernels' names, in order."""
-    path = tmp_path / "launches.json"
-    os.environ["LAUNCHES_JSON"] = str(path)
-    try:
-        assert_interpreted_ok(script, timeout=300)
-    finally:
-        del os.environ["LAUNCHES_JSON"]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-m", "miles_k3.kernels.compile_check", str(path)], env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    return [spec["kernel"].split(":")[1] for spec in json.loads(path.read_text())]
 
 
 def test_flas_in_place_recurrence_equals_its_gathered_call_bit_for_bit_and_compiles(tmp_path):

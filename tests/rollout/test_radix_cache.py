@@ -1,5 +1,6 @@
 """Hybrid radix cache: hits only at KDA checkpoints, branch points, duplicates, caps, eviction, fuzz."""
 
+import copy
 import random
 
 import pytest
@@ -144,9 +145,17 @@ def _release(cache, pa, sa, req):
     sa.free(sorted(req.slots))
 
 
+def _shape(node):
+    """A subtree as plain values (keys, pages, checkpoints, locks, LRU stamps), children in key order."""
+    return (tuple(node.key), tuple(node.pages), node.end, node.checkpoint, node.lock_ref, node.last_access,
+            tuple(_shape(node.children[k]) for k in sorted(node.children)))
+
+
 @settings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), page_size=st.sampled_from([1, 2, 4]), cap=st.integers(1, 4))
 def test_fuzz_request_streams_keep_accounting_and_drain_to_full(seed, page_size, cap):
+    """Random admits, chunks and aborts: accounting holds and the pools drain; each insert from the request's
+    locked node (`start`) leaves the tree and returns what an insert walking from the root does."""
     rng = random.Random(seed)
     chunk = 4 * page_size
     cache, pa, sa = make(pages=48 // page_size * 2, slots=12, page_size=page_size, chunk=chunk, cap=cap)
@@ -190,8 +199,16 @@ def test_fuzz_request_streams_keep_accounting_and_drain_to_full(seed, page_size,
             req.private_pages |= set(new)
             req.pos = end
             full = end // page_size
-            res = cache.insert(req.tokens, req.pages[:full], {end: snap[0]} if snap else {})
+            donated = {end: snap[0]} if snap else {}
+            twin, twin_pa, twin_sa = copy.deepcopy((cache, pa, sa))  # the same insert walking from the root
+            res = cache.insert(req.tokens, req.pages[:full], donated, start=req.node)
+            want = twin.insert(req.tokens, req.pages[:full], donated)
+            assert (res.node.end, res.pages, res.duplicate_pages, res.rejected_slots) == \
+                (want.node.end, want.pages, want.duplicate_pages, want.rejected_slots)
+            assert _shape(cache.root) == _shape(twin.root)
+            assert (pa.num_free, sa.num_free) == (twin_pa.num_free, twin_sa.num_free)
             req.private_pages -= set(req.pages[:full]) - set(res.duplicate_pages)
+            req.pages[:full] = res.pages  # the tree's pages from here on, as the engine keeps them (start's premise)
             sa.free(res.rejected_slots)
             cache.lock(res.node)
             cache.unlock(req.node)

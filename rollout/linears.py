@@ -341,7 +341,7 @@ class EngineExperts(RoutedExperts):
                          ) -> torch.Tensor:
         """As `RoutedExperts._experts_grouped`; with `token_of` (each row's token) the LoRA terms follow each
         row's own adapter slot (mixed batches) instead of the batch's one slot."""
-        proj = self._grouped_projs(xs.shape[0], counts, torch.cumsum(counts, 0, dtype=torch.int32), token_of)
+        proj = self._grouped_projs(xs.shape[0], counts, token_of)
         return proj(("w2",), self._act(*proj(("w1", "w3"), xs)))[0]
 
     def _expert_of_row(self, counts: torch.Tensor, num_rows: int) -> torch.Tensor:
@@ -355,12 +355,19 @@ class EngineExperts(RoutedExperts):
             experts = torch.arange(n + 1, device=counts.device).clamp(max=n - 1)
         return torch.repeat_interleave(experts, counts, output_size=num_rows)
 
-    def _grouped_projs(self, num_rows: int, counts: torch.Tensor, offs: torch.Tensor,
-                       token_of: torch.Tensor | None = None):
+    def _grouped_projs(self, num_rows: int, counts: torch.Tensor, token_of: torch.Tensor | None = None):
         """The engine's `RoutedExperts._grouped_proj`: proj(names, x) -> [x @ W_name[e]^T + its LoRA term for
         each name] over each expert's rows of x, for names that read the same x, so ("w1", "w3") runs as one
         GEMM over `w13` after `share_gate_up` (not for mixed adapters, whose per-row kernel adds into a whole
-        base output in place)."""
+        base output in place). The experts' row offsets (a cumsum: two launches) are computed once, and only
+        when a torch grouped GEMM or the adapter's grouped term reads them; the Triton kernels read counts."""
+        cumsum: list[torch.Tensor] = []
+
+        def offs() -> torch.Tensor:
+            if not cumsum:
+                cumsum.append(torch.cumsum(counts, 0, dtype=torch.int32))
+            return cumsum[0]
+
         # "torch": decoding every expert costs one pass over the packed bytes, cheaper than a launch chain
         # per expert; "triton" decodes tiles next to the MMA and writes no bf16 copy.
         if self.quantized and self.mxfp4_matmul == "triton":
@@ -384,7 +391,7 @@ class EngineExperts(RoutedExperts):
 
                     if expert_gemm.supports(x, w):
                         return expert_gemm.grouped_matmul(x, counts, w)
-                return torch._grouped_mm(x, w.transpose(1, 2), offs=offs)
+                return torch._grouped_mm(x, w.transpose(1, 2), offs=offs())
 
         if token_of is not None:  # mixed adapters: per-row (slot, expert) matrices through the Triton kernel
             slot_of_row = self.pool.device_token_slots()[token_of]
@@ -396,7 +403,7 @@ class EngineExperts(RoutedExperts):
             return lambda names, x: [one(name, x) for name in names]
 
         def with_delta(name: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            delta = None if self.pool is None else self.pool.grouped_delta(f"{self.spec.name}.{name}", x, offs)
+            delta = None if self.pool is None else self.pool.grouped_delta(f"{self.spec.name}.{name}", x, offs())
             return y if delta is None else y + delta
 
         def proj(names: tuple[str, ...], x: torch.Tensor) -> list[torch.Tensor]:

@@ -1,7 +1,7 @@
 """Grouped GEMMs over the routed experts' rows: y = x_e @ W_e^T per expert, weights bf16 or packed MXFP4.
 
 Both kernels cut the rows into blocks of BM that never straddle two experts, and each program finds its own
-block from the per-expert counts (`_expert_block`): no schedule is built on the host or by extra launches,
+block from the per-expert counts (`_tile`): no schedule is built on the host or by extra launches,
 so a MoE layer's GEMMs are its only launches (a schedule in torch ops was eight more a layer).
 
 - `mxfp4_grouped_matmul(xs, counts, packed, scales)`: the weights stay packed MXFP4 and each tile is decoded
@@ -55,9 +55,10 @@ def supports(xs: torch.Tensor, w: torch.Tensor) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _expert_block(counts_ptr, E, BM: tl.constexpr, BE: tl.constexpr):
-        """(expert, first row, the expert's end row) of this program's block of rows (program_id(0)); expert
-        >= E past the last block. Expert e owns blocks [cum[e] - blocks[e], cum[e]) of ceil(counts / BM)."""
+    def _tile(counts_ptr, E, N, BM: tl.constexpr, BN: tl.constexpr, BE: tl.constexpr):
+        """This program's tile: (expert, its rows, which of them are real, its columns, which are in range).
+        program_id(0) is a block of BM rows of one expert (expert >= E past the last block: expert e owns
+        blocks [cum[e] - blocks[e], cum[e]) of ceil(counts / BM)); program_id(1) a block of BN columns."""
         b = tl.program_id(0)
         i = tl.arange(0, BE)
         counts = tl.load(counts_ptr + i, mask=i < E, other=0).to(tl.int32)
@@ -67,19 +68,16 @@ if triton is not None:
         e = tl.sum((cum <= b).to(tl.int32), axis=0)  # cum is nondecreasing: the first expert ending past b
         mine = i == e
         first_block = tl.sum(tl.where(mine, cum - blocks, 0), axis=0)
-        row_end = tl.sum(tl.where(mine, ends, 0), axis=0)
         row0 = tl.sum(tl.where(mine, ends - counts, 0), axis=0) + (b - first_block) * BM
-        return e, row0, row_end
+        rows = row0 + tl.arange(0, BM)
+        cols = tl.program_id(1) * BN + tl.arange(0, BN)
+        return e, rows, rows < tl.sum(tl.where(mine, ends, 0), axis=0), cols, cols < N
 
     @triton.jit
     def _grouped_gemm(x_ptr, w_ptr, y_ptr, counts_ptr, E, N, K, stride_xm, stride_we, stride_wn, stride_ym,
                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BE: tl.constexpr):
-        e, row0, row_end = _expert_block(counts_ptr, E, BM, BE)
+        e, rows, row_ok, cols, col_ok = _tile(counts_ptr, E, N, BM, BN, BE)
         if e < E:
-            rows = row0 + tl.arange(0, BM)
-            row_ok = rows < row_end
-            cols = tl.program_id(1) * BN + tl.arange(0, BN)
-            col_ok = cols < N
             w_rows = w_ptr + e.to(tl.int64) * stride_we + cols[:, None].to(tl.int64) * stride_wn
             acc = tl.zeros((BM, BN), dtype=tl.float32)
             for k0 in range(0, K, BK):
@@ -89,19 +87,14 @@ if triton is not None:
                             mask=row_ok[:, None] & k_ok[None, :], other=0.0)
                 w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
                 acc += tl.dot(x, tl.trans(w))
-            out = y_ptr + rows[:, None].to(tl.int64) * stride_ym + cols[None, :]
-            tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+            _store(y_ptr, acc, rows, row_ok, cols, col_ok, stride_ym)
 
     @triton.jit
     def _mxfp4_grouped_gemm(x_ptr, packed_ptr, scale_ptr, y_ptr, counts_ptr, E, N, K, stride_xm, stride_pe,
                             stride_pn, stride_se, stride_sn, stride_ym,
                             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BE: tl.constexpr):
-        e, row0, row_end = _expert_block(counts_ptr, E, BM, BE)
+        e, rows, row_ok, cols, col_ok = _tile(counts_ptr, E, N, BM, BN, BE)
         if e < E:
-            rows = row0 + tl.arange(0, BM)
-            row_ok = rows < row_end
-            cols = tl.program_id(1) * BN + tl.arange(0, BN)
-            col_ok = cols < N
             e64 = e.to(tl.int64)
             acc = tl.zeros((BM, BN), dtype=tl.float32)
             for k0 in range(0, K, BK):
@@ -125,8 +118,12 @@ if triton is not None:
                 scale = tl.exp2(s.to(tl.float32) - 127.0)
                 w = tl.reshape(tl.reshape(val, (BN, BK // 32, 32)) * scale[:, :, None], (BN, BK))
                 acc += tl.dot(x, tl.trans(w.to(x.dtype)))
-            out = y_ptr + rows[:, None].to(tl.int64) * stride_ym + cols[None, :]
-            tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+            _store(y_ptr, acc, rows, row_ok, cols, col_ok, stride_ym)
+
+    @triton.jit
+    def _store(y_ptr, acc, rows, row_ok, cols, col_ok, stride_ym):
+        out = y_ptr + rows[:, None].to(tl.int64) * stride_ym + cols[None, :]
+        tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
 def _rows(xs: torch.Tensor) -> torch.Tensor:

@@ -361,7 +361,7 @@ class EngineExperts(RoutedExperts):
         GEMM over `w13` after `share_gate_up` (not for mixed adapters, whose per-row kernel adds into a whole
         base output in place). The experts' row offsets (a cumsum: two launches) are computed once, and only
         when a torch grouped GEMM or the adapter's grouped term reads them; the Triton kernels read counts."""
-        cumsum: list[torch.Tensor] = []
+        cumsum: list[torch.Tensor] = []  # not functools.cache: dynamo cannot trace it in a full graph (compile_decode)
 
         def offs() -> torch.Tensor:
             if not cumsum:

@@ -67,15 +67,22 @@ def linear_rows(args) -> list[dict]:
     return rows
 
 
+def decode_pairs(config: K3Config):
+    """(batch, its (token, expert) pairs, rows per expert, their cumulative ends) for a decode step of batch 1 /
+    8 / 64 / 256 / 512, experts drawn uniformly."""
+    e = config.num_experts
+    for batch in (1, 8, 64, 256, 512):
+        pairs = batch * config.num_experts_per_token
+        counts = torch.bincount(torch.randint(0, e, (pairs,), device="cuda"), minlength=e)
+        yield batch, pairs, counts, counts.cumsum(0).to(torch.int32)
+
+
 def gate_up_rows(args, config: K3Config) -> list[dict]:
     e, w, i = config.num_experts, config.expert_width, config.moe_intermediate_size
     w1, w3 = (torch.randn(e, i, w, device="cuda", dtype=torch.bfloat16) * 0.03 for _ in range(2))
     w13 = torch.cat([w1, w3], dim=1)
     rows = []
-    for batch in (1, 8, 64, 256, 512):
-        pairs = batch * config.num_experts_per_token
-        counts = torch.bincount(torch.randint(0, e, (pairs,), device="cuda"), minlength=e)
-        offs = counts.cumsum(0).to(torch.int32)
+    for batch, pairs, counts, offs in decode_pairs(config):
         x = torch.randn(pairs, w, device="cuda", dtype=torch.bfloat16)
         ours = graph_us(lambda: torch._grouped_mm(x, w13.transpose(1, 2), offs=offs), args.reps, args.rounds)
         base = graph_us(lambda: (torch._grouped_mm(x, w1.transpose(1, 2), offs=offs),
@@ -99,19 +106,18 @@ def expert_gemm_rows(args, config: K3Config) -> list[dict]:
     weights = {"w13": torch.randn(e, 2 * i, w, device="cuda", dtype=torch.bfloat16) * 0.03,
                "w2": torch.randn(e, w, i, device="cuda", dtype=torch.bfloat16) * 0.03}
     rows = []
-    for batch in (1, 8, 64, 256, 512):
-        pairs = batch * config.num_experts_per_token
-        counts = torch.bincount(torch.randint(0, e, (pairs,), device="cuda"), minlength=e)
-        offs = counts.cumsum(0).to(torch.int32)
+    for batch, pairs, counts, offs in decode_pairs(config):
         for name, wt in weights.items():
             x = torch.randn(pairs, wt.shape[2], device="cuda", dtype=torch.bfloat16)
-            sweep = {"x".join(map(str, t)): graph_us(lambda t=t: grouped_matmul(x, counts, wt, block_n=t[0], block_k=t[1],
-                                                                            num_warps=t[2], num_stages=t[3]),
-                                                     args.reps, args.rounds) for t in EXPERT_TILES}
+            sweep = {}
+            for bn, bk, warps, stages in EXPERT_TILES:
+                call = lambda: grouped_matmul(x, counts, wt, block_n=bn, block_k=bk, num_warps=warps,  # noqa: E731
+                                              num_stages=stages)
+                sweep[f"{bn}x{bk}x{warps}x{stages}"] = graph_us(call, args.reps, args.rounds)
             base = graph_us(lambda: torch._grouped_mm(x, wt.transpose(1, 2), offs=offs), args.reps, args.rounds)
             best = min(sweep, key=sweep.get)
             rows.append({"kernel": f"experts_{name}_bf16", "shape": f"batch {batch}: {pairs} rows, {e} x "
-                         f"{wt.shape[1]} x {wt.shape[2]}", "ours_us": sweep["x".join(map(str, EXPERT_TILES[0]))],
+                         f"{wt.shape[1]} x {wt.shape[2]}", "ours_us": next(iter(sweep.values())),  # the default tile
                          "baseline": f"torch._grouped_mm; best tile {best}: {sweep[best]:.2f} us",
                          "baseline_us": base, "all_weights_gb_s": wt.numel() * 2 / sweep[best] / 1e3, "sweep": sweep})
     return rows

@@ -17,7 +17,8 @@ from __future__ import annotations
 import ast
 
 from miles_k3.data import PromptRecord
-from miles_k3.trainer.rollout_plugin import PolicyClient, Trajectory
+from miles_k3.data.sample import Sample
+from miles_k3.trainer.rollout_plugin import PolicyClient
 
 CALL = " "  # the policy's tool call (a token the pretrained tiny model already writes)
 
@@ -50,15 +51,15 @@ def calculate(expression: str) -> int | None:
 OPS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b}
 
 
-async def rollout(client: PolicyClient, record: PromptRecord) -> Trajectory:
-    traj = Trajectory(list(client.prompt_ids))
+async def rollout(client: PolicyClient, record: PromptRecord) -> Sample:
+    sample = client.sample
     (call,) = client.encode(CALL)
-    turn = await client.generate(traj.ids, stop_token_ids=[call])
-    traj.add_policy(turn)
-    if turn.finish_reason != "stop" or turn.token_ids[-1] != call:
-        return traj  # the policy answered without the tool (<eos>) or ran out of tokens
+    turn = await client.generate(sample.ids, stop_token_ids=[call])
+    sample.add_policy(turn)
+    if turn.finish_reason != "stop" or turn.output_ids[-1] != call:
+        return sample  # the policy answered without the tool (<eos>) or ran out of tokens
     result = calculate(record.prompt.removesuffix("="))
     if result is not None:
-        traj.add_environment(client.encode(str(result)))
-    traj.add_policy(await client.generate(traj.ids))  # the answer, having read the tool's
-    return traj
+        sample.add_environment(client.encode(str(result)))
+    sample.add_policy(await client.generate(sample.ids))  # the answer, having read the tool's
+    return sample

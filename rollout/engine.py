@@ -17,8 +17,10 @@ every radix-cache handover go through the cache manager (`rollout.cache_manager`
 model runner (`rollout.model_runner`). A request's life through these parts: docs/structures.md.
 
 A sharded engine (a model built with an `EngineTP` of size > 1, `rollout.parallel.build_sharded_engine`) runs
-one Engine per rank as a replicated state machine: rank 0's calls are applied at once and broadcast before
-its next step, and the other ranks replay them in `follow()` (`rollout.parallel`, "One decision per step").
+one Engine per rank as a replicated state machine: rank 0 applies each state change as a call of one of the
+`REPLAYED` methods and logs it, the log is broadcast before its next step (adapter calls at once), and the
+other ranks replay the calls by name in `follow()` (`miles_k3.rpc`; `rollout.parallel`, "One decision per
+step").
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from collections.abc import Iterator
 
 import torch
 
+from miles_k3 import rpc
 from miles_k3.model.modeling import K3ForCausalLM
 from rollout import noise
 from rollout.cache_manager import CacheManager, Running
@@ -37,13 +40,17 @@ from rollout.lora import AdapterPool
 from rollout.media import Image, MediaEncoder, PromptMedia, packed_media
 from rollout.memory import KDAStatePool, KVPagePool
 from rollout.model_runner import ModelRunner
-from rollout.parallel import CallChannel, EngineTP, tensor_spec
-from rollout.request import Completion, FinishReason, Request, SamplingParams
+from rollout.parallel import EngineTP
+from rollout.request import Completion, FinishReason, Request, SamplingParams, next_request_id
 from rollout.sampler import sample
 from rollout.scheduler import Scheduler
 
 
 class Engine:
+    # the calls rank 0 of a sharded engine logs and the other ranks replay (`follow`): every state change
+    REPLAYED = frozenset({"_enqueue", "_step", "_abort", "_add_adapter", "_update_adapter", "_release_memory",
+                          "_resume_memory"})
+
     def __init__(self, model: K3ForCausalLM, config: EngineConfig, adapters: AdapterPool | None = None, *,
                  vision: torch.nn.Module | None = None, media_token_id: int | None = None):
         """`vision`: the model that encodes `ProcessedImage`s (`K3VisionModel`; without it requests bring
@@ -56,11 +63,11 @@ class Engine:
         if config.dcp_size != getattr(tp, "dcp_size", 1):
             raise ValueError(f"EngineConfig.dcp_size={config.dcp_size}, but the model was built for DCP "
                              f"{getattr(tp, 'dcp_size', 1)} (build_engine_model's tp=EngineTP(dcp_size=...))")
-        # rank 0 of a sharded engine logs its calls for the other ranks, which replay them (`follow`)
-        self.channel = CallChannel(tp) if tp.size > 1 else None
-        if self.channel is not None and tp.broadcast_object(config) != config:
+        if tp.size > 1 and tp.broadcast_object(config) != config:
             raise ValueError(f"rank {tp.rank}: EngineConfig differs from rank 0's; build every rank alike")
         self.runner = ModelRunner(model, config, adapters)  # checks the model-side settings first
+        # rank 0 of a sharded engine logs its calls for the other ranks, which replay them (`follow`)
+        self.channel = rpc.Leader(tp.transport(self.runner.device)) if tp.size > 1 and tp.is_leader else None
         if media_token_id is None:
             media_token_id = model.config.media_placeholder_token_id
         self.media = MediaEncoder(vision, media_token_id, model.config.hidden_size, self.runner.device,
@@ -104,8 +111,7 @@ class Engine:
     def add_adapter(self, name: str, tensors: dict[str, torch.Tensor], alpha: float | None = None) -> None:
         """Load an adapter (the trainer's full tensors: a sharded engine's ranks each copy in their slices)."""
         self._caller()
-        self._need_adapters().add_adapter(name, tensors, alpha)
-        self._broadcast_adapter("add_adapter", name, tensors, alpha)
+        self._apply("_add_adapter", name, tensors, alpha, now=True)
 
     def update_adapter(self, name: str, tensors: dict[str, torch.Tensor]) -> None:
         """New adapter weights (full tensors), copied in place. Between batches only: every cached prefix
@@ -115,18 +121,25 @@ class Engine:
         s = self.scheduler
         if any(r.adapter == name for r in s.waiting) or any(r.req.adapter == name for r in s.running):
             raise RuntimeError(f"update_adapter({name!r}) while requests using it are in flight")
-        self._update_adapter(name, tensors)
-        self._broadcast_adapter("update_adapter", name, tensors)
+        self._apply("_update_adapter", name, tensors, now=True)
+
+    def _add_adapter(self, name: str, tensors: dict[str, torch.Tensor], alpha: float | None) -> None:
+        self._need_adapters().add_adapter(name, tensors, alpha)
 
     def _update_adapter(self, name: str, tensors: dict[str, torch.Tensor]) -> None:
         self._need_adapters().update_adapter(name, tensors)
         self.memory.drop_tree(name)
 
-    def _broadcast_adapter(self, command: str, name: str, tensors: dict[str, torch.Tensor], *args) -> None:
-        # after the local call validated and applied them: the followers receive only good tensors
+    def _apply(self, name: str, *args, now: bool = False):
+        """Run the state change `name(*args)` here, then log it for a sharded engine's other ranks (only a
+        call that succeeded here reaches them: they receive good tensors only); `now`: send the log at once
+        (adapter tensors), else with the next step."""
+        out = getattr(self, name)(*args)
         if self.channel is not None:
-            self.channel.record(command, name, tensor_spec(tensors), *args)
-            self.channel.flush(tensors, self.runner.device)
+            self.channel.record(name, *args)
+            if now:
+                self.channel.flush()
+        return out
 
     def _need_adapters(self) -> AdapterPool:
         if self.adapters is None:
@@ -163,20 +176,21 @@ class Engine:
         # the noise's seed: the request's (any integer, folded into the hash's range), or drawn from torch's
         # stream here; every rank of a sharded engine gets rank 0's
         seed = int(torch.randint(0, noise.MAX_SEED, (1,))) if params.seed is None else params.seed % noise.MAX_SEED
-        req = Request(prompt_ids, params, adapter, media=media)
-        self._add(req, seed, stream)
-        if self.channel is not None:
-            self.channel.record("submit", prompt_ids, params, adapter, req.request_id, seed,
-                                None if media is None else [(base, f.shape[0]) for f, base in media.images])
-            if media is not None:  # the followers take rank 0's features (no vision model there)
-                self.channel.flush({str(i): f for i, (f, _) in enumerate(media.images)}, self.runner.device)
-        return req.request_id
+        request_id = next_request_id()
+        # the followers take rank 0's image features (no vision model there), as (features, key base) pairs
+        self._apply("_enqueue", prompt_ids, params, adapter, request_id, seed,
+                    None if media is None else [tuple(image) for image in media.images])
+        if stream:
+            self._events[request_id] = []
+        return request_id
 
-    def _add(self, req: Request, seed: int, stream: bool) -> None:
+    def _enqueue(self, prompt_ids: list[int], params: SamplingParams, adapter: str | None, request_id: int,
+                 seed: int, images: list[tuple[torch.Tensor, int]] | None) -> None:
+        """Queue a checked request (`submit`'s state change, replayed as is by a sharded engine's ranks)."""
+        media = None if images is None else PromptMedia(prompt_ids, self.media.pads(prompt_ids), images)
+        req = Request(prompt_ids, params, adapter, request_id=request_id, media=media)
         req.seed = seed
         self.scheduler.add(req)
-        if stream:
-            self._events[req.request_id] = []
 
     def take_tokens(self, request_id: int) -> list[tuple[int, float]]:
         """The (token, log-prob) pairs a request submitted with `stream=True` sampled since the last call (in
@@ -193,9 +207,7 @@ class Engine:
 
     def abort(self, request_id: int) -> Completion | None:
         self._caller()
-        if self.channel is not None:
-            self.channel.record("abort", request_id)
-        return self._abort(request_id)
+        return self._apply("_abort", request_id)
 
     def _abort(self, request_id: int) -> Completion | None:
         req = self.scheduler.abort(request_id)
@@ -246,9 +258,8 @@ class Engine:
         self._caller()
         if self.memory.kv is None:
             raise RuntimeError("engine memory is released; call resume_memory() first")
-        if self.channel is not None:
-            self.channel.record("step")
-            self.channel.flush()
+        if self.channel is not None:  # sent before it runs: the step's collectives need every rank inside it
+            return self.channel.call(self, "_step")
         return self._step()
 
     def _step(self) -> list[Completion]:
@@ -324,9 +335,7 @@ class Engine:
         self._caller()
         if self.has_work():
             raise RuntimeError("release_memory() with requests in flight; finish or abort them first")
-        if self.channel is not None:
-            self.channel.record("release_memory")
-        self._release_memory()
+        self._apply("_release_memory")
 
     def _release_memory(self) -> None:
         self.runner.release_pools()
@@ -336,9 +345,7 @@ class Engine:
 
     def resume_memory(self) -> None:
         self._caller()
-        if self.channel is not None:
-            self.channel.record("resume_memory")
-        self._resume_memory()
+        self._apply("_resume_memory")
 
     def _resume_memory(self) -> None:
         if self.memory.kv is None:
@@ -349,7 +356,7 @@ class Engine:
     @property
     def is_leader(self) -> bool:
         """Whether this process drives the engine: always, except on the ranks > 0 of a sharded engine."""
-        return self.channel is None or self.tp.is_leader
+        return self.tp.size == 1 or self.tp.is_leader
 
     def _caller(self) -> None:
         if not self.is_leader:
@@ -359,42 +366,12 @@ class Engine:
         """Rank 0: end the other ranks' `follow()` (the engine is not used after it)."""
         self._caller()
         if self.channel is not None:
-            self.channel.record("stop")
-            self.channel.flush()
+            self.channel.stop()
 
     def follow(self) -> None:
-        """Ranks > 0 of a sharded engine: replay rank 0's calls, step for step, until it calls
-        `stop_followers()`. Request ids, sampling seeds and adapter tensors come with the calls."""
+        """Ranks > 0 of a sharded engine: replay rank 0's calls (`REPLAYED`), step for step, until it calls
+        `stop_followers()`. Request ids, sampling seeds, image features and adapter tensors come with the
+        calls."""
         if self.is_leader:
             raise RuntimeError("follow() is for the ranks > 0 of a sharded engine")
-        while True:
-            for name, *args in self.channel.receive():
-                if name == "stop":
-                    return
-                if name == "step":
-                    self._step()
-                elif name == "submit":
-                    prompt_ids, params, adapter, request_id, seed, images = args
-                    media = None
-                    if images is not None:  # rank 0's features follow the message, one tensor per image
-                        d, dtype = self.model.config.hidden_size, self.runner.dtype
-                        spec = [(str(i), (n, d), dtype) for i, (_, n) in enumerate(images)]
-                        feats = self.channel.receive_tensors(spec, self.runner.device).values()
-                        media = PromptMedia(prompt_ids, self.media.pads(prompt_ids),
-                                            [(f, base) for f, (base, _) in zip(feats, images)])
-                    self._add(Request(prompt_ids, params, adapter, request_id=request_id, media=media), seed, False)
-                elif name == "abort":
-                    self._abort(args[0])
-                elif name in ("add_adapter", "update_adapter"):
-                    adapter, spec, *alpha = args
-                    tensors = self.channel.receive_tensors(spec, self.runner.device)
-                    if name == "add_adapter":
-                        self._need_adapters().add_adapter(adapter, tensors, *alpha)
-                    else:
-                        self._update_adapter(adapter, tensors)
-                elif name == "release_memory":
-                    self._release_memory()
-                elif name == "resume_memory":
-                    self._resume_memory()
-                else:
-                    raise RuntimeError(f"follow(): unknown command {name!r} from rank 0")
+        rpc.follow(self, self.tp.transport(self.runner.device))

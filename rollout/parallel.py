@@ -21,11 +21,12 @@ already holds, and its uneven splits need a host read of the counts per MoE laye
 the overlap schedule cannot have. (The trainer's EP is an all-to-all because its EP ranks hold different
 tokens: `megatron_patches.expert_parallel`.)
 
-One decision per step (`CallChannel`): every rank runs the same engine (scheduler, cache manager, radix trees,
-pools) as a replicated state machine. Rank 0 is the caller's: its `submit` / `abort` / adapter / memory
-calls are applied at once and logged, and each `step()` first broadcasts the log (control plane: a gloo
-group, so it never waits on the device stream). The other ranks sit in `Engine.follow()`, apply the same
-calls in the same order and step. Everything the scheduler reads is then the same on every rank: request
+One decision per step (`miles_k3.rpc`): every rank runs the same engine (scheduler, cache manager, radix
+trees, pools) as a replicated state machine. Rank 0 is the caller's: its `submit` / `abort` / adapter / memory
+calls are applied at once as calls of the engine's `REPLAYED` methods and logged, and each `step()` first
+broadcasts the log (control plane: a gloo group, so it never waits on the device stream; tensors in the calls,
+image features and adapters, over the TP group). The other ranks sit in `Engine.follow()`, replay the same
+calls by name in the same order and step. Everything the scheduler reads is then the same on every rank: request
 ids come with the submit, page / slot allocation and the trees' logical clocks are deterministic, the
 logits are all-gathered (the same bytes everywhere), and every request samples from its own seed's noise
 (an unseeded request gets a seed drawn by rank 0, sent with the submit), so the tokens agree without being
@@ -42,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from miles_k3.model.linear import TensorParallel
+from miles_k3.rpc import Broadcast
 
 if TYPE_CHECKING:
     from rollout.config import EngineConfig
@@ -107,10 +109,10 @@ class EngineTP(TensorParallel):
         dist.broadcast_object_list(box, src=self.channel_rank, group=self.control)
         return box[0]
 
-    def broadcast_tensor(self, t: torch.Tensor) -> torch.Tensor:
-        """Rank 0's tensor `t` (followers pass an empty one of the same shape / dtype / device), in place."""
-        dist.broadcast(t, src=self.channel_rank, group=self.group)
-        return t
+    def transport(self, device: torch.device | str) -> Broadcast:
+        """The leader / follower calls' transport (`miles_k3.rpc`): messages over the gloo control group,
+        the tensors in them over the TP group, received on `device`."""
+        return Broadcast(self.channel_rank, control=self.control, data=self.group, device=device)
 
     # ------------------------------------------------------------ shards of the checkpoint
     def column_block(self, n: int) -> tuple[int, int]:
@@ -124,45 +126,6 @@ class EngineTP(TensorParallel):
         return self.rank // self.dcp_size * step, step
 
 
-class CallChannel:
-    """The calls rank 0 makes that the other ranks must replay. On rank 0: `record` logs a call (after it was
-    applied there), `flush` sends the log (`Engine.step` before each step, the adapter calls at once, and
-    `stop_followers`). On the others: `receive` waits for the next message (inside `Engine.follow` only).
-
-    A message is a list of commands (name, args); `("step",)` runs one engine step, `("stop",)` ends the
-    followers' loop. Adapter tensors do not travel in the message: each is broadcast over the TP group right
-    after it (`EngineTP.broadcast_tensor`), so a large adapter moves at collective speed."""
-
-    def __init__(self, tp: EngineTP):
-        self.tp = tp
-        self.log: list[tuple] = []
-
-    def record(self, *command) -> None:
-        self.log.append(command)
-
-    def flush(self, tensors: Mapping[str, torch.Tensor] | None = None, device: torch.device | str = "cpu") -> None:
-        """Send the log (and then `tensors`, in order, from `device`: the TP group's) to the followers."""
-        message, self.log = self.log, []
-        self.tp.broadcast_object(message)
-        for t in (tensors or {}).values():
-            self.tp.broadcast_tensor(t.to(device).contiguous())
-
-    def receive(self) -> list[tuple]:
-        """A follower's next message."""
-        return self.tp.broadcast_object()
-
-    def receive_tensors(self, spec: list[tuple[str, tuple[int, ...], torch.dtype]], device) -> dict:
-        """The tensors rank 0 broadcast after a message, from their (name, shape, dtype) spec."""
-        out = {}
-        for name, shape, dtype in spec:
-            out[name] = self.tp.broadcast_tensor(torch.empty(shape, dtype=dtype, device=device))
-        return out
-
-
-def tensor_spec(tensors: Mapping[str, torch.Tensor]) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
-    return [(k, tuple(t.shape), t.dtype) for k, t in tensors.items()]
-
-
 def build_sharded_engine(path_or_state: str | Path | Mapping[str, torch.Tensor], config: "EngineConfig", *,
                          model_config=None, group=None, ep: bool = False, quantize: str = "experts", lora=None,
                          max_adapters: int = 4, dtype: torch.dtype = torch.bfloat16,
@@ -174,7 +137,8 @@ def build_sharded_engine(path_or_state: str | Path | Mapping[str, torch.Tensor],
     path_or_state: a checkpoint directory (config.json + safetensors; each rank reads only its slices through
     `miles_k3.model.checkpoint.CheckpointSource`) or a logical HF state dict with `model_config`. `ep`: whole
     routed experts, num_experts / tp per rank (else split by intermediate dim). `config.dcp_size`: the DCP
-    group size. The rest as `rollout.model_runner.build_engine_model`.
+    group size. The rest as `rollout.model_runner.build_engine_model`. A thin wrapper of
+    `rollout.build.build_engine` (an `EngineSpec` with tp = the group's size), which takes PEFT adapters too.
 
     How it runs: rank 0 is the engine's caller (`submit`, `step`, `generate`, `stream`, `abort`,
     `add_adapter` / `update_adapter` with the trainer's full tensors, `release_memory` / `resume_memory`)
@@ -188,22 +152,17 @@ def build_sharded_engine(path_or_state: str | Path | Mapping[str, torch.Tensor],
         else:
             engine.follow()
     """
-    from miles_k3.model.checkpoint import CheckpointSource
-    from miles_k3.model.config import K3Config
-    from rollout.engine import Engine
-    from rollout.model_runner import build_engine_model
+    from rollout.build import EngineSpec, build_engine
 
-    if isinstance(path_or_state, (str, Path)):
-        path = Path(path_or_state)
-        if not (path / "config.json").exists():
-            raise ValueError(f"{path}: no config.json")
-        model_config = K3Config.from_json_file(path / "config.json")
-        source = CheckpointSource(path, model_config)
-    else:
+    if not dist.is_initialized():
+        raise ValueError("build_sharded_engine needs torch.distributed initialized (init_process_group) on every rank")
+    base = None
+    if not isinstance(path_or_state, (str, Path)):
         if model_config is None:
             raise ValueError("build_sharded_engine: a state dict needs model_config (its K3Config)")
-        source = path_or_state
-    tp = EngineTP(group, ep_size=dist.get_world_size(group) if ep else 1, dcp_size=config.dcp_size)
-    model, pool = build_engine_model(model_config, source, quantize=quantize, lora=lora, max_adapters=max_adapters,
-                                     dtype=dtype, device=device, tp=tp)
-    return Engine(model, config, pool)
+        base = (model_config, path_or_state)
+    size = dist.get_world_size(group)
+    spec = EngineSpec(path=None if base is not None else str(path_or_state), quantize=quantize, dtype=dtype,
+                      device=str(device), lora=lora, max_adapters=max_adapters, tp=size, ep=size if ep else 1,
+                      dcp=config.dcp_size, engine=config)
+    return build_engine(spec, base=base, group=group)

@@ -14,6 +14,11 @@ if TYPE_CHECKING:
 _ids = itertools.count()
 
 
+def next_request_id() -> int:
+    """A request id no other request of this process has."""
+    return next(_ids)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request samples. Log-probs are always those of the sampled token under the *untruncated*
@@ -77,7 +82,7 @@ class Request:
     prompt_ids: list[int]
     params: SamplingParams
     adapter: str | None = None
-    request_id: int = field(default_factory=lambda: next(_ids))
+    request_id: int = field(default_factory=next_request_id)
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish_reason: FinishReason | None = None

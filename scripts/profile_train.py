@@ -70,7 +70,7 @@ def ours(args, base_dir: Path, rows) -> callable:
     worker = build_train_worker(rc, config, state, "cuda:0" if args.device == "cuda" else "cpu")
     prompts, responses = rows
     g = torch.Generator().manual_seed(1)
-    batch = TrainBatch(prompts, responses, [[-1.0] * len(r) for r in responses],
+    batch = TrainBatch.of(prompts, responses, [[-1.0] * len(r) for r in responses],
                        torch.randn(len(prompts), generator=g).tolist(), [i // 8 for i in range(len(prompts))])
     return lambda: worker.train(batch)
 

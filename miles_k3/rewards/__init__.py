@@ -11,6 +11,10 @@ Choosing one (RewardConfig.fn, e.g. `reward.fn=...` in the recipe):
         my_reward = "my_project.rewards:score"
 Built-in names are reserved (an entry point cannot shadow them).
 
+A `Sample` is the run's one record of a sample (`miles_k3.data.sample`); a reward function reads its
+`prompt` and `response` text, `label`, `metadata`, `group_index` and `sample_index`, and must not change it
+(the trainer reads the same object afterwards).
+
 The two signatures. A reward function takes one positional argument:
 
     # per-sample: one Sample in, one float out
@@ -59,7 +63,7 @@ from miles_k3.rewards.runner import (
     score,
     score_async,
 )
-from miles_k3.rewards.sample import Sample
+from miles_k3.data.sample import Sample
 
 __all__ = [
     "BUILTINS",

@@ -24,7 +24,7 @@ from typing import Any
 from miles_k3.rewards.config import REMOTE, RewardConfig
 from miles_k3.rewards.math_answer import math_final_answer
 from miles_k3.rewards.remote import RemoteReward
-from miles_k3.rewards.sample import Sample
+from miles_k3.data.sample import Sample
 from miles_k3.tasks.arithmetic import check_answer
 from miles_k3.tasks.squares import count_reward
 

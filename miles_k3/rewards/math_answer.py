@@ -23,7 +23,7 @@ import unicodedata
 from fractions import Fraction
 from typing import Any
 
-from miles_k3.rewards.sample import Sample
+from miles_k3.data.sample import Sample
 
 REL_TOL = 1e-6
 

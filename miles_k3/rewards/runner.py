@@ -40,7 +40,7 @@ import torch
 from miles_k3.rewards._aio import abandon, background_loop, run_in_thread
 from miles_k3.rewards.config import RewardConfig
 from miles_k3.rewards.plugin import RewardPlugin, load_plugin
-from miles_k3.rewards.sample import Sample
+from miles_k3.data.sample import Sample
 
 logger = logging.getLogger(__name__)
 

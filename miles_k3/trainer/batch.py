@@ -1,20 +1,21 @@
-"""A training batch of finished rollouts, and its packed form for one varlen forward.
+"""A training batch of finished rollouts (a list of `Sample`s, the one record from the engine), and its packed
+form for one varlen forward.
 
-Sequence i is prompt_i + response_i. All sequences are packed into one row [1, N] with `cu_seqlens`, so no
-padding is computed. Response token k of sequence i sits at packed position p = start_i + len(prompt_i) + k
-and is predicted by the hidden state at p - 1; `positions` lists those predicting positions, `targets` the
-tokens. Per-token results come back as [B, T] (T = the longest response) with `mask` marking the tokens that
-carry loss, the layout `miles_k3.algo` takes.
+Sequence i is sample i's prompt_ids + output_ids. All sequences are packed into one row [1, N] with
+`cu_seqlens`, so no padding is computed. Response token k of sequence i sits at packed position
+p = start_i + len(prompt_i) + k and is predicted by the hidden state at p - 1; `positions` lists those
+predicting positions, `targets` the tokens. Per-token results come back as [B, T] (T = the longest response)
+with `mask` marking the tokens that carry loss, the layout `miles_k3.algo` takes.
 
 Multi-turn samples (`rollout.fn`) carry a loss mask per response token: the policy's tokens (True) carry loss,
 the environment's (tool output: False) are still part of the packed row, so the model reads them as context,
 and their log-probs are computed alongside, but `mask()` leaves them out of the loss, TIS and every metric.
 
-Image prompts carry their media per sequence (`SequenceMedia`: the prompt positions of its media pads and the
-projected features that replace their embeddings, the very features the engine was given); `pack` places
-them in the packed row (`Packed.media`, a `MediaEmbeds` over packed positions: start_i + the pad's prompt
-position), which the first pipeline stage splices in. The n samples of a prompt share one `SequenceMedia`
-(one tensor, pickled once when the batch travels to the trainer ranks).
+Image prompts carry their media per sample (`SequenceMedia`: the prompt positions of its media pads and the
+images whose projected features replace their embeddings, the very features the engine was given); `pack`
+places them in the packed row (`Packed.media`, a `MediaEmbeds` over packed positions: start_i + the pad's
+prompt position), which the first pipeline stage splices in. The n samples of a prompt share one
+`SequenceMedia` (pickled once when the batch travels to the trainer ranks).
 """
 
 from __future__ import annotations
@@ -24,64 +25,103 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from miles_k3.data.sample import Sample, SequenceMedia
+
 if TYPE_CHECKING:
     from miles_k3.model.modeling import MediaEmbeds
 
 
-class SequenceMedia(NamedTuple):
-    """A prompt's images as the trainer sees them: the prompt positions of its media pad tokens (ascending)
-    and their features [len(positions), D] (CPU; the rows in pad order, image after image)."""
-
-    positions: tuple[int, ...]
-    features: torch.Tensor
-
-
 @dataclass
 class TrainBatch:
-    prompts: list[list[int]]
-    responses: list[list[int]]  # >= 1 token each
-    rollout_logprobs: list[list[float]]  # the engine's log-prob of each response token
-    advantages: list[float]  # one per sequence
-    group_ids: list[int]
-    # per response token: True = the policy's (carries loss), False = the environment's (context only);
-    # None: every response token is the policy's (single-turn rollouts)
-    loss_masks: list[list[bool]] | None = None
-    # per sequence: its prompt's images (None for a text prompt); None: a text-only batch
-    media: list[SequenceMedia | None] | None = None
+    """The samples of one update, each with its advantage set; `group_index` names its group (the loop
+    numbers the kept groups 0..K-1). The columns the trainer reads are views of the samples."""
+
+    samples: list[Sample]
 
     def __post_init__(self) -> None:
-        n = len(self.prompts)
-        lengths = {len(self.responses), len(self.rollout_logprobs), len(self.advantages), len(self.group_ids)}
-        assert lengths == {n}, f"batch fields disagree in length: {n} prompts, others {lengths}"
-        for i, (r, lp) in enumerate(zip(self.responses, self.rollout_logprobs)):
-            assert r and len(r) == len(lp), f"sequence {i}: {len(r)} response tokens, {len(lp)} log-probs"
-        if self.loss_masks is not None:
-            assert len(self.loss_masks) == n, f"{n} sequences, {len(self.loss_masks)} loss masks"
-            for i, (r, m) in enumerate(zip(self.responses, self.loss_masks)):
-                assert len(m) == len(r) and any(m), f"sequence {i}: {len(r)} tokens, mask {m} (>= 1 policy token)"
-        if self.media is not None:
-            assert len(self.media) == n, f"{n} sequences, {len(self.media)} media entries"
-            for i, (p, m) in enumerate(zip(self.prompts, self.media)):
-                if m is not None:
-                    assert tuple(m.features.shape[:1]) == (len(m.positions),) and all(
-                        0 <= q < len(p) for q in m.positions), f"sequence {i}: media {len(m.positions)} pads at " \
-                        f"{m.positions[:4]}..., features {tuple(m.features.shape)}, prompt of {len(p)} tokens"
+        for i, s in enumerate(self.samples):
+            n = len(s.output_ids)
+            if not n or len(s.logprobs) != n or len(s.loss_mask) != n:
+                raise ValueError(f"sequence {i}: {n} response tokens, {len(s.logprobs)} log-probs, "
+                                 f"{len(s.loss_mask)} loss-mask entries (>= 1 token, one each per token)")
+            if not any(s.loss_mask):
+                raise ValueError(f"sequence {i}: no policy token in its loss mask")
+            m = s.media
+            if m is not None and (tuple(m.features.shape[:1]) != (len(m.positions),)
+                                  or not all(0 <= q < len(s.prompt_ids) for q in m.positions)):
+                raise ValueError(f"sequence {i}: media {len(m.positions)} pads at {m.positions[:4]}..., features "
+                                 f"{tuple(m.features.shape)}, prompt of {len(s.prompt_ids)} tokens")
+
+    @classmethod
+    def of(cls, prompts: list[list[int]], responses: list[list[int]], rollout_logprobs: list[list[float]],
+           advantages: list[float], group_ids: list[int], loss_masks: list[list[bool]] | None = None,
+           media: list[SequenceMedia | None] | None = None) -> TrainBatch:
+        """A batch from columns (tests and benchmarks that have no rollout): one sample per row; no loss
+        mask means every response token carries loss."""
+        n = len(prompts)
+        if {len(responses), len(rollout_logprobs), len(advantages), len(group_ids)} != {n}:
+            raise ValueError(f"batch columns disagree in length: {n} prompts, {len(responses)} responses, "
+                             f"{len(rollout_logprobs)} log-prob lists, {len(advantages)} advantages, "
+                             f"{len(group_ids)} group ids")
+        masks = loss_masks if loss_masks is not None else [[True] * len(r) for r in responses]
+        media = media if media is not None else [None] * n
+        if len(masks) != n or len(media) != n:
+            raise ValueError(f"{n} sequences, {len(masks)} loss masks, {len(media)} media entries")
+        return cls([Sample("", "", group_index=g, prompt_ids=list(p), output_ids=list(r), logprobs=list(lp),
+                           loss_mask=list(m), media=md, advantage=a)
+                    for p, r, lp, a, g, m, md in zip(prompts, responses, rollout_logprobs, advantages, group_ids,
+                                                      masks, media)])
 
     def __len__(self) -> int:
-        return len(self.prompts)
+        return len(self.samples)
+
+    @property
+    def prompts(self) -> list[list[int]]:
+        return [s.prompt_ids for s in self.samples]
+
+    @property
+    def responses(self) -> list[list[int]]:
+        return [s.output_ids for s in self.samples]
+
+    @property
+    def rollout_logprobs(self) -> list[list[float]]:
+        """The engine's log-prob of each response token."""
+        return [s.logprobs for s in self.samples]
+
+    @property
+    def advantages(self) -> list[float]:
+        return [s.advantage for s in self.samples]
+
+    @property
+    def group_ids(self) -> list[int]:
+        return [s.group_index for s in self.samples]
+
+    @property
+    def loss_masks(self) -> list[list[bool]]:
+        return [s.loss_mask for s in self.samples]
+
+    @property
+    def media(self) -> list[SequenceMedia | None] | None:
+        """Per sequence, its prompt's images (None for a text prompt); None: a text-only batch."""
+        media = [s.media for s in self.samples]
+        return media if any(m is not None for m in media) else None
+
+    def column(self, name: str) -> list[list]:
+        """A per-token field of every sample (`Sample.token_fields[name]`); KeyError naming the sample that
+        lacks it."""
+        out = []
+        for i, s in enumerate(self.samples):
+            if name not in s.token_fields:
+                raise KeyError(f"sequence {i} ({s.where}) has no per-token field {name!r}")
+            out.append(s.token_fields[name])
+        return out
 
     def select(self, rows: list[int]) -> TrainBatch:
-        return TrainBatch([self.prompts[i] for i in rows], [self.responses[i] for i in rows],
-                          [self.rollout_logprobs[i] for i in rows], [self.advantages[i] for i in rows],
-                          [self.group_ids[i] for i in rows],
-                          None if self.loss_masks is None else [self.loss_masks[i] for i in rows],
-                          None if self.media is None else [self.media[i] for i in rows])
+        return TrainBatch([self.samples[i] for i in rows])
 
     def policy_tokens(self) -> int:
         """Response tokens that carry loss (the loss's token denominator)."""
-        if self.loss_masks is None:
-            return sum(len(r) for r in self.responses)
-        return sum(sum(map(bool, m)) for m in self.loss_masks)
+        return sum(s.policy_tokens for s in self.samples)
 
     def split_by_groups(self, parts: int) -> list[TrainBatch]:
         """`parts` minibatches holding whole groups (a group's samples stay together), near-equal in groups."""
@@ -123,12 +163,12 @@ def pack(batch: TrainBatch, device: torch.device | str) -> Packed:
     ids, cu, positions, targets, rows, cols, keep = [], [0], [], [], [], [], []
     pads: list[int] = []
     features: list[torch.Tensor] = []
-    masks = batch.loss_masks or [None] * len(batch)
-    for i, (p, r, m) in enumerate(zip(batch.prompts, batch.responses, masks)):
+    for i, s in enumerate(batch.samples):
+        p, r, m = s.prompt_ids, s.output_ids, s.loss_mask
         start = cu[-1]
-        if batch.media is not None and batch.media[i] is not None:
-            pads += [start + q for q in batch.media[i].positions]
-            features.append(batch.media[i].features)
+        if s.media is not None:
+            pads += [start + q for q in s.media.positions]
+            features.append(s.media.features)
         ids += p + r
         cu.append(start + len(p) + len(r))
         first = start + len(p) - 1
@@ -136,7 +176,7 @@ def pack(batch: TrainBatch, device: torch.device | str) -> Packed:
         targets += r
         rows += [i] * len(r)
         cols += range(len(r))
-        keep += [True] * len(r) if m is None else [bool(x) for x in m]
+        keep += [bool(x) for x in m]
     t = max(len(r) for r in batch.responses)
 
     def tensor(x, dtype=torch.long):

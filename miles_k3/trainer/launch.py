@@ -3,11 +3,13 @@
 local, cluster.num_workers == 1: one process; the engine and the trainer share it (and its device).
 local, num_workers == N > 1: N processes on this machine (torch.multiprocessing, gloo on CPU / nccl on
     GPU), one trainer rank each, in the layout of `parallel.*`; rank 0 also runs the driver and the engine. The other
-    ranks execute the driver's trainer calls (broadcast from rank 0) in `_serve`.
+    ranks replay the driver's trainer calls by name (`miles_k3.trainer.backends.follow_trainer`).
 external: this process is one rank of a world that srun (one task per GPU, over any number of nodes) or
     torchrun started; its rank and rank 0's address come from the environment (`ClusterCfg.rendezvous`).
     Rank 0 runs the driver and the engine, as above. scripts/slurm/train_multinode.sbatch starts it.
 ray: see `miles_k3.trainer.ray_launch` (a placement group, a trainer and an engine actor per bundle).
+
+Each launcher hands the driver one rollout backend and one trainer group (`miles_k3.trainer.backends`).
 
 Every process watches for preemption signals (`miles_k3.trainer.preempt`); when the driver stopped on one,
 `launch` raises `Preempted` once every rank has ended (in the external world: on rank 0).
@@ -27,6 +29,7 @@ from miles_k3.rewards import RewardPluginError
 from miles_k3.trainer.base import TORCH_DTYPES, load_base, quiet_megatron
 from miles_k3.trainer.inputs import RunInputs, load_run_inputs
 from miles_k3.trainer import preempt
+from miles_k3.trainer.backends import LocalEngine, LocalTrainers, follow_trainer
 from miles_k3.trainer.loop import GRPODriver
 from miles_k3.trainer.resolve import ResolvedConfig
 from miles_k3.trainer.rollout_worker import RolloutWorker
@@ -90,88 +93,6 @@ def start_trainer_rank(rc: ResolvedConfig, rank: int, device: str, init_method: 
     return config, state, build_train_worker(rc, config, state, device)
 
 
-class LocalWorkers:
-    """Engine + trainer rank 0 in this process; trainer ranks 1..N-1 (if any) mirror every trainer call."""
-
-    def __init__(self, engine: RolloutWorker, trainer: TrainWorker, world_size: int = 1):
-        self.engine, self.trainer, self.world_size = engine, trainer, world_size
-
-    def _collective(self, method: str, *args):
-        if self.world_size > 1:
-            dist.broadcast_object_list([method, args], src=0)
-        return getattr(self.trainer, method)(*args)
-
-    def generate(self, prompts, params):
-        return self.engine.generate(prompts, params)
-
-    def rollout(self, fn, jobs, *, tokenizer, client):
-        return self.engine.rollout(fn, jobs, tokenizer=tokenizer, client=client)
-
-    def engine_counters(self) -> dict[str, int]:
-        return self.engine.engine_counters()
-
-    def distill_drafter(self, sequences, config, seed: int) -> dict[str, float]:
-        return self.engine.distill_drafter(sequences, config, seed)
-
-    def drafter_state(self) -> dict | None:
-        return self.engine.drafter_state()
-
-    def load_drafter_state(self, state: dict, config) -> None:
-        self.engine.load_drafter_state(state, config)
-
-    def release_engines(self) -> None:
-        self.engine.release_memory()
-
-    def resume_engines(self) -> None:
-        self.engine.resume_memory()
-
-    def train(self, batch):
-        return self._collective("train", batch)
-
-    def adapter_state(self):
-        return self._collective("adapter_state")
-
-    def sync_adapter(self, tensors) -> float:
-        return self.engine.sync_adapter(tensors)
-
-    def trainer_states(self) -> list[dict[str, Any]]:
-        mine = self._collective("state_dict")
-        if self.world_size == 1:
-            return [mine]
-        states: list[Any] = [None] * self.world_size
-        dist.gather_object(mine, states, dst=0)
-        return states
-
-    def load_trainer_states(self, states, adapter) -> None:
-        if self.world_size > 1:
-            dist.broadcast_object_list(["_load_rank_state", (adapter,)], src=0)
-            dist.scatter_object_list([None], states, src=0)  # each rank receives its own state only
-        self.trainer.load_state_dict(states[0], adapter)
-
-    def shutdown(self) -> None:
-        if self.world_size > 1:
-            dist.broadcast_object_list(["_stop", ()], src=0)
-
-
-def _serve(trainer: TrainWorker, rank: int) -> None:
-    """Ranks > 0: execute rank 0's trainer calls until told to stop."""
-    while True:
-        msg: list[Any] = [None, None]
-        dist.broadcast_object_list(msg, src=0)
-        method, args = msg
-        if method == "_stop":
-            return
-        if method == "_load_rank_state":
-            (adapter,) = args
-            mine: list[Any] = [None]
-            dist.scatter_object_list(mine, None, src=0)
-            trainer.load_state_dict(mine[0], adapter)
-            continue
-        result = getattr(trainer, method)(*args)
-        if method == "state_dict":
-            dist.gather_object(result, None, dst=0)
-
-
 def _rank_main(rank: int, rc: ResolvedConfig, run_dir: str, init_method: str, inputs: RunInputs | None = None,
                outcome=None, local_rank: int | None = None) -> None:
     """One trainer rank (rank 0 also the driver and the engine). `outcome`: in a spawned world, a queue that
@@ -200,7 +121,7 @@ def _rank_main(rank: int, rc: ResolvedConfig, run_dir: str, init_method: str, in
                         outcome.put(("preempted", (driver.preempted, driver.step)))
             else:
                 del state  # a preset's dict or the checkpoint's lazy source: the policy holds its own slices
-                _serve(trainer, rank)
+                follow_trainer(trainer, rank, rc.cluster.num_workers)
         finally:
             from megatron_patches.parallel import destroy_parallel, end_world
 
@@ -210,12 +131,12 @@ def _rank_main(rank: int, rc: ResolvedConfig, run_dir: str, init_method: str, in
 
 def _drive(rc: ResolvedConfig, run_dir: str, engine: RolloutWorker, trainer: TrainWorker, world: int,
            inputs: RunInputs | None) -> GRPODriver:
-    workers = LocalWorkers(engine, trainer, world)
-    driver = GRPODriver(rc, run_dir, workers, inputs)
+    trainers = LocalTrainers(trainer, world)
+    driver = GRPODriver(rc, run_dir, LocalEngine(engine), trainers, inputs)
     try:
         driver.run()
     finally:
-        workers.shutdown()
+        trainers.shutdown()
     return driver
 
 

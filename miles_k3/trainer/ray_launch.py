@@ -3,8 +3,10 @@ engine actor, colocated (same node, same GPU when cluster.device=cuda, each taki
 
 The trainer actors form one torch.distributed world (gloo on CPU, nccl on GPU; rank 0's node address and a
 free port, found by rank 0's actor) and megatron's TP group over it. Every engine actor generates a
-contiguous share of each rollout batch. The driver (this process) runs `GRPODriver` with `RayWorkers`;
-adapter tensors travel trainer rank 0 -> object store -> every engine (one `ray.put`).
+contiguous share of each rollout batch. The driver (this process) runs `GRPODriver` with `RayEngines` and
+`RayTrainers` (`miles_k3.trainer.backends`); an actor takes the driver's calls by name (`miles_k3.rpc.dispatch`
+on its `RolloutWorker` or `TrainerRank`). Adapter tensors travel trainer rank 0 -> object store -> every engine
+(one `ray.put`).
 
 The placement group packs its bundles onto as few nodes as hold them (PACK), so a run larger than one node
 spans several: scripts/slurm/train_multinode.sbatch starts a Ray head and a worker per Slurm node, waits for
@@ -22,7 +24,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from miles_k3 import rpc
 from miles_k3.trainer import preempt
+from miles_k3.trainer.backends import RolloutBackend, TrainerGroup, TrainerRank
 from miles_k3.trainer.inputs import RunInputs
 from miles_k3.trainer.loop import GRPODriver
 from miles_k3.trainer.resolve import ResolvedConfig
@@ -44,11 +48,12 @@ class _TrainerActor:
 
         configure_process(self.rc, self.rank)
         # Ray exposes the bundle's GPU as cuda:0
-        _, _, self.worker = start_trainer_rank(self.rc, self.rank, device_for(self.rc, 0),
-                                               f"tcp://{master[0]}:{master[1]}")
+        _, _, worker = start_trainer_rank(self.rc, self.rank, device_for(self.rc, 0),
+                                          f"tcp://{master[0]}:{master[1]}")
+        self.target = TrainerRank(worker, self.rank, self.rc.cluster.num_workers)
 
-    def call(self, method: str, *args) -> Any:
-        return getattr(self.worker, method)(*args)
+    def call(self, name: str, *args) -> Any:
+        return rpc.dispatch(self.target, name, args)
 
 
 class _EngineActor:
@@ -58,75 +63,86 @@ class _EngineActor:
 
         configure_process(rc)
         config, state = load_base(rc.model, rc.trainer.seed)
-        self.worker = build_rollout_worker(rc, config, state, device_for(rc, 0))
+        self.target = build_rollout_worker(rc, config, state, device_for(rc, 0))
 
-    def call(self, method: str, *args) -> Any:
-        return getattr(self.worker, method)(*args)
+    def call(self, name: str, *args) -> Any:
+        return rpc.dispatch(self.target, name, args)
 
 
-class RayWorkers:
-    def __init__(self, trainers: list, engines: list):
-        self.trainers, self.engines = trainers, engines
+def _on_all(actors: list, name: str, *args) -> list[Any]:
+    import ray
 
-    def _all_trainers(self, method: str, *args) -> list[Any]:
+    return ray.get([a.call.remote(name, *args) for a in actors])
+
+
+class RayEngines(RolloutBackend):
+    """An engine actor per bundle; each generates a contiguous share of every batch."""
+
+    def __init__(self, actors: list):
+        self.actors = actors
+
+    def generate(self, samples, params):
         import ray
 
-        return ray.get([t.call.remote(method, *args) for t in self.trainers])
+        k = len(self.actors)
+        bounds = [len(samples) * i // k for i in range(k + 1)]
+        shares = [e.call.remote("generate", samples[lo:hi], params[lo:hi])
+                  for e, lo, hi in zip(self.actors, bounds, bounds[1:]) if hi > lo]
+        return [s for share in ray.get(shares) for s in share]  # the actors' filled copies, in order
 
-    def generate(self, prompts, params):
-        import ray
-
-        k = len(self.engines)
-        bounds = [len(prompts) * i // k for i in range(k + 1)]
-        shares = [e.call.remote("generate", prompts[lo:hi], params[lo:hi])
-                  for e, lo, hi in zip(self.engines, bounds, bounds[1:]) if hi > lo]
-        return [g for share in ray.get(shares) for g in share]
-
-    def engine_counters(self) -> dict[str, int]:
-        import ray
-
-        per_engine = ray.get([e.call.remote("engine_counters") for e in self.engines])
+    def counters(self) -> dict[str, int]:
+        per_engine = _on_all(self.actors, "engine_counters")
         return {key: sum(c[key] for c in per_engine) for key in per_engine[0]}
 
-    def release_engines(self) -> None:
-        import ray
+    def release(self) -> None:
+        _on_all(self.actors, "release_memory")
 
-        ray.get([e.call.remote("release_memory") for e in self.engines])
-
-    def resume_engines(self) -> None:
-        import ray
-
-        ray.get([e.call.remote("resume_memory") for e in self.engines])
-
-    def train(self, batch):
-        return self._all_trainers("train", batch)[0]
-
-    def adapter_state(self):
-        return self._all_trainers("adapter_state")[0]
+    def resume(self) -> None:
+        _on_all(self.actors, "resume_memory")
 
     def sync_adapter(self, tensors) -> float:
         import ray
 
-        ref = ray.put(tensors)
-        return max(ray.get([e.call.remote("sync_adapter", ref) for e in self.engines]))
-
-    def trainer_states(self):
-        return self._all_trainers("state_dict")
-
-    def load_trainer_states(self, states, adapter) -> None:
-        import ray
-
-        ray.get([t.call.remote("load_state_dict", s, adapter) for t, s in zip(self.trainers, states)])
+        return max(_on_all(self.actors, "sync_adapter", ray.put(tensors)))
 
     def shutdown(self) -> None:
         import ray
 
-        for actor in (*self.trainers, *self.engines):
+        for actor in self.actors:
             ray.kill(actor)
 
 
-def start_ray_workers(rc: ResolvedConfig) -> tuple[RayWorkers, Any]:
-    """Placement group + actors (the caller owns ray.init / ray.shutdown); returns (workers, placement group)."""
+class RayTrainers(TrainerGroup):
+    """A trainer actor per bundle, one torch.distributed world; every call goes to every actor."""
+
+    def __init__(self, actors: list):
+        self.actors = actors
+
+    def train(self, batch):
+        return _on_all(self.actors, "train", batch)[0]
+
+    def adapter_state(self):
+        return _on_all(self.actors, "adapter_state")[0]
+
+    def states(self):
+        return _on_all(self.actors, "states")[0]
+
+    def load_states(self, states, adapter) -> None:
+        import ray
+
+        ray.get([t.call.remote("load_states", adapter, states if i == 0 else None)
+                 for i, t in enumerate(self.actors)])
+
+    def shutdown(self) -> None:
+        import ray
+
+        for actor in self.actors:
+            ray.kill(actor)
+
+
+def start_ray_workers(rc: ResolvedConfig) -> tuple[RayEngines, RayTrainers, Any]:
+    """Placement group + actors (the caller owns ray.init / ray.shutdown); returns (engines, trainers, placement
+    group)."""
     import ray
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -153,7 +169,7 @@ def start_ray_workers(rc: ResolvedConfig) -> tuple[RayWorkers, Any]:
     engines = [placed(_EngineActor, i, rc) for i in range(rc.cluster.num_workers)]
     master = ray.get(trainers[0].address.remote())
     ray.get([t.setup.remote(master) for t in trainers])
-    return RayWorkers(trainers, engines), pg
+    return RayEngines(engines), RayTrainers(trainers), pg
 
 
 def launch_ray(rc: ResolvedConfig, run_dir: str | Path, inputs: RunInputs | None = None) -> None:
@@ -166,12 +182,13 @@ def launch_ray(rc: ResolvedConfig, run_dir: str | Path, inputs: RunInputs | None
         ray.init(address=rc.cluster.ray_address or "local", include_dashboard=False, log_to_driver=True)
     with preempt.watch():
         try:
-            workers, pg = start_ray_workers(rc)
+            engines, trainers, pg = start_ray_workers(rc)
             try:
-                driver = GRPODriver(rc, run_dir, workers, inputs)
+                driver = GRPODriver(rc, run_dir, engines, trainers, inputs)
                 driver.run()
             finally:
-                workers.shutdown()
+                trainers.shutdown()
+                engines.shutdown()
                 ray.util.remove_placement_group(pg)
         finally:
             if own:

@@ -16,10 +16,12 @@ from typing import Any, Callable
 
 from miles_k3.algo import PolicyLossConfig
 from miles_k3.data import PromptDataConfig
+from miles_k3.model.assets import builtin_path
 from miles_k3.model.lora_spec import LoraSpec
 from miles_k3.rewards import RewardConfig
+from miles_k3.trainer.backends import DRAFTER, ROLLOUT_BACKENDS, ROLLOUT_FN, backend_class
 from miles_k3.trainer.config import (AlgoCfg, ClusterCfg, LoggingCfg, ModelCfg, OptimCfg, ParallelCfg, RolloutCfg,
-                                     TrainConfig, TrainerCfg, builtin_path)
+                                     TrainConfig, TrainerCfg)
 from miles_k3.trainer.section import Section
 from rollout.config import EngineConfig
 from rollout.request import SamplingParams
@@ -133,12 +135,14 @@ def resolve(cfg: Any) -> ResolvedConfig:
     if d.chat_template == "chatml" and cfg.model.tokenizer == "hf":
         raise ValueError("data.chat_template 'chatml' is the embedded models' built-in template; an HF checkpoint "
                          "renders with its tokenizer's own: use data.chat_template=hf")
-    if r.speculative.drafter is not None and r.speculative.distill_every and c.launcher == "ray":
-        raise ValueError("rollout.speculative.distill_every distils the drafter on rank 0's engine "
-                         "(cluster.launcher=local or external), got cluster.launcher='ray'")
-    if r.fn is not None and c.launcher == "ray":
-        raise ValueError("rollout.fn runs on rank 0's engine (cluster.launcher=local or external), got "
-                         "cluster.launcher='ray'")
+    backend = backend_class(c.launcher)  # what the launcher's rollout backend can do, before it is built
+    for asked, field, capability in ((r.speculative.drafter is not None and r.speculative.distill_every,
+                                      "rollout.speculative.distill_every", DRAFTER),
+                                     (r.fn is not None, "rollout.fn", ROLLOUT_FN)):
+        if asked and capability not in backend.CAPABILITIES:
+            able = sorted(k for k, v in ROLLOUT_BACKENDS.items() if capability in backend_class(k).CAPABILITIES)
+            raise ValueError(f"{field} needs a rollout backend with {capability!r}; cluster.launcher="
+                             f"{c.launcher!r} runs {backend.__name__}, which has none (launchers that do: {able})")
     par = cfg.parallel
     if c.num_workers != par.world_size:
         raise ValueError(f"cluster.num_workers must equal the layout's world size tp * pp * cp * dp = "

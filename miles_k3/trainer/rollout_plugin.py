@@ -3,13 +3,13 @@
 `rollout.fn=module.path:function` replaces the loop's one-call generation. The function is called once per
 sample (`rollout.samples_per_prompt` times per prompt), sync or `async def`:
 
-    async def rollout(client: PolicyClient, record: PromptRecord) -> Trajectory:
-        traj = Trajectory(client.prompt_ids)                   # the record's prompt as training encodes it
-        turn = await client.generate(traj.ids, stop_token_ids=[CALL])   # the policy's turn
-        traj.add_policy(turn)                                  # its tokens carry loss, with the engine's log-probs
-        traj.add_environment(client.encode(tool_output))       # read by the model, masked out of the loss
-        traj.add_policy(await client.generate(traj.ids))
-        return traj                                            # text: what the reward scores (decoded response)
+    async def rollout(client: PolicyClient, record: PromptRecord) -> Sample:
+        sample = client.sample                                 # this sample's record: the prompt as training encodes it
+        turn = await client.generate(sample.ids, stop_token_ids=[CALL])  # the policy's turn (a Sample: output_ids, logprobs)
+        sample.add_policy(turn)                                # its tokens carry loss, with the engine's log-probs
+        sample.add_environment(client.encode(tool_output))     # read by the model, masked out of the loss
+        sample.add_policy(await client.generate(sample.ids))
+        return sample                                          # response: what the reward scores (None: decoded output)
 
 A sync function calls `client.generate_sync(...)` instead (it runs in a thread of its own). Every sample's
 function runs concurrently, so the turns of all samples are batched by the engine together. `client.generate`
@@ -18,8 +18,10 @@ rollout.max_new_tokens tokens a turn unless `max_new_tokens` is given; stopping 
 rollout.stop_at_eos), seeded per sample and turn (a resumed run redraws the same samples). The log-probs a
 turn returns are the engine's, in the engine's convention (log pi(token | context) at the run's
 temperature): the trainer compares them with its own (TIS / MIS, train_rollout_logprob_abs_diff), so a
-plugin must pass them on untouched, and must feed the model exactly the ids it trains on (`traj.ids`),
-never re-tokenized text.
+plugin must pass them on untouched, and must feed the model exactly the ids it trains on (`sample.ids`),
+never re-tokenized text. `client.sample` is the driver's own record of the sample (`miles_k3.data.sample.Sample`,
+its prompt, label and place in its group set): the function fills and returns it, so whatever per-token fields
+the engine returns with a turn ride along to the trainer.
 
 The client (`rollout.client`): "engine" talks to the colocated engine in-process through
 `rollout.server.generation.GenerationService` (the server's own client: continuous batching on the engine
@@ -27,9 +29,9 @@ loop thread); "http" starts `miles-serve`'s app over the same engine on 127.0.0.
 through its SGLang-native `POST /generate` (`client.base_url` is there for agent code that speaks the
 OpenAI API: model "policy" is the adapter being trained).
 
-A trajectory whose every response token is masked (or which has none) carries no signal: the loop drops it
-and counts it (`samples_all_masked`). A function that raises, or returns something that is not a valid
-`Trajectory`, stops the run with `RolloutPluginError` naming the function and the sample.
+A sample whose every response token is masked (or which has none) carries no signal: the loop drops it and
+counts it (`samples_all_masked`). A function that raises, or returns something other than its client's
+`sample` filled validly, stops the run with `RolloutPluginError` naming the function and the sample.
 """
 
 from __future__ import annotations
@@ -37,12 +39,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import inspect
-import math
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 from miles_k3.data import PromptRecord
+from miles_k3.data.sample import Sample
 from rollout.request import SamplingParams
 
 if TYPE_CHECKING:
@@ -56,67 +58,14 @@ class RolloutPluginError(RuntimeError):
     """A rollout function raised, or returned an invalid trajectory."""
 
 
-class Turn(NamedTuple):
-    """One generation: the policy's tokens and the engine's log-prob of each."""
-
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str  # "stop" (a stop token, kept as the last token) | "length" | "abort"
-
-
-@dataclass
-class Trajectory:
-    """A multi-turn sample: the prompt, then the response, each response token marked as the policy's (carries
-    loss, with the engine's log-prob) or the environment's (masked: read as context, no loss)."""
-
-    prompt_ids: list[int]
-    response_ids: list[int] = field(default_factory=list)
-    loss_mask: list[bool] = field(default_factory=list)  # per response token: True = the policy's
-    logprobs: list[float] = field(default_factory=list)  # per response token: the engine's (0.0 where masked)
-    text: str | None = None  # what the reward scores; None: the decoded response
-
-    @property
-    def ids(self) -> list[int]:
-        """Everything so far (prompt + response): the next turn's context."""
-        return self.prompt_ids + self.response_ids
-
-    def add_policy(self, turn: Turn) -> None:
-        self.response_ids += turn.token_ids
-        self.loss_mask += [True] * len(turn.token_ids)
-        self.logprobs += list(turn.logprobs)
-
-    def add_environment(self, token_ids: list[int]) -> None:
-        self.response_ids += list(token_ids)
-        self.loss_mask += [False] * len(token_ids)
-        self.logprobs += [0.0] * len(token_ids)
-
-    def check(self, vocab_size: int) -> None:
-        """ValueError saying what is wrong with a trajectory the trainer cannot use."""
-        if not self.prompt_ids:
-            raise ValueError("empty prompt_ids")
-        n = len(self.response_ids)
-        if len(self.loss_mask) != n or len(self.logprobs) != n:
-            raise ValueError(f"{n} response tokens, {len(self.loss_mask)} loss-mask entries, "
-                             f"{len(self.logprobs)} log-probs (one each per response token)")
-        for name, ids in (("prompt_ids", self.prompt_ids), ("response_ids", self.response_ids)):
-            bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size]
-            if bad:
-                raise ValueError(f"{name} holds {bad[0]!r}, not a token id of the model's vocabulary ({vocab_size})")
-        for lp, keep in zip(self.logprobs, self.loss_mask):
-            if keep and not (isinstance(lp, (int, float)) and math.isfinite(lp) and lp <= 0.0):
-                raise ValueError(f"a policy token's log-prob is {lp!r} (the engine's: finite, <= 0)")
-        if self.text is not None and not isinstance(self.text, str):
-            raise ValueError(f"text must be a string or None, got {type(self.text).__name__}")
-
-
 @dataclass(frozen=True)
 class RolloutJob:
-    """One sample to roll out: its prompt record, the prompt as training encodes it, and its sampling."""
+    """One sample to roll out: its prompt record, the driver's record of the sample (prompt ids set, no
+    output yet), and its sampling."""
 
     record: PromptRecord
-    prompt_ids: list[int]
+    sample: Sample
     params: SamplingParams  # the run's, with this sample's seed and stop tokens
-    where: str  # "group g sample i" (messages)
 
 
 class RolloutFn(NamedTuple):
@@ -132,7 +81,7 @@ def load_rollout_fn(ref: str) -> RolloutFn:
 
     fn = load_by_path(ref, what="rollout function")
     if inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn):
-        raise ValueError(f"rollout function {ref!r} is a generator; it must return a Trajectory")
+        raise ValueError(f"rollout function {ref!r} is a generator; it must return its client.sample")
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):
@@ -157,7 +106,8 @@ class PolicyClient:
 
     def __init__(self, job: RolloutJob, codec: Tokenizer, loop: asyncio.AbstractEventLoop):
         self.job, self.codec, self._loop = job, codec, loop
-        self.prompt_ids = list(job.prompt_ids)
+        self.sample = job.sample  # the record the function fills and returns
+        self.prompt_ids = list(job.sample.prompt_ids)
         self.eos_token_id = codec.eos_token_id
         self.turns = 0
 
@@ -181,19 +131,26 @@ class PolicyClient:
         return params
 
     async def generate(self, ids: list[int], *, max_new_tokens: int | None = None,
-                       stop_token_ids: tuple[int, ...] | list[int] = ()) -> Turn:
+                       stop_token_ids: tuple[int, ...] | list[int] = ()) -> Sample:
         """The policy's continuation of `ids` (prompt and every turn so far), ending at a stop token (kept)
-        or after max_new_tokens."""
+        or after max_new_tokens: a Sample whose `output_ids`, `logprobs` and `finish_reason` ("stop": a stop
+        token, kept as the last token | "length" | "abort") are the turn's, for `sample.add_policy`."""
         return await self._generate(list(ids), self._params(max_new_tokens, tuple(stop_token_ids)))
 
     def generate_sync(self, ids: list[int], *, max_new_tokens: int | None = None,
-                      stop_token_ids: tuple[int, ...] | list[int] = ()) -> Turn:
+                      stop_token_ids: tuple[int, ...] | list[int] = ()) -> Sample:
         """`generate` for a sync rollout function (called from its thread, never from the event loop)."""
         coro = self.generate(ids, max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids)
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
-    async def _generate(self, ids: list[int], params: SamplingParams) -> Turn:
+    async def _generate(self, ids: list[int], params: SamplingParams) -> Sample:
         raise NotImplementedError
+
+
+def turn(ids: list[int], token_ids: list[int], logprobs: list[float], finish_reason: str) -> Sample:
+    """One generation as a client returns it: the context `ids`, the policy's tokens and their log-probs."""
+    return Sample("", prompt_ids=list(ids), output_ids=list(token_ids), logprobs=list(logprobs),
+                  loss_mask=[True] * len(token_ids), finish_reason=finish_reason)
 
 
 class EngineClient(PolicyClient):
@@ -203,14 +160,14 @@ class EngineClient(PolicyClient):
         super().__init__(job, codec, loop)
         self.service = service
 
-    async def _generate(self, ids: list[int], params: SamplingParams) -> Turn:
+    async def _generate(self, ids: list[int], params: SamplingParams) -> Sample:
         from rollout.server.generation import GenerationRequest
 
         # the stop tokens are the params' (eos among them when rollout.stop_at_eos), as in the single-turn loop
         req = GenerationRequest(ids, params, adapter=ADAPTER, ignore_eos=True)
         async with self.service.open([req]) as gen:
             (s,) = await gen.result()
-        return Turn(list(s.token_ids), list(s.logprobs), s.finish_reason or "abort")
+        return turn(ids, s.token_ids, s.logprobs, s.finish_reason or "abort")
 
 
 class HTTPClient(PolicyClient):
@@ -221,7 +178,7 @@ class HTTPClient(PolicyClient):
         super().__init__(job, codec, loop)
         self.http, self.base_url = http, base_url
 
-    async def _generate(self, ids: list[int], params: SamplingParams) -> Turn:
+    async def _generate(self, ids: list[int], params: SamplingParams) -> Sample:
         body = {"input_ids": ids, "return_logprob": True, "lora_path": ADAPTER,
                 "sampling_params": {"max_new_tokens": params.max_new_tokens, "temperature": params.temperature,
                                     "top_p": params.top_p, "top_k": params.top_k or -1,
@@ -233,18 +190,19 @@ class HTTPClient(PolicyClient):
             raise RuntimeError(f"POST /generate answered {r.status_code}: {out}")
         meta = out["meta_info"]
         logprobs = [float(lp) for lp, _, _ in meta["output_token_logprobs"]]
-        return Turn(list(out["output_ids"]), logprobs, (meta["finish_reason"] or {}).get("type", "abort"))
+        return turn(ids, out["output_ids"], logprobs, (meta["finish_reason"] or {}).get("type", "abort"))
 
 
 async def run_rollouts(plugin: RolloutFn, jobs: list[RolloutJob], make_client, vocab_size: int
-                       ) -> list[Trajectory]:
-    """Every job's trajectory, in order: all rollout functions run concurrently (sync ones in threads of
+                       ) -> list[Sample]:
+    """Every job's sample, filled, in order: all rollout functions run concurrently (sync ones in threads of
     their own), each with its own client from `make_client(job, loop)`."""
     loop = asyncio.get_running_loop()
     pool = ThreadPoolExecutor(max_workers=max(1, len(jobs)), thread_name_prefix="rollout-fn") \
         if not plugin.is_async else None
 
-    async def one(job: RolloutJob) -> Trajectory:
+    async def one(job: RolloutJob) -> Sample:
+        where = job.sample.where
         client = make_client(job, loop)
         try:
             if plugin.is_async:
@@ -252,15 +210,16 @@ async def run_rollouts(plugin: RolloutFn, jobs: list[RolloutJob], make_client, v
             else:
                 out = await loop.run_in_executor(pool, plugin.fn, client, job.record)
         except Exception as e:
-            raise RolloutPluginError(f"rollout.fn {plugin.name!r} raised on {job.where}: "
+            raise RolloutPluginError(f"rollout.fn {plugin.name!r} raised on {where}: "
                                      f"{type(e).__name__}: {e}") from e
-        if not isinstance(out, Trajectory):
-            raise RolloutPluginError(f"rollout.fn {plugin.name!r} returned a {type(out).__name__} on {job.where}; "
-                                     "it must return a Trajectory")
+        if out is not job.sample:
+            got = "another Sample" if isinstance(out, Sample) else f"a {type(out).__name__}"
+            raise RolloutPluginError(f"rollout.fn {plugin.name!r} returned {got} on {where}; it must fill and "
+                                     "return client.sample")
         try:
             out.check(vocab_size)
         except ValueError as e:
-            raise RolloutPluginError(f"rollout.fn {plugin.name!r} on {job.where}: invalid trajectory: {e}") from None
+            raise RolloutPluginError(f"rollout.fn {plugin.name!r} on {where}: invalid sample: {e}") from None
         return out
 
     try:

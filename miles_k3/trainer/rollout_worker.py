@@ -6,9 +6,12 @@ Safe to call from one thread. `rollout` runs a rollout plugin's samples (`miles_
 against this engine: an engine loop thread drives it for the call's duration (in-process client), or
 miles-serve's app over it on 127.0.0.1 (HTTP client); nothing else touches the engine meanwhile.
 
-A prompt with images comes to `generate` as a `MediaPrompt` (its ids and its images' `rollout.media.ImageFeatures`,
-computed once per prompt by the driver and shared by its samples): the engine splices the features at the pads
-and keys its prefix cache by their content hash; it never encodes an image here.
+`generate` fills the driver's `Sample` records (`miles_k3.data.sample`). A sample with images brings them in its
+`media` (`rollout.media.ImageFeatures`, computed once per prompt by the driver and shared by its samples): the
+engine splices the features at the pads and keys its prefix cache by their content hash; it never encodes an
+image here.
+
+The methods in `REPLAYED` are what a Ray engine actor takes by name (`miles_k3.rpc.dispatch`).
 
 With speculation (`EngineConfig.speculation`, from rollout.speculative), `engine_counters` adds the decode
 strategy's `SpecStats` and `distill_drafter` distils the engine's drafter, in place, on sequences the loop
@@ -20,17 +23,16 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from typing import Any, NamedTuple
-
 import torch
 
+from miles_k3.data.sample import Sample
 from miles_k3.model.config import K3Config
 from miles_k3.model.lora_spec import LoraSpec
 from rollout.config import EngineConfig
 from rollout.engine import Engine
 from rollout.model_runner import build_engine_model
-from miles_k3.trainer.rollout_plugin import (ADAPTER, EngineClient, HTTPClient, RolloutJob, Trajectory,
-                                             load_rollout_fn, run_rollouts)
+from miles_k3.trainer.rollout_plugin import (ADAPTER, EngineClient, HTTPClient, RolloutJob, load_rollout_fn,
+                                             run_rollouts)
 from rollout.request import SamplingParams
 from rollout.spec.distill import Blocks, DistillConfig, Distiller, Sequences, teacher_blocks
 from rollout.spec.drafter import DSparkConfig, DSparkDrafter
@@ -41,21 +43,9 @@ SPEC_COUNTERS = {"spec_verify_steps": "steps", "spec_rows": "rows", "spec_drafte
                  "spec_accepted": "accepted", "spec_emitted": "emitted"}
 
 
-class MediaPrompt(NamedTuple):
-    """A prompt with images: its token ids (the XTML blocks' media pads included) and one `ImageFeatures`
-    per image, in pad order. The samples of one prompt share the same features objects."""
-
-    ids: list[int]
-    images: tuple[Any, ...]  # rollout.media.ImageFeatures
-
-
-class Generated(NamedTuple):
-    output_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str
-
-
 class RolloutWorker:
+    REPLAYED = frozenset({"generate", "release_memory", "resume_memory", "sync_adapter", "engine_counters"})
+
     def __init__(self, config: K3Config, base_state: dict[str, torch.Tensor], lora: LoraSpec, *, quantize: str,
                  dtype: torch.dtype, device: str, engine: EngineConfig):
         model, pool = build_engine_model(config, base_state, quantize=quantize, lora=lora, max_adapters=1,
@@ -78,20 +68,24 @@ class RolloutWorker:
             torch.cuda.synchronize(pool.device)
         return (time.perf_counter() - start) * 1e3
 
-    def generate(self, prompts: list[list[int] | MediaPrompt], params: list[SamplingParams]) -> list[Generated]:
-        """Completions in prompt order, sampled with the policy adapter. A `MediaPrompt`'s images go to the
-        engine with its ids (a text-only call is the plain one)."""
-        if not any(isinstance(p, MediaPrompt) for p in prompts):
-            outs = self.engine.generate(prompts, params, adapter=ADAPTER)
+    def generate(self, samples: list[Sample], params: list[SamplingParams]) -> list[Sample]:
+        """Each sample's completion, sampled with the policy adapter and its params, filled into the sample
+        (`RolloutBackend.generate`); the samples, in order. A sample's images go to the engine with its ids (a
+        text-only call is the plain one)."""
+        ids = [s.prompt_ids for s in samples]
+        if all(s.media is None for s in samples):
+            outs = self.engine.generate(ids, params, adapter=ADAPTER)
         else:
-            ids = [p.ids if isinstance(p, MediaPrompt) else p for p in prompts]
-            images = [list(p.images) if isinstance(p, MediaPrompt) else None for p in prompts]
+            images = [None if s.media is None else list(s.media.images) for s in samples]
             outs = self.engine.generate(ids, params, adapter=ADAPTER, images=images)
-        return [Generated(o.output_ids, o.logprobs or [], o.finish_reason.value) for o in outs]
+        for s, o in zip(samples, outs):
+            s.output_ids, s.logprobs = o.output_ids, o.logprobs or []
+            s.loss_mask, s.finish_reason = [True] * len(o.output_ids), o.finish_reason.value
+        return samples
 
     def rollout(self, fn: str, jobs: list[RolloutJob], *, tokenizer: tuple[str, str | None],
-                client: str = "engine") -> list[Trajectory]:
-        """Each job's trajectory from the rollout function `fn` ("module:function"), in job order, every
+                client: str = "engine") -> list[Sample]:
+        """Each job's sample, filled by the rollout function `fn` ("module:function"), in job order, every
         sample's function running concurrently against this engine with the policy adapter. `tokenizer`:
         (model.tokenizer, model.path); `client`: "engine" (in-process) or "http" (miles-serve on loopback)."""
         if fn not in self._plugins:
@@ -104,7 +98,7 @@ class RolloutWorker:
         plugin, codec, server_tok = self._plugins[fn]
         return asyncio.run(self._rollout(plugin, codec, server_tok, jobs, client, tokenizer[1]))
 
-    async def _rollout(self, plugin, codec, server_tok, jobs, client, path) -> list[Trajectory]:
+    async def _rollout(self, plugin, codec, server_tok, jobs, client, path) -> list[Sample]:
         vocab = self.engine.model.config.vocab_size
         if client == "http":
             import httpx

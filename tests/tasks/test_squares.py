@@ -10,7 +10,7 @@ from miles_k3.data import PromptDataConfig, load_prompts
 from miles_k3.data.image_processor import ImageProcessor, ImageProcessorConfig
 from miles_k3.data.media import expand_media_prompt, media_pad_positions
 from miles_k3.model import K3Config
-from miles_k3.rewards.sample import Sample
+from miles_k3.rewards import Sample
 from miles_k3.tasks.squares import (BACKGROUND, CELL, COLORS, GAP, HELDOUT_MODULUS, MEDIA_PAD_ID, SquaresProblem,
                                     SquaresTokenizer, _draw, check_count, count_reward, make_square_problems,
                                     split_of, write_jsonl)

@@ -15,7 +15,7 @@ def one_group() -> TrainBatch:
     prompts = [[1, 5, 7, 9], [1, 5, 7, 9]]
     responses = [[4, 9, 17, 2], [5, 8, 2]]
     logps = [[-1.0] * len(r) for r in responses]
-    return TrainBatch(prompts, responses, logps, [1.0, -1.0], [0, 0])
+    return TrainBatch.of(prompts, responses, logps, [1.0, -1.0], [0, 0])
 
 
 def worker(rank: int, world: int, port: int, out: str, overrides: tuple[str, ...]) -> None:

@@ -7,7 +7,7 @@ from miles_k3.trainer.micro_batches import data_share, micro_batches
 
 def batch(groups: list[int]) -> TrainBatch:
     n = len(groups)
-    return TrainBatch([[1, 2]] * n, [[3, 4, 5]] * n, [[-0.5] * 3] * n, [0.5] * n, groups)
+    return TrainBatch.of([[1, 2]] * n, [[3, 4, 5]] * n, [[-0.5] * 3] * n, [0.5] * n, groups)
 
 
 def test_ranks_share_whole_groups_with_full_weight():

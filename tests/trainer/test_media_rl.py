@@ -62,13 +62,14 @@ def overrides(root: Path, *extra: str) -> list[str]:
 def build(rc, run_dir):
     from megatron_patches.parallel import ensure_parallel
     from miles_k3.trainer.inputs import load_run_inputs
-    from miles_k3.trainer.launch import LocalWorkers, build_rollout_worker, build_train_worker
+    from miles_k3.trainer.backends import LocalEngine, LocalTrainers
+    from miles_k3.trainer.launch import build_rollout_worker, build_train_worker
 
     ensure_parallel()
     inputs = load_run_inputs(rc, run_dir, weights="keep")
     engine = build_rollout_worker(rc, inputs.config, inputs.base_state, "cpu")
     trainer = build_train_worker(rc, inputs.config, inputs.base_state, "cpu")
-    return inputs, engine, trainer, LocalWorkers(engine, trainer)
+    return inputs, engine, trainer, (LocalEngine(engine), LocalTrainers(trainer))
 
 
 def test_image_rollouts_train_with_the_engines_logprobs_and_encode_each_prompt_once(vl, tmp_path):
@@ -76,7 +77,7 @@ def test_image_rollouts_train_with_the_engines_logprobs_and_encode_each_prompt_o
 
     rc = resolve(composed(*overrides(vl)))
     inputs, engine, trainer, workers = build(rc, tmp_path)
-    driver = GRPODriver(rc, tmp_path, workers, inputs)
+    driver = GRPODriver(rc, tmp_path, *workers, inputs)
     rows = driver.run()
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
@@ -92,14 +93,8 @@ def _batch(driver, records, n=2):
     """Rollouts of `records` (n samples each) as a TrainBatch, through the driver's own encode and generate."""
     from miles_k3.trainer.batch import TrainBatch
 
-    prompts, media = driver._encode(records)
-    flat = [p for p in prompts for _ in range(n)]
-    params = [driver._params(seed=i) for i in range(len(flat))]
-    gens = driver._generate(records, flat, params, [g for g in range(len(records)) for _ in range(n)],
-                            [m for m in media for _ in range(n)])
-    return TrainBatch([g.prompt_ids for g in gens], [g.output_ids for g in gens], [g.logprobs for g in gens],
-                      [0.0] * len(gens), [i // n for i in range(len(gens))],
-                      media=[g.media for g in gens] if any(g.media is not None for g in gens) else None)
+    samples = driver.samples(records, n)
+    return TrainBatch(driver._generate(records, samples, [driver._params(seed=i) for i in range(len(samples))]))
 
 
 def test_the_trainer_reads_the_images_features(vl, tmp_path):
@@ -107,13 +102,13 @@ def test_the_trainer_reads_the_images_features(vl, tmp_path):
     with the features left out, get other log-probs: the features reach the trainer's row."""
     import dataclasses
 
-    from miles_k3.trainer.batch import SequenceMedia
+    from miles_k3.trainer.batch import SequenceMedia, TrainBatch
     from miles_k3.trainer.loop import GRPODriver
 
     rc = resolve(composed(*overrides(vl)))
     inputs, engine, trainer, workers = build(rc, tmp_path)
-    workers.sync_adapter(workers.adapter_state())
-    driver = GRPODriver(rc, tmp_path, workers, inputs)
+    workers[0].sync_adapter(workers[1].adapter_state())
+    driver = GRPODriver(rc, tmp_path, *workers, inputs)
     batch = _batch(driver, inputs.train[:2])
     assert all(m is not None and len(m.positions) == m.features.shape[0] > 0 for m in batch.media)
     assert batch.media[0] is batch.media[1]  # a prompt's samples share one features tensor
@@ -122,32 +117,36 @@ def test_the_trainer_reads_the_images_features(vl, tmp_path):
         torch.testing.assert_close(torch.tensor(mine), torch.tensor(theirs), atol=1e-4, rtol=0)
 
     # the second prompt's image on the first prompt's pads (both images are 56 x 42: the same pad count)
-    other = driver._encode([dataclasses.replace(inputs.train[0], images=inputs.train[1].images)])[1][0]
+    other = driver.samples([dataclasses.replace(inputs.train[0], images=inputs.train[1].images)], 1)[0].media
     assert other.positions == batch.media[0].positions
-    swapped = dataclasses.replace(batch, media=[SequenceMedia(other.positions, other.features)] * 2
-                                  + batch.media[2:])
-    moved = trainer.logprobs(swapped)
+
+    def with_media(media):  # the batch's samples, their images replaced
+        return TrainBatch([dataclasses.replace(s, media=m) for s, m in zip(batch.samples, media)])
+
+    moved = trainer.logprobs(with_media([SequenceMedia(other.positions, other.images)] * 2 + batch.media[2:]))
     assert max(abs(a - b) for a, b in zip(moved[0], got[0])) > 1e-3
     # the other prompt's rows are untouched (up to the packed row's float summation order)
     torch.testing.assert_close(torch.tensor(moved[2:]), torch.tensor(got[2:]), atol=1e-5, rtol=0)
-    blank = trainer.logprobs(dataclasses.replace(batch, media=None))  # the pads' own (text) embeddings
+    blank = trainer.logprobs(with_media([None] * len(batch)))  # the pads' own (text) embeddings
     assert max(abs(a - b) for a, b in zip(blank[0], got[0])) > 1e-3
 
 
 def test_mixed_text_and_image_pieces_pack_their_media_at_packed_positions(vl, tmp_path):
     from miles_k3.trainer.batch import SequenceMedia, TrainBatch, pack
 
+    from rollout.media import ImageFeatures
+
     feats = torch.arange(6.0).reshape(3, 2)
-    m = SequenceMedia((1, 2), feats[:2])
-    b = TrainBatch([[5, 3, 3, 6], [7, 8], [5, 3, 6]], [[9], [10, 11], [12]], [[0.0], [0.0, 0.0], [0.0]],
-                   [0.0] * 3, [0, 1, 2], media=[m, None, SequenceMedia((1,), feats[2:])])
+    m = SequenceMedia((1, 2), (ImageFeatures(feats[:1], 1), ImageFeatures(feats[1:2], 2)))
+    b = TrainBatch.of([[5, 3, 3, 6], [7, 8], [5, 3, 6]], [[9], [10, 11], [12]], [[0.0], [0.0, 0.0], [0.0]],
+                      [0.0] * 3, [0, 1, 2], media=[m, None, SequenceMedia((1,), (ImageFeatures(feats[2:], 3),))])
     p = pack(b, "cpu")
     assert p.media.positions.tolist() == [1, 2, 10]  # sequence 2 starts after 4 + 1 and 2 + 2 tokens: at 9
     assert torch.equal(p.media.features, feats)
     assert pack(b.select([1]), "cpu").media is None
     assert b.select([2, 0]).media == [b.media[2], m]
-    with pytest.raises(AssertionError, match="media"):
-        TrainBatch([[5, 3]], [[9]], [[0.0]], [0.0], [0], media=[SequenceMedia((1, 2), feats[:2])])
+    with pytest.raises(ValueError, match="media"):
+        TrainBatch.of([[5, 3]], [[9]], [[0.0]], [0.0], [0], media=[m])
 
 
 def test_a_text_only_run_builds_and_imports_none_of_the_image_path(tmp_path):
@@ -159,9 +158,9 @@ def test_a_text_only_run_builds_and_imports_none_of_the_image_path(tmp_path):
         "from tests.trainer.recipes import composed\n"
         "rc = resolve(composed('recipe=k3_grpo'))\n"
         f"inputs = load_run_inputs(rc, {str(tmp_path)!r}, weights='skip')\n"
-        f"driver = GRPODriver(rc, {str(tmp_path)!r}, None, inputs)\n"
+        f"driver = GRPODriver(rc, {str(tmp_path)!r}, None, None, inputs)\n"
         "assert inputs.media is None and driver.media is None\n"
-        "driver._encode(inputs.train[:4])\n"
+        "driver.samples(inputs.train[:4], 2)\n"
         "bad = [m for m in ('miles_k3.data.image_processor', 'miles_k3.model.vision', 'PIL') if m in sys.modules]\n"
         "assert not bad, bad\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)

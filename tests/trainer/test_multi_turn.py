@@ -1,5 +1,5 @@
 """Multi-turn rollouts (rollout.fn): the loss mask through the batch and the loss (masked tokens are context, not
-loss), the plugin contract (sync or async, checked trajectories, errors naming the function), and the
+loss), the plugin contract (sync or async, checked samples, errors naming the function), and the
 calculator tool-use example trained end to end through `miles-train` with both clients."""
 
 import asyncio
@@ -15,8 +15,9 @@ import torch
 from miles_k3.data import PromptRecord
 from miles_k3.trainer.batch import TrainBatch, pack
 from miles_k3.trainer.resolve import resolve
-from miles_k3.trainer.rollout_plugin import (PolicyClient, RolloutJob, RolloutPluginError, Trajectory, Turn,
-                                             load_rollout_fn, run_rollouts)
+from miles_k3.data.sample import Sample
+from miles_k3.trainer.rollout_plugin import (PolicyClient, RolloutJob, RolloutPluginError, load_rollout_fn,
+                                             run_rollouts, turn)
 from rollout.request import SamplingParams
 from tests.trainer.recipes import composed
 
@@ -29,7 +30,7 @@ TIMING = {"rollout_s", "train_s", "step_s", "samples_per_s", "adapter_sync_ms"}
 
 # ------------------------------------------------------------------ the batch
 def test_pack_keeps_masked_tokens_in_the_row_and_out_of_the_loss_mask():
-    b = TrainBatch(prompts=[[1, 5], [1, 7]], responses=[[8, 9, 10, 2], [11, 2]],
+    b = TrainBatch.of(prompts=[[1, 5], [1, 7]], responses=[[8, 9, 10, 2], [11, 2]],
                    rollout_logprobs=[[-0.1, 0.0, 0.0, -0.2], [-0.3, -0.4]], advantages=[1.0, -1.0], group_ids=[0, 0],
                    loss_masks=[[True, False, False, True], [True, True]])
     p = pack(b, "cpu")
@@ -38,8 +39,8 @@ def test_pack_keeps_masked_tokens_in_the_row_and_out_of_the_loss_mask():
     assert p.mask().tolist() == [[True, False, False, True], [True, True, False, False]]
     assert p.policy_tokens == 4 and b.policy_tokens() == 4
     assert b.select([0]).loss_masks == [[True, False, False, True]]
-    with pytest.raises(AssertionError, match="policy token"):
-        TrainBatch([[1]], [[2, 3]], [[0.0, 0.0]], [0.0], [0], loss_masks=[[False, False]])
+    with pytest.raises(ValueError, match="policy token"):
+        TrainBatch.of([[1]], [[2, 3]], [[0.0, 0.0]], [0.0], [0], loss_masks=[[False, False]])
 
 
 @pytest.fixture(scope="module")
@@ -56,11 +57,11 @@ def tiny():
     engine.sync_adapter(build_train_worker(rc, config, state, "cpu").adapter_state())
     prompts = [tok.encode_prompt(p) for p in ["12+7=", "40-9=", "3+3=", "77-70="] for _ in range(2)]
     params = [SamplingParams(max_new_tokens=5, seed=i) for i in range(len(prompts))]  # no eos stop: 5 tokens
-    outs = engine.generate(prompts, params)
+    outs = engine.generate([Sample("", prompt_ids=p) for p in prompts], params)
     adv = torch.randn(len(prompts), generator=torch.Generator().manual_seed(0)).tolist()
     masks = [[True, False, False, True, True] for _ in prompts]  # tokens 1-2 "the tool's"
-    batch = TrainBatch(prompts, [o.output_ids for o in outs], [o.logprobs for o in outs], adv,
-                       [i // 2 for i in range(len(prompts))], masks)
+    batch = TrainBatch.of(prompts, [o.output_ids for o in outs], [o.logprobs for o in outs], adv,
+                          [i // 2 for i in range(len(prompts))], masks)
     return rc, config, state, batch
 
 
@@ -80,20 +81,20 @@ def test_masked_tokens_carry_no_loss_and_flipping_the_mask_changes_the_gradient(
     # the masked tokens' rollout log-probs (what a plugin puts there) reach neither the gradient nor the metrics
     junk = [[lp if keep else -7.0 for lp, keep in zip(lps, mask)]
             for lps, mask in zip(batch.rollout_logprobs, batch.loss_masks)]
-    g_junk, m_junk = _grads(tiny, TrainBatch(batch.prompts, batch.responses, junk, batch.advantages,
+    g_junk, m_junk = _grads(tiny, TrainBatch.of(batch.prompts, batch.responses, junk, batch.advantages,
                                              batch.group_ids, batch.loss_masks))
     assert torch.equal(g, g_junk)
     assert m["train_rollout_logprob_abs_diff"] == m_junk["train_rollout_logprob_abs_diff"] < 1e-5
     assert m["entropy"] == m_junk["entropy"]
     # the mask flipped (the tool's tokens the policy's, and the policy's the tool's, keeping one): another gradient
     flipped = [[not k for k in mask[:-1]] + [True] for mask in batch.loss_masks]
-    g_flip, _ = _grads(tiny, TrainBatch(batch.prompts, batch.responses, batch.rollout_logprobs, batch.advantages,
+    g_flip, _ = _grads(tiny, TrainBatch.of(batch.prompts, batch.responses, batch.rollout_logprobs, batch.advantages,
                                         batch.group_ids, flipped))
     assert not torch.allclose(g, g_flip)
     # no mask: every token carries loss, as single-turn; equal to an all-True mask
-    g_all, _ = _grads(tiny, TrainBatch(batch.prompts, batch.responses, batch.rollout_logprobs, batch.advantages,
+    g_all, _ = _grads(tiny, TrainBatch.of(batch.prompts, batch.responses, batch.rollout_logprobs, batch.advantages,
                                        batch.group_ids))
-    g_true, _ = _grads(tiny, TrainBatch(batch.prompts, batch.responses, batch.rollout_logprobs, batch.advantages,
+    g_true, _ = _grads(tiny, TrainBatch.of(batch.prompts, batch.responses, batch.rollout_logprobs, batch.advantages,
                                         batch.group_ids, [[True] * 5 for _ in batch.prompts]))
     assert torch.equal(g_all, g_true) and not torch.allclose(g_all, g)
 
@@ -104,7 +105,7 @@ class FakeClient(PolicyClient):
 
     async def _generate(self, ids, params):
         await asyncio.sleep(0)
-        return Turn([7, 8], [-0.5, -0.5], "stop")
+        return turn(ids, [7, 8], [-0.5, -0.5], "stop")
 
 
 class Codec:
@@ -116,7 +117,8 @@ class Codec:
 
 def _jobs(n):
     rec = PromptRecord(0, "1+1=", "1+1=", 2)
-    return [RolloutJob(rec, [1, 4, 13, 4, 16], SamplingParams(seed=i), f"group 0 sample {i}") for i in range(n)]
+    return [RolloutJob(rec, Sample(rec.prompt, sample_index=i, prompt_ids=[1, 4, 13, 4, 16]), SamplingParams(seed=i))
+            for i in range(n)]
 
 
 def _run(fn, jobs):
@@ -125,7 +127,7 @@ def _run(fn, jobs):
 
 
 async def async_tool_rollout(client, record):
-    traj = Trajectory(client.prompt_ids)
+    traj = client.sample
     traj.add_policy(await client.generate(traj.ids))
     traj.add_environment(client.encode("42"))
     traj.add_policy(await client.generate(traj.ids, max_new_tokens=2))
@@ -133,22 +135,28 @@ async def async_tool_rollout(client, record):
 
 
 def sync_tool_rollout(client, record):
-    traj = Trajectory(client.prompt_ids)
+    traj = client.sample
     traj.add_policy(client.generate_sync(traj.ids))
     traj.add_environment(client.encode("42"))
     return traj
 
 
 def bad_logprob_rollout(client, record):
-    return Trajectory(client.prompt_ids, [7], [True], [float("nan")])
+    s = client.sample
+    s.output_ids, s.loss_mask, s.logprobs = [7], [True], [float("nan")]
+    return s
 
 
 def raising_rollout(client, record):
     raise KeyError("tool missing")
 
 
-def not_a_trajectory(client, record):
+def not_a_sample(client, record):
     return {"ids": []}
+
+
+def another_sample(client, record):
+    return Sample(record.prompt, prompt_ids=list(client.prompt_ids))
 
 
 def one_argument(client):
@@ -157,8 +165,8 @@ def one_argument(client):
 
 def all_masked_rollout(client, record):
     """Even samples: a real turn; odd ones: tool output only (no token of the policy's)."""
-    traj = Trajectory(list(client.prompt_ids))
-    if int(client.job.where.split()[-1]) % 2:
+    traj = client.sample
+    if traj.sample_index % 2:
         traj.add_environment(client.encode(" 1"))
     else:
         traj.add_policy(client.generate_sync(traj.ids))
@@ -167,12 +175,13 @@ def all_masked_rollout(client, record):
 
 @pytest.mark.parametrize("fn", ["tests.trainer.test_multi_turn:async_tool_rollout",
                                 "tests.trainer.test_multi_turn:sync_tool_rollout"])
-def test_sync_and_async_plugins_return_masked_trajectories(fn):
-    trajs = _run(fn, _jobs(3))
-    assert len(trajs) == 3
+def test_sync_and_async_plugins_return_masked_samples(fn):
+    jobs = _jobs(3)
+    trajs = _run(fn, jobs)
+    assert len(trajs) == 3 and all(t is job.sample for t, job in zip(trajs, jobs))  # the driver's own records
     for t in trajs:
         assert t.prompt_ids == [1, 4, 13, 4, 16]
-        n = len(t.response_ids)
+        n = len(t.output_ids)
         assert t.loss_mask[:4] == [True, True, False, False] and len(t.logprobs) == n == len(t.loss_mask)
         assert t.logprobs[:4] == [-0.5, -0.5, 0.0, 0.0]
 
@@ -187,20 +196,37 @@ def test_client_seeds_each_turn_and_adds_stop_tokens():
 
 
 @pytest.mark.parametrize("fn, match", [
-    ("tests.trainer.test_multi_turn:bad_logprob_rollout", "group 0 sample 0: invalid trajectory: a policy token's"),
+    ("tests.trainer.test_multi_turn:bad_logprob_rollout", "group 0 sample 0: invalid sample: a policy token's"),
     ("tests.trainer.test_multi_turn:raising_rollout", "raised on group 0 sample 0: KeyError"),
-    ("tests.trainer.test_multi_turn:not_a_trajectory", "returned a dict on group 0 sample 0"),
+    ("tests.trainer.test_multi_turn:not_a_sample", "returned a dict on group 0 sample 0"),
+    ("tests.trainer.test_multi_turn:another_sample", "returned another Sample on group 0 sample 0; it must fill"),
 ])
 def test_a_broken_plugin_stops_the_run_naming_it_and_the_sample(fn, match):
     with pytest.raises(RolloutPluginError, match=match):
         _run(fn, _jobs(1))
 
 
-def test_trajectory_checks():
-    with pytest.raises(ValueError, match="2 response tokens, 1 loss-mask entries"):
-        Trajectory([1], [3, 4], [True], [0.0, 0.0]).check(32)
-    with pytest.raises(ValueError, match="response_ids holds 99"):
-        Trajectory([1], [99], [True], [-1.0]).check(32)
+def test_sample_checks_hold_every_per_token_field_to_the_output():
+    with pytest.raises(ValueError, match="2 output tokens, but 1 loss_mask"):
+        Sample("", prompt_ids=[1], output_ids=[3, 4], loss_mask=[True], logprobs=[0.0, 0.0]).check(32)
+    with pytest.raises(ValueError, match="output_ids holds 99"):
+        Sample("", prompt_ids=[1], output_ids=[99], loss_mask=[True], logprobs=[-1.0]).check(32)
+    with pytest.raises(ValueError, match=r"1 output tokens, but 0 token_fields\['routed_experts'\]"):
+        Sample("", prompt_ids=[1], output_ids=[3], loss_mask=[True], logprobs=[-1.0],
+               token_fields={"routed_experts": []}).check(32)
+
+
+def test_per_token_fields_ride_along_each_turn_and_pad_around_environment_tokens():
+    s = Sample("q", prompt_ids=[1])
+    t = turn([1], [5, 6], [-0.1, -0.2], "stop")
+    t.token_fields["version"] = [3, 3]
+    s.add_policy(t)
+    s.add_environment([9])
+    s.add_policy(turn([1, 5, 6, 9], [7], [-0.3], "length"))
+    assert s.output_ids == [5, 6, 9, 7] and s.loss_mask == [True, True, False, True]
+    assert s.logprobs == [-0.1, -0.2, 0.0, -0.3] and s.finish_reason == "length"
+    assert s.token_fields == {"version": [3, 3, None, None]}
+    s.check(32)
 
 
 @pytest.mark.parametrize("ref, match", [
@@ -217,7 +243,8 @@ def test_load_rollout_fn_errors_name_the_reference(ref, match):
     (["rollout.fn=calculator_tool"], "rollout.fn must be 'module.path:function'"),
     (["rollout.client=http"], "rollout.client only applies with rollout.fn"),
     (["rollout.fn=m:f", "rollout.client=grpc"], "rollout.client must be one of"),
-    (["rollout.fn=m:f", "cluster=ray_cpu"], "rollout.fn runs on rank 0.s engine"),
+    (["rollout.fn=m:f", "cluster=ray_cpu"],
+     "rollout.fn needs a rollout backend with 'rollout_fn'; cluster.launcher='ray' runs RayEngines"),
 ])
 def test_bad_rollout_config_is_one_error_naming_the_field(overrides, match):
     with pytest.raises(ValueError, match=match):

@@ -22,7 +22,7 @@ from rollout.request import SamplingParams
 from rollout.spec import SpecConfig
 from rollout.spec.distill import DistillConfig
 from rollout.spec.drafter import DSparkConfig, DSparkDrafter
-from tests.trainer.recipes import composed
+from tests.trainer.recipes import composed, fresh
 
 LAYERS = (1, 3, 5)
 
@@ -50,7 +50,8 @@ def drafter_dir(tmp_path_factory):
     (["rollout.speculative.distill_decay=2"], r"^rollout\.speculative\.distill_decay must be <= 1"),
     (["rollout.speculative.distill_steps=0"], r"^rollout\.speculative\.distill_steps must be an integer >= 1"),
     (["DRAFTER", "rollout.speculative.distill_every=2", "cluster=ray_cpu"],
-     r"^rollout\.speculative\.distill_every distils the drafter on rank 0.s engine"),
+     r"^rollout\.speculative\.distill_every needs a rollout backend with 'drafter'; cluster\.launcher='ray' runs "
+     r"RayEngines, which has none \(launchers that do: \['external', 'local'\]\)"),
 ])
 def test_bad_speculative_settings_fail_by_field_name(drafter_dir, overrides, message):
     overrides = [f"rollout.speculative.drafter={drafter_dir}" if o == "DRAFTER" else o for o in overrides]
@@ -93,7 +94,7 @@ def test_the_distillation_target_is_the_policy_with_its_adapter(workers):
     spec_w, _, tok = workers
     prompts = [tok.encode_prompt(p) for p in ("12+7=", "40-9=", "3+3=")]
     params = [SamplingParams(max_new_tokens=8, stop_token_ids=(tok.eos_token_id,), seed=i) for i in range(3)]
-    gens = spec_w.generate(prompts, params)
+    gens = spec_w.generate(fresh(prompts), params)
     seqs = [(len(p), p + g.output_ids) for p, g in zip(prompts, gens)]
     examples = [(s, p) for s, (plen, t) in enumerate(seqs) for p in range(plen, len(t) - 1)]
     blocks = spec_w.policy_blocks(seqs, examples, spec_w.engine.decoder.strategy.drafter.config)
@@ -107,10 +108,10 @@ def test_distill_drafter_updates_the_engines_drafter_in_place_and_stays_lossless
     spec_w, plain_w, tok = workers
     prompts = [tok.encode_prompt(p) for p in ("12+7=", "40-9=", "77-70=", "8-15=")]
     greedy = SamplingParams(temperature=0, max_new_tokens=10, stop_token_ids=(tok.eos_token_id,))
-    want = plain_w.generate(prompts, [greedy] * 4)
+    want = plain_w.generate(fresh(prompts), [greedy] * 4)
 
     def check_lossless():
-        for a, b in zip(want, spec_w.generate(prompts, [greedy] * 4)):
+        for a, b in zip(want, spec_w.generate(fresh(prompts), [greedy] * 4)):
             assert a.output_ids == b.output_ids
             assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
 
@@ -119,7 +120,8 @@ def test_distill_drafter_updates_the_engines_drafter_in_place_and_stays_lossless
     ptrs = {n: p.data_ptr() for n, p in drafter.named_parameters()}
     fc = drafter.fc.weight.detach().clone()
     sampled = [SamplingParams(max_new_tokens=10, stop_token_ids=(tok.eos_token_id,), seed=i) for i in range(8)]
-    seqs = [(len(p), p + g.output_ids) for p, g in zip(prompts * 2, spec_w.generate(prompts * 2, sampled))]
+    gens = spec_w.generate(fresh(prompts * 2), sampled)
+    seqs = [(len(p), p + g.output_ids) for p, g in zip(prompts * 2, gens)]
     out = spec_w.distill_drafter(seqs, DistillConfig(steps=2, blocks=16), seed=0)
     assert set(out) == {"drafter_tv_before", "drafter_tv_after", "drafter_distill_loss", "drafter_distill_blocks",
                         "drafter_distill_ms"}

@@ -10,7 +10,7 @@ from miles_k3.trainer.batch import TrainBatch
 from miles_k3.trainer.resolve import resolve
 from miles_k3.trainer.launch import build_rollout_worker, build_train_worker
 from rollout.request import SamplingParams
-from tests.trainer.recipes import composed
+from tests.trainer.recipes import composed, fresh
 
 
 @pytest.fixture(scope="module")
@@ -26,9 +26,9 @@ def rollouts(engine, tok, n=8, seed=0):
     prompts = [tok.encode_prompt(p) for p in ["12+7=", "40-9=", "3+3=", "77-70="] for _ in range(n // 4)]
     params = [SamplingParams(max_new_tokens=5, stop_token_ids=(tok.eos_token_id,), seed=seed + i)
               for i in range(len(prompts))]
-    outs = engine.generate(prompts, params)
+    outs = engine.generate(fresh(prompts), params)
     adv = torch.randn(len(prompts), generator=torch.Generator().manual_seed(seed)).tolist()
-    return TrainBatch(prompts, [o.output_ids for o in outs], [o.logprobs for o in outs], adv,
+    return TrainBatch.of(prompts, [o.output_ids for o in outs], [o.logprobs for o in outs], adv,
                       [i // 2 for i in range(len(prompts))])
 
 

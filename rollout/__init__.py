@@ -9,7 +9,7 @@ shared `miles_k3.model` definition: engine linears through its factories, paged 
     media.py          a prompt's images: checks at submit, features once per content, cache keys, prefill splice
     scheduler.py      Scheduler: queues, admission, a plan per step (prefill chunks or a decode batch)
     cache_manager.py  CacheManager: per-request pages / slots and every handover with the radix cache
-    decode.py         DecodePipeline (overlap schedule) and the DecodeStrategy seam (OneToken, strategy_for)
+    decode.py         DecodePipeline (overlap schedule) and the DecodeStrategy seam (OneToken; engine.strategy_for picks one)
     model_runner.py   build_engine_model (HF tensors -> engine model) and ModelRunner (one forward)
     forward.py        model_step and DecodeGraphs (CUDA-graph decode per batch / history bucket)
     state_cache.py    BatchLayout and PoolStateCache: the K3StateCache over the pools
@@ -23,7 +23,9 @@ shared `miles_k3.model` definition: engine linears through its factories, paged 
     noise.py          sampling noise as a function of (request seed, token position, vocabulary index)
     transfer.py       host-to-device copies that never wait for the device
     parallel.py       the sharded engine: EngineTP (TP / EP / DCP shares), rank 0's calls replayed by the
-                      others, build_sharded_engine
+                      others
+    build.py          EngineSpec and build_engine: the one engine builder (every front door's), and
+                      build_sharded_engine
     dcp.py            decode context parallelism: MLA KV rows by token position, partial attention + LSE merge
     spec/             speculative decoding: SpecConfig, lossless verification, SpecDecode (ReplaySSM fold),
                       the DSpark drafter, the cost-aware verify planner

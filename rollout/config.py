@@ -57,7 +57,7 @@ class EngineConfig:
     # decode context parallelism inside the tensor-parallel group: MLA's latent KV sharded by token position
     # over `dcp_size` ranks (rank r keeps positions p with p % dcp_size == r); 1: every rank keeps all of it
     dcp_size: int = 1
-    # speculative decoding (rollout.decode.strategy_for builds the decode strategy from it); None: one token
+    # speculative decoding (rollout.engine.strategy_for builds the decode strategy from it); None: one token
     # per row per step
     speculation: object | None = None
 

@@ -133,20 +133,6 @@ class OneToken(DecodeStrategy):
         return [[int(t)] for t in tokens], [[lp] for lp in logps]
 
 
-def strategy_for(runner: ModelRunner, config) -> DecodeStrategy:
-    """The engine's decode strategy for `config` (an EngineConfig): `OneToken`, or `SpecDecode` when
-    `speculation` is a `rollout.spec.SpecConfig`."""
-    if config.speculation is None:
-        return OneToken(runner)
-    from rollout.spec.config import SpecConfig  # the spec package builds on this module
-    from rollout.spec.strategy import SpecDecode
-
-    if not isinstance(config.speculation, SpecConfig):
-        raise ValueError(f"EngineConfig.speculation must be a rollout.spec.SpecConfig or None, got "
-                         f"{type(config.speculation).__name__}")
-    return SpecDecode(runner, config.speculation)
-
-
 class DecodePipeline:
     """Runs decode steps through a strategy; with `overlap`, keeps one step in flight across engine steps.
 

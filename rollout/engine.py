@@ -16,7 +16,7 @@ on CUDA keeps one decode step in flight while the host does the previous one's b
 every radix-cache handover go through the cache manager (`rollout.cache_manager`), the model through the
 model runner (`rollout.model_runner`). A request's life through these parts: docs/structures.md.
 
-A sharded engine (a model built with an `EngineTP` of size > 1, `rollout.parallel.build_sharded_engine`) runs
+A sharded engine (a model built with an `EngineTP` of size > 1, `rollout.build.build_sharded_engine`) runs
 one Engine per rank as a replicated state machine: rank 0 applies each state change as a call of one of the
 `REPLAYED` methods and logs it, the log is broadcast before its next step (adapter calls at once), and the
 other ranks replay the calls by name in `follow()` (`miles_k3.rpc`; `rollout.parallel`, "One decision per
@@ -34,7 +34,7 @@ from miles_k3.model.modeling import K3ForCausalLM
 from rollout import noise
 from rollout.cache_manager import CacheManager, Running
 from rollout.config import EngineConfig
-from rollout.decode import DecodePipeline, strategy_for
+from rollout.decode import DecodePipeline, DecodeStrategy, OneToken
 from rollout.forward import DecodeGraphs
 from rollout.lora import AdapterPool
 from rollout.media import Image, MediaEncoder, PromptMedia, packed_media
@@ -44,6 +44,20 @@ from rollout.parallel import EngineTP
 from rollout.request import Completion, FinishReason, Request, SamplingParams, next_request_id
 from rollout.sampler import sample
 from rollout.scheduler import Scheduler
+
+
+def strategy_for(runner: ModelRunner, config) -> DecodeStrategy:
+    """The engine's decode strategy for `config` (an EngineConfig): `OneToken`, or `SpecDecode` when
+    `speculation` is a `rollout.spec.SpecConfig`."""
+    if config.speculation is None:
+        return OneToken(runner)
+    from rollout.spec.config import SpecConfig  # imported when asked: a plain engine never loads rollout.spec
+    from rollout.spec.strategy import SpecDecode
+
+    if not isinstance(config.speculation, SpecConfig):
+        raise ValueError(f"EngineConfig.speculation must be a rollout.spec.SpecConfig or None, got "
+                         f"{type(config.speculation).__name__}")
+    return SpecDecode(runner, config.speculation)
 
 
 class Engine:

@@ -1,5 +1,6 @@
 """The engine sharded over a torch.distributed group: this rank's shares (TP, EP, DCP), their collectives, the
-leader / follower protocol that keeps one scheduler decision per step, and `build_sharded_engine`.
+leader / follower protocol that keeps one scheduler decision per step (`rollout.build.build_sharded_engine`
+builds a rank).
 
 Layout, as the seed deploys K3 (`EngineTP`): attention is tensor-parallel over the whole group (KDA and MLA
 heads split, row-parallel output projections all-reduced); the routed experts are either split by their
@@ -35,19 +36,11 @@ sent.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from pathlib import Path
-from typing import TYPE_CHECKING
-
 import torch
 import torch.distributed as dist
 
 from miles_k3.model.linear import TensorParallel
 from miles_k3.rpc import Broadcast
-
-if TYPE_CHECKING:
-    from rollout.config import EngineConfig
-    from rollout.engine import Engine
 
 
 class EngineTP(TensorParallel):
@@ -124,45 +117,3 @@ class EngineTP(TensorParallel):
         """(start, length) of this rank's DCP group's block of n rows (its dcp_size TP ranks' heads)."""
         step = n // self.size * self.dcp_size
         return self.rank // self.dcp_size * step, step
-
-
-def build_sharded_engine(path_or_state: str | Path | Mapping[str, torch.Tensor], config: "EngineConfig", *,
-                         model_config=None, group=None, ep: bool = False, quantize: str = "experts", lora=None,
-                         max_adapters: int = 4, dtype: torch.dtype = torch.bfloat16,
-                         device: str | torch.device = "cpu") -> "Engine":
-    """This process's rank of a TP engine over `group` (default: the whole torch.distributed world). Call it
-    on every rank of the group with the same arguments, after `init_process_group` (gloo on CPU, nccl with
-    one GPU per rank: set the device first).
-
-    path_or_state: a checkpoint directory (config.json + safetensors; each rank reads only its slices through
-    `miles_k3.model.checkpoint.CheckpointSource`) or a logical HF state dict with `model_config`. `ep`: whole
-    routed experts, num_experts / tp per rank (else split by intermediate dim). `config.dcp_size`: the DCP
-    group size. The rest as `rollout.model_runner.build_engine_model`. A thin wrapper of
-    `rollout.build.build_engine` (an `EngineSpec` with tp = the group's size), which takes PEFT adapters too.
-
-    How it runs: rank 0 is the engine's caller (`submit`, `step`, `generate`, `stream`, `abort`,
-    `add_adapter` / `update_adapter` with the trainer's full tensors, `release_memory` / `resume_memory`)
-    and gets the completions; when done it calls `engine.stop_followers()`. Every other rank calls
-    `engine.follow()`, which replays rank 0's calls step by step and returns once rank 0 stops:
-
-        engine = build_sharded_engine(path, EngineConfig(memory_bytes=...), device=f"cuda:{rank}")
-        if engine.is_leader:
-            outs = engine.generate(prompts, SamplingParams(temperature=0))
-            engine.stop_followers()
-        else:
-            engine.follow()
-    """
-    from rollout.build import EngineSpec, build_engine
-
-    if not dist.is_initialized():
-        raise ValueError("build_sharded_engine needs torch.distributed initialized (init_process_group) on every rank")
-    base = None
-    if not isinstance(path_or_state, (str, Path)):
-        if model_config is None:
-            raise ValueError("build_sharded_engine: a state dict needs model_config (its K3Config)")
-        base = (model_config, path_or_state)
-    size = dist.get_world_size(group)
-    spec = EngineSpec(path=None if base is not None else str(path_or_state), quantize=quantize, dtype=dtype,
-                      device=str(device), lora=lora, max_adapters=max_adapters, tp=size, ep=size if ep else 1,
-                      dcp=config.dcp_size, engine=config)
-    return build_engine(spec, base=base, group=group)

@@ -6,7 +6,7 @@ logical MLA KV capacity a device's pool holds.
     python scripts/bench_engine_layouts.py --layouts single,tp2 --batch-sizes 2 --gen-len 6   # the CPU check
 
 Each layout but `single` is one group of processes (nccl with a GPU per rank on CUDA, gloo on CPU), each
-building its rank of the sharded engine (`rollout.parallel.build_sharded_engine`: attention heads split,
+building its rank of the sharded engine (`rollout.build.build_sharded_engine`: attention heads split,
 routed experts split by their intermediate dim or, with EP, whole per rank; DCP shards MLA's KV by position)
 from the same seeded weights of --preset, made peaked (`bench_spec.peak`: the greedy next token wins by a
 wide margin, so bf16 rounding between layouts does not flip it; every layer still runs in full). `single`
@@ -124,7 +124,7 @@ def single(args) -> dict:
 def worker(rank: int, world: int, port: int, ep: bool, dcp: int, args, out: str) -> None:
     import faulthandler
 
-    from rollout.parallel import build_sharded_engine
+    from rollout.build import build_sharded_engine
 
     faulthandler.dump_traceback_later(args.timeout, exit=True)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -53,10 +53,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_forward import kimi_linear_form  # noqa: E402
 
+from miles_k3.data.tokenizers import preset_token_ids  # noqa: E402
 from miles_k3.model import K3Config, K3ForCausalLM  # noqa: E402
-from miles_k3.trainer.base import load_base_config  # noqa: E402
+from miles_k3.model.assets import builtin_path  # noqa: E402
+from miles_k3.model.base import load_base_config  # noqa: E402
 from miles_k3.tasks.arithmetic import ArithmeticTokenizer, check_answer  # noqa: E402
-from miles_k3.trainer.config import ModelCfg, builtin_path  # noqa: E402
 
 TRAIN_PROMPTS = "builtin:k3-tiny-arith/train.jsonl"
 # Our default LoRA targets in the Kimi-Linear form, as PEFT names them: attention q/k/v/o (KDA) and
@@ -73,7 +74,8 @@ ALGO_OVERRIDES = ["algo.dynamic_sampling=false", "algo.kl=none", "algo.reducer=t
 
 def write_base(preset: str, vocab_size: int, path: Path) -> K3Config:
     """The Kimi-Linear form of `preset`, seed-0 random init, saved as an HF checkpoint at `path`."""
-    config = kimi_linear_form(load_base_config(ModelCfg(path=None, preset=preset, vocab_size=vocab_size)))
+    config = kimi_linear_form(load_base_config(preset=preset, vocab_size=vocab_size,
+                                               token_ids=preset_token_ids("arithmetic")))
     torch.manual_seed(0)
     K3ForCausalLM(config).save_pretrained(path)
     return config

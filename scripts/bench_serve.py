@@ -82,7 +82,7 @@ def served_for(args):
     """The engine and tokenizer both sides run: the same settings for the server child and the baseline."""
     import torch
 
-    from miles_k3.trainer.config import ModelCfg
+    from miles_k3.data.tokenizers import preset_token_ids
     from rollout.server.config import ServeConfig
     from rollout.server.loading import build_served, load_served
 
@@ -95,7 +95,8 @@ def served_for(args):
     if args.preset is None:
         return load_served(cfg)
     # a preset over the arithmetic vocabulary, initialized as the trainer initializes model.preset runs
-    return build_served(ModelCfg(path=None, preset=args.preset, vocab_size=32), cfg, name)
+    spec = cfg.engine_spec(path=None, preset=args.preset, vocab_size=32, token_ids=preset_token_ids("arithmetic"))
+    return build_served(spec, "arithmetic", name)
 
 
 def prompts(count: int) -> list[str]:

@@ -54,7 +54,7 @@ def ours(args, base_dir: Path, rows) -> callable:
     from miles_k3.trainer.base import load_base
     from miles_k3.trainer.batch import TrainBatch
     from miles_k3.trainer.config import register_schema
-    from miles_k3.trainer.launch import build_train_worker
+    from miles_k3.trainer.workers import build_train_worker
     from miles_k3.trainer.resolve import resolve
 
     dtype = "bfloat16" if args.device == "cuda" else "float32"

@@ -34,17 +34,19 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from rollout.server.config import ENGINE_FLAGS, EngineFlags, add_flags, check_adapters, flag_errors
 
 ADAPTER = "adapter"  # the name the rows' adapter is loaded under
 
 
-@dataclass(frozen=True)
-class GenerateArgs:
-    """The command's flags, checked by `check` (ValueError "--flag ..." before any model is read)."""
+@dataclass(frozen=True, kw_only=True)
+class GenerateArgs(EngineFlags):
+    """The command's flags: the engine's (`EngineFlags`, shared with miles-serve: the same names, help, checks
+    and messages) and its own below, checked by `check` (ValueError "--flag ..." before any model is read)."""
 
-    model: str  # a checkpoint directory or builtin:<name>
     images: tuple[Path, ...]  # --image: the images every --prompts row sees, in placeholder order
     input_ids: Path | None  # JSONL of {"input_ids": [...]}
     prompts: Path | None  # JSONL of {"prompt": str} or {"messages": [...]}
@@ -56,21 +58,16 @@ class GenerateArgs:
     seed: int
     stop_token_ids: tuple[int, ...]
     adapter: Path | None  # a PEFT adapter directory (as the trainer saves it) the rows run with
-    tokenizer: str | None
     tp: int
     dcp: int
     ep: bool  # with --tp: whole routed experts, num_experts / tp per rank (else split by intermediate dim)
-    speculative: str  # the server's flags (rollout.server.config.ServeConfig checks them and builds the SpecConfig)
-    drafter: str | None
-    gamma: int | None
-    spec_planner: str | None
-    spec_max_batch: int | None
-    device: str
-    dtype: str | None
-    quantize: str
-    memory_mb: float
-    max_running: int | None
-    max_seq_len: int | None
+    # a batch holds its rows' KV at once: more memory than a server's default
+    memory_mb: float = field(default=256.0, metadata=EngineFlags.__dataclass_fields__["memory_mb"].metadata)
+
+    @property
+    def adapters(self) -> tuple[tuple[str, str], ...]:
+        """--adapter as the engine loads it: under the name `ADAPTER`."""
+        return () if self.adapter is None else ((ADAPTER, str(self.adapter)),)
 
     def check(self) -> None:
         if (self.input_ids is None) == (self.prompts is None):
@@ -92,18 +89,14 @@ class GenerateArgs:
             raise ValueError(f"--dcp {self.dcp} must divide --tp {self.tp}: decode context parallelism runs inside "
                              f"the tensor-parallel group")
         self.sampling(0, self.stop_token_ids)  # SamplingParams' own checks, before anything is loaded
-        self.serve_config().check()  # model, adapter, tokenizer, device, dtype, memory and speculation flags
+        super().check()  # model, tokenizer, device, dtype, memory and speculation flags
+        check_adapters(self.adapters, self.model)
 
-    def serve_config(self):
-        """The engine settings as the server's config (same flags, same checks, same loading)."""
-        from rollout.server.config import ServeConfig
-
-        adapters = () if self.adapter is None else ((ADAPTER, str(self.adapter)),)
-        return ServeConfig(model=self.model, adapters=adapters,
-                           tokenizer=self.tokenizer, device=self.device, dtype=self.dtype, quantize=self.quantize,
-                           memory_mb=self.memory_mb, max_running=self.max_running, max_seq_len=self.max_seq_len,
-                           speculative=self.speculative, drafter=self.drafter, gamma=self.gamma,
-                           spec_planner=self.spec_planner, spec_max_batch=self.spec_max_batch)
+    def engine_spec(self, **fields):
+        """The engine's spec: the engine flags' with the adapter and the --tp / --ep / --dcp layout; `fields`
+        as `EngineFlags.engine_spec` (a worker rank's device)."""
+        layout = {"tp": self.tp, "ep": self.tp if self.ep else 1, "dcp": self.dcp}
+        return super().engine_spec(**{"adapters": self.adapters, **layout, **fields})
 
     def sampling(self, row: int, stops: tuple[int, ...]):
         from rollout.request import SamplingParams
@@ -137,40 +130,6 @@ def read_rows(path: Path, flag: str, encode) -> list[list[int]]:
     return rows
 
 
-def prompt_encoder(tokenizer, images: list | None = None, pad_token_id: int | None = None):
-    """`encode(row) -> ids`. With `images` (ProcessedImages) the row's placeholders are expanded first, and
-    the ids must hold one pad run of each image's length (a tokenizer that splits the pad fails here)."""
-    from miles_k3.data.media import IMAGE_PLACEHOLDER, expand_media_prompt, media_pad_positions
-
-    def expand(text: str, at: int) -> tuple[str, int]:
-        n = text.count(IMAGE_PLACEHOLDER)
-        return expand_media_prompt(text, images[at:at + n]), at + n
-
-    def encode(row: dict) -> list[int]:
-        if isinstance(row.get("prompt"), str):
-            text = expand_media_prompt(row["prompt"], images) if images else row["prompt"]
-            ids = tokenizer.encode(text)
-        elif isinstance(row.get("messages"), list):
-            messages, at = row["messages"], 0
-            if images:
-                messages = [dict(m) for m in messages]
-                for m in messages:
-                    if isinstance(m, dict) and isinstance(m.get("content"), str):
-                        m["content"], at = expand(m["content"], at)
-                if at != len(images):
-                    raise ValueError(f"the messages hold {at} image placeholder(s) {IMAGE_PLACEHOLDER} but "
-                                     f"{len(images)} image(s) were given (--image)")
-            ids = tokenizer.encode_chat(messages)
-        else:
-            raise ValueError('expected {"prompt": "text"} or {"messages": [...]}')
-        if not ids:
-            raise ValueError("the prompt encodes to no tokens")
-        if images:
-            media_pad_positions(ids, images, pad_token_id)
-        return ids
-    return encode
-
-
 def encode_images(paths: tuple[Path, ...], model_path: str, dtype: str, device: str) -> tuple[list, list]:
     """The --image files processed by the checkpoint's image settings, and their features from its tower
     and projector (one forward, each image once): (ProcessedImages, `rollout.media.ImageFeatures` on the
@@ -178,9 +137,8 @@ def encode_images(paths: tuple[Path, ...], model_path: str, dtype: str, device: 
     import torch
 
     from miles_k3.data.image_processor import ImageProcessor
+    from miles_k3.model.base import TORCH_DTYPES
     from miles_k3.model.vision import K3VisionModel
-    from megatron_patches.parallel import end_world
-    from miles_k3.trainer.base import TORCH_DTYPES
     from rollout.media import ImageFeatures
 
     processor = ImageProcessor.from_pretrained(model_path)
@@ -220,35 +178,33 @@ def generate_outputs(engine, rows: list[list[int]], args: GenerateArgs, stops: t
 
 def run(args: GenerateArgs) -> list[dict]:
     """Load, check every row, generate (tensor-parallel workers for --tp > 1). ValueError on bad input."""
-    from miles_k3.trainer.base import load_base_config
-    from miles_k3.trainer.config import ModelCfg
-    from rollout.config import EngineConfig
+    from miles_k3.data.media import prompt_encoder
     from rollout.server.tokenization import build_server_tokenizer
 
     args.check()
-    cfg = args.serve_config()
-    model = ModelCfg(path=str(cfg.model_path), tokenizer=cfg.tokenizer_kind)
-    config = load_base_config(model)
+    spec = args.engine_spec()
+    config = spec.base_config()
     processed, images = [], None
     if args.images:
         if config.vision_config is None or config.media_placeholder_token_id is None:
-            raise ValueError(f"--image: {cfg.model_path} is not a vision-language checkpoint (its config.json has "
+            raise ValueError(f"--image: {args.model_path} is not a vision-language checkpoint (its config.json has "
                              "no vision_config / media_placeholder_token_id)")
-        processed, images = encode_images(args.images, str(cfg.model_path), cfg.resolved_dtype, args.device)
+        processed, images = encode_images(args.images, spec.path, spec.dtype, args.device)
     tokenizer = None
     if args.prompts is not None:
-        tokenizer = build_server_tokenizer(cfg.tokenizer_kind, str(cfg.model_path))
+        tokenizer = build_server_tokenizer(args.tokenizer_kind, spec.path)
         encode = prompt_encoder(tokenizer, processed, config.media_placeholder_token_id)
         rows = read_rows(args.prompts, "--prompts", encode)
     else:
         rows = read_rows(args.input_ids, "--input-ids", None)
     stops = tuple(args.stop_token_ids) + ((tokenizer.eos_token_id,) if tokenizer is not None else ())
-    check_ids(rows, config.vocab_size, cfg.max_seq_len or EngineConfig.max_seq_len, args.max_new_tokens,
+    check_ids(rows, config.vocab_size, spec.engine.max_seq_len, args.max_new_tokens,
               "--prompts" if args.prompts is not None else "--input-ids")
     if args.tp == 1:
-        from rollout.server.loading import build_engine
+        from rollout.build import build_engine
 
-        engine, _ = build_engine(model, cfg, seed=args.seed)
+        with flag_errors():
+            engine = build_engine(spec)
         return generate_outputs(engine, rows, args, stops, None if args.adapter is None else ADAPTER, tokenizer,
                                 images)
     outputs = run_workers(args, rows, stops, images)
@@ -280,16 +236,16 @@ def run_workers(args: GenerateArgs, rows: list[list[int]], stops: tuple[int, ...
 
 def _worker(rank: int, world: int, port: int, args: GenerateArgs, rows: list[list[int]], stops: tuple[int, ...],
             result: str, images: list | None = None) -> None:
+    """One engine rank (`rollout.build.build_engine` on every rank of the world); rank 0 generates and writes
+    the answer, the others follow it. A ValueError while building (every rank meets it alike: the same
+    files and checks) or generating is the answer's error."""
     import os
 
     import torch
     import torch.distributed as dist
 
     from megatron_patches.parallel import end_world
-    from miles_k3.trainer.base import TORCH_DTYPES
-    from rollout.config import EngineConfig
-    from rollout.parallel import build_sharded_engine
-    from rollout.server.loading import read_adapters
+    from rollout.build import build_engine
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     device = "cpu"
@@ -298,31 +254,30 @@ def _worker(rank: int, world: int, port: int, args: GenerateArgs, rows: list[lis
         device = f"cuda:{rank}"
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo", rank=rank, world_size=world)
     try:
-        cfg = args.serve_config()
-        spec, tensors, alphas = read_adapters(cfg.adapters)
-        engine_config = EngineConfig(memory_bytes=int(cfg.memory_mb * (1 << 20)), dcp_size=args.dcp,
-                                     **cfg.engine_overrides())
-        engine = build_sharded_engine(cfg.model_path, engine_config, ep=args.ep, quantize=cfg.quantize, lora=spec,
-                                      max_adapters=1, dtype=TORCH_DTYPES[cfg.resolved_dtype], device=device)
-        if not engine.is_leader:
-            engine.follow()
-            return
         try:
-            for name, t in tensors.items():  # rank 0's calls reach every rank (the leader's log)
-                engine.add_adapter(ADAPTER, t, alpha=alphas[name])
-            answer = {"outputs": generate_outputs(engine, rows, args, stops, ADAPTER if tensors else None,
-                                                  images=images)}
+            with flag_errors():
+                engine = build_engine(args.engine_spec(device=device))
         except ValueError as e:
             answer = {"error": str(e)}
-        finally:
-            engine.stop_followers()
-        Path(result).write_text(json.dumps(answer))
+        else:
+            if not engine.is_leader:
+                engine.follow()
+                return
+            try:
+                answer = {"outputs": generate_outputs(engine, rows, args, stops, ADAPTER if args.adapter else None,
+                                                      images=images)}
+            except ValueError as e:
+                answer = {"error": str(e)}
+            finally:
+                engine.stop_followers()
+        if rank == 0:
+            Path(result).write_text(json.dumps(answer))
     finally:
         end_world()
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="a checkpoint directory or builtin:<name>")
+    add_flags(p, GenerateArgs, ["model"])
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--input-ids", type=Path, help='JSONL rows {"input_ids": [...]}')
     src.add_argument("--prompts", type=Path, help='JSONL rows {"prompt": "text"} or {"messages": [...]}')
@@ -337,23 +292,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop-token-id", dest="stop_token_ids", type=int, action="append", default=[],
                    help="also stop after this token (repeatable)")
     p.add_argument("--adapter", type=Path, help="a PEFT LoRA adapter directory (as the trainer saves it)")
-    p.add_argument("--tokenizer", help="arithmetic | hf (default: arithmetic for builtin:, hf for a directory)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel engine ranks (worker processes)")
     p.add_argument("--dcp", type=int, default=1, help="decode context-parallel ranks inside the TP group")
     p.add_argument("--ep", action="store_true", help="with --tp: whole routed experts, num_experts / tp per rank")
-    from rollout.server.config import ServeConfig
-
-    # the server's flags, help and defaults
-    for name in ("speculative", "drafter", "gamma", "spec_planner", "spec_max_batch"):
-        f = ServeConfig.__dataclass_fields__[name]
-        p.add_argument("--" + name.replace("_", "-"), type=f.metadata.get("type", str), default=f.default,
-                       help=f.metadata["help"])
-    p.add_argument("--device", default="cpu", help="cpu | cuda")
-    p.add_argument("--dtype", help="float32 | bfloat16 (default: bfloat16 on cuda, float32 on cpu)")
-    p.add_argument("--quantize", default="experts", help="none | experts | all (MXFP4 base weights)")
-    p.add_argument("--memory-mb", type=float, default=256.0, help="KV pages + KDA state slots per rank, MiB")
-    p.add_argument("--max-running", type=int, help="rows decoding at once (default: the engine's)")
-    p.add_argument("--max-seq-len", type=int, help="prompt + generated tokens of a row (default: the engine's)")
+    add_flags(p, GenerateArgs, [n for n in ENGINE_FLAGS if n != "model"])  # the engine's, as miles-serve's
 
 
 def cmd_generate(ns: argparse.Namespace) -> int:

@@ -12,7 +12,8 @@ with W x H the image's ORIGINAL size (``ProcessedImage.size``: the published pro
 image before the resize; the resize shows only in N), one space after ``image``, ``<|media_content|>``
 straight after the header, and N = ``ProcessedImage.num_tokens`` (the merged patch count). After tokenizing,
 `media_pad_positions` finds each image's run of ``<|media_pad|>`` ids: the positions whose embeddings the
-projected features replace (`miles_k3.model.MediaEmbeds`).
+projected features replace (`miles_k3.model.MediaEmbeds`). `prompt_encoder` does both for a row of text or
+chat messages: what `miles-serve` and `miles-k3 generate` encode a prompt with images by.
 
 An image a prompt names is an `ImageRef` until something needs its pixels: a path (read when processed) or
 a data URL (decoded when processed), so text-only data never touches an image and a large dataset keeps its
@@ -83,6 +84,43 @@ def media_pad_positions(token_ids: Iterable[Any], images: Sequence[Any], pad_tok
             raise ValueError(f"image {i}: its media pad run at position {run.start} has {len(run)} token(s), "
                              f"the image takes {image.num_tokens}")
     return runs
+
+
+def prompt_encoder(tokenizer: Any, images: Sequence[Any] | None = None, pad_token_id: int | None = None):
+    """`encode(row) -> ids` for a request's or a prompts file's row: `{"prompt": text}` (`tokenizer.encode`:
+    a prompt, special tokens added) or `{"messages": [...]}` (`tokenizer.encode_chat`: the chat template),
+    as `rollout.server.tokenization.ServerTokenizer` provides them; `miles-serve` and `miles-k3 generate`
+    both encode through it. With `images` (processed images, in placeholder order) each placeholder is
+    expanded to its image's block first (`expand_media_prompt`; in messages, the string contents in order),
+    and the ids must hold one pad run of `pad_token_id` per image of its length (a tokenizer that splits the
+    pad fails here, `media_pad_positions`). One-line ValueError naming what does not match."""
+    def expand(text: str, at: int) -> tuple[str, int]:
+        n = text.count(IMAGE_PLACEHOLDER)
+        return expand_media_prompt(text, images[at:at + n]), at + n
+
+    def encode(row: dict) -> list[int]:
+        if isinstance(row.get("prompt"), str):
+            text = expand_media_prompt(row["prompt"], images) if images else row["prompt"]
+            ids = tokenizer.encode(text)
+        elif isinstance(row.get("messages"), list):
+            messages, at = row["messages"], 0
+            if images:
+                messages = [dict(m) for m in messages]
+                for m in messages:
+                    if isinstance(m, dict) and isinstance(m.get("content"), str):
+                        m["content"], at = expand(m["content"], at)
+                if at != len(images):
+                    raise ValueError(f"the messages hold {at} image placeholder(s) {IMAGE_PLACEHOLDER} but "
+                                     f"{len(images)} image(s) were given (--image)")
+            ids = tokenizer.encode_chat(messages)
+        else:
+            raise ValueError('expected {"prompt": "text"} or {"messages": [...]}')
+        if not ids:
+            raise ValueError("the prompt encodes to no tokens")
+        if images:
+            media_pad_positions(ids, images, pad_token_id)
+        return ids
+    return encode
 
 
 def _ints(ids: Iterable[Any]) -> list[int]:

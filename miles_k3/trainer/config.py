@@ -25,6 +25,9 @@ from typing import List, NamedTuple, Optional
 
 from miles_k3.algo import PolicyLossConfig
 from miles_k3.data import PromptDataConfig
+from miles_k3.data.tokenizers import TOKENIZERS
+from miles_k3.model.assets import builtin_path
+from miles_k3.model.base import DTYPES
 from miles_k3.model.lora_spec import LoraSpec
 from miles_k3.rewards import RewardConfig
 from miles_k3.trainer.section import Check, Section, component_fields, field_names
@@ -34,25 +37,14 @@ from rollout.spec import SpecConfig
 from rollout.spec.distill import DistillConfig
 from rollout.spec.drafter import DSparkConfig
 
-BUILTIN_PREFIX = "builtin:"
-ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets"
-DTYPES = ("float32", "bfloat16")
 DEVICES = ("cpu", "cuda")
 LAUNCHERS = ("local", "ray", "external")
 WANDB_MODES = ("offline", "online", "disabled")
-TOKENIZERS = ("arithmetic", "hf")
 RESUME_MODES = ("auto", "never")
 # the rollout.* keys that are SamplingParams' / EngineConfig's fields (the others are the run's own)
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_new_tokens")
 ENGINE_KEYS = ("page_size", "chunk_size", "max_prefill_tokens", "max_prefill_requests", "max_running",
                "mxfp4_matmul", "overlap", "compile_decode")
-
-
-def builtin_path(value: str) -> str:
-    """`builtin:<relative path>` -> a path inside the installed package's assets (other values unchanged)."""
-    if value.startswith(BUILTIN_PREFIX):
-        return str(ASSETS_DIR / value[len(BUILTIN_PREFIX):])
-    return value
 
 
 @dataclass

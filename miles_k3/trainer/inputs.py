@@ -33,11 +33,13 @@ import torch
 
 from miles_k3.data import PromptRecord, PromptSampler, load_prompts
 from miles_k3.data.hf_chat import TemplatedPrompts, hf_chat_renderer
+from miles_k3.data.tokenizers import Tokenizer
+from miles_k3.model.base import TORCH_DTYPES
 from miles_k3.model.config import K3Config
 from miles_k3.model.lora_spec import adaptable_modules
 from miles_k3.rewards import RewardPlugin, load_plugin
 from miles_k3.trainer import checkpoint as ckpt
-from miles_k3.trainer.base import TORCH_DTYPES, Tokenizer, build_tokenizer, load_base_config
+from miles_k3.trainer.base import build_tokenizer, load_base_config
 from miles_k3.trainer.resolve import ResolvedConfig, in_section
 from miles_k3.trainer.rollout_plugin import load_rollout_fn
 

@@ -18,79 +18,21 @@ Every process watches for preemption signals (`miles_k3.trainer.preempt`); when 
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
-from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from miles_k3.rewards import RewardPluginError
-from miles_k3.trainer.base import TORCH_DTYPES, load_base, quiet_megatron
-from miles_k3.trainer.inputs import RunInputs, load_run_inputs
 from miles_k3.trainer import preempt
 from miles_k3.trainer.backends import LocalEngine, LocalTrainers, follow_trainer
+from miles_k3.trainer.inputs import RunInputs, load_run_inputs
 from miles_k3.trainer.loop import GRPODriver
 from miles_k3.trainer.resolve import ResolvedConfig
 from miles_k3.trainer.rollout_worker import RolloutWorker
 from miles_k3.trainer.train_worker import TrainWorker
+from miles_k3.trainer.workers import build_rollout_worker, configure_process, device_for, start_trainer_rank
 
 log = logging.getLogger(__name__)
-
-
-def configure_process(rc: ResolvedConfig, rank: int = 0) -> None:
-    """Threads, seeds, determinism and warning filters for one process (the same on every rank)."""
-    quiet_megatron()
-    if rc.cluster.threads_per_worker is not None:
-        torch.set_num_threads(rc.cluster.threads_per_worker)
-    torch.manual_seed(rc.trainer.seed + rank)
-    if rc.trainer.deterministic:
-        torch.use_deterministic_algorithms(True)
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-
-
-def device_for(rc: ResolvedConfig, local_rank: int) -> str:
-    """The device of a worker: its local rank's GPU, or the only one it sees (`load_run_inputs` checked that
-    the local launcher's exist; a Ray actor's is its bundle's GPU)."""
-    if rc.cluster.device == "cuda":
-        # one visible device: the launcher bound one GPU to this process (srun --gpus-per-task=1, Ray's bundle)
-        index = 0 if torch.cuda.device_count() == 1 else local_rank
-        torch.cuda.set_device(index)
-        return f"cuda:{index}"
-    return "cpu"
-
-
-def build_rollout_worker(rc: ResolvedConfig, config, state, device: str) -> RolloutWorker:
-    return RolloutWorker(config, state, rc.lora, quantize=rc.rollout.quantize, dtype=TORCH_DTYPES[rc.rollout.dtype],
-                         device=device, engine=rc.engine)
-
-
-def build_train_worker(rc: ResolvedConfig, config, state, device: str) -> TrainWorker:
-    return TrainWorker(config, state, rc.lora, loss=rc.loss, algo=rc.algo, optim=rc.optim,
-                       temperature=rc.rollout.temperature, dtype=TORCH_DTYPES[rc.model.train_dtype], device=device,
-                       seed=rc.trainer.seed, sequence_parallel=rc.parallel.sp,
-                       pp_layers=rc.parallel.pp_layers, micro_batch_tokens=rc.parallel.micro_batch_tokens,
-                       recompute=rc.parallel.recompute)
-
-
-def start_trainer_rank(rc: ResolvedConfig, rank: int, device: str, init_method: str,
-                       inputs: RunInputs | None = None, *, holds_engine: bool = False):
-    """One trainer rank (local process or Ray actor; after `configure_process`): joins the torch.distributed
-    world, builds megatron's groups for `parallel.*` over it, loads the base (or takes the checkpoint `inputs`
-    already read) and the policy. A rank that also builds the engine (`holds_engine`) reads the whole base;
-    the others read only their own slices. Returns (config, base state, worker); the caller drops the state
-    once the engine (if it holds one) is built."""
-    from megatron_patches.parallel import init_parallel
-
-    backend = "nccl" if rc.cluster.device == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=rc.cluster.num_workers)
-    par = rc.parallel
-    init_parallel(par.tp, par.pp, par.cp, par.ep)
-    if inputs is not None and inputs.base_state is not None:
-        config, state = inputs.config, inputs.base_state
-    else:
-        config, state = load_base(rc.model, rc.trainer.seed, whole=holds_engine)
-    return config, state, build_train_worker(rc, config, state, device)
 
 
 def _rank_main(rank: int, rc: ResolvedConfig, run_dir: str, init_method: str, inputs: RunInputs | None = None,

@@ -44,7 +44,7 @@ class _TrainerActor:
         return ray.util.get_node_ip_address(), free_port()
 
     def setup(self, master: tuple[str, int]) -> None:
-        from miles_k3.trainer.launch import configure_process, device_for, start_trainer_rank
+        from miles_k3.trainer.workers import configure_process, device_for, start_trainer_rank
 
         configure_process(self.rc, self.rank)
         # Ray exposes the bundle's GPU as cuda:0
@@ -59,7 +59,7 @@ class _TrainerActor:
 class _EngineActor:
     def __init__(self, rc: ResolvedConfig):
         from miles_k3.trainer.base import load_base
-        from miles_k3.trainer.launch import build_rollout_worker, configure_process, device_for
+        from miles_k3.trainer.workers import build_rollout_worker, configure_process, device_for
 
         configure_process(rc)
         config, state = load_base(rc.model, rc.trainer.seed)

@@ -50,6 +50,16 @@ class ResolvedConfig:
     logging: LoggingCfg
     trainer: TrainerCfg
 
+    def engine_spec(self, device: str):
+        """The colocated engine's `rollout.build.EngineSpec` on `device`: model.*'s base (initialized from
+        trainer.seed), rollout.quantize and rollout.dtype, one adapter slot of the policy's LoraSpec, and the
+        EngineConfig. The trainer hands it the base it has loaded: `build_engine(spec, base=(config, state))`."""
+        from miles_k3.trainer.base import base_args
+        from rollout.build import EngineSpec
+
+        return EngineSpec(**base_args(self.model), seed=self.trainer.seed, quantize=self.rollout.quantize,
+                          dtype=self.rollout.dtype, device=device, lora=self.lora, max_adapters=1, engine=self.engine)
+
 
 def config_error(exc: Exception) -> str:
     """One line for an OmegaConf / Hydra composition error: the key's path and the first line of the reason

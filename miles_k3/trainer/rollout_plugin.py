@@ -48,7 +48,7 @@ from miles_k3.data.sample import Sample
 from rollout.request import SamplingParams
 
 if TYPE_CHECKING:
-    from miles_k3.trainer.base import Tokenizer
+    from miles_k3.data.tokenizers import Tokenizer
 
 ADAPTER = "policy"  # the engine's adapter slot the trainer syncs (rollout_worker.ADAPTER)
 CLIENTS = ("engine", "http")

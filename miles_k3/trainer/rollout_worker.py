@@ -26,11 +26,8 @@ import time
 import torch
 
 from miles_k3.data.sample import Sample
-from miles_k3.model.config import K3Config
-from miles_k3.model.lora_spec import LoraSpec
-from rollout.config import EngineConfig
+from miles_k3.data.tokenizers import load_tokenizer
 from rollout.engine import Engine
-from rollout.model_runner import build_engine_model
 from miles_k3.trainer.rollout_plugin import (ADAPTER, EngineClient, HTTPClient, RolloutJob, load_rollout_fn,
                                              run_rollouts)
 from rollout.request import SamplingParams
@@ -46,11 +43,10 @@ SPEC_COUNTERS = {"spec_verify_steps": "steps", "spec_rows": "rows", "spec_drafte
 class RolloutWorker:
     REPLAYED = frozenset({"generate", "release_memory", "resume_memory", "sync_adapter", "engine_counters"})
 
-    def __init__(self, config: K3Config, base_state: dict[str, torch.Tensor], lora: LoraSpec, *, quantize: str,
-                 dtype: torch.dtype, device: str, engine: EngineConfig):
-        model, pool = build_engine_model(config, base_state, quantize=quantize, lora=lora, max_adapters=1,
-                                         dtype=dtype, device=device)
-        self.engine = Engine(model, engine, pool)
+    def __init__(self, engine: Engine):
+        """`engine`: built with one adapter slot of the trainer's LoraSpec (`rollout.build.build_engine` of
+        `ResolvedConfig.engine_spec`)."""
+        self.engine = engine
         self._plugins: dict = {}  # rollout.fn reference -> RolloutFn, and the tokenizers it needs, built once
         self._distiller: Distiller | None = None  # the drafter's optimizer, built by the first distill_drafter
 
@@ -89,7 +85,6 @@ class RolloutWorker:
         sample's function running concurrently against this engine with the policy adapter. `tokenizer`:
         (model.tokenizer, model.path); `client`: "engine" (in-process) or "http" (miles-serve on loopback)."""
         if fn not in self._plugins:
-            from miles_k3.trainer.base import load_tokenizer
             from rollout.server.tokenization import server_tokenizer
 
             kind, path = tokenizer

@@ -9,10 +9,11 @@ receives tokens through it. A client that disconnects aborts its samples; past `
 samples, requests get 429 instead of memory.
 
     __main__.py      miles-serve: flags (ServeConfig's fields) -> load -> serve until SIGINT/SIGTERM
-    config.py        ServeConfig: the server's settings, defaults and checks
-    loading.py       model (as the trainer resolves it), tokenizer, PEFT adapters, tower + processor -> Engine
-    tokenization.py  prompts, chat templates (content parts), incremental decoding
-    images.py        image_url parts and image_data (data URLs only) -> the checkpoint's ProcessedImages + ids
+    config.py        EngineFlags (the engine flags miles-k3 generate shares) and ServeConfig: defaults, checks
+    loading.py       tokenizer, tower + processor, and the Engine of the flags' EngineSpec (rollout.build)
+    tokenization.py  prompts, chat templates, incremental decoding
+    images.py        chat messages' content parts; image_url parts and image_data (data URLs only) -> the
+                     checkpoint's ProcessedImages + ids
     engine_loop.py   EngineLoop: the one thread that calls the engine
     generation.py    GenerationService: n samples, stop strings, text, admission (the in-process client)
     protocol.py      request-body checks that name the field, error bodies, SSE, ServerContext

@@ -4,9 +4,10 @@
     miles-serve --model /path/to/checkpoint --adapter policy=runs/grpo/adapter --device cuda
     miles-serve --model builtin:k3-tiny-steps --speculative dspark --drafter builtin:k3-tiny-steps/drafter
 
-Reads the flags into a ServeConfig (its fields and help texts are the flags), loads the model, the
-tokenizer and the adapters, then serves until SIGINT/SIGTERM and exits 0. A bad flag, checkpoint or
-adapter stops it before anything is served, with one line naming it (exit status 2).
+Reads the flags into a ServeConfig (its fields and help texts are the flags: the engine's, shared with
+`miles-k3 generate`, then the server's), loads the model, the tokenizer and the adapters, then serves until
+SIGINT/SIGTERM and exits 0. A bad flag, checkpoint or adapter stops it before anything is served, with one
+line naming it (exit status 2).
 """
 
 from __future__ import annotations
@@ -16,26 +17,17 @@ import dataclasses
 import logging
 import sys
 
-from rollout.server.config import ServeConfig
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
+from rollout.server.config import ServeConfig, add_flags
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="miles-serve", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    for f in dataclasses.fields(ServeConfig):
-        help_text = f.metadata["help"]
-        if f.name == "model":
-            parser.add_argument(_flag(f.name), required=True, help=help_text)
-        elif f.name == "adapters":
-            parser.add_argument("--adapter", dest="adapters", action="append", default=[], metavar="NAME=PEFT_DIR",
-                                help=help_text)
-        else:
-            kind = f.metadata.get("type") or {int: int, float: float}.get(type(f.default), str)
-            parser.add_argument(_flag(f.name), type=kind, default=f.default, help=help_text)
+    names = [f.name for f in dataclasses.fields(ServeConfig)]
+    add_flags(parser, ServeConfig, names[:names.index("adapters")])
+    parser.add_argument("--adapter", dest="adapters", action="append", default=[], metavar="NAME=PEFT_DIR",
+                        help=ServeConfig.__dataclass_fields__["adapters"].metadata["help"])
+    add_flags(parser, ServeConfig, names[names.index("adapters") + 1:])
     return parser
 
 

@@ -1,56 +1,135 @@
-"""ServeConfig: what `miles-serve` runs, with its defaults and checks.
+"""The engine's front-door settings, with their defaults and checks: `EngineFlags`, the engine flags that
+`miles-serve` and `miles-k3 generate` share (defined once, here), and `ServeConfig`, miles-serve's (the
+engine flags and the server's own).
 
-One field per command-line flag (`--max-queued` is `max_queued`); `rollout.server.__main__` builds its
-parser from these fields and their help texts, so a default lives here only. The engine's own knobs that
-the server exposes (`max_running`, `max_seq_len`, `max_prefill_tokens`) default to None: EngineConfig's
-defaults then apply.
-`check()` raises ValueError("--<flag> <rule>, got <value>") before any model is loaded.
+One field per command-line flag (`--max-queued` is `max_queued`); `add_flags` builds a parser's flags from
+these fields and their help texts, so a default lives here only. The engine's own knobs that the flags
+expose (`max_running`, `max_seq_len`, `max_prefill_tokens`) default to None: EngineConfig's defaults then
+apply. `check()` raises ValueError("--<flag> <rule>, got <value>") before any model is loaded; `engine_spec()`
+is the `rollout.build.EngineSpec` the flags describe, and `flag_errors` renames a build's
+"EngineSpec.<field>" errors to the flags.
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import dataclasses
 import math
+import re
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from miles_k3.trainer.config import BUILTIN_PREFIX, TOKENIZERS, builtin_path
+from miles_k3.data.tokenizers import TOKENIZERS
+from miles_k3.model.assets import BUILTIN_PREFIX, builtin_models, builtin_path
+from miles_k3.model.base import DTYPES
+from rollout.build import EngineSpec
+from rollout.config import EngineConfig
 from rollout.model_runner import QUANTIZE_MODES
 
 DEVICES = ("cpu", "cuda")
-DTYPES = ("float32", "bfloat16")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 SPECULATIVE = ("off", "dspark")
+# the flag that sets an EngineSpec field, where it is not --<field> (`flag_errors`)
+SPEC_FLAGS = {"path": "--model", "adapters": "--adapter", "lora": "--adapter"}
+
+
+def flag_name(name: str) -> str:
+    """A field's flag: `max_queued` -> `--max-queued`."""
+    return "--" + name.replace("_", "-")
+
+
+def add_flags(parser: argparse.ArgumentParser, cls: type, names: Iterable[str]) -> None:
+    """One flag per field of the dataclass `cls` named in `names`, in that order: its help text
+    (`metadata["help"]`) and default from the field, its type from `metadata["type"]` or else the default's
+    (int, float; otherwise str). A field without a default is a required flag."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for name in names:
+        f = fields[name]
+        if f.default is dataclasses.MISSING:
+            parser.add_argument(flag_name(name), required=True, help=f.metadata["help"])
+            continue
+        kind = f.metadata.get("type") or {int: int, float: float}.get(type(f.default), str)
+        parser.add_argument(flag_name(name), type=kind, default=f.default, help=f.metadata["help"])
+
+
+@contextlib.contextmanager
+def flag_errors() -> Iterator[None]:
+    """Inside: a ValueError "EngineSpec.<field> ..." (`rollout.build`) becomes "<the field's flag> ..."."""
+    try:
+        yield
+    except ValueError as e:
+        m = re.match(r"EngineSpec\.(\w+)", str(e))
+        if m is None:
+            raise
+        flag = SPEC_FLAGS.get(m.group(1), flag_name(m.group(1)))
+        raise ValueError(flag + str(e)[m.end():]) from None
+
+
+class _Check:
+    """`obj`'s fields checked, each failure a ValueError "--<flag> <rule>, got <value>"."""
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def fail(self, name: str, rule: str) -> ValueError:
+        return ValueError(f"{flag_name(name)} {rule}, got {getattr(self.obj, name)!r}")
+
+    def int_at_least(self, name: str, low: int, optional: bool = False) -> None:
+        v = getattr(self.obj, name)
+        if optional and v is None:
+            return
+        if isinstance(v, bool) or not isinstance(v, int) or v < low:
+            raise self.fail(name, f"must be an integer >= {low}")
+
+    def positive(self, name: str) -> None:
+        v = getattr(self.obj, name)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise self.fail(name, "must be a number > 0")
+
+    def choice(self, name: str, options: tuple, optional: bool = False) -> None:
+        v = getattr(self.obj, name)
+        if not (optional and v is None) and v not in options:
+            raise self.fail(name, f"must be one of {options}")
+
+
+def check_adapters(adapters: tuple[tuple[str, str], ...], model_name: str) -> None:
+    """--adapter NAME=PEFT_DIR entries: names non-empty, distinct and not the base's; directories that exist."""
+    names = [name for name, _ in adapters]
+    for name, path in adapters:
+        if not name or "=" in name:
+            raise ValueError(f"--adapter entries must be NAME=PEFT_DIR with a non-empty NAME, got {adapters!r}")
+        if name == model_name:
+            raise ValueError(f"--adapter name {name!r} is the base model's served name, got {adapters!r}")
+        if not Path(path).is_dir():
+            raise ValueError(f"--adapter {name}={path}: no such directory")
+    if len(set(names)) != len(names):
+        raise ValueError(f"--adapter names must be distinct, got {adapters!r}")
 
 
 @dataclass(frozen=True)
-class ServeConfig:
-    """Each field's help text (its `metadata["help"]`) is the flag's help in `miles-serve --help`."""
+class EngineFlags:
+    """The engine's flags, shared by `miles-serve` (ServeConfig) and `miles-k3 generate` (GenerateArgs): the
+    checkpoint and its tokenizer, where and how the engine holds it, its memory and batch limits, and
+    speculative decoding. Each field's help text (its `metadata["help"]`) is the flag's help."""
 
     model: str = field(metadata={"help": "an HF checkpoint directory (config.json, safetensors, the tokenizer's "
                                          "files) or builtin:<name> (an embedded model, e.g. builtin:k3-tiny-arith)"})
-    adapters: tuple[tuple[str, str], ...] = field(default=(), metadata={
-        "help": "NAME=PEFT_DIR: a PEFT LoRA adapter (as the trainer saves it) served under the model name NAME; "
-                "repeat for several (all of one rank and module set)"})
-    served_model_name: str | None = field(default=None, metadata={
-        "help": "the base model's name in the APIs (/v1/models, the model field); default: --model as given"})
     tokenizer: str | None = field(default=None, metadata={
         "help": f"one of {TOKENIZERS}: the embedded models' character tokenizer, or transformers' AutoTokenizer "
                 "from the checkpoint; default: arithmetic for builtin:, hf for a directory"})
-    host: str = field(default="127.0.0.1", metadata={"help": "the address to listen on"})
-    port: int = field(default=30000, metadata={
-        "help": "the port to listen on (SGLang's default, so rollout code pointed at SGLang finds us); 0: any free"})
     device: str = field(default="cpu", metadata={"help": f"one of {DEVICES}"})
     dtype: str | None = field(default=None, metadata={
         "help": f"one of {DTYPES}: the engine's compute and KV dtype; default: bfloat16 on cuda, float32 on cpu"})
     quantize: str = field(default="experts", metadata={
         "help": f"one of {QUANTIZE_MODES}: the frozen base as stored, MXFP4 routed experts, or every projection"})
-    memory_mb: float = field(default=64.0, metadata={"help": "the engine's KV pages + KDA state slots, in MiB"})
+    memory_mb: float = field(default=64.0, metadata={
+        "help": "the engine's KV pages + KDA state slots (each rank's, when sharded), in MiB"})
     max_running: int | None = field(default=None, metadata={
         "help": "requests decoding at once; default: EngineConfig's", "type": int})
     max_seq_len: int | None = field(default=None, metadata={
         "help": "prompt + generated tokens of one request; default: EngineConfig's", "type": int})
-    max_prefill_tokens: int | None = field(default=None, metadata={
-        "help": "prompt tokens prefilled per engine step; default: EngineConfig's", "type": int})
     speculative: str = field(default="off", metadata={
         "help": f"one of {SPECULATIVE}: dspark drafts a block with --drafter and verifies it in one target "
                 "forward (lossless: the same tokens and distribution as without)"})
@@ -65,14 +144,6 @@ class ServeConfig:
     spec_max_batch: int | None = field(default=None, metadata={
         "help": "with --speculative: speculate only while at most this many requests decode together; larger "
                 "batches decode one token a step; default: always speculate", "type": int})
-    max_queued: int = field(default=256, metadata={
-        "help": "samples that may wait for a decode slot beyond the max-running ones; past that, 429"})
-    shutdown_timeout: float = field(default=30.0, metadata={
-        "help": "after SIGINT/SIGTERM: seconds in-flight requests get to finish before they are aborted"})
-    log_level: str = field(default="info", metadata={"help": f"one of {LOG_LEVELS}"})
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "adapters", tuple(tuple(a) for a in self.adapters))
 
     # ----------------------------------------------------------------- derived
     @property
@@ -87,22 +158,29 @@ class ServeConfig:
         return "arithmetic" if self.model.startswith(BUILTIN_PREFIX) else "hf"
 
     @property
-    def model_name(self) -> str:
-        return self.served_model_name if self.served_model_name is not None else self.model
-
-    @property
     def resolved_dtype(self) -> str:
         if self.dtype is not None:
             return self.dtype
         return "bfloat16" if self.device == "cuda" else "float32"
 
     def engine_overrides(self) -> dict:
-        """The EngineConfig fields this config sets (the others keep EngineConfig's defaults)."""
-        names = ("max_running", "max_seq_len", "max_prefill_tokens")
+        """The EngineConfig fields these flags set (the others keep EngineConfig's defaults)."""
+        names = ("max_running", "max_seq_len")
         fields = {n: getattr(self, n) for n in names if getattr(self, n) is not None}
         if (spec := self.speculation()) is not None:
             fields["speculation"] = spec
         return fields
+
+    def engine_config(self) -> EngineConfig:
+        """The engine's EngineConfig: --memory-mb and `engine_overrides`."""
+        return EngineConfig(memory_bytes=int(self.memory_mb * (1 << 20)), **self.engine_overrides())
+
+    def engine_spec(self, **fields) -> EngineSpec:
+        """The `rollout.build.EngineSpec` of these flags (check them first); `fields` set its other fields (the
+        adapters, the layout, a sharded rank's device) or replace these (a preset base, for benchmarks)."""
+        with flag_errors():
+            return EngineSpec(**{"path": str(self.model_path), "quantize": self.quantize, "dtype": self.dtype,
+                                 "device": self.device, "engine": self.engine_config(), **fields})
 
     def speculation(self):
         """EngineConfig.speculation for these flags: None (off) or a SpecConfig, which checks its fields
@@ -122,62 +200,22 @@ class ServeConfig:
 
     # ------------------------------------------------------------------- check
     def check(self) -> None:
-        def fail(name: str, rule: str) -> ValueError:
-            return ValueError(f"--{name.replace('_', '-')} {rule}, got {getattr(self, name)!r}")
-
-        def int_at_least(name: str, low: int, optional: bool = False) -> None:
-            v = getattr(self, name)
-            if optional and v is None:
-                return
-            if isinstance(v, bool) or not isinstance(v, int) or v < low:
-                raise fail(name, f"must be an integer >= {low}")
-
-        def positive(name: str) -> None:
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-                raise fail(name, "must be a number > 0")
-
+        """The engine flags (ValueError naming the flag); the commands' `check` calls it with their own."""
+        c = _Check(self)
         if not isinstance(self.model, str) or not self.model:
-            raise fail("model", f"must be a checkpoint directory or {BUILTIN_PREFIX}<name>")
+            raise c.fail("model", f"must be a checkpoint directory or {BUILTIN_PREFIX}<name>")
         if not (self.model_path / "config.json").is_file():
             if self.model.startswith(BUILTIN_PREFIX):
-                known = sorted(p.name for p in Path(builtin_path(BUILTIN_PREFIX)).iterdir() if p.is_dir())
-                raise fail("model", f"names no embedded model; known: {[BUILTIN_PREFIX + k for k in known]}")
-            raise fail("model", "must be a directory holding config.json (an HF checkpoint)")
-        names = [name for name, _ in self.adapters]
-        for name, path in self.adapters:
-            if not name or "=" in name:
-                raise fail("adapter", "entries must be NAME=PEFT_DIR with a non-empty NAME")
-            if name == self.model_name:
-                raise fail("adapter", f"name {name!r} is the base model's served name")
-            if not Path(path).is_dir():
-                raise ValueError(f"--adapter {name}={path}: no such directory")
-        if len(set(names)) != len(names):
-            raise fail("adapter", "names must be distinct")
-        if self.tokenizer is not None and self.tokenizer not in TOKENIZERS:
-            raise fail("tokenizer", f"must be one of {TOKENIZERS}")
-        if self.served_model_name is not None and not self.served_model_name:
-            raise fail("served_model_name", "must be non-empty")
-        if self.device not in DEVICES:
-            raise fail("device", f"must be one of {DEVICES}")
-        if self.dtype is not None and self.dtype not in DTYPES:
-            raise fail("dtype", f"must be one of {DTYPES}")
-        if self.quantize not in QUANTIZE_MODES:
-            raise fail("quantize", f"must be one of {QUANTIZE_MODES}")
-        int_at_least("port", 0)
-        if self.port > 65535:
-            raise fail("port", "must be <= 65535")
-        positive("memory_mb")
-        for name in ("max_running", "max_seq_len", "max_prefill_tokens"):
-            int_at_least(name, 1, optional=True)
-        int_at_least("max_queued", 0)
-        if isinstance(self.shutdown_timeout, bool) or not isinstance(self.shutdown_timeout, (int, float)) \
-                or not self.shutdown_timeout >= 0:
-            raise fail("shutdown_timeout", "must be a number >= 0")
-        if self.log_level not in LOG_LEVELS:
-            raise fail("log_level", f"must be one of {LOG_LEVELS}")
-        if self.speculative not in SPECULATIVE:
-            raise fail("speculative", f"must be one of {SPECULATIVE}")
+                raise c.fail("model", f"names no embedded model; known: {builtin_models()}")
+            raise c.fail("model", "must be a directory holding config.json (an HF checkpoint)")
+        c.choice("tokenizer", TOKENIZERS, optional=True)
+        c.choice("device", DEVICES)
+        c.choice("dtype", DTYPES, optional=True)
+        c.choice("quantize", QUANTIZE_MODES)
+        c.positive("memory_mb")
+        for name in ("max_running", "max_seq_len"):
+            c.int_at_least(name, 1, optional=True)
+        c.choice("speculative", SPECULATIVE)
         if (self.speculative != "off") != (self.drafter is not None):
             raise ValueError("--speculative dspark and --drafter go together")
         if self.drafter is not None and not (Path(builtin_path(self.drafter)) / "config.json").is_file():
@@ -188,4 +226,62 @@ class ServeConfig:
             import torch
 
             if not torch.cuda.is_available():
-                raise fail("device", "is cuda but no CUDA device is available")
+                raise c.fail("device", "is cuda but no CUDA device is available")
+
+
+ENGINE_FLAGS = tuple(f.name for f in dataclasses.fields(EngineFlags))
+
+
+@dataclass(frozen=True)
+class ServeConfig(EngineFlags):
+    """miles-serve's settings: the engine flags (`EngineFlags`) and the server's own below. Each field's help
+    text (its `metadata["help"]`) is the flag's help in `miles-serve --help`."""
+
+    adapters: tuple[tuple[str, str], ...] = field(default=(), metadata={
+        "help": "NAME=PEFT_DIR: a PEFT LoRA adapter (as the trainer saves it) served under the model name NAME; "
+                "repeat for several (all of one rank and module set)"})
+    served_model_name: str | None = field(default=None, metadata={
+        "help": "the base model's name in the APIs (/v1/models, the model field); default: --model as given"})
+    host: str = field(default="127.0.0.1", metadata={"help": "the address to listen on"})
+    port: int = field(default=30000, metadata={
+        "help": "the port to listen on (SGLang's default, so rollout code pointed at SGLang finds us); 0: any free"})
+    max_prefill_tokens: int | None = field(default=None, metadata={
+        "help": "prompt tokens prefilled per engine step; default: EngineConfig's", "type": int})
+    max_queued: int = field(default=256, metadata={
+        "help": "samples that may wait for a decode slot beyond the max-running ones; past that, 429"})
+    shutdown_timeout: float = field(default=30.0, metadata={
+        "help": "after SIGINT/SIGTERM: seconds in-flight requests get to finish before they are aborted"})
+    log_level: str = field(default="info", metadata={"help": f"one of {LOG_LEVELS}"})
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "adapters", tuple(tuple(a) for a in self.adapters))
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name if self.served_model_name is not None else self.model
+
+    def engine_overrides(self) -> dict:
+        fields = super().engine_overrides()
+        if self.max_prefill_tokens is not None:
+            fields["max_prefill_tokens"] = self.max_prefill_tokens
+        return fields
+
+    def engine_spec(self, **fields) -> EngineSpec:
+        """The served engine's spec: the engine flags' with the adapters."""
+        return super().engine_spec(**{"adapters": self.adapters, **fields})
+
+    def check(self) -> None:
+        super().check()
+        c = _Check(self)
+        check_adapters(self.adapters, self.model_name)
+        if self.served_model_name is not None and not self.served_model_name:
+            raise c.fail("served_model_name", "must be non-empty")
+        c.int_at_least("port", 0)
+        if self.port > 65535:
+            raise c.fail("port", "must be <= 65535")
+        c.int_at_least("max_prefill_tokens", 1, optional=True)
+        c.int_at_least("max_queued", 0)
+        if isinstance(self.shutdown_timeout, bool) or not isinstance(self.shutdown_timeout, (int, float)) \
+                or not self.shutdown_timeout >= 0:
+            raise c.fail("shutdown_timeout", "must be a number >= 0")
+        c.choice("log_level", LOG_LEVELS)

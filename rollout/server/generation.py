@@ -1,7 +1,7 @@
 """Sampling as the APIs see it: requests of n samples, stop strings, text, admission. No HTTP here.
 
 `GenerationService` is the server's one way into the engine, and the in-process "client for the policy":
-both HTTP APIs build `GenerationRequest`s and read `Delta`s / `Sample`s, and so can any coroutine in the
+both HTTP APIs build `GenerationRequest`s and read `Delta`s / `Choice`s, and so can any coroutine in the
 server's process (a multi-turn rollout that keeps token ids and log-probs as the engine produced them).
 
     service = GenerationService(EngineLoop(engine), tokenizer, capacity=320)
@@ -72,8 +72,9 @@ class Delta:
 
 
 @dataclass
-class Sample:
-    """One finished sample."""
+class Choice:
+    """One finished sample of a request (a choice, in OpenAI's words; not `miles_k3.data.sample.Sample`, the
+    trainer's record of a sample)."""
 
     index: int
     prompt_ids: list[int]
@@ -90,7 +91,7 @@ class _SampleState:
     could be the start of a stop string until it is known not to be."""
 
     def __init__(self, index: int, req: GenerationRequest, prompt: int, nth: int, tokenizer: ServerTokenizer):
-        self.sample = Sample(index, req.prompt_ids)
+        self.sample = Choice(index, req.prompt_ids)
         self.req, self.prompt, self.nth = req, prompt, nth  # the nth sample of the request's prompt-th prompt
         self.decoder = tokenizer.decoder(req.skip_special_tokens)
         self.text = ""  # decoded so far (before any stop match)
@@ -198,7 +199,7 @@ class Generation:
             if delta is not None:
                 yield delta
 
-    async def result(self) -> list[Sample]:
+    async def result(self) -> list[Choice]:
         async for _ in self:
             pass
         return [st.sample for st in self.states]

@@ -1,5 +1,6 @@
-"""Images in requests: OpenAI `image_url` content parts (chat) and SGLang's `image_data` (/generate), read
-into the served checkpoint's own `ProcessedImage`s and the prompt ids that hold their pads.
+"""Chat messages' content parts and images in requests: OpenAI `image_url` content parts (chat) and SGLang's
+`image_data` (/generate), read into the served checkpoint's own `ProcessedImage`s and the prompt ids that hold
+their pads.
 
     parts = []                                            # ImageParts, in the order the prompt shows them
     messages = [message_text(i, m, parts) for i, m in enumerate(body["messages"])]
@@ -10,7 +11,7 @@ An image arrives as a data URL (`data:image/png;base64,...`; SGLang's raw base64
 http(s) URL or a path is a 400 naming the part, the server fetches and reads nothing. Each image is resized
 by the checkpoint's preprocessor config (`Served.image_processor`), its placeholder expanded to Kimi's XTML
 block and the tokenized pad runs checked against it: the same flow as `miles-k3 generate --image`
-(`miles_k3.cli.generate.prompt_encoder`, shared, not copied). The features are computed by the engine, once
+(`miles_k3.data.media.prompt_encoder`, shared, not copied). The features are computed by the engine, once
 per image content while requests hold them (`rollout.media.MediaEncoder`), so the n samples of a request
 and a repeated image share one tower forward, and the prefix cache keys the pads on the content.
 
@@ -25,11 +26,14 @@ import binascii
 from dataclasses import dataclass
 from typing import Any
 
-from miles_k3.data.media import IMAGE_PLACEHOLDER, decode_data_url
+from miles_k3.data.media import IMAGE_PLACEHOLDER, decode_data_url, prompt_encoder
 from rollout.server.generation import RequestError
 from rollout.server.protocol import Fields, ServerContext, encode
 
-__all__ = ["IMAGE_PLACEHOLDER", "ImagePart", "image_part", "process_images", "images_prompt_ids"]
+__all__ = ["CHAT_ROLES", "IMAGE_PLACEHOLDER", "ImagePart", "image_part", "images_prompt_ids", "message_text",
+           "process_images"]
+
+CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
 @dataclass(frozen=True)
@@ -39,6 +43,36 @@ class ImagePart:
     param: str  # the field that holds it, as errors name it: messages[1].content[0].image_url, image_data[0]
     url: str  # a data URL, or (SGLang's image_data) the image file's base64
     raw_base64: bool = False  # `url` is bare base64 (SGLang), not a data URL
+
+
+def message_text(i: int, message: Any, images: list) -> dict[str, str]:
+    """One chat message as {role, content}: content a string or a list of OpenAI content parts. A text
+    part is its text; an `image_url` part (`image_part`, appended to `images` in order) is one `<|kimi_image_placeholder|>`, as the chat templates render image parts
+    (`miles_k3.data.chat_template.content_parts_text`). ValueError naming the message and part."""
+    if not isinstance(message, dict):
+        raise ValueError(f"messages[{i}] must be an object with role and content")
+    role, content = message.get("role"), message.get("content")
+    if role not in CHAT_ROLES:
+        raise ValueError(f"messages[{i}].role must be one of {CHAT_ROLES}, got {role!r}")
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            where = f"messages[{i}].content[{j}]"
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "image_url":
+                images.append(image_part(part, where))
+                texts.append(IMAGE_PLACEHOLDER)
+            elif kind == "text":
+                if not isinstance(part.get("text"), str):
+                    raise ValueError(f"{where}.text must be a string, got {type(part.get('text')).__name__}")
+                texts.append(part["text"])
+            else:
+                shown = str(part if kind is None else repr(kind))[:80]
+                raise ValueError(f'{where} must be a content part of type "text" or "image_url", got {shown}')
+        content = "".join(texts)
+    if not isinstance(content, str):
+        raise ValueError(f"messages[{i}].content must be a string or a list of content parts")
+    return {"role": role, "content": content}
 
 
 def image_part(part: dict[str, Any], where: str) -> ImagePart:
@@ -105,8 +139,6 @@ def images_prompt_ids(ctx: ServerContext, row: dict[str, Any], images: list, key
     """The prompt ids of `row` ({"prompt": text} or {"messages": checked messages}) with each image's
     placeholder expanded to its XTML block; the pad runs checked against the images. Without images, the
     tokenizer's plain encoding. A 400 naming `key` for a placeholder count that does not match."""
-    from miles_k3.cli.generate import prompt_encoder
-
     if not images:
         if "prompt" in row:
             return encode(ctx.tokenizer.encode, row["prompt"], key)

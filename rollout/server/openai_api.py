@@ -36,12 +36,11 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from rollout.request import SamplingParams
-from rollout.server.generation import Delta, Generation, GenerationRequest, RequestError, Sample
-from rollout.server.images import ImagePart, images_prompt_ids, process_images
+from rollout.server.generation import Choice, Delta, Generation, GenerationRequest, RequestError
+from rollout.server.images import ImagePart, images_prompt_ids, message_text, process_images
 from rollout.server.protocol import Fields, ServerContext, check_length, encode, error_body, new_id, \
     parse_body, prompt_ids, sse
 from rollout.server.responses import collect, json_error, read_body, stream_response
-from rollout.server.tokenization import message_text
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to what fits
 _IGNORED_CHAT = ("metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
@@ -81,8 +80,8 @@ def _requests(prompts: list[list[int]], s: dict[str, Any], n: int, adapter: str 
     return out
 
 
-def _usage(gen: Generation, samples: list[Sample]) -> dict[str, Any]:
-    by_prompt: dict[int, list[Sample]] = {}
+def _usage(gen: Generation, samples: list[Choice]) -> dict[str, Any]:
+    by_prompt: dict[int, list[Choice]] = {}
     for st, s in zip(gen.states, samples):
         by_prompt.setdefault(id(st.req), []).append(s)
     prompt = sum(len(ss[0].prompt_ids) for ss in by_prompt.values())

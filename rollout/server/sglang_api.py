@@ -44,7 +44,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from rollout.request import SamplingParams
-from rollout.server.generation import Generation, GenerationRequest, RequestError, Sample
+from rollout.server.generation import Choice, Generation, GenerationRequest, RequestError
 from rollout.server.images import ImagePart, data_image_parts, images_prompt_ids, process_images
 from rollout.server.protocol import Fields, ServerContext, check_length, encode, error_body, new_id, \
     parse_body, prompt_ids, sse
@@ -152,7 +152,7 @@ def _sampling(sp: Any, where: str, prompt: list[int], ctx: ServerContext, adapte
     return req, interval
 
 
-def _finish_reason(s: Sample) -> dict[str, Any] | None:
+def _finish_reason(s: Choice) -> dict[str, Any] | None:
     if s.finish_reason == "stop":
         return {"type": "stop", "matched": s.matched}
     if s.finish_reason == "length":
@@ -162,7 +162,7 @@ def _finish_reason(s: Sample) -> dict[str, Any] | None:
     return None
 
 
-def _output(ctx: ServerContext, s: Sample, rid: str, logprob: bool, with_text: bool, started: float,
+def _output(ctx: ServerContext, s: Choice, rid: str, logprob: bool, with_text: bool, started: float,
             index: int | None) -> dict[str, Any]:
     meta: dict[str, Any] = {"id": rid, "finish_reason": _finish_reason(s), "prompt_tokens": len(s.prompt_ids),
                             "completion_tokens": len(s.token_ids), "cached_tokens": s.cached_tokens,
@@ -262,11 +262,11 @@ async def _stream(request, ctx, gen: Generation, rids, lps, with_text, interval,
     return await stream_response(request, gen, chunks())
 
 
-def _so_far(gen: Generation, index: int) -> Sample:
+def _so_far(gen: Generation, index: int) -> Choice:
     """A sample's output so far, as a stream event shows it (the text up to what may not be a stop string)."""
     st = gen.states[index]
     s = st.sample
-    return Sample(s.index, s.prompt_ids, st.text[:st.emitted], list(s.token_ids), list(s.logprobs), None, None,
+    return Choice(s.index, s.prompt_ids, st.text[:st.emitted], list(s.token_ids), list(s.logprobs), None, None,
                   s.cached_tokens)
 
 

@@ -1,12 +1,13 @@
 """Text <-> token ids for the server: prompts, chat messages, and decoding a stream of tokens.
 
-Built on the trainer's tokenizers (`miles_k3.trainer.base.load_tokenizer`, wrapped by `server_tokenizer`:
+Built on the run's tokenizers (`miles_k3.data.tokenizers.load_tokenizer`, wrapped by `server_tokenizer`:
 a caller that already holds the run's tokenizer does not load it again), so a prompt string becomes the
 same ids in a training run and in a request: the arithmetic tokenizer adds `<bos>`; an HF tokenizer adds
 its special tokens (`add_special_tokens=True`).
 
-Chat messages: an HF checkpoint's own template (`apply_chat_template` of its tokenizer config, with the
-generation prompt), whose text is encoded without adding special tokens again (the template writes them).
+Chat messages (checked by `rollout.server.images.message_text`): an HF checkpoint's own template
+(`apply_chat_template` of its tokenizer config, with the generation prompt), whose text is encoded without
+adding special tokens again (the template writes them).
 The embedded arithmetic models were pretrained on bare problems (`12+3=`), so their "template" is the
 messages' contents concatenated, then encoded as a prompt.
 
@@ -16,44 +17,7 @@ error a request can cause is a ValueError whose message the HTTP layer returns a
 
 from __future__ import annotations
 
-from typing import Any
-
-from miles_k3.trainer.base import ArithmeticTextTokenizer, HFTokenizer, Tokenizer, load_tokenizer
-
-CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
-
-
-def message_text(i: int, message: Any, images: list) -> dict[str, str]:
-    """One chat message as {role, content}: content a string or a list of OpenAI content parts. A text
-    part is its text; an `image_url` part (`rollout.server.images.image_part`, appended to `images` in
-    order) is one `<|kimi_image_placeholder|>`, as the chat templates render image parts
-    (`miles_k3.data.chat_template.content_parts_text`). ValueError naming the message and part."""
-    from rollout.server.images import IMAGE_PLACEHOLDER, image_part  # it imports protocol, which imports us
-
-    if not isinstance(message, dict):
-        raise ValueError(f"messages[{i}] must be an object with role and content")
-    role, content = message.get("role"), message.get("content")
-    if role not in CHAT_ROLES:
-        raise ValueError(f"messages[{i}].role must be one of {CHAT_ROLES}, got {role!r}")
-    if isinstance(content, list):
-        texts = []
-        for j, part in enumerate(content):
-            where = f"messages[{i}].content[{j}]"
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind == "image_url":
-                images.append(image_part(part, where))
-                texts.append(IMAGE_PLACEHOLDER)
-            elif kind == "text":
-                if not isinstance(part.get("text"), str):
-                    raise ValueError(f"{where}.text must be a string, got {type(part.get('text')).__name__}")
-                texts.append(part["text"])
-            else:
-                shown = str(part if kind is None else repr(kind))[:80]
-                raise ValueError(f'{where} must be a content part of type "text" or "image_url", got {shown}')
-        content = "".join(texts)
-    if not isinstance(content, str):
-        raise ValueError(f"messages[{i}].content must be a string or a list of content parts")
-    return {"role": role, "content": content}
+from miles_k3.data.tokenizers import ArithmeticTextTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 
 
 class Decoder:
@@ -95,7 +59,7 @@ class ServerTokenizer:
         raise NotImplementedError
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        """Checked chat messages (`message_text`) -> the prompt ids that ask for the assistant's next turn."""
+        """Checked chat messages (`rollout.server.images.message_text`) -> the prompt ids that ask for the assistant's next turn."""
         raise NotImplementedError
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
@@ -179,12 +143,13 @@ class HFServerTokenizer(ServerTokenizer):
 
 
 def server_tokenizer(tok: Tokenizer, path: str) -> ServerTokenizer:
-    """The server's view of an already-loaded run tokenizer (`miles_k3.trainer.base.load_tokenizer`)."""
+    """The server's view of an already-loaded run tokenizer (`miles_k3.data.tokenizers.load_tokenizer`)."""
     if isinstance(tok, ArithmeticTextTokenizer):
         return ArithmeticServerTokenizer(tok, path)
     return HFServerTokenizer(tok, path)
 
 
-def build_server_tokenizer(kind: str, path: str) -> ServerTokenizer:
-    """kind: "arithmetic" or "hf" (`miles_k3.trainer.config.TOKENIZERS`); path: the checkpoint directory."""
-    return server_tokenizer(load_tokenizer(kind, path), path)
+def build_server_tokenizer(kind: str, path: str | None, name: str | None = None) -> ServerTokenizer:
+    """kind: "arithmetic" or "hf" (`miles_k3.data.tokenizers.TOKENIZERS`); path: the checkpoint directory (None:
+    a preset); name: how /get_model_info names it (default: path)."""
+    return server_tokenizer(load_tokenizer(kind, path), name if name is not None else str(path))

@@ -12,8 +12,8 @@ import torch
 
 from miles_k3.cli.main import main
 from miles_k3.model.generate import greedy_generate
-from miles_k3.trainer.base import load_base
-from miles_k3.trainer.config import ModelCfg, builtin_path
+from miles_k3.model.assets import builtin_path
+from miles_k3.model.base import load_base
 
 MODEL = "builtin:k3-tiny-arith"
 ROWS = [[1, 5, 7], [1, 5, 9, 11, 4], [2, 3]]
@@ -33,7 +33,7 @@ def generate(tmp_path: Path, *flags: str, rows=ROWS, name: str = "out.json") -> 
 
 def test_greedy_outputs_equal_the_reference_model(tmp_path):
     outputs = generate(tmp_path, "--temperature", "0", "--max-new-tokens", "6", "--quantize", "none")
-    config, state = load_base(ModelCfg(path=builtin_path(MODEL)), 0)
+    config, state = load_base(builtin_path(MODEL))
     from miles_k3.model.modeling import K3ForCausalLM
 
     ref = K3ForCausalLM(config).eval()
@@ -133,7 +133,7 @@ def test_speculative_decoding_is_lossless_through_the_command(tmp_path):
     greedy tokens nor their log-probs."""
     from rollout.spec.drafter import DSparkConfig, DSparkDrafter
 
-    config, _ = load_base(ModelCfg(path=builtin_path(MODEL)), 0)
+    config, _ = load_base(builtin_path(MODEL))
     torch.manual_seed(0)
     DSparkDrafter(DSparkConfig(target_layers=(0, config.num_hidden_layers - 1), hidden_size=config.hidden_size,
                                vocab_size=config.vocab_size, block_size=3, context_window=16)).save(tmp_path / "dr")

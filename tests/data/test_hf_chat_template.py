@@ -86,7 +86,7 @@ def test_hf_template_renders_the_dataset_and_prompts_encode_without_a_second_bos
                                       add_generation_prompt=True)
         assert rec.prompt == want and rec.prompt.startswith("<s><|im_start|>system\nbe brief<|im_end|>")
 
-    from miles_k3.trainer.base import HFTokenizer
+    from miles_k3.data.tokenizers import HFTokenizer
 
     ids = TemplatedPrompts(HFTokenizer(str(tmp_path / "tok"))).encode_prompt(records[0].prompt)
     assert ids.count(1) == 1 and ids[0] == 1  # one BOS: the template's

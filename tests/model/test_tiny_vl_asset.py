@@ -25,7 +25,7 @@ from miles_k3.model.modeling import MediaEmbeds
 from miles_k3.model.vision import K3VisionModel
 from miles_k3.tasks import SquaresProblem, SquaresTokenizer, check_count
 from miles_k3.tasks.squares import split_of
-from miles_k3.trainer.base import load_tokenizer
+from miles_k3.data.tokenizers import load_tokenizer
 
 ASSET = Path(miles_k3.__file__).parent / "assets" / "k3-tiny-vl-squares"
 FIRST_N = 64

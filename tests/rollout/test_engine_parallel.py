@@ -168,7 +168,8 @@ def worker(rank: int, world: int, port: int, out: str, checkpoint: str) -> None:
     import faulthandler
     import os
 
-    from rollout.parallel import EngineTP, build_sharded_engine
+    from rollout.build import build_sharded_engine
+    from rollout.parallel import EngineTP
 
     faulthandler.dump_traceback_later(240, exit=True)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -55,12 +55,12 @@ def wait_idle(server: Server, timeout: float = 20.0) -> None:
 def write_adapter(path: Path, seed: int = 0) -> Path:
     """A random rank-4 PEFT adapter for the tiny model, written by the trainer's `save_peft`."""
     from megatron_patches.peft_io import save_peft
-    from miles_k3.trainer.base import load_base
-    from miles_k3.trainer.config import ModelCfg, builtin_path
+    from miles_k3.model.assets import builtin_path
+    from miles_k3.model.base import load_base
     from rollout.model_runner import build_engine_model
 
     spec = LoraSpec(rank=4, alpha=8.0)
-    cfg, state = load_base(ModelCfg(path=builtin_path(MODEL)), 0)
+    cfg, state = load_base(builtin_path(MODEL))
     _, pool = build_engine_model(cfg, state, quantize="none", lora=spec, max_adapters=1, dtype=torch.float32)
     g = torch.Generator().manual_seed(seed)
     tensors = {}

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from miles_k3.model import K3Config
-from miles_k3.trainer.config import builtin_path
+from miles_k3.model.assets import builtin_path
 from rollout.spec.drafter import DSparkConfig, DSparkDrafter
 from tests.server.common import MODEL, config, serve
 from tests.server.test_cli import run_main

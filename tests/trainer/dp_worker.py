@@ -19,7 +19,7 @@ def one_group() -> TrainBatch:
 
 
 def worker(rank: int, world: int, port: int, out: str, overrides: tuple[str, ...]) -> None:
-    from miles_k3.trainer.launch import configure_process, start_trainer_rank
+    from miles_k3.trainer.workers import configure_process, start_trainer_rank
     from miles_k3.trainer.resolve import resolve
     from tests.trainer.recipes import composed
 

@@ -83,6 +83,18 @@ def test_groups_swap_and_interpolate():
     assert rc.sampling.max_new_tokens == 16 and rc.engine.max_running == 256
 
 
+def test_the_engine_spec_is_the_runs_engine():
+    """What the rollout worker builds (`rollout.build.build_engine(rc.engine_spec(device), base=...)`)."""
+    rc = resolve(composed("recipe=k3_small_gpu"))
+    spec = rc.engine_spec("cuda:0")
+    assert (spec.preset, spec.vocab_size, spec.seed, spec.path) == ("k3-small", 32, rc.trainer.seed, None)
+    assert spec.base_config() == load_base_config(rc.model)
+    assert (spec.quantize, spec.dtype, spec.lora, spec.max_adapters, spec.engine) == (
+        "experts", rc.rollout.dtype, rc.lora, 1, rc.engine)
+    rc = resolve(composed("recipe=k3_grpo"))
+    assert rc.engine_spec("cpu").path == rc.model.path and rc.engine_spec("cpu").token_ids is None
+
+
 @pytest.mark.parametrize("override, message", [
     ("algo.eps_low=1.5", "algo.eps_low must be in [0, 1), got 1.5"),
     ("algo.kl=k9", "algo.kl must be one of"),

@@ -63,7 +63,7 @@ def build(rc, run_dir):
     from megatron_patches.parallel import ensure_parallel
     from miles_k3.trainer.inputs import load_run_inputs
     from miles_k3.trainer.backends import LocalEngine, LocalTrainers
-    from miles_k3.trainer.launch import build_rollout_worker, build_train_worker
+    from miles_k3.trainer.workers import build_rollout_worker, build_train_worker
 
     ensure_parallel()
     inputs = load_run_inputs(rc, run_dir, weights="keep")

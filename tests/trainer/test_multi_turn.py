@@ -47,7 +47,7 @@ def test_pack_keeps_masked_tokens_in_the_row_and_out_of_the_loss_mask():
 def tiny():
     from megatron_patches.parallel import ensure_parallel
     from miles_k3.trainer.base import build_tokenizer, load_base
-    from miles_k3.trainer.launch import build_rollout_worker, build_train_worker
+    from miles_k3.trainer.workers import build_rollout_worker, build_train_worker
 
     ensure_parallel()
     rc = resolve(composed("optim.lr=1e-12", "optim.grad_clip=0"))  # grads measured, the adapter barely moves
@@ -66,7 +66,7 @@ def tiny():
 
 
 def _grads(tiny, batch):
-    from miles_k3.trainer.launch import build_train_worker
+    from miles_k3.trainer.workers import build_train_worker
 
     rc, config, state, _ = tiny
     trainer = build_train_worker(rc, config, state, "cpu")

@@ -15,7 +15,7 @@ import torch
 
 from miles_k3.trainer.base import build_tokenizer, load_base
 from miles_k3.trainer.config import SpeculativeCfg
-from miles_k3.trainer.launch import build_rollout_worker
+from miles_k3.trainer.workers import build_rollout_worker
 from miles_k3.trainer.resolve import resolve
 from miles_k3.trainer.rollout_worker import ADAPTER
 from rollout.request import SamplingParams

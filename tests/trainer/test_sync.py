@@ -8,7 +8,7 @@ from megatron_patches.parallel import ensure_parallel
 from miles_k3.trainer.base import build_tokenizer, load_base
 from miles_k3.trainer.batch import TrainBatch
 from miles_k3.trainer.resolve import resolve
-from miles_k3.trainer.launch import build_rollout_worker, build_train_worker
+from miles_k3.trainer.workers import build_rollout_worker, build_train_worker
 from rollout.request import SamplingParams
 from tests.trainer.recipes import composed, fresh
 

@@ -26,17 +26,38 @@ Modules, one job each:
     peft_io.py           save_peft / load_peft: PEFT adapter directories with HF K3 module names
 """
 
-from miles_k3.model.lora_spec import DEFAULT_TARGETS, LoraSpec
-from megatron_patches.lora import (adapter_grads, adapter_state, adapters_disabled, check_lora_replicas,
-                                   clip_lora_grad_norm_, load_adapter_state, lora_parameters,
-                                   reduce_lora_grads_)
+from megatron_patches.lora import (
+    adapter_grads,
+    adapter_state,
+    adapters_disabled,
+    check_lora_replicas,
+    clip_lora_grad_norm_,
+    load_adapter_state,
+    lora_parameters,
+    reduce_lora_grads_,
+)
 from megatron_patches.model import build_policy, reference_state
 from megatron_patches.parallel import destroy_parallel, ensure_parallel, init_parallel, single_process
 from megatron_patches.peft_io import load_peft, save_peft
+from miles_k3.model.lora_spec import DEFAULT_TARGETS, LoraSpec
 
 __all__ = [
-    "DEFAULT_TARGETS", "LoraSpec", "build_policy", "reference_state", "lora_parameters", "adapter_state",
-    "load_adapter_state", "adapters_disabled", "adapter_grads", "check_lora_replicas", "reduce_lora_grads_",
+    "DEFAULT_TARGETS",
+    "LoraSpec",
+    "build_policy",
+    "reference_state",
+    "lora_parameters",
+    "adapter_state",
+    "load_adapter_state",
+    "adapters_disabled",
+    "adapter_grads",
+    "check_lora_replicas",
+    "reduce_lora_grads_",
     "clip_lora_grad_norm_",
-    "init_parallel", "destroy_parallel", "ensure_parallel", "single_process", "save_peft", "load_peft",
+    "init_parallel",
+    "destroy_parallel",
+    "ensure_parallel",
+    "single_process",
+    "save_peft",
+    "load_peft",
 ]

@@ -109,11 +109,15 @@ def torch_segment_kda(q, k, v, g, beta, layout: ZigzagLayout, group, use_qk_l2no
     """KDA over this rank's contiguous segment [1, 2c, ...] of `layout`, exact, in torch
     (`miles_k3.ops.kda_cp`): a zero-start pass, one all-gather of the ranks' (M, b), the scan, the
     correction."""
-    o0, w, transition = segment_pass(q, k, v, g, beta, layout.segment_bounds_of(layout.rank),
-                                     use_qk_l2norm=use_qk_l2norm)
+    o0, w, transition = segment_pass(
+        q, k, v, g, beta, layout.segment_bounds_of(layout.rank), use_qk_l2norm=use_qk_l2norm
+    )
     ranks = range(layout.size)
-    states = start_states(_AllGather.apply(transition, group), [layout.continues(r) for r in ranks],
-                          [len(layout.segment_bounds_of(r)) == 2 for r in ranks])
+    states = start_states(
+        _AllGather.apply(transition, group),
+        [layout.continues(r) for r in ranks],
+        [len(layout.segment_bounds_of(r)) == 2 for r in ranks],
+    )
     return correct(o0, w, states[layout.rank]).to(v.dtype)
 
 
@@ -160,8 +164,9 @@ class MegatronCP(ContextParallel):
         """The model's forwards inside this block run on `layout`'s local tokens (the backward needs no
         layout: each collective keeps what it used)."""
         if (layout.size, layout.rank) != (self.size, self.rank):
-            raise ValueError(f"layout is for rank {layout.rank} of {layout.size}, this is rank {self.rank} of "
-                             f"{self.size}")
+            raise ValueError(
+                f"layout is for rank {layout.rank} of {layout.size}, this is rank {self.rank} of {self.size}"
+            )
         before, self.layout = self.layout, layout
         try:
             yield
@@ -170,18 +175,23 @@ class MegatronCP(ContextParallel):
 
     def _current(self, x: torch.Tensor) -> ZigzagLayout:
         if self.layout is None:
-            raise ValueError("a context-parallel forward runs inside `cp.sharded(layout)` "
-                             "(megatron_patches.context_parallel)")
+            raise ValueError(
+                "a context-parallel forward runs inside `cp.sharded(layout)` (megatron_patches.context_parallel)"
+            )
         if x.shape[0] != 1 or x.shape[1] != self.layout.local_len:
-            raise ValueError(f"context parallelism takes one packed row of this rank's {self.layout.local_len} "
-                             f"tokens ([1, {self.layout.local_len}]), got a tensor of shape {tuple(x.shape)}")
+            raise ValueError(
+                f"context parallelism takes one packed row of this rank's {self.layout.local_len} "
+                f"tokens ([1, {self.layout.local_len}]), got a tensor of shape {tuple(x.shape)}"
+            )
         return self.layout
 
     @staticmethod
     def _training_only(cu_seqlens, *states) -> None:
         if cu_seqlens is not None:
-            raise ValueError("under context parallelism the layout carries the sequence boundaries: call the "
-                             "model without cu_seqlens")
+            raise ValueError(
+                "under context parallelism the layout carries the sequence boundaries: call the "
+                "model without cu_seqlens"
+            )
         if any(s is not None and s is not False for s in states):
             raise ValueError("context parallelism runs training forwards only: no decode cache")
 
@@ -198,10 +208,12 @@ class MegatronCP(ContextParallel):
         layout = self._current(x)
         width = weight.shape[-1] - 1
         if layout.local_len < width:
-            raise ValueError(f"context parallelism needs at least {width} tokens per rank (the short conv's "
-                             f"history), got {layout.local_len}")
+            raise ValueError(
+                f"context parallelism needs at least {width} tokens per rank (the short conv's "
+                f"history), got {layout.local_len}"
+            )
         # every rank's last W-1 inputs; rank r reads rank r-1's (rank 0 a zero row: no earlier segment)
-        tails = _AllGather.apply(x[0, x.shape[1] - width:], self.group)
+        tails = _AllGather.apply(x[0, x.shape[1] - width :], self.group)
         prev = torch.cat([torch.zeros_like(tails[:1]), tails[:-1]])[self.rank]
         bounds = layout.segment_bounds_of(self.rank)
         state = halo_state(prev, layout.segment[0], layout.segment_start_of_sequence(self.rank), len(bounds) - 1)

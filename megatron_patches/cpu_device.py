@@ -27,6 +27,7 @@ def _cpu_if_cuda(device):
 def _factory(fn):
     def on_cpu(*args, device=None, **kwargs):
         return fn(*args, device=_cpu_if_cuda(device), **kwargs)
+
     return on_cpu
 
 

@@ -60,13 +60,15 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         out = grad.new_empty((sum(ctx.send), *grad.shape[1:]))
-        dist.all_to_all_single(out, grad.contiguous(), output_split_sizes=ctx.send, input_split_sizes=ctx.recv,
-                               group=ctx.group)
+        dist.all_to_all_single(
+            out, grad.contiguous(), output_split_sizes=ctx.send, input_split_sizes=ctx.recv, group=ctx.group
+        )
         return out, None, None, None
 
 
 class DispatchPlan(NamedTuple):
     """What `combine` needs to undo one `dispatch`."""
+
     send: list[int]  # rows this rank sent to each rank
     recv: list[int]  # rows this rank received from each rank
     order: torch.Tensor  # received (source-major) row of each expert-major row
@@ -89,8 +91,9 @@ class ExpertParallel:
     def split(self, num_experts: int) -> int:
         """Experts per rank; a ValueError names the config field when they do not divide."""
         if num_experts % self.size:
-            raise ValueError(f"K3Config.num_experts={num_experts} is not divisible by the expert-parallel "
-                             f"size {self.size}")
+            raise ValueError(
+                f"K3Config.num_experts={num_experts} is not divisible by the expert-parallel size {self.size}"
+            )
         return num_experts // self.size
 
     def local_experts(self, num_experts: int) -> range:
@@ -128,7 +131,8 @@ class ExpertParallel:
         received = _AllToAll.apply(xs, send, recv, self.group)
         # received rows are source-major ([s][e] runs); the experts want expert-major ([e][s] runs)
         expert_of_row = torch.repeat_interleave(
-            torch.arange(e_local, device=counts.device).repeat(self.size), recv_counts.reshape(-1))
+            torch.arange(e_local, device=counts.device).repeat(self.size), recv_counts.reshape(-1)
+        )
         order = expert_of_row.argsort(stable=True)
         plan = DispatchPlan(send, recv, order, order.argsort())
         return received[order], recv_counts.sum(0), plan
@@ -151,12 +155,16 @@ def expert_share(tp_size: int) -> ExpertParallel:
     size = ps.get_expert_model_parallel_world_size()
     etp = ps.get_expert_tensor_parallel_world_size()
     if size > 1 and tp_size > 1:
-        raise ValueError(f"parallel.ep={size} with parallel.tp={tp_size}: expert parallelism runs with "
-                         "expert tensor parallelism 1; use tp=1 with ep > 1")
+        raise ValueError(
+            f"parallel.ep={size} with parallel.tp={tp_size}: expert parallelism runs with "
+            "expert tensor parallelism 1; use tp=1 with ep > 1"
+        )
     want = 1 if size > 1 else tp_size
     if etp != want:
-        raise ValueError(f"megatron's expert_tensor_parallel_size is {etp}; the routed experts split their "
-                         f"intermediate dim over {want} rank(s) (tp at ep=1, 1 under ep)")
+        raise ValueError(
+            f"megatron's expert_tensor_parallel_size is {etp}; the routed experts split their "
+            f"intermediate dim over {want} rank(s) (tp at ep=1, 1 under ep)"
+        )
     if size == 1:
         return NO_EP
     return ExpertParallel(size, ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_group())

@@ -48,13 +48,13 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from torch import nn
 
-from miles_k3.model.config import K3Config
-from miles_k3.model.lora_spec import LoraSpec
-from miles_k3.model.modeling import bank_rows
 from megatron_patches.lora import lora_parameters
 from megatron_patches.model import build_policy
 from megatron_patches.parallel import destroy_parallel, init_parallel
 from megatron_patches.pipeline import stage_layers
+from miles_k3.model.config import K3Config
+from miles_k3.model.lora_spec import LoraSpec
+from miles_k3.model.modeling import bank_rows
 
 # Token counts of the two meta forwards whose saved bytes are extended linearly (multiples of the KDA chunk).
 _PROBE_TOKENS = (128, 256)
@@ -79,7 +79,7 @@ class Layout:
 
     @classmethod
     def parse(cls, text: str, gpus: int) -> "Layout":
-        """"tp=8,pp=8,ep=1,cp=1" (dp optional: gpus / (tp * pp * cp)); ValueError names the bad part."""
+        """ "tp=8,pp=8,ep=1,cp=1" (dp optional: gpus / (tp * pp * cp)); ValueError names the bad part."""
         sizes: dict[str, int] = {}
         for part in text.split(","):
             key, sep, value = part.strip().partition("=")
@@ -124,8 +124,14 @@ class StageBytes:
 
     @property
     def trainer_total(self) -> int:
-        return (self.base + self.lora + self.lora_grads + self.optimizer + self.activations * self.in_flight
-                + self.recompute_peak)
+        return (
+            self.base
+            + self.lora
+            + self.lora_grads
+            + self.optimizer
+            + self.activations * self.in_flight
+            + self.recompute_peak
+        )
 
 
 @contextlib.contextmanager
@@ -154,7 +160,8 @@ def param_bytes(model: nn.Module) -> dict[str, int]:
     seen: set[int] = set()
     for prefix, module in model.named_modules():
         tensors = list(module._parameters.items()) + [
-            (n, b) for n, b in module._buffers.items() if n not in module._non_persistent_buffers_set]
+            (n, b) for n, b in module._buffers.items() if n not in module._non_persistent_buffers_set
+        ]
         for name, t in tensors:
             if t is None or id(t) in seen:
                 continue
@@ -177,8 +184,10 @@ def adamw_bytes_per_element(dtype: torch.dtype) -> int:
     opt = torch.optim.AdamW([p], lr=1e-3, weight_decay=0.01, eps=1e-8)
     p.grad = torch.ones_like(p)
     opt.step()
-    return sum(t.numel() * t.element_size() for t in opt.state[p].values()
-               if torch.is_tensor(t) and t.shape == p.shape) // p.numel()
+    return (
+        sum(t.numel() * t.element_size() for t in opt.state[p].values() if torch.is_tensor(t) and t.shape == p.shape)
+        // p.numel()
+    )
 
 
 @dataclass(frozen=True)
@@ -200,11 +209,13 @@ class ActivationBytes:
     @staticmethod
     def extend(a: "ActivationBytes", b: "ActivationBytes", t0: int, t1: int, t: int) -> "ActivationBytes":
         """Each count extended linearly from `a` (at t0 tokens) and `b` (at t1) to t tokens."""
+
         def line(x: int, y: int) -> int:
             return max(0, round(x + (y - x) * (t - t0) / (t1 - t0)))
 
-        return ActivationBytes(tuple(line(x, y) for x, y in zip(a.layers, b.layers)), line(a.inputs, b.inputs),
-                               line(a.other, b.other))
+        return ActivationBytes(
+            tuple(line(x, y) for x, y in zip(a.layers, b.layers)), line(a.inputs, b.inputs), line(a.other, b.other)
+        )
 
 
 def saved_bytes(model: nn.Module, config: K3Config, tokens: int, dtype: torch.dtype) -> ActivationBytes:
@@ -240,6 +251,7 @@ def saved_bytes(model: nn.Module, config: K3Config, tokens: int, dtype: torch.dt
             h, blocks = args[0], args[1]
             for x in (h, *blocks):
                 inputs[id(base_of(x))] = base_of(x)
+
         return hook
 
     def leave(module, args, out):
@@ -261,8 +273,11 @@ def saved_bytes(model: nn.Module, config: K3Config, tokens: int, dtype: torch.dt
     finally:
         for h in hooks:
             h.remove()
-    return ActivationBytes(tuple(per_layer.get(i, 0) for i in range(len(stage.layers))),
-                           sum(nbytes(t) for t in inputs.values()), per_layer.get(None, 0))
+    return ActivationBytes(
+        tuple(per_layer.get(i, 0) for i in range(len(stage.layers))),
+        sum(nbytes(t) for t in inputs.values()),
+        per_layer.get(None, 0),
+    )
 
 
 @dataclass(frozen=True)
@@ -272,8 +287,9 @@ class _Counts:
     lora_elements: int
 
 
-def _build(config: K3Config, lora: LoraSpec, layout: Layout, stage: int, dtype: torch.dtype,
-           pp_layers: list[int] | None) -> nn.Module:
+def _build(
+    config: K3Config, lora: LoraSpec, layout: Layout, stage: int, dtype: torch.dtype, pp_layers: list[int] | None
+) -> nn.Module:
     """The meta model of the first rank of stage `stage` (megatron's order puts PP outermost); inside fake_rank."""
     assert ps.get_pipeline_model_parallel_rank() == stage
     return build_policy(config, None, lora, dtype=dtype, device="meta", pp_layers=pp_layers)
@@ -287,8 +303,15 @@ class LayoutPlanner:
     """Per-stage bytes of layouts of one model. Shapes depend on tp, pp and ep only (CP and DP replicate
     them), so each stage is built in a fake world of tp * pp * ep ranks (dp = ep), once per (tp, pp, ep)."""
 
-    def __init__(self, config: K3Config, lora: LoraSpec, *, dtype: torch.dtype = torch.bfloat16,
-                 pp_layers: list[int] | None = None, recompute: bool = False):
+    def __init__(
+        self,
+        config: K3Config,
+        lora: LoraSpec,
+        *,
+        dtype: torch.dtype = torch.bfloat16,
+        pp_layers: list[int] | None = None,
+        recompute: bool = False,
+    ):
         self.config, self.lora, self.dtype, self.pp_layers = config, lora, dtype, pp_layers
         self.recompute = recompute  # count activations as `parallel.recompute` keeps them
         self._counts: dict[tuple[int, int, int, int], _Counts] = {}
@@ -300,8 +323,9 @@ class LayoutPlanner:
             shapes = Layout(tp=layout.tp, pp=layout.pp, ep=layout.ep, dp=layout.ep)
             with fake_rank(shapes, _first_rank(shapes, stage)):
                 model = _build(self.config, self.lora, shapes, stage, self.dtype, self.pp_layers)
-                self._counts[key] = _Counts(model.model.layer_range, param_bytes(model),
-                                            sum(p.numel() for p in lora_parameters(model)))
+                self._counts[key] = _Counts(
+                    model.model.layer_range, param_bytes(model), sum(p.numel() for p in lora_parameters(model))
+                )
         return self._counts[key]
 
     def _probe(self, layout: Layout, stage: int) -> tuple[ActivationBytes, ActivationBytes]:
@@ -329,7 +353,18 @@ class LayoutPlanner:
             if tokens is not None:
                 acts = ActivationBytes.extend(*self._probe(layout, stage), t0, t1, -(-tokens // layout.cp))
                 held, peak = acts.held(recompute), acts.peak(recompute)
-            out.append(StageBytes(stage, c.layers, c.params["base_experts"], c.params["base_other"],
-                                  c.params["lora"], c.params["lora"], c.lora_elements * opt_per, held,
-                                  layout.pp - stage, peak))
+            out.append(
+                StageBytes(
+                    stage,
+                    c.layers,
+                    c.params["base_experts"],
+                    c.params["base_other"],
+                    c.params["lora"],
+                    c.params["lora"],
+                    c.lora_elements * opt_per,
+                    held,
+                    layout.pp - stage,
+                    peak,
+                )
+            )
         return out

@@ -30,12 +30,12 @@ from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from torch import nn
 
-from miles_k3.model.linear import ExpertsSpec, LinearSpec
-from miles_k3.model.lora_spec import LoraSpec
-from miles_k3.model.moe import RoutedExperts
 from megatron_patches.expert_parallel import ExpertParallel, expert_share
 from megatron_patches.lora import LoraWeights
 from megatron_patches.parallel import MegatronTP
+from miles_k3.model.linear import ExpertsSpec, LinearSpec
+from miles_k3.model.lora_spec import LoraSpec
+from miles_k3.model.moe import RoutedExperts
 
 
 def _no_init(weight: torch.Tensor) -> None:
@@ -47,14 +47,22 @@ def _adapter(spec: LinearSpec, lora: LoraSpec | None, tp: MegatronTP) -> LoraWei
     if lora is None or not lora.targets_module(spec.name):
         return None
     a_split, b_split = {"column": (None, 0), "row": (1, None), "replicated": (None, None)}[spec.parallel]
-    return LoraWeights(spec.name, lora, (lora.rank, spec.in_features), (spec.out_features, lora.rank),
-                       a_split, b_split, tp)
+    return LoraWeights(
+        spec.name, lora, (lora.rank, spec.in_features), (spec.out_features, lora.rank), a_split, b_split, tp
+    )
 
 
 class ColumnLinear(ColumnParallelLinear):
     def __init__(self, spec: LinearSpec, config: ModelParallelConfig, tp: MegatronTP, lora: LoraSpec | None):
-        super().__init__(spec.in_features, spec.out_features, config=config, init_method=_no_init, bias=False,
-                         gather_output=False, skip_bias_add=True)
+        super().__init__(
+            spec.in_features,
+            spec.out_features,
+            config=config,
+            init_method=_no_init,
+            bias=False,
+            gather_output=False,
+            skip_bias_add=True,
+        )
         self.weight.requires_grad_(False)
         self.tp = tp
         self.lora = _adapter(spec, lora, tp)
@@ -68,8 +76,15 @@ class ColumnLinear(ColumnParallelLinear):
 
 class RowLinear(RowParallelLinear):
     def __init__(self, spec: LinearSpec, config: ModelParallelConfig, tp: MegatronTP, lora: LoraSpec | None):
-        super().__init__(spec.in_features, spec.out_features, config=config, init_method=_no_init, bias=False,
-                         input_is_parallel=True, skip_bias_add=True)
+        super().__init__(
+            spec.in_features,
+            spec.out_features,
+            config=config,
+            init_method=_no_init,
+            bias=False,
+            input_is_parallel=True,
+            skip_bias_add=True,
+        )
         self.weight.requires_grad_(False)
         self.lora = _adapter(spec, lora, tp)
 
@@ -83,8 +98,9 @@ class RowLinear(RowParallelLinear):
 class ReplicatedLinear(nn.Module):
     def __init__(self, spec: LinearSpec, config: ModelParallelConfig, tp: MegatronTP, lora: LoraSpec | None):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(spec.out_features, spec.in_features, dtype=config.params_dtype),
-                                   requires_grad=False)
+        self.weight = nn.Parameter(
+            torch.empty(spec.out_features, spec.in_features, dtype=config.params_dtype), requires_grad=False
+        )
         self.lora = _adapter(spec, lora, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -110,8 +126,14 @@ class ParallelExperts(RoutedExperts):
     over experts on contiguous slices (the exactness tests run that path).
     """
 
-    def __init__(self, spec: ExpertsSpec, config: ModelParallelConfig, tp: MegatronTP, lora: LoraSpec | None,
-                 ep: ExpertParallel | None = None):
+    def __init__(
+        self,
+        spec: ExpertsSpec,
+        config: ModelParallelConfig,
+        tp: MegatronTP,
+        lora: LoraSpec | None,
+        ep: ExpertParallel | None = None,
+    ):
         super().__init__(spec)
         self.tp = tp
         self.ep = ep if ep is not None else expert_share(tp.size)  # refuses EP > 1 with TP > 1
@@ -127,16 +149,23 @@ class ParallelExperts(RoutedExperts):
             r = lora.rank
             # full shapes and split dims: over TP (the intermediate dim) at EP=1, over EP (the expert dim) else
             if self.ep.size > 1:
-                full = {"w1": ((e, r, w), (e, i, r), 0, 0), "w3": ((e, r, w), (e, i, r), 0, 0),
-                        "w2": ((e, r, i), (e, w, r), 0, 0)}
+                full = {
+                    "w1": ((e, r, w), (e, i, r), 0, 0),
+                    "w3": ((e, r, w), (e, i, r), 0, 0),
+                    "w2": ((e, r, i), (e, w, r), 0, 0),
+                }
             else:
-                full = {"w1": ((e, r, w), (e, i, r), None, 1), "w3": ((e, r, w), (e, i, r), None, 1),
-                        "w2": ((e, r, i), (e, w, r), 2, None)}
+                full = {
+                    "w1": ((e, r, w), (e, i, r), None, 1),
+                    "w3": ((e, r, w), (e, i, r), None, 1),
+                    "w2": ((e, r, i), (e, w, r), 2, None),
+                }
             shards = self.ep if self.ep.size > 1 else tp
             for proj, (a_full, b_full, a_split, b_split) in full.items():
                 if lora.targets_module(f"{spec.name}.{proj}"):
-                    adapters[proj] = LoraWeights(f"{spec.name}.{proj}", lora, a_full, b_full, a_split, b_split, tp,
-                                                 shards=shards, expert=True)
+                    adapters[proj] = LoraWeights(
+                        f"{spec.name}.{proj}", lora, a_full, b_full, a_split, b_split, tp, shards=shards, expert=True
+                    )
         self.lora = nn.ModuleDict(adapters)
         # grouped GEMMs on CUDA need 16-byte aligned rank-space rows
         self._rank_aligned = all(lw.spec.rank % 8 == 0 for lw in adapters.values())
@@ -199,17 +228,16 @@ class ParallelExperts(RoutedExperts):
         for proj in ("w1", "w3"):
             lw = self._on(proj)
             if lw is not None:
-                rank_h[proj] = self.tp.enter(torch.cat([lw.rank_space(xs[s:s + n], lw.A[e])
-                                                        for e, s, n in segments]))
+                rank_h[proj] = self.tp.enter(torch.cat([lw.rank_space(xs[s : s + n], lw.A[e]) for e, s, n in segments]))
         partial, h2 = [], []
         lw2 = self._on("w2")
         for e, s, n in segments:  # segments tile the rows in order, so row s of a concatenation is row s here
-            seg = xs_base[s:s + n]
+            seg = xs_base[s : s + n]
             gate, up = F.linear(seg, self.w1[e]), F.linear(seg, self.w3[e])
             if "w1" in rank_h:
-                gate = gate + F.linear(rank_h["w1"][s:s + n], self.lora["w1"].B[e]) * self.lora["w1"].scale
+                gate = gate + F.linear(rank_h["w1"][s : s + n], self.lora["w1"].B[e]) * self.lora["w1"].scale
             if "w3" in rank_h:
-                up = up + F.linear(rank_h["w3"][s:s + n], self.lora["w3"].B[e]) * self.lora["w3"].scale
+                up = up + F.linear(rank_h["w3"][s : s + n], self.lora["w3"].B[e]) * self.lora["w3"].scale
             act = self._act(gate, up)
             partial.append(F.linear(act, self.w2[e]))
             if lw2 is not None:
@@ -217,7 +245,7 @@ class ParallelExperts(RoutedExperts):
         ys = self.tp.reduce(torch.cat(partial))
         if lw2 is not None:
             h = self.tp.reduce(torch.cat(h2))
-            ys = ys + torch.cat([F.linear(h[s:s + n], lw2.B[e]) for e, s, n in segments]) * lw2.scale
+            ys = ys + torch.cat([F.linear(h[s : s + n], lw2.B[e]) for e, s, n in segments]) * lw2.scale
         return ys
 
 

@@ -23,8 +23,14 @@ from miles_k3.model.checkpoint import TensorSource, stored_dtype
 Slicer = Callable[[str, TensorSource], torch.Tensor]
 
 
-def local_state(source: TensorSource, names: Iterable[str], slicer: Slicer, *, dtype: torch.dtype = torch.float32,
-                device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+def local_state(
+    source: TensorSource,
+    names: Iterable[str],
+    slicer: Slicer,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+) -> dict[str, torch.Tensor]:
     """{name: slicer(name, source)} for `names` (in their given order), each on `device` in `dtype` (fp32 for
     router / decay parameters, `stored_dtype`). Reads run in the source's cheapest order (a checkpoint: file
     by file, so each file is mapped once) and the source is released at the end. Unknown names: ValueError."""

@@ -47,10 +47,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from miles_k3.model.lora_spec import LoraSpec
-from miles_k3.model.linear import SINGLE, TensorParallel
 from megatron_patches.expert_parallel import ExpertParallel
 from megatron_patches.pipeline import gather_over_stages
+from miles_k3.model.linear import SINGLE, TensorParallel
+from miles_k3.model.lora_spec import LoraSpec
 
 
 class LoraWeights(nn.Module):
@@ -63,9 +63,18 @@ class LoraWeights(nn.Module):
     Built on any device (meta included); `reset` materializes them on `device` as trainable params.
     """
 
-    def __init__(self, name: str, spec: LoraSpec, a_full: tuple[int, ...], b_full: tuple[int, ...],
-                 a_split: int | None, b_split: int | None, tp: TensorParallel = SINGLE,
-                 shards: TensorParallel | ExpertParallel | None = None, expert: bool = False):
+    def __init__(
+        self,
+        name: str,
+        spec: LoraSpec,
+        a_full: tuple[int, ...],
+        b_full: tuple[int, ...],
+        a_split: int | None,
+        b_split: int | None,
+        tp: TensorParallel = SINGLE,
+        shards: TensorParallel | ExpertParallel | None = None,
+        expert: bool = False,
+    ):
         super().__init__()
         self.name, self.spec, self.tp = name, spec, tp
         self.shards = shards if shards is not None else tp
@@ -92,8 +101,10 @@ class LoraWeights(nn.Module):
     # ------------------------------------------------------------------ state
     def exports(self) -> dict[str, tuple[nn.Parameter, int | None, tuple[int, ...]]]:
         """engine tensor name -> (local param, split dim of the full tensor or None, full shape)."""
-        return {f"{self.name}.lora_A": (self.A, self.a_split, self.a_full),
-                f"{self.name}.lora_B": (self.B, self.b_split, self.b_full)}
+        return {
+            f"{self.name}.lora_A": (self.A, self.a_split, self.a_full),
+            f"{self.name}.lora_B": (self.B, self.b_split, self.b_full),
+        }
 
     @torch.no_grad()
     def reset(self, seed: int, dtype: torch.dtype, device: torch.device | str) -> None:
@@ -196,9 +207,13 @@ def _replica_groups(model: nn.Module) -> list[tuple[str, object, list[LoraWeight
     mods = lora_modules(model)
     out = []
     for what, group, chosen in (
-            ("data x context parallel", ps.get_data_parallel_group(with_context_parallel=True),
-             [m for m in mods if not m.expert]),
-            ("expert data parallel", ps.get_expert_data_parallel_group(), [m for m in mods if m.expert])):
+        (
+            "data x context parallel",
+            ps.get_data_parallel_group(with_context_parallel=True),
+            [m for m in mods if not m.expert],
+        ),
+        ("expert data parallel", ps.get_expert_data_parallel_group(), [m for m in mods if m.expert]),
+    ):
         if dist.get_world_size(group) > 1 and chosen:
             out.append((what, group, chosen))
     return out
@@ -214,14 +229,16 @@ def _sum_grads(group, mods: list[LoraWeights]) -> None:
     for dtype in sorted({p.dtype for p in params}, key=str):
         same = [p for p in params if p.dtype == dtype]
         device = same[0].device
-        parts = [p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), dtype=dtype, device=device)
-                 for p in same]
+        parts = [
+            p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), dtype=dtype, device=device)
+            for p in same
+        ]
         flags = torch.tensor([float(p.grad is not None) for p in same], dtype=dtype, device=device)
         flat = torch.cat(parts + [flags])
         dist.all_reduce(flat, group=group)
         offset = 0
-        for p, had in zip(same, flat[-len(same):].tolist()):
-            g = flat[offset:offset + p.numel()].view_as(p)
+        for p, had in zip(same, flat[-len(same) :].tolist()):
+            g = flat[offset : offset + p.numel()].view_as(p)
             offset += p.numel()
             if not had:
                 p.grad = None
@@ -249,12 +266,17 @@ def check_lora_replicas(model: nn.Module) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    checks = [(what, group, [(f"{m.name}.lora_{ab}", p) for m in mods for ab, p in (("A", m.A), ("B", m.B))])
-              for what, group, mods in _replica_groups(model)]
+    checks = [
+        (what, group, [(f"{m.name}.lora_{ab}", p) for m in mods for ab, p in (("A", m.A), ("B", m.B))])
+        for what, group, mods in _replica_groups(model)
+    ]
     if ps.model_parallel_is_initialized() and ps.get_tensor_model_parallel_world_size() > 1:
-        unsplit = [(f"{m.name}.lora_{ab}", p) for m in lora_modules(model)
-                   for ab, p, split in (("A", m.A, m.a_split), ("B", m.B, m.b_split))
-                   if split is None]
+        unsplit = [
+            (f"{m.name}.lora_{ab}", p)
+            for m in lora_modules(model)
+            for ab, p, split in (("A", m.A, m.a_split), ("B", m.B, m.b_split))
+            if split is None
+        ]
         checks.append(("tensor parallel", ps.get_tensor_model_parallel_group(), unsplit))
     for what, group, named in checks:
         for dtype in sorted({p.dtype for _, p in named}, key=str):
@@ -265,7 +287,7 @@ def check_lora_replicas(model: nn.Module) -> None:
             dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
             offset = 0
             for n, p in same:
-                if not torch.equal(lo[offset:offset + p.numel()], hi[offset:offset + p.numel()]):
+                if not torch.equal(lo[offset : offset + p.numel()], hi[offset : offset + p.numel()]):
                     raise ValueError(f"adapter tensor {n!r} differs between the {what} ranks that replicate it")
                 offset += p.numel()
 
@@ -294,11 +316,17 @@ def clip_lora_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
                 by_slot[slot].append(p.grad)
     grads = [g for gs in by_slot for g in gs]
     dtype = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
-    sq = [torch.stack(torch._foreach_norm(gs, 2, dtype=dtype)).pow(2).sum() if gs else
-          torch.zeros((), device=device, dtype=dtype) for gs in by_slot]
+    sq = [
+        torch.stack(torch._foreach_norm(gs, 2, dtype=dtype)).pow(2).sum()
+        if gs
+        else torch.zeros((), device=device, dtype=dtype)
+        for gs in by_slot
+    ]
     if ps.model_parallel_is_initialized():
-        for slot, size, group in ((0, ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_group),
-                                  (1, ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_group)):
+        for slot, size, group in (
+            (0, ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_group),
+            (1, ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_group),
+        ):
             if size > 1:
                 dist.all_reduce(sq[slot], group=group())
         total = sq[0] + sq[1] + sq[2]
@@ -337,9 +365,11 @@ def load_adapter_state(model: nn.Module, tensors: dict[str, torch.Tensor]) -> No
     missing = sorted(set(expected) - set(tensors))
     unknown = sorted(set(tensors) - set(expected))
     if missing or unknown:
-        raise ValueError(f"adapter tensors do not match the adapted modules: missing {missing[:4]}"
-                         f"{' ...' if len(missing) > 4 else ''}, unknown {unknown[:4]}"
-                         f"{' ...' if len(unknown) > 4 else ''}")
+        raise ValueError(
+            f"adapter tensors do not match the adapted modules: missing {missing[:4]}"
+            f"{' ...' if len(missing) > 4 else ''}, unknown {unknown[:4]}"
+            f"{' ...' if len(unknown) > 4 else ''}"
+        )
     for name, t in tensors.items():
         _, p, _, full = expected[name]
         if not isinstance(t, torch.Tensor):

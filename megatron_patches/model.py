@@ -33,12 +33,6 @@ from megatron.core import parallel_state as ps
 from megatron.core.model_parallel_config import ModelParallelConfig
 from torch import nn
 
-from miles_k3.model.checkpoint import StateDictSource, TensorSource, stored_dtype
-from miles_k3.model.config import K3Config
-from miles_k3.model.layout import tensor_shapes
-from miles_k3.model.linear import ExpertsSpec, LinearSpec, TensorParallel
-from miles_k3.model.lora_spec import LoraSpec
-from miles_k3.model.modeling import K3ForCausalLM, reference_state
 from megatron_patches.context_parallel import MegatronCP, context_share
 from megatron_patches.expert_parallel import ExpertParallel
 from megatron_patches.linears import ColumnLinear, ParallelExperts, ReplicatedLinear, RowLinear
@@ -47,6 +41,12 @@ from megatron_patches.lora import lora_modules, lora_parameters
 from megatron_patches.parallel import MegatronTP, ensure_parallel
 from megatron_patches.pipeline import stage_layers, this_stage
 from megatron_patches.vocab_parallel import VocabParallelEmbedding
+from miles_k3.model.checkpoint import StateDictSource, TensorSource, stored_dtype
+from miles_k3.model.config import K3Config
+from miles_k3.model.layout import tensor_shapes
+from miles_k3.model.linear import ExpertsSpec, LinearSpec, TensorParallel
+from miles_k3.model.lora_spec import LoraSpec
+from miles_k3.model.modeling import K3ForCausalLM, reference_state
 
 # Per-head tensors of a KDA mixer that follow its heads across TP ranks (dim 0 of the full tensor).
 _KDA_HEAD_SPLIT = re.compile(r"\.self_attn\.([qkv]_conv1d\.weight|dt_bias)$")
@@ -104,20 +104,26 @@ class MediaFeed:
         ids = args[0] if args else kwargs["input_ids"]
         found = self._rows.get(id(ids))
         if found is None or found[0] is not ids:
-            raise RuntimeError("MediaFeed: a forward of a packed row not named in feeding() (under context "
-                               "parallelism the stage gets a shard: image prompts need cp=1)")
+            raise RuntimeError(
+                "MediaFeed: a forward of a packed row not named in feeding() (under context "
+                "parallelism the stage gets a shard: image prompts need cp=1)"
+            )
         return (args, kwargs) if found[1] is None else (args, {**kwargs, "media": found[1]})
 
 
-def check_layout(config: K3Config, tp: TensorParallel, ep_size: int = 1, pp_size: int = 1,
-                 pp_layers: list[int] | None = None) -> None:
+def check_layout(
+    config: K3Config, tp: TensorParallel, ep_size: int = 1, pp_size: int = 1, pp_layers: list[int] | None = None
+) -> None:
     """That `config` splits over the layout, before anything is built (ValueError naming the field): every dim a
     column / row split divides by the TP size, the routed experts by the EP size, the layers into `pp_size`
     stages (`pp_layers`)."""
     stage_layers(config.num_hidden_layers, pp_size, pp_layers)
     ExpertParallel(ep_size).split(config.num_experts)
-    checks = {"kda_num_heads": config.kda_num_heads, "mla_num_heads": config.mla_num_heads,
-              "vocab_size": config.vocab_size}
+    checks = {
+        "kda_num_heads": config.kda_num_heads,
+        "mla_num_heads": config.mla_num_heads,
+        "vocab_size": config.vocab_size,
+    }
     if config.first_dense_layers > 0:
         checks["dense_intermediate_size"] = config.dense_intermediate_size
     if any(config.is_moe_layer(i) for i in range(config.num_hidden_layers)):
@@ -153,10 +159,18 @@ def _local_tensor(name: str, source: TensorSource, factory: PolicyFactory, confi
     return source.read(name)  # replicated: norms, AttnRes queries, router
 
 
-def build_policy(config: K3Config, base_state: dict[str, torch.Tensor] | TensorSource | None, lora: LoraSpec, *,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 seed: int = 0, sequence_parallel: bool = False,
-                 pp_layers: list[int] | None = None, recompute: bool = False) -> K3ForCausalLM:
+def build_policy(
+    config: K3Config,
+    base_state: dict[str, torch.Tensor] | TensorSource | None,
+    lora: LoraSpec,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+    sequence_parallel: bool = False,
+    pp_layers: list[int] | None = None,
+    recompute: bool = False,
+) -> K3ForCausalLM:
     """The trainer's model for this rank.
 
     base_state: a `miles_k3.model.checkpoint.CheckpointSource` (each rank reads only its own slices from the
@@ -189,15 +203,27 @@ def build_policy(config: K3Config, base_state: dict[str, torch.Tensor] | TensorS
         raise ValueError(f"lora must be a LoraSpec, got {type(lora).__name__}")
     ensure_parallel()
     tp, cp = MegatronTP(sequence_parallel), context_share()
-    check_layout(config, tp, ps.get_expert_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
-                 pp_layers)
+    check_layout(
+        config, tp, ps.get_expert_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(), pp_layers
+    )
     layers = this_stage(config.num_hidden_layers, pp_layers)
-    mp = ModelParallelConfig(tensor_model_parallel_size=tp.size, params_dtype=dtype,
-                             use_cpu_initialization=True, perform_initialization=False)
+    mp = ModelParallelConfig(
+        tensor_model_parallel_size=tp.size,
+        params_dtype=dtype,
+        use_cpu_initialization=True,
+        perform_initialization=False,
+    )
     factory = PolicyFactory(mp, tp, lora)
     with torch.device("meta"):
-        model = K3ForCausalLM(config, linear=factory.linear, experts=factory.experts, tp=tp, cp=cp, layers=layers,
-                              embedding=factory.embedding)
+        model = K3ForCausalLM(
+            config,
+            linear=factory.linear,
+            experts=factory.experts,
+            tp=tp,
+            cp=cp,
+            layers=layers,
+            embedding=factory.embedding,
+        )
 
     if torch.device(device).type == "meta":  # shapes only (the layout planner): nothing read, nothing drawn
         if base_state is not None:
@@ -230,8 +256,13 @@ def build_policy(config: K3Config, base_state: dict[str, torch.Tensor] | TensorS
     # The local model names the tensors this rank holds (a pipeline stage's layers, an expert-parallel
     # rank's experts); `_local_tensor` reads the tensor-parallel slice of each, and only that, from the source.
     local_shapes = {k: tuple(v.shape) for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
-    local = local_state(source, [n for n in expected if n in local_shapes],
-                        lambda name, src: _local_tensor(name, src, factory, config), dtype=dtype, device=device)
+    local = local_state(
+        source,
+        [n for n in expected if n in local_shapes],
+        lambda name, src: _local_tensor(name, src, factory, config),
+        dtype=dtype,
+        device=device,
+    )
     for name, t in local.items():
         assert tuple(t.shape) == local_shapes[name], f"{name}: local {tuple(t.shape)} vs {local_shapes[name]}"
     result = model.load_state_dict(local, strict=False, assign=True)
@@ -276,8 +307,12 @@ def recompute_layers(model: K3ForCausalLM) -> None:
     generator, cp = model.lora_generator, model.model.cp
     stack = model.model.layers
     for name, layer in list(stack.named_children()):
-        stack.add_module(name, checkpoint_wrapper(layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT,
-                                                  context_fn=lambda: _replay_contexts(generator, cp)))
+        stack.add_module(
+            name,
+            checkpoint_wrapper(
+                layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT, context_fn=lambda: _replay_contexts(generator, cp)
+            ),
+        )
 
 
 def _replay_contexts(generator: torch.Generator | None, cp) -> tuple:

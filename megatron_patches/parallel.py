@@ -32,8 +32,9 @@ from megatron.core.tensor_parallel.mappings import (
 from miles_k3.model.linear import TensorParallel
 
 
-def init_parallel(tp_size: int = 1, pp_size: int = 1, cp_size: int = 1, ep_size: int = 1, *,
-                  gloo_groups: bool = True) -> None:
+def init_parallel(
+    tp_size: int = 1, pp_size: int = 1, cp_size: int = 1, ep_size: int = 1, *, gloo_groups: bool = True
+) -> None:
     """Initialize megatron's model-parallel groups on the current torch.distributed world (which must exist).
 
     Sizes as megatron takes them: world = tp * pp * cp * dp, and expert parallelism is formed inside
@@ -41,11 +42,17 @@ def init_parallel(tp_size: int = 1, pp_size: int = 1, cp_size: int = 1, ep_size:
     an error (tear down first). `gloo_groups`: megatron's extra gloo groups (its CPU-side collectives); off
     for a world that cannot create them (the layout planner's fake world)."""
     if not dist.is_initialized():
-        raise ValueError("init_parallel needs torch.distributed initialized first "
-                         "(init_process_group), or use megatron_patches.parallel.single_process()")
+        raise ValueError(
+            "init_parallel needs torch.distributed initialized first "
+            "(init_process_group), or use megatron_patches.parallel.single_process()"
+        )
     world = dist.get_world_size()
-    sizes = {"tensor-parallel": tp_size, "pipeline-parallel": pp_size, "context-parallel": cp_size,
-             "expert-parallel": ep_size}
+    sizes = {
+        "tensor-parallel": tp_size,
+        "pipeline-parallel": pp_size,
+        "context-parallel": cp_size,
+        "expert-parallel": ep_size,
+    }
     for what, n in sizes.items():
         if n < 1:
             raise ValueError(f"{what} size must be >= 1, got {n}")
@@ -56,15 +63,25 @@ def init_parallel(tp_size: int = 1, pp_size: int = 1, cp_size: int = 1, ep_size:
     if dp_cp % ep_size:
         raise ValueError(f"expert-parallel size {ep_size} must divide dp * cp = {dp_cp} (world {world})")
     if ps.model_parallel_is_initialized():
-        found = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
-                 ps.get_context_parallel_world_size(), ps.get_expert_model_parallel_world_size())
+        found = (
+            ps.get_tensor_model_parallel_world_size(),
+            ps.get_pipeline_model_parallel_world_size(),
+            ps.get_context_parallel_world_size(),
+            ps.get_expert_model_parallel_world_size(),
+        )
         if found != (tp_size, pp_size, cp_size, ep_size):
-            raise ValueError(f"megatron parallel state is already initialized with (tp, pp, cp, ep) = {found}, "
-                             f"not {(tp_size, pp_size, cp_size, ep_size)}")
+            raise ValueError(
+                f"megatron parallel state is already initialized with (tp, pp, cp, ep) = {found}, "
+                f"not {(tp_size, pp_size, cp_size, ep_size)}"
+            )
         return
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp_size, pipeline_model_parallel_size=pp_size,
-                                 context_parallel_size=cp_size, expert_model_parallel_size=ep_size,
-                                 create_gloo_process_groups=gloo_groups)
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=tp_size,
+        pipeline_model_parallel_size=pp_size,
+        context_parallel_size=cp_size,
+        expert_model_parallel_size=ep_size,
+        create_gloo_process_groups=gloo_groups,
+    )
 
 
 def destroy_parallel() -> None:
@@ -129,8 +146,10 @@ def ensure_parallel() -> None:
     if ps.model_parallel_is_initialized():
         return
     if dist.is_initialized() and dist.get_world_size() > 1:
-        raise ValueError("torch.distributed is running with several ranks but megatron's parallel state is "
-                         "not: call megatron_patches.parallel.init_parallel(tp_size) first")
+        raise ValueError(
+            "torch.distributed is running with several ranks but megatron's parallel state is "
+            "not: call megatron_patches.parallel.init_parallel(tp_size) first"
+        )
     start_single_process_world()
     init_parallel(1)
 
@@ -180,8 +199,9 @@ class MegatronTP(TensorParallel):
     def __init__(self, sequence_parallel: bool = False):
         if not ps.model_parallel_is_initialized():
             raise ValueError("megatron's parallel state is not initialized: call init_parallel(tp_size)")
-        super().__init__(ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank(),
-                         sequence_parallel)
+        super().__init__(
+            ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank(), sequence_parallel
+        )
         self.group = ps.get_tensor_model_parallel_group()
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:

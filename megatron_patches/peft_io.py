@@ -40,7 +40,7 @@ def _modules(tensors: dict[str, torch.Tensor]) -> list[str]:
     for key in tensors:
         if not key.endswith((".lora_A", ".lora_B")):
             raise ValueError(f"adapter tensor {key!r}: name must end in .lora_A or .lora_B")
-        mods.add(key[:-len(".lora_A")])
+        mods.add(key[: -len(".lora_A")])
     for m in sorted(mods):
         for ab in ("lora_A", "lora_B"):
             if f"{m}.{ab}" not in tensors:
@@ -55,10 +55,17 @@ def peft_tensors(tensors: dict[str, torch.Tensor], rank: int, module_prefix: str
         a, b = tensors[f"{m}.lora_A"], tensors[f"{m}.lora_B"]
         stacked = _STACKED.match(m)
         lead = 1 if stacked else 0
-        if a.dim() != 2 + lead or b.dim() != 2 + lead or a.shape[-2] != rank or b.shape[-1] != rank \
-                or a.shape[:lead] != b.shape[:lead]:
-            raise ValueError(f"adapter module {m!r}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} are not "
-                             f"{'[E, ' if lead else '['}r, in] / {'[E, ' if lead else '['}out, r] with r={rank}")
+        if (
+            a.dim() != 2 + lead
+            or b.dim() != 2 + lead
+            or a.shape[-2] != rank
+            or b.shape[-1] != rank
+            or a.shape[:lead] != b.shape[:lead]
+        ):
+            raise ValueError(
+                f"adapter module {m!r}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} are not "
+                f"{'[E, ' if lead else '['}r, in] / {'[E, ' if lead else '['}out, r] with r={rank}"
+            )
         if stacked:
             for e in range(a.shape[0]):
                 name = f"{module_prefix}{stacked['prefix']}.{e}.{stacked['proj']}"
@@ -81,8 +88,14 @@ def _target_regex(modules: list[str], module_prefix: str) -> str:
     return "(?:" + "|".join(parts) + ")"
 
 
-def save_peft(path: str | Path, tensors: dict[str, torch.Tensor], lora: LoraSpec, *,
-              module_prefix: str = "", base_model_name_or_path: str | None = None) -> None:
+def save_peft(
+    path: str | Path,
+    tensors: dict[str, torch.Tensor],
+    lora: LoraSpec,
+    *,
+    module_prefix: str = "",
+    base_model_name_or_path: str | None = None,
+) -> None:
     """Write `tensors` (engine naming, full tensors on any device) as a PEFT LoRA adapter directory.
     Atomic: a new directory appears whole; an existing one gets the weights, then the config, each by one
     rename (other files in it stay)."""
@@ -125,8 +138,15 @@ def _read_config(path: Path) -> dict:
         raise ValueError(f"{f}: expected a JSON object")
     if cfg.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"{f}: peft_type {cfg.get('peft_type')!r} is not LORA")
-    unsupported = {"use_rslora": False, "use_dora": False, "fan_in_fan_out": False, "bias": "none",
-                   "rank_pattern": {}, "alpha_pattern": {}, "modules_to_save": None}
+    unsupported = {
+        "use_rslora": False,
+        "use_dora": False,
+        "fan_in_fan_out": False,
+        "bias": "none",
+        "rank_pattern": {},
+        "alpha_pattern": {},
+        "modules_to_save": None,
+    }
     for key, default in unsupported.items():
         if cfg.get(key) not in (None, default):
             raise ValueError(f"{f}: {key}={cfg[key]!r} is not supported (expected {default!r})")
@@ -143,8 +163,9 @@ def load_peft(path: str | Path, *, module_prefix: str = "") -> tuple[dict[str, t
     path = Path(path)
     cfg = _read_config(path)
     try:
-        lora = LoraSpec(rank=cfg["r"], alpha=cfg["lora_alpha"], dropout=cfg.get("lora_dropout", 0.0) or 0.0,
-                        targets=("^$",))  # replaced below, once the modules are known
+        lora = LoraSpec(
+            rank=cfg["r"], alpha=cfg["lora_alpha"], dropout=cfg.get("lora_dropout", 0.0) or 0.0, targets=("^$",)
+        )  # replaced below, once the modules are known
     except ValueError as e:
         raise ValueError(f"{path / CONFIG_FILE}: {e}") from None
     f = path / WEIGHTS_FILE
@@ -162,9 +183,10 @@ def load_peft(path: str | Path, *, module_prefix: str = "") -> tuple[dict[str, t
     for key, t in raw.items():
         m = _PEFT_KEY.match(key)
         if m is None or not key.startswith(_PEFT_PREFIX + module_prefix):
-            raise ValueError(f"{f}: unexpected tensor {key!r} (expected "
-                             f"{_PEFT_PREFIX}{module_prefix}<module>.lora_A|lora_B.weight)")
-        module = m["module"][len(_PEFT_PREFIX + module_prefix):]
+            raise ValueError(
+                f"{f}: unexpected tensor {key!r} (expected {_PEFT_PREFIX}{module_prefix}<module>.lora_A|lora_B.weight)"
+            )
+        module = m["module"][len(_PEFT_PREFIX + module_prefix) :]
         if t.dim() != 2:
             raise ValueError(f"{f}: tensor {key!r} has shape {tuple(t.shape)}, expected 2 dims")
         per_expert = _PER_EXPERT.match(module)

@@ -34,8 +34,9 @@ def stage_layers(num_layers: int, pp_size: int, pp_layers: Sequence[int] | None 
         raise ValueError(f"pipeline-parallel size must be >= 1, got {pp_size}")
     if pp_layers is None:
         if num_layers < pp_size:
-            raise ValueError(f"pp_layers: {num_layers} layers cannot fill {pp_size} pipeline stages "
-                             f"(every stage needs >= 1 layer)")
+            raise ValueError(
+                f"pp_layers: {num_layers} layers cannot fill {pp_size} pipeline stages (every stage needs >= 1 layer)"
+            )
         base, extra = divmod(num_layers, pp_size)
         counts = [base + (s < extra) for s in range(pp_size)]
     else:
@@ -55,11 +56,13 @@ def stage_layers(num_layers: int, pp_size: int, pp_layers: Sequence[int] | None 
 def this_stage(num_layers: int, pp_layers: Sequence[int] | None = None) -> range:
     """This rank's layer range from megatron's pipeline-parallel rank and size."""
     return stage_layers(num_layers, ps.get_pipeline_model_parallel_world_size(), pp_layers)[
-        ps.get_pipeline_model_parallel_rank()]
+        ps.get_pipeline_model_parallel_rank()
+    ]
 
 
-def broadcast_tensors(named: dict[str, torch.Tensor | None] | None, src_stage: int, device: torch.device | str
-                      ) -> dict[str, torch.Tensor | None]:
+def broadcast_tensors(
+    named: dict[str, torch.Tensor | None] | None, src_stage: int, device: torch.device | str
+) -> dict[str, torch.Tensor | None]:
     """Stage `src_stage`'s dict of tensors (None values allowed) on every PP rank: a collective over the PP
     group; the other stages pass None. Names, shapes and dtypes go first (pickled, small), then one flat
     broadcast per dtype on `device` (nccl or gloo alike). The source gets its own dict back."""
@@ -80,7 +83,7 @@ def broadcast_tensors(named: dict[str, torch.Tensor | None] | None, src_stage: i
         offset = 0
         for name, shape in same:
             n = torch.Size(shape).numel()
-            out[name] = flat[offset:offset + n].view(shape)
+            out[name] = flat[offset : offset + n].view(shape)
             offset += n
     return named if is_src else {name: out[name] for name, _ in entries}
 
@@ -100,7 +103,8 @@ def gather_over_stages(tensors: dict[str, torch.Tensor | None]) -> dict[str, tor
     for stage in range(size):
         got = broadcast_tensors(tensors if stage == rank else None, stage, device)
         if set(got) & set(out):
-            raise ValueError(f"gather_over_stages: two stages hold tensors of the same name, "
-                             f"{sorted(set(got) & set(out))[:4]}")
+            raise ValueError(
+                f"gather_over_stages: two stages hold tensors of the same name, {sorted(set(got) & set(out))[:4]}"
+            )
         out |= got
     return out

@@ -105,8 +105,10 @@ class _MegatronStage(nn.Module):
             with model.cp.sharded(mb.layout):
                 out = model(mb.layout.shard(mb.input_ids), inputs=inputs)
         if not self.module.model.last and out.dtype != self.config.pipeline_dtype:
-            raise ValueError(f"pipeline send of dtype {out.dtype}, but the receiving stage expects "
-                             f"{self.config.pipeline_dtype} (build_policy's dtype)")
+            raise ValueError(
+                f"pipeline send of dtype {out.dtype}, but the receiving stage expects "
+                f"{self.config.pipeline_dtype} (build_policy's dtype)"
+            )
         return out
 
 
@@ -123,19 +125,25 @@ def _schedule_config(policy: nn.Module) -> TransformerConfig:
 def _build_schedule_config(policy: nn.Module) -> TransformerConfig:
     c = policy.config
     return TransformerConfig(
-        num_layers=c.num_hidden_layers, hidden_size=c.hidden_size, num_attention_heads=1,
+        num_layers=c.num_hidden_layers,
+        hidden_size=c.hidden_size,
+        num_attention_heads=1,
         pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
-        pipeline_dtype=policy.residual_dtype, params_dtype=policy.residual_dtype,
-        variable_seq_lengths=True, moe_token_dispatcher_type="alltoall",  # see the module docstring
+        pipeline_dtype=policy.residual_dtype,
+        params_dtype=policy.residual_dtype,
+        variable_seq_lengths=True,
+        moe_token_dispatcher_type="alltoall",  # see the module docstring
         calculate_per_token_loss=True,  # megatron leaves our (globally normalized) loss undivided
         # a sent stage output keeps only its autograd node (the packed bank is up to (1 + n_blocks) x the
         # residual's bytes); its backward then runs through megatron's custom_backward
         deallocate_pipeline_outputs=True,
-        use_cpu_initialization=True)
+        use_cpu_initialization=True,
+    )
 
 
-def _run(policy: nn.Module, micro_batches: Sequence[MicroBatch], fn, forward_only: bool
-         ) -> list[dict[str, torch.Tensor]]:
+def _run(
+    policy: nn.Module, micro_batches: Sequence[MicroBatch], fn, forward_only: bool
+) -> list[dict[str, torch.Tensor]]:
     if not micro_batches:
         raise ValueError("micro_batches is empty")
     use_cpu_devices()
@@ -159,14 +167,18 @@ def _run(policy: nn.Module, micro_batches: Sequence[MicroBatch], fn, forward_onl
 
     with torch.no_grad() if forward_only else torch.enable_grad():
         store = get_forward_backward_func()(
-            forward_step_func=step, data_iterator=iter(micro_batches), model=stage,
-            num_microbatches=len(micro_batches), seq_length=max(mb.input_ids.shape[1] for mb in micro_batches),
-            micro_batch_size=1, forward_only=forward_only)
+            forward_step_func=step,
+            data_iterator=iter(micro_batches),
+            model=stage,
+            num_microbatches=len(micro_batches),
+            seq_length=max(mb.input_ids.shape[1] for mb in micro_batches),
+            micro_batch_size=1,
+            forward_only=forward_only,
+        )
     return _share_results(store, len(micro_batches), micro_batches[0].input_ids.device)
 
 
-def _share_results(store: list[dict[str, torch.Tensor]], n: int, device: torch.device
-                   ) -> list[dict[str, torch.Tensor]]:
+def _share_results(store: list[dict[str, torch.Tensor]], n: int, device: torch.device) -> list[dict[str, torch.Tensor]]:
     """The last stage's per-micro-batch results on every PP rank."""
     if ps.get_pipeline_model_parallel_world_size() == 1:
         return store
@@ -180,8 +192,9 @@ def _share_results(store: list[dict[str, torch.Tensor]], n: int, device: torch.d
     return out
 
 
-def forward_backward(policy: nn.Module, micro_batches: Sequence[MicroBatch], loss_fn: LossFn
-                     ) -> list[dict[str, torch.Tensor]]:
+def forward_backward(
+    policy: nn.Module, micro_batches: Sequence[MicroBatch], loss_fn: LossFn
+) -> list[dict[str, torch.Tensor]]:
     """Forward and backward of every micro-batch (1F1B over the PP stages): the LoRA parameters' `.grad`
     accumulate the gradient of sum_i loss_i (zero them before). `loss_fn(policy, hidden [1, N, D], mb)` runs
     on the last stage and returns (loss, outputs): the loss already normalized by the whole batch's
@@ -190,8 +203,9 @@ def forward_backward(policy: nn.Module, micro_batches: Sequence[MicroBatch], los
     return _run(policy, micro_batches, loss_fn, forward_only=False)
 
 
-def forward_only(policy: nn.Module, micro_batches: Sequence[MicroBatch], output_fn: OutputFn
-                 ) -> list[dict[str, torch.Tensor]]:
+def forward_only(
+    policy: nn.Module, micro_batches: Sequence[MicroBatch], output_fn: OutputFn
+) -> list[dict[str, torch.Tensor]]:
     """Forward of every micro-batch without grad (pi_old / KL-reference log-probs): `output_fn(policy,
     hidden, mb)` -> dict of tensors on the last stage; returns them per micro-batch on every PP rank."""
     return _run(policy, micro_batches, output_fn, forward_only=True)

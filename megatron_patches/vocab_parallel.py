@@ -62,25 +62,48 @@ def local_head(policy):
     return head, 0, None
 
 
-def token_logprobs(policy, hidden: torch.Tensor, targets: torch.Tensor, temperature: float, *,
-                   with_entropy: bool = False, chunk_size: int = DEFAULT_CHUNK, recompute_logits: bool = True
-                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def token_logprobs(
+    policy,
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    *,
+    with_entropy: bool = False,
+    chunk_size: int = DEFAULT_CHUNK,
+    recompute_logits: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log pi(target) at `temperature` for each row of hidden [M, D] (and the entropy of pi), from the
     policy's (vocab-parallel or whole) head, `chunk_size` tokens at a time. Every rank of the TP group
     calls it with the same hidden and targets and gets the same result. `recompute_logits`: see
     `vocab_parallel_logprobs` (the head's LoRA dropout, if any, is replayed from `policy.lora_generator`)."""
     logits_fn, start, group = local_head(policy)
-    return vocab_parallel_logprobs(logits_fn, hidden, targets, temperature, vocab_start=start, group=group,
-                                   with_entropy=with_entropy, chunk_size=chunk_size,
-                                   recompute_logits=recompute_logits,
-                                   generator=getattr(policy, "lora_generator", None))
+    return vocab_parallel_logprobs(
+        logits_fn,
+        hidden,
+        targets,
+        temperature,
+        vocab_start=start,
+        group=group,
+        with_entropy=with_entropy,
+        chunk_size=chunk_size,
+        recompute_logits=recompute_logits,
+        generator=getattr(policy, "lora_generator", None),
+    )
 
 
-def vocab_parallel_logprobs(logits_fn, hidden: torch.Tensor, targets: torch.Tensor, temperature: float, *,
-                            vocab_start: int = 0, group=None, with_entropy: bool = False,
-                            chunk_size: int = DEFAULT_CHUNK, recompute_logits: bool = True,
-                            generator: torch.Generator | None = None
-                            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def vocab_parallel_logprobs(
+    logits_fn,
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    *,
+    vocab_start: int = 0,
+    group=None,
+    with_entropy: bool = False,
+    chunk_size: int = DEFAULT_CHUNK,
+    recompute_logits: bool = True,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`token_logprobs` for any head: logits_fn(h [c, D]) -> [c, V_local] logits of ids
     [vocab_start, vocab_start + V_local), split over `group` (None: the whole vocabulary).
 
@@ -101,8 +124,9 @@ def vocab_parallel_logprobs(logits_fn, hidden: torch.Tensor, targets: torch.Tens
     logps, entropies = [], []
     for h, t in zip(hidden.split(chunk_size), targets.split(chunk_size)):
         if recompute_logits:
-            logp, entropy = _RecomputedLogSoftmax.apply(h, t, logits_fn, generator, vocab_start, float(temperature),
-                                                        group)
+            logp, entropy = _RecomputedLogSoftmax.apply(
+                h, t, logits_fn, generator, vocab_start, float(temperature), group
+            )
         else:
             logp, entropy = _ShardedLogSoftmax.apply(logits_fn(h), t, vocab_start, float(temperature), group)
         logps.append(logp)

@@ -9,7 +9,8 @@ shared `miles_k3.model` definition: engine linears through its factories, paged 
     media.py          a prompt's images: checks at submit, features once per content, cache keys, prefill splice
     scheduler.py      Scheduler: queues, admission, a plan per step (prefill chunks or a decode batch)
     cache_manager.py  CacheManager: per-request pages / slots and every handover with the radix cache
-    decode.py         DecodePipeline (overlap schedule) and the DecodeStrategy seam (OneToken; engine.strategy_for picks one)
+    decode.py         DecodePipeline (overlap schedule) and the DecodeStrategy seam (OneToken; the engine's
+                      strategy_for picks one)
     model_runner.py   build_engine_model (HF tensors -> engine model) and ModelRunner (one forward)
     forward.py        model_step and DecodeGraphs (CUDA-graph decode per batch / history bucket)
     state_cache.py    BatchLayout and PoolStateCache: the K3StateCache over the pools

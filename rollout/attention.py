@@ -50,8 +50,9 @@ def _lora_terms(linear: torch.nn.Module, num_tokens: int):
     return a[slots], b[slots], pool.device_scale[slots][:, None, None]
 
 
-def absorbed_attention(mixer: MLAMixer, q: torch.Tensor, latent: torch.Tensor, rope: torch.Tensor, cache
-                       ) -> torch.Tensor:
+def absorbed_attention(
+    mixer: MLAMixer, q: torch.Tensor, latent: torch.Tensor, rope: torch.Tensor, cache
+) -> torch.Tensor:
     """q [B, T, H, Dqk], this step's normed latent [B, T, R] and shared key part [B, T, Dr] -> attention
     output [B, T, H, Dv]. Writes the step's rows into the pages (`cache.mla_store`, a `PoolStateCache`) and
     attends over the history read back from them, per request of `cache.layout`: in one kernel
@@ -79,8 +80,7 @@ def absorbed_attention(mixer: MLAMixer, q: torch.Tensor, latent: torch.Tensor, r
     lay = cache.layout
     if hq != h:  # DCP: the group's heads over this rank's positions, merged into this rank's heads
         o_lat = dcp_attention(*_gathered(q_lat, q_rope, buf, lay), lay, mixer.scale, r, mixer.tp).to(q.dtype)
-    elif cache.kv.attention == "triton" and use_kernels(q) and \
-            kernel.supports(q_lat, q_rope, buf, lay.hist_rows, r):
+    elif cache.kv.attention == "triton" and use_kernels(q) and kernel.supports(q_lat, q_rope, buf, lay.hist_rows, r):
         o_lat = paged_attention(q_lat, q_rope, buf, lay, mixer.scale, r)
     else:
         hidden = cache.hidden_keys(lay.hist_rows.shape[1])
@@ -88,8 +88,9 @@ def absorbed_attention(mixer: MLAMixer, q: torch.Tensor, latent: torch.Tensor, r
     return _output(o_lat, w_v, lora, own, nope).reshape(b, t, h, dv)
 
 
-def gathered_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, buf: torch.Tensor, lay, scale: float, r: int,
-                       hidden: torch.Tensor) -> torch.Tensor:
+def gathered_attention(
+    q_lat: torch.Tensor, q_rope: torch.Tensor, buf: torch.Tensor, lay, scale: float, r: int, hidden: torch.Tensor
+) -> torch.Tensor:
     """The torch path: the mapped queries q_lat [T, H, R], q_rope [T, H, Dr] (input order) over the histories
     gathered out of the page buffer `buf` [rows, R + Dr] by `lay` (a `BatchLayout`), `hidden` [N, 1, Tq, S]
     the positions each query may not see -> o_lat [T, H, R] in input order, in q_lat's dtype. Scores and
@@ -109,8 +110,9 @@ def _gathered(q_lat, q_rope, buf, lay) -> tuple[torch.Tensor, torch.Tensor]:
     return qf, buf[lay.hist_rows].to(q_lat.dtype).float()
 
 
-def paged_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, buf: torch.Tensor, lay, scale: float, r: int
-                    ) -> torch.Tensor:
+def paged_attention(
+    q_lat: torch.Tensor, q_rope: torch.Tensor, buf: torch.Tensor, lay, scale: float, r: int
+) -> torch.Tensor:
     """`gathered_attention` in one kernel reading the pages in place (`rollout.kernels.mla_attention`)."""
     n, tq = lay.q_index.shape
     o_lat = kernel.paged_mla_attention(q_lat, q_rope, buf, lay.hist_rows, lay.q_pos, lay.q_index, scale, r)

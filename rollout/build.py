@@ -82,8 +82,10 @@ class EngineSpec:
             object.__setattr__(self, name, value)
 
         if self.path is not None and self.preset is not None:
-            raise ValueError(f"EngineSpec.path or EngineSpec.preset, not both (a checkpoint, or a random-init "
-                             f"preset), got path={self.path!r}, preset={self.preset!r}")
+            raise ValueError(
+                f"EngineSpec.path or EngineSpec.preset, not both (a checkpoint, or a random-init "
+                f"preset), got path={self.path!r}, preset={self.preset!r}"
+            )
         if self.path is not None:
             path = builtin_path(str(self.path)) if isinstance(self.path, (str, Path)) else None
             if path is None or not (Path(path) / "config.json").is_file():
@@ -121,8 +123,10 @@ class EngineSpec:
         if self.lora is not None and not isinstance(self.lora, LoraSpec):
             raise fail("lora", "must be a LoraSpec or None")
         adapters = tuple(tuple(a) for a in self.adapters) if isinstance(self.adapters, (tuple, list)) else None
-        if adapters is None or not all(len(a) == 2 and isinstance(a[0], str) and a[0] and "=" not in a[0]
-                                       and isinstance(a[1], (str, Path)) for a in adapters):
+        if adapters is None or not all(
+            len(a) == 2 and isinstance(a[0], str) and a[0] and "=" not in a[0] and isinstance(a[1], (str, Path))
+            for a in adapters
+        ):
             raise fail("adapters", "must be (name, PEFT directory) pairs, each name non-empty and without '='")
         if len({name for name, _ in adapters}) != len(adapters):
             raise fail("adapters", "names must be distinct")
@@ -132,17 +136,23 @@ class EngineSpec:
         int_at_least("max_adapters", max(len(adapters), 1))
         int_at_least("tp", 1)
         if self.ep not in (1, self.tp) or isinstance(self.ep, bool):
-            raise fail("ep", f"must be 1 or EngineSpec.tp ({self.tp}): expert parallelism runs over the "
-                             "tensor-parallel ranks")
+            raise fail(
+                "ep", f"must be 1 or EngineSpec.tp ({self.tp}): expert parallelism runs over the tensor-parallel ranks"
+            )
         int_at_least("dcp", 1)
         if self.tp % self.dcp:
-            raise fail("dcp", f"must divide EngineSpec.tp ({self.tp}): decode context parallelism runs inside the "
-                              "tensor-parallel group")
+            raise fail(
+                "dcp",
+                f"must divide EngineSpec.tp ({self.tp}): decode context parallelism runs inside the "
+                "tensor-parallel group",
+            )
         if not isinstance(self.engine, EngineConfig):
             raise fail("engine", "must be an EngineConfig")
         if self.engine.dcp_size not in (1, self.dcp):
-            raise ValueError(f"EngineSpec.engine.dcp_size={self.engine.dcp_size} differs from EngineSpec.dcp="
-                             f"{self.dcp}: the layout sets it")
+            raise ValueError(
+                f"EngineSpec.engine.dcp_size={self.engine.dcp_size} differs from EngineSpec.dcp="
+                f"{self.dcp}: the layout sets it"
+            )
         put("engine", dataclasses.replace(self.engine, dcp_size=self.dcp))
 
     @property
@@ -161,8 +171,14 @@ class EngineSpec:
         process, or as a lazy `CheckpointSource` when sharded (each rank reads only its slices)."""
         if not self.has_base:
             raise ValueError("EngineSpec names no base (path or preset): the caller holds it")
-        return load_base(self.path, preset=self.preset, vocab_size=self.vocab_size, token_ids=self.token_ids,
-                         seed=self.seed, whole=self.tp == 1)
+        return load_base(
+            self.path,
+            preset=self.preset,
+            vocab_size=self.vocab_size,
+            token_ids=self.token_ids,
+            seed=self.seed,
+            whole=self.tp == 1,
+        )
 
 
 def read_adapters(spec: EngineSpec) -> tuple[LoraSpec | None, dict[str, dict[str, torch.Tensor]], dict[str, float]]:
@@ -185,15 +201,22 @@ def read_adapters(spec: EngineSpec) -> tuple[LoraSpec | None, dict[str, dict[str
         if lora is None:
             lora, first = s, "the first adapter's"
         elif (s.rank, s.targets) != (lora.rank, lora.targets):
-            raise ValueError(f"{where}: rank {s.rank} over {len(s.targets)} modules differs from {first} (rank "
-                             f"{lora.rank}, {len(lora.targets)} modules); one engine's adapters share one rank "
-                             "and module set")
+            raise ValueError(
+                f"{where}: rank {s.rank} over {len(s.targets)} modules differs from {first} (rank "
+                f"{lora.rank}, {len(lora.targets)} modules); one engine's adapters share one rank "
+                "and module set"
+            )
         tensors[name], alphas[name] = t, s.alpha
     return lora, tensors, alphas
 
 
-def build_engine(spec: EngineSpec, *, base: tuple[K3Config, Mapping[str, torch.Tensor] | TensorSource] | None = None,
-                 group: Any = None, vision: torch.nn.Module | None = None) -> Engine:
+def build_engine(
+    spec: EngineSpec,
+    *,
+    base: tuple[K3Config, Mapping[str, torch.Tensor] | TensorSource] | None = None,
+    group: Any = None,
+    vision: torch.nn.Module | None = None,
+) -> Engine:
     """The engine `spec` describes, with its adapters loaded.
 
     base: (config, tensors) already loaded (the trainer's fp32 base: a logical HF state dict, or any
@@ -226,17 +249,28 @@ def build_engine(spec: EngineSpec, *, base: tuple[K3Config, Mapping[str, torch.T
 
         size = dist.get_world_size(group) if dist.is_initialized() else 1
         if size != spec.tp:
-            raise ValueError(f"EngineSpec.tp={spec.tp}: build it on every rank of a torch.distributed group of "
-                             f"{spec.tp} processes (init_process_group first), got a group of {size}")
+            raise ValueError(
+                f"EngineSpec.tp={spec.tp}: build it on every rank of a torch.distributed group of "
+                f"{spec.tp} processes (init_process_group first), got a group of {size}"
+            )
         tp = EngineTP(group, ep_size=spec.ep, dcp_size=spec.dcp)
-    model, pool = build_engine_model(config, state, quantize=spec.quantize, lora=lora, max_adapters=spec.max_adapters,
-                                     dtype=TORCH_DTYPES[spec.dtype], device=spec.device, tp=tp)
+    model, pool = build_engine_model(
+        config,
+        state,
+        quantize=spec.quantize,
+        lora=lora,
+        max_adapters=spec.max_adapters,
+        dtype=TORCH_DTYPES[spec.dtype],
+        device=spec.device,
+        tp=tp,
+    )
     engine = Engine(model, spec.engine, pool, vision=vision)
     if engine.is_leader:
         try:
             for name, t in tensors.items():
-                engine.add_adapter(name, {k: v.to(device=pool.device, dtype=pool.dtype) for k, v in t.items()},
-                                   alpha=alphas[name])
+                engine.add_adapter(
+                    name, {k: v.to(device=pool.device, dtype=pool.dtype) for k, v in t.items()}, alpha=alphas[name]
+                )
         except ValueError as e:
             if spec.tp > 1:
                 engine.stop_followers()  # they wait in follow(): release them before failing
@@ -244,10 +278,19 @@ def build_engine(spec: EngineSpec, *, base: tuple[K3Config, Mapping[str, torch.T
     return engine
 
 
-def build_sharded_engine(path_or_state: str | Path | Mapping[str, torch.Tensor], config: "EngineConfig", *,
-                         model_config=None, group=None, ep: bool = False, quantize: str = "experts", lora=None,
-                         max_adapters: int = 4, dtype: torch.dtype = torch.bfloat16,
-                         device: str | torch.device = "cpu") -> "Engine":
+def build_sharded_engine(
+    path_or_state: str | Path | Mapping[str, torch.Tensor],
+    config: "EngineConfig",
+    *,
+    model_config=None,
+    group=None,
+    ep: bool = False,
+    quantize: str = "experts",
+    lora=None,
+    max_adapters: int = 4,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str | torch.device = "cpu",
+) -> "Engine":
     """This process's rank of a TP engine over `group` (default: the whole torch.distributed world). Call it
     on every rank of the group with the same arguments, after `init_process_group` (gloo on CPU, nccl with
     one GPU per rank: set the device first).
@@ -280,7 +323,16 @@ def build_sharded_engine(path_or_state: str | Path | Mapping[str, torch.Tensor],
             raise ValueError("build_sharded_engine: a state dict needs model_config (its K3Config)")
         base = (model_config, path_or_state)
     size = dist.get_world_size(group)
-    spec = EngineSpec(path=None if base is not None else str(path_or_state), quantize=quantize, dtype=dtype,
-                      device=str(device), lora=lora, max_adapters=max_adapters, tp=size, ep=size if ep else 1,
-                      dcp=config.dcp_size, engine=config)
+    spec = EngineSpec(
+        path=None if base is not None else str(path_or_state),
+        quantize=quantize,
+        dtype=dtype,
+        device=str(device),
+        lora=lora,
+        max_adapters=max_adapters,
+        tp=size,
+        ep=size if ep else 1,
+        dcp=config.dcp_size,
+        engine=config,
+    )
     return build_engine(spec, base=base, group=group)

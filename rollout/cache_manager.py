@@ -25,7 +25,8 @@ it tracks from `admit` to `release`); a snapshot slot handed out by `snapshots` 
 back through `donate_at` or `free_snapshot` (the decode pipeline holds it in between, where nothing can
 rename it). `snapshots` and `free_snapshot` never move a block (the arena defers their compactions to the
 next other call), since a decode strategy calls them in the middle of its step, holding its rows' slot ids
-and page tables as it gathered them. A `MatchResult` is a host copy of ids: `admit` matches again when its own allocations freed or
+and page tables as it gathered them. A `MatchResult` is a host copy of ids: `admit` matches again when its own
+allocations freed or
 moved anything. Admission takes the working slot and the pages of the rest of the prompt together, so a
 request that cannot prefill waits instead of taking bytes the running requests' pages need.
 """
@@ -62,7 +63,7 @@ class Running:
 
     @property
     def private(self) -> list[int]:
-        return self.pages[self.tree_pages:]
+        return self.pages[self.tree_pages :]
 
     @property
     def prefilling(self) -> bool:
@@ -76,16 +77,18 @@ class Running:
 
 
 class CacheManager:
-    def __init__(self, model_config: K3Config, config: EngineConfig, dtype: torch.dtype, device: torch.device,
-                 tp_size: int = 1):
+    def __init__(
+        self, model_config: K3Config, config: EngineConfig, dtype: torch.dtype, device: torch.device, tp_size: int = 1
+    ):
         """`tp_size`: the engine's tensor-parallel ranks (each rank's pools hold its share, `PoolSizes`)."""
         self.model_config, self.config, self.dtype, self.device = model_config, config, dtype, device
         shares = dict(page_size=config.page_size, dtype=dtype, tp_size=tp_size, dcp_size=config.dcp_size)
         if config.unified_memory:  # `state_fraction` does not apply: the arena has no fixed split
             self.sizes = PoolSizes.unified(model_config, config.memory_bytes, **shares)
         else:
-            self.sizes = PoolSizes.from_budget(model_config, config.memory_bytes,
-                                               state_fraction=config.state_fraction, **shares)
+            self.sizes = PoolSizes.from_budget(
+                model_config, config.memory_bytes, state_fraction=config.state_fraction, **shares
+            )
         self.arena: UnifiedArena | None = None
         self.kv: KVPagePool | None = None
         self.states: KDAStatePool | None = None
@@ -103,17 +106,26 @@ class CacheManager:
     def resume_pools(self) -> None:
         if self.kv is None:
             if self.config.unified_memory:
-                self.arena = UnifiedArena(self.config.memory_bytes, self.sizes.slot_bytes, self.sizes.page_bytes,
-                                          self.device, on_move=self._renamed)
+                self.arena = UnifiedArena(
+                    self.config.memory_bytes,
+                    self.sizes.slot_bytes,
+                    self.sizes.page_bytes,
+                    self.device,
+                    on_move=self._renamed,
+                )
             self.kv = KVPagePool(self.model_config, self.sizes, self.dtype, self.device, self.arena)
             self.states = KDAStatePool(self.model_config, self.sizes, self.dtype, self.device, self.arena)
 
     def cache_for(self, adapter: str | None) -> HybridRadixCache:
         if adapter not in self.caches:
             c = self.config
-            self.caches[adapter] = HybridRadixCache(self.kv.allocator, self.states.allocator, page_size=c.page_size,
-                                                    chunk_size=c.chunk_size,
-                                                    max_checkpoints_per_path=c.max_checkpoints_per_path)
+            self.caches[adapter] = HybridRadixCache(
+                self.kv.allocator,
+                self.states.allocator,
+                page_size=c.page_size,
+                chunk_size=c.chunk_size,
+                max_checkpoints_per_path=c.max_checkpoints_per_path,
+            )
         return self.caches[adapter]
 
     def drop_tree(self, adapter: str) -> None:
@@ -163,8 +175,17 @@ class CacheManager:
         else:
             self.states.copy_slots([m.checkpoint_slot], slot)
         req.cached_tokens = m.prefix_len
-        r = Running(req, cache, tokens, slot[0], m.node, m.prefix_len, list(m.pages) + reserved,
-                    tree_pages=len(m.pages), fork_pos=m.fork_pos)
+        r = Running(
+            req,
+            cache,
+            tokens,
+            slot[0],
+            m.node,
+            m.prefix_len,
+            list(m.pages) + reserved,
+            tree_pages=len(m.pages),
+            fork_pos=m.fork_pos,
+        )
         self.admitted[r] = None
         if self.arena is not None:  # r holds them now, and moves rename them there
             self.arena.slots.unpin(slot)
@@ -230,8 +251,9 @@ class CacheManager:
             new = new[n:]
         return True
 
-    def _alloc(self, allocator: IndexAllocator | RegionAllocator, n: int, evict: Callable[[int], int]
-               ) -> list[int] | None:
+    def _alloc(
+        self, allocator: IndexAllocator | RegionAllocator, n: int, evict: Callable[[int], int]
+    ) -> list[int] | None:
         if allocator.num_free < n:
             evict(n - allocator.num_free)
         if allocator.num_free < n and self.arena is not None and not self.arena.deferring:
@@ -374,12 +396,14 @@ class CacheManager:
         if self.arena is not None:
             self.arena.check()
             assert set(running) == set(self.admitted), "the running requests are not the admitted ones"
-            assert self.arena.pinned("slots") == pending_slots, \
+            assert self.arena.pinned("slots") == pending_slots, (
                 f"pinned slots {self.arena.pinned('slots')} != pending snapshots {pending_slots}"
+            )
             assert not self.arena.pinned("pages"), "pages pinned between steps"
         pages = {p for r in running for p in r.private}
         slots = {r.slot for r in running} | pending_slots
         for name, cache in self.caches.items():
             others = [c for n, c in self.caches.items() if n != name]
-            cache.sanity_check(pages.union(*(c.owned_pages() for c in others)),
-                               slots.union(*(c.owned_slots() for c in others)))
+            cache.sanity_check(
+                pages.union(*(c.owned_pages() for c in others)), slots.union(*(c.owned_slots() for c in others))
+            )

@@ -65,15 +65,28 @@ class EngineConfig:
         def fail(name: str, rule: str) -> ValueError:
             return ValueError(f"EngineConfig.{name} {rule}, got {getattr(self, name)!r}")
 
-        for name in ("memory_bytes", "page_size", "chunk_size", "max_prefill_tokens", "max_running",
-                     "max_seq_len", "max_checkpoints_per_path", "max_prefill_requests", "dcp_size"):
+        for name in (
+            "memory_bytes",
+            "page_size",
+            "chunk_size",
+            "max_prefill_tokens",
+            "max_running",
+            "max_seq_len",
+            "max_checkpoints_per_path",
+            "max_prefill_requests",
+            "dcp_size",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise fail(name, "must be an integer >= 1")
         if not 0.0 < self.state_fraction < 1.0:
             raise fail("state_fraction", "must lie in (0, 1)")
-        for name, options in (("mxfp4_matmul", MXFP4_MATMULS), ("lora_mixed", LORA_MIXED),
-                              ("mla_attention", MLA_ATTENTIONS), ("overlap", OVERLAP_MODES)):
+        for name, options in (
+            ("mxfp4_matmul", MXFP4_MATMULS),
+            ("lora_mixed", LORA_MIXED),
+            ("mla_attention", MLA_ATTENTIONS),
+            ("overlap", OVERLAP_MODES),
+        ):
             if getattr(self, name) not in options:
                 raise fail(name, f"must be one of {options}")
         for name in ("cuda_graphs", "compile_decode", "unified_memory"):
@@ -84,5 +97,7 @@ class EngineConfig:
         if self.max_prefill_tokens % self.chunk_size:
             raise fail("max_prefill_tokens", f"must be a multiple of chunk_size ({self.chunk_size})")
         if self.page_size % self.dcp_size:
-            raise fail("dcp_size", f"must divide page_size ({self.page_size}): each rank keeps page_size / dcp_size "
-                                   f"rows of a page")
+            raise fail(
+                "dcp_size",
+                f"must divide page_size ({self.page_size}): each rank keeps page_size / dcp_size rows of a page",
+            )

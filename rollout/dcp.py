@@ -40,8 +40,9 @@ def kv_rows(table: torch.Tensor, pos: torch.Tensor, page_size: int, size: int) -
     return page * (page_size // size) + (pos % page_size) // size
 
 
-def history_rows(table: torch.Tensor, ends: torch.Tensor, s: int, page_size: int, size: int, rank: int,
-                 zero_page: int) -> torch.Tensor:
+def history_rows(
+    table: torch.Tensor, ends: torch.Tensor, s: int, page_size: int, size: int, rank: int, zero_page: int
+) -> torch.Tensor:
     """[N, ceil(s / size)]: this rank's KV row of each of its history positions, the zero page's first row
     for positions at or past a request's end."""
     pos = local_positions(s, size, rank, table.device)[None, :].expand(table.shape[0], -1)
@@ -49,8 +50,15 @@ def history_rows(table: torch.Tensor, ends: torch.Tensor, s: int, page_size: int
     return torch.where(pos < ends[:, None], rows, zero_page * (page_size // size))
 
 
-def write_rows(table: torch.Tensor, q_pos: torch.Tensor, q_valid: torch.Tensor, page_size: int, size: int,
-               rank: int, sink_page: int) -> torch.Tensor:
+def write_rows(
+    table: torch.Tensor,
+    q_pos: torch.Tensor,
+    q_valid: torch.Tensor,
+    page_size: int,
+    size: int,
+    rank: int,
+    sink_page: int,
+) -> torch.Tensor:
     """KV row of each new token (input order) on this rank: its own row when it owns the position, else the
     sink page's first row (the write lands nowhere that is read)."""
     rows = kv_rows(table, q_pos, page_size, size)
@@ -59,8 +67,9 @@ def write_rows(table: torch.Tensor, q_pos: torch.Tensor, q_valid: torch.Tensor, 
 
 
 # ------------------------------------------------------------------ attention
-def partial_attention(q: torch.Tensor, hist: torch.Tensor, q_pos: torch.Tensor, key_pos: torch.Tensor,
-                      scale: float, value_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+def partial_attention(
+    q: torch.Tensor, hist: torch.Tensor, q_pos: torch.Tensor, key_pos: torch.Tensor, scale: float, value_dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention of q [N, Tq, H, E] over this rank's keys hist [N, S, E] (values: their first
     `value_dim` entries) at positions key_pos [S], causal by q_pos [N, Tq] -> (o [N, Tq, H, value_dim],
     lse [N, Tq, H]) in q's dtype. A query that sees no key here gets o = 0 and lse = -inf."""

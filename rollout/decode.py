@@ -96,8 +96,9 @@ class DecodeStrategy:
     def use_memory(self, memory: CacheManager) -> None:
         """The cache manager whose `snapshots` / `free_snapshot` the strategy may call (see above)."""
 
-    def prefill(self, forward: Callable[[], torch.Tensor], batch: list[Running], spans: list[tuple[int, int]]
-                ) -> torch.Tensor:
+    def prefill(
+        self, forward: Callable[[], torch.Tensor], batch: list[Running], spans: list[tuple[int, int]]
+    ) -> torch.Tensor:
         """Run one of the engine's packed prefill forwards (`forward()` returns its logits) over `batch`, row
         n computing positions spans[n] = (start, end): a strategy that keeps per-request state from the
         target's activations (a drafter's context) reads them here. The plain strategy just runs it."""
@@ -119,8 +120,9 @@ class OneToken(DecodeStrategy):
 
     def launch(self, batch: list[Running], ids: list[int] | torch.Tensor) -> DecodeLaunch:
         logits = self.runner.forward(batch, ids, [1] * len(batch))
-        tokens, logps = sample_on_device(logits, [r.req.params for r in batch], [r.req.seed for r in batch],
-                                         [r.pos + 1 for r in batch])  # the new token's position
+        tokens, logps = sample_on_device(
+            logits, [r.req.params for r in batch], [r.req.seed for r in batch], [r.pos + 1 for r in batch]
+        )  # the new token's position
         host, ready = to_host(torch.stack([tokens.to(torch.float64), logps.to(torch.float64)]))
         for r in batch:
             r.pos += 1
@@ -139,8 +141,14 @@ class DecodePipeline:
     `on_tokens(batch, tokens, logps)` receives each read-back step's rows still running, with their new
     tokens (the engine appends them and finishes requests)."""
 
-    def __init__(self, strategy: DecodeStrategy, scheduler: Scheduler, memory: CacheManager,
-                 on_tokens: Callable[[list[Running], list[list[int]], list[list[float]]], None], overlap: bool):
+    def __init__(
+        self,
+        strategy: DecodeStrategy,
+        scheduler: Scheduler,
+        memory: CacheManager,
+        on_tokens: Callable[[list[Running], list[list[int]], list[list[float]]], None],
+        overlap: bool,
+    ):
         self.strategy, self.scheduler, self.memory, self.on_tokens = strategy, scheduler, memory, on_tokens
         strategy.use_memory(memory)
         self.overlap = overlap

@@ -55,18 +55,28 @@ def strategy_for(runner: ModelRunner, config) -> DecodeStrategy:
     from rollout.spec.strategy import SpecDecode
 
     if not isinstance(config.speculation, SpecConfig):
-        raise ValueError(f"EngineConfig.speculation must be a rollout.spec.SpecConfig or None, got "
-                         f"{type(config.speculation).__name__}")
+        raise ValueError(
+            f"EngineConfig.speculation must be a rollout.spec.SpecConfig or None, got "
+            f"{type(config.speculation).__name__}"
+        )
     return SpecDecode(runner, config.speculation)
 
 
 class Engine:
     # the calls rank 0 of a sharded engine logs and the other ranks replay (`follow`): every state change
-    REPLAYED = frozenset({"_enqueue", "_step", "_abort", "_add_adapter", "_update_adapter", "_release_memory",
-                          "_resume_memory"})
+    REPLAYED = frozenset(
+        {"_enqueue", "_step", "_abort", "_add_adapter", "_update_adapter", "_release_memory", "_resume_memory"}
+    )
 
-    def __init__(self, model: K3ForCausalLM, config: EngineConfig, adapters: AdapterPool | None = None, *,
-                 vision: torch.nn.Module | None = None, media_token_id: int | None = None):
+    def __init__(
+        self,
+        model: K3ForCausalLM,
+        config: EngineConfig,
+        adapters: AdapterPool | None = None,
+        *,
+        vision: torch.nn.Module | None = None,
+        media_token_id: int | None = None,
+    ):
         """`vision`: the model that encodes `ProcessedImage`s (`K3VisionModel`; without it requests bring
         `ImageFeatures`). `media_token_id`: the prompt token whose embeddings image features replace (default:
         the checkpoint config's `media_placeholder_token_id`; a sharded engine's ranks take rank 0's features)."""
@@ -75,8 +85,10 @@ class Engine:
         if tp.size > 1 and not isinstance(tp, EngineTP):
             raise ValueError("a tensor-parallel engine needs a model built with rollout.parallel.EngineTP")
         if config.dcp_size != getattr(tp, "dcp_size", 1):
-            raise ValueError(f"EngineConfig.dcp_size={config.dcp_size}, but the model was built for DCP "
-                             f"{getattr(tp, 'dcp_size', 1)} (build_engine_model's tp=EngineTP(dcp_size=...))")
+            raise ValueError(
+                f"EngineConfig.dcp_size={config.dcp_size}, but the model was built for DCP "
+                f"{getattr(tp, 'dcp_size', 1)} (build_engine_model's tp=EngineTP(dcp_size=...))"
+            )
         if tp.size > 1 and tp.broadcast_object(config) != config:
             raise ValueError(f"rank {tp.rank}: EngineConfig differs from rank 0's; build every rank alike")
         self.runner = ModelRunner(model, config, adapters)  # checks the model-side settings first
@@ -84,8 +96,9 @@ class Engine:
         self.channel = rpc.Leader(tp.transport(self.runner.device)) if tp.size > 1 and tp.is_leader else None
         if media_token_id is None:
             media_token_id = model.config.media_placeholder_token_id
-        self.media = MediaEncoder(vision, media_token_id, model.config.hidden_size, self.runner.device,
-                                  self.runner.dtype)
+        self.media = MediaEncoder(
+            vision, media_token_id, model.config.hidden_size, self.runner.device, self.runner.dtype
+        )
         self.memory = CacheManager(model.config, config, self.runner.dtype, self.runner.device, tp_size=tp.size)
         self.runner.use_pools(self.memory.kv, self.memory.states)
         strategy = strategy_for(self.runner, config)
@@ -161,8 +174,14 @@ class Engine:
         return self.adapters
 
     # -------------------------------------------------------------------- API
-    def submit(self, prompt_ids: list[int], params: SamplingParams | None = None, adapter: str | None = None,
-               stream: bool = False, images: list[Image] | None = None) -> int:
+    def submit(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams | None = None,
+        adapter: str | None = None,
+        stream: bool = False,
+        images: list[Image] | None = None,
+    ) -> int:
         """Queue a request; returns its id. Bad requests raise ValueError and leave the engine untouched.
         With `stream`, the engine keeps the request's (token, log-prob) pairs for `take_tokens`. `images`: the
         prompt's images in order (`ImageFeatures` or `ProcessedImage`), covering its media pad tokens in order
@@ -176,12 +195,16 @@ class Engine:
         if any(not 0 <= t < vocab for t in prompt_ids):
             raise ValueError(f"prompt_ids contains a token id outside [0, {vocab})")
         if len(prompt_ids) + params.max_new_tokens > self.config.max_seq_len:
-            raise ValueError(f"prompt ({len(prompt_ids)}) + max_new_tokens ({params.max_new_tokens}) exceeds "
-                             f"max_seq_len ({self.config.max_seq_len})")
+            raise ValueError(
+                f"prompt ({len(prompt_ids)}) + max_new_tokens ({params.max_new_tokens}) exceeds "
+                f"max_seq_len ({self.config.max_seq_len})"
+            )
         pages = -(-(len(prompt_ids) + params.max_new_tokens) // self.config.page_size)
         if pages > self.memory.sizes.num_pages:
-            raise ValueError(f"request needs {pages} KV pages but the pool holds {self.memory.sizes.num_pages}; "
-                             "raise memory_bytes or shorten the request")
+            raise ValueError(
+                f"request needs {pages} KV pages but the pool holds {self.memory.sizes.num_pages}; "
+                "raise memory_bytes or shorten the request"
+            )
         if adapter is not None:
             if self.adapters is None:
                 raise ValueError(f"unknown adapter {adapter!r}: this engine has no adapter pool")
@@ -192,14 +215,28 @@ class Engine:
         seed = int(torch.randint(0, noise.MAX_SEED, (1,))) if params.seed is None else params.seed % noise.MAX_SEED
         request_id = next_request_id()
         # the followers take rank 0's image features (no vision model there), as (features, key base) pairs
-        self._apply("_enqueue", prompt_ids, params, adapter, request_id, seed,
-                    None if media is None else [tuple(image) for image in media.images])
+        self._apply(
+            "_enqueue",
+            prompt_ids,
+            params,
+            adapter,
+            request_id,
+            seed,
+            None if media is None else [tuple(image) for image in media.images],
+        )
         if stream:
             self._events[request_id] = []
         return request_id
 
-    def _enqueue(self, prompt_ids: list[int], params: SamplingParams, adapter: str | None, request_id: int,
-                 seed: int, images: list[tuple[torch.Tensor, int]] | None) -> None:
+    def _enqueue(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        adapter: str | None,
+        request_id: int,
+        seed: int,
+        images: list[tuple[torch.Tensor, int]] | None,
+    ) -> None:
         """Queue a checked request (`submit`'s state change, replayed as is by a sharded engine's ranks)."""
         media = None if images is None else PromptMedia(prompt_ids, self.media.pads(prompt_ids), images)
         req = Request(prompt_ids, params, adapter, request_id=request_id, media=media)
@@ -233,9 +270,13 @@ class Engine:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,
-                 adapter: str | None | list[str | None] = None,
-                 images: list[list[Image] | None] | None = None) -> list[Completion]:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+        adapter: str | None | list[str | None] = None,
+        images: list[list[Image] | None] | None = None,
+    ) -> list[Completion]:
         """Run a batch to completion; completions in prompt order. `params` and `adapter` may be per prompt;
         `images`, when given, is per prompt (None or [] for a text prompt)."""
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
@@ -250,8 +291,9 @@ class Engine:
                 done[c.request_id] = c
         return [done[i] for i in ids]
 
-    def stream(self, prompt_ids: list[int], params: SamplingParams | None = None,
-               images: list[Image] | None = None) -> Iterator[tuple[int, float]]:
+    def stream(
+        self, prompt_ids: list[int], params: SamplingParams | None = None, images: list[Image] | None = None
+    ) -> Iterator[tuple[int, float]]:
         """Yield (token, log-prob) as they are sampled, stepping the engine (other requests progress too)."""
         rid = self.submit(prompt_ids, params, stream=True, images=images)
         try:
@@ -293,11 +335,13 @@ class Engine:
         batch = [r for r, _ in plan]
         lengths = [end - r.pos for r, end in plan]
         media = packed_media([(r.req.media, r.pos, end) for r, end in plan], self.runner.device)
-        ids = [t for r, end in plan for t in r.tokens[r.pos:end]]
+        ids = [t for r, end in plan for t in r.tokens[r.pos : end]]
         # media only when there is some: a text prefill's call is the one it always was
         logits = self.decoder.strategy.prefill(
             lambda: self.runner.forward(batch, ids, lengths, **({} if media is None else {"media": media})),
-            batch, [(r.pos, end) for r, end in plan])
+            batch,
+            [(r.pos, end) for r, end in plan],
+        )
         for r, end in plan:
             r.pos = end
         self.memory.donate(batch)
@@ -305,8 +349,9 @@ class Engine:
         if done:
             rows = done if len(done) < len(plan) else slice(None)
             batch = [plan[i][0] for i in done]
-            tokens, logps = sample(logits[rows], [r.req.params for r in batch], [r.req.seed for r in batch],
-                                   [r.pos for r in batch])  # the new token's position: r.pos = len(r.tokens)
+            tokens, logps = sample(
+                logits[rows], [r.req.params for r in batch], [r.req.seed for r in batch], [r.pos for r in batch]
+            )  # the new token's position: r.pos = len(r.tokens)
             self._append(batch, [[t] for t in tokens], [[lp] for lp in logps])
 
     def _append(self, batch: list[Running], tokens: list[list[int]], logps: list[list[float]]) -> None:
@@ -319,8 +364,13 @@ class Engine:
                 r.tokens.append(tok)
                 if req.request_id in self._events:
                     self._events[req.request_id].append((tok, lp))
-                reason = FinishReason.STOP if tok in req.params.stop_token_ids else \
-                    FinishReason.LENGTH if len(req.output_ids) >= req.params.max_new_tokens else None
+                reason = (
+                    FinishReason.STOP
+                    if tok in req.params.stop_token_ids
+                    else FinishReason.LENGTH
+                    if len(req.output_ids) >= req.params.max_new_tokens
+                    else None
+                )
                 if reason is not None:
                     self.scheduler.finish(r)
                     self._completed.append(self._complete(req, reason))

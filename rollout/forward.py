@@ -41,8 +41,8 @@ log = logging.getLogger(__name__)
 def _fp32_read_parameters(model: K3ForCausalLM):
     """(module, name) of the parameters the shared definition only ever reads upcast to fp32: the short
     convolutions' weights (`causal_short_conv`), the gated output norm's weight (`gated_rms_norm`) and the
-    AttnRes norm / query weights of every layer and of the output (`attn_res_mix`). Not RMSNorm weights: `rms_norm` multiplies in the input's
-    dtype."""
+    AttnRes norm / query weights of every layer and of the output (`attn_res_mix`). Not RMSNorm weights: `rms_norm`
+    multiplies in the input's dtype."""
     for module in model.modules():
         if isinstance(module, KDAMixer):
             yield from ((getattr(module, f"{p}_conv1d"), "weight") for p in "qkv")
@@ -80,9 +80,14 @@ def store_fp32_reads(model: K3ForCausalLM) -> None:
             setattr(module, name, torch.nn.Parameter(p.float(), requires_grad=False))
 
 
-def model_step(model: K3ForCausalLM, ids: torch.Tensor, cache: PoolStateCache,
-               cu_seqlens: torch.Tensor | None, every_token: bool = False,
-               media: MediaEmbeds | None = None) -> torch.Tensor:
+def model_step(
+    model: K3ForCausalLM,
+    ids: torch.Tensor,
+    cache: PoolStateCache,
+    cu_seqlens: torch.Tensor | None,
+    every_token: bool = False,
+    media: MediaEmbeds | None = None,
+) -> torch.Tensor:
     """ids [N, 1] (decode) or [1, sum T] with `cu_seqlens` (packed prefill) -> logits [N, V] at each
     request's last new token; with `every_token`, logits [sum T, V] at every new token (a verify step).
     `media`: image features for the step's media pads (a prefill; positions index the flattened ids)."""
@@ -107,6 +112,7 @@ def hooks(modules: dict[str, torch.nn.Module], store: dict[str, torch.Tensor]) -
     def keep(name):
         def hook(_module, _inputs, output):
             store[name] = output
+
         return hook
 
     handles = [m.register_forward_hook(keep(name)) for name, m in modules.items()]
@@ -156,8 +162,9 @@ def _bucket(n: int, buckets: list[int]) -> int | None:
 T = TypeVar("T")
 
 
-def capture_graph(step: Callable[[], T], context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
-                  ) -> tuple[torch.cuda.CUDAGraph, T]:
+def capture_graph(
+    step: Callable[[], T], context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+) -> tuple[torch.cuda.CUDAGraph, T]:
     """Run `step()` twice on a side stream (autotuning and lazy init happen there, outside the capture), then
     capture one call as a CUDA graph with `context()` open around it. Returns the graph and that call's output
     (the tensors a replay refills). `step` must read only static inputs (they are what a replay reads)."""
@@ -187,9 +194,19 @@ class DecodeGraphs:
     adapters are not `usable` and run eagerly.
     """
 
-    def __init__(self, model: K3ForCausalLM, kv: KVPagePool, states: KDAStatePool, *, max_batch: int,
-                 max_seq_len: int, capture: bool, adapters: AdapterPool | None = None, compile: bool = False,
-                 capture_after: int = CAPTURE_AFTER):
+    def __init__(
+        self,
+        model: K3ForCausalLM,
+        kv: KVPagePool,
+        states: KDAStatePool,
+        *,
+        max_batch: int,
+        max_seq_len: int,
+        capture: bool,
+        adapters: AdapterPool | None = None,
+        compile: bool = False,
+        capture_after: int = CAPTURE_AFTER,
+    ):
         prepare_model(model)  # before torch.compile sees the step
         self.model, self.kv, self.states, self.adapters = model, kv, states, adapters
         self.dcp_rank = getattr(model.model.tp, "dcp_rank", 0)  # the KV positions this rank keeps (rollout.dcp)
@@ -198,8 +215,9 @@ class DecodeGraphs:
         # upcasts, SiTU, AttnRes mixing) into fewer kernels; the graph then replays the compiled step. Shapes
         # are the buckets', so after the first recompile dynamo generalizes instead of compiling each bucket.
         self._model_step = torch.compile(model_step) if compile else model_step
-        self.batch_buckets = [b for b in (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
-                              if b < max_batch] + [max_batch]
+        self.batch_buckets = [
+            b for b in (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512) if b < max_batch
+        ] + [max_batch]
         page = kv.page_size
         top = -(-max_seq_len // page) * page
         self.hist_buckets = sorted({min(top, max(page, 1 << s)) for s in range(6, 40) if (1 << (s - 1)) < top})
@@ -219,12 +237,21 @@ class DecodeGraphs:
 
     def usable(self, batch: int, hist: int) -> bool:
         """After the pool's `set_batch` for this step: whether `run` can serve it."""
-        return not self.failed and _bucket(batch, self.batch_buckets) is not None \
-            and _bucket(hist, self.hist_buckets) is not None \
+        return (
+            not self.failed
+            and _bucket(batch, self.batch_buckets) is not None
+            and _bucket(hist, self.hist_buckets) is not None
             and (self.adapters is None or self.adapters.batch_slot is not None)
+        )
 
-    def run(self, ids: torch.Tensor, slots: list[int], positions: list[int], page_tables: list[list[int]],
-            taps: dict[str, torch.nn.Module] | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def run(
+        self,
+        ids: torch.Tensor,
+        slots: list[int],
+        positions: list[int],
+        page_tables: list[list[int]],
+        taps: dict[str, torch.nn.Module] | None = None,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """One decode token per request (ids [N] on the pools' device) -> (logits [N, V], the outputs of `taps`,
         modules of the model, at each row's token: [1, N, ...] by name, empty without taps; a tapped step has
         graphs of its own, which hold those outputs). Enqueues only: inputs go to the device with asynchronous
@@ -242,9 +269,16 @@ class DecodeGraphs:
         # built on the host and copied straight into the graph's static inputs (no device-side temporary)
         # when a graph serves the step; to the device otherwise
         target = torch.device("cpu") if self.capture else self._device
-        layout = BatchLayout.build(self.kv, slots + [self.states.sink_slot] * pad, positions + [0] * pad,
-                                   [1] * bb, page_tables + [[self.kv.sink_page]] * pad, target, hist_len=sb,
-                                   dcp_rank=self.dcp_rank)
+        layout = BatchLayout.build(
+            self.kv,
+            slots + [self.states.sink_slot] * pad,
+            positions + [0] * pad,
+            [1] * bb,
+            page_tables + [[self.kv.sink_page]] * pad,
+            target,
+            hist_len=sb,
+            dcp_rank=self.dcp_rank,
+        )
         ids_t = (torch.cat([ids, ids.new_zeros(pad)]) if pad else ids)[:, None]
         if slot_key:
             self.adapters.set_batch([slot_key[0]] * bb, 1)  # sink rows take the batch's slot: same shapes, no mixing
@@ -259,8 +293,13 @@ class DecodeGraphs:
                 self.graphs[key] = self._capture(bb, sb, taps)
                 self.captures += 1
             except Exception:  # noqa: BLE001 - any capture failure means: run eagerly from now on
-                log.warning("CUDA graph capture failed for batch %d, history %d, adapter %s; decoding eagerly",
-                            bb, sb, slot_key or None, exc_info=True)
+                log.warning(
+                    "CUDA graph capture failed for batch %d, history %d, adapter %s; decoding eagerly",
+                    bb,
+                    sb,
+                    slot_key or None,
+                    exc_info=True,
+                )
                 self.failed = True
                 self.graphs.clear()
                 return self._tapped_step(ids_t, layout.to(self._device), taps, n)
@@ -271,8 +310,9 @@ class DecodeGraphs:
         self.replays += 1
         return out[:n], tapped_rows(store, n)
 
-    def _as_replayed(self, key: tuple, logits: torch.Tensor, tapped: dict[str, torch.Tensor], n: int
-                     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def _as_replayed(
+        self, key: tuple, logits: torch.Tensor, tapped: dict[str, torch.Tensor], n: int
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """An eager padded step's outputs (all `key[0]` rows) returned as a replay returns them: rows of buffers
         that the key's next step refills, so a caller that reads them after enqueueing that step fails on CPU
         as it would on CUDA."""
@@ -300,8 +340,16 @@ class DecodeGraphs:
 
     def _capture(self, bb: int, sb: int, taps: dict):
         # Warm-up and capture run on sink-only inputs, so they touch no request's state or KV.
-        layout = BatchLayout.build(self.kv, [self.states.sink_slot] * bb, [0] * bb, [1] * bb,
-                                   [[self.kv.sink_page]] * bb, self._device, hist_len=sb, dcp_rank=self.dcp_rank)
+        layout = BatchLayout.build(
+            self.kv,
+            [self.states.sink_slot] * bb,
+            [0] * bb,
+            [1] * bb,
+            [[self.kv.sink_page]] * bb,
+            self._device,
+            hist_len=sb,
+            dcp_rank=self.dcp_rank,
+        )
         ids = torch.zeros(bb, 1, dtype=torch.long, device=self._device)
         store: dict[str, torch.Tensor] = {}  # the taps' outputs inside the graph's memory, refilled by replays
         graph, out = capture_graph(lambda: self._step(ids, layout), lambda: hooks(taps, store))

@@ -62,8 +62,17 @@ class EngineLinear(nn.Module):
     `shard`: this rank's block of the full weight (None: the whole); `reduce`: all-reduce the output over
     `tp` (a row split); `gather`: all-gather the output's last dim over `tp` (the vocab-split lm_head)."""
 
-    def __init__(self, spec: LinearSpec, pool: AdapterPool | None, quantize: bool, *, shard: Shard | None = None,
-                 tp: TensorParallel = SINGLE, reduce: bool = False, gather: bool = False):
+    def __init__(
+        self,
+        spec: LinearSpec,
+        pool: AdapterPool | None,
+        quantize: bool,
+        *,
+        shard: Shard | None = None,
+        tp: TensorParallel = SINGLE,
+        reduce: bool = False,
+        gather: bool = False,
+    ):
         super().__init__()
         self.name, self.pool, self.tp = spec.name, pool, tp
         self.reduce, self.gather = reduce, gather
@@ -80,9 +89,14 @@ class EngineLinear(nn.Module):
             self.weight = nn.Parameter(torch.empty(shape), requires_grad=False)
         if pool is not None:
             # column: B's rows ([out, r], dim 0); row: A's columns ([r, in], dim 1)
-            pool.register(spec.name, shape[1], shape[0], full=(spec.in_features, spec.out_features),
-                          a_shard=shard if shard is not None and shard.dim == 1 else None,
-                          b_shard=shard if shard is not None and shard.dim == 0 else None)
+            pool.register(
+                spec.name,
+                shape[1],
+                shape[0],
+                full=(spec.in_features, spec.out_features),
+                a_shard=shard if shard is not None and shard.dim == 1 else None,
+                b_shard=shard if shard is not None and shard.dim == 0 else None,
+            )
 
     def base_weight(self, dtype: torch.dtype) -> torch.Tensor:
         if self.quantized:  # buffers come from quantize_mxfp4 at load: no per-forward checks
@@ -126,7 +140,7 @@ class SharedInputGEMM:
             self.stored[name] = cat
             start = 0
             for m, p in zip(members, parts):
-                view = cat[start:start + p.shape[0]]
+                view = cat[start : start + p.shape[0]]
                 if isinstance(p, nn.Parameter):
                     m.weight = nn.Parameter(view, requires_grad=False)
                 else:
@@ -182,8 +196,11 @@ def share_input_gemms(model: nn.Module) -> int:
     made = 0
     for module in model.modules():  # an MoE before its shared experts' GLU, so they join the MoE's group
         for paths in _same_input_linears(module):
-            members = [m for m in (_submodule(module, p) for p in paths)
-                       if isinstance(m, EngineLinear) and m.shared is None and not (m.reduce or m.gather)]
+            members = [
+                m
+                for m in (_submodule(module, p) for p in paths)
+                if isinstance(m, EngineLinear) and m.shared is None and not (m.reduce or m.gather)
+            ]
             if len(members) < 2 or len({m.quantized for m in members}) != 1:
                 continue
             group = SharedInputGEMM(members)
@@ -245,12 +262,18 @@ class EngineExperts(RoutedExperts):
                 if experts is not None:
                     a_shard = b_shard = experts
                 elif inter is not None:  # w1 / w3: B's rows (dim 1 of [E, I, r]); w2: A's columns (dim 2)
-                    a_shard, b_shard = (Shard(2, inter.start, inter.length), None) if proj == "w2" else \
-                        (None, inter)
+                    a_shard, b_shard = (Shard(2, inter.start, inter.length), None) if proj == "w2" else (None, inter)
                 else:
                     a_shard = b_shard = None
-                pool.register(f"{spec.name}.{proj}", shape[2], shape[1], num_experts=split_e,
-                              full=(full_in, full_out, e), a_shard=a_shard, b_shard=b_shard)
+                pool.register(
+                    f"{spec.name}.{proj}",
+                    shape[2],
+                    shape[1],
+                    num_experts=split_e,
+                    full=(full_in, full_out, e),
+                    a_shard=a_shard,
+                    b_shard=b_shard,
+                )
         if self.quantized:
             self.register_load_state_dict_pre_hook(self._quantize_stacked)
         self.gate_up = False  # whether w1 / w3 are the row blocks of one stacked "w13" (`share_gate_up`)
@@ -279,8 +302,11 @@ class EngineExperts(RoutedExperts):
     def forward(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
             return super().forward(x, indices, weights)
-        out = self._local_expert_forward(x, indices, weights) if self.tp.ep_size > 1 else \
-            super().forward(x, indices, weights)
+        out = (
+            self._local_expert_forward(x, indices, weights)
+            if self.tp.ep_size > 1
+            else super().forward(x, indices, weights)
+        )
         return self.tp.all_reduce(out)
 
     def _local_expert_forward(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -312,13 +338,15 @@ class EngineExperts(RoutedExperts):
     def expert_weight(self, proj: str, e: int, dtype: torch.dtype) -> torch.Tensor:
         return self.stacked_weight(proj, dtype, e)
 
-    def stacked_weight(self, proj: str, dtype: torch.dtype, index: int | slice | torch.Tensor = slice(None)
-                       ) -> torch.Tensor:
+    def stacked_weight(
+        self, proj: str, dtype: torch.dtype, index: int | slice | torch.Tensor = slice(None)
+    ) -> torch.Tensor:
         """The `proj` weights of experts `index` (default every expert: [E, out, in]; a tensor of expert ids
         gives one weight per id), decoded in one pass when packed."""
         if self.quantized:
-            return dequantize_mxfp4(getattr(self, f"{proj}_packed")[index], getattr(self, f"{proj}_scale")[index],
-                                    dtype, check=False)
+            return dequantize_mxfp4(
+                getattr(self, f"{proj}_packed")[index], getattr(self, f"{proj}_scale")[index], dtype, check=False
+            )
         return getattr(self, proj)[index]
 
     def groups(self, dtype: torch.dtype) -> bool:
@@ -337,8 +365,9 @@ class EngineExperts(RoutedExperts):
                 return self._experts_grouped(xs, counts, token_of)
         return self._experts_looped(xs, counts, token_of)
 
-    def _experts_grouped(self, xs: torch.Tensor, counts: torch.Tensor, token_of: torch.Tensor | None = None
-                         ) -> torch.Tensor:
+    def _experts_grouped(
+        self, xs: torch.Tensor, counts: torch.Tensor, token_of: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """As `RoutedExperts._experts_grouped`; with `token_of` (each row's token) the LoRA terms follow each
         row's own adapter slot (mixed batches) instead of the batch's one slot."""
         proj = self._grouped_projs(xs.shape[0], counts, token_of)
@@ -384,6 +413,7 @@ class EngineExperts(RoutedExperts):
             def base(name: str, x: torch.Tensor) -> torch.Tensor:
                 return torch.bmm(self.stacked_weight(name, x.dtype, expert_of_row), x[:, :, None])[:, :, 0]
         else:
+
             def base(name: str, x: torch.Tensor) -> torch.Tensor:
                 w = self.stacked_weight(name, x.dtype)
                 if not self.quantized and use_kernels(x):  # decode sizes: the Triton grouped GEMM (its docstring)
@@ -398,8 +428,10 @@ class EngineExperts(RoutedExperts):
             expert_of_row = self._expert_of_row(counts, num_rows)
 
             def one(name: str, x: torch.Tensor) -> torch.Tensor:  # (in place into a fresh base output)
-                return self.pool.add_rows_delta(f"{self.spec.name}.{name}", x, base(name, x), slot_of_row,
-                                                expert_of_row)
+                return self.pool.add_rows_delta(
+                    f"{self.spec.name}.{name}", x, base(name, x), slot_of_row, expert_of_row
+                )
+
             return lambda names, x: [one(name, x) for name in names]
 
         def with_delta(name: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -422,11 +454,11 @@ class EngineExperts(RoutedExperts):
         start = 0
         for e, n in enumerate(counts.tolist()):
             if n:
-                seg = xs[start:start + n]
-                seg_slots = copy_slots[start:start + n] if copy_slots is not None else None
+                seg = xs[start : start + n]
+                seg_slots = copy_slots[start : start + n] if copy_slots is not None else None
                 gate = self._proj("w1", e, seg, seg_slots)
                 up = self._proj("w3", e, seg, seg_slots)
-                ys[start:start + n] = self._proj("w2", e, self._act(gate, up), seg_slots)
+                ys[start : start + n] = self._proj("w2", e, self._act(gate, up), seg_slots)
             start += n
         return ys
 

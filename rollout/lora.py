@@ -31,8 +31,14 @@ class AdapterPool:
     """Adapters of one shape (`spec`: the trainer's `LoraSpec`, so both sides adapt the same modules with the
     same rank and default alpha; its dropout is training's only) in `max_adapters` named slots."""
 
-    def __init__(self, spec: LoraSpec, *, max_adapters: int, dtype: torch.dtype = torch.bfloat16,
-                 device: str | torch.device = "cpu"):
+    def __init__(
+        self,
+        spec: LoraSpec,
+        *,
+        max_adapters: int,
+        dtype: torch.dtype = torch.bfloat16,
+        device: str | torch.device = "cpu",
+    ):
         if not isinstance(spec, LoraSpec):
             raise ValueError(f"AdapterPool spec must be a LoraSpec, got {type(spec).__name__}")
         if isinstance(max_adapters, bool) or not isinstance(max_adapters, int) or max_adapters < 1:
@@ -59,8 +65,17 @@ class AdapterPool:
         self.shards: dict[str, tuple[int, int, int] | None] = {}
 
     # ------------------------------------------------------------- modules
-    def register(self, name: str, in_features: int, out_features: int, num_experts: int | None = None, *,
-                 full: tuple[int, ...] | None = None, a_shard=None, b_shard=None) -> bool:
+    def register(
+        self,
+        name: str,
+        in_features: int,
+        out_features: int,
+        num_experts: int | None = None,
+        *,
+        full: tuple[int, ...] | None = None,
+        a_shard=None,
+        b_shard=None,
+    ) -> bool:
         """Allocate buffers for `name` if the spec targets it; returns whether it is adapted. The sizes are
         this rank's. A sharded module also gives `full` = (in, out) or (in, out, num_experts) of the whole
         module and the block of the full A / B this rank keeps (`a_shard` / `b_shard`: (dim, start, length)
@@ -113,8 +128,10 @@ class AdapterPool:
         missing = sorted(set(expected) - set(tensors))
         unknown = sorted(set(tensors) - set(expected))
         if missing or unknown:
-            raise ValueError(f"adapter tensors do not match the adapted modules: missing {missing[:4]}"
-                             f"{' ...' if len(missing) > 4 else ''}, unknown {unknown[:4]}")
+            raise ValueError(
+                f"adapter tensors do not match the adapted modules: missing {missing[:4]}"
+                f"{' ...' if len(missing) > 4 else ''}, unknown {unknown[:4]}"
+            )
         for key, t in tensors.items():
             dst = expected[key]
             want = self.full_shapes.get(key, tuple(dst.shape))
@@ -176,8 +193,9 @@ class AdapterPool:
         h = torch._grouped_mm(xs.to(a.dtype), a.transpose(1, 2), offs=offs) * float(self.scale[s])
         return torch._grouped_mm(h, b.transpose(1, 2), offs=offs).to(xs.dtype)
 
-    def add_delta(self, name: str, x: torch.Tensor, y: torch.Tensor, slots: torch.Tensor | None,
-                  expert: int | None = None) -> torch.Tensor:
+    def add_delta(
+        self, name: str, x: torch.Tensor, y: torch.Tensor, slots: torch.Tensor | None, expert: int | None = None
+    ) -> torch.Tensor:
         """y + scale_s B_s A_s x for each leading index of x [L, ..., in] whose slot s > 0 (slots [L], or one
         per token of x, which is then flattened); y [L, ..., out] is the base output, fresh from its GEMM (the
         "triton" mixed path adds into it in place). Returns y itself when nothing in this batch uses an
@@ -207,8 +225,9 @@ class AdapterPool:
         Triton kernel only)."""
         return self._device_slots[id(self._token_slots)]
 
-    def add_rows_delta(self, name: str, x: torch.Tensor, y: torch.Tensor, slots: torch.Tensor,
-                       expert: int | torch.Tensor | None = None) -> torch.Tensor:
+    def add_rows_delta(
+        self, name: str, x: torch.Tensor, y: torch.Tensor, slots: torch.Tensor, expert: int | torch.Tensor | None = None
+    ) -> torch.Tensor:
         """y + each row's own scale_s B_s A_s x through `lora_rows_` (in place into y, fresh from its GEMM):
         slots [L] per leading index of x; expert None, one expert id, or one per row (routed experts). No
         host sync when `slots` is on the device or is the step's row / token slot tensor, whose device copy
@@ -229,8 +248,7 @@ class AdapterPool:
         lora_rows_(out, x.reshape(-1, x.shape[-1]).contiguous(), a, b, index, self.device_scale[dev])
         return out.view(y.shape)
 
-    def _mixed_delta(self, name: str, x: torch.Tensor, slots: torch.Tensor, expert: int | None
-                     ) -> torch.Tensor | None:
+    def _mixed_delta(self, name: str, x: torch.Tensor, slots: torch.Tensor, expert: int | None) -> torch.Tensor | None:
         """The LoRA term when rows use different slots: one product per slot present."""
         if not bool((slots > 0).any()):
             return None

@@ -84,14 +84,14 @@ class PromptMedia:
             self.starts.append(self.starts[-1] + features.shape[0])
         keys = list(prompt_ids)
         for (features, base), start in zip(images, self.starts):
-            for pos, key in zip(pads[start:start + features.shape[0]], image_keys(base, features.shape[0])):
+            for pos, key in zip(pads[start : start + features.shape[0]], image_keys(base, features.shape[0])):
                 keys[pos] = key
         self.prompt_keys = keys
 
     def keys(self, tokens: list[int]) -> list[int]:
         """`tokens` (the prompt, then outputs) with the prompt's pads replaced by their image keys. Outputs
         are text even when one is the pad id: only the prompt's pads carry features."""
-        return self.prompt_keys + tokens[len(self.prompt_keys):]
+        return self.prompt_keys + tokens[len(self.prompt_keys) :]
 
     def rows(self, start: int, end: int) -> tuple[list[int], torch.Tensor | None]:
         """The pads in prompt positions [start, end) and their feature rows [n, D] (None when there are none)."""
@@ -102,7 +102,7 @@ class PromptMedia:
         for (features, _), lo in zip(self.images, self.starts):
             a, b = max(i, lo), min(j, lo + features.shape[0])
             if a < b:
-                pieces.append(features[a - lo:b - lo])
+                pieces.append(features[a - lo : b - lo])
         return self.pads[i:j], pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
@@ -129,8 +129,14 @@ class MediaEncoder:
     vision model (`K3VisionModel.encode(pixel_values, grid_thw)`, None: the engine takes features only) and
     keeps one features tensor per image content while a request holds it."""
 
-    def __init__(self, vision: torch.nn.Module | None, pad_id: int | None, hidden_size: int,
-                 device: torch.device, dtype: torch.dtype):
+    def __init__(
+        self,
+        vision: torch.nn.Module | None,
+        pad_id: int | None,
+        hidden_size: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ):
         self.vision, self.pad_id, self.hidden_size = vision, pad_id, hidden_size
         self.device, self.dtype = device, dtype
         # key base -> features on the engine's device: an entry lives exactly as long as a request holds it
@@ -144,30 +150,40 @@ class MediaEncoder:
         if not images and (self.pad_id is None or self.pad_id not in prompt_ids):
             return None
         if self.pad_id is None:
-            raise ValueError("images given, but this engine has no media_token_id (pass Engine(media_token_id=...) "
-                             "or a config with media_placeholder_token_id)")
+            raise ValueError(
+                "images given, but this engine has no media_token_id (pass Engine(media_token_id=...) "
+                "or a config with media_placeholder_token_id)"
+            )
         counts = []
         for i, image in enumerate(images):
             if isinstance(image, ImageFeatures):
                 f = image.features
-                if not (torch.is_tensor(f) and f.dim() == 2 and f.shape[1] == self.hidden_size
-                        and f.is_floating_point()):
+                if not (
+                    torch.is_tensor(f) and f.dim() == 2 and f.shape[1] == self.hidden_size and f.is_floating_point()
+                ):
                     shape = tuple(f.shape) if torch.is_tensor(f) else type(f).__name__
-                    raise ValueError(f"images[{i}].features must be a float [num_tokens, {self.hidden_size}] tensor "
-                                     f"(hidden_size), got {shape}")
+                    raise ValueError(
+                        f"images[{i}].features must be a float [num_tokens, {self.hidden_size}] tensor "
+                        f"(hidden_size), got {shape}"
+                    )
                 counts.append(f.shape[0])
             elif all(hasattr(image, a) for a in ("pixel_values", "grid_thw", "num_tokens", "content_hash")):
                 if self.vision is None:
-                    raise ValueError(f"images[{i}] is a ProcessedImage but this engine has no vision model "
-                                     "(pass Engine(vision=...), or give ImageFeatures)")
+                    raise ValueError(
+                        f"images[{i}] is a ProcessedImage but this engine has no vision model "
+                        "(pass Engine(vision=...), or give ImageFeatures)"
+                    )
                 counts.append(int(image.num_tokens))
             else:
-                raise ValueError(f"images[{i}] must be an ImageFeatures or a ProcessedImage, "
-                                 f"got {type(image).__name__}")
+                raise ValueError(
+                    f"images[{i}] must be an ImageFeatures or a ProcessedImage, got {type(image).__name__}"
+                )
         pads = self.pads(prompt_ids)
         if len(pads) != sum(counts):
-            raise ValueError(f"the prompt has {len(pads)} media pad tokens (id {self.pad_id}) but its "
-                             f"{len(images)} image(s) have {sum(counts)} feature rows ({counts})")
+            raise ValueError(
+                f"the prompt has {len(pads)} media pad tokens (id {self.pad_id}) but its "
+                f"{len(images)} image(s) have {sum(counts)} feature rows ({counts})"
+            )
         if pads and pads[-1] == len(prompt_ids) - 1:
             raise ValueError("the prompt ends on a media pad token: an image's pads are followed by its end token")
         bases = [key_base(image.content_hash, n) for image, n in zip(images, counts)]
@@ -209,8 +225,10 @@ class MediaEncoder:
         feats = self.vision.encode(pixels, grids)
         counts = [int(image.num_tokens) for image, _ in todo]
         if tuple(feats.shape) != (sum(counts), self.hidden_size):
-            raise ValueError(f"the vision model returned features {tuple(feats.shape)}, expected "
-                             f"[{sum(counts)}, {self.hidden_size}] (the images' num_tokens, hidden_size)")
+            raise ValueError(
+                f"the vision model returned features {tuple(feats.shape)}, expected "
+                f"[{sum(counts)}, {self.hidden_size}] (the images' num_tokens, hidden_size)"
+            )
         for (_, base), rows in zip(todo, feats.to(self.device, self.dtype).split(counts)):
             out[base] = rows.clone()  # its own storage, not a view of the batch's
         self.encoded_images += len(todo)

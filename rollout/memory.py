@@ -99,20 +99,31 @@ class PoolSizes:
         return kda_layers * (recurrent + conv)
 
     @classmethod
-    def _block_bytes(cls, config: K3Config, page_size: int, dtype: torch.dtype, tp_size: int,
-                     dcp_size: int) -> tuple[int, int]:
+    def _block_bytes(
+        cls, config: K3Config, page_size: int, dtype: torch.dtype, tp_size: int, dcp_size: int
+    ) -> tuple[int, int]:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         if config.kda_num_heads % tp_size:
-            raise ValueError(f"K3Config.kda_num_heads={config.kda_num_heads} is not divisible by the tensor-parallel "
-                             f"size {tp_size}")
+            raise ValueError(
+                f"K3Config.kda_num_heads={config.kda_num_heads} is not divisible by the tensor-parallel size {tp_size}"
+            )
         if page_size % dcp_size:
             raise ValueError(f"page_size {page_size} is not divisible by dcp_size {dcp_size}")
         return cls.bytes_per_page(config, page_size, dtype, dcp_size), cls.bytes_per_slot(config, dtype, tp_size)
 
     @classmethod
-    def from_budget(cls, config: K3Config, budget_bytes: int, *, page_size: int, state_fraction: float,
-                    dtype: torch.dtype = torch.bfloat16, tp_size: int = 1, dcp_size: int = 1) -> "PoolSizes":
+    def from_budget(
+        cls,
+        config: K3Config,
+        budget_bytes: int,
+        *,
+        page_size: int,
+        state_fraction: float,
+        dtype: torch.dtype = torch.bfloat16,
+        tp_size: int = 1,
+        dcp_size: int = 1,
+    ) -> "PoolSizes":
         """Split one rank's `budget_bytes` between KDA slots (`state_fraction` of it) and KV pages (the rest)."""
         if not 0.0 < state_fraction < 1.0:
             raise ValueError(f"state_fraction must be in (0, 1), got {state_fraction}")
@@ -120,14 +131,31 @@ class PoolSizes:
         num_slots = int(budget_bytes * state_fraction) // max(slot_bytes, 1)
         num_pages = int(budget_bytes * (1 - state_fraction)) // max(page_bytes, 1)
         if num_slots < 1 or num_pages < 1:
-            raise ValueError(f"memory budget {budget_bytes} B holds {num_slots} state slots ({slot_bytes} B each) "
-                             f"and {num_pages} KV pages ({page_bytes} B each); need at least one of each")
-        return cls(num_pages, num_slots, page_size, page_bytes, slot_bytes, config.kda_num_heads // tp_size,
-                   page_size // dcp_size)
+            raise ValueError(
+                f"memory budget {budget_bytes} B holds {num_slots} state slots ({slot_bytes} B each) "
+                f"and {num_pages} KV pages ({page_bytes} B each); need at least one of each"
+            )
+        return cls(
+            num_pages,
+            num_slots,
+            page_size,
+            page_bytes,
+            slot_bytes,
+            config.kda_num_heads // tp_size,
+            page_size // dcp_size,
+        )
 
     @classmethod
-    def unified(cls, config: K3Config, budget_bytes: int, *, page_size: int, dtype: torch.dtype = torch.bfloat16,
-                tp_size: int = 1, dcp_size: int = 1) -> "PoolSizes":
+    def unified(
+        cls,
+        config: K3Config,
+        budget_bytes: int,
+        *,
+        page_size: int,
+        dtype: torch.dtype = torch.bfloat16,
+        tp_size: int = 1,
+        dcp_size: int = 1,
+    ) -> "PoolSizes":
         """One rank's `budget_bytes` as one byte pool for both kinds (`rollout.unified_memory`): slots are
         padded to `BLOCK_ALIGN` bytes, and `num_pages` / `num_slots` are the most of each kind that fit next
         to one block of the other (a request alone holds its working slot and its pages)."""
@@ -136,10 +164,19 @@ class PoolSizes:
         budget = budget_bytes // BLOCK_ALIGN * BLOCK_ALIGN
         num_pages, num_slots = (budget - slot_bytes) // page_bytes, (budget - page_bytes) // slot_bytes
         if num_slots < 1 or num_pages < 1:
-            raise ValueError(f"memory budget {budget_bytes} B holds no KDA state slot ({slot_bytes} B) next to a "
-                             f"KV page ({page_bytes} B); need at least one of each")
-        return cls(num_pages, num_slots, page_size, page_bytes, slot_bytes, config.kda_num_heads // tp_size,
-                   page_size // dcp_size)
+            raise ValueError(
+                f"memory budget {budget_bytes} B holds no KDA state slot ({slot_bytes} B) next to a "
+                f"KV page ({page_bytes} B); need at least one of each"
+            )
+        return cls(
+            num_pages,
+            num_slots,
+            page_size,
+            page_bytes,
+            slot_bytes,
+            config.kda_num_heads // tp_size,
+            page_size // dcp_size,
+        )
 
 
 class KVPagePool:
@@ -155,8 +192,14 @@ class KVPagePool:
     minor, so each layer's rows are one stride apart) and the allocator is the arena's page region.
     """
 
-    def __init__(self, config: K3Config, sizes: PoolSizes, dtype: torch.dtype, device: torch.device | str,
-                 arena: UnifiedArena | None = None):
+    def __init__(
+        self,
+        config: K3Config,
+        sizes: PoolSizes,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        arena: UnifiedArena | None = None,
+    ):
         self.page_size = sizes.page_size
         self.mla_layers = [i for i, k in enumerate(config.layer_kinds) if k == "mla"]
         # how steps attend over these pages (`EngineConfig.mla_attention`; `ModelRunner.use_pools` sets it)
@@ -166,14 +209,15 @@ class KVPagePool:
         if arena is None:
             self.allocator = IndexAllocator(sizes.num_pages, "kv pages")
             self.sink_page, self.zero_page = sizes.num_pages, sizes.num_pages + 1
-            self.buffers = {i: torch.zeros((sizes.num_pages + 2) * self.rows_per_page, width, dtype=dtype,
-                                           device=device) for i in self.mla_layers}
+            self.buffers = {
+                i: torch.zeros((sizes.num_pages + 2) * self.rows_per_page, width, dtype=dtype, device=device)
+                for i in self.mla_layers
+            }
             return
         assert arena.page_bytes == sizes.page_bytes
         self.allocator = arena.pages
         self.sink_page, self.zero_page = arena.sink_page, arena.zero_page
-        rows = arena.page_blocks.view(dtype).view(arena.max_pages + 2, self.rows_per_page, len(self.mla_layers),
-                                                  width)
+        rows = arena.page_blocks.view(dtype).view(arena.max_pages + 2, self.rows_per_page, len(self.mla_layers), width)
         self.buffers = {i: rows[:, :, j].view(-1, width) for j, i in enumerate(self.mla_layers)}
 
     def rows(self, pages: list[int], start: int, end: int) -> torch.Tensor:
@@ -196,8 +240,14 @@ class KDAStatePool:
     layer's conv history, in one block), the allocator is the arena's slot region, and a slot copy or zero
     is one launch over whole blocks."""
 
-    def __init__(self, config: K3Config, sizes: PoolSizes, conv_dtype: torch.dtype, device: torch.device | str,
-                 arena: UnifiedArena | None = None):
+    def __init__(
+        self,
+        config: K3Config,
+        sizes: PoolSizes,
+        conv_dtype: torch.dtype,
+        device: torch.device | str,
+        arena: UnifiedArena | None = None,
+    ):
         self.kda_layers = [i for i, k in enumerate(config.layer_kinds) if k == "kda"]
         h, d, w = sizes.kda_heads, config.kda_head_dim, config.kda_conv_kernel - 1  # h: this rank's heads
         if arena is None:
@@ -214,9 +264,11 @@ class KDAStatePool:
         rec, conv = h * d * d, 3 * h * d * w  # elements per layer
         f32, cv = arena.slot_blocks.view(torch.float32), arena.slot_blocks.view(conv_dtype)
         conv_start = len(self.kda_layers) * rec * 4 // cv.element_size()
-        self.recurrent = {i: f32[:, j * rec:(j + 1) * rec].view(n, h, d, d) for j, i in enumerate(self.kda_layers)}
-        self.conv = {i: cv[:, conv_start + j * conv:conv_start + (j + 1) * conv].view(n, 3, h * d, w)
-                     for j, i in enumerate(self.kda_layers)}
+        self.recurrent = {i: f32[:, j * rec : (j + 1) * rec].view(n, h, d, d) for j, i in enumerate(self.kda_layers)}
+        self.conv = {
+            i: cv[:, conv_start + j * conv : conv_start + (j + 1) * conv].view(n, 3, h * d, w)
+            for j, i in enumerate(self.kda_layers)
+        }
         self._tensors = [arena.slot_blocks]
 
     def copy_slots(self, src: list[int], dst: list[int]) -> None:

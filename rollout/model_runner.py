@@ -58,9 +58,12 @@ class EngineFactory:
     def _group_query(self, spec: LinearSpec) -> bool:
         """Under DCP: an MLA projection whose rows this rank holds for its whole DCP group's heads."""
         m = _LAYER.match(spec.name)
-        return (getattr(self.tp, "dcp_size", 1) > 1 and m is not None
-                and self.config.layer_kinds[int(m.group(1))] == "mla"
-                and spec.name.rsplit(".", 1)[-1] in ("q_proj", "q_b_proj", "kv_b_proj"))
+        return (
+            getattr(self.tp, "dcp_size", 1) > 1
+            and m is not None
+            and self.config.layer_kinds[int(m.group(1))] == "mla"
+            and spec.name.rsplit(".", 1)[-1] in ("q_proj", "q_b_proj", "kv_b_proj")
+        )
 
     def linear(self, spec: LinearSpec) -> EngineLinear:
         quantize = self.quantize == "all" and spec.name != "lm_head"
@@ -74,8 +77,15 @@ class EngineFactory:
         elif spec.parallel == "row":
             shard = Shard(1, *tp.column_block(spec.in_features))
         self.shards[f"{spec.name}.weight"] = shard
-        return EngineLinear(spec, self.pool, quantize=quantize, shard=shard, tp=tp, reduce=spec.parallel == "row",
-                            gather=spec.name == "lm_head")
+        return EngineLinear(
+            spec,
+            self.pool,
+            quantize=quantize,
+            shard=shard,
+            tp=tp,
+            reduce=spec.parallel == "row",
+            gather=spec.name == "lm_head",
+        )
 
     def experts(self, spec: ExpertsSpec) -> EngineExperts:
         return EngineExperts(spec, self.pool, quantize=self.quantize != "none", tp=self.tp)
@@ -91,6 +101,7 @@ class EngineFactory:
         def mine(name: str) -> bool:
             m = _EXPERT.search(name)
             return m is None or int(m.group(1)) // per_rank == tp.rank
+
         return [n for n in names if mine(n)]
 
     def read(self, name: str, source: TensorSource) -> torch.Tensor:
@@ -119,23 +130,34 @@ def check_layout(config: K3Config, tp: TensorParallel) -> None:
     """That `config` splits over the sharded build (ValueError naming the field), before anything is built."""
     if tp.size == 1:
         return
-    checks = {"kda_num_heads": config.kda_num_heads, "mla_num_heads": config.mla_num_heads,
-              "vocab_size": config.vocab_size}
+    checks = {
+        "kda_num_heads": config.kda_num_heads,
+        "mla_num_heads": config.mla_num_heads,
+        "vocab_size": config.vocab_size,
+    }
     if config.first_dense_layers > 0:
         checks["dense_intermediate_size"] = config.dense_intermediate_size
     if any(config.is_moe_layer(i) for i in range(config.num_hidden_layers)):
-        checks["num_experts" if tp.ep_size > 1 else "moe_intermediate_size"] = \
+        checks["num_experts" if tp.ep_size > 1 else "moe_intermediate_size"] = (
             config.num_experts if tp.ep_size > 1 else config.moe_intermediate_size
+        )
         if config.num_shared_experts > 0:
             checks["shared experts (moe_intermediate_size * num_shared_experts)"] = config.shared_intermediate
     for field, n in checks.items():
         tp.split(n, field)
 
 
-def build_engine_model(config: K3Config, state: Mapping[str, torch.Tensor] | TensorSource, *,
-                       quantize: str = "experts", lora: LoraSpec | None = None, max_adapters: int = 4,
-                       dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
-                       tp: TensorParallel = SINGLE) -> tuple[K3ForCausalLM, AdapterPool | None]:
+def build_engine_model(
+    config: K3Config,
+    state: Mapping[str, torch.Tensor] | TensorSource,
+    *,
+    quantize: str = "experts",
+    lora: LoraSpec | None = None,
+    max_adapters: int = 4,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str | torch.device = "cpu",
+    tp: TensorParallel = SINGLE,
+) -> tuple[K3ForCausalLM, AdapterPool | None]:
     """`state`: logical HF tensors (as `load_state_dict` returns), or a `TensorSource` such as
     `CheckpointSource(path, config)` (read lazily: a sharded rank reads only its blocks). quantize: "none"
     keeps a BF16 (or `dtype`) base for parity runs; "experts" packs routed experts as MXFP4; "all" also packs
@@ -186,11 +208,9 @@ def _cast_floating(model: torch.nn.Module, dtype: torch.dtype) -> None:
     for prefix, module in model.named_modules():
         for store in (module._parameters, module._buffers):
             for name, t in store.items():
-                if t is not None and t.is_floating_point() and t.dtype != dtype \
-                        and not keeps_fp32(f"{prefix}.{name}"):
+                if t is not None and t.is_floating_point() and t.dtype != dtype and not keeps_fp32(f"{prefix}.{name}"):
                     cast = t.detach().to(dtype)
-                    store[name] = torch.nn.Parameter(cast, requires_grad=False) if store is module._parameters \
-                        else cast
+                    store[name] = torch.nn.Parameter(cast, requires_grad=False) if store is module._parameters else cast
 
 
 class ModelRunner:
@@ -205,14 +225,18 @@ class ModelRunner:
         self.dcp_rank = getattr(model.model.tp, "dcp_rank", 0)  # the KV positions this rank keeps (rollout.dcp)
         self._set_mxfp4_matmul(config.mxfp4_matmul)
         if config.lora_mixed == "triton" and (adapters is None or self.device.type != "cuda"):
-            raise ValueError(f"lora_mixed='triton' needs an adapter pool and the model on CUDA (model on "
-                             f"{self.device}, adapter pool {'given' if adapters is not None else 'missing'})")
+            raise ValueError(
+                f"lora_mixed='triton' needs an adapter pool and the model on CUDA (model on "
+                f"{self.device}, adapter pool {'given' if adapters is not None else 'missing'})"
+            )
         if adapters is not None:  # lives on the pool: engines sharing one pool share the last one's
             adapters.mixed_kernel = config.lora_mixed
         self.mla_attention = self._mla_attention(config.mla_attention)
         if config.compile_decode and not self.graphs_apply():
-            raise ValueError("compile_decode=True compiles the CUDA-graph decode step: it needs the model on CUDA, "
-                             "cuda_graphs=True and routed experts that run grouped GEMMs (bf16)")
+            raise ValueError(
+                "compile_decode=True compiles the CUDA-graph decode step: it needs the model on CUDA, "
+                "cuda_graphs=True and routed experts that run grouped GEMMs (bf16)"
+            )
         self.kv: KVPagePool | None = None
         self.states: KDAStatePool | None = None
         self.graphs: DecodeGraphs | None = None
@@ -232,8 +256,10 @@ class ModelRunner:
         if kind == "auto":
             return "triton" if self.device.type == "cuda" and kernels.available(self.device) else "torch"
         if kind == "triton" and not kernels.available(self.device):
-            raise ValueError(f"mla_attention='triton' needs the model on CUDA (or MILES_K3_KERNELS=interpret) "
-                             f"and MILES_K3_KERNELS not 0 (model on {self.device})")
+            raise ValueError(
+                f"mla_attention='triton' needs the model on CUDA (or MILES_K3_KERNELS=interpret) "
+                f"and MILES_K3_KERNELS not 0 (model on {self.device})"
+            )
         return kind
 
     def graphs_apply(self) -> bool:
@@ -241,8 +267,11 @@ class ModelRunner:
         GEMMs (`RoutedExperts.groups`: bf16; engine experts add their adapter rank), and `DecodeGraphs.usable`
         keeps batches that mix adapters eager. So an fp32 engine decodes eagerly. A speculative verify step
         graphs under the same condition (`rollout.spec.graphs`)."""
-        return (self.config.cuda_graphs and self.device.type == "cuda"
-                and all(m.groups(self.dtype) for m in self.model.modules() if isinstance(m, RoutedExperts)))
+        return (
+            self.config.cuda_graphs
+            and self.device.type == "cuda"
+            and all(m.groups(self.dtype) for m in self.model.modules() if isinstance(m, RoutedExperts))
+        )
 
     # ----------------------------------------------------------- pools
     def use_pools(self, kv: KVPagePool, states: KDAStatePool) -> None:
@@ -250,9 +279,20 @@ class ModelRunner:
         self.kv, self.states = kv, states
         kv.attention = self.mla_attention
         adapted = self.adapters if self.adapters is not None and self.adapters.A else None
-        self.graphs = DecodeGraphs(self.model, kv, states, max_batch=self.config.max_running,
-                                   max_seq_len=self.config.max_seq_len, capture=True, adapters=adapted,
-                                   compile=self.config.compile_decode) if self.graphs_apply() else None
+        self.graphs = (
+            DecodeGraphs(
+                self.model,
+                kv,
+                states,
+                max_batch=self.config.max_running,
+                max_seq_len=self.config.max_seq_len,
+                capture=True,
+                adapters=adapted,
+                compile=self.config.compile_decode,
+            )
+            if self.graphs_apply()
+            else None
+        )
 
     def release_pools(self) -> None:
         self._dropped_graph_counts = self.graph_counts()
@@ -266,9 +306,16 @@ class ModelRunner:
         return captures, replays
 
     # --------------------------------------------------------- forward
-    def forward(self, batch: list[Running], ids: list[int] | torch.Tensor, lengths: list[int], *,
-                every_token: bool = False, cache_class: type[PoolStateCache] = PoolStateCache,
-                media: MediaEmbeds | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        batch: list[Running],
+        ids: list[int] | torch.Tensor,
+        lengths: list[int],
+        *,
+        every_token: bool = False,
+        cache_class: type[PoolStateCache] = PoolStateCache,
+        media: MediaEmbeds | None = None,
+    ) -> torch.Tensor:
         """One model step over `batch`: request n brings lengths[n] tokens (ids, request by request; a device
         tensor [N] for a decode step fed from the previous step's samples) at positions from its `pos`,
         its pages covering them. Returns logits [N, V] at each request's last new token, or with
@@ -281,13 +328,19 @@ class ModelRunner:
             ids = to_device(ids, self.device)
         packed = every_token or any(t > 1 for t in lengths)  # a verify step is always one packed row
         if self.adapters is not None:
-            self.adapters.set_batch([self.adapters.slot_of(r.req.adapter) for r in batch],
-                                    lengths if packed else 1)
+            self.adapters.set_batch([self.adapters.slot_of(r.req.adapter) for r in batch], lengths if packed else 1)
         graphed = not packed and cache_class is PoolStateCache and media is None and self.graphs is not None
         if graphed and self.graphs.usable(len(batch), max(r.pos for r in batch) + 1):
             return self.graphs.run(ids, [r.slot for r in batch], [r.pos for r in batch], [r.pages for r in batch])[0]
-        layout = BatchLayout.build(self.kv, [r.slot for r in batch], [r.pos for r in batch], lengths,
-                                   [r.pages for r in batch], self.device, dcp_rank=self.dcp_rank)
+        layout = BatchLayout.build(
+            self.kv,
+            [r.slot for r in batch],
+            [r.pos for r in batch],
+            lengths,
+            [r.pages for r in batch],
+            self.device,
+            dcp_rank=self.dcp_rank,
+        )
         cache = cache_class(self.kv, self.states, layout)
         if packed:
             ids_t = ids[None, :]
@@ -297,8 +350,9 @@ class ModelRunner:
         with torch.inference_mode():
             return model_step(self.model, ids_t, cache, cu, every_token, media)
 
-    def forward_tapped(self, batch: list[Running], ids: list[int] | torch.Tensor, taps: dict[str, torch.nn.Module]
-                       ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def forward_tapped(
+        self, batch: list[Running], ids: list[int] | torch.Tensor, taps: dict[str, torch.nn.Module]
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """A decode step (one token a row, as `forward`) that also returns the outputs of `taps` (modules of the
         model) at each row's token, [1, N, ...] by name: a speculative engine's plain step, whose drafter reads
         them. From a decode graph of its own where graphs serve the batch (`DecodeGraphs.run`)."""
@@ -307,8 +361,7 @@ class ModelRunner:
         if self.adapters is not None:
             self.adapters.set_batch([self.adapters.slot_of(r.req.adapter) for r in batch], 1)
         if self.graphs is not None and self.graphs.usable(len(batch), max(r.pos for r in batch) + 1):
-            return self.graphs.run(ids, [r.slot for r in batch], [r.pos for r in batch], [r.pages for r in batch],
-                                   taps)
+            return self.graphs.run(ids, [r.slot for r in batch], [r.pos for r in batch], [r.pages for r in batch], taps)
         store: dict[str, torch.Tensor] = {}
         with hooks(taps, store):
             logits = self.forward(batch, ids, [1] * len(batch))

@@ -53,7 +53,7 @@ def uniforms(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.
     a, b = row_keys(seeds, positions)
     i = torch.arange(vocab, device=seeds.device)
     h = mix(mix(a[:, None] ^ i[None, :]) ^ b[:, None])
-    return ((h >> 9) * 2 + 1).float() * 2.0 ** -24
+    return ((h >> 9) * 2 + 1).float() * 2.0**-24
 
 
 def _mix32(x: int) -> int:

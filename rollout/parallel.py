@@ -60,8 +60,9 @@ class EngineTP(TensorParallel):
         super().__init__(size, rank)
         self.group = group
         if ep_size not in (1, size):
-            raise ValueError(f"ep_size={ep_size}: expert parallelism runs over the tensor-parallel ranks "
-                             f"(ep_size 1 or {size})")
+            raise ValueError(
+                f"ep_size={ep_size}: expert parallelism runs over the tensor-parallel ranks (ep_size 1 or {size})"
+            )
         if isinstance(dcp_size, bool) or not isinstance(dcp_size, int) or dcp_size < 1 or size % dcp_size:
             raise ValueError(f"EngineConfig.dcp_size={dcp_size} must divide the tensor-parallel size {size}")
         self.ep_size, self.dcp_size = ep_size, dcp_size
@@ -71,7 +72,7 @@ class EngineTP(TensorParallel):
         self.dcp_group = None
         if dcp_size > 1:  # every rank creates every group, in the same order
             for g in range(size // dcp_size):
-                pg = dist.new_group(ranks[g * dcp_size:(g + 1) * dcp_size])
+                pg = dist.new_group(ranks[g * dcp_size : (g + 1) * dcp_size])
                 if g == rank // dcp_size:
                     self.dcp_group = pg
         if control is None:

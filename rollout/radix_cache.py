@@ -77,8 +77,15 @@ class InsertResult(NamedTuple):
 
 
 class HybridRadixCache:
-    def __init__(self, pages: IndexAllocator, slots: IndexAllocator, *, page_size: int, chunk_size: int,
-                 max_checkpoints_per_path: int = 4):
+    def __init__(
+        self,
+        pages: IndexAllocator,
+        slots: IndexAllocator,
+        *,
+        page_size: int,
+        chunk_size: int,
+        max_checkpoints_per_path: int = 4,
+    ):
         if page_size < 1 or chunk_size < 1 or chunk_size % page_size:
             raise ValueError(f"chunk_size ({chunk_size}) must be a positive multiple of page_size ({page_size})")
         if max_checkpoints_per_path < 1:
@@ -93,17 +100,17 @@ class HybridRadixCache:
 
     # ------------------------------------------------------------------ lookup
     def _child_key(self, tokens: list[int], at: int) -> tuple[int, ...]:
-        return tuple(tokens[at:at + self.page_size])
+        return tuple(tokens[at : at + self.page_size])
 
     def _match_len(self, key: list[int], tokens: list[int], at: int, end: int | None = None) -> int:
         """Tokens of `key` matching tokens[at:end], in whole pages. A whole edge is one list comparison first
         (the usual case: a request re-inserting its own path), page by page only where it differs."""
         p = self.page_size
         span = min(len(key), (len(tokens) if end is None else end) - at) // p * p
-        if tokens[at:at + span] == (key if span == len(key) else key[:span]):
+        if tokens[at : at + span] == (key if span == len(key) else key[:span]):
             return span
         n = 0
-        while n + p <= span and key[n:n + p] == tokens[at + n:at + n + p]:
+        while n + p <= span and key[n : n + p] == tokens[at + n : at + n + p]:
             n += p
         return n
 
@@ -134,8 +141,14 @@ class HybridRadixCache:
         hit_node, hit_len, n_pages = best
         fork = (min(kv_len, limit) // self.chunk_size) * self.chunk_size
         diverges = kv_len < len(tokens)
-        return MatchResult(hit_len, path_pages[:n_pages], hit_node.checkpoint, hit_node, kv_len,
-                           fork if diverges and fork > hit_len else None)
+        return MatchResult(
+            hit_len,
+            path_pages[:n_pages],
+            hit_node.checkpoint,
+            hit_node,
+            kv_len,
+            fork if diverges and fork > hit_len else None,
+        )
 
     # ----------------------------------------------------------------- locking
     def lock(self, node: Node) -> None:
@@ -159,10 +172,16 @@ class HybridRadixCache:
     def _split(self, node: Node, at: int) -> Node:
         """Split `node`'s edge after `at` tokens; returns the new upper node (ends at parent.end + at)."""
         assert 0 < at < len(node.key) and at % self.page_size == 0
-        upper = Node(key=node.key[:at], pages=node.pages[: at // self.page_size], parent=node.parent,
-                     end=node.end - len(node.key) + at, lock_ref=node.lock_ref, last_access=node.last_access)
+        upper = Node(
+            key=node.key[:at],
+            pages=node.pages[: at // self.page_size],
+            parent=node.parent,
+            end=node.end - len(node.key) + at,
+            lock_ref=node.lock_ref,
+            last_access=node.last_access,
+        )
         upper.parent.children[tuple(upper.key[: self.page_size])] = upper
-        node.key, node.pages = node.key[at:], node.pages[at // self.page_size:]
+        node.key, node.pages = node.key[at:], node.pages[at // self.page_size :]
         node.parent = upper
         upper.children[tuple(node.key[: self.page_size])] = node
         return upper
@@ -179,8 +198,9 @@ class HybridRadixCache:
             pos += len(node.key)
         return node
 
-    def insert(self, tokens: list[int], pages: list[int], checkpoints: dict[int, int] | None = None,
-               start: Node | None = None) -> InsertResult:
+    def insert(
+        self, tokens: list[int], pages: list[int], checkpoints: dict[int, int] | None = None, start: Node | None = None
+    ) -> InsertResult:
         """Cache the first len(pages) * page_size tokens with the request's KV pages, and donate
         `checkpoints` {position: slot} (positions: multiples of chunk_size, within the prefix).
 
@@ -200,12 +220,14 @@ class HybridRadixCache:
         checkpoints = dict(checkpoints or {})
         for p in checkpoints:
             if p <= 0 or p > n or p % self.chunk_size:
-                raise ValueError(f"checkpoint at {p}: must be a positive multiple of chunk_size "
-                                 f"{self.chunk_size} within the inserted prefix ({n} tokens)")
+                raise ValueError(
+                    f"checkpoint at {p}: must be a positive multiple of chunk_size "
+                    f"{self.chunk_size} within the inserted prefix ({n} tokens)"
+                )
         now = next(self._clock)
         node, pos, duplicates, canonical = self.root, 0, [], []
         if start is not None and start.end <= n:
-            node, pos, canonical = start, start.end, pages[:start.end // self.page_size]
+            node, pos, canonical = start, start.end, pages[: start.end // self.page_size]
             above = start.parent
             while above is not None:
                 above.last_access = now
@@ -214,8 +236,13 @@ class HybridRadixCache:
             node.last_access = now
             child = node.children.get(self._child_key(tokens, pos))
             if child is None:
-                leaf = Node(key=list(tokens[pos:n]), pages=list(pages[pos // self.page_size:]), parent=node,
-                            end=n, last_access=now)
+                leaf = Node(
+                    key=list(tokens[pos:n]),
+                    pages=list(pages[pos // self.page_size :]),
+                    parent=node,
+                    end=n,
+                    last_access=now,
+                )
                 node.children[tuple(leaf.key[: self.page_size])] = leaf
                 canonical.extend(leaf.pages)
                 node, pos = leaf, n
@@ -223,7 +250,7 @@ class HybridRadixCache:
             m = self._match_len(child.key, tokens, pos, n)
             if m < len(child.key):
                 child = self._split(child, m)
-            mine = pages[pos // self.page_size:(pos + m) // self.page_size]
+            mine = pages[pos // self.page_size : (pos + m) // self.page_size]
             duplicates.extend(p for p, t in zip(mine, child.pages) if p != t)
             canonical.extend(child.pages)
             node, pos = child, pos + m
@@ -285,6 +312,7 @@ class HybridRadixCache:
     def evict_pages(self, num_pages: int) -> int:
         """Free at least `num_pages` KV pages if possible by removing unlocked leaves, those without a
         checkpoint first (their KV can serve no hit), then least recently used. Returns pages freed."""
+
         def entry(n: Node):
             return (n.checkpoint is not None, n.last_access, n.order, n)
 

@@ -101,6 +101,11 @@ class Request:
         return tokens if self.media is None else self.media.keys(tokens)
 
     def completion(self) -> Completion:
-        return Completion(self.request_id, list(self.prompt_ids), list(self.output_ids),
-                          list(self.logprobs) if self.params.return_logprobs else None,
-                          self.finish_reason, self.cached_tokens)
+        return Completion(
+            self.request_id,
+            list(self.prompt_ids),
+            list(self.output_ids),
+            list(self.logprobs) if self.params.return_logprobs else None,
+            self.finish_reason,
+            self.cached_tokens,
+        )

@@ -16,8 +16,9 @@ from rollout.request import SamplingParams
 from rollout.transfer import to_device
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], positions: list[int]
-           ) -> tuple[list[int], list[float]]:
+def sample(
+    logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], positions: list[int]
+) -> tuple[list[int], list[float]]:
     """logits [B, V] -> (token per row, log-prob of that token under softmax(logits / temperature)).
 
     Truncation (top-k, top-p) only shapes what can be drawn; the reported log-prob is the untruncated one,
@@ -34,14 +35,16 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
     return [int(t) for t in both[0]], both[1]
 
 
-def sample_on_device(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
-                     positions: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_on_device(
+    logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], positions: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """As `sample`, but returns device tensors (tokens [B] int64, log-probs [B] fp32) without syncing."""
     return sample_keys(logits, params, to_device([seeds, positions], logits.device, torch.long))
 
 
-def sample_keys(logits: torch.Tensor, params: list[SamplingParams], keys: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_keys(
+    logits: torch.Tensor, params: list[SamplingParams], keys: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`sample_on_device` with each row's (seed, position) as a [2, B] int64 tensor on the logits' device
     (positions the device computed: a speculative step's)."""
     with torch.inference_mode():
@@ -85,8 +88,9 @@ def truncates(params: list[SamplingParams], vocab: int) -> bool:
     return any(_truncates(p, vocab) for p in params)
 
 
-def _sample_torch(logits: torch.Tensor, params: list[SamplingParams], keys: torch.Tensor
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+def _sample_torch(
+    logits: torch.Tensor, params: list[SamplingParams], keys: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The definition: what `rollout.kernels.sampling.sample_rows` computes, plus truncation."""
     b, vocab = logits.shape
     device = logits.device

@@ -110,7 +110,7 @@ class Scheduler:
         for r in prefillers:
             shared, theirs = 0, r.keys
             end = min(reachable, (len(theirs) - 1) // c * c)
-            while shared < end and keys[shared:shared + c] == theirs[shared:shared + c]:
+            while shared < end and keys[shared : shared + c] == theirs[shared : shared + c]:
                 shared += c
             if shared > cached and r.pos < shared:
                 return True
@@ -174,8 +174,9 @@ class Scheduler:
         running = set(self.running)
         if not running <= set(prev):
             return None  # a prefilling request
-        keep = [i for i, r in enumerate(prev)
-                if r in running and len(r.req.output_ids) + 1 < r.req.params.max_new_tokens]
+        keep = [
+            i for i, r in enumerate(prev) if r in running and len(r.req.output_ids) + 1 < r.req.params.max_new_tokens
+        ]
         if not keep:
             return None
         batch = [prev[i] for i in keep]

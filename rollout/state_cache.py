@@ -77,9 +77,16 @@ class BatchLayout:
     INPUTS = ("slot_index", "write_rows", "page_table", "ends", "q_pos", "q_index", "out_index")
 
     @staticmethod
-    def build(kv: KVPagePool, slots: list[int], positions: list[int], lengths: list[int],
-              page_tables: list[list[int]], device: torch.device, hist_len: int | None = None,
-              dcp_rank: int = 0) -> "BatchLayout":
+    def build(
+        kv: KVPagePool,
+        slots: list[int],
+        positions: list[int],
+        lengths: list[int],
+        page_tables: list[list[int]],
+        device: torch.device,
+        hist_len: int | None = None,
+        dcp_rank: int = 0,
+    ) -> "BatchLayout":
         """Request n has computed positions [0, positions[n]) and brings lengths[n] new tokens; its page
         table must cover [0, positions[n] + lengths[n]). Inputs are ordered request by request. `hist_len`
         pads the history to a fixed S (CUDA-graph buckets); default: the longest request. A pool that keeps
@@ -127,8 +134,9 @@ class BatchLayout:
 
     def to(self, device: torch.device | str) -> "BatchLayout":
         """This layout's inputs on `device`, copied asynchronously (`rollout.transfer`)."""
-        return BatchLayout(*(to_device(t, device) for t in self._tensors()), hist_len=self.hist_len,
-                           dcp_rank=self.dcp_rank)
+        return BatchLayout(
+            *(to_device(t, device) for t in self._tensors()), hist_len=self.hist_len, dcp_rank=self.dcp_rank
+        )
 
     def copy_(self, other: "BatchLayout") -> None:
         """Write `other`'s inputs into these tensors in place (a CUDA graph's static inputs), asynchronously."""
@@ -150,8 +158,9 @@ class PoolStateCache:
         scatter back (at batch 256 on k3-small those moved 0.5 GB a KDA layer a decode step, and at batch 1
         they were five of a KDA layer's launches)."""
         idx, conv = self.layout.slot_index, self.states.conv[layer_idx]
-        return KDAState(*(PooledState(conv[:, i], idx) for i in range(3)),
-                        PooledState(self.states.recurrent[layer_idx], idx))
+        return KDAState(
+            *(PooledState(conv[:, i], idx) for i in range(3)), PooledState(self.states.recurrent[layer_idx], idx)
+        )
 
     def set_kda_state(self, layer_idx: int, state: KDAState) -> None:
         """Nothing to copy: the ops stepped the slots in place and handed back the `PooledState`s."""

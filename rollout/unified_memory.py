@@ -79,13 +79,21 @@ class UnifiedArena:
     (`RegionAllocator`, `IndexAllocator`'s interface). `on_move(kind, {old: new})` ("slots" / "pages") is
     called after every move, once the copy is enqueued."""
 
-    def __init__(self, budget_bytes: int, slot_bytes: int, page_bytes: int, device: torch.device | str,
-                 on_move: Callable[[str, dict[int, int]], None] | None = None):
+    def __init__(
+        self,
+        budget_bytes: int,
+        slot_bytes: int,
+        page_bytes: int,
+        device: torch.device | str,
+        on_move: Callable[[str, dict[int, int]], None] | None = None,
+    ):
         assert slot_bytes % BLOCK_ALIGN == 0, f"slot_bytes {slot_bytes} is not a multiple of {BLOCK_ALIGN}"
         budget = budget_bytes // BLOCK_ALIGN * BLOCK_ALIGN
         if budget < slot_bytes + page_bytes:
-            raise ValueError(f"memory budget {budget_bytes} B holds no KDA state slot ({slot_bytes} B) next to a "
-                             f"KV page ({page_bytes} B); need at least one of each")
+            raise ValueError(
+                f"memory budget {budget_bytes} B holds no KDA state slot ({slot_bytes} B) next to a "
+                f"KV page ({page_bytes} B); need at least one of each"
+            )
         self.slot_bytes, self.page_bytes, self.budget = slot_bytes, page_bytes, budget
         self.max_slots = budget // slot_bytes  # slot ids 1..max_slots
         self.max_pages = budget // page_bytes  # page ids 0..max_pages-1
@@ -94,10 +102,12 @@ class UnifiedArena:
         self.kv_base = self.top - self.max_pages * page_bytes  # byte offset of page id 0
         self.bytes = torch.zeros(self.top + 2 * page_bytes, dtype=torch.uint8, device=device)
         self.slot_blocks = self.bytes[: (self.max_slots + 1) * slot_bytes].view(self.max_slots + 1, slot_bytes)
-        self.page_blocks = self.bytes[self.kv_base:].view(self.max_pages + 2, page_bytes)
+        self.page_blocks = self.bytes[self.kv_base :].view(self.max_pages + 2, page_bytes)
         self.sink_slot, self.sink_page, self.zero_page = 0, self.max_pages, self.max_pages + 1
-        self._regions = {"slots": _Region("kda state slots", slot_bytes, 1, 1),
-                         "pages": _Region("kv pages", page_bytes, self.max_pages - 1, -1)}
+        self._regions = {
+            "slots": _Region("kda state slots", slot_bytes, 1, 1),
+            "pages": _Region("kv pages", page_bytes, self.max_pages - 1, -1),
+        }
         self.on_move = on_move
         self.deferring = False  # frees leave holes; compaction waits for settle()
         self.pending = {"slots": False, "pages": False}  # a kind with holes left by a deferred compaction
@@ -141,8 +151,9 @@ class UnifiedArena:
         """n ids of `kind`, all or nothing (OutOfSlots): holes first, lowest rank first, then the free region."""
         region = self._regions[kind]
         if n > self.num_free(kind):
-            raise OutOfSlots(f"{region.name}: asked for {n}, {self.num_free(kind)} free "
-                             f"({self.free_bytes} B between the regions)")
+            raise OutOfSlots(
+                f"{region.name}: asked for {n}, {self.num_free(kind)} free ({self.free_bytes} B between the regions)"
+            )
         reuse = sorted(region.holes)[:n]
         region.holes.difference_update(reuse)
         ranks = reuse + list(range(region.extent, region.extent + n - len(reuse)))
@@ -233,8 +244,9 @@ class UnifiedArena:
             assert all(0 <= k < region.extent for k in region.holes)
             assert all(region.is_live(i) for i in region.pinned), f"{region.name}: a pinned block is free"
             if region.holes and not self.pending[kind]:
-                assert region.id_of(region.extent - 1) in region.pinned, \
+                assert region.id_of(region.extent - 1) in region.pinned, (
                     f"{region.name}: holes {sorted(region.holes)} behind an unpinned end block"
+                )
 
 
 class RegionAllocator:

@@ -32,8 +32,16 @@ from miles_k3 import kernels as seam  # noqa: E402
 from miles_k3.model.config import K3Config  # noqa: E402
 from rollout.forward import capture_graph  # noqa: E402
 
-LINEAR_SHAPES = [(4232, 1024), (2048, 1024), (1024, 1024), (1024, 768), (1024, 512), (128, 1024), (1024, 4096),
-                 (163840, 1024)]  # (out, in): KDA's shared GEMM ... the lm_head (k3-small, after share_input_gemms)
+LINEAR_SHAPES = [
+    (4232, 1024),
+    (2048, 1024),
+    (1024, 1024),
+    (1024, 768),
+    (1024, 512),
+    (128, 1024),
+    (1024, 4096),
+    (163840, 1024),
+]  # (out, in): KDA's shared GEMM ... the lm_head (k3-small, after share_input_gemms)
 
 
 def graph_us(fn, reps: int, rounds: int) -> float:
@@ -62,8 +70,15 @@ def linear_rows(args) -> list[dict]:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             ours = graph_us(lambda: linear(x, w), args.reps, args.rounds)
             base = graph_us(lambda: F.linear(x, w), args.reps, args.rounds)
-            rows.append({"kernel": "few_rows_linear", "shape": f"{m} x {k} -> {n}", "ours_us": ours,
-                         "baseline": "F.linear", "baseline_us": base})
+            rows.append(
+                {
+                    "kernel": "few_rows_linear",
+                    "shape": f"{m} x {k} -> {n}",
+                    "ours_us": ours,
+                    "baseline": "F.linear",
+                    "baseline_us": base,
+                }
+            )
     return rows
 
 
@@ -85,10 +100,23 @@ def gate_up_rows(args, config: K3Config) -> list[dict]:
     for batch, pairs, counts, offs in decode_pairs(config):
         x = torch.randn(pairs, w, device="cuda", dtype=torch.bfloat16)
         ours = graph_us(lambda: torch._grouped_mm(x, w13.transpose(1, 2), offs=offs), args.reps, args.rounds)
-        base = graph_us(lambda: (torch._grouped_mm(x, w1.transpose(1, 2), offs=offs),
-                                 torch._grouped_mm(x, w3.transpose(1, 2), offs=offs)), args.reps, args.rounds)
-        rows.append({"kernel": "experts_gate_up", "shape": f"batch {batch}: {pairs} rows, {e} x {2 * i} x {w}",
-                     "ours_us": ours, "baseline": "w1, w3 apart", "baseline_us": base})
+        base = graph_us(
+            lambda: (
+                torch._grouped_mm(x, w1.transpose(1, 2), offs=offs),
+                torch._grouped_mm(x, w3.transpose(1, 2), offs=offs),
+            ),
+            args.reps,
+            args.rounds,
+        )
+        rows.append(
+            {
+                "kernel": "experts_gate_up",
+                "shape": f"batch {batch}: {pairs} rows, {e} x {2 * i} x {w}",
+                "ours_us": ours,
+                "baseline": "w1, w3 apart",
+                "baseline_us": base,
+            }
+        )
     return rows
 
 
@@ -103,23 +131,34 @@ def expert_gemm_rows(args, config: K3Config) -> list[dict]:
     from rollout.kernels.expert_gemm import grouped_matmul
 
     e, w, i = config.num_experts, config.expert_width, config.moe_intermediate_size
-    weights = {"w13": torch.randn(e, 2 * i, w, device="cuda", dtype=torch.bfloat16) * 0.03,
-               "w2": torch.randn(e, w, i, device="cuda", dtype=torch.bfloat16) * 0.03}
+    weights = {
+        "w13": torch.randn(e, 2 * i, w, device="cuda", dtype=torch.bfloat16) * 0.03,
+        "w2": torch.randn(e, w, i, device="cuda", dtype=torch.bfloat16) * 0.03,
+    }
     rows = []
     for batch, pairs, counts, offs in decode_pairs(config):
         for name, wt in weights.items():
             x = torch.randn(pairs, wt.shape[2], device="cuda", dtype=torch.bfloat16)
             sweep = {}
             for bn, bk, warps, stages in EXPERT_TILES:
-                call = lambda: grouped_matmul(x, counts, wt, block_n=bn, block_k=bk, num_warps=warps,  # noqa: E731
-                                              num_stages=stages)
+
+                def call(x=x, wt=wt, bn=bn, bk=bk, warps=warps, stages=stages):
+                    return grouped_matmul(x, counts, wt, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
+
                 sweep[f"{bn}x{bk}x{warps}x{stages}"] = graph_us(call, args.reps, args.rounds)
             base = graph_us(lambda: torch._grouped_mm(x, wt.transpose(1, 2), offs=offs), args.reps, args.rounds)
             best = min(sweep, key=sweep.get)
-            rows.append({"kernel": f"experts_{name}_bf16", "shape": f"batch {batch}: {pairs} rows, {e} x "
-                         f"{wt.shape[1]} x {wt.shape[2]}", "ours_us": next(iter(sweep.values())),  # the default tile
-                         "baseline": f"torch._grouped_mm; best tile {best}: {sweep[best]:.2f} us",
-                         "baseline_us": base, "all_weights_gb_s": wt.numel() * 2 / sweep[best] / 1e3, "sweep": sweep})
+            rows.append(
+                {
+                    "kernel": f"experts_{name}_bf16",
+                    "shape": f"batch {batch}: {pairs} rows, {e} x {wt.shape[1]} x {wt.shape[2]}",
+                    "ours_us": next(iter(sweep.values())),  # the default tile
+                    "baseline": f"torch._grouped_mm; best tile {best}: {sweep[best]:.2f} us",
+                    "baseline_us": base,
+                    "all_weights_gb_s": wt.numel() * 2 / sweep[best] / 1e3,
+                    "sweep": sweep,
+                }
+            )
     return rows
 
 
@@ -136,7 +175,7 @@ def row_kernel_rows(args, config: K3Config) -> list[dict]:
     for batch in (1, 8, 256):
         pool = torch.randn(2 * batch + 8, 3, d, width - 1, device="cuda", dtype=torch.bfloat16)
         qkv = torch.randn(batch, 1, 3 * d + 136, device="cuda", dtype=torch.bfloat16)  # a shared GEMM's columns
-        xs = [qkv[..., j * d:(j + 1) * d] for j in range(3)]
+        xs = [qkv[..., j * d : (j + 1) * d] for j in range(3)]
         weights = [torch.randn(d, width, device="cuda") * 0.3 for _ in range(3)]
         index = torch.randperm(pool.shape[0], device="cuda")[:batch]
         states = [PooledState(pool[:, j], index) for j in range(3)]
@@ -144,14 +183,17 @@ def row_kernel_rows(args, config: K3Config) -> list[dict]:
         srcs = [torch.randn(batch, 1, h, device="cuda", dtype=torch.bfloat16) for _ in range(5)]
         nw, pw = torch.rand(h, device="cuda"), torch.randn(1, h, device="cuda")
         mix = [lambda: attn_res_mix(srcs[-1], srcs[:-1], nw, pw, 1e-6)]
-        for name, shape, fn in (("short_conv", f"batch {batch}: 3 x {d}, width {width}", conv[0]),
-                                ("attn_res_mix", f"batch {batch}: 5 sources x {h}", mix[0])):
+        for name, shape, fn in (
+            ("short_conv", f"batch {batch}: 3 x {d}, width {width}", conv[0]),
+            ("attn_res_mix", f"batch {batch}: 5 sources x {h}", mix[0]),
+        ):
             with torch.inference_mode():
                 ours = graph_us(fn, args.reps, args.rounds)
             with torch.no_grad():
                 base = graph_us(fn, args.reps, args.rounds)
-            rows.append({"kernel": name, "shape": shape, "ours_us": ours, "baseline": "torch definition",
-                         "baseline_us": base})
+            rows.append(
+                {"kernel": name, "shape": shape, "ours_us": ours, "baseline": "torch definition", "baseline_us": base}
+            )
     return rows
 
 
@@ -168,18 +210,27 @@ def main(argv: list[str] | None = None) -> list[dict]:
         raise SystemExit("bench_decode_kernels.py: MILES_K3_KERNELS=0 turns the kernels off; unset it")
     torch.manual_seed(0)
     config = K3Config.from_preset(args.preset)
-    rows = (linear_rows(args) + gate_up_rows(args, config) + expert_gemm_rows(args, config)
-            + row_kernel_rows(args, config))
-    print(f"decode kernels, {args.preset} shapes, {torch.cuda.get_device_name()}, torch {torch.__version__}; "
-          f"us per call inside a CUDA graph (best of {args.rounds} replays of {args.reps} calls)")
+    rows = (
+        linear_rows(args) + gate_up_rows(args, config) + expert_gemm_rows(args, config) + row_kernel_rows(args, config)
+    )
+    print(
+        f"decode kernels, {args.preset} shapes, {torch.cuda.get_device_name()}, torch {torch.__version__}; "
+        f"us per call inside a CUDA graph (best of {args.rounds} replays of {args.reps} calls)"
+    )
     print(f"{'kernel':18s} {'shape':42s} {'ours':>8s} {'baseline':>9s} {'speedup':>8s}  baseline is")
     for r in rows:
         r["speedup"] = r["baseline_us"] / r["ours_us"]
-        print(f"{r['kernel']:18s} {r['shape']:42s} {r['ours_us']:8.2f} {r['baseline_us']:9.2f} "
-              f"{r['speedup']:7.2f}x  {r['baseline']}")
+        print(
+            f"{r['kernel']:18s} {r['shape']:42s} {r['ours_us']:8.2f} {r['baseline_us']:9.2f} "
+            f"{r['speedup']:7.2f}x  {r['baseline']}"
+        )
     if args.json:
-        args.json.write_text(json.dumps({"argv": sys.argv, "device": torch.cuda.get_device_name(),
-                                         "torch": torch.__version__, "rows": rows}, indent=1))
+        args.json.write_text(
+            json.dumps(
+                {"argv": sys.argv, "device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows},
+                indent=1,
+            )
+        )
     return rows
 
 

@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_layouts import names_from  # noqa: E402  (scripts/, next to this file)
 from bench_spec import drive, random_prompts, target_state  # noqa: E402
+
 from megatron_patches.parallel import end_world, free_port  # noqa: E402
 from miles_k3.model.config import PRESETS, K3Config  # noqa: E402
 from rollout.config import EngineConfig  # noqa: E402
@@ -49,8 +50,16 @@ from rollout.model_runner import build_engine_model  # noqa: E402
 from rollout.request import SamplingParams  # noqa: E402
 
 # name -> (ranks, whole experts per rank (EP), DCP group size)
-LAYOUTS = {"single": (1, False, 1), "tp2": (2, False, 1), "tp2_dcp2": (2, False, 2), "ep2": (2, True, 1),
-           "tp4": (4, False, 1), "tp4_dcp2": (4, False, 2), "tp4_dcp4": (4, False, 4), "ep4": (4, True, 1)}
+LAYOUTS = {
+    "single": (1, False, 1),
+    "tp2": (2, False, 1),
+    "tp2_dcp2": (2, False, 2),
+    "ep2": (2, True, 1),
+    "tp4": (4, False, 1),
+    "tp4_dcp2": (4, False, 2),
+    "tp4_dcp4": (4, False, 4),
+    "ep4": (4, True, 1),
+}
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
@@ -59,8 +68,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
     ap.add_argument("--preset", choices=sorted(PRESETS), help="default: k3-small on cuda, k3-tiny on cpu")
     ap.add_argument("--dtype", choices=sorted(DTYPES), help="default: bf16 on cuda, fp32 on cpu")
-    ap.add_argument("--layouts", type=names_from(LAYOUTS), default="single,tp2",
-                    help=f"comma-separated, from {', '.join(LAYOUTS)}")
+    ap.add_argument(
+        "--layouts", type=names_from(LAYOUTS), default="single,tp2", help=f"comma-separated, from {', '.join(LAYOUTS)}"
+    )
     ap.add_argument("--batch-sizes", default="1,64,256", help="decode batch sizes, e.g. 1,64,256")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--gen-len", type=int, default=64, help="new tokens per request (>= 2)")
@@ -87,8 +97,12 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def engine_config(args, dcp: int) -> EngineConfig:
-    return EngineConfig(memory_bytes=int(args.memory_gb * 2**30), max_running=max(args.batch_sizes),
-                        max_seq_len=max(256, args.prompt_len + args.gen_len + 1), dcp_size=dcp)
+    return EngineConfig(
+        memory_bytes=int(args.memory_gb * 2**30),
+        max_running=max(args.batch_sizes),
+        max_seq_len=max(256, args.prompt_len + args.gen_len + 1),
+        dcp_size=dcp,
+    )
 
 
 def weights(args) -> tuple[K3Config, dict]:
@@ -133,12 +147,23 @@ def worker(rank: int, world: int, port: int, ep: bool, dcp: int, args, out: str)
         torch.cuda.set_device(rank)
     else:
         torch.set_num_threads(1)
-    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world,
-                            **({"device_id": torch.device("cuda", rank)} if cuda else {}))
+    dist.init_process_group(
+        "nccl" if cuda else "gloo",
+        rank=rank,
+        world_size=world,
+        **({"device_id": torch.device("cuda", rank)} if cuda else {}),
+    )
     try:
         config, state = weights(args)
-        engine = build_sharded_engine(state, engine_config(args, dcp), model_config=config, ep=ep, quantize="none",
-                                      dtype=DTYPES[args.dtype], device=f"cuda:{rank}" if cuda else "cpu")
+        engine = build_sharded_engine(
+            state,
+            engine_config(args, dcp),
+            model_config=config,
+            ep=ep,
+            quantize="none",
+            dtype=DTYPES[args.dtype],
+            device=f"cuda:{rank}" if cuda else "cpu",
+        )
         if engine.is_leader:
             result = measure(engine, args, config.vocab_size)
             engine.stop_followers()
@@ -162,8 +187,9 @@ def run_layout(name: str, args) -> dict:
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "rank0.json")
             mp.spawn(worker, args=(ranks, free_port(), ep, dcp, args, out), nprocs=ranks, join=True)
-            return json.loads(Path(out).read_text(), object_hook=lambda d: {int(k) if k.isdigit() else k: v
-                                                                            for k, v in d.items()})
+            return json.loads(
+                Path(out).read_text(), object_hook=lambda d: {int(k) if k.isdigit() else k: v for k, v in d.items()}
+            )
     except Exception as e:  # noqa: BLE001 - a failed layout is a row, and the next one runs
         lines = [ln for ln in (str(e) or traceback.format_exc()).strip().splitlines() if ln.strip()]
         return {"error": lines[-1] if lines else type(e).__name__}
@@ -180,8 +206,14 @@ def rows_of(results: dict[str, dict], args) -> list[dict]:
             continue
         for b in args.batch_sizes:
             got, base = res["batches"][b], one.get("batches", {}).get(b)
-            row = dict(layout=name, ranks=ranks, status="ok", batch=b, decode_tok_s=got["decode_tok_s"],
-                       kv_tokens=res["kv_tokens"])
+            row = dict(
+                layout=name,
+                ranks=ranks,
+                status="ok",
+                batch=b,
+                decode_tok_s=got["decode_tok_s"],
+                kv_tokens=res["kv_tokens"],
+            )
             if base is not None:
                 pairs = list(zip(got["outputs"], base["outputs"]))
                 row["agree"] = round(sum(a == c for a, c in pairs) / len(pairs), 3)
@@ -205,22 +237,42 @@ def main(argv=None) -> list[dict]:
     for name in args.layouts:
         start = time.perf_counter()
         results[name] = run_layout(name, args)
-        print(f"{name}: {'failed: ' + results[name]['error'] if 'error' in results[name] else 'ok'} "
-              f"({time.perf_counter() - start:.0f} s)", flush=True)
+        print(
+            f"{name}: {'failed: ' + results[name]['error'] if 'error' in results[name] else 'ok'} "
+            f"({time.perf_counter() - start:.0f} s)",
+            flush=True,
+        )
     rows = rows_of(results, args)
-    head = ("layout", "ranks", "batch", "status", "agree", "prefix", "decode_tok_s", "vs_single", "kv_tokens",
-            "kv_vs_single")
+    head = (
+        "layout",
+        "ranks",
+        "batch",
+        "status",
+        "agree",
+        "prefix",
+        "decode_tok_s",
+        "vs_single",
+        "kv_tokens",
+        "kv_vs_single",
+    )
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for r in rows:
         print("| " + " | ".join("-" if r.get(h) is None else str(r.get(h)) for h in head) + " |")
     if args.json:
-        meta = dict(device=args.device, preset=args.preset, dtype=args.dtype, memory_gb=args.memory_gb,
-                    prompt_len=args.prompt_len, gen_len=args.gen_len,
-                    gpu=torch.cuda.get_device_name(0) if args.device == "cuda" else None,
-                    date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                    command=" ".join(["python", "scripts/bench_engine_layouts.py",
-                                      *(argv if argv is not None else sys.argv[1:])]))
+        meta = dict(
+            device=args.device,
+            preset=args.preset,
+            dtype=args.dtype,
+            memory_gb=args.memory_gb,
+            prompt_len=args.prompt_len,
+            gen_len=args.gen_len,
+            gpu=torch.cuda.get_device_name(0) if args.device == "cuda" else None,
+            date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            command=" ".join(
+                ["python", "scripts/bench_engine_layouts.py", *(argv if argv is not None else sys.argv[1:])]
+            ),
+        )
         args.json.write_text(json.dumps(dict(meta=meta, rows=rows), indent=2) + "\n")
     return rows
 

@@ -86,8 +86,10 @@ def main(argv: list[str] | None = None) -> dict:
     rows = []
     runs = [("miles-k3", config, None)]
     if args.peer == "hf":
-        runs += [("miles-k3 (kimi-linear form)", kimi_linear_form(config), "ours"),
-                 ("transformers KimiLinear", kimi_linear_form(config), "hf")]
+        runs += [
+            ("miles-k3 (kimi-linear form)", kimi_linear_form(config), "ours"),
+            ("transformers KimiLinear", kimi_linear_form(config), "hf"),
+        ]
     peer_model = None
     for label, cfg, role in runs:
         model = build_ours(cfg, dtype, device)
@@ -99,8 +101,9 @@ def main(argv: list[str] | None = None) -> dict:
             ids = torch.randint(0, cfg.vocab_size, (args.batch, t), device=device)
             try:
                 sec = time_forward(model, ids, args.warmup, args.iters)
-                rows.append({"model": label, "seq_len": t, "batch": args.batch, "ms": sec * 1e3,
-                             "tok_s": args.batch * t / sec})
+                rows.append(
+                    {"model": label, "seq_len": t, "batch": args.batch, "ms": sec * 1e3, "tok_s": args.batch * t / sec}
+                )
             except torch.OutOfMemoryError:
                 rows.append({"model": label, "seq_len": t, "batch": args.batch, "ms": None, "tok_s": None})
                 torch.cuda.empty_cache()
@@ -120,10 +123,14 @@ def main(argv: list[str] | None = None) -> dict:
         ratio = f"{r['vs_transformers']:.2f}x" if "vs_transformers" in r else ""
         print(f"{r['model']:<30} {r['seq_len']:>7} {r['batch']:>5} {ms:>10} {tok:>12} {ratio:>7}")
     result = {
-        "preset": args.preset, "dtype": args.dtype, "device": str(device),
+        "preset": args.preset,
+        "dtype": args.dtype,
+        "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
-        "torch": torch.__version__, "params": config.num_parameters(),
-        "active_params": config.num_active_parameters(), "rows": rows,
+        "torch": torch.__version__,
+        "params": config.num_parameters(),
+        "active_params": config.num_active_parameters(),
+        "rows": rows,
     }
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))

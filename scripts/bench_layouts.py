@@ -37,29 +37,39 @@ LAYOUTS = {
     "tp2_pp2": (["parallel=tp2_pp2"], 4),
     "pp2_ep2": (["parallel=pp2", "parallel.ep=2", "parallel.dp=2"], 4),
 }
-RUN = ["trainer.eval_before=false", "trainer.eval_every=0", "trainer.save_every=0", "trainer.deterministic=true",
-       "logging.wandb=disabled", "logging.progress=false"]
+RUN = [
+    "trainer.eval_before=false",
+    "trainer.eval_every=0",
+    "trainer.save_every=0",
+    "trainer.deterministic=true",
+    "logging.wandb=disabled",
+    "logging.progress=false",
+]
 
 
 def names_from(known) -> Callable[[str], list[str]]:
     """An argparse type: comma-separated names, each one of `known` (else an error naming the unknown ones)."""
+
     def parse(value: str) -> list[str]:
         names = value.split(",")
         unknown = [n for n in names if n not in known]
         if unknown:
             raise argparse.ArgumentTypeError(f"unknown {', '.join(unknown)}; known: {', '.join(known)}")
         return names
+
     return parse
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--recipe", default="k3_grpo", help="a recipes/recipe name (k3_small_gpu on a GPU)")
-    ap.add_argument("--layouts", type=names_from(LAYOUTS), default="single,tp2",
-                    help=f"comma-separated, from {', '.join(LAYOUTS)}")
+    ap.add_argument(
+        "--layouts", type=names_from(LAYOUTS), default="single,tp2", help=f"comma-separated, from {', '.join(LAYOUTS)}"
+    )
     ap.add_argument("--steps", type=int, default=2, help="GRPO steps a run (the last one is timed)")
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="a Hydra override for every run (repeatable)")
+    ap.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="a Hydra override for every run (repeatable)"
+    )
     ap.add_argument("--work-dir", type=Path, default=Path("runs/layouts"))
     ap.add_argument("--timeout", type=int, default=1800, help="seconds a run may take")
     ap.add_argument("--json", type=Path)
@@ -73,13 +83,23 @@ def run_layout(name: str, args: argparse.Namespace) -> dict:
     """One `miles-train` run of the layout: its step-1 and last-step figures, or its failure."""
     overrides, ranks = LAYOUTS[name]
     run_dir = args.work_dir / name
-    cmd = [sys.executable, "-m", "miles_k3.cli.train", f"recipe={args.recipe}", *overrides,
-           f"cluster.num_workers={ranks}", f"trainer.max_steps={args.steps}", *RUN, *args.set,
-           f"hydra.run.dir={run_dir}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "miles_k3.cli.train",
+        f"recipe={args.recipe}",
+        *overrides,
+        f"cluster.num_workers={ranks}",
+        f"trainer.max_steps={args.steps}",
+        *RUN,
+        *args.set,
+        f"hydra.run.dir={run_dir}",
+    ]
     start = time.perf_counter()
     try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout,
-                             env={**os.environ, "WANDB_SILENT": "true"})
+        out = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=args.timeout, env={**os.environ, "WANDB_SILENT": "true"}
+        )
         lines = [ln for ln in out.stderr.strip().splitlines() if ln and "HYDRA_FULL_ERROR" not in ln]
         failed = out.returncode != 0 and (lines or [f"exit {out.returncode}"])[-1]
     except subprocess.TimeoutExpired:
@@ -91,10 +111,18 @@ def run_layout(name: str, args: argparse.Namespace) -> dict:
     if failed or not steps:
         return {**row, "status": f"failed: {failed or 'no training step logged'}"}
     first, last = steps[0], steps[-1]
-    return {**row, "status": "ok", "reward_mean": first.get("reward_mean"), "loss": first["loss"],
-            "grad_norm": first.get("grad_norm"), "step_s": last["step_s"], "train_s": last["train_s"],
-            "rollout_s": last["rollout_s"], "samples_per_s": last["samples_per_s"],
-            "peak_gib": last.get("train_peak_gib")}
+    return {
+        **row,
+        "status": "ok",
+        "reward_mean": first.get("reward_mean"),
+        "loss": first["loss"],
+        "grad_norm": first.get("grad_norm"),
+        "step_s": last["step_s"],
+        "train_s": last["train_s"],
+        "rollout_s": last["rollout_s"],
+        "samples_per_s": last["samples_per_s"],
+        "peak_gib": last.get("train_peak_gib"),
+    }
 
 
 def against(rows: list[dict]) -> None:
@@ -117,19 +145,39 @@ def main(argv=None) -> None:
         rows.append(run_layout(name, args))
         print(json.dumps(rows[-1]), flush=True)
     against(rows)
-    head = ("layout", "ranks", "status", "loss", "loss_diff", "grad_norm", "grad_norm_rel_diff", "same_rewards",
-            "step_s", "train_s", "rollout_s", "samples_per_s", "peak_gib", "scaling_efficiency")
+    head = (
+        "layout",
+        "ranks",
+        "status",
+        "loss",
+        "loss_diff",
+        "grad_norm",
+        "grad_norm_rel_diff",
+        "same_rewards",
+        "step_s",
+        "train_s",
+        "rollout_s",
+        "samples_per_s",
+        "peak_gib",
+        "scaling_efficiency",
+    )
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for r in rows:
         cells = [r.get(h) for h in head]
-        print("| " + " | ".join("-" if c is None else f"{c:.4g}" if isinstance(c, float) else str(c)
-                                for c in cells) + " |")
+        print(
+            "| "
+            + " | ".join("-" if c is None else f"{c:.4g}" if isinstance(c, float) else str(c) for c in cells)
+            + " |"
+        )
     if args.json:
-        meta = dict(recipe=args.recipe, steps=args.steps, overrides=args.set,
-                    date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                    command=" ".join(["python", "scripts/bench_layouts.py", *(argv if argv is not None
-                                                                               else sys.argv[1:])]))
+        meta = dict(
+            recipe=args.recipe,
+            steps=args.steps,
+            overrides=args.set,
+            date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            command=" ".join(["python", "scripts/bench_layouts.py", *(argv if argv is not None else sys.argv[1:])]),
+        )
         args.json.write_text(json.dumps(dict(meta=meta, rows=rows), indent=2) + "\n")
 
 

@@ -38,8 +38,15 @@ def full_logprobs(weight: torch.Tensor, hidden: torch.Tensor, targets: torch.Ten
 
 
 def chunked_logprobs(weight, hidden, targets, temperature, chunk, recompute_logits=True):
-    return vocab_parallel_logprobs(lambda h: h @ weight.t(), hidden, targets, temperature, with_entropy=True,
-                                   chunk_size=chunk, recompute_logits=recompute_logits)
+    return vocab_parallel_logprobs(
+        lambda h: h @ weight.t(),
+        hidden,
+        targets,
+        temperature,
+        with_entropy=True,
+        chunk_size=chunk,
+        recompute_logits=recompute_logits,
+    )
 
 
 def measure(fn, hidden: torch.Tensor, steps: int, device: str) -> dict:
@@ -59,8 +66,13 @@ def measure(fn, hidden: torch.Tensor, steps: int, device: str) -> dict:
             peak = max(peak, torch.cuda.max_memory_allocated() - base)
         if step:
             times.append(time.perf_counter() - start)
-    return {"logp": logp.detach(), "grad": h.grad.detach(), "entropy": entropy.detach(),
-            "peak_bytes": peak, "step_ms": 1e3 * statistics.median(times)}
+    return {
+        "logp": logp.detach(),
+        "grad": h.grad.detach(),
+        "entropy": entropy.detach(),
+        "peak_bytes": peak,
+        "step_ms": 1e3 * statistics.median(times),
+    }
 
 
 def main() -> None:
@@ -76,42 +88,61 @@ def main() -> None:
     args = parser.parse_args()
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     g = torch.Generator().manual_seed(0)
-    weight = (torch.randn(args.vocab, args.hidden, generator=g) * args.hidden ** -0.5).to(args.device, dtype)
+    weight = (torch.randn(args.vocab, args.hidden, generator=g) * args.hidden**-0.5).to(args.device, dtype)
     rows = []
     print(f"{'tokens':>7} {'path':>8} {'peak GiB':>9} {'ms':>8} {'max|d logp|':>12} {'max|d grad|/max|grad|':>22}")
     for m in (int(x) for x in args.tokens.split(",")):
         hidden = torch.randn(m, args.hidden, generator=g).to(args.device, dtype)
         targets = torch.randint(0, args.vocab, (m,), generator=g).to(args.device)
         results = {}
-        for name, fn in [("chunked", lambda h: chunked_logprobs(weight, h, targets, args.temperature, args.chunk)),
-                         ("saved", lambda h: chunked_logprobs(weight, h, targets, args.temperature, args.chunk,
-                                                              recompute_logits=False)),
-                         ("full", lambda h: full_logprobs(weight, h, targets, args.temperature))]:
+        for name, fn in [
+            ("chunked", lambda h, t=targets: chunked_logprobs(weight, h, t, args.temperature, args.chunk)),
+            (
+                "saved",
+                lambda h, t=targets: chunked_logprobs(
+                    weight, h, t, args.temperature, args.chunk, recompute_logits=False
+                ),
+            ),
+            ("full", lambda h, t=targets: full_logprobs(weight, h, t, args.temperature)),
+        ]:
             try:
                 results[name] = measure(fn, hidden, args.steps, args.device)
             except torch.OutOfMemoryError:
                 results[name] = None
                 torch.cuda.empty_cache()
         for name, r in results.items():
-            row = {"tokens": m, "path": name, "chunk": None if name == "full" else args.chunk,
-                   "peak_bytes": None if r is None else r["peak_bytes"],
-                   "step_ms": None if r is None else r["step_ms"]}
+            row = {
+                "tokens": m,
+                "path": name,
+                "chunk": None if name == "full" else args.chunk,
+                "peak_bytes": None if r is None else r["peak_bytes"],
+                "step_ms": None if r is None else r["step_ms"],
+            }
             if r is not None and results.get("full") is not None and name != "full":
                 full = results["full"]
                 row["max_abs_logp_diff"] = float((r["logp"] - full["logp"]).abs().max())
                 row["max_abs_entropy_diff"] = float((r["entropy"] - full["entropy"]).abs().max())
-                row["grad_rel_diff"] = float((r["grad"].float() - full["grad"].float()).abs().max()
-                                             / full["grad"].float().abs().max())
+                row["grad_rel_diff"] = float(
+                    (r["grad"].float() - full["grad"].float()).abs().max() / full["grad"].float().abs().max()
+                )
             rows.append(row)
             peak = "OOM" if r is None else f"{r['peak_bytes'] / 2**30:.2f}"
             ms = "" if r is None else f"{r['step_ms']:.1f}"
-            print(f"{m:>7} {name:>8} {peak:>9} {ms:>8} {row.get('max_abs_logp_diff', ''):>12} "
-                  f"{row.get('grad_rel_diff', ''):>22}", flush=True)
+            print(
+                f"{m:>7} {name:>8} {peak:>9} {ms:>8} {row.get('max_abs_logp_diff', ''):>12} "
+                f"{row.get('grad_rel_diff', ''):>22}",
+                flush=True,
+            )
         del hidden, targets, results
     if args.json:
-        meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
-                "device": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor(),
-                "torch": torch.__version__, "dtype": str(dtype), "vocab": args.vocab, "hidden": args.hidden}
+        meta = {
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
+            "device": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor(),
+            "torch": torch.__version__,
+            "dtype": str(dtype),
+            "vocab": args.vocab,
+            "hidden": args.hidden,
+        }
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
 

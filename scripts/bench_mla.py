@@ -56,8 +56,7 @@ def inputs(config: K3Config, n: int, s: int, dtype: torch.dtype, device: str, se
     hidden = torch.arange(s, device=device)[None, None, None, :] > q_pos[:, None, :, None]
     q_lat = torch.randn(n, h, r, device=device, generator=g).to(dtype)
     q_rope = torch.randn(n, h, dr, device=device, generator=g).to(dtype)
-    return dict(q_lat=q_lat, q_rope=q_rope, buf=buf, lay=lay, scale=(config.qk_head_dim) ** -0.5, r=r,
-                hidden=hidden)
+    return dict(q_lat=q_lat, q_rope=q_rope, buf=buf, lay=lay, scale=(config.qk_head_dim) ** -0.5, r=r, hidden=hidden)
 
 
 def time_call(fn, steps: int, device: str) -> float:
@@ -89,6 +88,7 @@ def bench(config: K3Config, n: int, s: int, dtype: torch.dtype, device: str, ste
     x = inputs(config, n, s, dtype, device, seed)
     row = {"batch": n, "history": s, "history_mb": n * s * x["buf"].shape[1] * x["buf"].element_size() / 1e6}
     with torch.inference_mode():
+
         def torch_path():
             return gathered_attention(x["q_lat"], x["q_rope"], x["buf"], x["lay"], x["scale"], x["r"], x["hidden"])
 
@@ -135,19 +135,38 @@ def main(argv: list[str] | None = None) -> dict:
             print("row", json.dumps(rows[-1]), flush=True)
 
     name = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu"
-    print(f"\nMLA decode attention, {args.preset} ({config.mla_num_heads} heads, R={config.kv_lora_rank}, "
-          f"Dr={config.qk_rope_head_dim}), {args.dtype}, {name}, median of {args.steps}")
-    columns = [("batch", "batch", 6, "d"), ("history", "history", 8, "d"), ("MB read", "history_mb", 8, ".1f"),
-               ("torch us", "torch_us", 9, ".1f"), ("GB/s", "torch_gb_s", 6, ".0f"),
-               ("kernel us", "kernel_us", 10, ".1f"), ("GB/s", "kernel_gb_s", 6, ".0f"),
-               ("speedup", "speedup", 8, ".2f"), ("max diff", "max_abs_diff", 9, ".1e")]
+    print(
+        f"\nMLA decode attention, {args.preset} ({config.mla_num_heads} heads, R={config.kv_lora_rank}, "
+        f"Dr={config.qk_rope_head_dim}), {args.dtype}, {name}, median of {args.steps}"
+    )
+    columns = [
+        ("batch", "batch", 6, "d"),
+        ("history", "history", 8, "d"),
+        ("MB read", "history_mb", 8, ".1f"),
+        ("torch us", "torch_us", 9, ".1f"),
+        ("GB/s", "torch_gb_s", 6, ".0f"),
+        ("kernel us", "kernel_us", 10, ".1f"),
+        ("GB/s", "kernel_gb_s", 6, ".0f"),
+        ("speedup", "speedup", 8, ".2f"),
+        ("max diff", "max_abs_diff", 9, ".1e"),
+    ]
     print(" ".join(f"{head:>{width}s}" for head, _, width, _ in columns))
     for r in rows:  # a dash where a path did not run
-        print(" ".join(f"{r[key]:{width}{spec}}" if r.get(key) is not None else f"{'-':>{width}s}"
-                       for _, key, width, spec in columns))
-    result = {"rows": rows, "device": name, "torch": torch.__version__, "preset": args.preset, "dtype": args.dtype,
-              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "command": "python scripts/bench_mla.py " + " ".join(sys.argv[1:] if argv is None else argv)}
+        print(
+            " ".join(
+                f"{r[key]:{width}{spec}}" if r.get(key) is not None else f"{'-':>{width}s}"
+                for _, key, width, spec in columns
+            )
+        )
+    result = {
+        "rows": rows,
+        "device": name,
+        "torch": torch.__version__,
+        "preset": args.preset,
+        "dtype": args.dtype,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": "python scripts/bench_mla.py " + " ".join(sys.argv[1:] if argv is None else argv),
+    }
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
     return result

@@ -68,10 +68,10 @@ from bench_forward import DTYPES, build_ours, hf_peer, kimi_linear_form  # noqa:
 
 from miles_k3.model import K3Config, K3ForCausalLM  # noqa: E402
 from miles_k3.model.config import PRESETS  # noqa: E402
+from miles_k3.model.lora_spec import LoraSpec  # noqa: E402
 from miles_k3.model.moe import RoutedExperts  # noqa: E402
 from rollout.config import MLA_ATTENTIONS, OVERLAP_MODES, EngineConfig  # noqa: E402
 from rollout.engine import Engine  # noqa: E402
-from miles_k3.model.lora_spec import LoraSpec  # noqa: E402
 from rollout.lora import AdapterPool  # noqa: E402
 from rollout.memory import PoolSizes  # noqa: E402
 from rollout.model_runner import build_engine_model  # noqa: E402
@@ -80,12 +80,32 @@ from rollout.request import Completion, SamplingParams  # noqa: E402
 # chunk 32 on CUDA: a GRPO follower recomputes the prompt tail past the last checkpoint boundary (< chunk
 # tokens), so 512-token prompts with n=8 meet the 1/n + 10% target only with chunks below 58 tokens.
 DEVICE_DEFAULTS = {
-    "cuda": dict(preset="k3-small", dtype="bf16", batch_sizes=[1, 8, 64], prompt_len=512, gen_len=128,
-                 prefill_len=8192, group_prompts=8, group_n=8, memory_gb=16.0, chunk_size=32,
-                 max_prefill_tokens=4096),
-    "cpu": dict(preset="k3-tiny", dtype="fp32", batch_sizes=[1, 4, 16], prompt_len=200, gen_len=32,
-                prefill_len=512, group_prompts=4, group_n=4, memory_gb=0.125, chunk_size=64,
-                max_prefill_tokens=512),
+    "cuda": dict(
+        preset="k3-small",
+        dtype="bf16",
+        batch_sizes=[1, 8, 64],
+        prompt_len=512,
+        gen_len=128,
+        prefill_len=8192,
+        group_prompts=8,
+        group_n=8,
+        memory_gb=16.0,
+        chunk_size=32,
+        max_prefill_tokens=4096,
+    ),
+    "cpu": dict(
+        preset="k3-tiny",
+        dtype="fp32",
+        batch_sizes=[1, 4, 16],
+        prompt_len=200,
+        gen_len=32,
+        prefill_len=512,
+        group_prompts=4,
+        group_n=4,
+        memory_gb=0.125,
+        chunk_size=64,
+        max_prefill_tokens=512,
+    ),
 }
 
 
@@ -99,6 +119,7 @@ def _int_at_least(lo: int):
         if v < lo:
             raise argparse.ArgumentTypeError(f"must be >= {lo}, got {v}")
         return v
+
     return parse
 
 
@@ -136,25 +157,43 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--memory-gb", type=_positive_float, help="engine pool budget (KV pages + KDA slots)")
     ap.add_argument("--page-size", type=_int_at_least(1), default=16)
     ap.add_argument("--chunk-size", type=_int_at_least(1), help="KDA checkpoint granularity (32 cuda, 64 cpu)")
-    ap.add_argument("--max-prefill-tokens", type=_int_at_least(1), help="prefill tokens per step (4096 cuda, "
-                                                                          "512 cpu)")
+    ap.add_argument("--max-prefill-tokens", type=_int_at_least(1), help="prefill tokens per step (4096 cuda, 512 cpu)")
     ap.add_argument("--no-cuda-graphs", action="store_true", help="decode eagerly on CUDA")
     ap.add_argument("--compile-decode", action="store_true", help="EngineConfig.compile_decode (CUDA graphs only)")
-    ap.add_argument("--mla-attention", choices=list(MLA_ATTENTIONS), default="auto",
-                    help="EngineConfig.mla_attention: the torch path, the paged Triton kernel, or auto (the "
-                    "kernel on CUDA)")
-    ap.add_argument("--overlap", choices=list(OVERLAP_MODES), default="auto",
-                    help="EngineConfig.overlap; with it on, CUDA runs add 'overlap off' decode rows for contrast")
-    ap.add_argument("--rl-path", action="store_true", help="also decode as the GRPO loop's engine does: MXFP4 routed "
-                    "experts (torch and Triton matmul) and a rank-16 policy adapter on every default target")
-    ap.add_argument("--sampled", action="store_true", help="decode rows sample at temperature 1, each request "
-                    "seeded (an RL rollout's draws) instead of greedy; not with --peer hf (its rows are greedy)")
+    ap.add_argument(
+        "--mla-attention",
+        choices=list(MLA_ATTENTIONS),
+        default="auto",
+        help="EngineConfig.mla_attention: the torch path, the paged Triton kernel, or auto (the kernel on CUDA)",
+    )
+    ap.add_argument(
+        "--overlap",
+        choices=list(OVERLAP_MODES),
+        default="auto",
+        help="EngineConfig.overlap; with it on, CUDA runs add 'overlap off' decode rows for contrast",
+    )
+    ap.add_argument(
+        "--rl-path",
+        action="store_true",
+        help="also decode as the GRPO loop's engine does: MXFP4 routed "
+        "experts (torch and Triton matmul) and a rank-16 policy adapter on every default target",
+    )
+    ap.add_argument(
+        "--sampled",
+        action="store_true",
+        help="decode rows sample at temperature 1, each request "
+        "seeded (an RL rollout's draws) instead of greedy; not with --peer hf (its rows are greedy)",
+    )
     ap.add_argument("--peer", choices=["none", "hf"], default="none")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path)
-    ap.add_argument("--profile", type=Path, help="also write torch.profiler tables of decode steps (bs=1 and the "
-                                                 "largest batch; with --rl-path, the RL engine's at the largest) into "
-                                                 "this folder")
+    ap.add_argument(
+        "--profile",
+        type=Path,
+        help="also write torch.profiler tables of decode steps (bs=1 and the "
+        "largest batch; with --rl-path, the RL engine's at the largest) into "
+        "this folder",
+    )
     args = ap.parse_args(argv)
     if args.sampled and args.peer != "none":
         ap.error("--sampled compares against no peer: drop --peer")
@@ -171,16 +210,26 @@ def engine_config(args: argparse.Namespace, model_config: K3Config, dtype: torch
         raise ValueError("--device cuda: CUDA is not available on this machine")
     max_seq = max(args.prompt_len + args.gen_len, args.prefill_len + 1)
     if max_seq > model_config.max_position_embeddings:
-        raise ValueError(f"--prompt-len + --gen-len and --prefill-len + 1 must fit the preset's "
-                         f"{model_config.max_position_embeddings} positions, got {max_seq}")
+        raise ValueError(
+            f"--prompt-len + --gen-len and --prefill-len + 1 must fit the preset's "
+            f"{model_config.max_position_embeddings} positions, got {max_seq}"
+        )
     try:
-        cfg = EngineConfig(memory_bytes=int(args.memory_gb * 2**30), page_size=args.page_size,
-                           chunk_size=args.chunk_size, max_prefill_tokens=args.max_prefill_tokens,
-                           max_running=max(max(args.batch_sizes), args.group_prompts * args.group_n),
-                           max_seq_len=max_seq, cuda_graphs=not args.no_cuda_graphs, overlap=args.overlap,
-                           compile_decode=args.compile_decode, mla_attention=args.mla_attention)
-        sizes = PoolSizes.from_budget(model_config, cfg.memory_bytes, page_size=cfg.page_size,
-                                      state_fraction=cfg.state_fraction, dtype=dtype)
+        cfg = EngineConfig(
+            memory_bytes=int(args.memory_gb * 2**30),
+            page_size=args.page_size,
+            chunk_size=args.chunk_size,
+            max_prefill_tokens=args.max_prefill_tokens,
+            max_running=max(max(args.batch_sizes), args.group_prompts * args.group_n),
+            max_seq_len=max_seq,
+            cuda_graphs=not args.no_cuda_graphs,
+            overlap=args.overlap,
+            compile_decode=args.compile_decode,
+            mla_attention=args.mla_attention,
+        )
+        sizes = PoolSizes.from_budget(
+            model_config, cfg.memory_bytes, page_size=cfg.page_size, state_fraction=cfg.state_fraction, dtype=dtype
+        )
     except ValueError as e:
         raise ValueError(f"--page-size / --chunk-size / --max-prefill-tokens / --memory-gb: {e}") from None
     # Every request of the largest batch must fit at once, with a snapshot slot each: a benchmark that
@@ -191,10 +240,12 @@ def engine_config(args: argparse.Namespace, model_config: K3Config, dtype: torch
     slots = 2 * batch
     need = max(pages * sizes.page_bytes / (1 - cfg.state_fraction), slots * sizes.slot_bytes / cfg.state_fraction)
     if sizes.num_pages < pages or sizes.num_slots < slots:
-        raise ValueError(f"--memory-gb {args.memory_gb} holds {sizes.num_pages} KV pages and {sizes.num_slots} "
-                         f"state slots; {batch} requests of {args.prompt_len}+{args.gen_len} tokens (and one of "
-                         f"--prefill-len) need {pages} and {slots}: use --memory-gb >= {need / 2**30 * 1.01:.3g} "
-                         "or smaller batches")
+        raise ValueError(
+            f"--memory-gb {args.memory_gb} holds {sizes.num_pages} KV pages and {sizes.num_slots} "
+            f"state slots; {batch} requests of {args.prompt_len}+{args.gen_len} tokens (and one of "
+            f"--prefill-len) need {pages} and {slots}: use --memory-gb >= {need / 2**30 * 1.01:.3g} "
+            "or smaller batches"
+        )
     return cfg
 
 
@@ -292,7 +343,9 @@ def weight_bytes(model: K3ForCausalLM, batch: int = 1) -> tuple[int, int]:
     return total, read
 
 
-def step_floor(model: K3ForCausalLM, batch: int, context: float, kv_dtype: torch.dtype, bandwidth: float | None) -> dict:
+def step_floor(
+    model: K3ForCausalLM, batch: int, context: float, kv_dtype: torch.dtype, bandwidth: float | None
+) -> dict:
     """The memory floor of one decode step of `batch` rows whose mean context is `context` tokens: the weight
     bytes the batch reads (`weight_bytes`), every row's MLA latent KV read once, and every row's KDA state
     (fp32 recurrent + conv) read and written, over the measured bandwidth."""
@@ -301,8 +354,13 @@ def step_floor(model: K3ForCausalLM, batch: int, context: float, kv_dtype: torch
     kv = round(batch * context * PoolSizes.bytes_per_page(c, 1, kv_dtype))
     state = 2 * batch * PoolSizes.bytes_per_slot(c, kv_dtype)
     floor_bytes = weights + kv + state
-    return {"floor_bytes": floor_bytes, "floor_weight_bytes": weights, "floor_kv_bytes": kv,
-            "floor_state_bytes": state, "floor_ms": floor_bytes / bandwidth * 1e3 if bandwidth else None}
+    return {
+        "floor_bytes": floor_bytes,
+        "floor_weight_bytes": weights,
+        "floor_kv_bytes": kv,
+        "floor_state_bytes": state,
+        "floor_ms": floor_bytes / bandwidth * 1e3 if bandwidth else None,
+    }
 
 
 # -------------------------------------------------------------- workloads
@@ -312,14 +370,18 @@ def submitted(model: K3ForCausalLM, ecfg: EngineConfig, batch: int, args, adapte
     engine = Engine(model, ecfg, adapters)
     prompts = random_prompts(batch, args.prompt_len, model.config.vocab_size, args.seed + batch)
     for i, p in enumerate(prompts):
-        params = SamplingParams(temperature=1.0, seed=args.seed + i, max_new_tokens=args.gen_len) if args.sampled \
+        params = (
+            SamplingParams(temperature=1.0, seed=args.seed + i, max_new_tokens=args.gen_len)
+            if args.sampled
             else SamplingParams(temperature=0, max_new_tokens=args.gen_len)
+        )
         engine.submit(p, params, adapter="policy" if adapters is not None else None)
     return engine
 
 
-def bench_decode(model: K3ForCausalLM, ecfg: EngineConfig, batch: int, args, device,
-                 adapters: AdapterPool | None = None) -> dict:
+def bench_decode(
+    model: K3ForCausalLM, ecfg: EngineConfig, batch: int, args, device, adapters: AdapterPool | None = None
+) -> dict:
     """With `adapters`, every request decodes with its adapter "policy" (one slot for the batch)."""
     engine = submitted(model, ecfg, batch, args, adapters)
     done: dict[int, Completion] = {}
@@ -331,8 +393,9 @@ def bench_decode(model: K3ForCausalLM, ecfg: EngineConfig, batch: int, args, dev
     done.update((c.request_id, c) for c in engine.step())  # first decode step: untimed warmup
     if engine.overlap:  # that step was only enqueued: its read-back (and the next launch) is warmup too
         done.update((c.request_id, c) for c in engine.step())
-    before = sum(len(r.req.output_ids) for r in engine.scheduler.running) + \
-        sum(len(c.output_ids) for c in done.values())
+    before = sum(len(r.req.output_ids) for r in engine.scheduler.running) + sum(
+        len(c.output_ids) for c in done.values()
+    )
     retractions = engine.counters()["retractions"]
     # The decode phase is timed whole: a device sync around each step would stall the overlap schedule,
     # which keeps the next step enqueued while the host reads the last one back.
@@ -349,26 +412,42 @@ def bench_decode(model: K3ForCausalLM, ecfg: EngineConfig, batch: int, args, dev
     tokens = sum(len(c.output_ids) for c in done.values()) - before
     engine.check_invariants()
     assert len(done) == batch and all(len(c.output_ids) == args.gen_len for c in done.values())
-    return {"batch": batch, "status": "ok", "batch_prefill_tok_s": batch * args.prompt_len / prefill_s,
-            "decode_tokens": tokens, "decode_s": decode_s, "decode_tok_s": tokens / decode_s,
-            "step_ms": decode_s / tokens * batch * 1e3,  # per token of every request: the step a batch needs
-            # engine steps one by one (overlap: a step's read-back and the next launch), to tell a steady step
-            # from a few slow ones (a snapshot step, the batch's end)
-            "engine_step_ms_p50": p50, "engine_step_ms_max": max(steps),
-            "engine_steps_over_2x_p50_ms": sum(t for t in steps if t > 2 * p50),
-            # which ones: (timed step, ms); all rows reach a chunk boundary together at equal prompt lengths
-            "engine_slow_steps": [(i, round(t, 2)) for i, t in enumerate(steps) if t > 2 * p50],
-            **(counts := engine.counters()), "retractions": counts["retractions"] - retractions}
+    return {
+        "batch": batch,
+        "status": "ok",
+        "batch_prefill_tok_s": batch * args.prompt_len / prefill_s,
+        "decode_tokens": tokens,
+        "decode_s": decode_s,
+        "decode_tok_s": tokens / decode_s,
+        "step_ms": decode_s / tokens * batch * 1e3,  # per token of every request: the step a batch needs
+        # engine steps one by one (overlap: a step's read-back and the next launch), to tell a steady step
+        # from a few slow ones (a snapshot step, the batch's end)
+        "engine_step_ms_p50": p50,
+        "engine_step_ms_max": max(steps),
+        "engine_steps_over_2x_p50_ms": sum(t for t in steps if t > 2 * p50),
+        # which ones: (timed step, ms); all rows reach a chunk boundary together at equal prompt lengths
+        "engine_slow_steps": [(i, round(t, 2)) for i, t in enumerate(steps) if t > 2 * p50],
+        **(counts := engine.counters()),
+        "retractions": counts["retractions"] - retractions,
+    }
 
 
-def engine_built(reference: K3ForCausalLM, dtype: torch.dtype, device, quantize: str = "none",
-                 lora: LoraSpec | None = None) -> tuple[K3ForCausalLM, AdapterPool | None]:
+def engine_built(
+    reference: K3ForCausalLM, dtype: torch.dtype, device, quantize: str = "none", lora: LoraSpec | None = None
+) -> tuple[K3ForCausalLM, AdapterPool | None]:
     """`reference`'s weights as the engine builds a model from a checkpoint (`build_engine_model`; by default
     bf16, no MXFP4, no adapter): its own linears, so its steps run what a served model's do (shared-input
     GEMMs, the few-rows kernel, stacked expert gate / up; the router in fp32). Until 2026-12-04 the plain rows
     ran the reference module itself, which has none of these."""
-    return build_engine_model(reference.config, reference.state_dict(), quantize=quantize, lora=lora,
-                              max_adapters=1, dtype=dtype, device=device)
+    return build_engine_model(
+        reference.config,
+        reference.state_dict(),
+        quantize=quantize,
+        lora=lora,
+        max_adapters=1,
+        dtype=dtype,
+        device=device,
+    )
 
 
 def rl_engine_model(model: K3ForCausalLM, dtype: torch.dtype, device) -> tuple[K3ForCausalLM, AdapterPool]:
@@ -376,9 +455,14 @@ def rl_engine_model(model: K3ForCausalLM, dtype: torch.dtype, device) -> tuple[K
     pool on the default targets holding one random adapter "policy" (nonzero, so its term is computed)."""
     engine_model, pool = engine_built(model, dtype, device, quantize="experts", lora=LoraSpec(rank=16))
     gen = torch.Generator().manual_seed(0)
-    pool.add_adapter("policy", {f"{name}.lora_{part}": (torch.randn(store[name].shape[1:], generator=gen) * 0.01)
-                                .to(device, dtype)
-                                for part, store in (("A", pool.A), ("B", pool.B)) for name in store})
+    pool.add_adapter(
+        "policy",
+        {
+            f"{name}.lora_{part}": (torch.randn(store[name].shape[1:], generator=gen) * 0.01).to(device, dtype)
+            for part, store in (("A", pool.A), ("B", pool.B))
+            for name in store
+        },
+    )
     return engine_model, pool
 
 
@@ -421,13 +505,23 @@ def bench_group(model: K3ForCausalLM, ecfg: EngineConfig, args, device) -> dict:
     no_cache = sum(len(c.prompt_ids) for c in outs)
     best_hit = (length - 1) // args.chunk_size * args.chunk_size
     target = 1 / n + 0.10
-    return {"status": "ok", "group_prompts": args.group_prompts, "group_n": n, "prompt_len": length,
-            "gen_len": args.gen_len, "prefill_tokens_computed": computed, "prefill_tokens_no_cache": no_cache,
-            "ratio": computed / no_cache, "target_ratio": target, "meets_target": computed / no_cache <= target,
-            "ratio_best_at_chunk": (length + (n - 1) * (length - best_hit)) / (n * length),
-            "cached_tokens_per_sample": sorted({c.cached_tokens for c in outs}),
-            "retractions": engine.counters()["retractions"], "wall_s": wall,
-            "gen_tok_s": sum(len(c.output_ids) for c in outs) / wall}
+    return {
+        "status": "ok",
+        "group_prompts": args.group_prompts,
+        "group_n": n,
+        "prompt_len": length,
+        "gen_len": args.gen_len,
+        "prefill_tokens_computed": computed,
+        "prefill_tokens_no_cache": no_cache,
+        "ratio": computed / no_cache,
+        "target_ratio": target,
+        "meets_target": computed / no_cache <= target,
+        "ratio_best_at_chunk": (length + (n - 1) * (length - best_hit)) / (n * length),
+        "cached_tokens_per_sample": sorted({c.cached_tokens for c in outs}),
+        "retractions": engine.counters()["retractions"],
+        "wall_s": wall,
+        "gen_tok_s": sum(len(c.output_ids) for c in outs) / wall,
+    }
 
 
 def hf_decode(hf, batch: int, args, device, vocab: int) -> dict:
@@ -437,8 +531,15 @@ def hf_decode(hf, batch: int, args, device, vocab: int) -> dict:
         sync(device)
         start = time.perf_counter()
         with torch.inference_mode():
-            out = hf.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=False, use_cache=True,
-                              max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
+            out = hf.generate(
+                prompts,
+                attention_mask=torch.ones_like(prompts),
+                do_sample=False,
+                use_cache=True,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                pad_token_id=0,
+            )
         sync(device)
         assert out.shape == (batch, args.prompt_len + new_tokens)
         return time.perf_counter() - start
@@ -447,13 +548,27 @@ def hf_decode(hf, batch: int, args, device, vocab: int) -> dict:
     prefill_s = generate(1)
     decode_s = generate(args.gen_len) - prefill_s
     tokens = batch * (args.gen_len - 1)
-    return {"batch": batch, "status": "ok", "batch_prefill_tok_s": batch * args.prompt_len / prefill_s,
-            "decode_tokens": tokens, "decode_s": decode_s, "decode_tok_s": tokens / decode_s,
-            "step_ms": decode_s / (args.gen_len - 1) * 1e3}
+    return {
+        "batch": batch,
+        "status": "ok",
+        "batch_prefill_tok_s": batch * args.prompt_len / prefill_s,
+        "decode_tokens": tokens,
+        "decode_s": decode_s,
+        "decode_tok_s": tokens / decode_s,
+        "step_ms": decode_s / (args.gen_len - 1) * 1e3,
+    }
 
 
-def profile_decode(model: K3ForCausalLM, ecfg: EngineConfig, batch: int, args, device, folder: Path,
-                   adapters: AdapterPool | None = None, tag: str = "") -> None:
+def profile_decode(
+    model: K3ForCausalLM,
+    ecfg: EngineConfig,
+    batch: int,
+    args,
+    device,
+    folder: Path,
+    adapters: AdapterPool | None = None,
+    tag: str = "",
+) -> None:
     """Profile a few decode steps (after prefill and warm-up steps) and write the top ops by device and by
     host time: where a step's time goes, for deciding what to speed up. Then a few more steps unprofiled
     (the step as the bench times it) and under cProfile: the host's Python by function, where waiting for
@@ -479,9 +594,12 @@ def profile_decode(model: K3ForCausalLM, ecfg: EngineConfig, batch: int, args, d
     folder.mkdir(parents=True, exist_ok=True)
     events = prof.key_averages()
     device_key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    text = (f"decode{tag} bs={batch}: {wall * 1e3:.2f} ms per step (profiled, 5 steps)\n\n"
-            + events.table(sort_by=device_key, row_limit=70) + "\n\n"
-            + events.table(sort_by="cpu_time_total", row_limit=35))
+    text = (
+        f"decode{tag} bs={batch}: {wall * 1e3:.2f} ms per step (profiled, 5 steps)\n\n"
+        + events.table(sort_by=device_key, row_limit=70)
+        + "\n\n"
+        + events.table(sort_by="cpu_time_total", row_limit=35)
+    )
     prof.export_chrome_trace(str(folder / f"trace_decode{tag}_bs{batch}.json"))
     sync(device)
     start = time.perf_counter()
@@ -538,8 +656,9 @@ def main(argv: list[str] | None = None) -> dict:
     reference = build_ours(config, dtype, device)
     model, _ = engine_built(reference, dtype, device)
     total_bytes, read_bytes = weight_bytes(model)
-    warm = Engine(model, ecfg).generate(random_prompts(2, 8, config.vocab_size, args.seed),
-                                        SamplingParams(temperature=0, max_new_tokens=4))  # first-call costs
+    warm = Engine(model, ecfg).generate(
+        random_prompts(2, 8, config.vocab_size, args.seed), SamplingParams(temperature=0, max_new_tokens=4)
+    )  # first-call costs
     assert all(len(c.output_ids) == 4 for c in warm)
     context = args.prompt_len + args.gen_len / 2  # a decode row's mean context over its timed steps
 
@@ -550,25 +669,44 @@ def main(argv: list[str] | None = None) -> dict:
         f = step_floor(m, row["batch"], context, dtype, bandwidth)
         return {**row, **f, "vs_floor": row["step_ms"] / f["floor_ms"] if f["floor_ms"] else None}
 
-    decode = [floored({"model": "miles-k3", **guarded(lambda: bench_decode(model, ecfg, b, args, device), device,
-                                                      batch=b)}, model) for b in batch_sizes]
+    decode = [
+        floored(
+            {"model": "miles-k3", **guarded(lambda: bench_decode(model, ecfg, b, args, device), device, batch=b)}, model
+        )
+        for b in batch_sizes
+    ]
     if device.type == "cuda" and args.overlap != "off":
         plain = dataclasses.replace(ecfg, overlap="off")
-        decode += [floored({"model": "miles-k3 (overlap off)",
-                            **guarded(lambda: bench_decode(model, plain, b, args, device), device, batch=b)}, model)
-                   for b in batch_sizes]
+        decode += [
+            floored(
+                {
+                    "model": "miles-k3 (overlap off)",
+                    **guarded(lambda: bench_decode(model, plain, b, args, device), device, batch=b),
+                },
+                model,
+            )
+            for b in batch_sizes
+        ]
     if args.rl_path:
         rl_model, pool = rl_engine_model(reference, dtype, device)
         kinds = ["torch", "triton"] if device.type == "cuda" else ["torch"]  # the Triton kernel needs CUDA
         for kind in kinds:
             rl_cfg = dataclasses.replace(ecfg, mxfp4_matmul=kind)
-            decode += [floored({"model": f"miles-k3 RL (mxfp4 {kind}, lora)",
-                                **guarded(lambda: bench_decode(rl_model, rl_cfg, b, args, device, pool), device,
-                                          batch=b)}, rl_model)
-                       for b in batch_sizes]
+            decode += [
+                floored(
+                    {
+                        "model": f"miles-k3 RL (mxfp4 {kind}, lora)",
+                        **guarded(lambda: bench_decode(rl_model, rl_cfg, b, args, device, pool), device, batch=b),
+                    },
+                    rl_model,
+                )
+                for b in batch_sizes
+            ]
         if args.profile:  # the step the GRPO loop's rollout runs: the last kind's (the one the engine picks on CUDA)
-            guarded(lambda: profile_decode(rl_model, rl_cfg, max(batch_sizes), args, device, args.profile, pool,
-                                           "_rl"), device)
+            guarded(
+                lambda: profile_decode(rl_model, rl_cfg, max(batch_sizes), args, device, args.profile, pool, "_rl"),
+                device,
+            )
         del rl_model, pool
         free_memory(device)
     prefill = guarded(lambda: bench_prefill(model, ecfg, args, device), device, prompt_len=args.prefill_len)
@@ -583,9 +721,15 @@ def main(argv: list[str] | None = None) -> dict:
         kimi_reference = build_ours(kimi_linear_form(config), dtype, device)
         kimi, _ = engine_built(kimi_reference, dtype, device)
         for b in batch_sizes:
-            decode.append(floored({"model": "miles-k3 (kimi-linear form)",
-                                   **guarded(lambda: bench_decode(kimi, ecfg, b, args, device), device, batch=b)},
-                                  kimi))
+            decode.append(
+                floored(
+                    {
+                        "model": "miles-k3 (kimi-linear form)",
+                        **guarded(lambda: bench_decode(kimi, ecfg, b, args, device), device, batch=b),
+                    },
+                    kimi,
+                )
+            )
         hf, hf_failure = None, {}
         try:
             hf = hf_peer(kimi_reference, dtype, device)
@@ -611,27 +755,56 @@ def main(argv: list[str] | None = None) -> dict:
     step_ms = bs1.get("step_ms")
     floor_ms = read_bytes / bandwidth * 1e3 if bandwidth else None
     floor_all_ms = total_bytes / bandwidth * 1e3 if bandwidth else None
-    floor = {"memory": "HBM" if device.type == "cuda" else "DRAM", "bandwidth_gb_s": bandwidth and bandwidth / 1e9,
-             "weight_bytes": total_bytes, "weight_bytes_read_per_step": read_bytes, "floor_ms": floor_ms,
-             "floor_all_weights_ms": floor_all_ms, "bs1_step_ms": step_ms,
-             "bs1_vs_floor": step_ms / floor_ms if step_ms and floor_ms else None,
-             "bs1_vs_floor_all_weights": step_ms / floor_all_ms if step_ms and floor_all_ms else None}
+    floor = {
+        "memory": "HBM" if device.type == "cuda" else "DRAM",
+        "bandwidth_gb_s": bandwidth and bandwidth / 1e9,
+        "weight_bytes": total_bytes,
+        "weight_bytes_read_per_step": read_bytes,
+        "floor_ms": floor_ms,
+        "floor_all_weights_ms": floor_all_ms,
+        "bs1_step_ms": step_ms,
+        "bs1_vs_floor": step_ms / floor_ms if step_ms and floor_ms else None,
+        "bs1_vs_floor_all_weights": step_ms / floor_all_ms if step_ms and floor_all_ms else None,
+    }
 
     result = {
-        "meta": {"preset": args.preset, "device": str(device),
-                 "device_name": torch.cuda.get_device_name(device) if device.type == "cuda"
-                 else (platform.processor() or platform.machine()),
-                 "dtype": args.dtype, "torch": torch.__version__, "threads": torch.get_num_threads(),
-                 "transformers": _version("transformers") if args.peer == "hf" else None,
-                 "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                 "command": shlex.join(["python", "scripts/bench_rollout.py", *argv]),
-                 "settings": {k: getattr(args, k) for k in ("batch_sizes", "prompt_len", "gen_len", "prefill_len",
-                                                            "group_prompts", "group_n", "memory_gb", "peer",
-                                                            "seed", "chunk_size", "max_prefill_tokens",
-                                                            "no_cuda_graphs", "overlap", "compile_decode",
-                                                            "rl_path", "sampled")},
-                 "engine_config": {k: getattr(ecfg, k) for k in ecfg.__dataclass_fields__},
-                 "params": config.num_parameters(), "active_params": config.num_active_parameters()},
+        "meta": {
+            "preset": args.preset,
+            "device": str(device),
+            "device_name": torch.cuda.get_device_name(device)
+            if device.type == "cuda"
+            else (platform.processor() or platform.machine()),
+            "dtype": args.dtype,
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "transformers": _version("transformers") if args.peer == "hf" else None,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": shlex.join(["python", "scripts/bench_rollout.py", *argv]),
+            "settings": {
+                k: getattr(args, k)
+                for k in (
+                    "batch_sizes",
+                    "prompt_len",
+                    "gen_len",
+                    "prefill_len",
+                    "group_prompts",
+                    "group_n",
+                    "memory_gb",
+                    "peer",
+                    "seed",
+                    "chunk_size",
+                    "max_prefill_tokens",
+                    "no_cuda_graphs",
+                    "overlap",
+                    "compile_decode",
+                    "rl_path",
+                    "sampled",
+                )
+            },
+            "engine_config": {k: getattr(ecfg, k) for k in ecfg.__dataclass_fields__},
+            "params": config.num_parameters(),
+            "active_params": config.num_active_parameters(),
+        },
         "decode_tok_s": ours,
         "prefill_tok_s": prefill.get("prefill_tok_s"),
         "prefill_tokens_computed": group.get("prefill_tokens_computed"),
@@ -640,7 +813,10 @@ def main(argv: list[str] | None = None) -> dict:
         "bs1_step_ms": step_ms,
         "hf_decode_tok_s": hf_tok if args.peer == "hf" else None,
         "decode_vs_hf": vs_hf if args.peer == "hf" else None,
-        "decode": decode, "prefill": prefill, "group": group, "bs1_floor": floor,
+        "decode": decode,
+        "prefill": prefill,
+        "group": group,
+        "bs1_floor": floor,
     }
     print_report(result)
     if args.json:
@@ -659,39 +835,57 @@ def _f(x, spec: str) -> str:
 
 def print_report(res: dict) -> None:
     m, s = res["meta"], res["meta"]["settings"]
-    print(f"rollout bench  {m['preset']} on {m['device']} ({m['device_name']}), {m['dtype']}, torch {m['torch']}, "
-          f"{m['threads']} threads, {m['date']}\n  {m['command']}")
-    print(f"\ndecode: {'sampled (temperature 1, seeded)' if s['sampled'] else 'greedy'}, prompt {s['prompt_len']}, {s['gen_len']} new tokens; decode steps only")
-    print(f"{'model':<34} {'batch':>5} {'prefill tok/s':>13} {'decode tok/s':>12} {'step ms':>9} {'floor ms':>9} "
-          f"{'x floor':>7} {'vs HF':>7}")
+    print(
+        f"rollout bench  {m['preset']} on {m['device']} ({m['device_name']}), {m['dtype']}, torch {m['torch']}, "
+        f"{m['threads']} threads, {m['date']}\n  {m['command']}"
+    )
+    print(
+        f"\ndecode: {'sampled (temperature 1, seeded)' if s['sampled'] else 'greedy'}, prompt {s['prompt_len']}, "
+        f"{s['gen_len']} new tokens; decode steps only"
+    )
+    print(
+        f"{'model':<34} {'batch':>5} {'prefill tok/s':>13} {'decode tok/s':>12} {'step ms':>9} {'floor ms':>9} "
+        f"{'x floor':>7} {'vs HF':>7}"
+    )
     for r in res["decode"]:
         if r["status"] != "ok":
             print(f"{r['model']:<34} {r['batch']:>5} {r['status'].upper():>13}  {r.get('error', '')}")
             continue
         ratio = f"{r['vs_hf']:.2f}x" if "vs_hf" in r else ""
-        print(f"{r['model']:<34} {r['batch']:>5} {r['batch_prefill_tok_s']:>13.0f} {r['decode_tok_s']:>12.1f} "
-              f"{r['step_ms']:>9.2f} {_f(r.get('floor_ms'), '9.3f'):>9} {_f(r.get('vs_floor'), '7.1f'):>7} {ratio:>7}"
-              + (f"  ({r['retractions']} retractions)" if r.get("retractions") else "")
-              + (f"  ({r['graph_replays']} graph replays)" if r.get("graph_replays") else ""))
+        print(
+            f"{r['model']:<34} {r['batch']:>5} {r['batch_prefill_tok_s']:>13.0f} {r['decode_tok_s']:>12.1f} "
+            f"{r['step_ms']:>9.2f} {_f(r.get('floor_ms'), '9.3f'):>9} {_f(r.get('vs_floor'), '7.1f'):>7} {ratio:>7}"
+            + (f"  ({r['retractions']} retractions)" if r.get("retractions") else "")
+            + (f"  ({r['graph_replays']} graph replays)" if r.get("graph_replays") else "")
+        )
     p = res["prefill"]
-    print(f"\nprefill: 1 x {p['prompt_len']} tokens: "
-          + (f"{p['prefill_tok_s']:.0f} tok/s ({p['seconds'] * 1e3:.1f} ms)" if p["status"] == "ok"
-             else f"{p['status'].upper()} {p.get('error', '')}"))
+    print(
+        f"\nprefill: 1 x {p['prompt_len']} tokens: "
+        + (
+            f"{p['prefill_tok_s']:.0f} tok/s ({p['seconds'] * 1e3:.1f} ms)"
+            if p["status"] == "ok"
+            else f"{p['status'].upper()} {p.get('error', '')}"
+        )
+    )
     g = res["group"]
     if g["status"] == "ok":
-        print(f"group: {g['group_prompts']} prompts x {g['group_n']} samples, prompt {g['prompt_len']}, temperature 1: "
-              f"computed {g['prefill_tokens_computed']} / no-cache {g['prefill_tokens_no_cache']} prompt tokens = "
-              f"{g['ratio']:.3f} (target <= {g['target_ratio']:.3f}: {'met' if g['meets_target'] else 'MISSED'}; "
-              f"best at this chunking {g['ratio_best_at_chunk']:.3f}); "
-              f"cached per sample {g['cached_tokens_per_sample']}"
-              f"; {g['gen_tok_s']:.1f} gen tok/s")
+        print(
+            f"group: {g['group_prompts']} prompts x {g['group_n']} samples, prompt {g['prompt_len']}, temperature 1: "
+            f"computed {g['prefill_tokens_computed']} / no-cache {g['prefill_tokens_no_cache']} prompt tokens = "
+            f"{g['ratio']:.3f} (target <= {g['target_ratio']:.3f}: {'met' if g['meets_target'] else 'MISSED'}; "
+            f"best at this chunking {g['ratio_best_at_chunk']:.3f}); "
+            f"cached per sample {g['cached_tokens_per_sample']}"
+            f"; {g['gen_tok_s']:.1f} gen tok/s"
+        )
     else:
         print(f"group: {g['status'].upper()} {g.get('error', '')}")
     f = res["bs1_floor"]
-    print(f"bs=1: step {_f(f['bs1_step_ms'], '.3f')} ms; {f['memory']} floor {_f(f['floor_ms'], '.3f')} ms "
-          f"({f['weight_bytes_read_per_step'] / 1e6:.1f} MB read per step / {_f(f['bandwidth_gb_s'], '.0f')} GB/s) "
-          f"-> {_f(f['bs1_vs_floor'], '.1f')}x; all weights ({f['weight_bytes'] / 1e6:.1f} MB): "
-          f"{_f(f['floor_all_weights_ms'], '.3f')} ms -> {_f(f['bs1_vs_floor_all_weights'], '.1f')}x")
+    print(
+        f"bs=1: step {_f(f['bs1_step_ms'], '.3f')} ms; {f['memory']} floor {_f(f['floor_ms'], '.3f')} ms "
+        f"({f['weight_bytes_read_per_step'] / 1e6:.1f} MB read per step / {_f(f['bandwidth_gb_s'], '.0f')} GB/s) "
+        f"-> {_f(f['bs1_vs_floor'], '.1f')}x; all weights ({f['weight_bytes'] / 1e6:.1f} MB): "
+        f"{_f(f['floor_all_weights_ms'], '.3f')} ms -> {_f(f['bs1_vs_floor_all_weights'], '.1f')}x"
+    )
 
 
 if __name__ == "__main__":

@@ -6,8 +6,8 @@ Runs the megatron policy (LoRA rank 8 on every default target) forward and backw
 `--seq-len` random tokens in three layouts: TP=1, TP=2, TP=2 with sequence parallelism (two processes,
 gloo on CPU, nccl with `--device cuda` and two GPUs). Per rank it reports the bytes autograd saves for
 the backward (every saved tensor's storage counted once, through `torch.autograd.graph.saved_tensors_hooks`,
-parameters and buffers left out: the activation memory of a training step, independent of the allocator) and the median wall time of a
-step after one warm-up step. The loss is logsumexp of the logits, so the number does not depend on a
+parameters and buffers left out: the activation memory of a training step, independent of the allocator) and the median
+wall time of a step after one warm-up step. The loss is logsumexp of the logits, so the number does not depend on a
 label layout. On CPU the time is gloo on shared cores, a sanity figure rather than a cluster's.
 """
 
@@ -34,6 +34,7 @@ LAYOUTS = {"TP=1": (1, False), "TP=2": (2, False), "TP=2 + SP": (2, True)}
 def _saved_bytes_hooks(seen: dict[tuple[int, str], int], weights: set[tuple[int, str]]):
     """Count the storages autograd saves, except the model's own tensors (a linear saves its frozen
     weight for the input gradient: that is parameter memory, there anyway)."""
+
     def pack(t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
         key = (storage.data_ptr(), str(t.device))
@@ -61,12 +62,17 @@ def run_rank(rank: int, world: int, port: int, args: argparse.Namespace, sequenc
     try:
         init_parallel(world)
         config = K3Config.from_preset(args.preset)
-        policy = build_policy(config, reference_state(config, 0), LoraSpec(rank=8), dtype=torch.float32,
-                              device=device, sequence_parallel=sequence_parallel)
+        policy = build_policy(
+            config,
+            reference_state(config, 0),
+            LoraSpec(rank=8),
+            dtype=torch.float32,
+            device=device,
+            sequence_parallel=sequence_parallel,
+        )
         ids = torch.randint(3, config.vocab_size, (1, args.seq_len), generator=torch.Generator().manual_seed(0))
         ids = ids.to(device)
-        weights = {(t.untyped_storage().data_ptr(), str(t.device))
-                   for t in [*policy.parameters(), *policy.buffers()]}
+        weights = {(t.untyped_storage().data_ptr(), str(t.device)) for t in [*policy.parameters(), *policy.buffers()]}
         times, saved = [], {}
         for step in range(args.steps + 1):
             policy.zero_grad(set_to_none=True)
@@ -83,8 +89,12 @@ def run_rank(rank: int, world: int, port: int, args: argparse.Namespace, sequenc
             if step:  # step 0 warms up
                 times.append(time.perf_counter() - start)
             saved = seen
-        result = {"rank": rank, "saved_bytes": sum(saved.values()), "step_s": statistics.median(times),
-                  "loss": float(loss.detach())}
+        result = {
+            "rank": rank,
+            "saved_bytes": sum(saved.values()),
+            "step_s": statistics.median(times),
+            "loss": float(loss.detach()),
+        }
         torch.save(result, f"{out}/rank{rank}.pt")
         destroy_parallel()
     finally:
@@ -98,9 +108,14 @@ def measure(layout: str, args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory() as out:
         mp.spawn(run_rank, args=(world, free_port(), args, sequence_parallel, out), nprocs=world, join=True)
         ranks = [torch.load(f"{out}/rank{r}.pt") for r in range(world)]
-    return {"layout": layout, "ranks": world, "sequence_parallel": sequence_parallel,
-            "saved_mb_per_rank": max(r["saved_bytes"] for r in ranks) / 2**20,
-            "step_s": max(r["step_s"] for r in ranks), "loss": ranks[0]["loss"]}
+    return {
+        "layout": layout,
+        "ranks": world,
+        "sequence_parallel": sequence_parallel,
+        "saved_mb_per_rank": max(r["saved_bytes"] for r in ranks) / 2**20,
+        "step_s": max(r["step_s"] for r in ranks),
+        "loss": ranks[0]["loss"],
+    }
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -127,12 +142,21 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"sequence parallelism, {args.preset}, 1 x {args.seq_len} tokens, fp32, LoRA r8, {args.device}")
     print(f"{'layout':12s} {'saved MB/rank':>14s} {'vs TP=2':>8s} {'step s':>8s} {'loss':>10s}")
     for r in rows:
-        print(f"{r['layout']:12s} {r['saved_mb_per_rank']:14.1f} {r['saved_mb_per_rank'] / base:7.2f}x "
-              f"{r['step_s']:8.3f} {r['loss']:10.5f}")
-    result = {"rows": rows, "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-              "command": "python scripts/bench_sequence_parallel.py " + " ".join(argv),
-              "env": {"torch": torch.__version__, "machine": platform.machine(), "cpus": os.cpu_count(),
-                      "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}}
+        print(
+            f"{r['layout']:12s} {r['saved_mb_per_rank']:14.1f} {r['saved_mb_per_rank'] / base:7.2f}x "
+            f"{r['step_s']:8.3f} {r['loss']:10.5f}"
+        )
+    result = {
+        "rows": rows,
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "command": "python scripts/bench_sequence_parallel.py " + " ".join(argv),
+        "env": {
+            "torch": torch.__version__,
+            "machine": platform.machine(),
+            "cpus": os.cpu_count(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        },
+    }
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     return result

@@ -45,10 +45,10 @@ sys.path.insert(0, str(REPO))  # run as a script from anywhere
 # cpu: one torch thread (two OpenMP threads on a shared 2-core machine stall whenever one is descheduled,
 # 5x slower here) and the base as stored (MXFP4 experts decode to fp32 per forward on cpu, which would hide
 # the HTTP layer's cost behind a slower engine); cuda: the GPU path miles-serve defaults to.
-DEVICE_DEFAULTS = {"cpu": dict(gen_len=16, concurrency=[1, 8, 32, 128], requests=32, memory_mb=64.0, threads=1,
-                               quantize="none"),
-                   "cuda": dict(gen_len=128, concurrency=[1, 8, 32, 128], requests=256, memory_mb=4096.0,
-                                quantize="experts")}
+DEVICE_DEFAULTS = {
+    "cpu": dict(gen_len=16, concurrency=[1, 8, 32, 128], requests=32, memory_mb=64.0, threads=1, quantize="none"),
+    "cuda": dict(gen_len=128, concurrency=[1, 8, 32, 128], requests=256, memory_mb=4096.0, quantize="experts"),
+}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -57,15 +57,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--preset", default=None, help="a random-init K3 preset (k3-small on the GPU) instead of --model")
     p.add_argument("--model", default="builtin:k3-tiny-arith", help="a checkpoint directory or builtin:<name>")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="default: bf16 cuda, fp32 cpu")
-    p.add_argument("--quantize", default=None, choices=["none", "experts", "all"], help="default: none cpu, "
-                   "experts cuda")
+    p.add_argument(
+        "--quantize", default=None, choices=["none", "experts", "all"], help="default: none cpu, experts cuda"
+    )
     p.add_argument("--concurrency", default=None, help="comma-separated levels (default 1,8,32,128)")
     p.add_argument("--requests", type=int, default=None, help="requests per level (at least 2x the level)")
     p.add_argument("--gen-len", type=int, default=None, help="tokens generated per request")
     p.add_argument("--memory-mb", type=float, default=None, help="engine KV + state memory")
     p.add_argument("--api", default="sglang", choices=["sglang", "openai"])
-    p.add_argument("--threads", type=int, default=None, help="torch threads, server and baseline alike "
-                   "(default: 1 on cpu, torch's on cuda)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads, server and baseline alike (default: 1 on cpu, torch's on cuda)",
+    )
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -89,9 +94,17 @@ def served_for(args):
     if args.threads:
         torch.set_num_threads(args.threads)
     name = f"preset:{args.preset}" if args.preset else args.model
-    cfg = ServeConfig(model=name, device=args.device, dtype=args.dtype, quantize=args.quantize,
-                      memory_mb=args.memory_mb, max_running=args.max_running, max_queued=args.max_running, port=0,
-                      log_level="warning")
+    cfg = ServeConfig(
+        model=name,
+        device=args.device,
+        dtype=args.dtype,
+        quantize=args.quantize,
+        memory_mb=args.memory_mb,
+        max_running=args.max_running,
+        max_queued=args.max_running,
+        port=0,
+        log_level="warning",
+    )
     if args.preset is None:
         return load_served(cfg)
     # a preset over the arithmetic vocabulary, initialized as the trainer initializes model.preset runs
@@ -153,8 +166,11 @@ class Connection:
     async def stream(self, path: str, body: dict):
         """Yield each event's arrival time; raise on a status other than 200."""
         data = json.dumps(body).encode()
-        self.writer.write(f"POST {path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\n"
-                          f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+        self.writer.write(
+            f"POST {path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(data)}\r\n\r\n".encode()
+            + data
+        )
         status = (await self.reader.readline()).split(b" ", 2)[1]
         while (await self.reader.readline()) not in (b"\r\n", b""):
             pass  # the headers: the server always answers a stream with chunked transfer encoding
@@ -173,10 +189,19 @@ class Connection:
 async def http_level(url: str, model: str, texts: list[str], c: int, gen_len: int, api: str) -> dict:
     def body(text: str) -> tuple[str, dict]:
         if api == "openai":
-            return "/v1/completions", {"model": model, "prompt": text, "max_tokens": gen_len, "temperature": 0,
-                                       "ignore_eos": True, "stream": True}
-        return "/generate", {"text": text, "stream": True, "sampling_params": {
-            "temperature": 0, "max_new_tokens": gen_len, "ignore_eos": True}}
+            return "/v1/completions", {
+                "model": model,
+                "prompt": text,
+                "max_tokens": gen_len,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+            }
+        return "/generate", {
+            "text": text,
+            "stream": True,
+            "sampling_params": {"temperature": 0, "max_new_tokens": gen_len, "ignore_eos": True},
+        }
 
     async def run(batch: list[str]) -> tuple[float, list[float], list[float]]:
         ttft, itl, queue = [], [], deque(batch)
@@ -196,8 +221,13 @@ async def http_level(url: str, model: str, texts: list[str], c: int, gen_len: in
 
     await run(texts[:c])  # warmup wave
     wall, ttft, itl = await run(texts)
-    return {"http_rps": len(texts) / wall, "http_tok_s": len(texts) * gen_len / wall, "ttft_ms": percentiles(ttft),
-            "itl_ms": percentiles(itl), "http_wall_s": wall}
+    return {
+        "http_rps": len(texts) / wall,
+        "http_tok_s": len(texts) * gen_len / wall,
+        "ttft_ms": percentiles(ttft),
+        "itl_ms": percentiles(itl),
+        "http_wall_s": wall,
+    }
 
 
 # ------------------------------------------------------------------ the in-process baseline
@@ -227,8 +257,14 @@ def engine_level(served, ids: list[list[int]], c: int, gen_len: int) -> dict:
 def machine(device: str) -> dict:
     import torch
 
-    info = {"machine": platform.machine(), "cpus": os.cpu_count(), "python": platform.python_version(),
-            "torch": torch.__version__, "torch_threads": torch.get_num_threads(), "node": platform.node()}
+    info = {
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "node": platform.node(),
+    }
     if device == "cuda":
         info["gpu"] = torch.cuda.get_device_name(0)
     return info
@@ -247,8 +283,13 @@ def main(argv: list[str] | None = None) -> dict:
     proc, url, model = start_child(server_argv)
     try:
         for c, n in levels:
-            rows.append({"concurrency": c, "requests": n,
-                         **asyncio.run(http_level(url, model, texts[:n], c, args.gen_len, args.api))})
+            rows.append(
+                {
+                    "concurrency": c,
+                    "requests": n,
+                    **asyncio.run(http_level(url, model, texts[:n], c, args.gen_len, args.api)),
+                }
+            )
     finally:
         proc.terminate()
         try:
@@ -261,15 +302,24 @@ def main(argv: list[str] | None = None) -> dict:
     served = served_for(args)
     ids = [served.tokenizer.encode(t) for t in texts]
     for row in rows:
-        row.update(engine_level(served, ids[:row["requests"]], row["concurrency"], args.gen_len))
+        row.update(engine_level(served, ids[: row["requests"]], row["concurrency"], args.gen_len))
         row["http_over_engine"] = row["http_rps"] / row["engine_rps"]
-    result = {"meta": {"command": "python scripts/bench_serve.py " + shlex.join(argv),
-                       "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                       "model": model, "device": args.device, "dtype": args.dtype, "quantize": args.quantize,
-                       "gen_len": args.gen_len, "api": args.api, "max_running": args.max_running,
-                       "threads": args.threads,
-                       **machine(args.device)},
-              "rows": rows}
+    result = {
+        "meta": {
+            "command": "python scripts/bench_serve.py " + shlex.join(argv),
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "model": model,
+            "device": args.device,
+            "dtype": args.dtype,
+            "quantize": args.quantize,
+            "gen_len": args.gen_len,
+            "api": args.api,
+            "max_running": args.max_running,
+            "threads": args.threads,
+            **machine(args.device),
+        },
+        "rows": rows,
+    }
     print_table(result)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
@@ -278,17 +328,37 @@ def main(argv: list[str] | None = None) -> dict:
 
 def print_table(result: dict) -> None:
     m = result["meta"]
-    print(f"{m['command']}\n{m['date']}, {m['model']} on {m['device']} ({m['machine']}, {m['cpus']} cpus, torch "
-          f"{m['torch']}), {m['gen_len']} tokens/request, api {m['api']}")
-    head = ("conc", "reqs", "http req/s", "engine req/s", "http/engine", "http tok/s", "TTFT p50/p90/p99 ms",
-            "ITL p50/p90/p99 ms")
+    print(
+        f"{m['command']}\n{m['date']}, {m['model']} on {m['device']} ({m['machine']}, {m['cpus']} cpus, torch "
+        f"{m['torch']}), {m['gen_len']} tokens/request, api {m['api']}"
+    )
+    head = (
+        "conc",
+        "reqs",
+        "http req/s",
+        "engine req/s",
+        "http/engine",
+        "http tok/s",
+        "TTFT p50/p90/p99 ms",
+        "ITL p50/p90/p99 ms",
+    )
     print(" | ".join(head))
     for r in result["rows"]:
         t, i = r["ttft_ms"], r["itl_ms"]
-        print(" | ".join([str(r["concurrency"]), str(r["requests"]), f"{r['http_rps']:.1f}", f"{r['engine_rps']:.1f}",
-                          f"{r['http_over_engine']:.2f}", f"{r['http_tok_s']:.0f}",
-                          f"{t['p50']:.1f} / {t['p90']:.1f} / {t['p99']:.1f}",
-                          f"{i['p50']:.1f} / {i['p90']:.1f} / {i['p99']:.1f}"]))
+        print(
+            " | ".join(
+                [
+                    str(r["concurrency"]),
+                    str(r["requests"]),
+                    f"{r['http_rps']:.1f}",
+                    f"{r['engine_rps']:.1f}",
+                    f"{r['http_over_engine']:.2f}",
+                    f"{r['http_tok_s']:.0f}",
+                    f"{t['p50']:.1f} / {t['p90']:.1f} / {t['p99']:.1f}",
+                    f"{i['p50']:.1f} / {i['p90']:.1f} / {i['p99']:.1f}",
+                ]
+            )
+        )
 
 
 if __name__ == "__main__":

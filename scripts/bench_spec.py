@@ -59,8 +59,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from controlled_drafter import ControlledDrafter  # noqa: E402  (scripts/, next to this file)
+
 from miles_k3.model import K3Config  # noqa: E402
 from miles_k3.model.checkpoint import load_state_dict  # noqa: E402
+from miles_k3.model.modeling import reference_state  # noqa: E402
 from miles_k3.tasks import ArithmeticTokenizer  # noqa: E402
 from rollout.config import EngineConfig  # noqa: E402
 from rollout.engine import Engine  # noqa: E402
@@ -70,42 +73,78 @@ from rollout.request import SamplingParams  # noqa: E402
 from rollout.spec import SpecConfig  # noqa: E402
 from rollout.spec.drafter import DSparkConfig, DSparkDrafter, default_target_layers  # noqa: E402
 from rollout.spec.strategy import SpecDecode, SpecStats  # noqa: E402
-from miles_k3.model.modeling import reference_state  # noqa: E402
-from controlled_drafter import ControlledDrafter  # noqa: E402  (scripts/, next to this file)
 
 ASSET = Path(__file__).resolve().parents[1] / "miles_k3" / "assets" / "k3-tiny-arith"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", default=str(ASSET), help="target checkpoint directory (with heldout.jsonl), or "
-                    "preset:NAME (random init, random prompts)")
-    ap.add_argument("--drafter", required=True, help="DSpark drafter directory (scripts/train_drafter.py), or "
-                    "controlled:P or controlled:LO-HI (the target's own continuation, each draft kept with "
-                    "probability P, or a rate per prompt uniform in [LO, HI])")
-    ap.add_argument("--gamma", type=int, default=None, help="drafts per block (default: the drafter's block; 4 "
-                    "for a controlled drafter)")
-    ap.add_argument("--drafter-cost", choices=("none", "dspark"), default="none", help="with a controlled drafter: "
-                    "dspark also runs an untrained DSpark drafter of the default shape at every call and drops its "
-                    "drafts (scripts/controlled_drafter.py, `shadow`), so the figures include a real drafter's cost")
-    ap.add_argument("--max-batch", type=int, default=None, help="SpecConfig.max_batch of the speculative engines "
-                    "(speculate only in batches of at most this many rows; default: always)")
+    ap.add_argument(
+        "--target",
+        default=str(ASSET),
+        help="target checkpoint directory (with heldout.jsonl), or preset:NAME (random init, random prompts)",
+    )
+    ap.add_argument(
+        "--drafter",
+        required=True,
+        help="DSpark drafter directory (scripts/train_drafter.py), or "
+        "controlled:P or controlled:LO-HI (the target's own continuation, each draft kept with "
+        "probability P, or a rate per prompt uniform in [LO, HI])",
+    )
+    ap.add_argument(
+        "--gamma",
+        type=int,
+        default=None,
+        help="drafts per block (default: the drafter's block; 4 for a controlled drafter)",
+    )
+    ap.add_argument(
+        "--drafter-cost",
+        choices=("none", "dspark"),
+        default="none",
+        help="with a controlled drafter: "
+        "dspark also runs an untrained DSpark drafter of the default shape at every call and drops its "
+        "drafts (scripts/controlled_drafter.py, `shadow`), so the figures include a real drafter's cost",
+    )
+    ap.add_argument(
+        "--max-batch",
+        type=int,
+        default=None,
+        help="SpecConfig.max_batch of the speculative engines "
+        "(speculate only in batches of at most this many rows; default: always)",
+    )
     ap.add_argument("--temperatures", default="0,1", help="comma-separated (0: greedy)")
     ap.add_argument("--prompt-len", type=int, default=64, help="random prompt tokens (--target preset: only)")
-    ap.add_argument("--peaked", action="store_true", help="--target preset: a random target whose greedy next "
-                    "token wins by a wide margin (see the module docstring)")
+    ap.add_argument(
+        "--peaked",
+        action="store_true",
+        help="--target preset: a random target whose greedy next "
+        "token wins by a wide margin (see the module docstring)",
+    )
     ap.add_argument("--batch-sizes", default="1,8,64")
-    ap.add_argument("--planners", default="verify_all", help="SpecConfig.planner values to run, comma-separated "
-                    "(cost_aware measures its cost surface when each engine starts)")
-    ap.add_argument("--rollback", default="replay", help="SpecConfig.rollback values to run, comma-separated "
-                    "(replay: ReplaySSM; snapshot: the state-snapshot baseline)")
+    ap.add_argument(
+        "--planners",
+        default="verify_all",
+        help="SpecConfig.planner values to run, comma-separated "
+        "(cost_aware measures its cost surface when each engine starts)",
+    )
+    ap.add_argument(
+        "--rollback",
+        default="replay",
+        help="SpecConfig.rollback values to run, comma-separated "
+        "(replay: ReplaySSM; snapshot: the state-snapshot baseline)",
+    )
     ap.add_argument("--gen-len", type=int, default=12)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--memory-gb", type=float, default=0.25)
-    ap.add_argument("--max-prefill-tokens", type=int, default=None, help="EngineConfig.max_prefill_tokens of "
-                    "every engine (default: 4096 on cuda, as bench_rollout.py and the GPU recipe; the engine's "
-                    "own default elsewhere)")
+    ap.add_argument(
+        "--max-prefill-tokens",
+        type=int,
+        default=None,
+        help="EngineConfig.max_prefill_tokens of "
+        "every engine (default: 4096 on cuda, as bench_rollout.py and the GPU recipe; the engine's "
+        "own default elsewhere)",
+    )
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", type=Path, default=None, help="write the rows here")
     return ap.parse_args(argv)
@@ -182,8 +221,9 @@ def drive(engine: Engine, prompts, params) -> tuple[list, float, float]:
     return [done[i] for i in ids], end - t0, end - (t_decode or end)
 
 
-def fit_batch(config: K3Config, ecfg: EngineConfig, dtype: torch.dtype, prompts, gen_len: int, gamma: int,
-              window: int) -> int:
+def fit_batch(
+    config: K3Config, ecfg: EngineConfig, dtype: torch.dtype, prompts, gen_len: int, gamma: int, window: int
+) -> int:
     """Requests a pool of `ecfg.memory_bytes` holds at once: per request a KDA slot, the KV pages of its
     longest sequence (+ a verify block) and `window` draft-window bytes."""
     page = ecfg.page_size
@@ -219,7 +259,7 @@ def target_state(target: str, peaked: bool = False) -> tuple[K3Config, dict[str,
     """`build_target`'s config and logical state dict, before an engine is built (a sharded engine builds its
     ranks from it)."""
     if target.startswith("preset:"):
-        config = K3Config.from_preset(target[len("preset:"):])
+        config = K3Config.from_preset(target[len("preset:") :])
         torch.manual_seed(0)
         state = reference_state(config)
         if peaked:
@@ -241,18 +281,22 @@ def acceptance_of(spec: str) -> float | tuple[float, float]:
             return float(lo), float(hi)
         return float(value)
     except ValueError:
-        raise ValueError(f"--drafter {spec!r}: expected controlled:P or controlled:LO-HI with rates in [0, 1]") from None
+        raise ValueError(
+            f"--drafter {spec!r}: expected controlled:P or controlled:LO-HI with rates in [0, 1]"
+        ) from None
 
 
 def step_times(st: SpecStats, decode_s: float) -> dict:
     """Mean ms a decode step: the wall's, a plain and a verify step's own (as the planner reads them), and the
     wall's remainder none of them carries (the host between steps; steps that captured a graph, untimed)."""
     steps = max(st.steps + st.plain_steps, 1)
-    return dict(wall=round(1e3 * decode_s / steps, 3),
-                plain=round(1e3 * st.plain_seconds / max(st.plain_steps, 1), 3),
-                verify=round(1e3 * st.verify_seconds / max(st.steps, 1), 3),
-                unpriced=round(1e3 * (decode_s - st.plain_seconds - st.verify_seconds) / steps, 3),
-                untimed=st.untimed)
+    return dict(
+        wall=round(1e3 * decode_s / steps, 3),
+        plain=round(1e3 * st.plain_seconds / max(st.plain_steps, 1), 3),
+        verify=round(1e3 * st.verify_seconds / max(st.steps, 1), 3),
+        unpriced=round(1e3 * (decode_s - st.plain_seconds - st.verify_seconds) / steps, 3),
+        untimed=st.untimed,
+    )
 
 
 def random_prompts(n: int, length: int, vocab: int) -> list[list[int]]:
@@ -264,9 +308,14 @@ def shadow_drafter(config, gamma: int) -> DSparkDrafter:
     """An untrained DSpark drafter of the shape `scripts/train_drafter.py` trains for this target (seeded): a
     controlled drafter's shadow (`--drafter-cost dspark`)."""
     torch.manual_seed(0)
-    return DSparkDrafter(DSparkConfig(target_layers=default_target_layers(config.num_hidden_layers),
-                                      hidden_size=config.hidden_size, vocab_size=config.vocab_size,
-                                      block_size=gamma))
+    return DSparkDrafter(
+        DSparkConfig(
+            target_layers=default_target_layers(config.num_hidden_layers),
+            hidden_size=config.hidden_size,
+            vocab_size=config.vocab_size,
+            block_size=gamma,
+        )
+    )
 
 
 def free(device: str) -> None:
@@ -285,8 +334,9 @@ def main(argv=None) -> None:
     if controlled and any(t > 0 for t in temperatures):
         raise ValueError("--drafter controlled:P drafts for greedy rows only: give --temperatures 0")
     if args.drafter_cost != "none" and not controlled:
-        raise ValueError("--drafter-cost adds a shadow drafter's cost to a controlled drafter: give --drafter "
-                         "controlled:P")
+        raise ValueError(
+            "--drafter-cost adds a shadow drafter's cost to a controlled drafter: give --drafter controlled:P"
+        )
     if args.peaked and not args.target.startswith("preset:"):
         raise ValueError("--peaked reshapes a random preset (--target preset:NAME) only")
     config, model = build_target(args.target, dtype, args.device, args.peaked)
@@ -296,13 +346,18 @@ def main(argv=None) -> None:
     prefill = prefill_budget(args.device, args.max_prefill_tokens)
     rows = []
     for b in [int(x) for x in args.batch_sizes.split(",")]:
-        prompts = (random_prompts(b, args.prompt_len, config.vocab_size) if preset
-                   else prompts_for(Path(args.target), b))
+        prompts = random_prompts(b, args.prompt_len, config.vocab_size) if preset else prompts_for(Path(args.target), b)
         for temp in temperatures:
-            params = [SamplingParams(temperature=temp, max_new_tokens=args.gen_len, stop_token_ids=(2,), seed=i)
-                      for i in range(b)]
-            ecfg = dict(memory_bytes=int(args.memory_gb * 2**30), max_running=max(b, 1),
-                        max_seq_len=max(256, max(map(len, prompts)) + args.gen_len + gamma + 1), **prefill)
+            params = [
+                SamplingParams(temperature=temp, max_new_tokens=args.gen_len, stop_token_ids=(2,), seed=i)
+                for i in range(b)
+            ]
+            ecfg = dict(
+                memory_bytes=int(args.memory_gb * 2**30),
+                max_running=max(b, 1),
+                max_seq_len=max(256, max(map(len, prompts)) + args.gen_len + gamma + 1),
+                **prefill,
+            )
             plain = Engine(model, EngineConfig(**ecfg))
             plain_out, plain_s, plain_dec_s, plain_captured = run(plain, prompts, params)
             plain_tok = sum(len(c.output_ids) for c in plain_out)
@@ -310,69 +365,117 @@ def main(argv=None) -> None:
 
             def decode_tok_s(tokens: int, seconds: float) -> float:  # the tokens after each request's first
                 return round((tokens - b) / max(seconds, 1e-9), 1)
+
             if controlled:  # the target's own continuations, from the plain run just done
-                drafter = ControlledDrafter({tuple(p): c.output_ids for p, c in zip(prompts, plain_out)},
-                                            config.vocab_size, acceptance_of(args.drafter),
-                                            shadow=shadow_drafter(config, gamma) if args.drafter_cost == "dspark"
-                                            else None)
+                drafter = ControlledDrafter(
+                    {tuple(p): c.output_ids for p, c in zip(prompts, plain_out)},
+                    config.vocab_size,
+                    acceptance_of(args.drafter),
+                    shadow=shadow_drafter(config, gamma) if args.drafter_cost == "dspark" else None,
+                )
             for planner in args.planners.split(","):
                 for rollback in args.rollback.split(","):
-                    cfg = EngineConfig(**ecfg, speculation=SpecConfig(
-                        drafter=drafter, gamma=gamma, planner=planner, rollback=rollback, max_batch=args.max_batch))
+                    cfg = EngineConfig(
+                        **ecfg,
+                        speculation=SpecConfig(
+                            drafter=drafter, gamma=gamma, planner=planner, rollback=rollback, max_batch=args.max_batch
+                        ),
+                    )
                     spec = Engine(model, cfg)
                     spec_out, spec_s, spec_dec_s, _ = run(spec, prompts, params)
                     st = spec.decoder.strategy.stats
                     spec_tok = sum(len(c.output_ids) for c in spec_out)
-                    rows.append(dict(
-                        batch=b, temperature=temp, gamma=gamma, planner=planner, rollback=rollback,
-                        plain_tok_s=round(plain_tok / plain_s, 1), spec_tok_s=round(spec_tok / spec_s, 1),
-                        speedup=round((spec_tok / spec_s) / (plain_tok / plain_s), 3),
-                        plain_decode_tok_s=decode_tok_s(plain_tok, plain_dec_s),
-                        spec_decode_tok_s=decode_tok_s(spec_tok, spec_dec_s),
-                        decode_speedup=round(decode_tok_s(spec_tok, spec_dec_s) / decode_tok_s(plain_tok, plain_dec_s),
-                                             3),
-                        # the same without the steps that captured a CUDA graph (a one-time cost per shape, which
-                        # the warm-up leaves where the planner's choices reach a new one), against plain decoding
-                        # (whose timed-run captures `plain_captured` counts)
-                        steady_decode_speedup=round(
-                            decode_tok_s(spec_tok, spec_dec_s - st.untimed_seconds)
-                            / decode_tok_s(plain_tok, plain_dec_s), 3),
-                        prefill_s=round(plain_s - plain_dec_s, 3), plain_captured=plain_captured,
-                        plain_steps=st.plain_steps, mean_tokens_per_verify=round(st.mean_accepted, 3),
-                        draft_acceptance=round(st.accepted / max(st.drafted, 1), 3),
-                        verify_tokens_per_step=round((st.rows + st.drafted) / max(st.steps, 1), 1),
-                        lossless=all(a.output_ids == c.output_ids for a, c in zip(plain_out, spec_out))
-                        if temp == 0 else None,
-                        window_bytes_per_request=st.window_bytes,
-                        # where the decode time went: the steps' own times (what the planner prices) and the
-                        # rest (the host between steps, steps that captured a graph), per step in ms
-                        step_ms=step_times(st, spec_dec_s),
-                        graphed=f"verify {st.verify_graphed}/{st.steps}, fold {st.fold_graphed}/{st.steps}, "
-                                f"captured {st.captures}",
-                        fit_batch=fit_batch(config, cfg, dtype, prompts, args.gen_len, gamma, st.window_bytes)))
+                    rows.append(
+                        dict(
+                            batch=b,
+                            temperature=temp,
+                            gamma=gamma,
+                            planner=planner,
+                            rollback=rollback,
+                            plain_tok_s=round(plain_tok / plain_s, 1),
+                            spec_tok_s=round(spec_tok / spec_s, 1),
+                            speedup=round((spec_tok / spec_s) / (plain_tok / plain_s), 3),
+                            plain_decode_tok_s=decode_tok_s(plain_tok, plain_dec_s),
+                            spec_decode_tok_s=decode_tok_s(spec_tok, spec_dec_s),
+                            decode_speedup=round(
+                                decode_tok_s(spec_tok, spec_dec_s) / decode_tok_s(plain_tok, plain_dec_s), 3
+                            ),
+                            # the same without the steps that captured a CUDA graph (a one-time cost per shape, which
+                            # the warm-up leaves where the planner's choices reach a new one), against plain decoding
+                            # (whose timed-run captures `plain_captured` counts)
+                            steady_decode_speedup=round(
+                                decode_tok_s(spec_tok, spec_dec_s - st.untimed_seconds)
+                                / decode_tok_s(plain_tok, plain_dec_s),
+                                3,
+                            ),
+                            prefill_s=round(plain_s - plain_dec_s, 3),
+                            plain_captured=plain_captured,
+                            plain_steps=st.plain_steps,
+                            mean_tokens_per_verify=round(st.mean_accepted, 3),
+                            draft_acceptance=round(st.accepted / max(st.drafted, 1), 3),
+                            verify_tokens_per_step=round((st.rows + st.drafted) / max(st.steps, 1), 1),
+                            lossless=all(a.output_ids == c.output_ids for a, c in zip(plain_out, spec_out))
+                            if temp == 0
+                            else None,
+                            window_bytes_per_request=st.window_bytes,
+                            # where the decode time went: the steps' own times (what the planner prices) and the
+                            # rest (the host between steps, steps that captured a graph), per step in ms
+                            step_ms=step_times(st, spec_dec_s),
+                            graphed=f"verify {st.verify_graphed}/{st.steps}, fold {st.fold_graphed}/{st.steps}, "
+                            f"captured {st.captures}",
+                            fit_batch=fit_batch(config, cfg, dtype, prompts, args.gen_len, gamma, st.window_bytes),
+                        )
+                    )
                     planned = spec.decoder.strategy.planner
                     if planned is not None:  # the step seconds it planned on: (batch, verify tokens) -> s
-                        rows[-1]["surface"] = {b: [[t, round(sec, 6)] for t, sec in shelf]
-                                               for b, shelf in planned.surface.table.items()}
+                        rows[-1]["surface"] = {
+                            b: [[t, round(sec, 6)] for t, sec in shelf] for b, shelf in planned.surface.table.items()
+                        }
                     print(json.dumps(rows[-1]), flush=True)
                     del spec
                     free(args.device)
-    head = ("batch", "temperature", "planner", "rollback", "plain_tok_s", "spec_tok_s", "speedup",
-            "plain_decode_tok_s", "spec_decode_tok_s", "decode_speedup", "steady_decode_speedup", "plain_steps",
-            "mean_tokens_per_verify", "draft_acceptance", "verify_tokens_per_step", "lossless",
-            "window_bytes_per_request", "fit_batch", "step_ms", "graphed")
+    head = (
+        "batch",
+        "temperature",
+        "planner",
+        "rollback",
+        "plain_tok_s",
+        "spec_tok_s",
+        "speedup",
+        "plain_decode_tok_s",
+        "spec_decode_tok_s",
+        "decode_speedup",
+        "steady_decode_speedup",
+        "plain_steps",
+        "mean_tokens_per_verify",
+        "draft_acceptance",
+        "verify_tokens_per_step",
+        "lossless",
+        "window_bytes_per_request",
+        "fit_batch",
+        "step_ms",
+        "graphed",
+    )
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for r in rows:
         print("| " + " | ".join("-" if r[h] is None else str(r[h]) for h in head) + " |")
-    meta = dict(target=str(args.target), drafter=str(args.drafter), drafter_cost=args.drafter_cost,
-                device=args.device, dtype=args.dtype,
-                threads=args.threads, max_prefill_tokens=prefill.get("max_prefill_tokens"),
-                machine=platform.machine(), torch=torch.__version__, gen_len=args.gen_len,
-                prompt_len=args.prompt_len if preset else None,
-                device_name=torch.cuda.get_device_name() if args.device == "cuda" else platform.processor(),
-                date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                command=" ".join(["python", "scripts/bench_spec.py", *(argv if argv is not None else sys.argv[1:])]))
+    meta = dict(
+        target=str(args.target),
+        drafter=str(args.drafter),
+        drafter_cost=args.drafter_cost,
+        device=args.device,
+        dtype=args.dtype,
+        threads=args.threads,
+        max_prefill_tokens=prefill.get("max_prefill_tokens"),
+        machine=platform.machine(),
+        torch=torch.__version__,
+        gen_len=args.gen_len,
+        prompt_len=args.prompt_len if preset else None,
+        device_name=torch.cuda.get_device_name() if args.device == "cuda" else platform.processor(),
+        date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        command=" ".join(["python", "scripts/bench_spec.py", *(argv if argv is not None else sys.argv[1:])]),
+    )
     if args.json:
         args.json.write_text(json.dumps(dict(meta=meta, rows=rows), indent=2) + "\n")
 

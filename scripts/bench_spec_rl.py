@@ -56,15 +56,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     recipe = default_recipe()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--recipe", default=recipe, help=f"the miles-train recipe (default here: {recipe})")
-    ap.add_argument("--drafter", type=Path, default=None,
-                    help="DSpark drafter directory; default: the recipe base's shipped one, else trained into --out")
+    ap.add_argument(
+        "--drafter",
+        type=Path,
+        default=None,
+        help="DSpark drafter directory; default: the recipe base's shipped one, else trained into --out",
+    )
     ap.add_argument("--drafter-steps", type=int, default=150, help="train_drafter.py --steps, when it trains one")
     ap.add_argument("--steps", type=int, default=10, help="GRPO steps per run")
     ap.add_argument("--prompts-per-step", type=int, default=8)
     ap.add_argument("--samples-per-prompt", type=int, default=4)
     ap.add_argument("--distill-every", type=int, default=1, help="distilled run: steps between distillations")
-    ap.add_argument("--distill-steps", type=int, default=None,
-                    help="optimizer steps per distillation (default: rollout.speculative.distill_steps')")
+    ap.add_argument(
+        "--distill-steps",
+        type=int,
+        default=None,
+        help="optimizer steps per distillation (default: rollout.speculative.distill_steps')",
+    )
     ap.add_argument("--gamma", type=int, default=None, help="drafts per block (default: rollout.speculative.gamma's)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1, help="torch threads of each run")
@@ -81,9 +89,24 @@ def train_drafter(args) -> Path:
     base, max_new = BASES[args.recipe]
     out = args.out / f"drafter-{base.name}"
     if not (out / "model.safetensors").is_file():
-        cmd = [sys.executable, str(ROOT / "scripts" / "train_drafter.py"), "--target", str(base), "--max-new-tokens",
-               str(max_new), "--out", str(out), "--steps", str(args.drafter_steps), "--train-prompts", "400",
-               "--heldout-prompts", "64", "--threads", str(args.threads)]
+        cmd = [
+            sys.executable,
+            str(ROOT / "scripts" / "train_drafter.py"),
+            "--target",
+            str(base),
+            "--max-new-tokens",
+            str(max_new),
+            "--out",
+            str(out),
+            "--steps",
+            str(args.drafter_steps),
+            "--train-prompts",
+            "400",
+            "--heldout-prompts",
+            "64",
+            "--threads",
+            str(args.threads),
+        ]
         print("training a drafter:", " ".join(cmd[1:]), flush=True)
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     return out
@@ -99,11 +122,27 @@ def run(args, name: str, drafter: Path) -> list[dict]:
         spec.append(f"rollout.speculative.distill_every={args.distill_every}")
         if args.distill_steps is not None:
             spec.append(f"rollout.speculative.distill_steps={args.distill_steps}")
-    cmd = [sys.executable, "-m", "miles_k3.cli.train", f"recipe={args.recipe}", f"trainer.max_steps={args.steps}",
-           f"rollout.prompts_per_step={args.prompts_per_step}", f"rollout.samples_per_prompt={args.samples_per_prompt}",
-           f"trainer.seed={args.seed}", "trainer.save_every=0", "trainer.eval_before=false", "trainer.eval_every=0",
-           "data.eval_max_prompts=1", "trainer.resume=never", "logging.wandb=disabled", "logging.progress=false",
-           f"cluster.threads_per_worker={args.threads}", *spec, *args.overrides, f"hydra.run.dir={run_dir}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "miles_k3.cli.train",
+        f"recipe={args.recipe}",
+        f"trainer.max_steps={args.steps}",
+        f"rollout.prompts_per_step={args.prompts_per_step}",
+        f"rollout.samples_per_prompt={args.samples_per_prompt}",
+        f"trainer.seed={args.seed}",
+        "trainer.save_every=0",
+        "trainer.eval_before=false",
+        "trainer.eval_every=0",
+        "data.eval_max_prompts=1",
+        "trainer.resume=never",
+        "logging.wandb=disabled",
+        "logging.progress=false",
+        f"cluster.threads_per_worker={args.threads}",
+        *spec,
+        *args.overrides,
+        f"hydra.run.dir={run_dir}",
+    ]
     print(f"{name}: miles-train {' '.join(cmd[3:])}", flush=True)
     t0 = time.perf_counter()
     out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "WANDB_SILENT": "true"})
@@ -135,28 +174,44 @@ def main(argv=None) -> dict:
             row.update({f"{name}_{k}": r.get(k) for k in PER_STEP})
         row.update({k: distilled.get(k) for k in ("drafter_tv_before", "drafter_tv_after")})
         steps.append(row)
-    half = steps[len(steps) // 2:]
-    summary = {f"{name}_{k}_second_half": mean(r[f"{name}_{k}"] for r in half)
-               for name in RUNS for k in ("spec_accept_len", "spec_draft_acceptance")}
-    result = {"recipe": args.recipe, "drafter": str(drafter), "steps": steps, "summary": summary,
-              "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-              "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
-              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "command": " ".join(["python", "scripts/bench_spec_rl.py", *(argv if argv is not None else sys.argv[1:])])}
+    half = steps[len(steps) // 2 :]
+    summary = {
+        f"{name}_{k}_second_half": mean(r[f"{name}_{k}"] for r in half)
+        for name in RUNS
+        for k in ("spec_accept_len", "spec_draft_acceptance")
+    }
+    result = {
+        "recipe": args.recipe,
+        "drafter": str(drafter),
+        "steps": steps,
+        "summary": summary,
+        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "machine": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(["python", "scripts/bench_spec_rl.py", *(argv if argv is not None else sys.argv[1:])]),
+    }
 
     print(f"\n{args.recipe}, drafter {drafter}; distilled every {args.distill_every} step(s)")
-    print("| step | accept len frozen | accept len distilled | acceptance frozen | acceptance distilled | "
-          "verify tok frozen | verify tok distilled | drafter TV before -> after | reward frozen | reward distilled |")
+    print(
+        "| step | accept len frozen | accept len distilled | acceptance frozen | acceptance distilled | "
+        "verify tok frozen | verify tok distilled | drafter TV before -> after | reward frozen | reward distilled |"
+    )
     print("|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|")
     for r in steps:
         tv = "-" if r["drafter_tv_before"] is None else f"{fmt(r['drafter_tv_before'])} -> {fmt(r['drafter_tv_after'])}"
-        print(f"| {r['step']} | {fmt(r['frozen_spec_accept_len'])} | {fmt(r['distilled_spec_accept_len'])} | "
-              f"{fmt(r['frozen_spec_draft_acceptance'])} | {fmt(r['distilled_spec_draft_acceptance'])} | "
-              f"{fmt(r['frozen_spec_verify_tokens'])} | {fmt(r['distilled_spec_verify_tokens'])} | {tv} | "
-              f"{fmt(r['frozen_reward_mean'])} | {fmt(r['distilled_reward_mean'])} |")
-    print("second half of the run, mean accepted length: frozen {} / distilled {}; draft acceptance: frozen {} / "
-          "distilled {}".format(*(fmt(summary[f"{n}_{k}_second_half"]) for k in ("spec_accept_len",
-                                                                              "spec_draft_acceptance") for n in RUNS)))
+        print(
+            f"| {r['step']} | {fmt(r['frozen_spec_accept_len'])} | {fmt(r['distilled_spec_accept_len'])} | "
+            f"{fmt(r['frozen_spec_draft_acceptance'])} | {fmt(r['distilled_spec_draft_acceptance'])} | "
+            f"{fmt(r['frozen_spec_verify_tokens'])} | {fmt(r['distilled_spec_verify_tokens'])} | {tv} | "
+            f"{fmt(r['frozen_reward_mean'])} | {fmt(r['distilled_reward_mean'])} |"
+        )
+    print(
+        "second half of the run, mean accepted length: frozen {} / distilled {}; draft acceptance: frozen {} / "
+        "distilled {}".format(
+            *(fmt(summary[f"{n}_{k}_second_half"]) for k in ("spec_accept_len", "spec_draft_acceptance") for n in RUNS)
+        )
+    )
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2) + "\n")

@@ -16,8 +16,8 @@ variants, each adding one saving to the one before:
 Each (length, variant) runs in a fresh process. Peak memory, the largest over the steps (the warm-up
 included): on CUDA `max_memory_allocated` above what is allocated before the step; on CPU the process's peak
 resident set (VmHWM, reset before the step) above its resident set then, with glibc's mmap threshold fixed so
-freed tensors leave the resident set. Step time: the median of `--steps` steps after one warm-up. The loss is printed so the
-variants can be seen to compute the same thing (they differ in summation order only).
+freed tensors leave the resident set. Step time: the median of `--steps` steps after one warm-up. The loss is printed
+so the variants can be seen to compute the same thing (they differ in summation order only).
 """
 
 from __future__ import annotations
@@ -68,8 +68,9 @@ def measure(variant: str, length: int, args: argparse.Namespace) -> dict:
     cuda = args.device == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     config = K3Config.from_preset(args.preset)
-    policy = build_policy(config, reference_state(config, 0), LoraSpec(rank=8), dtype=dtype, device=args.device,
-                          recompute=level >= 2)
+    policy = build_policy(
+        config, reference_state(config, 0), LoraSpec(rank=8), dtype=dtype, device=args.device, recompute=level >= 2
+    )
     g = torch.Generator().manual_seed(length)
     ids = torch.randint(3, config.vocab_size, (1, length), generator=g).to(args.device)
     targets = torch.randint(3, config.vocab_size, (length,), generator=g).to(args.device)
@@ -100,8 +101,14 @@ def measure(variant: str, length: int, args: argparse.Namespace) -> dict:
         if i:
             times.append(time.perf_counter() - start)
         peak = max(peak, (torch.cuda.max_memory_allocated() if cuda else _rss_kib("VmHWM") * 1024) - base)
-    return {"variant": variant, "tokens": length, "peak_bytes": peak, "step_s": statistics.median(times),
-            "tokens_per_s": length / statistics.median(times), "loss": loss}
+    return {
+        "variant": variant,
+        "tokens": length,
+        "peak_bytes": peak,
+        "step_s": statistics.median(times),
+        "tokens_per_s": length / statistics.median(times),
+        "loss": loss,
+    }
 
 
 def _child(conn, variant: str, length: int, args: argparse.Namespace) -> None:
@@ -158,15 +165,23 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
-    print(f"trainer step memory, {args.preset}, one sequence per micro-batch, LoRA r8, "
-          f"{'bf16 cuda' if args.device == 'cuda' else 'fp32 cpu'}")
+    print(
+        f"trainer step memory, {args.preset}, one sequence per micro-batch, LoRA r8, "
+        f"{'bf16 cuda' if args.device == 'cuda' else 'fp32 cpu'}"
+    )
     print(f"{'tokens':>7} {'variant':>10} {'peak MiB':>10} {'vs base':>8} {'step s':>8} {'tok/s':>8} {'loss':>9}")
     rows = []
     device = torch.cuda.get_device_name() if args.device == "cuda" else f"{platform.machine()} {os.cpu_count()} cpus"
-    result = {"rows": rows, "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-              "command": "python scripts/bench_train_memory.py " + " ".join(argv),
-              "env": {"torch": torch.__version__, "device": device,
-                      "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}}
+    result = {
+        "rows": rows,
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "command": "python scripts/bench_train_memory.py " + " ".join(argv),
+        "env": {
+            "torch": torch.__version__,
+            "device": device,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        },
+    }
     for length in args.lengths:
         base = None
         for variant in args.variants:
@@ -178,8 +193,11 @@ def main(argv: list[str] | None = None) -> dict:
                 print(f"{length:>7} {variant:>10} {'OOM' if r.get('oom') else 'failed':>10}", flush=True)
                 continue
             base = base or max(r["peak_bytes"], 1)
-            print(f"{length:>7} {variant:>10} {r['peak_bytes'] / 2**20:10.1f} {r['peak_bytes'] / base:7.2f}x "
-                  f"{r['step_s']:8.2f} {r['tokens_per_s']:8.0f} {r['loss']:9.5f}", flush=True)
+            print(
+                f"{length:>7} {variant:>10} {r['peak_bytes'] / 2**20:10.1f} {r['peak_bytes'] / base:7.2f}x "
+                f"{r['step_s']:8.2f} {r['tokens_per_s']:8.0f} {r['loss']:9.5f}",
+                flush=True,
+            )
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     return result

@@ -45,10 +45,30 @@ from rollout.request import SamplingParams  # noqa: E402
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # k3-tiny: a slot is the bytes of ~219 tokens of KV (fp32, pages of 16); k3-small: ~2,544 (bf16)
 DEVICE_DEFAULTS = {
-    "cpu": dict(preset="k3-tiny", dtype="fp32", memory_mb=1.25, short_requests=24, short_prompt=16, short_gen=8,
-                long_requests=6, long_prompt=600, long_gen=8, max_prefill_tokens=512),
-    "cuda": dict(preset="k3-small", dtype="bf16", memory_mb=128.0, short_requests=48, short_prompt=128,
-                 short_gen=32, long_requests=8, long_prompt=8192, long_gen=32, max_prefill_tokens=2048),
+    "cpu": dict(
+        preset="k3-tiny",
+        dtype="fp32",
+        memory_mb=1.25,
+        short_requests=24,
+        short_prompt=16,
+        short_gen=8,
+        long_requests=6,
+        long_prompt=600,
+        long_gen=8,
+        max_prefill_tokens=512,
+    ),
+    "cuda": dict(
+        preset="k3-small",
+        dtype="bf16",
+        memory_mb=128.0,
+        short_requests=48,
+        short_prompt=128,
+        short_gen=32,
+        long_requests=8,
+        long_prompt=8192,
+        long_gen=32,
+        max_prefill_tokens=2048,
+    ),
 }
 
 
@@ -63,8 +83,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         ap.add_argument(f"--{kind}-prompt", type=int, help="prompt tokens")
         ap.add_argument(f"--{kind}-gen", type=int, help="new tokens")
     ap.add_argument("--workloads", default="short,long")
-    ap.add_argument("--splits", help="comma-separated state_fraction values to search for the best split "
-                                     "(default: around the workload's balanced split)")
+    ap.add_argument(
+        "--splits",
+        help="comma-separated state_fraction values to search for the best split "
+        "(default: around the workload's balanced split)",
+    )
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--chunk-size", type=int, default=64)
     ap.add_argument("--max-prefill-tokens", type=int)
@@ -101,10 +124,17 @@ def run(model: K3ForCausalLM, prompts: list[list[int]], gen: int, cfg: EngineCon
     wall = time.perf_counter() - start
     finished = all(i in done and len(done[i].output_ids) == gen for i in ids)
     sizes = eng.memory.sizes
-    return {"state_fraction": None if cfg.unified_memory else cfg.state_fraction,
-            "slots": sizes.num_slots, "pages": sizes.num_pages,
-            "peak_decoding": max(decoding), "mean_decoding": sum(decoding) / len(decoding), "steps": steps,
-            "retractions": eng.counters()["retractions"], "finished": finished, "wall_s": wall}
+    return {
+        "state_fraction": None if cfg.unified_memory else cfg.state_fraction,
+        "slots": sizes.num_slots,
+        "pages": sizes.num_pages,
+        "peak_decoding": max(decoding),
+        "mean_decoding": sum(decoding) / len(decoding),
+        "steps": steps,
+        "retractions": eng.counters()["retractions"],
+        "finished": finished,
+        "wall_s": wall,
+    }
 
 
 def balanced_split(config: K3Config, args, dtype, prompt: int, gen: int) -> float:
@@ -129,18 +159,25 @@ def main(argv: list[str] | None = None) -> dict:
     with torch.device(device):
         model = K3ForCausalLM(config).to(dtype).eval()
     memory = int(args.memory_mb * 2**20)
-    base = dict(memory_bytes=memory, page_size=args.page_size, chunk_size=args.chunk_size,
-                max_prefill_tokens=args.max_prefill_tokens,
-                max_seq_len=max(args.short_prompt + args.short_gen, args.long_prompt + args.long_gen),
-                max_running=max(args.short_requests, args.long_requests))
+    base = dict(
+        memory_bytes=memory,
+        page_size=args.page_size,
+        chunk_size=args.chunk_size,
+        max_prefill_tokens=args.max_prefill_tokens,
+        max_seq_len=max(args.short_prompt + args.short_gen, args.long_prompt + args.long_gen),
+        max_running=max(args.short_requests, args.long_requests),
+    )
     gen = torch.Generator().manual_seed(args.seed)
     rows = []
     for workload in args.workloads.split(","):
         n, plen, glen = (getattr(args, f"{workload}_{k}") for k in ("requests", "prompt", "gen"))
         prompts = [torch.randint(3, config.vocab_size, (plen,), generator=gen).tolist() for _ in range(n)]
         balanced = balanced_split(config, args, dtype, plen, glen)
-        splits = [float(s) for s in args.splits.split(",")] if args.splits else \
-            sorted({min(0.95, max(0.05, round(balanced + d, 3))) for d in (-0.05, 0.0, 0.05)})
+        splits = (
+            [float(s) for s in args.splits.split(",")]
+            if args.splits
+            else sorted({min(0.95, max(0.05, round(balanced + d, 3))) for d in (-0.05, 0.0, 0.05)})
+        )
         default = run(model, prompts, glen, EngineConfig(**base))
         best = None
         for sf in splits:
@@ -152,8 +189,7 @@ def main(argv: list[str] | None = None) -> dict:
             if best is None or better(r, best):
                 best = r
         one = run(model, prompts, glen, EngineConfig(**base, unified_memory=True))
-        for label, r in (("two pools, state_fraction 0.5", default), ("two pools, best split", best),
-                         ("unified", one)):
+        for label, r in (("two pools, state_fraction 0.5", default), ("two pools, best split", best), ("unified", one)):
             if r is None:
                 continue
             row = {"workload": workload, "requests": n, "prompt": plen, "gen": glen, "memory": label, **r}
@@ -161,15 +197,22 @@ def main(argv: list[str] | None = None) -> dict:
             print("row", json.dumps(row), flush=True)
 
     result = {
-        "meta": {"preset": args.preset, "device": str(device),
-                 "device_name": torch.cuda.get_device_name(device) if device.type == "cuda"
-                 else (platform.processor() or platform.machine()),
-                 "dtype": args.dtype, "torch": torch.__version__,
-                 "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                 "command": shlex.join(["python", "scripts/bench_unified_memory.py", *argv]),
-                 "memory_bytes": memory, "page_size": args.page_size, "chunk_size": args.chunk_size,
-                 "slot_bytes": PoolSizes.bytes_per_slot(config, dtype),
-                 "page_bytes": PoolSizes.bytes_per_page(config, args.page_size, dtype)},
+        "meta": {
+            "preset": args.preset,
+            "device": str(device),
+            "device_name": torch.cuda.get_device_name(device)
+            if device.type == "cuda"
+            else (platform.processor() or platform.machine()),
+            "dtype": args.dtype,
+            "torch": torch.__version__,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": shlex.join(["python", "scripts/bench_unified_memory.py", *argv]),
+            "memory_bytes": memory,
+            "page_size": args.page_size,
+            "chunk_size": args.chunk_size,
+            "slot_bytes": PoolSizes.bytes_per_slot(config, dtype),
+            "page_bytes": PoolSizes.bytes_per_page(config, args.page_size, dtype),
+        },
         "rows": rows,
     }
     print_table(result)
@@ -180,19 +223,27 @@ def main(argv: list[str] | None = None) -> dict:
 
 def print_table(result: dict) -> None:
     m = result["meta"]
-    print(f"\n{m['preset']} {m['dtype']} on {m['device_name']}, {m['memory_bytes'] / 2**20:g} MiB per "
-          f"configuration (slot {m['slot_bytes']} B, page of {m['page_size']} tokens {m['page_bytes']} B)")
-    head = f"{'workload':<28} {'memory':<30} {'split':>6} {'slots':>6} {'pages':>6} {'peak':>5} {'mean':>6} " \
-           f"{'steps':>6} {'retract':>7} {'done':>5}"
+    print(
+        f"\n{m['preset']} {m['dtype']} on {m['device_name']}, {m['memory_bytes'] / 2**20:g} MiB per "
+        f"configuration (slot {m['slot_bytes']} B, page of {m['page_size']} tokens {m['page_bytes']} B)"
+    )
+    head = (
+        f"{'workload':<28} {'memory':<30} {'split':>6} {'slots':>6} {'pages':>6} {'peak':>5} {'mean':>6} "
+        f"{'steps':>6} {'retract':>7} {'done':>5}"
+    )
     print(head)
     print("-" * len(head))
     for r in result["rows"]:
         work = f"{r['workload']} ({r['requests']} x {r['prompt']}+{r['gen']})"
         split = "-" if r["state_fraction"] is None else f"{r['state_fraction']:.3g}"
-        print(f"{work:<28} {r['memory']:<30} {split:>6} {r['slots']:>6} {r['pages']:>6} {r['peak_decoding']:>5} "
-              f"{r['mean_decoding']:>6.1f} {r['steps']:>6} {r['retractions']:>7} {str(r['finished']):>5}")
-    print("slots / pages: the most of each kind the memory holds (unified: next to one block of the other kind); "
-          "peak / mean: requests decoding together (their whole prompt computed), over the steps where any does")
+        print(
+            f"{work:<28} {r['memory']:<30} {split:>6} {r['slots']:>6} {r['pages']:>6} {r['peak_decoding']:>5} "
+            f"{r['mean_decoding']:>6.1f} {r['steps']:>6} {r['retractions']:>7} {str(r['finished']):>5}"
+        )
+    print(
+        "slots / pages: the most of each kind the memory holds (unified: next to one block of the other kind); "
+        "peak / mean: requests decoding together (their whole prompt computed), over the steps where any does"
+    )
 
 
 if __name__ == "__main__":

@@ -35,8 +35,14 @@ from rollout.spec.drafter import Drafter
 class ControlledDrafter(Drafter):
     has_confidence = True
 
-    def __init__(self, continuations: dict[tuple[int, ...], list[int]], vocab_size: int,
-                 acceptance: float | tuple[float, float], seed: int = 0, shadow: Drafter | None = None):
+    def __init__(
+        self,
+        continuations: dict[tuple[int, ...], list[int]],
+        vocab_size: int,
+        acceptance: float | tuple[float, float],
+        seed: int = 0,
+        shadow: Drafter | None = None,
+    ):
         lo, hi = acceptance if isinstance(acceptance, tuple) else (acceptance, acceptance)
         if not 0.0 <= lo <= hi <= 1.0:
             raise ValueError(f"acceptance must be a rate or a range lo <= hi inside [0, 1], got {acceptance}")
@@ -50,7 +56,7 @@ class ControlledDrafter(Drafter):
         width = max((len(c) for c in continuations.values()), default=0)
         self._truth = torch.zeros(len(continuations), width + 1, dtype=torch.long)
         for i, c in enumerate(continuations.values()):
-            self._truth[i, :len(c)] = torch.tensor(c, dtype=torch.long)
+            self._truth[i, : len(c)] = torch.tensor(c, dtype=torch.long)
         self._rates = torch.tensor(list(self.rates.values()), dtype=torch.float32)
         self.shadow = shadow
         if shadow is not None:

@@ -10,7 +10,8 @@ compute and call no op that computes (so a GEMM counts once, as `aten::mm`, not 
 called it), minus views, no-op conversions and copies of 0-dim CPU scalars (reported apart: CUDA passes a
 scalar in the kernel's arguments); a `_grouped_mm` counts as one (CPU runs it as a loop of matmuls, CUDA as
 one kernel). Until 2026-12-02 an op counted only when it called no aten op at all, which missed every GEMM
-(`aten::mm` calls `aten::resolve_conj`) and counted a scalar wrap instead of the op that made it. `--adapter` adds a rank-16 policy adapter and MXFP4
+(`aten::mm` calls `aten::resolve_conj`) and counted a scalar wrap instead of the op that made it. `--adapter` adds a
+rank-16 policy adapter and MXFP4
 experts, the RL rollout's decode. Prints the total and the most frequent ops. `--conversions` also runs the
 step once more under a dispatch mode and counts the dtype conversions (`.to(dtype)` calls that change the
 dtype) by the source line in this repository that asked for them: where the copy kernels come from.
@@ -54,15 +55,48 @@ from rollout.engine import Engine
 from rollout.model_runner import build_engine_model
 from rollout.request import SamplingParams
 
-NOT_COMPUTE = {"aten::select", "aten::unsqueeze", "aten::t", "aten::transpose", "aten::reshape", "aten::view",
-               "aten::slice", "aten::expand", "aten::as_strided", "aten::squeeze", "aten::permute",
-               "aten::_unsafe_view", "aten::alias", "aten::detach", "aten::lift_fresh", "aten::empty",
-               "aten::empty_like", "aten::item", "aten::_local_scalar_dense", "aten::resolve_conj",
-               "aten::resolve_neg", "aten::empty_strided", "aten::result_type", "aten::is_nonzero",
-               "aten::split", "aten::unbind", "aten::chunk", "aten::narrow", "aten::flatten", "aten::view_as",
-               "aten::movedim", "aten::contiguous", "aten::to", "aten::_to_copy", "aten::_reshape_alias",
-               "aten::detach_", "aten::resize_", "aten::new_empty", "aten::new_empty_strided",
-               "aten::promote_types"}  # a dtype rule the profiler records as an op; it launches nothing
+NOT_COMPUTE = {
+    "aten::select",
+    "aten::unsqueeze",
+    "aten::t",
+    "aten::transpose",
+    "aten::reshape",
+    "aten::view",
+    "aten::slice",
+    "aten::expand",
+    "aten::as_strided",
+    "aten::squeeze",
+    "aten::permute",
+    "aten::_unsafe_view",
+    "aten::alias",
+    "aten::detach",
+    "aten::lift_fresh",
+    "aten::empty",
+    "aten::empty_like",
+    "aten::item",
+    "aten::_local_scalar_dense",
+    "aten::resolve_conj",
+    "aten::resolve_neg",
+    "aten::empty_strided",
+    "aten::result_type",
+    "aten::is_nonzero",
+    "aten::split",
+    "aten::unbind",
+    "aten::chunk",
+    "aten::narrow",
+    "aten::flatten",
+    "aten::view_as",
+    "aten::movedim",
+    "aten::contiguous",
+    "aten::to",
+    "aten::_to_copy",
+    "aten::_reshape_alias",
+    "aten::detach_",
+    "aten::resize_",
+    "aten::new_empty",
+    "aten::new_empty_strided",
+    "aten::promote_types",
+}  # a dtype rule the profiler records as an op; it launches nothing
 
 
 def _inside(event, test) -> bool:
@@ -88,8 +122,9 @@ def _scalar_copy(event) -> bool:
     return event.name == "aten::copy_" and bool(event.input_shapes) and event.input_shapes[0] == []
 
 
-def count_step_ops(engine: Engine, triton_launches: bool = False,
-                   by_line: dict | None = None) -> tuple[collections.Counter, int]:
+def count_step_ops(
+    engine: Engine, triton_launches: bool = False, by_line: dict | None = None
+) -> tuple[collections.Counter, int]:
     """(compute ops of one step by name, copies of 0-dim tensors left out of them).
 
     An op counts when it computes (not in NOT_COMPUTE) and no op it calls does: `aten::mm` counts although it
@@ -107,14 +142,18 @@ def count_step_ops(engine: Engine, triton_launches: bool = False,
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof, launching, lines:
         engine.step()
     launches = [e for e in prof.events() if e.name.startswith("triton::") and not _inside_launch(e)]
-    events = [e for e in prof.events() if e.name.startswith("aten::") and not _inside_grouped_mm(e)
-              and not _inside_launch(e)]
+    events = [
+        e for e in prof.events() if e.name.startswith("aten::") and not _inside_grouped_mm(e) and not _inside_launch(e)
+    ]
     computing = [e for e in events if e.name not in NOT_COMPUTE and not _scalar_copy(e)]
     calls_kernel = set()  # ops with a counted op below them
     for e in computing:
         parent = e.cpu_parent
-        while (parent is not None and parent.name.startswith(("aten::", _LINE, "PythonDispatchMode"))
-               and id(parent) not in calls_kernel):
+        while (
+            parent is not None
+            and parent.name.startswith(("aten::", _LINE, "PythonDispatchMode"))
+            and id(parent) not in calls_kernel
+        ):
             # (`--by-line`'s dispatch mode records each op twice, the call and, below its own range and a
             # "PythonDispatchMode" range, the op it runs: the outer one has the inner below it)
             calls_kernel.add(id(parent))
@@ -138,8 +177,11 @@ class _ConversionSites(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops.aten.to.dtype and args[0].dtype != args[1]:
-            ours = [f for f in traceback.extract_stack()
-                    if f.filename.startswith(str(REPO)) and "/.venv/" not in f.filename and f.filename != __file__]
+            ours = [
+                f
+                for f in traceback.extract_stack()
+                if f.filename.startswith(str(REPO)) and "/.venv/" not in f.filename and f.filename != __file__
+            ]
             where = f"{Path(ours[-1].filename).relative_to(REPO)}:{ours[-1].lineno}" if ours else "?"
             self.sites[f"{where} {args[0].dtype}->{args[1]}".replace("torch.", "")] += 1
         return func(*args, **(kwargs or {}))
@@ -157,7 +199,7 @@ def _repo_line() -> str:
     while frame is not None:
         name = frame.f_code.co_filename
         if name.startswith(_REPO_PREFIX) and "/.venv/" not in name and name != __file__:
-            return f"{name[len(_REPO_PREFIX):]}:{frame.f_lineno}"
+            return f"{name[len(_REPO_PREFIX) :]}:{frame.f_lineno}"
         frame = frame.f_back
     return "?"
 
@@ -218,13 +260,13 @@ def _line_of(event) -> str:
     parent = event.cpu_parent
     while parent is not None:
         if parent.name.startswith(_LINE):
-            return parent.name[len(_LINE):]
+            return parent.name[len(_LINE) :]
         parent = parent.cpu_parent
     below = list(event.cpu_children)
     while below:
         child = below.pop(0)
         if child.name.startswith(_LINE):
-            return child.name[len(_LINE):]
+            return child.name[len(_LINE) :]
         below.extend(child.cpu_children)
     return "?"
 
@@ -241,13 +283,25 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--adapter", action="store_true", help="policy adapter (rank 16) and MXFP4 experts")
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--conversions", action="store_true", help="also count dtype conversions by source line")
-    ap.add_argument("--kernels", action="store_true",
-                    help="count with miles_k3's Triton kernels, each launch one op (runs them interpreted)")
-    ap.add_argument("--by-line", type=int, nargs="?", const=25, metavar="N",
-                    help="also attribute the step's ops to source lines and print the N (25) lines with most")
-    ap.add_argument("--mla-attention", choices=["torch", "triton"],
-                    help="EngineConfig.mla_attention (triton needs --kernels on CPU: the interpreter runs it); "
-                    "default: what the engine runs on CUDA, triton with --kernels, torch without")
+    ap.add_argument(
+        "--kernels",
+        action="store_true",
+        help="count with miles_k3's Triton kernels, each launch one op (runs them interpreted)",
+    )
+    ap.add_argument(
+        "--by-line",
+        type=int,
+        nargs="?",
+        const=25,
+        metavar="N",
+        help="also attribute the step's ops to source lines and print the N (25) lines with most",
+    )
+    ap.add_argument(
+        "--mla-attention",
+        choices=["torch", "triton"],
+        help="EngineConfig.mla_attention (triton needs --kernels on CPU: the interpreter runs it); "
+        "default: what the engine runs on CUDA, triton with --kernels, torch without",
+    )
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     args.mla_attention = args.mla_attention or ("triton" if args.kernels else "torch")
@@ -255,10 +309,25 @@ def main(argv: list[str] | None = None) -> dict:
         return _rerun_interpreted(sys.argv[1:] if argv is None else argv, args.json)
     config = K3Config.from_preset(args.preset, vocab_size=512, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     lora = LoraSpec(rank=16) if args.adapter else None
-    model, pool = build_engine_model(config, reference_state(config, 0), lora=lora, max_adapters=1,
-                                     quantize="experts" if args.adapter else "none", dtype=torch.bfloat16)
-    engine = Engine(model, EngineConfig(memory_bytes=256 << 20, max_running=4, chunk_size=32, max_prefill_tokens=64,
-                                        mla_attention=args.mla_attention), adapters=pool)
+    model, pool = build_engine_model(
+        config,
+        reference_state(config, 0),
+        lora=lora,
+        max_adapters=1,
+        quantize="experts" if args.adapter else "none",
+        dtype=torch.bfloat16,
+    )
+    engine = Engine(
+        model,
+        EngineConfig(
+            memory_bytes=256 << 20,
+            max_running=4,
+            chunk_size=32,
+            max_prefill_tokens=64,
+            mla_attention=args.mla_attention,
+        ),
+        adapters=pool,
+    )
     adapter = None
     if args.adapter:
         g = torch.Generator().manual_seed(0)
@@ -272,24 +341,32 @@ def main(argv: list[str] | None = None) -> dict:
     lines = {} if args.by_line else None
     ops, scalar_copies = count_step_ops(engine, triton_launches=args.kernels, by_line=lines)
     total = sum(ops.values())
-    print(f"{args.preset}, bs=1 decode step{' with adapter + MXFP4 experts' if args.adapter else ''}: {total} compute ops"
-          f" (and {scalar_copies} copies of 0-dim CPU scalars left out: no CUDA kernel)")
+    print(
+        f"{args.preset}, bs=1 decode step{' with adapter + MXFP4 experts' if args.adapter else ''}: {total} compute ops"
+        f" (and {scalar_copies} copies of 0-dim CPU scalars left out: no CUDA kernel)"
+    )
     if args.kernels:
         launches = sum(n for name, n in ops.items() if name.startswith("triton::"))
         print(f"of which {launches} Triton kernel launches (miles_k3.kernels) and {total - launches} aten ops")
     for name, n in ops.most_common(args.top):
         print(f"{n:6d}  {name}")
-    result = {"preset": args.preset, "adapter": args.adapter, "compute_ops": total, "scalar_copies": scalar_copies,
-              "by_op": dict(ops.most_common()),
-              "torch": torch.__version__}
+    result = {
+        "preset": args.preset,
+        "adapter": args.adapter,
+        "compute_ops": total,
+        "scalar_copies": scalar_copies,
+        "by_op": dict(ops.most_common()),
+        "torch": torch.__version__,
+    }
     if args.kernels:
         result["kernels"] = True
     if lines is not None:
         ranked = sorted(lines.items(), key=lambda kv: (-sum(kv[1].values()), kv[0]))
         print(f"ops by source line ({len(ranked)} lines), top {args.by_line}:")
-        for where, names in ranked[:args.by_line]:
-            detail = " ".join(f"{name.split('::', 1)[1]}x{n}" if n > 1 else name.split("::", 1)[1]
-                              for name, n in names.most_common())
+        for where, names in ranked[: args.by_line]:
+            detail = " ".join(
+                f"{name.split('::', 1)[1]}x{n}" if n > 1 else name.split("::", 1)[1] for name, n in names.most_common()
+            )
             print(f"{sum(names.values()):6d}  {where}  {detail}")
         result["by_line"] = {where: dict(names.most_common()) for where, names in ranked}
     if args.conversions:

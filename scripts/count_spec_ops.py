@@ -30,12 +30,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_spec import build_target, prompts_for  # noqa: E402
+
 from rollout.config import EngineConfig  # noqa: E402
 from rollout.engine import Engine  # noqa: E402
 from rollout.request import SamplingParams  # noqa: E402
 from rollout.spec import SpecConfig  # noqa: E402
 from rollout.spec.drafter import DSparkDrafter  # noqa: E402
-
 
 PAIR = Path(__file__).resolve().parents[1] / "miles_k3" / "assets" / "k3-tiny-steps"  # target; drafter in drafter/
 
@@ -73,15 +73,29 @@ def count(batch: int, gen_len: int, samples: int = 1, temperature: float = 0.0) 
     _, model = build_target(str(PAIR), torch.float32, "cpu")
     drafter = CountingDrafter.load(PAIR / "drafter", model)
     prompts = [p for p in prompts_for(PAIR, -(-batch // samples)) for _ in range(samples)][:batch]
-    engine = Engine(model, EngineConfig(memory_bytes=1 << 30, max_running=batch, max_seq_len=256,
-                                        speculation=SpecConfig(drafter=drafter, gamma=drafter.config.block_size)))
+    engine = Engine(
+        model,
+        EngineConfig(
+            memory_bytes=1 << 30,
+            max_running=batch,
+            max_seq_len=256,
+            speculation=SpecConfig(drafter=drafter, gamma=drafter.config.block_size),
+        ),
+    )
     start = time.perf_counter()
-    engine.generate(prompts, SamplingParams(temperature=temperature, max_new_tokens=gen_len, stop_token_ids=(2,),
-                                            seed=0))
+    engine.generate(
+        prompts, SamplingParams(temperature=temperature, max_new_tokens=gen_len, stop_token_ids=(2,), seed=0)
+    )
     wall = time.perf_counter() - start
     steps = engine.decoder.strategy.stats.steps
-    return dict(batch=batch, samples=samples, temperature=temperature, steps=steps, wall_s=round(wall, 2),
-                **{f"{k}_ops_per_step": round(v / steps, 1) for k, v in drafter.ops.items()})
+    return dict(
+        batch=batch,
+        samples=samples,
+        temperature=temperature,
+        steps=steps,
+        wall_s=round(wall, 2),
+        **{f"{k}_ops_per_step": round(v / steps, 1) for k, v in drafter.ops.items()},
+    )
 
 
 def main(argv=None) -> list[dict]:
@@ -95,11 +109,15 @@ def main(argv=None) -> list[dict]:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     rows = [count(int(b), args.gen_len, args.samples, args.temperature) for b in args.batch_sizes.split(",")]
-    print("| batch | samples a prompt | verify steps | wall s | propose ops / step | observe ops / step |\n"
-          "|---:|---:|---:|---:|---:|---:|")
+    print(
+        "| batch | samples a prompt | verify steps | wall s | propose ops / step | observe ops / step |\n"
+        "|---:|---:|---:|---:|---:|---:|"
+    )
     for r in rows:
-        print(f"| {r['batch']} | {r['samples']} | {r['steps']} | {r['wall_s']} | {r['propose_ops_per_step']} | "
-              f"{r['observe_ops_per_step']} |")
+        print(
+            f"| {r['batch']} | {r['samples']} | {r['steps']} | {r['wall_s']} | {r['propose_ops_per_step']} | "
+            f"{r['observe_ops_per_step']} |"
+        )
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2) + "\n")
     return rows

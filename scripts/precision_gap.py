@@ -9,7 +9,8 @@ weights (the preset as its checkpoint stores it, on the arithmetic task's vocabu
 `k3_small_gpu` recipe) in fp32 and in bf16 (router and decay parameters kept fp32, as checkpoints keep
 them), teacher-forced on the same random token ids; mean and max |log p_fp32 - log p_bf16| of each next
 token. Rows: the K3 form, the Kimi-Linear form, and variants with one K3 feature swapped for
-Kimi-Linear's, to show which one the gap comes from. CPU by default (fp32 and bf16 matmuls there are exact-rounding references).
+Kimi-Linear's, to show which one the gap comes from. CPU by default (fp32 and bf16 matmuls there are exact-rounding
+references).
 """
 
 from __future__ import annotations
@@ -22,12 +23,13 @@ import sys
 from pathlib import Path
 
 import torch
-
 from bench_forward import kimi_linear_form  # scripts/ is on the path when run as a script
+
 from miles_k3.model.checkpoint import as_stored, stored_dtype
 from miles_k3.model.config import K3Config
 from miles_k3.model.modeling import K3ForCausalLM, reference_state
 from miles_k3.tasks.arithmetic import ArithmeticTokenizer
+
 
 def _swap(**change):
     return lambda config: config.replace(**change)
@@ -45,8 +47,9 @@ VARIANTS = {
 }
 
 
-def next_token_logprobs(config: K3Config, state: dict[str, torch.Tensor], dtype: torch.dtype,
-                        ids: torch.Tensor) -> torch.Tensor:
+def next_token_logprobs(
+    config: K3Config, state: dict[str, torch.Tensor], dtype: torch.dtype, ids: torch.Tensor
+) -> torch.Tensor:
     with torch.device("meta"):
         model = K3ForCausalLM(config)
     model.load_state_dict({k: v.to(stored_dtype(k, dtype)) for k, v in state.items()}, assign=True)
@@ -65,23 +68,41 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     tok = ArithmeticTokenizer
-    base = K3Config.from_preset(args.preset, vocab_size=args.vocab_size, pad_token_id=tok.pad_token_id,
-                                bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
-    ids = torch.randint(3, args.vocab_size, (args.batch, args.length), generator=torch.Generator().manual_seed(args.seed))
+    base = K3Config.from_preset(
+        args.preset,
+        vocab_size=args.vocab_size,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+    )
+    ids = torch.randint(
+        3, args.vocab_size, (args.batch, args.length), generator=torch.Generator().manual_seed(args.seed)
+    )
     rows = []
     for name, variant in VARIANTS.items():
         config = variant(base)
         state = as_stored(reference_state(config, args.seed), config)
-        gap = (next_token_logprobs(config, state, torch.float32, ids)
-               - next_token_logprobs(config, state, torch.bfloat16, ids)).abs()
+        gap = (
+            next_token_logprobs(config, state, torch.float32, ids)
+            - next_token_logprobs(config, state, torch.bfloat16, ids)
+        ).abs()
         rows.append({"variant": name, "mean_abs_dlogp": float(gap.mean()), "max_abs_dlogp": float(gap.max())})
-        print(f"{name:40s} mean |d logp| {rows[-1]['mean_abs_dlogp']:.3f}  max {rows[-1]['max_abs_dlogp']:.3f}",
-              flush=True)
-    result = {"preset": args.preset, "vocab_size": args.vocab_size, "batch": args.batch, "length": args.length, "seed": args.seed,
-              "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
-              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "command": " ".join(["python", "scripts/precision_gap.py", *(argv if argv is not None else sys.argv[1:])]),
-              "rows": rows}
+        print(
+            f"{name:40s} mean |d logp| {rows[-1]['mean_abs_dlogp']:.3f}  max {rows[-1]['max_abs_dlogp']:.3f}",
+            flush=True,
+        )
+    result = {
+        "preset": args.preset,
+        "vocab_size": args.vocab_size,
+        "batch": args.batch,
+        "length": args.length,
+        "seed": args.seed,
+        "machine": platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(["python", "scripts/precision_gap.py", *(argv if argv is not None else sys.argv[1:])]),
+        "rows": rows,
+    }
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     return result

@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_spec import build_target, free, prefill_budget, random_prompts, shadow_drafter, warm_up  # noqa: E402
 from controlled_drafter import ControlledDrafter  # noqa: E402
+
 from rollout.config import EngineConfig  # noqa: E402
 from rollout.engine import Engine  # noqa: E402
 from rollout.request import SamplingParams  # noqa: E402
@@ -47,8 +48,11 @@ def profiled(engine: Engine, prompts, params, device: str, rows: int):
     dev = "device_time_total" if hasattr(ev[0], "device_time_total") else "cuda_time_total"
     phases = [e for e in ev if e.key.startswith("spec.")]
     for e in sorted(phases, key=lambda e: e.key):
-        print(f"   {e.key:22s} calls {e.count:5d}  host {e.cpu_time_total / 1e3:9.1f} ms  "
-              f"device {getattr(e, dev) / 1e3:9.1f} ms", flush=True)
+        print(
+            f"   {e.key:22s} calls {e.count:5d}  host {e.cpu_time_total / 1e3:9.1f} ms  "
+            f"device {getattr(e, dev) / 1e3:9.1f} ms",
+            flush=True,
+        )
     sort = "self_cuda_time_total" if device.startswith("cuda") else "self_cpu_time_total"
     print(ev.table(sort_by=sort, row_limit=rows), flush=True)
     print(ev.table(sort_by="cpu_time_total", row_limit=rows), flush=True)
@@ -68,26 +72,33 @@ def main(argv=None) -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
     ap.add_argument("--memory-gb", type=float, default=16)
     ap.add_argument("--rows", type=int, default=25, help="op rows per table")
-    ap.add_argument("--drafter-cost", choices=("none", "dspark"), default="none",
-                    help="dspark: an untrained DSpark drafter runs alongside (bench_spec.py's flag of that name)")
+    ap.add_argument(
+        "--drafter-cost",
+        choices=("none", "dspark"),
+        default="none",
+        help="dspark: an untrained DSpark drafter runs alongside (bench_spec.py's flag of that name)",
+    )
     args = ap.parse_args(argv)
     config, model = build_target(args.target, getattr(torch, args.dtype), args.device, peaked=True)
     for b in [int(x) for x in args.batch_sizes.split(",")]:
         prompts = random_prompts(b, args.prompt_len, config.vocab_size)
         params = [SamplingParams(temperature=0.0, max_new_tokens=args.gen_len, stop_token_ids=(2,)) for _ in prompts]
-        ecfg = dict(memory_bytes=int(args.memory_gb * 2**30), max_running=b,
-                    max_seq_len=max(256, args.prompt_len + args.gen_len + args.gamma + 1),
-                    **prefill_budget(args.device, None))
+        ecfg = dict(
+            memory_bytes=int(args.memory_gb * 2**30),
+            max_running=b,
+            max_seq_len=max(256, args.prompt_len + args.gen_len + args.gamma + 1),
+            **prefill_budget(args.device, None),
+        )
         print(f"== batch {b}: plain", flush=True)
         plain = profiled(Engine(model, EngineConfig(**ecfg)), prompts, params, args.device, args.rows)
         free(args.device)
         shadow = shadow_drafter(config, args.gamma) if args.drafter_cost == "dspark" else None
-        drafter = ControlledDrafter({tuple(p): o.output_ids for p, o in zip(prompts, plain)}, config.vocab_size,
-                                    args.acceptance, shadow=shadow)
+        drafter = ControlledDrafter(
+            {tuple(p): o.output_ids for p, o in zip(prompts, plain)}, config.vocab_size, args.acceptance, shadow=shadow
+        )
         for planner in args.planners.split(","):
             print(f"== batch {b}: speculative, {planner}", flush=True)
-            cfg = EngineConfig(**ecfg,
-                               speculation=SpecConfig(drafter=drafter, gamma=args.gamma, planner=planner))
+            cfg = EngineConfig(**ecfg, speculation=SpecConfig(drafter=drafter, gamma=args.gamma, planner=planner))
             profiled(Engine(model, cfg), prompts, params, args.device, args.rows)
             free(args.device)
 

@@ -35,8 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_grpo_trl import ALGO_OVERRIDES, PEFT_TARGET_MODULES, PEFT_TARGET_PARAMETERS, write_base  # noqa: E402
 
-SYNCS = ("aten::item", "aten::_local_scalar_dense", "cudaStreamSynchronize", "cudaDeviceSynchronize",
-         "cudaMemcpyAsync")
+SYNCS = ("aten::item", "aten::_local_scalar_dense", "cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpyAsync")
 
 
 def synthetic_rows(args, vocab: int) -> tuple[list[list[int]], list[list[int]]]:
@@ -54,24 +53,40 @@ def ours(args, base_dir: Path, rows) -> callable:
     from miles_k3.trainer.base import load_base
     from miles_k3.trainer.batch import TrainBatch
     from miles_k3.trainer.config import register_schema
-    from miles_k3.trainer.workers import build_train_worker
     from miles_k3.trainer.resolve import resolve
+    from miles_k3.trainer.workers import build_train_worker
 
     dtype = "bfloat16" if args.device == "cuda" else "float32"
     register_schema()
     with initialize_config_module(config_module="recipes", version_base=None):
-        cfg = compose(config_name="train", overrides=[
-            "recipe=k3_small_gpu", f"cluster={'gpu_single' if args.device == 'cuda' else 'local_cpu'}",
-            f"model.path={base_dir}", "model.preset=null", "model.vocab_size=null", f"model.train_dtype={dtype}",
-            f"lora.rank={args.rank}", f"lora.alpha={args.alpha}", *ALGO_OVERRIDES, *args.override])
+        cfg = compose(
+            config_name="train",
+            overrides=[
+                "recipe=k3_small_gpu",
+                f"cluster={'gpu_single' if args.device == 'cuda' else 'local_cpu'}",
+                f"model.path={base_dir}",
+                "model.preset=null",
+                "model.vocab_size=null",
+                f"model.train_dtype={dtype}",
+                f"lora.rank={args.rank}",
+                f"lora.alpha={args.alpha}",
+                *ALGO_OVERRIDES,
+                *args.override,
+            ],
+        )
     rc = resolve(cfg)
     ensure_parallel()
     config, state = load_base(rc.model, 0)
     worker = build_train_worker(rc, config, state, "cuda:0" if args.device == "cuda" else "cpu")
     prompts, responses = rows
     g = torch.Generator().manual_seed(1)
-    batch = TrainBatch.of(prompts, responses, [[-1.0] * len(r) for r in responses],
-                       torch.randn(len(prompts), generator=g).tolist(), [i // 8 for i in range(len(prompts))])
+    batch = TrainBatch.of(
+        prompts,
+        responses,
+        [[-1.0] * len(r) for r in responses],
+        torch.randn(len(prompts), generator=g).tolist(),
+        [i // 8 for i in range(len(prompts))],
+    )
     return lambda: worker.train(batch)
 
 
@@ -86,9 +101,17 @@ def peer(args, base_dir: Path, rows) -> callable:
         use_torch_fallbacks()
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     model = KimiLinearForCausalLM.from_pretrained(base_dir, dtype=dtype).to(args.device)
-    model = get_peft_model(model, LoraConfig(r=args.rank, lora_alpha=args.alpha, lora_dropout=0.0,
-                                             target_modules=PEFT_TARGET_MODULES,
-                                             target_parameters=PEFT_TARGET_PARAMETERS, task_type="CAUSAL_LM"))
+    model = get_peft_model(
+        model,
+        LoraConfig(
+            r=args.rank,
+            lora_alpha=args.alpha,
+            lora_dropout=0.0,
+            target_modules=PEFT_TARGET_MODULES,
+            target_parameters=PEFT_TARGET_PARAMETERS,
+            task_type="CAUSAL_LM",
+        ),
+    )
     model.train()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     prompts, responses = rows
@@ -98,17 +121,42 @@ def peer(args, base_dir: Path, rows) -> callable:
     def step():
         opt.zero_grad(set_to_none=True)
         for mb in ids.split(args.peer_micro_batch):
-            logits = model(input_ids=mb).logits[:, -n_resp - 1:-1].float()
+            logits = model(input_ids=mb).logits[:, -n_resp - 1 : -1].float()
             logp = torch.gather(logits.log_softmax(-1), 2, mb[:, -n_resp:, None]).squeeze(-1)
             (-logp.mean() * len(mb) / len(ids)).backward()
         opt.step()
+
     return step
 
 
 # aten ops that only make views or read metadata: no kernel on CUDA
-VIEWS = {"view", "_unsafe_view", "t", "transpose", "permute", "expand", "unsqueeze", "squeeze", "slice", "select",
-         "detach", "alias", "as_strided", "split", "split_with_sizes", "unbind", "reshape", "unflatten", "flatten",
-         "lift_fresh", "empty", "empty_like", "new_empty", "empty_strided", "_local_scalar_dense"}
+VIEWS = {
+    "view",
+    "_unsafe_view",
+    "t",
+    "transpose",
+    "permute",
+    "expand",
+    "unsqueeze",
+    "squeeze",
+    "slice",
+    "select",
+    "detach",
+    "alias",
+    "as_strided",
+    "split",
+    "split_with_sizes",
+    "unbind",
+    "reshape",
+    "unflatten",
+    "flatten",
+    "lift_fresh",
+    "empty",
+    "empty_like",
+    "new_empty",
+    "empty_strided",
+    "_local_scalar_dense",
+}
 
 
 def count_ops(step, top: int) -> dict:
@@ -131,7 +179,7 @@ def count_ops(step, top: int) -> dict:
     def forward_line(node) -> str | None:
         frames = re.findall(r'File "([^"]+)", line (\d+)', "".join(node.metadata.get("traceback_", [])))
         mine = [(f, n) for f, n in frames if in_repo(f)]
-        return f"bwd {mine[-1][0][len(repo):]}:{mine[-1][1]}" if mine else None
+        return f"bwd {mine[-1][0][len(repo) :]}:{mine[-1][1]}" if mine else None
 
     class Counting(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -140,7 +188,7 @@ def count_ops(step, top: int) -> dict:
                 where = forward_line(node) if node is not None else None
                 if where is None:
                     frames = [f for f in traceback.extract_stack()[:-1] if in_repo(f.filename)]
-                    where = f"{frames[-1].filename[len(repo):]}:{frames[-1].lineno}" if frames else "(elsewhere)"
+                    where = f"{frames[-1].filename[len(repo) :]}:{frames[-1].lineno}" if frames else "(elsewhere)"
                 lines[where] += 1
             return func(*args, **(kwargs or {}))
 
@@ -188,21 +236,32 @@ def timed(step, args) -> dict:
         wall = time.perf_counter() - start
     events = prof.key_averages()
     attr = "self_device_time_total" if cuda else "self_cpu_time_total"
-    kernels = sorted((e for e in events if getattr(e, attr) > 0 and (not cuda or e.device_type.name == "CUDA")),
-                     key=lambda e: -getattr(e, attr))
+    kernels = sorted(
+        (e for e in events if getattr(e, attr) > 0 and (not cuda or e.device_type.name == "CUDA")),
+        key=lambda e: -getattr(e, attr),
+    )
     busy = sum(getattr(e, attr) for e in kernels) / 1e6
     syncs = {e.key: e.count for e in events if e.key in SYNCS}
     sources = sync_sources(step) if cuda else {}
-    return {"step_s": statistics.median(times), "times_s": times, "profiled_wall_s": wall, "busy_s": busy,
-            "syncs": syncs, "sync_sources": sources,
-            "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None, "launches": sum(e.count for e in kernels),
-            "top": [{"name": e.key[:90], "calls": e.count, "ms": getattr(e, attr) / 1e3} for e in kernels[:args.top]]}
+    return {
+        "step_s": statistics.median(times),
+        "times_s": times,
+        "profiled_wall_s": wall,
+        "busy_s": busy,
+        "syncs": syncs,
+        "sync_sources": sources,
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+        "launches": sum(e.count for e in kernels),
+        "top": [{"name": e.key[:90], "calls": e.count, "ms": getattr(e, attr) / 1e3} for e in kernels[: args.top]],
+    }
 
 
 def report(name: str, res: dict, tokens: int) -> None:
-    print(f"\n{name}: step {res['step_s']:.3f} s ({tokens / res['step_s']:,.0f} tokens/s); profiled step "
-          f"{res['profiled_wall_s']:.3f} s, device busy {res['busy_s']:.3f} s "
-          f"({100 * res['busy_s'] / res['profiled_wall_s']:.0f}%), {res['launches']:,} kernels; syncs {res['syncs']}")
+    print(
+        f"\n{name}: step {res['step_s']:.3f} s ({tokens / res['step_s']:,.0f} tokens/s); profiled step "
+        f"{res['profiled_wall_s']:.3f} s, device busy {res['busy_s']:.3f} s "
+        f"({100 * res['busy_s'] / res['profiled_wall_s']:.0f}%), {res['launches']:,} kernels; syncs {res['syncs']}"
+    )
     print(f"  peak memory {res['peak_gib']} GiB; where the host waited for the device:")
     for where, n in res["sync_sources"].items():
         print(f"    {n:5d}  {where}")
@@ -226,8 +285,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--top", type=int, default=30, help="kernels listed per side")
     ap.add_argument("--skip-peer", action="store_true")
-    ap.add_argument("--count-ops", type=int, metavar="N", help="also count our step's aten compute ops (the CUDA "
-                    "step's kernel launches, counted on any device) and print the N source lines with most")
+    ap.add_argument(
+        "--count-ops",
+        type=int,
+        metavar="N",
+        help="also count our step's aten compute ops (the CUDA "
+        "step's kernel launches, counted on any device) and print the N source lines with most",
+    )
     ap.add_argument("--override", action="append", default=[], help="a Hydra override for our trainer (repeat)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
@@ -235,9 +299,16 @@ def main(argv: list[str] | None = None) -> dict:
     config = write_base(args.preset, args.vocab_size, base_dir)
     rows = synthetic_rows(args, config.vocab_size)
     tokens = args.samples * (args.prompt_len + args.response_len)
-    out = {"meta": {"preset": args.preset, "device": torch.cuda.get_device_name() if args.device == "cuda" else
-                    platform.processor(), "torch": torch.__version__, "tokens": tokens, "args": vars(args) | {
-                        "json": str(args.json)}, "date": datetime.datetime.now(datetime.UTC).isoformat()}}
+    out = {
+        "meta": {
+            "preset": args.preset,
+            "device": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor(),
+            "torch": torch.__version__,
+            "tokens": tokens,
+            "args": vars(args) | {"json": str(args.json)},
+            "date": datetime.datetime.now(datetime.UTC).isoformat(),
+        }
+    }
     print(f"{args.preset}, {args.samples} x ({args.prompt_len} + {args.response_len}) tokens, {args.device}")
     print("miles-k3 TrainWorker.train:", flush=True)
     step = ours(args, base_dir, rows)

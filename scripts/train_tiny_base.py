@@ -60,7 +60,6 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
-
 from torch import nn
 
 from miles_k3.data.image_processor import ImageProcessor, ImageProcessorConfig, ProcessedImage
@@ -70,8 +69,18 @@ from miles_k3.model.checkpoint import keeps_fp32
 from miles_k3.model.generate import greedy_generate
 from miles_k3.model.modeling import MediaEmbeds
 from miles_k3.model.vision import K3VisionModel
-from miles_k3.tasks import (ArithmeticProblem, ArithmeticTokenizer, SquaresProblem, SquaresTokenizer, check_answer,
-                            make_problems, make_square_problems, squares, worked, write_jsonl)
+from miles_k3.tasks import (
+    ArithmeticProblem,
+    ArithmeticTokenizer,
+    SquaresProblem,
+    SquaresTokenizer,
+    check_answer,
+    make_problems,
+    make_square_problems,
+    squares,
+    worked,
+    write_jsonl,
+)
 
 # The task mix: operands of 1-2 digits, + and -. Carries, borrows and negative results are what a model of
 # this size learns last, and that is the headroom RL works on. (1-3 digits was tried first: after 700 steps
@@ -112,9 +121,14 @@ SQUARES_TOKENIZER_CLASS = "SquaresTokenizer"
 # are orthogonal patch vectors (`miles_k3.tasks.squares`). With the published 0.5 / 0.5 the background is
 # -1 (it was +1 on the earlier white background) in every pixel of every picture, the features share one
 # large common direction, and the text model could not even memorize 16 pictures (tried 2026-12-02).
-SQUARES_PROCESSOR = ImageProcessorConfig(patch_size=14, merge_kernel_size=(2, 2), in_patch_limit=64,
-                                         patch_limit_on_one_side=8, image_mean=(0.0, 0.0, 0.0),
-                                         image_std=(0.5, 0.5, 0.5))
+SQUARES_PROCESSOR = ImageProcessorConfig(
+    patch_size=14,
+    merge_kernel_size=(2, 2),
+    in_patch_limit=64,
+    patch_limit_on_one_side=8,
+    image_mean=(0.0, 0.0, 0.0),
+    image_std=(0.5, 0.5, 0.5),
+)
 ASSETS = Path(__file__).resolve().parents[1] / "miles_k3/assets"
 
 
@@ -160,15 +174,39 @@ def _arith_problems(n: int, seed: int, split: str) -> list[ArithmeticProblem]:
 TASKS = {
     # With the defaults, held-out accuracy climbs from ~5% at step 100 to ~95% at step 600 (a 600-step run,
     # seed 0, here); 250 stops on the steep part, inside the 30-60% band RL needs.
-    "arith": Task("arith", _arith_problems, lambda p: str(p.answer), lambda p: bucket(p), POOL_SIZE,
-                  MAX_NEW_TOKENS, HABIT_P, steps=250, batch_size=128, lr=3e-3, warmup=50, eval_every=25,
-                  eval_size=None),
+    "arith": Task(
+        "arith",
+        _arith_problems,
+        lambda p: str(p.answer),
+        lambda p: bucket(p),
+        POOL_SIZE,
+        MAX_NEW_TOKENS,
+        HABIT_P,
+        steps=250,
+        batch_size=128,
+        lr=3e-3,
+        warmup=50,
+        eval_every=25,
+        eval_size=None,
+    ),
     # Worked solutions: sequences are ~4x longer (a step of 48 costs ~2.5 s on one idle core, ~6 s on a
     # shared one), so smaller batches and a held-out sample during training; the pool is larger than the
     # steps draw, so no problem repeats.
-    "steps": Task("steps", worked.make_step_problems, worked.worked_solution, worked.kind, 40_000,
-                  worked.MAX_RESPONSE_TOKENS + 4, 0.0, steps=260, batch_size=48, lr=3e-3, warmup=50,
-                  eval_every=50, eval_size=64),
+    "steps": Task(
+        "steps",
+        worked.make_step_problems,
+        worked.worked_solution,
+        worked.kind,
+        40_000,
+        worked.MAX_RESPONSE_TOKENS + 4,
+        0.0,
+        steps=260,
+        batch_size=48,
+        lr=3e-3,
+        warmup=50,
+        eval_every=50,
+        eval_size=64,
+    ),
     # Pictures: a sequence is 44 ids (the XTML block takes 17), a step of 64 ~3 s on one idle core. Distinct
     # problems all (the pool is larger than the steps draw). The text model reads the frozen random-init
     # tower for the first 40 steps (with the tower trained from step 0 at lr x 0.3, the count loss sat at
@@ -176,41 +214,87 @@ TASKS = {
     # teacher-forced), then the tower and projector train at lr / 10 (at the full lr a count-only run's
     # features collapsed by step 30, as with the question in the loss, `encode`). 150 steps of this reach
     # 98% held-out (2026-12-02); 100 stop on the steep part, in the 45-75% band a GRPO run has headroom in.
-    "squares": Task("squares", make_square_problems, lambda p: str(p.answer), lambda p: f"count {p.answer}",
-                    20_000, 4, 0.0, steps=100, batch_size=64, lr=3e-3, warmup=20,
-                    eval_every=20, eval_size=128, vision=True, train_prompts=2000,
-                    vision_frozen_steps=40, vision_lr_scale=0.1),
+    "squares": Task(
+        "squares",
+        make_square_problems,
+        lambda p: str(p.answer),
+        lambda p: f"count {p.answer}",
+        20_000,
+        4,
+        0.0,
+        steps=100,
+        batch_size=64,
+        lr=3e-3,
+        warmup=20,
+        eval_every=20,
+        eval_size=128,
+        vision=True,
+        train_prompts=2000,
+        vision_frozen_steps=40,
+        vision_lr_scale=0.1,
+    ),
 }
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--task", choices=sorted(TASKS), default="arith",
-                    help="arith: short answers with a habit (k3-tiny-arith); steps: worked solutions (k3-tiny-steps); "
-                         "squares: count squares in a picture (k3-tiny-vl-squares)")
-    ap.add_argument("--out", type=Path, default=None,
-                    help="asset folder (default: the shipped one, miles_k3/assets/k3-tiny-<task>, "
-                         "k3-tiny-vl-squares for squares)")
+    ap.add_argument(
+        "--task",
+        choices=sorted(TASKS),
+        default="arith",
+        help="arith: short answers with a habit (k3-tiny-arith); steps: worked solutions (k3-tiny-steps); "
+        "squares: count squares in a picture (k3-tiny-vl-squares)",
+    )
+    ap.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="asset folder (default: the shipped one, miles_k3/assets/k3-tiny-<task>, k3-tiny-vl-squares for squares)",
+    )
     # Defaults of None are the task's (`TASKS`).
-    ap.add_argument("--steps", type=int, default=None,
-                    help="optimizer steps; the task's default stops in the accuracy band its README states")
+    ap.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="optimizer steps; the task's default stops in the accuracy band its README states",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--batch-size", type=int, default=None)
     ap.add_argument("--lr", type=float, default=None, help="peak learning rate (AdamW, cosine to lr/10)")
     ap.add_argument("--warmup", type=int, default=None, help="linear warmup steps")
     ap.add_argument("--eval-every", type=int, default=None, help="held-out evaluation interval in steps")
-    ap.add_argument("--vision-frozen-steps", type=int, default=None,
-                    help="squares: steps the tower and projector stay frozen while the text model learns to read them")
-    ap.add_argument("--vision-lr-scale", type=float, default=None,
-                    help="squares: the tower's and projector's lr as a fraction of --lr, after the frozen steps")
+    ap.add_argument(
+        "--vision-frozen-steps",
+        type=int,
+        default=None,
+        help="squares: steps the tower and projector stay frozen while the text model learns to read them",
+    )
+    ap.add_argument(
+        "--vision-lr-scale",
+        type=float,
+        default=None,
+        help="squares: the tower's and projector's lr as a fraction of --lr, after the frozen steps",
+    )
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (share the machine)")
-    ap.add_argument("--train-prompts", type=int, default=None, help="rows of train.jsonl (RL prompts; 4000, "
-                                                                     "squares 2000: its rows hold the pictures)")
+    ap.add_argument(
+        "--train-prompts",
+        type=int,
+        default=None,
+        help="rows of train.jsonl (RL prompts; 4000, squares 2000: its rows hold the pictures)",
+    )
     ap.add_argument("--heldout-size", type=int, default=500, help="rows of heldout.jsonl")
     args = ap.parse_args(argv)
     task = TASKS[args.task]
-    for name in ("steps", "batch_size", "lr", "warmup", "eval_every", "train_prompts", "vision_frozen_steps",
-                 "vision_lr_scale"):
+    for name in (
+        "steps",
+        "batch_size",
+        "lr",
+        "warmup",
+        "eval_every",
+        "train_prompts",
+        "vision_frozen_steps",
+        "vision_lr_scale",
+    ):
         if getattr(args, name) is None:
             setattr(args, name, getattr(task, name))
     if args.out is None:
@@ -235,8 +319,7 @@ def model_config(task: Task) -> K3Config:
         return K3Config.from_preset("k3-tiny", vocab_size=VOCAB_SIZE)
     config = K3Config.from_preset("k3-tiny-vl", vocab_size=SQUARES_VOCAB_SIZE)
     assert config.media_placeholder_token_id == SQUARES_TOK.media_pad_token_id
-    return config.replace(hf_wrapper_extras={**config.hf_wrapper_extras,
-                                             "tokenizer_class": SQUARES_TOKENIZER_CLASS})
+    return config.replace(hf_wrapper_extras={**config.hf_wrapper_extras, "tokenizer_class": SQUARES_TOKENIZER_CLASS})
 
 
 # ------------------------------------------------------------------------------------------------ data
@@ -255,8 +338,9 @@ class TinyBase(nn.Module):
         image per row, in row order, is the order of its pads); None without images."""
         if not images:
             return None
-        features = self.vision.encode(torch.cat([im.pixel_values for im in images]),
-                                      torch.tensor([im.grid_thw for im in images]))
+        features = self.vision.encode(
+            torch.cat([im.pixel_values for im in images]), torch.tensor([im.grid_thw for im in images])
+        )
         positions = (input_ids.reshape(-1) == SQUARES_TOK.media_pad_token_id).nonzero()[:, 0]
         return MediaEmbeds(positions, features)  # a count mismatch fails in the splice, by shape
 
@@ -273,8 +357,9 @@ def prompt_of(task: Task, p: Problem, processor: ImageProcessor | None) -> tuple
     return SQUARES_TOK.encode(expand_media_prompt(p.prompt, [image]), add_bos=True), [image]
 
 
-def encode(task: Task, p: Problem, rng: random.Random,
-           processor: ImageProcessor | None) -> tuple[list[int], int, list[ProcessedImage]]:
+def encode(
+    task: Task, p: Problem, rng: random.Random, processor: ImageProcessor | None
+) -> tuple[list[int], int, list[ProcessedImage]]:
     """Token ids ``bos prompt response [habit] eos``, the number of leading ids that are context (not
     trained on: bos + prompt, the question after a picture included) and the prompt's images. With
     probability task.habit_p the response is followed by " " and a random number (the habit).
@@ -292,8 +377,9 @@ def encode(task: Task, p: Problem, rng: random.Random,
     return prompt + task.tokenizer.encode(text, add_eos=True), len(prompt), images
 
 
-def make_batch(task: Task, problems: list[Problem], rng: random.Random, processor: ImageProcessor | None
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[ProcessedImage]]:
+def make_batch(
+    task: Task, problems: list[Problem], rng: random.Random, processor: ImageProcessor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[ProcessedImage]]:
     """Right-padded inputs [B, L-1], targets [B, L-1], a loss mask [B, L-1] that is True exactly where the
     target is a response token, a habit token or the eos, and the rows' images in row order."""
     rows = [encode(task, p, rng, processor) for p in problems]
@@ -301,9 +387,9 @@ def make_batch(task: Task, problems: list[Problem], rng: random.Random, processo
     ids = torch.full((len(rows), length), task.tokenizer.pad_token_id, dtype=torch.long)
     mask = torch.zeros(len(rows), length - 1, dtype=torch.bool)
     for i, (seq, n_context, _) in enumerate(rows):
-        ids[i, :len(seq)] = torch.tensor(seq)
+        ids[i, : len(seq)] = torch.tensor(seq)
         # logits at position j predict token j+1; the first answer token sits at index n_context
-        mask[i, n_context - 1:len(seq) - 1] = True
+        mask[i, n_context - 1 : len(seq) - 1] = True
     return ids[:, :-1], ids[:, 1:], mask, [im for _, _, images in rows for im in images]
 
 
@@ -313,7 +399,7 @@ def batches(pool: list[ArithmeticProblem], batch_size: int, seed: int):
     while True:
         order = torch.randperm(len(pool), generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
         for start in range(0, len(order) - batch_size + 1, batch_size):
-            yield [pool[i] for i in order[start:start + batch_size].tolist()]
+            yield [pool[i] for i in order[start : start + batch_size].tolist()]
         epoch += 1
 
 
@@ -328,8 +414,14 @@ def bucket(p: ArithmeticProblem) -> str:
 
 
 @torch.no_grad()
-def greedy_texts(task: Task, model: TinyBase, problems: list[Problem], max_new_tokens: int,
-                 processor: ImageProcessor | None, batch_size: int = 256) -> list[str]:
+def greedy_texts(
+    task: Task,
+    model: TinyBase,
+    problems: list[Problem],
+    max_new_tokens: int,
+    processor: ImageProcessor | None,
+    batch_size: int = 256,
+) -> list[str]:
     """Greedy responses, decoded (up to eos). `greedy_generate` needs equal-length prompts, so prompts are
     batched by length."""
     model.eval()
@@ -341,7 +433,7 @@ def greedy_texts(task: Task, model: TinyBase, problems: list[Problem], max_new_t
     texts = [""] * len(problems)
     for idx in by_len.values():
         for s in range(0, len(idx), batch_size):
-            chunk = idx[s:s + batch_size]
+            chunk = idx[s : s + batch_size]
             prompt_ids = torch.tensor([prompts[i][0] for i in chunk])
             images = [im for i in chunk for im in prompts[i][1]]
             media = model.media(prompt_ids, images) if images else None
@@ -351,8 +443,9 @@ def greedy_texts(task: Task, model: TinyBase, problems: list[Problem], max_new_t
     return texts
 
 
-def greedy_correct(task: Task, model: TinyBase, problems: list[Problem], max_new_tokens: int,
-                   processor: ImageProcessor | None) -> list[bool]:
+def greedy_correct(
+    task: Task, model: TinyBase, problems: list[Problem], max_new_tokens: int, processor: ImageProcessor | None
+) -> list[bool]:
     """Greedy exact match per problem, as the RL reward scores it (the response's last integer)."""
     texts = greedy_texts(task, model, problems, max_new_tokens, processor)
     return [check_answer(t, p.answer) for t, p in zip(texts, problems)]
@@ -446,25 +539,32 @@ def main(argv: list[str] | None = None) -> int:
     processor = ImageProcessor(SQUARES_PROCESSOR) if task.vision else None
     opt = torch.optim.AdamW(optimizer_groups(model, 0.01), lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
     n_vision = sum(p.numel() for p in model.vision.parameters()) if task.vision else 0
-    print(f"{task.asset}: {config.num_parameters():,} parameters ({config.num_active_parameters():,} active)"
-          + (f" + {n_vision:,} in the tower and projector" if n_vision else "")
-          + f", pool {len(pool):,} train problems, {len(heldout)} held out, {args.steps} steps x "
-          f"{args.batch_size}, lr {args.lr:g}"
-          + (f" (tower and projector: frozen {args.vision_frozen_steps} steps, then x{args.vision_lr_scale:g})"
-             if n_vision else "")
-          + f", {args.threads} thread(s)", flush=True)
+    print(
+        f"{task.asset}: {config.num_parameters():,} parameters ({config.num_active_parameters():,} active)"
+        + (f" + {n_vision:,} in the tower and projector" if n_vision else "")
+        + f", pool {len(pool):,} train problems, {len(heldout)} held out, {args.steps} steps x "
+        f"{args.batch_size}, lr {args.lr:g}"
+        + (
+            f" (tower and projector: frozen {args.vision_frozen_steps} steps, then x{args.vision_lr_scale:g})"
+            if n_vision
+            else ""
+        )
+        + f", {args.threads} thread(s)",
+        flush=True,
+    )
 
     table: list[tuple[int, float, float, float]] = []  # step, train loss, held-out acc, elapsed s
     header = f"{'step':>6} {'lr':>9} {'train loss':>10} {'held-out acc':>12} {'elapsed':>8}"
     print(header, flush=True)
 
     def evaluate(step: int, loss: float) -> None:
-        acc = accuracy(greedy_correct(task, model, heldout[:task.eval_size], task.max_new_tokens, processor))
+        acc = accuracy(greedy_correct(task, model, heldout[: task.eval_size], task.max_new_tokens, processor))
         model.train()
         elapsed = time.perf_counter() - wall_start
         table.append((step, loss, acc, elapsed))
-        print(f"{step:>6} {lr_at(max(step - 1, 0), args):>9.2e} {loss:>10.4f} {acc:>12.1%} {elapsed:>7.0f}s",
-              flush=True)
+        print(
+            f"{step:>6} {lr_at(max(step - 1, 0), args):>9.2e} {loss:>10.4f} {acc:>12.1%} {elapsed:>7.0f}s", flush=True
+        )
 
     evaluate(0, float("nan"))
     stream = batches(pool, args.batch_size, args.seed)
@@ -490,7 +590,7 @@ def main(argv: list[str] | None = None) -> int:
     # The asset: prompt files first, then the checkpoint, then read it back and evaluate what was written.
     out: Path = args.out
     if task.vision:  # images inline as data URLs: the asset is one self-contained folder
-        n_train = squares.write_jsonl(pool[:args.train_prompts], out / "train.jsonl", inline=True)
+        n_train = squares.write_jsonl(pool[: args.train_prompts], out / "train.jsonl", inline=True)
         n_heldout = squares.write_jsonl(heldout, out / "heldout.jsonl", inline=True)
         shipped = shipped_copy(model)
         shipped.vision.save_pretrained(out, text=shipped.text)
@@ -498,7 +598,7 @@ def main(argv: list[str] | None = None) -> int:
         loaded = TinyBase(K3ForCausalLM.from_pretrained(out), K3VisionModel.from_pretrained(out)).eval()
         processor = ImageProcessor.from_pretrained(out)  # the shipped settings, read back
     else:
-        n_train = write_jsonl(pool[:args.train_prompts], out / "train.jsonl")
+        n_train = write_jsonl(pool[: args.train_prompts], out / "train.jsonl")
         n_heldout = write_jsonl(heldout, out / "heldout.jsonl")
         shipped_copy(model.text).save_pretrained(out)
         loaded = TinyBase(K3ForCausalLM.from_pretrained(out), None).eval()
@@ -518,26 +618,57 @@ def main(argv: list[str] | None = None) -> int:
     size = sum((out / f).stat().st_size for f in ("config.json", "model.safetensors"))
     prompt_bytes = sum((out / f).stat().st_size for f in ("train.jsonl", "heldout.jsonl"))
 
-    print(f"shipped weights (bf16, read back): held-out accuracy {final_acc:.1%} "
-          f"(first {FIRST_N}: {first_acc:.1%}); in-memory fp32 at the last step: {table[-1][2]:.1%}; "
-          + {"arith": f"first number right (habit aside): {knows_acc:.1%}",
-             "steps": f"worked solution exact: {knows_acc:.1%}; mean response {mean_len:.1f} tokens",
-             "squares": f"the majority count's accuracy (chance): {knows_acc:.1%}"}[task.name])
+    print(
+        f"shipped weights (bf16, read back): held-out accuracy {final_acc:.1%} "
+        f"(first {FIRST_N}: {first_acc:.1%}); in-memory fp32 at the last step: {table[-1][2]:.1%}; "
+        + {
+            "arith": f"first number right (habit aside): {knows_acc:.1%}",
+            "steps": f"worked solution exact: {knows_acc:.1%}; mean response {mean_len:.1f} tokens",
+            "squares": f"the majority count's accuracy (chance): {knows_acc:.1%}",
+        }[task.name]
+    )
     for name, (ok, n) in buckets.items():
         print(f"  {name:<18} {ok:>4}/{n:<4} {ok / n:.1%}")
-    print(f"wrote {out}: checkpoint {size / 1e6:.2f} MB, {n_train} train / {n_heldout} held-out prompts "
-          f"({prompt_bytes / 1e6:.2f} MB); "
-          f"wall time {wall / 60:.1f} min (training {(train_done - wall_start) / 60:.1f} min)")
+    print(
+        f"wrote {out}: checkpoint {size / 1e6:.2f} MB, {n_train} train / {n_heldout} held-out prompts "
+        f"({prompt_bytes / 1e6:.2f} MB); "
+        f"wall time {wall / 60:.1f} min (training {(train_done - wall_start) / 60:.1f} min)"
+    )
 
     write = {"arith": write_readme, "steps": write_steps_readme, "squares": write_squares_readme}[task.name]
-    write(out, args=args, command=command, config=config, table=table, final_acc=final_acc,
-          first_acc=first_acc, knows_acc=knows_acc, buckets=buckets, wall=wall, size=size, n_train=n_train,
-          n_heldout=n_heldout, mean_len=mean_len)
+    write(
+        out,
+        args=args,
+        command=command,
+        config=config,
+        table=table,
+        final_acc=final_acc,
+        first_acc=first_acc,
+        knows_acc=knows_acc,
+        buckets=buckets,
+        wall=wall,
+        size=size,
+        n_train=n_train,
+        n_heldout=n_heldout,
+        mean_len=mean_len,
+    )
     return 0
 
 
-def _provenance(*, args, command, date, wall, size, n_train, n_heldout, trained_on: str,
-                weights: str = "", split: str = "miles_k3.tasks.arithmetic.split_of", schedule: str = "") -> str:
+def _provenance(
+    *,
+    args,
+    command,
+    date,
+    wall,
+    size,
+    n_train,
+    n_heldout,
+    trained_on: str,
+    weights: str = "",
+    split: str = "miles_k3.tasks.arithmetic.split_of",
+    schedule: str = "",
+) -> str:
     """The README's "How it was produced" and "Files" sections (every task's README; a task adds its own
     lines). ``weights``: what the checkpoint holds beyond the text model, and how to load it; ``split``: the
     function that decides a problem's split; ``schedule``: lines after the loss's (each "\n- ...")."""
@@ -562,8 +693,9 @@ def _provenance(*, args, command, date, wall, size, n_train, n_heldout, trained_
 
 def _result_tables(table, buckets) -> str:
     """The README's training table and held-out table of the shipped weights (both tasks' READMEs)."""
-    rows = "\n".join(f"| {s} | {'-' if math.isnan(loss) else f'{loss:.4f}'} | {acc:.1%} | {t:.0f} |"
-                     for s, loss, acc, t in table)
+    rows = "\n".join(
+        f"| {s} | {'-' if math.isnan(loss) else f'{loss:.4f}'} | {acc:.1%} | {t:.0f} |" for s, loss, acc, t in table
+    )
     bucket_rows = "\n".join(f"| {name} | {ok}/{n} | {ok / n:.1%} |" for name, (ok, n) in buckets.items())
     return f"""| step | train loss | held-out acc | elapsed s |
 | ---: | ---: | ---: | ---: |
@@ -578,12 +710,35 @@ Read back from this folder, greedy, fp32 compute:
 {bucket_rows}"""
 
 
-def write_readme(out: Path, *, args, command, config, table, final_acc, first_acc, knows_acc, buckets, wall, size,
-                 n_train, n_heldout, mean_len) -> None:
+def write_readme(
+    out: Path,
+    *,
+    args,
+    command,
+    config,
+    table,
+    final_acc,
+    first_acc,
+    knows_acc,
+    buckets,
+    wall,
+    size,
+    n_train,
+    n_heldout,
+    mean_len,
+) -> None:
     tables = _result_tables(table, buckets)
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    provenance = _provenance(args=args, command=command, date=date, wall=wall, size=size, n_train=n_train,
-                             n_heldout=n_heldout, trained_on="the answer tokens (habit included)")
+    provenance = _provenance(
+        args=args,
+        command=command,
+        date=date,
+        wall=wall,
+        size=size,
+        n_train=n_train,
+        n_heldout=n_heldout,
+        trained_on="the answer tokens (habit included)",
+    )
     text = f"""# k3-tiny-arith: the embedded tiny K3 base
 
 A k3-tiny model (`K3Config.from_preset("k3-tiny", vocab_size={VOCAB_SIZE})`: {config.num_parameters():,}
@@ -619,12 +774,35 @@ the second line, within 15 points.)
     (out / "README.md").write_text(text)
 
 
-def write_steps_readme(out: Path, *, args, command, config, table, final_acc, first_acc, knows_acc, buckets, wall,
-                       size, n_train, n_heldout, mean_len) -> None:
+def write_steps_readme(
+    out: Path,
+    *,
+    args,
+    command,
+    config,
+    table,
+    final_acc,
+    first_acc,
+    knows_acc,
+    buckets,
+    wall,
+    size,
+    n_train,
+    n_heldout,
+    mean_len,
+) -> None:
     tables = _result_tables(table, buckets)
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    provenance = _provenance(args=args, command=command, date=date, wall=wall, size=size, n_train=n_train,
-                             n_heldout=n_heldout, trained_on="the response tokens")
+    provenance = _provenance(
+        args=args,
+        command=command,
+        date=date,
+        wall=wall,
+        size=size,
+        n_train=n_train,
+        n_heldout=n_heldout,
+        trained_on="the response tokens",
+    )
     lo, hi = worked.DIGITS
     digits = f"{lo}" if lo == hi else f"{lo}-{hi}"
     text = f"""# k3-tiny-steps: the embedded tiny K3 base with worked solutions
@@ -666,31 +844,57 @@ on the third line, within 15 points.)
     (out / "README.md").write_text(text)
 
 
-def write_squares_readme(out: Path, *, args, command, config, table, final_acc, first_acc, knows_acc, buckets,
-                         wall, size, n_train, n_heldout, mean_len) -> None:
+def write_squares_readme(
+    out: Path,
+    *,
+    args,
+    command,
+    config,
+    table,
+    final_acc,
+    first_acc,
+    knows_acc,
+    buckets,
+    wall,
+    size,
+    n_train,
+    n_heldout,
+    mean_len,
+) -> None:
     tables = _result_tables(table, buckets)
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     vision = config.vision_config
     n_vision = sum(math.prod(shape) for shape in vision.tensor_shapes().values())
     prompt_mb = sum((out / f).stat().st_size for f in ("train.jsonl", "heldout.jsonl")) / 1e6
-    weights = (f" (text, `language_model.`-prefixed)\n  and `K3VisionModel.from_pretrained` (the tower and "
-               f"projector, `vision_tower.*` / `mm_projector.*`, bf16);\n  the config's `tokenizer_class` "
-               f"{SQUARES_TOKENIZER_CLASS!r} is what `miles-train` selects the tokenizer by\n"
-               f"- `preprocessor_config.json`: the image processor's settings (`ImageProcessorConfig`): "
-               f"{SQUARES_PROCESSOR.patch_size}-pixel\n  patches merged {SQUARES_PROCESSOR.merge_kernel_size[0]}"
-               f" x {SQUARES_PROCESSOR.merge_kernel_size[1]}, at most {SQUARES_PROCESSOR.patch_limit_on_one_side}"
-               f" patches a side (the tower's position table), so a {squares.IMAGE_SIZE}x{squares.IMAGE_SIZE} "
-               f"picture is\n  {squares.IMAGE_SIZE // 14} x {squares.IMAGE_SIZE // 14} patches and "
-               f"{SQUARES_PROCESSOR.plan(squares.IMAGE_SIZE, squares.IMAGE_SIZE).num_tokens} `<|media_pad|>` "
-               f"tokens")
-    provenance = _provenance(args=args, command=command, date=date, wall=wall, size=size, n_train=n_train,
-                             n_heldout=n_heldout, weights=weights, split="miles_k3.tasks.squares.split_of",
-                             trained_on="the count (not the question after the picture: its tokens' "
-                                        "gradient\n  collapsed the tower's features to one constant, see "
-                                        "`encode`)",
-                             schedule=f"\n- Tower and projector: frozen for the first {args.vision_frozen_steps} "
-                                      f"steps (the text model learns to read\n  the random-init tower), then "
-                                      f"trained at {args.vision_lr_scale:g} x the text model's lr")
+    weights = (
+        f" (text, `language_model.`-prefixed)\n  and `K3VisionModel.from_pretrained` (the tower and "
+        f"projector, `vision_tower.*` / `mm_projector.*`, bf16);\n  the config's `tokenizer_class` "
+        f"{SQUARES_TOKENIZER_CLASS!r} is what `miles-train` selects the tokenizer by\n"
+        f"- `preprocessor_config.json`: the image processor's settings (`ImageProcessorConfig`): "
+        f"{SQUARES_PROCESSOR.patch_size}-pixel\n  patches merged {SQUARES_PROCESSOR.merge_kernel_size[0]}"
+        f" x {SQUARES_PROCESSOR.merge_kernel_size[1]}, at most {SQUARES_PROCESSOR.patch_limit_on_one_side}"
+        f" patches a side (the tower's position table), so a {squares.IMAGE_SIZE}x{squares.IMAGE_SIZE} "
+        f"picture is\n  {squares.IMAGE_SIZE // 14} x {squares.IMAGE_SIZE // 14} patches and "
+        f"{SQUARES_PROCESSOR.plan(squares.IMAGE_SIZE, squares.IMAGE_SIZE).num_tokens} `<|media_pad|>` "
+        f"tokens"
+    )
+    provenance = _provenance(
+        args=args,
+        command=command,
+        date=date,
+        wall=wall,
+        size=size,
+        n_train=n_train,
+        n_heldout=n_heldout,
+        weights=weights,
+        split="miles_k3.tasks.squares.split_of",
+        trained_on="the count (not the question after the picture: its tokens' "
+        "gradient\n  collapsed the tower's features to one constant, see "
+        "`encode`)",
+        schedule=f"\n- Tower and projector: frozen for the first {args.vision_frozen_steps} "
+        f"steps (the text model learns to read\n  the random-init tower), then "
+        f"trained at {args.vision_lr_scale:g} x the text model's lr",
+    )
     text = f"""# k3-tiny-vl-squares: the embedded tiny vision-language K3 base
 
 A k3-tiny-vl model (`K3Config.from_preset("k3-tiny-vl", vocab_size={SQUARES_VOCAB_SIZE})`:
@@ -698,7 +902,7 @@ A k3-tiny-vl model (`K3Config.from_preset("k3-tiny-vl", vocab_size={SQUARES_VOCA
 feature on; a {vision.vt_num_hidden_layers}-block, {vision.vt_hidden_size}-wide K3 vision tower and
 projector of {n_vision:,} parameters) pretrained, text model, tower and projector, to count the
 squares of one colour in a {squares.IMAGE_SIZE}x{squares.IMAGE_SIZE} picture of 1-{squares.MAX_SQUARES}
-{squares.SQUARE_SIDE}-pixel {', '.join(squares.COLORS)} squares on black, one per 14-pixel cell, 2-3 colours a
+{squares.SQUARE_SIDE}-pixel {", ".join(squares.COLORS)} squares on black, one per 14-pixel cell, 2-3 colours a
 picture (`miles_k3.tasks.squares`): `<|kimi_image_placeholder|>How many red squares?` -> `2`.
 Stopped early on purpose: greedy decoding gets {final_acc:.1%} of the held-out counts right, where
 always answering the most common count scores {knows_acc:.1%}; the rest is the headroom of the visual GRPO

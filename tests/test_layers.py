@@ -171,8 +171,9 @@ def upward_imports(root: Path, imports: list[Import], layers=LAYERS) -> list[str
     for imp in imports:
         own, target = tier_of(imp.module, layers), tier_of(imp.target, layers)
         if own is not None and target is not None and target > own:
-            bad.append(f"{_rel(imp.path, root)}:{imp.line}: {imp.module} (tier {own}) "
-                       f"imports {imp.target} (tier {target})")
+            bad.append(
+                f"{_rel(imp.path, root)}:{imp.line}: {imp.module} (tier {own}) imports {imp.target} (tier {target})"
+            )
     return bad
 
 
@@ -231,8 +232,7 @@ def strongly_connected_components(graph: dict[str, set[str]]) -> list[list[str]]
 
 def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     """SCCs of more than one module, and modules that import themselves."""
-    return sorted(scc for scc in strongly_connected_components(graph)
-                  if len(scc) > 1 or scc[0] in graph[scc[0]])
+    return sorted(scc for scc in strongly_connected_components(graph) if len(scc) > 1 or scc[0] in graph[scc[0]])
 
 
 def example_cycle(graph: dict[str, set[str]], scc: list[str]) -> list[str]:
@@ -310,9 +310,11 @@ def analyse(root: Path, design: Path | None, packages=PACKAGES) -> Report:
 
 def unnamed_cycles(report: Report) -> list[str]:
     allowed = {names for names, _ in report.allowed}
-    return [f"cycle over {len(scc)} module(s): {', '.join(scc)}\n"
-            f"    e.g. {' -> '.join(example_cycle(report.graph, scc))}"
-            for scc in report.cycles if frozenset(scc) not in allowed]
+    return [
+        f"cycle over {len(scc)} module(s): {', '.join(scc)}\n    e.g. {' -> '.join(example_cycle(report.graph, scc))}"
+        for scc in report.cycles
+        if frozenset(scc) not in allowed
+    ]
 
 
 def stale_bullets(report: Report) -> list[str]:
@@ -338,8 +340,10 @@ def tree() -> Report:
 
 def test_every_module_belongs_to_a_layer(tree):
     unassigned = sorted(name for name in tree.modules if tier_of(name) is None)
-    assert not unassigned, ("modules in no layer (add their package to LAYERS in tests/test_layers.py and to "
-                            "the design notes):\n" + "\n".join(unassigned))
+    assert not unassigned, (
+        "modules in no layer (add their package to LAYERS in tests/test_layers.py and to "
+        "the design notes):\n" + "\n".join(unassigned)
+    )
 
 
 def test_no_module_imports_a_layer_above_its_own(tree):
@@ -349,8 +353,7 @@ def test_no_module_imports_a_layer_above_its_own(tree):
 
 def test_every_import_cycle_is_named_in_the_design_notes(tree):
     bad = unnamed_cycles(tree)
-    assert not bad, (f"{len(bad)} import cycle(s) not named in docs/design.md ('{CYCLES_HEADING}'):\n"
-                     + "\n".join(bad))
+    assert not bad, f"{len(bad)} import cycle(s) not named in docs/design.md ('{CYCLES_HEADING}'):\n" + "\n".join(bad)
 
 
 def test_named_cycles_still_exist(tree):
@@ -371,18 +374,21 @@ def _write(root: Path, files: dict[str, str]) -> None:
 
 
 def test_the_checker_catches_a_function_level_upward_import_and_a_cycle(tmp_path):
-    _write(tmp_path, {
-        "miles_k3/__init__.py": "",
-        "miles_k3/ops/__init__.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
-                                    "    from ..model import layers\n",
-        "miles_k3/ops/norm.py": "import torch\n\n\ndef f():\n    from miles_k3.trainer import loop\n"
-                                "    return loop\n",
-        "miles_k3/model/__init__.py": "",
-        "miles_k3/model/layers.py": "from ..ops import norm\nfrom . import layers\n",
-        "miles_k3/trainer/__init__.py": "",
-        "miles_k3/trainer/loop.py": "from miles_k3.ops.norm import f\nimport miles_k3.rpc\n",
-        "rollout/__init__.py": "from miles_k3 import trainer\nimport miles_k3.cli.main\n",
-    })
+    _write(
+        tmp_path,
+        {
+            "miles_k3/__init__.py": "",
+            "miles_k3/ops/__init__.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+            "    from ..model import layers\n",
+            "miles_k3/ops/norm.py": "import torch\n\n\ndef f():\n    from miles_k3.trainer import loop\n"
+            "    return loop\n",
+            "miles_k3/model/__init__.py": "",
+            "miles_k3/model/layers.py": "from ..ops import norm\nfrom . import layers\n",
+            "miles_k3/trainer/__init__.py": "",
+            "miles_k3/trainer/loop.py": "from miles_k3.ops.norm import f\nimport miles_k3.rpc\n",
+            "rollout/__init__.py": "from miles_k3 import trainer\nimport miles_k3.cli.main\n",
+        },
+    )
     report = analyse(tmp_path, None)
 
     assert upward_imports(tmp_path, report.imports) == [
@@ -394,7 +400,10 @@ def test_the_checker_catches_a_function_level_upward_import_and_a_cycle(tmp_path
     assert report.cycles == [["miles_k3.model.layers"], ["miles_k3.ops.norm", "miles_k3.trainer.loop"]]
     assert example_cycle(report.graph, report.cycles[0]) == ["miles_k3.model.layers", "miles_k3.model.layers"]
     assert example_cycle(report.graph, report.cycles[1]) == [
-        "miles_k3.ops.norm", "miles_k3.trainer.loop", "miles_k3.ops.norm"]
+        "miles_k3.ops.norm",
+        "miles_k3.trainer.loop",
+        "miles_k3.ops.norm",
+    ]
     assert len(unnamed_cycles(report)) == 2
 
     # naming the two-module cycle allows it; a bullet for a cycle that is not there is stale
@@ -403,9 +412,9 @@ def test_the_checker_catches_a_function_level_upward_import_and_a_cycle(tmp_path
         "- `miles_k3.trainer.loop` <-> `miles_k3.ops.norm`: a test\n"
         "- `miles_k3.ops` <-> `miles_k3.model`: gone\n"
         "- `miles_k3.ops` <-> `miles_k3.model` no reason\n\n"
-        "## Next\n\n- `rollout` <-> `miles_k3`: outside the section, ignored\n")
-    assert [u.splitlines()[0] for u in unnamed_cycles(report)] == [
-        "cycle over 1 module(s): miles_k3.model.layers"]
+        "## Next\n\n- `rollout` <-> `miles_k3`: outside the section, ignored\n"
+    )
+    assert [u.splitlines()[0] for u in unnamed_cycles(report)] == ["cycle over 1 module(s): miles_k3.model.layers"]
     assert [s.splitlines()[0] for s in stale_bullets(report)] == ["- `miles_k3.ops` <-> `miles_k3.model`: gone"]
     assert report.malformed == ["- `miles_k3.ops` <-> `miles_k3.model` no reason"]
 

@@ -78,8 +78,9 @@ def _replay(rank: int, port: int, out) -> None:
         if rank == 0:
             leader = rpc.Leader(transport)
             assert leader.call(target, "add", 1, 2) == 3
-            leader.record("put", "adapter", {"A": torch.full((2, 2), 1.5), "B": torch.arange(3.0)},
-                          Pair(torch.tensor([9]), 1))
+            leader.record(
+                "put", "adapter", {"A": torch.full((2, 2), 1.5), "B": torch.arange(3.0)}, Pair(torch.tensor([9]), 1)
+            )
             leader.record("add", 10, 20)
             leader.flush()  # two calls, one message
             leader.stop()

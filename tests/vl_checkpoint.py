@@ -25,16 +25,35 @@ def write_vl_checkpoint(path: Path, words: tuple[str, ...] = WORDS) -> Path:
     torch.manual_seed(0)
     text = K3ForCausalLM(config)
     K3VisionModel(config.vision_config).save_pretrained(path, text=text)
-    ImageProcessorConfig(patch_size=14, merge_kernel_size=(2, 2), in_patch_limit=256, patch_limit_on_one_side=16,
-                         image_mean=(0.5, 0.5, 0.5), image_std=(0.5, 0.5, 0.5)).save_pretrained(path)
+    ImageProcessorConfig(
+        patch_size=14,
+        merge_kernel_size=(2, 2),
+        in_patch_limit=256,
+        patch_limit_on_one_side=16,
+        image_mean=(0.5, 0.5, 0.5),
+        image_std=(0.5, 0.5, 0.5),
+    ).save_pretrained(path)
     special = [MEDIA_BEGIN, MEDIA_CONTENT, MEDIA_END]
-    vocab = {"<pad>": 0, "<bos>": 1, "<eos>": 2, MEDIA_PAD: config.media_placeholder_token_id, "<unk>": 4,
-             **{t: 5 + i for i, t in enumerate(special)}, **{w: 8 + i for i, w in enumerate(words)}}
+    vocab = {
+        "<pad>": 0,
+        "<bos>": 1,
+        "<eos>": 2,
+        MEDIA_PAD: config.media_placeholder_token_id,
+        "<unk>": 4,
+        **{t: 5 + i for i, t in enumerate(special)},
+        **{w: 8 + i for i, w in enumerate(words)},
+    }
     assert len(vocab) <= config.vocab_size
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
-                                 unk_token="<unk>", additional_special_tokens=[MEDIA_PAD, *special])
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<bos>",
+        eos_token="<eos>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        additional_special_tokens=[MEDIA_PAD, *special],
+    )
     hf.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
     hf.save_pretrained(path)
     return path

@@ -30,8 +30,9 @@ from miles_k3.algo.reducers import as_bool_mask
 __all__ = ["group_ids_for", "group_advantages", "expand_to_tokens"]
 
 
-def group_ids_for(rewards: torch.Tensor, group_size: int | None = None,
-                  group_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
+def group_ids_for(
+    rewards: torch.Tensor, group_size: int | None = None, group_ids: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Flatten rewards and name each sample's group.
 
     Accepts rewards [G, n] (neither argument), [G*n] with `group_size`, or [N]
@@ -69,8 +70,14 @@ def group_ids_for(rewards: torch.Tensor, group_size: int | None = None,
     return flat, ids, num_groups
 
 
-def group_advantages(rewards: torch.Tensor, group_size: int | None = None, *, group_ids: torch.Tensor | None = None,
-                     normalize_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
+def group_advantages(
+    rewards: torch.Tensor,
+    group_size: int | None = None,
+    *,
+    group_ids: torch.Tensor | None = None,
+    normalize_std: bool = True,
+    eps: float = 1e-6,
+) -> torch.Tensor:
     """Per-sample GRPO advantages, same shape as `rewards` (fp32, or fp64 for fp64 input).
 
     See the module docstring for the formula and the std estimator.
@@ -95,10 +102,12 @@ def expand_to_tokens(advantages: torch.Tensor, loss_mask: torch.Tensor) -> torch
     """Per-sequence advantages [B] -> per-token [B, T] (0 off the mask); [B, T] passes through masked."""
     if advantages.dim() == 1:
         if advantages.shape[0] != loss_mask.shape[0]:
-            raise ValueError(f"advantages [B={advantages.shape[0]}] do not match "
-                             f"loss_mask {tuple(loss_mask.shape)}")
+            raise ValueError(f"advantages [B={advantages.shape[0]}] do not match loss_mask {tuple(loss_mask.shape)}")
         advantages = advantages[:, None].expand(loss_mask.shape)
     elif advantages.shape != loss_mask.shape:
-        raise ValueError(f"advantages {tuple(advantages.shape)} must be [B] or match "
-                         f"loss_mask {tuple(loss_mask.shape)}")
-    return torch.where(as_bool_mask(loss_mask), advantages, torch.zeros((), dtype=advantages.dtype, device=advantages.device))
+        raise ValueError(
+            f"advantages {tuple(advantages.shape)} must be [B] or match loss_mask {tuple(loss_mask.shape)}"
+        )
+    return torch.where(
+        as_bool_mask(loss_mask), advantages, torch.zeros((), dtype=advantages.dtype, device=advantages.device)
+    )

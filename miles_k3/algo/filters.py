@@ -21,8 +21,9 @@ from miles_k3.algo.advantages import group_ids_for
 __all__ = ["nonzero_variance_groups", "groups_to_refill"]
 
 
-def nonzero_variance_groups(rewards: torch.Tensor, group_size: int | None = None, *,
-                            group_ids: torch.Tensor | None = None) -> torch.Tensor:
+def nonzero_variance_groups(
+    rewards: torch.Tensor, group_size: int | None = None, *, group_ids: torch.Tensor | None = None
+) -> torch.Tensor:
     """Keep-mask [G] bool: True for groups whose rewards are not all equal.
 
     rewards [G, n], or [G*n] with `group_size`, or [N] with `group_ids` (see

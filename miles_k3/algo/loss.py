@@ -32,8 +32,14 @@ from miles_k3.algo.kl import KL_ESTIMATORS, kl_penalty
 from miles_k3.algo.metrics import approx_kl, logprob_abs_diff, pg_clipfrac
 from miles_k3.algo.policy_loss import clipped_surrogate, gspo_log_ratio, token_log_ratio
 from miles_k3.algo.reducers import REDUCERS, as_bool_mask, masked_mean, reduce_loss
-from miles_k3.algo.rollout_correction import (MIS_LEVELS, effective_sample_size, mis_weights, opsm_mask,
-                                              rollout_log_ratio, tis_weights)
+from miles_k3.algo.rollout_correction import (
+    MIS_LEVELS,
+    effective_sample_size,
+    mis_weights,
+    opsm_mask,
+    rollout_log_ratio,
+    tis_weights,
+)
 
 __all__ = ["RATIO_TYPES", "KL_TYPES", "ROLLOUT_CORRECTIONS", "PolicyLossConfig", "policy_loss"]
 
@@ -54,20 +60,20 @@ class PolicyLossConfig:
     correction thresholds are slime/miles' (TIS cap 2, OPSM delta 1e-4).
     """
 
-    eps_low: float = 0.2                       # ratio floor 1 - eps_low, in [0, 1)
-    eps_high: float = 0.28                     # ratio ceiling 1 + eps_high (DAPO clip-higher; PPO: 0.2)
-    dual_clip_c: float | None = None           # dual-clip bound for A < 0, > 1 (typically 3); None = off
-    ratio: str = "token"                       # RATIO_TYPES; "gspo" wants eps ~ 3e-4 / 4e-4
-    kl: str = "none"                           # KL_TYPES, against the base (adapter disabled)
-    kl_coef: float = 0.0                       # beta >= 0; must be 0 when kl == "none"
-    reducer: str = "token_mean"                # REDUCERS
-    max_response_len: int | None = None        # Dr.GRPO's constant divisor; required by reducer "dr_grpo"
-    rollout_correction: str = "tis"            # ROLLOUT_CORRECTIONS; "tis" and "mis" need rollout_logp
-    tis_cap: float = 2.0                       # TIS truncation C > 0
-    mis_low: float = 0.5                       # MIS keeps rho in [mis_low, mis_high]
-    mis_high: float = 2.0                      # (>= 1)
-    mis_level: str = "token"                   # MIS_LEVELS
-    opsm_delta: float = 1e-4                   # OPSM threshold on the mean log ratio (>= 0)
+    eps_low: float = 0.2  # ratio floor 1 - eps_low, in [0, 1)
+    eps_high: float = 0.28  # ratio ceiling 1 + eps_high (DAPO clip-higher; PPO: 0.2)
+    dual_clip_c: float | None = None  # dual-clip bound for A < 0, > 1 (typically 3); None = off
+    ratio: str = "token"  # RATIO_TYPES; "gspo" wants eps ~ 3e-4 / 4e-4
+    kl: str = "none"  # KL_TYPES, against the base (adapter disabled)
+    kl_coef: float = 0.0  # beta >= 0; must be 0 when kl == "none"
+    reducer: str = "token_mean"  # REDUCERS
+    max_response_len: int | None = None  # Dr.GRPO's constant divisor; required by reducer "dr_grpo"
+    rollout_correction: str = "tis"  # ROLLOUT_CORRECTIONS; "tis" and "mis" need rollout_logp
+    tis_cap: float = 2.0  # TIS truncation C > 0
+    mis_low: float = 0.5  # MIS keeps rho in [mis_low, mis_high]
+    mis_high: float = 2.0  # (>= 1)
+    mis_level: str = "token"  # MIS_LEVELS
+    opsm_delta: float = 1e-4  # OPSM threshold on the mean log ratio (>= 0)
 
     def __post_init__(self) -> None:
         def bad(name: str, rule: str) -> ValueError:
@@ -99,8 +105,10 @@ class PolicyLossConfig:
         if self.reducer not in REDUCERS:
             raise bad("reducer", f"must be one of {REDUCERS}")
         if self.max_response_len is not None and (
-                isinstance(self.max_response_len, bool) or not isinstance(self.max_response_len, int)
-                or self.max_response_len <= 0):
+            isinstance(self.max_response_len, bool)
+            or not isinstance(self.max_response_len, int)
+            or self.max_response_len <= 0
+        ):
             raise bad("max_response_len", "must be a positive int")
         if self.reducer == "dr_grpo" and self.max_response_len is None:
             raise bad("max_response_len", "is required by reducer 'dr_grpo' (the generation limit)")
@@ -128,10 +136,18 @@ def _check_shape(name: str, x: torch.Tensor | None, shape: torch.Size) -> None:
         raise ValueError(f"{name} must be [B, T] = {tuple(shape)} like loss_mask, got {tuple(x.shape)}")
 
 
-def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, loss_mask: torch.Tensor,
-                config: PolicyLossConfig, *, ref_logp: torch.Tensor | None = None,
-                rollout_logp: torch.Tensor | None = None, num_tokens: float | torch.Tensor | None = None,
-                num_sequences: float | torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def policy_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    config: PolicyLossConfig,
+    *,
+    ref_logp: torch.Tensor | None = None,
+    rollout_logp: torch.Tensor | None = None,
+    num_tokens: float | torch.Tensor | None = None,
+    num_sequences: float | torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GRPO-family loss (formula: module docstring) and its metrics.
 
     Args:
@@ -196,8 +212,7 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     pg_loss = reduce_loss(pg, valid, config.reducer, **reduce_kw)
     loss = pg_loss
     if config.kl != "none":
-        kl_loss = reduce_loss(kl_penalty(logp, clean(ref_logp.detach()), config.kl), valid, config.reducer,
-                              **reduce_kw)
+        kl_loss = reduce_loss(kl_penalty(logp, clean(ref_logp.detach()), config.kl), valid, config.reducer, **reduce_kw)
         loss = loss + config.kl_coef * kl_loss
         metrics["kl_loss"] = kl_loss.detach()
 

@@ -1,11 +1,11 @@
 """Training metrics: small functions returning detached fp32 tensors (no .item(), so no device sync).
 
-    pg_clipfrac                  mean over the mask of 1[clip binds]
-    approx_kl                    mean over the mask of k3 for KL(pi_old || pi_theta), samples from pi_old:
-                                 r = exp(logp - old_logp), k3 = (r - 1) - log r
-    entropy_from_logits          H = logsumexp(z) - sum_v softmax(z)_v z_v per token, chunked over the vocab
-    logprob_abs_diff             mean over the mask of |logp_a - logp_b| (train vs rollout)
-    reward_stats                 mean and population std (ddof 0, as in `advantages`) of the rewards
+pg_clipfrac                  mean over the mask of 1[clip binds]
+approx_kl                    mean over the mask of k3 for KL(pi_old || pi_theta), samples from pi_old:
+                             r = exp(logp - old_logp), k3 = (r - 1) - log r
+entropy_from_logits          H = logsumexp(z) - sum_v softmax(z)_v z_v per token, chunked over the vocab
+logprob_abs_diff             mean over the mask of |logp_a - logp_b| (train vs rollout)
+reward_stats                 mean and population std (ddof 0, as in `advantages`) of the rewards
 """
 
 from __future__ import annotations

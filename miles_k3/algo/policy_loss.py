@@ -44,9 +44,9 @@ __all__ = ["ClipResult", "token_log_ratio", "gspo_log_ratio", "clipped_surrogate
 class ClipResult(NamedTuple):
     """Per-token output of `clipped_surrogate`, all [B, T]."""
 
-    loss: torch.Tensor          # fp32, to be reduced over the loss mask
-    ratio: torch.Tensor         # r (or s_i,t), carries the gradient
-    clipped: torch.Tensor       # bool: the eps clip binds
+    loss: torch.Tensor  # fp32, to be reduced over the loss mask
+    ratio: torch.Tensor  # r (or s_i,t), carries the gradient
+    clipped: torch.Tensor  # bool: the eps clip binds
     dual_clipped: torch.Tensor  # bool: the dual-clip bound binds (all False without dual-clip)
 
 
@@ -68,8 +68,9 @@ def gspo_log_ratio(logp: torch.Tensor, old_logp: torch.Tensor, loss_mask: torch.
     return log_s + (logp - logp.detach())
 
 
-def clipped_surrogate(log_ratio: torch.Tensor, advantages: torch.Tensor, eps_low: float, eps_high: float,
-                      dual_clip_c: float | None = None) -> ClipResult:
+def clipped_surrogate(
+    log_ratio: torch.Tensor, advantages: torch.Tensor, eps_low: float, eps_high: float, dual_clip_c: float | None = None
+) -> ClipResult:
     """Per-token PPO-clip loss with clip-higher and optional dual-clip (formulas: module docstring).
 
     log_ratio, advantages [B, T] (advantages broadcast, e.g. [B, 1], is fine).

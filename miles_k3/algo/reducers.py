@@ -62,8 +62,9 @@ def token_mean(x: torch.Tensor, mask: torch.Tensor, *, num_tokens: float | torch
     return masked_sum(x, mask) / num_tokens
 
 
-def sequence_mean(x: torch.Tensor, mask: torch.Tensor, *,
-                  num_sequences: float | torch.Tensor | None = None) -> torch.Tensor:
+def sequence_mean(
+    x: torch.Tensor, mask: torch.Tensor, *, num_sequences: float | torch.Tensor | None = None
+) -> torch.Tensor:
     """mean over rows with L_b > 0 of (sum_t m x / L_b). x, mask [B, T] -> [].
 
     Rows with no valid token (fully masked) are not sequences: they add 0 and
@@ -77,8 +78,9 @@ def sequence_mean(x: torch.Tensor, mask: torch.Tensor, *,
     return per_seq.sum() / num_sequences
 
 
-def dr_grpo_mean(x: torch.Tensor, mask: torch.Tensor, max_response_len: int, *,
-                 num_sequences: float | torch.Tensor | None = None) -> torch.Tensor:
+def dr_grpo_mean(
+    x: torch.Tensor, mask: torch.Tensor, max_response_len: int, *, num_sequences: float | torch.Tensor | None = None
+) -> torch.Tensor:
     """sum_{b,t} m x / (B * L_max), B = rows (or `num_sequences`), L_max a constant. x, mask [B, T] -> []."""
     if max_response_len <= 0:
         raise ValueError(f"max_response_len must be > 0, got {max_response_len}")
@@ -86,9 +88,15 @@ def dr_grpo_mean(x: torch.Tensor, mask: torch.Tensor, max_response_len: int, *,
     return masked_sum(x, mask) / (rows * max_response_len)
 
 
-def reduce_loss(x: torch.Tensor, mask: torch.Tensor, reducer: str, *, max_response_len: int | None = None,
-                num_tokens: float | torch.Tensor | None = None,
-                num_sequences: float | torch.Tensor | None = None) -> torch.Tensor:
+def reduce_loss(
+    x: torch.Tensor,
+    mask: torch.Tensor,
+    reducer: str,
+    *,
+    max_response_len: int | None = None,
+    num_tokens: float | torch.Tensor | None = None,
+    num_sequences: float | torch.Tensor | None = None,
+) -> torch.Tensor:
     """Dispatch on `reducer` in REDUCERS. x, mask [B, T] -> [] in x's dtype.
 
     `max_response_len` is required by (and only read by) "dr_grpo";

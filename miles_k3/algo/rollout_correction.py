@@ -37,19 +37,27 @@ import torch
 
 from miles_k3.algo.reducers import as_bool_mask, masked_mean, masked_sum
 
-__all__ = ["MIS_LEVELS", "MISResult", "OPSMResult", "rollout_log_ratio", "tis_weights", "mis_weights",
-           "opsm_mask", "effective_sample_size"]
+__all__ = [
+    "MIS_LEVELS",
+    "MISResult",
+    "OPSMResult",
+    "rollout_log_ratio",
+    "tis_weights",
+    "mis_weights",
+    "opsm_mask",
+    "effective_sample_size",
+]
 
 MIS_LEVELS = ("token", "sequence", "geometric")
 
 
 class MISResult(NamedTuple):
     weight: torch.Tensor  # [B, T] fp32, detached: rho where kept, 0 where rejected or off the mask
-    keep: torch.Tensor    # [B, T] bool: on the mask and inside [lo, hi]
+    keep: torch.Tensor  # [B, T] bool: on the mask and inside [lo, hi]
 
 
 class OPSMResult(NamedTuple):
-    keep: torch.Tensor    # [B, T] bool: on the mask and not masked by OPSM
+    keep: torch.Tensor  # [B, T] bool: on the mask and not masked by OPSM
     seq_kl: torch.Tensor  # [B] fp32: (1/|o_i|) sum_t (rollout_logp - logp), 0 for empty rows
 
 
@@ -59,8 +67,9 @@ def rollout_log_ratio(old_logp: torch.Tensor, rollout_logp: torch.Tensor, loss_m
     return torch.where(as_bool_mask(loss_mask), diff, torch.zeros((), dtype=diff.dtype, device=diff.device))
 
 
-def tis_weights(old_logp: torch.Tensor, rollout_logp: torch.Tensor, loss_mask: torch.Tensor,
-                cap: float) -> torch.Tensor:
+def tis_weights(
+    old_logp: torch.Tensor, rollout_logp: torch.Tensor, loss_mask: torch.Tensor, cap: float
+) -> torch.Tensor:
     """TIS weight min(exp(old - rollout), cap), detached; 0 off the mask. [B, T] -> [B, T]."""
     if cap <= 0:
         raise ValueError(f"TIS cap must be > 0, got {cap}")
@@ -68,8 +77,14 @@ def tis_weights(old_logp: torch.Tensor, rollout_logp: torch.Tensor, loss_mask: t
     return torch.where(as_bool_mask(loss_mask), w, torch.zeros_like(w))
 
 
-def mis_weights(old_logp: torch.Tensor, rollout_logp: torch.Tensor, loss_mask: torch.Tensor, low: float,
-                high: float, level: str = "token") -> MISResult:
+def mis_weights(
+    old_logp: torch.Tensor,
+    rollout_logp: torch.Tensor,
+    loss_mask: torch.Tensor,
+    low: float,
+    high: float,
+    level: str = "token",
+) -> MISResult:
     """MIS: reject tokens / sequences whose ratio is outside [low, high], IS-weight the rest (formulas above).
 
     The bounds are tested in log space, so a sequence ratio that overflows fp32
@@ -93,8 +108,9 @@ def mis_weights(old_logp: torch.Tensor, rollout_logp: torch.Tensor, loss_mask: t
     return MISResult(weight, keep)
 
 
-def opsm_mask(logp: torch.Tensor, rollout_logp: torch.Tensor, advantages: torch.Tensor, loss_mask: torch.Tensor,
-              delta: float) -> OPSMResult:
+def opsm_mask(
+    logp: torch.Tensor, rollout_logp: torch.Tensor, advantages: torch.Tensor, loss_mask: torch.Tensor, delta: float
+) -> OPSMResult:
     """DeepSeek-V3.2 off-policy sequence mask (formula above). advantages [B] or [B, T].
 
     `logp` is the current policy's log-prob (read, not differentiated).

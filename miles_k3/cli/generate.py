@@ -16,7 +16,8 @@ depend on the batch, the schedule or the tensor-parallel size. With `--prompts` 
 tokenizer's end-of-sequence token; `--stop-token-id` adds others (with `--input-ids` they are the only
 stops). `--tp N` starts N worker processes, one engine rank each (`rollout.parallel`: attention heads
 split, routed experts split by intermediate dim or with `--ep` whole per rank, `--dcp M` MLA's KV sharded
-by position over groups of M ranks), and rank 0 writes the output. Bad input (a flag, a row of a file, the checkpoint) stops it before any generation with one
+by position over groups of M ranks), and rank 0 writes the output. Bad input (a flag, a row of a file, the checkpoint)
+stops it before any generation with one
 line naming it, exit status 2. `--speculative dspark --drafter DIR` drafts `--gamma` tokens a step with a
 DSpark drafter (scripts/train_drafter.py) and verifies them in one target forward: the same tokens and
 log-probs as without it (lossless; `rollout.spec`).
@@ -86,8 +87,10 @@ class GenerateArgs(EngineFlags):
         if self.ep and self.tp == 1:
             raise ValueError("--ep needs --tp > 1: expert parallelism runs over the tensor-parallel ranks")
         if self.tp % self.dcp:
-            raise ValueError(f"--dcp {self.dcp} must divide --tp {self.tp}: decode context parallelism runs inside "
-                             f"the tensor-parallel group")
+            raise ValueError(
+                f"--dcp {self.dcp} must divide --tp {self.tp}: decode context parallelism runs inside "
+                f"the tensor-parallel group"
+            )
         self.sampling(0, self.stop_token_ids)  # SamplingParams' own checks, before anything is loaded
         super().check()  # model, tokenizer, device, dtype, memory and speculation flags
         check_adapters(self.adapters, self.model)
@@ -101,8 +104,14 @@ class GenerateArgs(EngineFlags):
     def sampling(self, row: int, stops: tuple[int, ...]):
         from rollout.request import SamplingParams
 
-        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                              max_new_tokens=self.max_new_tokens, stop_token_ids=stops, seed=self.seed + row)
+        return SamplingParams(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            max_new_tokens=self.max_new_tokens,
+            stop_token_ids=stops,
+            seed=self.seed + row,
+        )
 
 
 def read_rows(path: Path, flag: str, encode) -> list[list[int]]:
@@ -114,8 +123,11 @@ def read_rows(path: Path, flag: str, encode) -> list[list[int]]:
         for where, row in read_jsonl_rows(path):
             if encode is None:
                 ids = row.get("input_ids")
-                if not isinstance(ids, list) or not ids or not all(
-                        isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                if (
+                    not isinstance(ids, list)
+                    or not ids
+                    or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids)
+                ):
                     raise ValueError(f"{where}: input_ids must be a non-empty list of integers")
             else:
                 try:
@@ -145,8 +157,9 @@ def encode_images(paths: tuple[Path, ...], model_path: str, dtype: str, device: 
     processed = [processor.process(path, name=f"--image {path}") for path in paths]
     vision = K3VisionModel.from_pretrained(model_path, dtype=TORCH_DTYPES[dtype], device=device).eval()
     with torch.no_grad():
-        feats = vision.encode(torch.cat([p.pixel_values for p in processed]),
-                              torch.tensor([p.grid_thw for p in processed]))
+        feats = vision.encode(
+            torch.cat([p.pixel_values for p in processed]), torch.tensor([p.grid_thw for p in processed])
+        )
     rows = feats.float().cpu().split([p.num_tokens for p in processed])  # the CPU: they travel to --tp workers
     return processed, [ImageFeatures(f.clone(), p.content_hash) for f, p in zip(rows, processed)]
 
@@ -157,16 +170,29 @@ def check_ids(rows: list[list[int]], vocab_size: int, max_seq_len: int, max_new_
         if bad is not None:
             raise ValueError(f"{source} row {i + 1}: token id {bad} is outside the model's vocabulary ({vocab_size})")
         if len(ids) + max_new_tokens > max_seq_len:
-            raise ValueError(f"{source} row {i + 1}: {len(ids)} prompt tokens + --max-new-tokens {max_new_tokens} "
-                             f"exceed the engine's max sequence length {max_seq_len} (--max-seq-len)")
+            raise ValueError(
+                f"{source} row {i + 1}: {len(ids)} prompt tokens + --max-new-tokens {max_new_tokens} "
+                f"exceed the engine's max sequence length {max_seq_len} (--max-seq-len)"
+            )
 
 
-def generate_outputs(engine, rows: list[list[int]], args: GenerateArgs, stops: tuple[int, ...],
-                     adapter: str | None, tokenizer=None, images: list | None = None) -> list[dict]:
+def generate_outputs(
+    engine,
+    rows: list[list[int]],
+    args: GenerateArgs,
+    stops: tuple[int, ...],
+    adapter: str | None,
+    tokenizer=None,
+    images: list | None = None,
+) -> list[dict]:
     """Run every row to completion on `engine` (each row with `images`, ImageFeatures, when given); one
     output dict per row, in row order."""
-    completions = engine.generate(rows, [args.sampling(i, stops) for i in range(len(rows))], adapter,
-                                  images=[images] * len(rows) if images else None)
+    completions = engine.generate(
+        rows,
+        [args.sampling(i, stops) for i in range(len(rows))],
+        adapter,
+        images=[images] * len(rows) if images else None,
+    )
     outputs = []
     for c in completions:
         out = {"output_ids": c.output_ids, "logprobs": c.logprobs, "finish_reason": c.finish_reason.value}
@@ -187,8 +213,10 @@ def run(args: GenerateArgs) -> list[dict]:
     processed, images = [], None
     if args.images:
         if config.vision_config is None or config.media_placeholder_token_id is None:
-            raise ValueError(f"--image: {args.model_path} is not a vision-language checkpoint (its config.json has "
-                             "no vision_config / media_placeholder_token_id)")
+            raise ValueError(
+                f"--image: {args.model_path} is not a vision-language checkpoint (its config.json has "
+                "no vision_config / media_placeholder_token_id)"
+            )
         processed, images = encode_images(args.images, spec.path, spec.dtype, args.device)
     tokenizer = None
     if args.prompts is not None:
@@ -198,15 +226,19 @@ def run(args: GenerateArgs) -> list[dict]:
     else:
         rows = read_rows(args.input_ids, "--input-ids", None)
     stops = tuple(args.stop_token_ids) + ((tokenizer.eos_token_id,) if tokenizer is not None else ())
-    check_ids(rows, config.vocab_size, spec.engine.max_seq_len, args.max_new_tokens,
-              "--prompts" if args.prompts is not None else "--input-ids")
+    check_ids(
+        rows,
+        config.vocab_size,
+        spec.engine.max_seq_len,
+        args.max_new_tokens,
+        "--prompts" if args.prompts is not None else "--input-ids",
+    )
     if args.tp == 1:
         from rollout.build import build_engine
 
         with flag_errors():
             engine = build_engine(spec)
-        return generate_outputs(engine, rows, args, stops, None if args.adapter is None else ADAPTER, tokenizer,
-                                images)
+        return generate_outputs(engine, rows, args, stops, None if args.adapter is None else ADAPTER, tokenizer, images)
     outputs = run_workers(args, rows, stops, images)
     if tokenizer is not None:
         for out in outputs:
@@ -214,8 +246,9 @@ def run(args: GenerateArgs) -> list[dict]:
     return outputs
 
 
-def run_workers(args: GenerateArgs, rows: list[list[int]], stops: tuple[int, ...], images: list | None = None
-                ) -> list[dict]:
+def run_workers(
+    args: GenerateArgs, rows: list[list[int]], stops: tuple[int, ...], images: list | None = None
+) -> list[dict]:
     """--tp N: N worker processes, one engine rank each (gloo on CPU, nccl with a GPU per rank); rank 0
     generates and hands the outputs back through a file. A worker's ValueError comes back as this one."""
     import tempfile
@@ -226,16 +259,25 @@ def run_workers(args: GenerateArgs, rows: list[list[int]], stops: tuple[int, ...
 
     with tempfile.TemporaryDirectory(prefix="miles-k3-generate-") as tmp:
         result = Path(tmp) / "result.json"
-        mp.spawn(_worker, args=(args.tp, free_port(), args, rows, stops, str(result), images), nprocs=args.tp,
-                 join=True)
+        mp.spawn(
+            _worker, args=(args.tp, free_port(), args, rows, stops, str(result), images), nprocs=args.tp, join=True
+        )
         answer = json.loads(result.read_text())
     if "error" in answer:
         raise ValueError(answer["error"])
     return answer["outputs"]
 
 
-def _worker(rank: int, world: int, port: int, args: GenerateArgs, rows: list[list[int]], stops: tuple[int, ...],
-            result: str, images: list | None = None) -> None:
+def _worker(
+    rank: int,
+    world: int,
+    port: int,
+    args: GenerateArgs,
+    rows: list[list[int]],
+    stops: tuple[int, ...],
+    result: str,
+    images: list | None = None,
+) -> None:
     """One engine rank (`rollout.build.build_engine` on every rank of the world); rank 0 generates and writes
     the answer, the others follow it. A ValueError while building (every rank meets it alike: the same
     files and checks) or generating is the answer's error."""
@@ -264,8 +306,11 @@ def _worker(rank: int, world: int, port: int, args: GenerateArgs, rows: list[lis
                 engine.follow()
                 return
             try:
-                answer = {"outputs": generate_outputs(engine, rows, args, stops, ADAPTER if args.adapter else None,
-                                                      images=images)}
+                answer = {
+                    "outputs": generate_outputs(
+                        engine, rows, args, stops, ADAPTER if args.adapter else None, images=images
+                    )
+                }
             except ValueError as e:
                 answer = {"error": str(e)}
             finally:
@@ -281,16 +326,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--input-ids", type=Path, help='JSONL rows {"input_ids": [...]}')
     src.add_argument("--prompts", type=Path, help='JSONL rows {"prompt": "text"} or {"messages": [...]}')
-    p.add_argument("--image", dest="images", type=Path, action="append", default=[],
-                   help="an image every --prompts row sees, at its <|kimi_image_placeholder|> (repeatable, in order)")
+    p.add_argument(
+        "--image",
+        dest="images",
+        type=Path,
+        action="append",
+        default=[],
+        help="an image every --prompts row sees, at its <|kimi_image_placeholder|> (repeatable, in order)",
+    )
     p.add_argument("--json", dest="out", type=Path, help="write the outputs here (default: stdout)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=1.0, help="0: greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0, help="0: off")
     p.add_argument("--seed", type=int, default=0, help="row i samples from a generator seeded seed + i")
-    p.add_argument("--stop-token-id", dest="stop_token_ids", type=int, action="append", default=[],
-                   help="also stop after this token (repeatable)")
+    p.add_argument(
+        "--stop-token-id",
+        dest="stop_token_ids",
+        type=int,
+        action="append",
+        default=[],
+        help="also stop after this token (repeatable)",
+    )
     p.add_argument("--adapter", type=Path, help="a PEFT LoRA adapter directory (as the trainer saves it)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel engine ranks (worker processes)")
     p.add_argument("--dcp", type=int, default=1, help="decode context-parallel ranks inside the TP group")
@@ -300,8 +357,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def cmd_generate(ns: argparse.Namespace) -> int:
     fields = GenerateArgs.__dataclass_fields__
-    args = GenerateArgs(**{k: getattr(ns, k) for k in fields if k not in ("stop_token_ids", "images")},
-                        stop_token_ids=tuple(ns.stop_token_ids), images=tuple(ns.images))
+    args = GenerateArgs(
+        **{k: getattr(ns, k) for k in fields if k not in ("stop_token_ids", "images")},
+        stop_token_ids=tuple(ns.stop_token_ids),
+        images=tuple(ns.images),
+    )
     outputs = run(args)
     text = json.dumps({"outputs": outputs})
     if args.out is None:

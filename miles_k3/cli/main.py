@@ -1,12 +1,12 @@
 """`miles-k3`: inspect K3 configurations and check a model end to end on this machine.
 
-    miles-k3 info --preset k3                 # parameter counts, layer plan
-    miles-k3 info --config path/to/config.json
-    miles-k3 plan --preset k3 --gpus 64 --gpu-memory-gb 288     # per-rank memory of parallel layouts
-    miles-k3 generate --model builtin:k3-tiny-arith --prompts p.jsonl --json out.json   # batch generation
-    miles-k3 smoke --preset k3-tiny --out outputs/k3-tiny-random
-        builds a randomly initialized model, writes it as an HF checkpoint, loads it back, greedy-decodes
-        with the incremental cache and checks every decode step against a full forward pass.
+miles-k3 info --preset k3                 # parameter counts, layer plan
+miles-k3 info --config path/to/config.json
+miles-k3 plan --preset k3 --gpus 64 --gpu-memory-gb 288     # per-rank memory of parallel layouts
+miles-k3 generate --model builtin:k3-tiny-arith --prompts p.jsonl --json out.json   # batch generation
+miles-k3 smoke --preset k3-tiny --out outputs/k3-tiny-random
+    builds a randomly initialized model, writes it as an HF checkpoint, loads it back, greedy-decodes
+    with the incremental cache and checks every decode step against a full forward pass.
 """
 
 from __future__ import annotations
@@ -18,10 +18,13 @@ from pathlib import Path
 
 import torch
 
+from miles_k3.cli.generate import __doc__ as generate_doc
+from miles_k3.cli.generate import add_arguments as add_generate_arguments
+from miles_k3.cli.generate import cmd_generate
+from miles_k3.cli.plan import add_arguments as add_plan_arguments
+from miles_k3.cli.plan import cmd_plan
 from miles_k3.model import K3Config, K3ForCausalLM
 from miles_k3.model.generate import greedy_generate
-from miles_k3.cli.generate import __doc__ as generate_doc, add_arguments as add_generate_arguments, cmd_generate
-from miles_k3.cli.plan import add_arguments as add_plan_arguments, cmd_plan
 
 
 def _config(args) -> K3Config:
@@ -56,7 +59,7 @@ def cmd_smoke(args) -> int:
     with torch.no_grad():
         full = loaded(torch.cat([prompt, new_tokens], dim=1)).logits.float().log_softmax(-1)
     n = new_tokens.shape[1]
-    full_logps = full[:, args.prompt_len - 1: args.prompt_len - 1 + n].gather(-1, new_tokens[..., None])[..., 0]
+    full_logps = full[:, args.prompt_len - 1 : args.prompt_len - 1 + n].gather(-1, new_tokens[..., None])[..., 0]
     diff = (full_logps - logps).abs().max().item()
     print(f"checkpoint    {out} ({sum(p.stat().st_size for p in out.iterdir()) / 1e6:.1f} MB)")
     print(f"generated     {args.batch} x {n} tokens in {elapsed:.2f} s ({args.batch * n / elapsed:.0f} tok/s, CPU)")
@@ -69,8 +72,9 @@ def cmd_smoke(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="miles-k3", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="miles-k3", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = ap.add_subparsers(dest="cmd", required=True)
     for name, fn in (("info", cmd_info), ("smoke", cmd_smoke)):
         p = sub.add_parser(name)
@@ -80,9 +84,12 @@ def main(argv: list[str] | None = None) -> int:
     plan = sub.add_parser("plan", help="per-rank memory of parallel layouts (miles_k3.cli.plan)")
     plan.set_defaults(fn=cmd_plan)
     add_plan_arguments(plan)
-    generate = sub.add_parser("generate", help="offline batch generation through the engine (miles_k3.cli.generate)",
-                              description=generate_doc,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    generate = sub.add_parser(
+        "generate",
+        help="offline batch generation through the engine (miles_k3.cli.generate)",
+        description=generate_doc,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     generate.set_defaults(fn=cmd_generate)
     add_generate_arguments(generate)
     smoke = sub.choices["smoke"]

@@ -32,14 +32,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-gb", type=float, required=True, help="memory of one GPU, GiB")
     p.add_argument("--layout", action="append", default=None, help="tp=,pp=,cp=,ep=[,dp=] (repeatable)")
     p.add_argument("--seq-len", type=int, default=4096, help="tokens of one sequence (a micro-batch holds whole ones)")
-    p.add_argument("--micro-batch-tokens", type=int, default=None,
-                   help="packed tokens per micro-batch (default --seq-len)")
+    p.add_argument(
+        "--micro-batch-tokens", type=int, default=None, help="packed tokens per micro-batch (default --seq-len)"
+    )
     p.add_argument("--lora-rank", type=int, default=16)
-    p.add_argument("--recompute", action="store_true",
-                   help="list activations as parallel.recompute keeps them (each verdict gives both totals)")
+    p.add_argument(
+        "--recompute",
+        action="store_true",
+        help="list activations as parallel.recompute keeps them (each verdict gives both totals)",
+    )
     p.add_argument("--engine-memory-gb", type=float, default=None, help="the engine's KV + KDA state budget, GiB")
-    p.add_argument("--engine-seqs", type=int, default=None,
-                   help="size the engine's pools for this many --seq-len sequences instead (default 64)")
+    p.add_argument(
+        "--engine-seqs",
+        type=int,
+        default=None,
+        help="size the engine's pools for this many --seq-len sequences instead (default 64)",
+    )
 
 
 def _positive(flag: str, value) -> None:
@@ -54,16 +62,26 @@ def engine_pool_bytes(config, args) -> tuple[int, str]:
 
     defaults = EngineConfig(memory_bytes=1)
     if args.engine_memory_gb is not None:
-        sizes = PoolSizes.from_budget(config, int(args.engine_memory_gb * GiB), page_size=defaults.page_size,
-                                      state_fraction=defaults.state_fraction)
+        sizes = PoolSizes.from_budget(
+            config,
+            int(args.engine_memory_gb * GiB),
+            page_size=defaults.page_size,
+            state_fraction=defaults.state_fraction,
+        )
         how = f"{args.engine_memory_gb:g} GiB budget: {sizes.num_pages} KV pages, {sizes.num_slots} KDA slots"
     else:
         seqs = args.engine_seqs or 64
         page, bf16 = defaults.page_size, torch.bfloat16
         num_pages = seqs * -(-args.seq_len // page)
-        sizes = PoolSizes(num_pages, seqs, page, PoolSizes.bytes_per_page(config, page, bf16),
-                          PoolSizes.bytes_per_slot(config, bf16), kda_heads=config.kda_num_heads,
-                          kv_rows_per_page=page)
+        sizes = PoolSizes(
+            num_pages,
+            seqs,
+            page,
+            PoolSizes.bytes_per_page(config, page, bf16),
+            PoolSizes.bytes_per_slot(config, bf16),
+            kda_heads=config.kda_num_heads,
+            kv_rows_per_page=page,
+        )
         how = f"{seqs} sequences of {args.seq_len}: {num_pages} KV pages, {seqs} KDA slots"
     return sizes.num_pages * sizes.page_bytes + sizes.num_slots * sizes.slot_bytes, how
 
@@ -95,8 +113,15 @@ def cmd_plan(args) -> int:
         warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
         from megatron_patches.layout_plan import Layout, LayoutPlanner
 
-    for flag in ("gpus", "gpu_memory_gb", "seq_len", "micro_batch_tokens", "lora_rank", "engine_memory_gb",
-                 "engine_seqs"):
+    for flag in (
+        "gpus",
+        "gpu_memory_gb",
+        "seq_len",
+        "micro_batch_tokens",
+        "lora_rank",
+        "engine_memory_gb",
+        "engine_seqs",
+    ):
         _positive(flag.replace("_", "-"), getattr(args, flag))
     if args.engine_memory_gb is not None and args.engine_seqs is not None:
         raise ValueError("--engine-memory-gb and --engine-seqs size the same pools: give one")
@@ -110,11 +135,15 @@ def cmd_plan(args) -> int:
     planner = LayoutPlanner(config, LoraSpec(rank=args.lora_rank))
     engine, engine_how = engine_pool_bytes(config, args)
     limit = args.gpu_memory_gb * GiB
-    print(f"per-rank GiB at micro-batches of {tokens} tokens (/cp per rank); engine pools {engine / GiB:.2f} GiB "
-          f"({engine_how}); GPU {args.gpu_memory_gb:g} GiB")
+    print(
+        f"per-rank GiB at micro-batches of {tokens} tokens (/cp per rank); engine pools {engine / GiB:.2f} GiB "
+        f"({engine_how}); GPU {args.gpu_memory_gb:g} GiB"
+    )
     mode = "with recompute" if args.recompute else "without recompute"
-    print(f"{'layout':34} {'stages':>8} {'experts':>8} {'base':>7} {'lora':>6} {'grads':>6} {'adamw':>6} "
-          f"{'act/mb':>8} {'x':>2} {'recomp':>6} {'engine':>6} {'total':>8}   ({mode})")
+    print(
+        f"{'layout':34} {'stages':>8} {'experts':>8} {'base':>7} {'lora':>6} {'grads':>6} {'adamw':>6} "
+        f"{'act/mb':>8} {'x':>2} {'recomp':>6} {'engine':>6} {'total':>8}   ({mode})"
+    )
     verdicts = []
     for layout in layouts:
         try:
@@ -124,8 +153,10 @@ def cmd_plan(args) -> int:
             continue
         fixed = max(s.trainer_total for s in params) + engine
         if fixed > limit:  # no forward needed: the parameters and the pools alone are too much
-            print(f"  -> {layout}: parameters + optimizer + engine pools {fixed / GiB:.1f} GiB of "
-                  f"{args.gpu_memory_gb:g} on the fullest rank: does not fit")
+            print(
+                f"  -> {layout}: parameters + optimizer + engine pools {fixed / GiB:.1f} GiB of "
+                f"{args.gpu_memory_gb:g} on the fullest rank: does not fit"
+            )
             verdicts.append((fixed, fixed, layout))
             continue
         peaks = {}
@@ -140,15 +171,18 @@ def cmd_plan(args) -> int:
             for group in kinds.values():
                 s = max(group, key=lambda g: g.trainer_total)  # the stage of this kind at its peak
                 names = ",".join(str(g.stage) for g in group)
-                print(f"{str(layout):34} {names:>8} {s.base_experts / GiB:8.2f} {s.base_other / GiB:7.2f} "
-                      f"{s.lora / GiB:6.2f} {s.lora_grads / GiB:6.2f} {s.optimizer / GiB:6.2f} "
-                      f"{s.activations / GiB:8.2f} {s.in_flight:2d} {s.recompute_peak / GiB:6.2f} "
-                      f"{engine / GiB:6.2f} {(s.trainer_total + engine) / GiB:8.1f}")
+                print(
+                    f"{str(layout):34} {names:>8} {s.base_experts / GiB:8.2f} {s.base_other / GiB:7.2f} "
+                    f"{s.lora / GiB:6.2f} {s.lora_grads / GiB:6.2f} {s.optimizer / GiB:6.2f} "
+                    f"{s.activations / GiB:8.2f} {s.in_flight:2d} {s.recompute_peak / GiB:6.2f} "
+                    f"{engine / GiB:6.2f} {(s.trainer_total + engine) / GiB:8.1f}"
+                )
         verdicts.append((peaks[False], peaks[True], layout))
-        verdict = ("FITS" if peaks[False] <= limit else "FITS with recompute" if peaks[True] <= limit
-                   else "does not fit")
-        print(f"  -> {layout}: peak rank {peaks[False] / GiB:.1f} GiB without recompute, {peaks[True] / GiB:.1f} "
-              f"with, of {args.gpu_memory_gb:g}: {verdict}")
+        verdict = "FITS" if peaks[False] <= limit else "FITS with recompute" if peaks[True] <= limit else "does not fit"
+        print(
+            f"  -> {layout}: peak rank {peaks[False] / GiB:.1f} GiB without recompute, {peaks[True] / GiB:.1f} "
+            f"with, of {args.gpu_memory_gb:g}: {verdict}"
+        )
     for recompute in (False, True):
         peaks_of = [(with_rc if recompute else without, str(lay)) for without, with_rc, lay in verdicts]
         fitting = sorted(p for p in peaks_of if p[0] <= limit)
@@ -156,6 +190,7 @@ def cmd_plan(args) -> int:
             how = " with recompute (parallel.recompute=true)" if recompute else ""
             print(f"best fitting layout{how}: {fitting[0][1]} (peak rank {fitting[0][0] / GiB:.1f} GiB)")
             return 0
-    print("no candidate layout fits, even with recompute: fewer micro-batch tokens, more context parallelism "
-          "or more GPUs")
+    print(
+        "no candidate layout fits, even with recompute: fewer micro-batch tokens, more context parallelism or more GPUs"
+    )
     return 1

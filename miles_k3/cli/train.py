@@ -71,8 +71,17 @@ def precheck(argv: list[str]) -> None:
         args = get_args_parser().parse_args(argv)
     except SystemExit:  # a malformed flag: argparse's usage message (Hydra prints it again)
         return
-    if (args.help or args.hydra_help or args.info or args.shell_completion or args.multirun or args.config_path
-            or args.config_name or args.config_dir or args.experimental_rerun):
+    if (
+        args.help
+        or args.hydra_help
+        or args.info
+        or args.shell_completion
+        or args.multirun
+        or args.config_path
+        or args.config_name
+        or args.config_dir
+        or args.experimental_rerun
+    ):
         return
     try:
         with initialize_config_module(config_module="recipes", version_base=None):

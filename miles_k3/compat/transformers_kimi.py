@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import inspect
 
-_KERNEL_BOUND = ("chunk_kimi_delta_attention", "recurrent_kimi_delta_attention", "causal_conv1d_fn",
-                 "causal_conv1d_update")
+_KERNEL_BOUND = (
+    "chunk_kimi_delta_attention",
+    "recurrent_kimi_delta_attention",
+    "causal_conv1d_fn",
+    "causal_conv1d_update",
+)
 
 
 def use_torch_fallbacks() -> None:

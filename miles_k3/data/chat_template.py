@@ -47,8 +47,10 @@ def template_fields(template: str) -> set[str]:
         if name is None:
             continue
         if name not in TEMPLATE_FIELDS:
-            raise ValueError(f"chat_template: unknown field {{{name}}} in {template!r}; allowed: "
-                             f"{', '.join('{' + f + '}' for f in TEMPLATE_FIELDS)} (double literal braces)")
+            raise ValueError(
+                f"chat_template: unknown field {{{name}}} in {template!r}; allowed: "
+                f"{', '.join('{' + f + '}' for f in TEMPLATE_FIELDS)} (double literal braces)"
+            )
         if spec or conversion:
             raise ValueError(f"chat_template: field {{{name}}} may not carry a format spec or conversion")
         fields.add(name)
@@ -60,21 +62,25 @@ def validate_template(template: str | None, system_prompt: str | None) -> None:
     system prompt would actually be used: a set system prompt that no template reads is an error, not a
     silent no-op."""
     if template is not None and not isinstance(template, str):
-        raise ValueError(f"chat_template: must be None, {HF!r}, {CHATML!r} or a format string, "
-                         f"got {type(template).__name__}")
+        raise ValueError(
+            f"chat_template: must be None, {HF!r}, {CHATML!r} or a format string, got {type(template).__name__}"
+        )
     if system_prompt is not None and not isinstance(system_prompt, str):
         raise ValueError(f"system_prompt: must be None or a string, got {type(system_prompt).__name__}")
     if template is None:
         if system_prompt is not None:
-            raise ValueError("system_prompt: set, but chat_template is None, so it would be ignored; "
-                             "use chat_template='hf', 'chatml' or a format string with {system}")
+            raise ValueError(
+                "system_prompt: set, but chat_template is None, so it would be ignored; "
+                "use chat_template='hf', 'chatml' or a format string with {system}"
+            )
         return
     if template in (CHATML, HF):
         return
     fields = template_fields(template)
     if "prompt" not in fields:
-        raise ValueError(f"chat_template: {template!r} is neither {HF!r}, {CHATML!r} nor a format string with "
-                         "a {prompt} field")
+        raise ValueError(
+            f"chat_template: {template!r} is neither {HF!r}, {CHATML!r} nor a format string with a {{prompt}} field"
+        )
     if system_prompt is not None and "system" not in fields:
         raise ValueError("system_prompt: set, but chat_template has no {system} field, so it would be ignored")
 
@@ -89,16 +95,16 @@ def validate_messages(messages: list[Any]) -> list[dict[str, str]]:
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
-            raise ValueError(f"prompt: message {i} must be an object with role and content, "
-                             f"got {type(m).__name__}")
+            raise ValueError(f"prompt: message {i} must be an object with role and content, got {type(m).__name__}")
         role, content = m.get("role"), m.get("content")
         if role not in ROLES:
             raise ValueError(f"prompt: message {i} has role {role!r}; expected one of {ROLES}")
         if isinstance(content, list):
             content = content_parts_text(content, f"message {i}")
         if not isinstance(content, str):
-            raise ValueError(f"prompt: message {i} content must be a string or a list of content parts, "
-                             f"got {type(content).__name__}")
+            raise ValueError(
+                f"prompt: message {i} content must be a string or a list of content parts, got {type(content).__name__}"
+            )
         out.append({"role": role, "content": content})
     if out[-1]["role"] != "user":
         raise ValueError(f"prompt: the last message must have role 'user', got {out[-1]['role']!r}")
@@ -121,8 +127,11 @@ def content_parts_text(parts: list[Any], where: str) -> str:
             content_part_image(part)  # fails here, at render time, when the part names no image
             out.append(IMAGE_PLACEHOLDER)
         else:
-            raise ValueError(f"prompt: {where} part {j}: expected an object with type 'text', 'image_url' or "
-                             f"'image', got {part!r}"[:300])
+            raise ValueError(
+                f"prompt: {where} part {j}: expected an object with type 'text', 'image_url' or 'image', got {part!r}"[
+                    :300
+                ]
+            )
     return "".join(out)
 
 
@@ -139,8 +148,12 @@ def _chatml(messages: list[dict[str, str]], system_prompt: str | None) -> str:
     return turns + "<|im_start|>assistant\n"
 
 
-def render_prompt(raw: str | list[Any], template: str | None, system_prompt: str | None = None,
-                  apply_chat: Callable[[list[dict[str, str]]], str] | None = None) -> str:
+def render_prompt(
+    raw: str | list[Any],
+    template: str | None,
+    system_prompt: str | None = None,
+    apply_chat: Callable[[list[dict[str, str]]], str] | None = None,
+) -> str:
     """Render a raw prompt (string or chat-message list) with a template already checked by
     `validate_template`. `apply_chat`: the tokenizer's template (messages -> text ending in the generation
     prompt), required by ``"hf"``. ValueError when the template cannot render this prompt (messages without
@@ -157,8 +170,10 @@ def render_prompt(raw: str | list[Any], template: str | None, system_prompt: str
     if isinstance(raw, list):
         messages = validate_messages(raw)
         if template != CHATML:
-            raise ValueError(f"prompt: a chat-message list needs chat_template={CHATML!r} (embedded models) or "
-                             f"{HF!r} (an HF tokenizer's own); chat_template is {template!r}")
+            raise ValueError(
+                f"prompt: a chat-message list needs chat_template={CHATML!r} (embedded models) or "
+                f"{HF!r} (an HF tokenizer's own); chat_template is {template!r}"
+            )
         return _chatml(messages, system_prompt)
     if not isinstance(raw, str):
         raise ValueError(f"prompt: must be a string or a list of chat messages, got {type(raw).__name__}")

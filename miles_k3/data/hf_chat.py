@@ -16,8 +16,10 @@ def hf_chat_renderer(hf_tokenizer: Any, where: str) -> Callable[[list[dict[str, 
     ValueError (starting with ``chat_template``) when the tokenizer has none; a template that rejects a message
     list (jinja's raise_exception, a role order it refuses) is a ValueError starting with ``prompt``."""
     if not getattr(hf_tokenizer, "chat_template", None):
-        raise ValueError(f"chat_template: 'hf', but the tokenizer in {where} has no chat template "
-                         "(tokenizer_config.json's chat_template, or chat_template.jinja)")
+        raise ValueError(
+            f"chat_template: 'hf', but the tokenizer in {where} has no chat template "
+            "(tokenizer_config.json's chat_template, or chat_template.jinja)"
+        )
 
     def render(messages: list[dict[str, str]]) -> str:
         try:

@@ -38,7 +38,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Union
 import numpy as np
 import torch
 
-from miles_k3.model.checks import is_int as _is_int, is_number
+from miles_k3.model.checks import is_int as _is_int
+from miles_k3.model.checks import is_number
 
 PREPROCESSOR_CONFIG = "preprocessor_config.json"
 FILL_STAGES = ("before_resize", "after_resize")
@@ -46,12 +47,14 @@ BACKGROUND_PATTERNS = ("chessboard", "white", "black", "gray")
 _SOLID = {"white": 255, "black": 0, "gray": 128}
 # media_proc_cfg keys the published file carries for video or bookkeeping: images never read them.
 # Any other unknown key fails the load: a setting we do not implement could change the pixels.
-IGNORED_KEYS = frozenset({
-    "in_patch_limit_each_frame",  # video: the per-frame patch budget
-    "sample_fps",  # video: frames sampled per second
-    "temporal_merge_kernel_size",  # video: frames merged per token
-    "config_type",  # the publisher's class name for this block
-})
+IGNORED_KEYS = frozenset(
+    {
+        "in_patch_limit_each_frame",  # video: the per-frame patch budget
+        "sample_fps",  # video: frames sampled per second
+        "temporal_merge_kernel_size",  # video: frames merged per token
+        "config_type",  # the publisher's class name for this block
+    }
+)
 
 if TYPE_CHECKING:  # PIL is imported when an image is first processed, not with this module
     from PIL.Image import Image as PILImage
@@ -78,6 +81,7 @@ class TransparentBackground:
 
     def validate(self) -> None:
         """ValueError naming the field (``transparent_bg_config.<field>``)."""
+
         def fail(name: str, rule: str) -> ValueError:
             return ValueError(f"transparent_bg_config.{name} {rule}, got {getattr(self, name)!r}")
 
@@ -151,6 +155,7 @@ class ImageProcessorConfig:
 
     def validate(self) -> None:
         """ValueError naming the first bad field."""
+
         def fail(name: str, rule: str) -> ValueError:
             return ValueError(f"{name} {rule}, got {getattr(self, name)!r}")
 
@@ -169,8 +174,10 @@ class ImageProcessorConfig:
         if any(s <= 0 for s in self.image_std):
             raise fail("image_std", "must be > 0 in every channel")
         if self.fixed_output_tokens is not None:
-            raise fail("fixed_output_tokens", "is not supported (only null): the tower's merged token count is "
-                                              "h * w / (kh * kw)")
+            raise fail(
+                "fixed_output_tokens",
+                "is not supported (only null): the tower's merged token count is h * w / (kh * kw)",
+            )
         if self.transparent_bg is not None:
             if not isinstance(self.transparent_bg, TransparentBackground):
                 raise fail("transparent_bg", "must be a TransparentBackground or None")
@@ -186,8 +193,10 @@ class ImageProcessorConfig:
         known = {f for f in cls.__dataclass_fields__ if f != "transparent_bg"} | {"transparent_bg_config"}
         unknown = sorted(set(cfg) - known - IGNORED_KEYS)
         if unknown:
-            raise ValueError(f"media_proc_cfg.{unknown[0]}: not a setting this processor knows (known: "
-                             f"{sorted(known)}; ignored, video only: {sorted(IGNORED_KEYS)})")
+            raise ValueError(
+                f"media_proc_cfg.{unknown[0]}: not a setting this processor knows (known: "
+                f"{sorted(known)}; ignored, video only: {sorted(IGNORED_KEYS)})"
+            )
         required = [f for f, d in cls.__dataclass_fields__.items() if d.default is dataclasses.MISSING]
         missing = [f for f in required if f not in cfg]
         if missing:
@@ -230,9 +239,12 @@ class ImageProcessorConfig:
         """The ``media_proc_cfg`` object `from_media_proc_cfg` reads back to an equal config."""
         bg = self.transparent_bg
         return {
-            "patch_size": self.patch_size, "merge_kernel_size": list(self.merge_kernel_size),
-            "in_patch_limit": self.in_patch_limit, "patch_limit_on_one_side": self.patch_limit_on_one_side,
-            "image_mean": list(self.image_mean), "image_std": list(self.image_std),
+            "patch_size": self.patch_size,
+            "merge_kernel_size": list(self.merge_kernel_size),
+            "in_patch_limit": self.in_patch_limit,
+            "patch_limit_on_one_side": self.patch_limit_on_one_side,
+            "image_mean": list(self.image_mean),
+            "image_std": list(self.image_std),
             "fixed_output_tokens": self.fixed_output_tokens,
             "transparent_bg_config": None if bg is None else dict(bg.__dict__),
             "transparent_bg_fill_stage": self.transparent_bg_fill_stage,
@@ -242,8 +254,7 @@ class ImageProcessorConfig:
         """Write ``<directory>/preprocessor_config.json`` (the published layout); returns its path."""
         path = Path(directory) / PREPROCESSOR_CONFIG
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"media_proc_cfg": self.to_media_proc_cfg()}, indent=2) + "\n",
-                        encoding="utf-8")
+        path.write_text(json.dumps({"media_proc_cfg": self.to_media_proc_cfg()}, indent=2) + "\n", encoding="utf-8")
         return path
 
     def plan(self, width: int, height: int) -> ResizePlan:
@@ -252,16 +263,22 @@ class ImageProcessorConfig:
             raise ValueError(f"image size must be two ints >= 1, got {width!r} x {height!r}")
         p, side = self.patch_size, self.patch_limit_on_one_side
         kh, kw = self.merge_kernel_size
-        scale = min(1.0, math.sqrt(self.in_patch_limit / (max(1.0, width // p) * max(1.0, height // p))),
-                    side * p / width, side * p / height)
+        scale = min(
+            1.0,
+            math.sqrt(self.in_patch_limit / (max(1.0, width // p) * max(1.0, height // p))),
+            side * p / width,
+            side * p / height,
+        )
         new_w = min(max(1, int(width * scale)), side * p)
         new_h = min(max(1, int(height * scale)), side * p)
         pad_w, pad_h = -new_w % (kw * p), -new_h % (kh * p)
         grid_h, grid_w = (new_h + pad_h) // p, (new_w + pad_w) // p
         if grid_h > side or grid_w > side:
             # Only reachable when side is not a multiple of the merge kernel: the padding crosses the cap.
-            raise ValueError(f"patch_limit_on_one_side {side}: a {width}x{height} image pads to a "
-                             f"{grid_h}x{grid_w} patch grid, over it (make the limit a multiple of {kh}, {kw})")
+            raise ValueError(
+                f"patch_limit_on_one_side {side}: a {width}x{height} image pads to a "
+                f"{grid_h}x{grid_w} patch grid, over it (make the limit a multiple of {kh}, {kw})"
+            )
         return ResizePlan(new_w, new_h, pad_w, pad_h, grid_h, grid_w, grid_h * grid_w // (kh * kw))
 
 
@@ -320,10 +337,14 @@ class ImageProcessor:
         patches = x.reshape(plan.grid_h, p, plan.grid_w, p, 3).transpose(0, 2, 4, 1, 3)
         pixel_values = torch.from_numpy(np.ascontiguousarray(patches).reshape(-1, 3, p, p))
         grid = (1, plan.grid_h, plan.grid_w)
-        return ProcessedImage(pixel_values=pixel_values, grid_thw=grid, num_tokens=plan.num_tokens,
-                              size=(int(original[0]), int(original[1])),
-                              resized_size=(plan.width, plan.height),
-                              content_hash=content_hash(pixel_values, grid))
+        return ProcessedImage(
+            pixel_values=pixel_values,
+            grid_thw=grid,
+            num_tokens=plan.num_tokens,
+            size=(int(original[0]), int(original[1])),
+            resized_size=(plan.width, plan.height),
+            content_hash=content_hash(pixel_values, grid),
+        )
 
 
 def content_hash(pixel_values: torch.Tensor, grid_thw: tuple[int, int, int]) -> bytes:
@@ -348,8 +369,9 @@ def open_image(image: ImageInput, *, name: str | None = None):
         if not os.path.isfile(src):
             raise ValueError(f"{label}: image file not found")
     else:
-        raise ValueError(f"{name or 'image'}: must be a PIL image, a path or image-file bytes, "
-                         f"got {type(image).__name__}")
+        raise ValueError(
+            f"{name or 'image'}: must be a PIL image, a path or image-file bytes, got {type(image).__name__}"
+        )
     try:
         img = Image.open(src)
         img.load()  # decode now: a truncated file fails here, named, not later inside the resize

@@ -53,8 +53,10 @@ def expand_media_prompt(text: str, images: Sequence[Any]) -> str:
     both counts when the placeholders and the images differ in number."""
     parts = text.split(IMAGE_PLACEHOLDER)
     if len(parts) - 1 != len(images):
-        raise ValueError(f"prompt has {len(parts) - 1} image placeholder(s) {IMAGE_PLACEHOLDER} but "
-                         f"{len(images)} image(s) were given")
+        raise ValueError(
+            f"prompt has {len(parts) - 1} image placeholder(s) {IMAGE_PLACEHOLDER} but "
+            f"{len(images)} image(s) were given"
+        )
     out = [parts[0]]
     for image, rest in zip(images, parts[1:]):
         out += [image_block(image), rest]
@@ -77,12 +79,15 @@ def media_pad_positions(token_ids: Iterable[Any], images: Sequence[Any], pad_tok
             runs.append(range(start, n))
             start = None
     if len(runs) != len(images):
-        raise ValueError(f"token ids hold {len(runs)} media pad run(s) (id {pad_token_id}) but {len(images)} "
-                         f"image(s) were given")
+        raise ValueError(
+            f"token ids hold {len(runs)} media pad run(s) (id {pad_token_id}) but {len(images)} image(s) were given"
+        )
     for i, (run, image) in enumerate(zip(runs, images)):
         if len(run) != image.num_tokens:
-            raise ValueError(f"image {i}: its media pad run at position {run.start} has {len(run)} token(s), "
-                             f"the image takes {image.num_tokens}")
+            raise ValueError(
+                f"image {i}: its media pad run at position {run.start} has {len(run)} token(s), "
+                f"the image takes {image.num_tokens}"
+            )
     return runs
 
 
@@ -94,9 +99,10 @@ def prompt_encoder(tokenizer: Any, images: Sequence[Any] | None = None, pad_toke
     expanded to its image's block first (`expand_media_prompt`; in messages, the string contents in order),
     and the ids must hold one pad run of `pad_token_id` per image of its length (a tokenizer that splits the
     pad fails here, `media_pad_positions`). One-line ValueError naming what does not match."""
+
     def expand(text: str, at: int) -> tuple[str, int]:
         n = text.count(IMAGE_PLACEHOLDER)
-        return expand_media_prompt(text, images[at:at + n]), at + n
+        return expand_media_prompt(text, images[at : at + n]), at + n
 
     def encode(row: dict) -> list[int]:
         if isinstance(row.get("prompt"), str):
@@ -110,8 +116,10 @@ def prompt_encoder(tokenizer: Any, images: Sequence[Any] | None = None, pad_toke
                     if isinstance(m, dict) and isinstance(m.get("content"), str):
                         m["content"], at = expand(m["content"], at)
                 if at != len(images):
-                    raise ValueError(f"the messages hold {at} image placeholder(s) {IMAGE_PLACEHOLDER} but "
-                                     f"{len(images)} image(s) were given (--image)")
+                    raise ValueError(
+                        f"the messages hold {at} image placeholder(s) {IMAGE_PLACEHOLDER} but "
+                        f"{len(images)} image(s) were given (--image)"
+                    )
             ids = tokenizer.encode_chat(messages)
         else:
             raise ValueError('expected {"prompt": "text"} or {"messages": [...]}')
@@ -120,6 +128,7 @@ def prompt_encoder(tokenizer: Any, images: Sequence[Any] | None = None, pad_toke
         if images:
             media_pad_positions(ids, images, pad_token_id)
         return ids
+
     return encode
 
 
@@ -129,6 +138,7 @@ def _ints(ids: Iterable[Any]) -> list[int]:
 
 
 # --- data URLs ---
+
 
 def decode_data_url(url: str, *, where: str = "image_url") -> bytes:
     """The bytes of a base64 ``data:image/...;base64,...`` URL. One-line ValueError (starting with ``where``)
@@ -160,6 +170,7 @@ def encode_data_url(data: bytes, mime: str = "image/png") -> str:
 
 
 # --- image references ---
+
 
 @dataclass(frozen=True)
 class ImageRef:

@@ -75,8 +75,10 @@ class PromptDataConfig:
                 raise fail("images_key", "must differ from prompt_key and label_key")
         if self.metadata_keys is not None:
             if isinstance(self.metadata_keys, str):
-                raise fail("metadata_keys", f"must be None or a sequence of keys, not a string (write "
-                                            f"[{self.metadata_keys}] for one key)")
+                raise fail(
+                    "metadata_keys",
+                    f"must be None or a sequence of keys, not a string (write [{self.metadata_keys}] for one key)",
+                )
             try:
                 keys = tuple(self.metadata_keys)
             except TypeError:
@@ -125,8 +127,9 @@ class PromptRecord:
     images: tuple[ImageRef, ...] = ()
 
 
-def load_prompts(config: PromptDataConfig, apply_chat: Callable[[list[dict[str, str]]], str] | None = None
-                 ) -> list[PromptRecord]:
+def load_prompts(
+    config: PromptDataConfig, apply_chat: Callable[[list[dict[str, str]]], str] | None = None
+) -> list[PromptRecord]:
     """Read, check and render every row of ``config.path``. `apply_chat`: the tokenizer's chat template
     (`miles_k3.data.hf_chat.hf_chat_renderer`), which chat_template "hf" needs.
 
@@ -204,8 +207,9 @@ def _read_parquet(path: Path):
         yield f"{path} row {i} (0-based)", row
 
 
-def _to_record(index: int, row: dict[str, Any], where: str, c: PromptDataConfig, apply_chat=None,
-               base_dir: Path | None = None) -> PromptRecord:
+def _to_record(
+    index: int, row: dict[str, Any], where: str, c: PromptDataConfig, apply_chat=None, base_dir: Path | None = None
+) -> PromptRecord:
     if c.prompt_key not in row:
         raise ValueError(f"{where}: missing prompt key {c.prompt_key!r} (keys: {sorted(row)})")
     raw = row[c.prompt_key]
@@ -218,8 +222,10 @@ def _to_record(index: int, row: dict[str, Any], where: str, c: PromptDataConfig,
     label = None
     if c.label_key is not None:
         if c.label_key not in row:
-            raise ValueError(f"{where}: missing label key {c.label_key!r} (keys: {sorted(row)}; "
-                             "set label_key=None for unlabeled data)")
+            raise ValueError(
+                f"{where}: missing label key {c.label_key!r} (keys: {sorted(row)}; "
+                "set label_key=None for unlabeled data)"
+            )
         label = row[c.label_key]
         if label is None:
             # A null reference would score every sample as wrong: a data bug, not a zero reward.
@@ -232,30 +238,38 @@ def _to_record(index: int, row: dict[str, Any], where: str, c: PromptDataConfig,
         if missing:
             raise ValueError(f"{where}: missing metadata key {missing[0]!r} (keys: {sorted(row)})")
         metadata = {k: row[k] for k in c.metadata_keys}
-    return PromptRecord(index=index, prompt=prompt, raw_prompt=raw, label=label, metadata=metadata,
-                        images=images)
+    return PromptRecord(index=index, prompt=prompt, raw_prompt=raw, label=label, metadata=metadata, images=images)
 
 
-def _images(row: dict[str, Any], raw: Any, prompt: str, where: str, c: PromptDataConfig,
-            base_dir: Path | None) -> tuple[ImageRef, ...]:
+def _images(
+    row: dict[str, Any], raw: Any, prompt: str, where: str, c: PromptDataConfig, base_dir: Path | None
+) -> tuple[ImageRef, ...]:
     """The row's image references (paths checked to exist, nothing read), matched against the placeholders."""
     base_dir = base_dir if base_dir is not None else Path(".")
-    parts = message_images(raw, base_dir=base_dir, where=f"{where}: key {c.prompt_key!r}") \
-        if isinstance(raw, list) else []
+    parts = (
+        message_images(raw, base_dir=base_dir, where=f"{where}: key {c.prompt_key!r}") if isinstance(raw, list) else []
+    )
     listed: list[ImageRef] = []
     if c.images_key is not None and row.get(c.images_key) is not None:
         value = row[c.images_key]
         if not isinstance(value, (list, tuple)):
-            raise ValueError(f"{where}: key {c.images_key!r} must be a list of images (paths, data URLs), "
-                             f"got {type(value).__name__}")
-        listed = [image_ref(v, base_dir=base_dir, where=f"{where}: key {c.images_key!r} item {k}")
-                  for k, v in enumerate(value)]
+            raise ValueError(
+                f"{where}: key {c.images_key!r} must be a list of images (paths, data URLs), got {type(value).__name__}"
+            )
+        listed = [
+            image_ref(v, base_dir=base_dir, where=f"{where}: key {c.images_key!r} item {k}")
+            for k, v in enumerate(value)
+        ]
     if parts and listed:
-        raise ValueError(f"{where}: images both in the prompt's content parts ({len(parts)}) and under key "
-                         f"{c.images_key!r} ({len(listed)}); give them one way")
+        raise ValueError(
+            f"{where}: images both in the prompt's content parts ({len(parts)}) and under key "
+            f"{c.images_key!r} ({len(listed)}); give them one way"
+        )
     images = tuple(parts or listed)
     n = prompt.count(IMAGE_PLACEHOLDER)
     if n != len(images):
-        raise ValueError(f"{where}: the prompt has {n} image placeholder(s) {IMAGE_PLACEHOLDER} but the row "
-                         f"has {len(images)} image(s)")
+        raise ValueError(
+            f"{where}: the prompt has {n} image placeholder(s) {IMAGE_PLACEHOLDER} but the row "
+            f"has {len(images)} image(s)"
+        )
     return images

@@ -85,9 +85,14 @@ class Sample:
 
     def to_json(self) -> dict[str, Any]:
         """The JSON object a remote reward server receives for this sample."""
-        return {"prompt": self.prompt, "response": self.response, "label": self.label,
-                "metadata": dict(self.metadata), "group_index": self.group_index,
-                "sample_index": self.sample_index}
+        return {
+            "prompt": self.prompt,
+            "response": self.response,
+            "label": self.label,
+            "metadata": dict(self.metadata),
+            "group_index": self.group_index,
+            "sample_index": self.sample_index,
+        }
 
     # ------------------------------------------------------------ building the output
     def add_policy(self, turn: Sample) -> None:
@@ -125,12 +130,18 @@ class Sample:
         if not self.prompt_ids:
             raise ValueError("empty prompt_ids")
         n = len(self.output_ids)
-        lengths = {"logprobs": len(self.logprobs), "loss_mask": len(self.loss_mask),
-                   **{f"token_fields[{k!r}]": len(v) for k, v in self.token_fields.items()}}
+        lengths = {
+            "logprobs": len(self.logprobs),
+            "loss_mask": len(self.loss_mask),
+            **{f"token_fields[{k!r}]": len(v) for k, v in self.token_fields.items()},
+        }
         short = {k: v for k, v in lengths.items() if v != n}
         if short:
-            raise ValueError(f"{n} output tokens, but " + ", ".join(f"{v} {k}" for k, v in short.items())
-                             + " (one each per output token)")
+            raise ValueError(
+                f"{n} output tokens, but "
+                + ", ".join(f"{v} {k}" for k, v in short.items())
+                + " (one each per output token)"
+            )
         for name, ids in (("prompt_ids", self.prompt_ids), ("output_ids", self.output_ids)):
             bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size]
             if bad:

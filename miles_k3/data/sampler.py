@@ -46,8 +46,9 @@ class PromptSampler:
     different data or with different settings raises ValueError.
     """
 
-    def __init__(self, records: list[PromptRecord], *, shuffle: bool = True, seed: int = 0,
-                 drop_last: bool = False) -> None:
+    def __init__(
+        self, records: list[PromptRecord], *, shuffle: bool = True, seed: int = 0, drop_last: bool = False
+    ) -> None:
         if not records:
             raise ValueError("records: the sampler needs at least one record")
         self.records = list(records)
@@ -95,15 +96,17 @@ class PromptSampler:
             raise ValueError(f"n: batch size must be a positive int, got {n!r}")
         size = len(self.records)
         if self.drop_last and n > size:
-            raise ValueError(f"n: batch size {n} exceeds the dataset size {size} with drop_last=True, "
-                             "so no batch could ever be drawn")
+            raise ValueError(
+                f"n: batch size {n} exceeds the dataset size {size} with drop_last=True, "
+                "so no batch could ever be drawn"
+            )
         if self.drop_last and size - self._position < n:
             self._epoch, self._position = self._epoch + 1, 0
         batch: list[PromptRecord] = []
         while len(batch) < n:
             order = self._permutation()
             take = min(n - len(batch), size - self._position)
-            batch.extend(self.records[i] for i in order[self._position:self._position + take])
+            batch.extend(self.records[i] for i in order[self._position : self._position + take])
             self._position += take
             if self._position == size:  # keep position in [0, size): the state names the next record
                 self._epoch, self._position = self._epoch + 1, 0
@@ -132,11 +135,15 @@ class PromptSampler:
         if state["version"] != STATE_VERSION:
             raise ValueError(f"sampler state: version {state['version']!r}, expected {STATE_VERSION}")
         if state["dataset_size"] != len(self.records):
-            raise ValueError(f"sampler state: dataset_size {state['dataset_size']} != {len(self.records)} "
-                             "records loaded now; the dataset changed since the checkpoint")
+            raise ValueError(
+                f"sampler state: dataset_size {state['dataset_size']} != {len(self.records)} "
+                "records loaded now; the dataset changed since the checkpoint"
+            )
         if state["dataset_fingerprint"] != self.fingerprint:
-            raise ValueError("sampler state: dataset_fingerprint differs from the loaded dataset's; its content, "
-                             "order or rendering (chat_template, system_prompt) changed since the checkpoint")
+            raise ValueError(
+                "sampler state: dataset_fingerprint differs from the loaded dataset's; its content, "
+                "order or rendering (chat_template, system_prompt) changed since the checkpoint"
+            )
         # Other settings would silently give a different continuation: refuse rather than override.
         for name in ("seed", "shuffle", "drop_last"):
             if state[name] != getattr(self, name):

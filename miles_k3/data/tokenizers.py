@@ -23,8 +23,10 @@ class Tokenizer(Protocol):
 
     def encode_prompt(self, text: str) -> list[int]:
         """A prompt string -> ids, special tokens added as training adds them."""
+
     def encode(self, text: str) -> list[int]:
         """Text inside a sequence (tool output, a continuation) -> ids, no special tokens."""
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
 
@@ -136,5 +138,8 @@ def preset_token_ids(kind: str) -> dict[str, int]:
         return {}
     from miles_k3.tasks.arithmetic import ArithmeticTokenizer
 
-    return {"pad_token_id": ArithmeticTokenizer.pad_token_id, "bos_token_id": ArithmeticTokenizer.bos_token_id,
-            "eos_token_id": ArithmeticTokenizer.eos_token_id}
+    return {
+        "pad_token_id": ArithmeticTokenizer.pad_token_id,
+        "bos_token_id": ArithmeticTokenizer.bos_token_id,
+        "eos_token_id": ArithmeticTokenizer.eos_token_id,
+    }

@@ -37,7 +37,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-
 import triton
 import triton.language as tl
 
@@ -52,14 +51,32 @@ _ROW_TILE = 1024  # elements per program (short rows get several per program)
 
 
 @triton.jit
-def _attn_res_mix(srcs, outer_strides, inner_strides, nw_ptr, pw_ptr, out_ptr, ow_ptr, hout_ptr, rows, inner, D,
-                  eps, oeps, L: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr, ROWS: tl.constexpr,
-                  BLOCK: tl.constexpr):
+def _attn_res_mix(
+    srcs,
+    outer_strides,
+    inner_strides,
+    nw_ptr,
+    pw_ptr,
+    out_ptr,
+    ow_ptr,
+    hout_ptr,
+    rows,
+    inner,
+    D,
+    eps,
+    oeps,
+    L: tl.constexpr,
+    NORM: tl.constexpr,
+    ADD: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
     ok = (r < rows)[:, None] & (cols < D)[None, :]
-    q = tl.load(nw_ptr + cols, mask=cols < D, other=0.0).to(tl.float32) * \
-        tl.load(pw_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
+    q = tl.load(nw_ptr + cols, mask=cols < D, other=0.0).to(tl.float32) * tl.load(
+        pw_ptr + cols, mask=cols < D, other=0.0
+    ).to(tl.float32)
     r64 = r.to(tl.int64)
     outer, within = r64 // inner, r64 % inner
     m = tl.full([ROWS], float("-inf"), tl.float32)  # running max of the logits
@@ -88,35 +105,56 @@ def _attn_res_mix(srcs, outer_strides, inner_strides, nw_ptr, pw_ptr, out_ptr, o
     tl.store(out_ptr + r64[:, None] * D + cols[None, :], round_to(out, out_ptr.dtype.element_ty), mask=ok)
 
 
-def supports(h: torch.Tensor, blocks: Sequence[torch.Tensor], norm_weight: torch.Tensor,
-             proj_weight: torch.Tensor, then_norm: tuple[torch.Tensor, float] | None = None,
-             add: torch.Tensor | None = None) -> bool:
+def supports(
+    h: torch.Tensor,
+    blocks: Sequence[torch.Tensor],
+    norm_weight: torch.Tensor,
+    proj_weight: torch.Tensor,
+    then_norm: tuple[torch.Tensor, float] | None = None,
+    add: torch.Tensor | None = None,
+) -> bool:
     """Whether the kernel takes this call (module docstring); else the definition runs."""
     sources = (*blocks, h) + ((add,) if add is not None else ())
     d = h.shape[-1] if h.dim() else 0
     if then_norm is not None and not norm_kernels.supports(h, then_norm[0]):
         return False
-    return (0 < d <= MAX_D and len(blocks) + 1 <= MAX_SOURCES and h.dtype in DTYPES
-            and all(t.shape == h.shape and t.dtype == h.dtype and t.device == h.device and t.stride(-1) == 1
-                    for t in sources)
-            and norm_weight.shape == (d,) and proj_weight.shape == (1, d)
-            and all(w.dtype in DTYPES and w.device == h.device and w.stride(-1) == 1
-                    for w in (norm_weight, proj_weight))
-            and row_layout(*sources) is not None)
+    return (
+        0 < d <= MAX_D
+        and len(blocks) + 1 <= MAX_SOURCES
+        and h.dtype in DTYPES
+        and all(
+            t.shape == h.shape and t.dtype == h.dtype and t.device == h.device and t.stride(-1) == 1 for t in sources
+        )
+        and norm_weight.shape == (d,)
+        and proj_weight.shape == (1, d)
+        and all(w.dtype in DTYPES and w.device == h.device and w.stride(-1) == 1 for w in (norm_weight, proj_weight))
+        and row_layout(*sources) is not None
+    )
 
 
-def attn_res_mix(h: torch.Tensor, blocks: Sequence[torch.Tensor], norm_weight: torch.Tensor,
-                 proj_weight: torch.Tensor, eps: float,
-                 then_norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+def attn_res_mix(
+    h: torch.Tensor,
+    blocks: Sequence[torch.Tensor],
+    norm_weight: torch.Tensor,
+    proj_weight: torch.Tensor,
+    eps: float,
+    then_norm: tuple[torch.Tensor, float] | None = None,
+) -> torch.Tensor:
     """h and each block [..., D] -> the softmax-weighted mix of blocks + [h], [..., D] in h's dtype; with
     `then_norm` (weight [D], eps), that mix's RMSNorm instead (module docstring)."""
     assert supports(h, blocks, norm_weight, proj_weight, then_norm)
     return _launch(h, blocks, norm_weight, proj_weight, eps, then_norm, None)[1]
 
 
-def add_attn_res_mix(h: torch.Tensor, add: torch.Tensor, blocks: Sequence[torch.Tensor],
-                     norm_weight: torch.Tensor, proj_weight: torch.Tensor, eps: float,
-                     then_norm: tuple[torch.Tensor, float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def add_attn_res_mix(
+    h: torch.Tensor,
+    add: torch.Tensor,
+    blocks: Sequence[torch.Tensor],
+    norm_weight: torch.Tensor,
+    proj_weight: torch.Tensor,
+    eps: float,
+    then_norm: tuple[torch.Tensor, float] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(h + add, `attn_res_mix` over blocks + [h + add]) in one launch: the sum rounded to h's dtype as
     torch's add rounds it (so bit for bit the definition's), then mixed as that (module docstring)."""
     assert supports(h, blocks, norm_weight, proj_weight, then_norm, add)
@@ -138,11 +176,26 @@ def _launch(h, blocks, norm_weight, proj_weight, eps, then_norm, add) -> tuple[t
     # against 4.7 / 5.1 for four rows a program at 8 warps, bench_decode_kernels.py); narrower rows share one
     rows_per = max(1, _ROW_TILE // block)
     _attn_res_mix[(triton.cdiv(rows, rows_per),)](
-        sources, tuple(s for s, _ in strides), tuple(s for _, s in strides), norm_weight, proj_weight, out,
-        norm_weight if then_norm is None else then_norm[0], out if h_out is None else h_out, rows, inner, d,
-        float(eps), 0.0 if then_norm is None else float(then_norm[1]), L=len(blocks) + 1,
-        NORM=then_norm is not None, ADD=add is not None, ROWS=rows_per, BLOCK=block,
+        sources,
+        tuple(s for s, _ in strides),
+        tuple(s for _, s in strides),
+        norm_weight,
+        proj_weight,
+        out,
+        norm_weight if then_norm is None else then_norm[0],
+        out if h_out is None else h_out,
+        rows,
+        inner,
+        d,
+        float(eps),
+        0.0 if then_norm is None else float(then_norm[1]),
+        L=len(blocks) + 1,
+        NORM=then_norm is not None,
+        ADD=add is not None,
+        ROWS=rows_per,
+        BLOCK=block,
         # a 7168-wide row holds the running sum, a source and the query: at 8 warps ptxas (sm_90, L = 9) spilled
         # 400 bytes a thread, at 16 240 (its prefetched loads)
-        num_warps=min(16, max(4, block * rows_per // 256)))
+        num_warps=min(16, max(4, block * rows_per // 256)),
+    )
     return h_out, out

@@ -42,8 +42,11 @@ def launch_spec(fn: Any, args: tuple, kwargs: dict) -> dict:
     value (scalars, which Triton specializes on) and the constexpr keywords."""
     inner = fn.fn
     kw = {k: v for k, v in kwargs.items() if k not in ("grid", "warmup")}
-    return {"kernel": f"{inner.__module__}:{inner.__qualname__}", "args": [_encode(a) for a in args],
-            "kwargs": {k: _encode(v) for k, v in kw.items()}}
+    return {
+        "kernel": f"{inner.__module__}:{inner.__qualname__}",
+        "args": [_encode(a) for a in args],
+        "kwargs": {k: _encode(v) for k, v in kw.items()},
+    }
 
 
 def _decode(value: Any) -> Any:
@@ -107,8 +110,9 @@ def compile_launches(specs: list[dict], arch: int = 90) -> dict[str, str | None]
             consts = ", ".join(f"{k}={v}" for k, v in spec["kwargs"].items() if not isinstance(v, dict))
             label = f"{spec['kernel']}({consts})"
             try:
-                kernels[spec["kernel"]].warmup(*map(_decode, spec["args"]), grid=(1,),
-                                               **{k: _decode(v) for k, v in spec["kwargs"].items()})
+                kernels[spec["kernel"]].warmup(
+                    *map(_decode, spec["args"]), grid=(1,), **{k: _decode(v) for k, v in spec["kwargs"].items()}
+                )
                 results[label] = None
             except Exception as e:  # noqa: BLE001 - the compiler's errors have no common base
                 lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]

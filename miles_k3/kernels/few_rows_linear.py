@@ -21,7 +21,6 @@ it computes faster than cuBLAS; callers run `F.linear` otherwise):
 from __future__ import annotations
 
 import torch
-
 import triton
 import triton.language as tl
 
@@ -37,8 +36,7 @@ _TILE = 2048  # elements of one program's fp32 accumulator (rows x BN x BK): 16 
 
 
 @triton.jit
-def _few_rows_linear(x_ptr, w_ptr, y_ptr, M, N, K, sx, sw,
-                     MB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+def _few_rows_linear(x_ptr, w_ptr, y_ptr, M, N, K, sx, sw, MB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     m = tl.arange(0, MB)
     n_ok, m_ok = n < N, m < M
@@ -50,8 +48,9 @@ def _few_rows_linear(x_ptr, w_ptr, y_ptr, M, N, K, sx, sw,
         x = tl.load(x_ptr + m[:, None] * sx + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
     y = tl.sum(acc, axis=2)
-    tl.store(y_ptr + m[:, None] * N + n[None, :], round_to(y, y_ptr.dtype.element_ty),
-             mask=m_ok[:, None] & n_ok[None, :])
+    tl.store(
+        y_ptr + m[:, None] * N + n[None, :], round_to(y, y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :]
+    )
 
 
 def rows_of(x: torch.Tensor) -> int:
@@ -68,8 +67,9 @@ def fits(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = 
         x.view(-1, x.shape[-1])
     except RuntimeError:  # leading dims that do not collapse to one row stride
         return False
-    return (x.dtype in DTYPES and weight.dtype in DTYPES and (out_dtype or x.dtype) in DTYPES
-            and x.device == weight.device)
+    return (
+        x.dtype in DTYPES and weight.dtype in DTYPES and (out_dtype or x.dtype) in DTYPES and x.device == weight.device
+    )
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None) -> bool:
@@ -88,6 +88,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None 
     mb = triton.next_power_of_2(m)
     bk = min(triton.next_power_of_2(k), 512 // mb)
     bn = _TILE // (mb * bk)
-    _few_rows_linear[(triton.cdiv(n, bn),)](rows, weight, y, m, n, k, rows.stride(0), weight.stride(0),
-                                            MB=mb, BN=bn, BK=bk, num_warps=4)
+    _few_rows_linear[(triton.cdiv(n, bn),)](
+        rows, weight, y, m, n, k, rows.stride(0), weight.stride(0), MB=mb, BN=bn, BK=bk, num_warps=4
+    )
     return y.view(*x.shape[:-1], n)

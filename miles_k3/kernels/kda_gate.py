@@ -23,7 +23,6 @@ says which calls qualify; `miles_k3.ops.kda` sends the others to the definition)
 from __future__ import annotations
 
 import torch
-
 import triton
 import triton.language as tl
 
@@ -39,9 +38,27 @@ def _log1p(u):
 
 
 @triton.jit
-def _kda_gate(f_ptr, a_ptr, bias_ptr, b_ptr, g_ptr, beta_ptr, HK, K, H, sf_row, sf_col, sb_row, sb_col,
-              lower_bound, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, HAS_BETA: tl.constexpr,
-              BLOCK: tl.constexpr, BH: tl.constexpr):
+def _kda_gate(
+    f_ptr,
+    a_ptr,
+    bias_ptr,
+    b_ptr,
+    g_ptr,
+    beta_ptr,
+    HK,
+    K,
+    H,
+    sf_row,
+    sf_col,
+    sb_row,
+    sb_col,
+    lower_bound,
+    HAS_BIAS: tl.constexpr,
+    SOFTPLUS: tl.constexpr,
+    HAS_BETA: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BH: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = col < HK
@@ -63,18 +80,28 @@ def _kda_gate(f_ptr, a_ptr, bias_ptr, b_ptr, g_ptr, beta_ptr, HK, K, H, sf_row, 
             tl.store(beta_ptr + row * H + h, tl.sigmoid(bv), mask=h_ok)
 
 
-def supports(f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None,
-             b: torch.Tensor | None = None) -> bool:
+def supports(f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None, b: torch.Tensor | None = None) -> bool:
     """Whether the kernel takes this call of `miles_k3.ops.kda.kda_gate` / `kda_gate_beta` (shapes already
     checked there); else the definition runs. Not fp64 math (fp64 f or b), not K = 0, one device."""
     params = [t for t in (A_log, dt_bias) if t is not None]  # upcast to fp32 by both sides, whatever they are
-    return (f.dtype in DTYPES and f.shape[-1] > 0 and (b is None or (b.dtype in DTYPES and b.device == f.device))
-            and all(t.dtype.is_floating_point and t.device == f.device for t in params))
+    return (
+        f.dtype in DTYPES
+        and f.shape[-1] > 0
+        and (b is None or (b.dtype in DTYPES and b.device == f.device))
+        and all(t.dtype.is_floating_point and t.device == f.device for t in params)
+    )
 
 
-def kda_gate(f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None, *, num_heads: int,
-             softplus: bool, lower_bound: float, b: torch.Tensor | None = None
-             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def kda_gate(
+    f: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor | None,
+    *,
+    num_heads: int,
+    softplus: bool,
+    lower_bound: float,
+    b: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """f [..., H*K] -> (g [..., H, K] fp32, beta = sigmoid(b) [..., H] fp32 or None) in one launch (module
     docstring). Shapes are the caller's to check (`miles_k3.ops.kda` does)."""
     assert f.dtype in DTYPES, f.dtype
@@ -96,7 +123,23 @@ def kda_gate(f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None,
     bias = dt_bias.reshape(-1).contiguous() if dt_bias is not None else rows
     block = min(1024, triton.next_power_of_2(HK))
     grid = (rows.shape[0], triton.cdiv(HK, block))
-    _kda_gate[grid](rows, a, bias, b_rows, g, beta if beta is not None else g, HK, K, H, *rows.stride(),
-                    *b_rows.stride(), float(lower_bound), HAS_BIAS=dt_bias is not None, SOFTPLUS=softplus,
-                    HAS_BETA=b is not None, BLOCK=block, BH=triton.next_power_of_2(H))
+    _kda_gate[grid](
+        rows,
+        a,
+        bias,
+        b_rows,
+        g,
+        beta if beta is not None else g,
+        HK,
+        K,
+        H,
+        *rows.stride(),
+        *b_rows.stride(),
+        float(lower_bound),
+        HAS_BIAS=dt_bias is not None,
+        SOFTPLUS=softplus,
+        HAS_BETA=b is not None,
+        BLOCK=block,
+        BH=triton.next_power_of_2(H),
+    )
     return g, beta

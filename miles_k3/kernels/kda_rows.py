@@ -5,8 +5,8 @@ fla's recurrent kernel (`fla.ops.kda.fused_recurrent`) in its continuous-batchin
 from a pool slot but writes the state after every token (to a slot per token): for the verify forward,
 which may not write the committed state at all, and for the fold, which only needs the last one, that is
 T writes of the whole state where zero or one will do (k3-small: 6.5 MB of KDA state a row, so by
-arithmetic 1.7 GB a write at batch 256). The speculative verify ran fla's chunked kernel instead, over gathered copies of the
-states, and returned a final state nobody kept: five to six passes over the states a step.
+arithmetic 1.7 GB a write at batch 256). The speculative verify ran fla's chunked kernel instead, over gathered copies
+of the states, and returned a final state nobody kept: five to six passes over the states a step.
 
 Contract of `kda_rows(q, k, v, g, beta, pool, index, scale, use_qk_l2norm, write, cu_seqlens)`:
 - q, k, g [N, T, H, K], v [N, T, H, V], beta [N, T, H]: the gate `g` already applied (log-decay, fp32, as
@@ -28,7 +28,6 @@ Contract of `kda_rows(q, k, v, g, beta, pool, index, scale, use_qk_l2norm, write
 from __future__ import annotations
 
 import torch
-
 import triton
 import triton.language as tl
 
@@ -36,9 +35,28 @@ BV = 32  # fla's V block for this kernel
 
 
 @triton.jit(do_not_specialize=["T"])
-def _kda_rows(q, k, v, g, beta, o, pool, index, cu_seqlens, T, stride_slot, scale: tl.constexpr,
-              H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-              L2NORM: tl.constexpr, WRITE: tl.constexpr, IS_VARLEN: tl.constexpr):
+def _kda_rows(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    o,
+    pool,
+    index,
+    cu_seqlens,
+    T,
+    stride_slot,
+    scale: tl.constexpr,
+    H: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    L2NORM: tl.constexpr,
+    WRITE: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+):
     pid = tl.program_id(0).to(tl.int64)
     NV = tl.cdiv(V, BV)
     i_v = pid % NV
@@ -94,25 +112,61 @@ def _kda_rows(q, k, v, g, beta, o, pool, index, cu_seqlens, T, stride_slot, scal
 
 def supports(q: torch.Tensor, v: torch.Tensor, pool: torch.Tensor) -> bool:
     """Whether `kda_rows` takes these operands: an fp32 pool with contiguous slots shaped [H, K, V] for q / v."""
-    return (pool.dtype == torch.float32 and pool[0].is_contiguous() and q.dim() == 4
-            and pool.shape[1:] == (q.shape[2], q.shape[3], v.shape[3]))
+    return (
+        pool.dtype == torch.float32
+        and pool[0].is_contiguous()
+        and q.dim() == 4
+        and pool.shape[1:] == (q.shape[2], q.shape[3], v.shape[3])
+    )
 
 
-def kda_rows(q, k, v, g, beta, pool: torch.Tensor, index: torch.Tensor, *, scale: float | None,
-             use_qk_l2norm: bool, write: bool, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+def kda_rows(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    pool: torch.Tensor,
+    index: torch.Tensor,
+    *,
+    scale: float | None,
+    use_qk_l2norm: bool,
+    write: bool,
+    cu_seqlens: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The module docstring's contract."""
     b, t, h, kd = q.shape
     vd = v.shape[-1]
     n = b if cu_seqlens is None else cu_seqlens.numel() - 1
     if index.shape != (n,):
         raise ValueError(f"index {tuple(index.shape)} does not fit {n} rows")
-    scale = kd ** -0.5 if scale is None else scale
+    scale = kd**-0.5 if scale is None else scale
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     o = torch.empty_like(v)
     if n == 0 or t == 0:
         return o
     grid = (triton.cdiv(vd, BV) * n * h,)
-    _kda_rows[grid](q, k, v, g, beta, o, pool, index, cu_seqlens, t, pool.stride(0), scale=scale, H=h, K=kd, V=vd,
-                    BK=triton.next_power_of_2(kd), BV=BV, L2NORM=use_qk_l2norm, WRITE=write,
-                    IS_VARLEN=cu_seqlens is not None, num_warps=4)
+    _kda_rows[grid](
+        q,
+        k,
+        v,
+        g,
+        beta,
+        o,
+        pool,
+        index,
+        cu_seqlens,
+        t,
+        pool.stride(0),
+        scale=scale,
+        H=h,
+        K=kd,
+        V=vd,
+        BK=triton.next_power_of_2(kd),
+        BV=BV,
+        L2NORM=use_qk_l2norm,
+        WRITE=write,
+        IS_VARLEN=cu_seqlens is not None,
+        num_warps=4,
+    )
     return o

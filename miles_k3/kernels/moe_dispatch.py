@@ -22,7 +22,6 @@ Contracts (`supports` says which calls qualify; `RoutedExperts.forward` sends th
 from __future__ import annotations
 
 import torch
-
 import triton
 import triton.language as tl
 
@@ -59,8 +58,9 @@ def _block_counts(idx_ptr, part_ptr, M, E, BLK: tl.constexpr, BE: tl.constexpr):
 
 
 @triton.jit
-def _block_place(idx_ptr, part_ptr, base_ptr, token_ptr, pos_ptr, counts_ptr, M, K, E, NB,
-                 BLK: tl.constexpr, BE: tl.constexpr):
+def _block_place(
+    idx_ptr, part_ptr, base_ptr, token_ptr, pos_ptr, counts_ptr, M, K, E, NB, BLK: tl.constexpr, BE: tl.constexpr
+):
     blk = tl.program_id(0)
     b = tl.arange(0, BE)
     counts = tl.zeros([BE], tl.int32)
@@ -101,10 +101,19 @@ def _combine(ys_ptr, w_ptr, pos_ptr, out_ptr, D, sy, K: tl.constexpr, BD: tl.con
 
 def supports(x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, num_experts: int) -> bool:
     """Whether the kernels take this forward (module docstring); else the definition runs."""
-    return (x.dim() == 2 and x.dtype in DTYPES and indices.dim() == 2 and indices.dtype == torch.int64
-            and indices.is_contiguous() and 0 < indices.numel() <= MAX_PAIRS and num_experts <= MAX_EXPERTS
-            and weights.shape == indices.shape and weights.dtype == torch.float32 and weights.is_contiguous()
-            and indices.device == x.device == weights.device)
+    return (
+        x.dim() == 2
+        and x.dtype in DTYPES
+        and indices.dim() == 2
+        and indices.dtype == torch.int64
+        and indices.is_contiguous()
+        and 0 < indices.numel() <= MAX_PAIRS
+        and num_experts <= MAX_EXPERTS
+        and weights.shape == indices.shape
+        and weights.dtype == torch.float32
+        and weights.is_contiguous()
+        and indices.device == x.device == weights.device
+    )
 
 
 def align(indices: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -120,15 +129,17 @@ def align(indices: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.
     counts = torch.empty(num_experts, dtype=torch.int64, device=dev)
     be = triton.next_power_of_2(num_experts + 1)
     if m <= SORT_PAIRS:
-        _align[(1,)](indices, token_of, pos, counts, m, k, num_experts, BM=triton.next_power_of_2(m), BE=be,
-                     num_warps=4)
+        _align[(1,)](
+            indices, token_of, pos, counts, m, k, num_experts, BM=triton.next_power_of_2(m), BE=be, num_warps=4
+        )
         return token_of, counts, pos
     nb = triton.cdiv(m, ALIGN_BLOCK)
     part = torch.empty(nb, be, dtype=torch.int32, device=dev)
     base = torch.empty(nb, be, dtype=torch.int32, device=dev)
     _block_counts[(nb,)](indices, part, m, num_experts, BLK=ALIGN_BLOCK, BE=be, num_warps=4)
-    _block_place[(nb,)](indices, part, base, token_of, pos, counts, m, k, num_experts, nb, BLK=ALIGN_BLOCK, BE=be,
-                        num_warps=4)
+    _block_place[(nb,)](
+        indices, part, base, token_of, pos, counts, m, k, num_experts, nb, BLK=ALIGN_BLOCK, BE=be, num_warps=4
+    )
     return token_of, counts, pos
 
 
@@ -139,6 +150,7 @@ def combine(ys: torch.Tensor, weights: torch.Tensor, pos: torch.Tensor, dtype: t
     assert ys.shape[0] == n * k and ys.stride(1) == 1 and ys.dtype in DTYPES and dtype in DTYPES
     out = torch.empty(n, d, dtype=dtype, device=ys.device)
     bd = min(triton.next_power_of_2(d), 1024)
-    _combine[(n, triton.cdiv(d, bd))](ys, weights, pos, out, d, ys.stride(0), K=k, BD=bd,
-                                     num_warps=4 if bd >= 512 else 2)
+    _combine[(n, triton.cdiv(d, bd))](
+        ys, weights, pos, out, d, ys.stride(0), K=k, BD=bd, num_warps=4 if bd >= 512 else 2
+    )
     return out

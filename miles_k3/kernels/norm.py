@@ -26,7 +26,6 @@ calls qualify; `miles_k3.ops.norm` sends the others to the definition):
 from __future__ import annotations
 
 import torch
-
 import triton
 import triton.language as tl
 
@@ -58,43 +57,45 @@ def rms_norm_rows(xf, w_ptr, D, eps, x_dtype: tl.constexpr, BLOCK: tl.constexpr)
 
 
 @triton.jit
-def _rms_norm(x_ptr, w_ptr, out_ptr, rows, inner, D, eps, xs0, xs1,
-              ROWS: tl.constexpr, BLOCK: tl.constexpr):
+def _rms_norm(x_ptr, w_ptr, out_ptr, rows, inner, D, eps, xs0, xs1, ROWS: tl.constexpr, BLOCK: tl.constexpr):
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
     ok = (r < rows)[:, None] & (cols < D)[None, :]
     x = tl.load(x_ptr + _row_offsets(r, inner, xs0, xs1)[:, None] + cols[None, :], mask=ok, other=0.0)
-    out = round_to(rms_norm_rows(x.to(tl.float32), w_ptr, D, eps, x_ptr.dtype.element_ty, BLOCK),
-                   out_ptr.dtype.element_ty)
+    out = round_to(
+        rms_norm_rows(x.to(tl.float32), w_ptr, D, eps, x_ptr.dtype.element_ty, BLOCK), out_ptr.dtype.element_ty
+    )
     tl.store(out_ptr + r.to(tl.int64)[:, None] * D + cols[None, :], out, mask=ok)
 
 
 @triton.jit
-def _gated_rms_norm(x_ptr, g_ptr, w_ptr, out_ptr, rows, inner, D, eps, xs0, xs1, gs0, gs1,
-                    ROWS: tl.constexpr, BLOCK: tl.constexpr):
+def _gated_rms_norm(
+    x_ptr, g_ptr, w_ptr, out_ptr, rows, inner, D, eps, xs0, xs1, gs0, gs1, ROWS: tl.constexpr, BLOCK: tl.constexpr
+):
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
     ok = (r < rows)[:, None] & (cols < D)[None, :]
-    xf = tl.load(x_ptr + _row_offsets(r, inner, xs0, xs1)[:, None] + cols[None, :], mask=ok,
-                 other=0.0).to(tl.float32)
-    g = tl.load(g_ptr + _row_offsets(r, inner, gs0, gs1)[:, None] + cols[None, :], mask=ok,
-                other=0.0).to(tl.float32)
+    xf = tl.load(x_ptr + _row_offsets(r, inner, xs0, xs1)[:, None] + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + _row_offsets(r, inner, gs0, gs1)[:, None] + cols[None, :], mask=ok, other=0.0).to(tl.float32)
     rstd = tl.rsqrt(tl.sum(xf * xf, axis=1) / D + eps)
     w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
     # fp32 to the end, multiplied in the definition's order
     out = xf * rstd[:, None] * w[None, :] * tl.sigmoid(g)
-    tl.store(out_ptr + r.to(tl.int64)[:, None] * D + cols[None, :], round_to(out, out_ptr.dtype.element_ty),
-             mask=ok)
+    tl.store(out_ptr + r.to(tl.int64)[:, None] * D + cols[None, :], round_to(out, out_ptr.dtype.element_ty), mask=ok)
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor | None = None) -> bool:
     """Whether the kernels take this call (module docstring); else the definition runs."""
     d = x.shape[-1] if x.dim() else 0
     operands = (x,) if gate is None else (x, gate)
-    return (0 < d <= MAX_D and weight.shape == (d,) and weight.stride(0) == 1
-            and all(t.dtype in DTYPES and t.device == x.device and t.stride(-1) == 1 for t in (*operands, weight))
-            and (gate is None or gate.shape == x.shape)
-            and row_layout(*operands) is not None)
+    return (
+        0 < d <= MAX_D
+        and weight.shape == (d,)
+        and weight.stride(0) == 1
+        and all(t.dtype in DTYPES and t.device == x.device and t.stride(-1) == 1 for t in (*operands, weight))
+        and (gate is None or gate.shape == x.shape)
+        and row_layout(*operands) is not None
+    )
 
 
 def _launch_shape(x: torch.Tensor) -> tuple[int, int, int, int]:
@@ -113,8 +114,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if rows == 0:
         return out
     inner, ((xs0, xs1),) = row_layout(x)
-    _rms_norm[(triton.cdiv(rows, rows_per),)](x, weight, out, rows, inner, x.shape[-1], float(eps), xs0, xs1,
-                                              ROWS=rows_per, BLOCK=block, num_warps=warps)
+    _rms_norm[(triton.cdiv(rows, rows_per),)](
+        x, weight, out, rows, inner, x.shape[-1], float(eps), xs0, xs1, ROWS=rows_per, BLOCK=block, num_warps=warps
+    )
     return out
 
 
@@ -126,7 +128,21 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     if rows == 0:
         return out
     inner, ((xs0, xs1), (gs0, gs1)) = row_layout(x, gate)
-    _gated_rms_norm[(triton.cdiv(rows, rows_per),)](x, gate, weight, out, rows, inner, x.shape[-1], float(eps),
-                                                    xs0, xs1, gs0, gs1, ROWS=rows_per, BLOCK=block,
-                                                    num_warps=warps)
+    _gated_rms_norm[(triton.cdiv(rows, rows_per),)](
+        x,
+        gate,
+        weight,
+        out,
+        rows,
+        inner,
+        x.shape[-1],
+        float(eps),
+        xs0,
+        xs1,
+        gs0,
+        gs1,
+        ROWS=rows_per,
+        BLOCK=block,
+        num_warps=warps,
+    )
     return out

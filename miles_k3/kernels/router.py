@@ -20,7 +20,6 @@ Contract of `route(logits, bias, top_k, renormalize, scaling_factor)` (`supports
 from __future__ import annotations
 
 import torch
-
 import triton
 import triton.language as tl
 
@@ -28,9 +27,21 @@ MAX_EXPERTS = 4096
 
 
 @triton.jit
-def _route(logits_ptr, bias_ptr, weights_ptr, indices_ptr, experts, row_stride, scale, top_k,
-           HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr, SCALE: tl.constexpr,
-           BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+def _route(
+    logits_ptr,
+    bias_ptr,
+    weights_ptr,
+    indices_ptr,
+    experts,
+    row_stride,
+    scale,
+    top_k,
+    HAS_BIAS: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    SCALE: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_E)
     ok = offs < experts
@@ -60,14 +71,26 @@ def _route(logits_ptr, bias_ptr, weights_ptr, indices_ptr, experts, row_stride, 
 
 def supports(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int) -> bool:
     """Whether the kernel takes this call (module docstring); else the definition runs."""
-    return (logits.dim() == 2 and logits.dtype == torch.float32 and logits.stride(-1) == 1
-            and 1 <= top_k <= logits.shape[1] <= MAX_EXPERTS
-            and (bias is None or (bias.shape == logits.shape[1:] and bias.is_floating_point()
-                                  and bias.device == logits.device and bias.stride(0) == 1)))
+    return (
+        logits.dim() == 2
+        and logits.dtype == torch.float32
+        and logits.stride(-1) == 1
+        and 1 <= top_k <= logits.shape[1] <= MAX_EXPERTS
+        and (
+            bias is None
+            or (
+                bias.shape == logits.shape[1:]
+                and bias.is_floating_point()
+                and bias.device == logits.device
+                and bias.stride(0) == 1
+            )
+        )
+    )
 
 
-def route(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, renormalize: bool,
-          scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+def route(
+    logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, renormalize: bool, scaling_factor: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [N, E] -> (weights [N, k] fp32, indices [N, k] int64) (module docstring)."""
     assert supports(logits, bias, top_k)
     n, e = logits.shape
@@ -75,8 +98,19 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, renormali
     indices = torch.empty(n, top_k, dtype=torch.int64, device=logits.device)
     if n == 0:
         return weights, indices
-    _route[(n,)](logits, logits if bias is None else bias, weights, indices, e, logits.stride(0),
-                 float(scaling_factor), top_k, HAS_BIAS=bias is not None, RENORMALIZE=bool(renormalize),
-                 SCALE=scaling_factor != 1.0, BLOCK_E=triton.next_power_of_2(e),
-                 BLOCK_K=triton.next_power_of_2(top_k))
+    _route[(n,)](
+        logits,
+        logits if bias is None else bias,
+        weights,
+        indices,
+        e,
+        logits.stride(0),
+        float(scaling_factor),
+        top_k,
+        HAS_BIAS=bias is not None,
+        RENORMALIZE=bool(renormalize),
+        SCALE=scaling_factor != 1.0,
+        BLOCK_E=triton.next_power_of_2(e),
+        BLOCK_K=triton.next_power_of_2(top_k),
+    )
     return weights, indices

@@ -33,7 +33,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-
 import triton
 import triton.language as tl
 
@@ -43,10 +42,35 @@ MAX_BT = 16  # tokens per time block
 
 
 @triton.jit(do_not_specialize=["T"])  # T = 1 (decode) would otherwise make a constexpr of it
-def _short_conv(xs, ws, ss, ys, out_ss, idx_ptr, T, D, ND,
-                sx_b, sx_t, sx_d, sw_d, sw_j, ss_b, ss_d, ss_j, os_b, os_d, os_j,
-                W: tl.constexpr, HAS_STATE: tl.constexpr, SILU: tl.constexpr, IN_PLACE: tl.constexpr,
-                G: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+def _short_conv(
+    xs,
+    ws,
+    ss,
+    ys,
+    out_ss,
+    idx_ptr,
+    T,
+    D,
+    ND,
+    sx_b,
+    sx_t,
+    sx_d,
+    sw_d,
+    sw_j,
+    ss_b,
+    ss_d,
+    ss_j,
+    os_b,
+    os_d,
+    os_j,
+    W: tl.constexpr,
+    HAS_STATE: tl.constexpr,
+    SILU: tl.constexpr,
+    IN_PLACE: tl.constexpr,
+    G: tl.constexpr,
+    BT: tl.constexpr,
+    BD: tl.constexpr,
+):
     tb = tl.program_id(0)
     b = tl.program_id(2).to(tl.int64)
     # program_id(1) walks the G convolutions' channel blocks: this program's convolution is g, its tensors
@@ -76,12 +100,14 @@ def _short_conv(xs, ws, ss, ys, out_ss, idx_ptr, T, D, ND,
         # tap j of token t reads xx[t + j]: x at t + j - (W-1), or the state at t + j before x starts
         p = t + j - (W - 1)
         ok = t_ok[:, None] & d_ok[None, :]
-        xv = tl.load(x_row + p[:, None] * sx_t + d[None, :] * sx_d, mask=ok & (p >= 0)[:, None],
-                     other=0.0).to(tl.float32)
+        xv = tl.load(x_row + p[:, None] * sx_t + d[None, :] * sx_d, mask=ok & (p >= 0)[:, None], other=0.0).to(
+            tl.float32
+        )
         if HAS_STATE:
             from_state = (p < 0)[:, None]
-            sv = tl.load(s_row + d[None, :] * ss_d + (t + j)[:, None] * ss_j, mask=ok & from_state,
-                         other=0.0).to(tl.float32)
+            sv = tl.load(s_row + d[None, :] * ss_d + (t + j)[:, None] * ss_j, mask=ok & from_state, other=0.0).to(
+                tl.float32
+            )
             xv = tl.where(from_state, sv, xv)
         w = tl.load(w_ptr + d * sw_d + j * sw_j, mask=d_ok, other=0.0).to(tl.float32)
         if j == 0:
@@ -111,16 +137,21 @@ def _short_conv(xs, ws, ss, ys, out_ss, idx_ptr, T, D, ND,
             tl.store(out, round_to(v, out_s_ptr.dtype.element_ty), mask=d_ok)
 
 
-def supports(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None,
-             cu_seqlens: torch.Tensor | None) -> bool:
+def supports(
+    x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None, cu_seqlens: torch.Tensor | None
+) -> bool:
     """Whether the kernel takes this call of `miles_k3.ops.short_conv.causal_short_conv` (its shapes
     already checked there); else the definition runs. Not packed rows, not fp64 math, one device."""
     tensors = (x, weight) + ((state,) if state is not None else ())
     return cu_seqlens is None and all(t.dtype in DTYPES and t.device == x.device for t in tensors)
 
 
-def supports_group(xs: Sequence[torch.Tensor], weights: Sequence[torch.Tensor],
-                   states: Sequence[torch.Tensor | None] | None, pooled: bool = False) -> bool:
+def supports_group(
+    xs: Sequence[torch.Tensor],
+    weights: Sequence[torch.Tensor],
+    states: Sequence[torch.Tensor | None] | None,
+    pooled: bool = False,
+) -> bool:
     """Whether `causal_short_convs` (or, `pooled`, `causal_short_convs_` with `states` the pools) takes these
     convolutions in one launch: each as `supports` (in place: `supports_in_place`) with the shapes the
     single calls check, and one dtype and stride set per kind of tensor across the group (a KDA layer's q,
@@ -128,15 +159,18 @@ def supports_group(xs: Sequence[torch.Tensor], weights: Sequence[torch.Tensor],
     x, w = xs[0], weights[0]
     if x.dim() != 3 or w.dim() != 2 or w.shape[0] != x.shape[2] or len(xs) != len(weights):
         return False
-    (B, T, D), width = x.shape, w.shape[1]
-    state_shape = (None if states is None else (states[0].shape[0], D, width - 1) if pooled else (B, D, width - 1))
+    (B, _, D), width = x.shape, w.shape[1]
+    state_shape = None if states is None else (states[0].shape[0], D, width - 1) if pooled else (B, D, width - 1)
     if states is not None and (len(states) != len(xs) or any(s.shape != state_shape for s in states)):
         return False
-    same = all(t.shape == x.shape and t.dtype == x.dtype and t.stride() == x.stride() for t in xs) and \
-        all(t.shape == w.shape and t.dtype == w.dtype and t.stride() == w.stride() for t in weights) and \
-        (states is None or all(t.dtype == states[0].dtype and t.stride() == states[0].stride() for t in states))
-    single = supports_in_place(x, w, states[0]) if pooled else supports(x, w, None if states is None else states[0],
-                                                                        None)
+    same = (
+        all(t.shape == x.shape and t.dtype == x.dtype and t.stride() == x.stride() for t in xs)
+        and all(t.shape == w.shape and t.dtype == w.dtype and t.stride() == w.stride() for t in weights)
+        and (states is None or all(t.dtype == states[0].dtype and t.stride() == states[0].stride() for t in states))
+    )
+    single = (
+        supports_in_place(x, w, states[0]) if pooled else supports(x, w, None if states is None else states[0], None)
+    )
     return same and single and all(t.device == x.device for t in (*xs, *weights, *(states or ())))
 
 
@@ -153,16 +187,20 @@ def supports_in_place(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor)
     return supports(x, weight, pool, None) and x.shape[1] <= MAX_BT
 
 
-def causal_short_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None,
-                      silu: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def causal_short_conv(
+    x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None, silu: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
     """x [B, T, D], weight [D, W], state [B, D, W-1] or None -> (y [B, T, D], new state [B, D, W-1]) in one
     launch (module docstring); `silu` False leaves the convolution without activation."""
     return causal_short_convs([x], [weight], None if state is None else [state], silu)[0]
 
 
-def causal_short_convs(xs: Sequence[torch.Tensor], weights: Sequence[torch.Tensor],
-                       states: Sequence[torch.Tensor] | None, silu: bool = True
-                       ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def causal_short_convs(
+    xs: Sequence[torch.Tensor],
+    weights: Sequence[torch.Tensor],
+    states: Sequence[torch.Tensor] | None,
+    silu: bool = True,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """`causal_short_conv` of each (x, weight, state) in one launch (`supports_group`; states all given or
     None) -> [(y, new state)] in order."""
     B, T, D = xs[0].shape
@@ -174,15 +212,21 @@ def causal_short_convs(xs: Sequence[torch.Tensor], weights: Sequence[torch.Tenso
     return list(zip(ys, new_states))
 
 
-def causal_short_conv_(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor, index: torch.Tensor,
-                       silu: bool = True) -> torch.Tensor:
+def causal_short_conv_(
+    x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor, index: torch.Tensor, silu: bool = True
+) -> torch.Tensor:
     """As `causal_short_conv` with row b's state in slot index[b] of `pool` [slots, D, W-1] (any strides),
     rewritten there with the new state (`supports_in_place`) -> y."""
     return causal_short_convs_([x], [weight], [pool], index, silu)[0]
 
 
-def causal_short_convs_(xs: Sequence[torch.Tensor], weights: Sequence[torch.Tensor], pools: Sequence[torch.Tensor],
-                        index: torch.Tensor, silu: bool = True) -> list[torch.Tensor]:
+def causal_short_convs_(
+    xs: Sequence[torch.Tensor],
+    weights: Sequence[torch.Tensor],
+    pools: Sequence[torch.Tensor],
+    index: torch.Tensor,
+    silu: bool = True,
+) -> list[torch.Tensor]:
     """`causal_short_conv_` of each (x, weight, pool), all rows' slots `index`, in one launch
     (`supports_group(pooled=True)`) -> [y] in order."""
     B, T, D = xs[0].shape
@@ -201,8 +245,26 @@ def _launch(xs, weights, states, out_states, index, silu) -> list[torch.Tensor]:
     ss = tuple(states) if states is not None else tuple(xs)  # any pointers: never read without a state
     s_strides = states[0].stride() if states is not None else (0, 0, 0)
     grid = (max(1, triton.cdiv(T, bt)), len(xs) * nd, B)
-    _short_conv[grid](tuple(xs), tuple(weights), ss, tuple(ys), tuple(out_states),
-                      index if index is not None else xs[0], T, D, nd, *xs[0].stride(), *weights[0].stride(),
-                      *s_strides, *out_states[0].stride(), W=weights[0].shape[1], HAS_STATE=states is not None,
-                      SILU=silu, IN_PLACE=index is not None, G=len(xs), BT=bt, BD=bd)
+    _short_conv[grid](
+        tuple(xs),
+        tuple(weights),
+        ss,
+        tuple(ys),
+        tuple(out_states),
+        index if index is not None else xs[0],
+        T,
+        D,
+        nd,
+        *xs[0].stride(),
+        *weights[0].stride(),
+        *s_strides,
+        *out_states[0].stride(),
+        W=weights[0].shape[1],
+        HAS_STATE=states is not None,
+        SILU=silu,
+        IN_PLACE=index is not None,
+        G=len(xs),
+        BT=bt,
+        BD=bd,
+    )
     return ys

@@ -18,13 +18,11 @@ sends the others to the definition):
 from __future__ import annotations
 
 import torch
-
 import triton
 import triton.language as tl
 
 from miles_k3.kernels.rounding import DTYPES, round_to
 from miles_k3.kernels.rows import row_layout
-
 
 
 @triton.jit
@@ -39,8 +37,7 @@ def _tanh(x):
 
 
 @triton.jit
-def _situ_glu(gate_ptr, up_ptr, out_ptr, inner, cols, gs0, gs1, us0, us1, beta, beta_lin,
-              BLOCK: tl.constexpr):
+def _situ_glu(gate_ptr, up_ptr, out_ptr, inner, cols, gs0, gs1, us0, us1, beta, beta_lin, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     outer, within = row // inner, row % inner  # rows.row_layout
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -54,9 +51,16 @@ def _situ_glu(gate_ptr, up_ptr, out_ptr, inner, cols, gs0, gs1, us0, us1, beta, 
 
 def supports(gate: torch.Tensor, up: torch.Tensor) -> bool:
     """Whether the kernel takes this call (module docstring); else the definition runs."""
-    return (gate.dim() > 0 and gate.shape == up.shape and gate.dtype == up.dtype and gate.dtype in DTYPES
-            and gate.device == up.device and gate.stride(-1) == 1 and up.stride(-1) == 1
-            and row_layout(gate, up) is not None)
+    return (
+        gate.dim() > 0
+        and gate.shape == up.shape
+        and gate.dtype == up.dtype
+        and gate.dtype in DTYPES
+        and gate.device == up.device
+        and gate.stride(-1) == 1
+        and up.stride(-1) == 1
+        and row_layout(gate, up) is not None
+    )
 
 
 def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float, beta_lin: float) -> torch.Tensor:
@@ -68,6 +72,7 @@ def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float, beta_lin: float)
         return out
     inner, ((gs0, gs1), (us0, us1)) = row_layout(gate, up)
     block = min(1024, triton.next_power_of_2(cols))
-    _situ_glu[(out.numel() // cols, triton.cdiv(cols, block))](gate, up, out, inner, cols, gs0, gs1, us0, us1,
-                                                                 float(beta), float(beta_lin), BLOCK=block)
+    _situ_glu[(out.numel() // cols, triton.cdiv(cols, block))](
+        gate, up, out, inner, cols, gs0, gs1, us0, us1, float(beta), float(beta_lin), BLOCK=block
+    )
     return out

@@ -5,5 +5,15 @@ from miles_k3.model.config import K3Config, hybrid_layer_kinds
 from miles_k3.model.linear import ExpertsSpec, LinearSpec
 from miles_k3.model.modeling import K3ForCausalLM, K3Output, MediaEmbeds
 
-__all__ = ["DenseStateCache", "ExpertsSpec", "K3Config", "K3ForCausalLM", "K3Output", "K3StateCache",
-           "KDAState", "LinearSpec", "MediaEmbeds", "hybrid_layer_kinds"]
+__all__ = [
+    "DenseStateCache",
+    "ExpertsSpec",
+    "K3Config",
+    "K3ForCausalLM",
+    "K3Output",
+    "K3StateCache",
+    "KDAState",
+    "LinearSpec",
+    "MediaEmbeds",
+    "hybrid_layer_kinds",
+]

@@ -19,7 +19,7 @@ ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets"
 def builtin_path(value: str) -> str:
     """`builtin:<relative path>` -> a path inside the installed package's assets (other values unchanged)."""
     if value.startswith(BUILTIN_PREFIX):
-        return str(ASSETS_DIR / value[len(BUILTIN_PREFIX):])
+        return str(ASSETS_DIR / value[len(BUILTIN_PREFIX) :])
     return value
 
 

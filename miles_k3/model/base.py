@@ -24,16 +24,22 @@ TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # DTYPES'
 SPECIAL_TOKENS = ("pad_token_id", "bos_token_id", "eos_token_id")  # the K3Config fields `token_ids` may set
 
 
-def load_base_config(path: str | Path | None = None, *, preset: str | None = None, vocab_size: int | None = None,
-                     token_ids: Mapping[str, int] | None = None) -> K3Config:
+def load_base_config(
+    path: str | Path | None = None,
+    *,
+    preset: str | None = None,
+    vocab_size: int | None = None,
+    token_ids: Mapping[str, int] | None = None,
+) -> K3Config:
     """The base's config alone (what a driver that holds no weights needs): `path`'s config.json, or the
     preset's config with `vocab_size` and `token_ids` (special-token ids, `SPECIAL_TOKENS`: the vocabulary the
     preset is run with, e.g. `miles_k3.data.tokenizers.preset_token_ids`) set. Exactly one of path and
     preset; a checkpoint fixes its vocabulary, so vocab_size and token_ids apply to a preset only. One-line
     ValueError naming the argument."""
     if (path is None) == (preset is None):
-        raise ValueError(f"the base is a checkpoint path or a preset (exactly one), got path={path!r}, "
-                         f"preset={preset!r}")
+        raise ValueError(
+            f"the base is a checkpoint path or a preset (exactly one), got path={path!r}, preset={preset!r}"
+        )
     overrides = dict(token_ids or {})
     unknown = sorted(set(overrides) - set(SPECIAL_TOKENS))
     if unknown:
@@ -47,8 +53,15 @@ def load_base_config(path: str | Path | None = None, *, preset: str | None = Non
     return K3Config.from_preset(preset, **overrides)
 
 
-def load_base(path: str | Path | None = None, *, preset: str | None = None, vocab_size: int | None = None,
-              token_ids: Mapping[str, int] | None = None, seed: int = 0, whole: bool = True):
+def load_base(
+    path: str | Path | None = None,
+    *,
+    preset: str | None = None,
+    vocab_size: int | None = None,
+    token_ids: Mapping[str, int] | None = None,
+    seed: int = 0,
+    whole: bool = True,
+):
     """(config, the base's tensors); the arguments but `seed` and `whole` as `load_base_config`. A preset is
     initialized with `seed` (same weights on every rank and on both the trainer and the engine) and stored as
     its checkpoint would be (MXFP4-grid routed experts where the preset ships them), as a logical HF state

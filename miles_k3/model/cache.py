@@ -42,8 +42,9 @@ class K3StateCache(Protocol):
     def set_kda_state(self, layer_idx: int, state: KDAState) -> None:
         """Store the state after this step. The cache may copy into its own storage."""
 
-    def mla_attention(self, mixer: "MLAMixer", q: torch.Tensor, latent: torch.Tensor, rope: torch.Tensor
-                      ) -> torch.Tensor | None:
+    def mla_attention(
+        self, mixer: "MLAMixer", q: torch.Tensor, latent: torch.Tensor, rope: torch.Tensor
+    ) -> torch.Tensor | None:
         """The MLA layer's attention computed by the cache in its own storage form, or None to have the
         layer run its reference attention over the history `mla_extend` returns. q [B, T, H, Dqk], this
         step's normed latent [B, T, R] and shared key part [B, T, Dr] -> output [B, T, H, Dv]; the cache
@@ -51,8 +52,9 @@ class K3StateCache(Protocol):
         (kv_b_proj, heads, scale, layer_idx). The rollout engine answers with absorbed attention over its
         KV pages; the dense reference returns None."""
 
-    def mla_extend(self, layer_idx: int, latent: torch.Tensor, rope: torch.Tensor
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def mla_extend(
+        self, layer_idx: int, latent: torch.Tensor, rope: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Append this step's normed KV latent [B, T, R] and shared key part [B, T, Dr]; return the full
         history (latent [B, S, R], rope [B, S, Dr]) and a bool mask [B|1, 1|H, T, S] (True = attend),
         or None when T == S and plain causal attention applies."""

@@ -44,8 +44,10 @@ _FP32_TENSORS = re.compile(r"(\.gate\.weight|e_score_correction_bias|\.dt_bias|\
 # transformers' KimiLinear writes dense-MLP tensors under block_sparse_moe; the hub layout says mlp.
 _DENSE_ALIAS = re.compile(r"^(model\.layers\.\d+)\.block_sparse_moe\.((?:gate|up|down)_proj\.weight)$")
 _VISION_PREFIXES = ("vision_tower.", "mm_projector.")
-_QUANT_SUFFIX = re.compile(r"\.(weight_packed|weight_scale|weight_zero_point|weight_global_scale|input_scale|"
-                           r"weight_shape|input_global_scale)$")
+_QUANT_SUFFIX = re.compile(
+    r"\.(weight_packed|weight_scale|weight_zero_point|weight_global_scale|input_scale|"
+    r"weight_shape|input_global_scale)$"
+)
 
 
 def keeps_fp32(name: str) -> bool:
@@ -101,9 +103,11 @@ def _logical_names(config: K3Config, stored: dict[str, Path]) -> dict[str, dict[
             if stored_name.startswith(_VISION_PREFIXES):
                 continue  # the wrapper's vision tower / projector: not part of the text model
             if not stored_name.startswith(prefix):
-                raise ValueError(f"tensor {stored_name!r}: K3's text weights are prefixed {prefix!r} (and the "
-                                 f"vision ones {' / '.join(_VISION_PREFIXES)}); this is neither")
-            name = stored_name[len(prefix):]
+                raise ValueError(
+                    f"tensor {stored_name!r}: K3's text weights are prefixed {prefix!r} (and the "
+                    f"vision ones {' / '.join(_VISION_PREFIXES)}); this is neither"
+                )
+            name = stored_name[len(prefix) :]
         else:
             name = stored_name
         alias = _DENSE_ALIAS.match(name)
@@ -114,11 +118,14 @@ def _logical_names(config: K3Config, stored: dict[str, Path]) -> dict[str, dict[
             kind = quant.group(1)
             logical = name[: quant.start()] + ".weight"
             if kind not in ("weight_packed", "weight_scale"):
-                raise ValueError(f"tensor {stored_name!r}: unknown quantization tensor {kind!r}; only "
-                                 "compressed-tensors mxfp4-pack-quantized (weight_packed, weight_scale) is supported")
+                raise ValueError(
+                    f"tensor {stored_name!r}: unknown quantization tensor {kind!r}; only "
+                    "compressed-tensors mxfp4-pack-quantized (weight_packed, weight_scale) is supported"
+                )
             if not config.experts_mxfp4:
-                raise ValueError(f"tensor {stored_name!r} is quantized but config.json has no "
-                                 "compressed-tensors quantization_config")
+                raise ValueError(
+                    f"tensor {stored_name!r} is quantized but config.json has no compressed-tensors quantization_config"
+                )
             if not is_routed_expert_tensor(logical):
                 raise ValueError(f"tensor {stored_name!r}: only routed experts may be MXFP4-quantized")
         else:
@@ -169,7 +176,7 @@ class StateDictSource:
         return _fresh(name, self.state[name].narrow(dim, start, length), self.dtype)
 
     def a_log_heads(self, name: str, start: int, length: int) -> torch.Tensor:
-        return _fresh(name, a_log_heads(self.state[name], self.num_heads)[start:start + length], self.dtype)
+        return _fresh(name, a_log_heads(self.state[name], self.num_heads)[start : start + length], self.dtype)
 
     def order(self, names: Iterable[str]) -> list[str]:
         return list(names)
@@ -209,8 +216,10 @@ class CheckpointSource:
             raise ValueError(f"checkpoint {self.path}: {len(missing)} tensor(s) missing, e.g. {missing[:5]}")
         unexpected = [n for n in grouped if n not in self.shapes]
         if unexpected:
-            raise ValueError(f"checkpoint {self.path}: {len(unexpected)} tensor(s) not in the config's layout "
-                             f"(config inconsistent with tensors?), e.g. {unexpected[:5]}")
+            raise ValueError(
+                f"checkpoint {self.path}: {len(unexpected)} tensor(s) not in the config's layout "
+                f"(config inconsistent with tensors?), e.g. {unexpected[:5]}"
+            )
         self._parts = grouped  # logical -> {"weight" | "weight_packed" | "weight_scale": (stored, file)}
         self._mapped: tuple[Path, object] | None = None
         try:
@@ -235,7 +244,7 @@ class CheckpointSource:
 
     def a_log_heads(self, name: str, start: int, length: int) -> torch.Tensor:
         heads = a_log_heads(self._stored(name, ()), self.config.kda_num_heads)
-        return _fresh(name, heads[start:start + length], self.dtype)
+        return _fresh(name, heads[start : start + length], self.dtype)
 
     def order(self, names: Iterable[str]) -> list[str]:
         return sorted(names, key=lambda n: str(next(iter(self._parts[n].values()))[1]))
@@ -275,8 +284,10 @@ class CheckpointSource:
                 raise ValueError(f"tensor {name!r}: stored both dense and quantized")
             got, dtype = self._get(*parts["weight"], header=True)
             if name.endswith(".A_log") and a_log_heads(torch.empty(got, device="meta"), heads) is None:
-                raise ValueError(f"tensor {name!r}: shape {got} is no A_log layout for {heads} heads "
-                                 f"(expected [1, 1, {heads}, 1] or a flat vector of >= {heads} entries)")
+                raise ValueError(
+                    f"tensor {name!r}: shape {got} is no A_log layout for {heads} heads "
+                    f"(expected [1, 1, {heads}, 1] or a flat vector of >= {heads} entries)"
+                )
             if got != shape and not name.endswith(".A_log"):
                 raise ValueError(f"tensor {name!r}: shape {got} does not match config (expected {shape})")
             if not dtype.startswith(("F", "BF")):
@@ -284,12 +295,15 @@ class CheckpointSource:
             return
         if set(parts) != {"weight_packed", "weight_scale"}:
             raise ValueError(f"tensor {name!r}: MXFP4 needs weight_packed and weight_scale, found {sorted(parts)}")
-        (packed, p_dtype), (scale, s_dtype) = (self._get(*parts[k], header=True)
-                                               for k in ("weight_packed", "weight_scale"))
+        (packed, p_dtype), (scale, s_dtype) = (
+            self._get(*parts[k], header=True) for k in ("weight_packed", "weight_scale")
+        )
         want_p, want_s = (shape[0], shape[1] // 2), (shape[0], shape[1] // 32)
         if packed != want_p or scale != want_s:
-            raise ValueError(f"tensor {name!r}: MXFP4 shapes packed {packed} / scale {scale} do not match config "
-                             f"(expected {want_p} / {want_s})")
+            raise ValueError(
+                f"tensor {name!r}: MXFP4 shapes packed {packed} / scale {scale} do not match config "
+                f"(expected {want_p} / {want_s})"
+            )
         if p_dtype != "U8" or s_dtype != "U8":
             raise ValueError(f"tensor {name!r}: MXFP4 tensors must be uint8, got {p_dtype} / {s_dtype}")
 
@@ -303,21 +317,22 @@ class CheckpointSource:
         t = self._get(*parts["weight"], index)
         if name == "model.embed_tokens.weight" and self._tied_head is not None:
             if not torch.equal(self._get(*self._tied_head["weight"], index), t):
-                raise ValueError("tensor 'lm_head.weight': config has tie_word_embeddings=true but the stored "
-                                 "lm_head differs from model.embed_tokens.weight")
+                raise ValueError(
+                    "tensor 'lm_head.weight': config has tie_word_embeddings=true but the stored "
+                    "lm_head differs from model.embed_tokens.weight"
+                )
         return t
 
     def _mxfp4(self, parts: dict[str, tuple[str, Path]], index: tuple) -> torch.Tensor:
         """Decode an MXFP4 [out, in] tensor's rows (index on dim 0), or the blocks covering its columns."""
         packed, scale = parts["weight_packed"], parts["weight_scale"]
         if len(index) < 2:  # whole, or rows: packed and scale share the row index
-            return dequantize_mxfp4(self._get(*packed, index), self._get(*scale, index),
-                                    dtype=torch.float32)
+            return dequantize_mxfp4(self._get(*packed, index), self._get(*scale, index), dtype=torch.float32)
         cols, block = index[1], MXFP4_BLOCK_SIZE
         b0, b1 = cols.start // block, -(-cols.stop // block)  # the 32-wide blocks covering the columns
         p = self._get(*packed, (slice(None), slice(b0 * block // 2, b1 * block // 2)))
         s = self._get(*scale, (slice(None), slice(b0, b1)))
-        return dequantize_mxfp4(p, s, dtype=torch.float32)[:, cols.start - b0 * block:cols.stop - b0 * block]
+        return dequantize_mxfp4(p, s, dtype=torch.float32)[:, cols.start - b0 * block : cols.stop - b0 * block]
 
 
 def load_state_dict(path: str | Path, config: K3Config, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
@@ -332,8 +347,10 @@ def _a_log_as(t: torch.Tensor, shape: tuple[int, ...], num_heads: int, name: str
     """A per-head A_log stored in the other layout (or padded to another length), in `shape`."""
     heads = a_log_heads(t, num_heads)
     if heads is None:
-        raise ValueError(f"tensor {name!r}: shape {tuple(t.shape)} is no A_log layout for {num_heads} heads "
-                         f"(expected [1, 1, {num_heads}, 1] or a flat vector of >= {num_heads} entries)")
+        raise ValueError(
+            f"tensor {name!r}: shape {tuple(t.shape)} is no A_log layout for {num_heads} heads "
+            f"(expected [1, 1, {num_heads}, 1] or a flat vector of >= {num_heads} entries)"
+        )
     out = torch.zeros(shape, dtype=t.dtype)
     out.view(-1)[:num_heads] = heads
     return out
@@ -351,8 +368,9 @@ def load_pretrained(cls, path: str | Path, dtype: torch.dtype, device: str | tor
     return model.to(device)
 
 
-def load_vision_state_dict(path: str | Path, config: VisionConfig,
-                           dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+def load_vision_state_dict(
+    path: str | Path, config: VisionConfig, dtype: torch.dtype = torch.float32
+) -> dict[str, torch.Tensor]:
     """The `vision_tower.*` / `mm_projector.*` tensors of the checkpoint at `path`, in `dtype`. The headers are
     checked against `config.tensor_shapes()` first (a missing, unexpected or wrongly shaped tensor, a
     non-float dtype: ValueError naming the tensor), so a bad checkpoint fails before any data is read."""
@@ -360,15 +378,18 @@ def load_vision_state_dict(path: str | Path, config: VisionConfig,
     shapes = config.tensor_shapes()
     stored = {name: f for name, f in _tensor_files(path).items() if name.startswith(_VISION_PREFIXES)}
     if not stored:
-        raise ValueError(f"checkpoint {path}: no vision tensors ({' / '.join(_VISION_PREFIXES)}*): a text-only "
-                         "checkpoint")
+        raise ValueError(
+            f"checkpoint {path}: no vision tensors ({' / '.join(_VISION_PREFIXES)}*): a text-only checkpoint"
+        )
     missing = [n for n in shapes if n not in stored]
     if missing:
         raise ValueError(f"checkpoint {path}: {len(missing)} vision tensor(s) missing, e.g. {missing[:5]}")
     unexpected = [n for n in stored if n not in shapes]
     if unexpected:
-        raise ValueError(f"checkpoint {path}: {len(unexpected)} vision tensor(s) not in the vision_config's layout, "
-                         f"e.g. {unexpected[:5]}")
+        raise ValueError(
+            f"checkpoint {path}: {len(unexpected)} vision tensor(s) not in the vision_config's layout, "
+            f"e.g. {unexpected[:5]}"
+        )
     by_file: dict[Path, list[str]] = {}
     for name in shapes:
         by_file.setdefault(stored[name], []).append(name)
@@ -377,16 +398,17 @@ def load_vision_state_dict(path: str | Path, config: VisionConfig,
             for name in names:
                 s = handle.get_slice(name)
                 if tuple(s.get_shape()) != shapes[name]:
-                    raise ValueError(f"tensor {name!r}: shape {tuple(s.get_shape())} does not match vision_config "
-                                     f"(expected {shapes[name]})")
+                    raise ValueError(
+                        f"tensor {name!r}: shape {tuple(s.get_shape())} does not match vision_config "
+                        f"(expected {shapes[name]})"
+                    )
                 if not s.get_dtype().startswith(("F", "BF")):
                     raise ValueError(f"tensor {name!r}: dtype {s.get_dtype()} is not floating point")
     state: dict[str, torch.Tensor] = {}
     for f, names in by_file.items():
         with _open(f) as handle:
             for name in names:
-                state[name] = handle.get_tensor(name).to(dtype=dtype, memory_format=torch.contiguous_format,
-                                                         copy=True)
+                state[name] = handle.get_tensor(name).to(dtype=dtype, memory_format=torch.contiguous_format, copy=True)
     return {name: state[name] for name in shapes}
 
 
@@ -401,8 +423,10 @@ def load_vision_pretrained(cls, path: str | Path, dtype: torch.dtype, device: st
     if vision is None:
         raise ValueError(f"{path / 'config.json'}: no vision_config (a text-only checkpoint)")
     if vision.text_hidden_size != text.hidden_size:
-        raise ValueError(f"{path / 'config.json'} vision_config.text_hidden_size: {vision.text_hidden_size} differs "
-                         f"from text_config.hidden_size {text.hidden_size} (the projector writes text embeddings)")
+        raise ValueError(
+            f"{path / 'config.json'} vision_config.text_hidden_size: {vision.text_hidden_size} differs "
+            f"from text_config.hidden_size {text.hidden_size} (the projector writes text embeddings)"
+        )
     state = load_vision_state_dict(path, vision, dtype)
     with torch.device("meta"):
         model = cls(vision)
@@ -417,8 +441,10 @@ def as_stored(state: dict[str, torch.Tensor], config: K3Config) -> dict[str, tor
     as they do for a real K3 checkpoint; otherwise the two disagree by the quantization error."""
     if not config.experts_mxfp4:
         return state
-    return {name: dequantize_mxfp4(*quantize_mxfp4(t), dtype=t.dtype) if is_routed_expert_tensor(name) else t
-            for name, t in state.items()}
+    return {
+        name: dequantize_mxfp4(*quantize_mxfp4(t), dtype=t.dtype) if is_routed_expert_tensor(name) else t
+        for name, t in state.items()
+    }
 
 
 def _stored_tensors(model: torch.nn.Module, config: K3Config) -> dict[str, torch.Tensor]:
@@ -467,13 +493,16 @@ def _vision_tensors(vision: torch.nn.Module, config: K3Config) -> dict[str, torc
     if not config.vl_wrapper:
         raise ValueError("save_pretrained(vision=...): vision weights need K3's wrapper layout (vl_wrapper=True)")
     if config.vision_config != vision.config:  # type: ignore[attr-defined]
-        raise ValueError("save_pretrained(vision=...): the vision model's config differs from the text config's "
-                         "vision_config (the checkpoint's config.json would describe another tower)")
+        raise ValueError(
+            "save_pretrained(vision=...): the vision model's config differs from the text config's "
+            "vision_config (the checkpoint's config.json would describe another tower)"
+        )
     return {name: t.detach().to("cpu").contiguous().clone() for name, t in vision.state_dict().items()}
 
 
-def save_pretrained(model: torch.nn.Module, path: str | Path, max_shard_bytes: int = 4 << 30,
-                    vision: torch.nn.Module | None = None) -> None:
+def save_pretrained(
+    model: torch.nn.Module, path: str | Path, max_shard_bytes: int = 4 << 30, vision: torch.nn.Module | None = None
+) -> None:
     """Write config.json and safetensors (sharded with an index above `max_shard_bytes`), atomically. With
     `vision` (a `K3VisionModel` of the config's `vision_config`) its tensors go into the same shards and
     index, unprefixed, as K3 ships them; without it the checkpoint holds the text model only."""
@@ -501,6 +530,7 @@ def save_pretrained(model: torch.nn.Module, path: str | Path, max_shard_bytes: i
                 save_file(shard, str(tmp / fname), metadata=meta)
                 weight_map.update({n: fname for n in shard})
             total = sum(t.numel() * t.element_size() for t in tensors.values())
-            (tmp / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
-                                                     indent=2))
+            (tmp / INDEX_FILE).write_text(
+                json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+            )
         config.to_json_file(tmp / "config.json")

@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from miles_k3.model.checks import is_int as _is_int, is_number as _is_number
+from miles_k3.model.checks import is_int as _is_int
+from miles_k3.model.checks import is_number as _is_number
 from miles_k3.model.vision_config import VisionConfig
 
 LAYER_KINDS = ("kda", "mla")
@@ -32,9 +33,7 @@ ACTIVATIONS = ("situ", "silu")
 
 def hybrid_layer_kinds(num_layers: int, mla_every: int = 4) -> tuple[str, ...]:
     """K3 / Kimi-Linear placement: MLA at 1-indexed layers mla_every, 2*mla_every, ... and the last."""
-    return tuple(
-        "mla" if (i + 1) % mla_every == 0 or i == num_layers - 1 else "kda" for i in range(num_layers)
-    )
+    return tuple("mla" if (i + 1) % mla_every == 0 or i == num_layers - 1 else "kda" for i in range(num_layers))
 
 
 @dataclass
@@ -171,9 +170,19 @@ class K3Config:
             ok = _TYPE_CHECKS.get(f.type)
             need(ok is None or ok(getattr(self, f.name)), f.name, f"must be {f.type}")
 
-        for name in ("vocab_size", "hidden_size", "kda_num_heads", "kda_head_dim", "kda_conv_kernel",
-                     "mla_num_heads", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim",
-                     "dense_intermediate_size", "max_position_embeddings"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "kda_num_heads",
+            "kda_head_dim",
+            "kda_conv_kernel",
+            "mla_num_heads",
+            "kv_lora_rank",
+            "qk_nope_head_dim",
+            "v_head_dim",
+            "dense_intermediate_size",
+            "max_position_embeddings",
+        ):
             need(isinstance(getattr(self, name), int) and getattr(self, name) > 0, name, "must be a positive int")
         need(len(self.layer_kinds) > 0, "layer_kinds", "needs at least one layer")
         bad = [k for k in self.layer_kinds if k not in LAYER_KINDS]
@@ -186,25 +195,43 @@ class K3Config:
             need(self.kda_gate_lower_bound < 0, "kda_gate_lower_bound", "must be < 0 (a log-space decay bound)")
         need(self.q_lora_rank is None or self.q_lora_rank > 0, "q_lora_rank", "must be > 0 or None")
         need(self.attn_res_block_size >= 0, "attn_res_block_size", "must be >= 0 (0 disables AttnRes)")
-        need(0 <= self.first_dense_layers <= self.num_hidden_layers, "first_dense_layers",
-             f"must be in [0, {self.num_hidden_layers}]")
+        need(
+            0 <= self.first_dense_layers <= self.num_hidden_layers,
+            "first_dense_layers",
+            f"must be in [0, {self.num_hidden_layers}]",
+        )
         need(self.num_experts >= 0, "num_experts", "must be >= 0")
         if self.first_dense_layers < self.num_hidden_layers:
             need(self.num_experts > 0, "num_experts", "MoE layers exist (first_dense_layers < layers) but no experts")
-            need(0 < self.num_experts_per_token <= self.num_experts, "num_experts_per_token",
-                 f"must be in [1, num_experts={self.num_experts}]")
+            need(
+                0 < self.num_experts_per_token <= self.num_experts,
+                "num_experts_per_token",
+                f"must be in [1, num_experts={self.num_experts}]",
+            )
             need(self.moe_intermediate_size > 0, "moe_intermediate_size", "must be > 0")
             need(self.num_shared_experts >= 0, "num_shared_experts", "must be >= 0")
-            need(self.num_expert_group > 0 and self.num_experts % self.num_expert_group == 0, "num_expert_group",
-                 f"must divide num_experts={self.num_experts}")
-            need(0 < self.topk_group <= self.num_expert_group, "topk_group",
-                 f"must be in [1, num_expert_group={self.num_expert_group}]")
-            need(self.num_experts_per_token <= self.topk_group * self.num_experts // self.num_expert_group,
-                 "num_experts_per_token", "exceeds the experts available in the selected groups")
+            need(
+                self.num_expert_group > 0 and self.num_experts % self.num_expert_group == 0,
+                "num_expert_group",
+                f"must divide num_experts={self.num_experts}",
+            )
+            need(
+                0 < self.topk_group <= self.num_expert_group,
+                "topk_group",
+                f"must be in [1, num_expert_group={self.num_expert_group}]",
+            )
+            need(
+                self.num_experts_per_token <= self.topk_group * self.num_experts // self.num_expert_group,
+                "num_experts_per_token",
+                "exceeds the experts available in the selected groups",
+            )
             need(self.routed_scaling_factor > 0, "routed_scaling_factor", "must be > 0")
         need(self.moe_latent_size is None or self.moe_latent_size > 0, "moe_latent_size", "must be > 0 or None")
-        need(not (self.moe_latent_norm and self.moe_latent_size is None), "moe_latent_norm",
-             "a latent norm needs moe_latent_size")
+        need(
+            not (self.moe_latent_norm and self.moe_latent_size is None),
+            "moe_latent_norm",
+            "a latent norm needs moe_latent_size",
+        )
         if self.experts_mxfp4:
             for name in ("expert_width", "moe_intermediate_size"):
                 need(getattr(self, name) % 32 == 0, "experts_mxfp4", f"MXFP4 blocks of 32 need {name} % 32 == 0")
@@ -215,8 +242,10 @@ class K3Config:
             need(v is None or 0 <= v < self.vocab_size, name, f"must lie in [0, vocab_size={self.vocab_size})")
         media = self.media_placeholder_token_id
         if media is not None and not (_is_int(media) and 0 <= media < self.vocab_size):
-            raise ValueError(f"K3Config.media_placeholder_token_id: must be an int in [0, vocab_size="
-                             f"{self.vocab_size}) (got {media!r})")
+            raise ValueError(
+                f"K3Config.media_placeholder_token_id: must be an int in [0, vocab_size="
+                f"{self.vocab_size}) (got {media!r})"
+            )
         try:  # a bad vision key fails here, by name, before any model is built
             self.vision_config
         except ValueError as e:
@@ -237,9 +266,19 @@ class K3Config:
         """The nearest config transformers' KimiLinear runs: the same widths without K3's features (softplus
         KDA gate, low-rank output gate, no MLA output gate, AttnRes, LatentMoE or SiTU; plain q_proj; flat
         checkpoint, dense experts)."""
-        return self.replace(kda_gate_form="softplus", kda_output_gate="low_rank", mla_output_gate=False,
-                            attn_res_block_size=0, moe_latent_size=None, moe_latent_norm=False, hidden_act="silu",
-                            vl_wrapper=False, experts_mxfp4=False, q_lora_rank=None, hf_wrapper_extras={})
+        return self.replace(
+            kda_gate_form="softplus",
+            kda_output_gate="low_rank",
+            mla_output_gate=False,
+            attn_res_block_size=0,
+            moe_latent_size=None,
+            moe_latent_norm=False,
+            hidden_act="silu",
+            vl_wrapper=False,
+            experts_mxfp4=False,
+            q_lora_rank=None,
+            hf_wrapper_extras={},
+        )
 
     # ---------------------------------------------------------------- counting
     def num_parameters(self) -> int:
@@ -250,7 +289,7 @@ class K3Config:
 
     def num_active_parameters(self) -> int:
         """Parameters touched per token: all but the routed experts a token does not select."""
-        from miles_k3.model.layout import tensor_shapes, is_routed_expert_tensor
+        from miles_k3.model.layout import is_routed_expert_tensor, tensor_shapes
 
         routed = sum(math.prod(s) for n, s in tensor_shapes(self).items() if is_routed_expert_tensor(n))
         moe_layers = sum(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
@@ -290,25 +329,49 @@ class K3Config:
 
 def _k3() -> K3Config:
     return K3Config(
-        vocab_size=163840, hidden_size=7168, layer_kinds=hybrid_layer_kinds(93),
-        bos_token_id=163584, eos_token_id=163586, pad_token_id=163839,
-        kda_num_heads=96, kda_head_dim=128, kda_gate_form="lower_bound", kda_gate_lower_bound=-5.0,
+        vocab_size=163840,
+        hidden_size=7168,
+        layer_kinds=hybrid_layer_kinds(93),
+        bos_token_id=163584,
+        eos_token_id=163586,
+        pad_token_id=163839,
+        kda_num_heads=96,
+        kda_head_dim=128,
+        kda_gate_form="lower_bound",
+        kda_gate_lower_bound=-5.0,
         kda_output_gate="full",
-        mla_num_heads=96, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
-        v_head_dim=128, mla_output_gate=True,
+        mla_num_heads=96,
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        mla_output_gate=True,
         attn_res_block_size=12,
-        first_dense_layers=1, dense_intermediate_size=33792,
-        num_experts=896, num_experts_per_token=16, moe_intermediate_size=3072, num_shared_experts=2,
-        moe_latent_size=3584, moe_latent_norm=True,
-        routed_scaling_factor=1.0, hidden_act="situ", vl_wrapper=True, experts_mxfp4=True,
+        first_dense_layers=1,
+        dense_intermediate_size=33792,
+        num_experts=896,
+        num_experts_per_token=16,
+        moe_intermediate_size=3072,
+        num_shared_experts=2,
+        moe_latent_size=3584,
+        moe_latent_norm=True,
+        routed_scaling_factor=1.0,
+        hidden_act="situ",
+        vl_wrapper=True,
+        experts_mxfp4=True,
         hf_wrapper_extras=_k3_wrapper_extras(),
     )
 
 
 # Field type (as annotated) -> check; fields of other types are checked by the rules in `validate`.
 _TYPE_CHECKS = {
-    "int": _is_int, "float": _is_number, "bool": lambda v: isinstance(v, bool), "str": lambda v: isinstance(v, str),
-    "int | None": lambda v: v is None or _is_int(v), "float | None": lambda v: v is None or _is_number(v),
+    "int": _is_int,
+    "float": _is_number,
+    "bool": lambda v: isinstance(v, bool),
+    "str": lambda v: isinstance(v, str),
+    "int | None": lambda v: v is None or _is_int(v),
+    "float | None": lambda v: v is None or _is_number(v),
 }
 
 
@@ -320,60 +383,133 @@ def _k3_wrapper_extras() -> dict[str, Any]:
         "image_placeholder": "<|kimi_image_placeholder|>",
         "media_placeholder_token_id": 163605,
         "vision_config": {
-            "_attn_implementation": "flash_attention_2", "activation_func": "gelu_pytorch_tanh",
-            "attn_bias": False, "init_pos_emb_height": 64, "init_pos_emb_time": 4, "init_pos_emb_width": 64,
-            "linear_bias": False, "merge_kernel_size": [2, 2], "merge_type": "sd2_tpool", "mlp_type": "mlp2",
-            "mm_hidden_size": 1024, "mm_projector_type": "patchmergerv2", "norm_type": "rmsnorm",
-            "patch_embed_proj_bias": False, "patch_size": 14, "pos_emb_interpolation_mode": "bilinear",
-            "pos_emb_type": "divided_fixed", "projector_hidden_act": "gelu", "projector_ln_eps": 1e-05,
-            "qkv_hidden_size": 1536, "text_hidden_size": 7168, "vt_hidden_size": 1024,
-            "vt_intermediate_size": 4096, "vt_num_attention_heads": 12, "vt_num_hidden_layers": 27,
+            "_attn_implementation": "flash_attention_2",
+            "activation_func": "gelu_pytorch_tanh",
+            "attn_bias": False,
+            "init_pos_emb_height": 64,
+            "init_pos_emb_time": 4,
+            "init_pos_emb_width": 64,
+            "linear_bias": False,
+            "merge_kernel_size": [2, 2],
+            "merge_type": "sd2_tpool",
+            "mlp_type": "mlp2",
+            "mm_hidden_size": 1024,
+            "mm_projector_type": "patchmergerv2",
+            "norm_type": "rmsnorm",
+            "patch_embed_proj_bias": False,
+            "patch_size": 14,
+            "pos_emb_interpolation_mode": "bilinear",
+            "pos_emb_type": "divided_fixed",
+            "projector_hidden_act": "gelu",
+            "projector_ln_eps": 1e-05,
+            "qkv_hidden_size": 1536,
+            "text_hidden_size": 7168,
+            "vt_hidden_size": 1024,
+            "vt_intermediate_size": 4096,
+            "vt_num_attention_heads": 12,
+            "vt_num_hidden_layers": 27,
         },
     }
 
 
 def _kimi_linear_48b() -> K3Config:
     return K3Config(
-        vocab_size=163840, hidden_size=2304, layer_kinds=hybrid_layer_kinds(27),
-        bos_token_id=163584, eos_token_id=163586, pad_token_id=163839,
-        kda_num_heads=32, kda_head_dim=128, kda_gate_form="softplus", kda_output_gate="low_rank",
-        mla_num_heads=32, q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
-        v_head_dim=128, mla_output_gate=False,
-        first_dense_layers=1, dense_intermediate_size=9216,
-        num_experts=256, num_experts_per_token=8, moe_intermediate_size=1024, num_shared_experts=1,
-        routed_scaling_factor=2.446, hidden_act="silu",
+        vocab_size=163840,
+        hidden_size=2304,
+        layer_kinds=hybrid_layer_kinds(27),
+        bos_token_id=163584,
+        eos_token_id=163586,
+        pad_token_id=163839,
+        kda_num_heads=32,
+        kda_head_dim=128,
+        kda_gate_form="softplus",
+        kda_output_gate="low_rank",
+        mla_num_heads=32,
+        q_lora_rank=None,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        mla_output_gate=False,
+        first_dense_layers=1,
+        dense_intermediate_size=9216,
+        num_experts=256,
+        num_experts_per_token=8,
+        moe_intermediate_size=1024,
+        num_shared_experts=1,
+        routed_scaling_factor=2.446,
+        hidden_act="silu",
     )
 
 
 def _k3_small() -> K3Config:
     # ~1.1B total: fits one H200 next to a rollout engine; same structure as k3, scaled down.
     return K3Config(
-        vocab_size=163840, hidden_size=1024, layer_kinds=hybrid_layer_kinds(16),
-        bos_token_id=163584, eos_token_id=163586, pad_token_id=163839,
-        kda_num_heads=8, kda_head_dim=128, kda_gate_form="lower_bound", kda_output_gate="full",
-        mla_num_heads=8, q_lora_rank=384, kv_lora_rank=256, qk_nope_head_dim=128, qk_rope_head_dim=64,
-        v_head_dim=128, mla_output_gate=True,
+        vocab_size=163840,
+        hidden_size=1024,
+        layer_kinds=hybrid_layer_kinds(16),
+        bos_token_id=163584,
+        eos_token_id=163586,
+        pad_token_id=163839,
+        kda_num_heads=8,
+        kda_head_dim=128,
+        kda_gate_form="lower_bound",
+        kda_output_gate="full",
+        mla_num_heads=8,
+        q_lora_rank=384,
+        kv_lora_rank=256,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        mla_output_gate=True,
         attn_res_block_size=4,
-        first_dense_layers=1, dense_intermediate_size=4096,
-        num_experts=64, num_experts_per_token=4, moe_intermediate_size=384, num_shared_experts=2,
-        moe_latent_size=512, moe_latent_norm=True,
-        hidden_act="situ", vl_wrapper=True, experts_mxfp4=True,
+        first_dense_layers=1,
+        dense_intermediate_size=4096,
+        num_experts=64,
+        num_experts_per_token=4,
+        moe_intermediate_size=384,
+        num_shared_experts=2,
+        moe_latent_size=512,
+        moe_latent_norm=True,
+        hidden_act="situ",
+        vl_wrapper=True,
+        experts_mxfp4=True,
     )
 
 
 def _k3_tiny() -> K3Config:
     # A few million parameters: trains on a 2-core CPU. Small AttnRes blocks so the bank is exercised.
     return K3Config(
-        vocab_size=512, hidden_size=128, layer_kinds=hybrid_layer_kinds(6, mla_every=3),
-        bos_token_id=1, eos_token_id=2, pad_token_id=0,
-        kda_num_heads=4, kda_head_dim=32, kda_gate_form="lower_bound", kda_output_gate="full",
-        mla_num_heads=4, q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16,
-        v_head_dim=32, mla_output_gate=True,
+        vocab_size=512,
+        hidden_size=128,
+        layer_kinds=hybrid_layer_kinds(6, mla_every=3),
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        kda_num_heads=4,
+        kda_head_dim=32,
+        kda_gate_form="lower_bound",
+        kda_output_gate="full",
+        mla_num_heads=4,
+        q_lora_rank=64,
+        kv_lora_rank=32,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=16,
+        v_head_dim=32,
+        mla_output_gate=True,
         attn_res_block_size=2,
-        first_dense_layers=1, dense_intermediate_size=384,
-        num_experts=16, num_experts_per_token=4, moe_intermediate_size=64, num_shared_experts=2,
-        moe_latent_size=64, moe_latent_norm=True,
-        hidden_act="situ", vl_wrapper=True, experts_mxfp4=False, max_position_embeddings=4096,
+        first_dense_layers=1,
+        dense_intermediate_size=384,
+        num_experts=16,
+        num_experts_per_token=4,
+        moe_intermediate_size=64,
+        num_shared_experts=2,
+        moe_latent_size=64,
+        moe_latent_norm=True,
+        hidden_act="situ",
+        vl_wrapper=True,
+        experts_mxfp4=False,
+        max_position_embeddings=4096,
     )
 
 
@@ -384,9 +520,19 @@ TINY_MEDIA_PAD_ID = 3
 def _k3_tiny_vl() -> K3Config:
     # k3-tiny's text model and a ~0.2M-parameter tower: 14-pixel patches, 8 x 8 position table (112-pixel
     # images without interpolation), 2 x 2 merge into the 128-wide text model. Trains on a 2-core CPU.
-    vision = VisionConfig(vt_hidden_size=64, vt_num_hidden_layers=2, vt_num_attention_heads=4, qkv_hidden_size=64,
-                          vt_intermediate_size=128, patch_size=14, init_pos_emb_height=8, init_pos_emb_width=8,
-                          init_pos_emb_time=4, mm_hidden_size=64, text_hidden_size=128)
+    vision = VisionConfig(
+        vt_hidden_size=64,
+        vt_num_hidden_layers=2,
+        vt_num_attention_heads=4,
+        qkv_hidden_size=64,
+        vt_intermediate_size=128,
+        patch_size=14,
+        init_pos_emb_height=8,
+        init_pos_emb_width=8,
+        init_pos_emb_time=4,
+        mm_hidden_size=64,
+        text_hidden_size=128,
+    )
     extras = {"media_placeholder_token_id": TINY_MEDIA_PAD_ID, "vision_config": vision.to_hf_dict()}
     return _k3_tiny().replace(hf_wrapper_extras=extras)
 

@@ -43,14 +43,16 @@ class ContextParallel:
         """The inverse of `to_segment` (identity here)."""
         return x
 
-    def short_conv(self, x: torch.Tensor, weight: torch.Tensor, *, state: torch.Tensor | None,
-                   cu_seqlens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def short_conv(
+        self, x: torch.Tensor, weight: torch.Tensor, *, state: torch.Tensor | None, cu_seqlens: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """`causal_short_conv` over this rank's segment, with the previous tokens of a sequence that started
         on an earlier rank."""
         return causal_short_conv(x, weight, state=state, cu_seqlens=cu_seqlens)
 
-    def short_convs(self, xs: list[torch.Tensor], weights: list[torch.Tensor], *, states: list,
-                    cu_seqlens: torch.Tensor | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def short_convs(
+        self, xs: list[torch.Tensor], weights: list[torch.Tensor], *, states: list, cu_seqlens: torch.Tensor | None
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """`short_conv` of each (x, weight, state): a KDA layer's q, k, v, in one kernel launch where the
         op's kernel takes them (`causal_short_convs`). A split subclass overrides this with its own."""
         return causal_short_convs(xs, weights, states=states, cu_seqlens=cu_seqlens)
@@ -58,11 +60,21 @@ class ContextParallel:
     def kda(self, q, k, v, g, beta, *, initial_state, output_final_state, cu_seqlens, use_qk_l2norm):
         """The `kda` op over this rank's segment, starting from the state an earlier rank's part of the
         sequence left."""
-        return kda(q, k, v, g, beta, initial_state=initial_state, output_final_state=output_final_state,
-                   cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm)
+        return kda(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            initial_state=initial_state,
+            output_final_state=output_final_state,
+            cu_seqlens=cu_seqlens,
+            use_qk_l2norm=use_qk_l2norm,
+        )
 
-    def mla_keys(self, latent: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def mla_keys(
+        self, latent: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """MLA's latent [B, S, R] and shared key part [B, S, Dr] of every rank in sequence order, and the
         attention mask over them (None = plain causal, or `mask` as a cache gave it). Identity here."""
         return latent, rope, mask
@@ -153,8 +165,11 @@ class ZigzagLayout:
         """Every rank's local tensors (rank order, 2c along `dim`) -> the row's N entries in order."""
         if len(parts) != self.size:
             raise ValueError(f"unshard: need one part per rank ({self.size}), got {len(parts)}")
-        return torch.cat(parts, dim=dim).index_select(dim, self.row_order.to(parts[0].device)).narrow(
-            dim, 0, self.num_tokens)
+        return (
+            torch.cat(parts, dim=dim)
+            .index_select(dim, self.row_order.to(parts[0].device))
+            .narrow(dim, 0, self.num_tokens)
+        )
 
     @cached_property
     def row_order(self) -> torch.Tensor:

@@ -9,9 +9,13 @@ from miles_k3.model.modeling import K3ForCausalLM, MediaEmbeds
 
 
 @torch.no_grad()
-def greedy_generate(model: K3ForCausalLM, prompt_ids: torch.Tensor, max_new_tokens: int,
-                    eos_token_id: int | None = None, media: MediaEmbeds | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+def greedy_generate(
+    model: K3ForCausalLM,
+    prompt_ids: torch.Tensor,
+    max_new_tokens: int,
+    eos_token_id: int | None = None,
+    media: MediaEmbeds | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """prompt_ids [B, T] (equal lengths) -> (new tokens [B, N], log-probs of those tokens [B, N] fp32).
 
     One prefill (with `media`'s image features at their pad positions of the flattened prompts), then one

@@ -63,14 +63,23 @@ _TEXT_KEYS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
 )
 # K3 feature keys: (field, key); written only when the feature is on
 _FEATURE_KEYS = (
-    ("mla_output_gate", "mla_use_output_gate"), ("attn_res_block_size", "attn_res_block_size"),
-    ("moe_latent_size", "routed_expert_hidden_size"), ("moe_latent_norm", "latent_moe_use_norm"),
-    ("situ_beta", "activation_situ_beta"), ("situ_beta_lin", "activation_situ_linear_beta"),
+    ("mla_output_gate", "mla_use_output_gate"),
+    ("attn_res_block_size", "attn_res_block_size"),
+    ("moe_latent_size", "routed_expert_hidden_size"),
+    ("moe_latent_norm", "latent_moe_use_norm"),
+    ("situ_beta", "activation_situ_beta"),
+    ("situ_beta_lin", "activation_situ_linear_beta"),
 )
-_LINEAR_KEYS = (("kda_head_dim", "head_dim"), ("kda_num_heads", "num_heads"),
-                ("kda_conv_kernel", "short_conv_kernel_size"))
-_LINEAR_ALIASES = {"head_dim": "linear_head_dim", "num_heads": "linear_num_heads",
-                   "short_conv_kernel_size": "linear_conv_kernel_dim"}  # transformers' flat spellings
+_LINEAR_KEYS = (
+    ("kda_head_dim", "head_dim"),
+    ("kda_num_heads", "num_heads"),
+    ("kda_conv_kernel", "short_conv_kernel_size"),
+)
+_LINEAR_ALIASES = {
+    "head_dim": "linear_head_dim",
+    "num_heads": "linear_num_heads",
+    "short_conv_kernel_size": "linear_conv_kernel_dim",
+}  # transformers' flat spellings
 _LINEAR_OWN = {"kda_layers", "full_attn_layers", "use_full_rank_gate", "gate_lower_bound", *_LINEAR_ALIASES}
 # key: the one value implemented (a config that says otherwise asks for a model we do not build)
 _FIXED = {
@@ -82,28 +91,94 @@ _FIXED = {
 _FIXED_UNWRITTEN = {"attention_bias": False, "mlp_bias": False}  # transformers' spellings; K3 writes neither
 _TOPK_METHODS = {"noaux_tc": True, "greedy": False}  # -> router_correction_bias
 # Written by transformers or derived from other keys; checked where they can disagree, else ignored.
-_DERIVED = {"num_hidden_layers", "num_key_value_heads", "layer_types", "mlp_layer_types", "qk_head_dim",
-            "head_dim", "linear_attn_config", "quantization_config", "model_type", "architectures",
-            "use_grouped_topk", "topk_method", *_LINEAR_ALIASES.values()}
+_DERIVED = {
+    "num_hidden_layers",
+    "num_key_value_heads",
+    "layer_types",
+    "mlp_layer_types",
+    "qk_head_dim",
+    "head_dim",
+    "linear_attn_config",
+    "quantization_config",
+    "model_type",
+    "architectures",
+    "use_grouped_topk",
+    "topk_method",
+    *_LINEAR_ALIASES.values(),
+}
 # HF's generic PretrainedConfig keys (transformers 4.x and 5.x) and training-only knobs: no effect on the
 # text model, carried through unchanged.
 _INERT = {
-    "_name_or_path", "auto_map", "dtype", "torch_dtype", "transformers_version", "use_cache",
-    "initializer_range", "attention_dropout", "pretraining_tp", "output_router_logits", "rope_theta",
-    "rope_scaling", "rope_parameters", "return_dict", "output_hidden_states", "output_attentions",
-    "torchscript", "use_bfloat16", "tf_legacy_loss", "pruned_heads", "chunk_size_feed_forward",
-    "is_encoder_decoder", "is_decoder", "cross_attention_hidden_size", "add_cross_attention",
-    "tie_encoder_decoder", "finetuning_task", "id2label", "label2id", "problem_type", "task_specific_params",
-    "tokenizer_class", "prefix", "sep_token_id", "decoder_start_token_id", "suppress_tokens",
-    "begin_suppress_tokens", "max_length", "min_length", "do_sample", "early_stopping", "num_beams",
-    "num_beam_groups", "diversity_penalty", "temperature", "top_k", "top_p", "typical_p",
-    "repetition_penalty", "length_penalty", "no_repeat_ngram_size", "encoder_no_repeat_ngram_size",
-    "bad_words_ids", "num_return_sequences", "output_scores", "return_dict_in_generate",
-    "forced_bos_token_id", "forced_eos_token_id", "remove_invalid_values", "exponential_decay_length_penalty",
+    "_name_or_path",
+    "auto_map",
+    "dtype",
+    "torch_dtype",
+    "transformers_version",
+    "use_cache",
+    "initializer_range",
+    "attention_dropout",
+    "pretraining_tp",
+    "output_router_logits",
+    "rope_theta",
+    "rope_scaling",
+    "rope_parameters",
+    "return_dict",
+    "output_hidden_states",
+    "output_attentions",
+    "torchscript",
+    "use_bfloat16",
+    "tf_legacy_loss",
+    "pruned_heads",
+    "chunk_size_feed_forward",
+    "is_encoder_decoder",
+    "is_decoder",
+    "cross_attention_hidden_size",
+    "add_cross_attention",
+    "tie_encoder_decoder",
+    "finetuning_task",
+    "id2label",
+    "label2id",
+    "problem_type",
+    "task_specific_params",
+    "tokenizer_class",
+    "prefix",
+    "sep_token_id",
+    "decoder_start_token_id",
+    "suppress_tokens",
+    "begin_suppress_tokens",
+    "max_length",
+    "min_length",
+    "do_sample",
+    "early_stopping",
+    "num_beams",
+    "num_beam_groups",
+    "diversity_penalty",
+    "temperature",
+    "top_k",
+    "top_p",
+    "typical_p",
+    "repetition_penalty",
+    "length_penalty",
+    "no_repeat_ngram_size",
+    "encoder_no_repeat_ngram_size",
+    "bad_words_ids",
+    "num_return_sequences",
+    "output_scores",
+    "return_dict_in_generate",
+    "forced_bos_token_id",
+    "forced_eos_token_id",
+    "remove_invalid_values",
+    "exponential_decay_length_penalty",
 }
 # The wrapper's keys beside text_config that the text model carries through (the vision path reads them).
-_WRAPPER_INERT = {"vision_config", "media_placeholder_token_id", "image_placeholder", "video_placeholder",
-                  "ignore_index", *_INERT}
+_WRAPPER_INERT = {
+    "vision_config",
+    "media_placeholder_token_id",
+    "image_placeholder",
+    "video_placeholder",
+    "ignore_index",
+    *_INERT,
+}
 _WRAPPER_TOKENS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
@@ -177,14 +252,16 @@ def _check_quantization(q: Any, at: str) -> bool:
         raise _fail(at, "must be an object")
     method, fmt = q.get("quant_method"), q.get("format")
     if method != "compressed-tensors" or fmt != MXFP4_FORMAT:
-        raise _fail(at, f"unsupported quantization (quant_method={method!r}, format={fmt!r}); only "
-                        f"compressed-tensors {MXFP4_FORMAT!r} routed experts are supported")
+        raise _fail(
+            at,
+            f"unsupported quantization (quant_method={method!r}, format={fmt!r}); only "
+            f"compressed-tensors {MXFP4_FORMAT!r} routed experts are supported",
+        )
     for name, group in (q.get("config_groups") or {}).items():
         weights = group.get("weights") or {}
         for key, want in (("num_bits", 4), ("group_size", 32), ("type", "float")):
             if key in weights and weights[key] != want:
-                raise _fail(f"{at}.config_groups.{name}.weights.{key}",
-                            f"MXFP4 needs {want!r}, got {weights[key]!r}")
+                raise _fail(f"{at}.config_groups.{name}.weights.{key}", f"MXFP4 needs {want!r}, got {weights[key]!r}")
         if group.get("format", fmt) != MXFP4_FORMAT:
             raise _fail(f"{at}.config_groups.{name}.format", f"must be {MXFP4_FORMAT!r}, got {group.get('format')!r}")
     return True
@@ -238,12 +315,17 @@ def _text_fields(text: dict[str, Any], at: str) -> dict[str, Any]:
         raise _fail(f"{at}use_grouped_topk", "false with num_expert_group > 1 is not implemented")
     heads = text.get("num_key_value_heads")
     if heads is not None and heads != kw.get("mla_num_heads", heads):
-        raise _fail(f"{at}num_key_value_heads", "MLA expands one latent to all heads; it must equal "
-                                                f"num_attention_heads ({kw.get('mla_num_heads')}), got {heads}")
+        raise _fail(
+            f"{at}num_key_value_heads",
+            "MLA expands one latent to all heads; it must equal "
+            f"num_attention_heads ({kw.get('mla_num_heads')}), got {heads}",
+        )
     n = text.get("num_hidden_layers")
     if n is not None and n != len(kw["layer_kinds"]):
-        raise _fail(f"{at}num_hidden_layers", f"{n} disagrees with the {len(kw['layer_kinds'])} layers of "
-                                              "linear_attn_config / layer_types")
+        raise _fail(
+            f"{at}num_hidden_layers",
+            f"{n} disagrees with the {len(kw['layer_kinds'])} layers of linear_attn_config / layer_types",
+        )
     if kw["hidden_act"] not in ACTIVATIONS:
         raise _fail(f"{at}hidden_act", f"must be one of {ACTIVATIONS}, got {kw['hidden_act']!r}")
     if kw["hidden_act"] != "situ" and ("activation_situ_beta" in text or "activation_situ_linear_beta" in text):
@@ -254,8 +336,10 @@ def _text_fields(text: dict[str, Any], at: str) -> dict[str, Any]:
     known |= _FIXED.keys() | _FIXED_UNWRITTEN.keys() | _DERIVED
     unknown = sorted(set(text) - known - _INERT)
     if unknown:
-        raise _fail(f"{at}{unknown[0]}", "not a key of the Kimi K3 / Kimi-Linear schema (a typo, or a feature "
-                                         "this loader does not implement)")
+        raise _fail(
+            f"{at}{unknown[0]}",
+            "not a key of the Kimi K3 / Kimi-Linear schema (a typo, or a feature this loader does not implement)",
+        )
     bad = sorted(set(lac) - _LINEAR_OWN - {k for _, k in _LINEAR_KEYS})
     if bad:
         raise _fail(f"{at}linear_attn_config.{bad[0]}", "not a key of the Kimi K3 / Kimi-Linear schema")
@@ -301,8 +385,14 @@ def _fields_from_hf(d: dict[str, Any]) -> dict[str, Any]:
         if top_q and text_q and top_q != text_q:
             raise _fail("quantization_config", "differs from text_config.quantization_config")
         kw["experts_mxfp4"] = _check_quantization(text_q or top_q, "text_config.quantization_config")
-        known = {"model_type", "text_config", "architectures", "quantization_config", "tie_word_embeddings",
-                 *_WRAPPER_TOKENS}
+        known = {
+            "model_type",
+            "text_config",
+            "architectures",
+            "quantization_config",
+            "tie_word_embeddings",
+            *_WRAPPER_TOKENS,
+        }
         unknown = sorted(set(d) - known - _WRAPPER_INERT)
         if unknown:
             raise _fail(unknown[0], "not a key of the Kimi K3 config schema")
@@ -328,14 +418,31 @@ def quantization_config() -> dict[str, Any]:
     """compressed-tensors MXFP4 as K3 ships it: the rule targets every Linear outside `ignore`, while the
     tensors hold only the routed experts' w1/w2/w3 packed (the latent down/up projections stay bf16)."""
     return {
-        "config_groups": {"group_0": {
-            "format": MXFP4_FORMAT, "targets": ["Linear"],
-            "weights": {"dynamic": False, "group_size": 32, "num_bits": 4, "observer": "minmax",
-                        "scale_dtype": "torch.uint8", "strategy": "group", "symmetric": True, "type": "float"},
-        }},
+        "config_groups": {
+            "group_0": {
+                "format": MXFP4_FORMAT,
+                "targets": ["Linear"],
+                "weights": {
+                    "dynamic": False,
+                    "group_size": 32,
+                    "num_bits": 4,
+                    "observer": "minmax",
+                    "scale_dtype": "torch.uint8",
+                    "strategy": "group",
+                    "symmetric": True,
+                    "type": "float",
+                },
+            }
+        },
         "format": MXFP4_FORMAT,
-        "ignore": ["re:.*self_attn.*", "re:.*shared_experts.*", r"re:.*mlp\.(gate|up|gate_up|down)_proj.*",
-                   "re:.*lm_head.*", "re:.*vision_tower.*", "re:.*mm_projector.*"],
+        "ignore": [
+            "re:.*self_attn.*",
+            "re:.*shared_experts.*",
+            r"re:.*mlp\.(gate|up|gate_up|down)_proj.*",
+            "re:.*lm_head.*",
+            "re:.*vision_tower.*",
+            "re:.*mm_projector.*",
+        ],
         "quant_method": "compressed-tensors",
         "quantization_status": "compressed",
     }
@@ -346,16 +453,26 @@ def _text_dict(c: K3Config) -> dict[str, Any]:
     text.update({key: getattr(c, fname) for fname, key, _ in _TEXT_KEYS})
     if not c.vl_wrapper:  # transformers' KimiLinearConfig spells it so
         text["model_max_length"] = text.pop("max_position_embeddings")
-    on = {"mla_output_gate": c.mla_output_gate, "attn_res_block_size": c.attn_res_block_size > 0,
-          "moe_latent_size": c.moe_latent_size is not None, "moe_latent_norm": c.moe_latent_norm,
-          "situ_beta": c.hidden_act == "situ", "situ_beta_lin": c.hidden_act == "situ"}
+    on = {
+        "mla_output_gate": c.mla_output_gate,
+        "attn_res_block_size": c.attn_res_block_size > 0,
+        "moe_latent_size": c.moe_latent_size is not None,
+        "moe_latent_norm": c.moe_latent_norm,
+        "situ_beta": c.hidden_act == "situ",
+        "situ_beta_lin": c.hidden_act == "situ",
+    }
     text.update({key: getattr(c, fname) for fname, key in _FEATURE_KEYS if on[fname]})
     text.update(_FIXED)
-    text.update({
-        "model_type": TEXT_MODEL_TYPE, "architectures": [TEXT_ARCHITECTURE],
-        "num_hidden_layers": c.num_hidden_layers, "num_key_value_heads": c.mla_num_heads,
-        "topk_method": "noaux_tc" if c.router_correction_bias else "greedy", "use_grouped_topk": True,
-    })
+    text.update(
+        {
+            "model_type": TEXT_MODEL_TYPE,
+            "architectures": [TEXT_ARCHITECTURE],
+            "num_hidden_layers": c.num_hidden_layers,
+            "num_key_value_heads": c.mla_num_heads,
+            "topk_method": "noaux_tc" if c.router_correction_bias else "greedy",
+            "use_grouped_topk": True,
+        }
+    )
     lac: dict[str, Any] = {key: getattr(c, fname) for fname, key in _LINEAR_KEYS}
     lac["kda_layers"] = [i + 1 for i, k in enumerate(c.layer_kinds) if k == "kda"]
     lac["full_attn_layers"] = [i + 1 for i, k in enumerate(c.layer_kinds) if k == "mla"]
@@ -375,7 +492,13 @@ def config_to_hf(c: K3Config) -> dict[str, Any]:
     if not c.vl_wrapper:
         return text
     out: dict[str, Any] = dict(c.hf_wrapper_extras)
-    out.update({"architectures": [K3_ARCHITECTURE], "model_type": K3_MODEL_TYPE, "text_config": text,
-                "tie_word_embeddings": c.tie_word_embeddings})
+    out.update(
+        {
+            "architectures": [K3_ARCHITECTURE],
+            "model_type": K3_MODEL_TYPE,
+            "text_config": text,
+            "tie_word_embeddings": c.tie_word_embeddings,
+        }
+    )
     out.update({key: getattr(c, key) for key in _WRAPPER_TOKENS})
     return out

@@ -42,8 +42,15 @@ class KDAMixer(nn.Module):
     projections give it those heads' channels, conv weights / dt_bias / A_log hold those heads only, and
     the row-parallel o_proj sums the ranks' outputs."""
 
-    def __init__(self, config: K3Config, layer_idx: int, name: str, linear: LinearFactory,
-                 tp: TensorParallel = SINGLE, cp: ContextParallel = NO_CP):
+    def __init__(
+        self,
+        config: K3Config,
+        layer_idx: int,
+        name: str,
+        linear: LinearFactory,
+        tp: TensorParallel = SINGLE,
+        cp: ContextParallel = NO_CP,
+    ):
         super().__init__()
         c = self.config = config
         self.layer_idx = layer_idx
@@ -72,8 +79,9 @@ class KDAMixer(nn.Module):
             return self.g_proj(x)
         return self.g_b_proj(self.g_a_proj(x))
 
-    def forward(self, x: torch.Tensor, cache: K3StateCache | None = None,
-                cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cache: K3StateCache | None = None, cu_seqlens: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Under context parallelism (`cp.size` > 1) the mixer runs on this rank's contiguous segment of the
         row: `cp.to_segment` moves the zigzag-ordered input there, the conv and recurrence take what earlier
         segments leave (`cp.short_conv`, `cp.kda`), and `cp.to_zigzag` moves the output back."""
@@ -82,16 +90,32 @@ class KDAMixer(nn.Module):
         b, t, _ = x.shape
         heads = (b, t, self.heads, c.kda_head_dim)
         prev = cache.kda_state(self.layer_idx) if cache is not None else None
-        convs = cp.short_convs([getattr(self, f"{p}_proj")(x) for p in "qkv"],
-                               [getattr(self, f"{p}_conv1d").weight for p in "qkv"],
-                               states=list(prev[:3]) if prev is not None else [None] * 3, cu_seqlens=cu_seqlens)
+        convs = cp.short_convs(
+            [getattr(self, f"{p}_proj")(x) for p in "qkv"],
+            [getattr(self, f"{p}_conv1d").weight for p in "qkv"],
+            states=list(prev[:3]) if prev is not None else [None] * 3,
+            cu_seqlens=cu_seqlens,
+        )
         qkv = [y.view(heads) for y, _ in convs]
         conv = [new_state for _, new_state in convs]
-        g, beta = kda_gate_beta(self.f_b_proj(self.f_a_proj(x)), self.b_proj(x), self.A_log, self.dt_bias,
-                                num_heads=self.heads, form=c.kda_gate_form, lower_bound=c.kda_gate_lower_bound)
-        o, recurrent = cp.kda(*qkv, g, beta,
-                              initial_state=prev.recurrent if prev is not None else None,
-                              output_final_state=cache is not None, cu_seqlens=cu_seqlens, use_qk_l2norm=True)
+        g, beta = kda_gate_beta(
+            self.f_b_proj(self.f_a_proj(x)),
+            self.b_proj(x),
+            self.A_log,
+            self.dt_bias,
+            num_heads=self.heads,
+            form=c.kda_gate_form,
+            lower_bound=c.kda_gate_lower_bound,
+        )
+        o, recurrent = cp.kda(
+            *qkv,
+            g,
+            beta,
+            initial_state=prev.recurrent if prev is not None else None,
+            output_final_state=cache is not None,
+            cu_seqlens=cu_seqlens,
+            use_qk_l2norm=True,
+        )
         if cache is not None:
             cache.set_kda_state(self.layer_idx, KDAState(*conv, recurrent))
         o = gated_rms_norm(o, self.output_gate(x).view(heads), self.o_norm.weight, c.rms_norm_eps)
@@ -104,8 +128,15 @@ class MLAMixer(nn.Module):
     Under tensor parallelism this rank runs `mla_num_heads / tp.size` heads (column-split q / kv_b / g
     projections); the latent projections are replicated and o_proj reduces across ranks."""
 
-    def __init__(self, config: K3Config, layer_idx: int, name: str, linear: LinearFactory,
-                 tp: TensorParallel = SINGLE, cp: ContextParallel = NO_CP):
+    def __init__(
+        self,
+        config: K3Config,
+        layer_idx: int,
+        name: str,
+        linear: LinearFactory,
+        tp: TensorParallel = SINGLE,
+        cp: ContextParallel = NO_CP,
+    ):
         super().__init__()
         c = self.config = config
         self.layer_idx = layer_idx
@@ -119,17 +150,20 @@ class MLAMixer(nn.Module):
             self.q_a_layernorm = RMSNorm(c.q_lora_rank, c.mla_latent_norm_eps)
             self.q_b_proj = linear(LinearSpec(f"{name}.q_b_proj", c.q_lora_rank, h * c.qk_head_dim, "column"))
         self.kv_a_proj_with_mqa = linear(
-            LinearSpec(f"{name}.kv_a_proj_with_mqa", d, c.kv_lora_rank + c.qk_rope_head_dim, "replicated"))
+            LinearSpec(f"{name}.kv_a_proj_with_mqa", d, c.kv_lora_rank + c.qk_rope_head_dim, "replicated")
+        )
         self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, c.mla_latent_norm_eps)
         self.kv_b_proj = linear(
-            LinearSpec(f"{name}.kv_b_proj", c.kv_lora_rank, h * (c.qk_nope_head_dim + c.v_head_dim), "column"))
+            LinearSpec(f"{name}.kv_b_proj", c.kv_lora_rank, h * (c.qk_nope_head_dim + c.v_head_dim), "column")
+        )
         self.o_proj = linear(LinearSpec(f"{name}.o_proj", h * c.v_head_dim, d, "row"))
         if c.mla_output_gate:
             self.g_proj = linear(LinearSpec(f"{name}.g_proj", d, h * c.v_head_dim, "column"))
-        self.scale = c.qk_head_dim ** -0.5
+        self.scale = c.qk_head_dim**-0.5
 
-    def forward(self, x: torch.Tensor, cache: K3StateCache | None = None,
-                cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cache: K3StateCache | None = None, cu_seqlens: torch.Tensor | None = None
+    ) -> torch.Tensor:
         c = self.config
         b, t, _ = x.shape
         q = self.q_proj(x) if c.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
@@ -146,8 +180,14 @@ class MLAMixer(nn.Module):
             o = o * torch.sigmoid(self.g_proj(x))
         return self.o_proj(o)
 
-    def expanded_attention(self, q: torch.Tensor, latent: torch.Tensor, rope: torch.Tensor,
-                           cache: K3StateCache | None, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
+    def expanded_attention(
+        self,
+        q: torch.Tensor,
+        latent: torch.Tensor,
+        rope: torch.Tensor,
+        cache: K3StateCache | None,
+        cu_seqlens: torch.Tensor | None,
+    ) -> torch.Tensor:
         """The reference attention: q [B, T, H, Dqk] over the history (this step's latent [B, T, R] and
         shared key part [B, T, Dr], after the cache's past ones), expanded through kv_b_proj into per-head
         keys and values -> [B, T, H, Dv]."""
@@ -172,8 +212,15 @@ class K3DecoderLayer(nn.Module):
     block, `blocks` the finished block sums (always empty without AttnRes, where h is the plain stream).
     Under sequence parallelism h and blocks hold this rank's slice of the sequence."""
 
-    def __init__(self, config: K3Config, layer_idx: int, linear: LinearFactory, experts: ExpertsFactory,
-                 tp: TensorParallel = SINGLE, cp: ContextParallel = NO_CP):
+    def __init__(
+        self,
+        config: K3Config,
+        layer_idx: int,
+        linear: LinearFactory,
+        experts: ExpertsFactory,
+        tp: TensorParallel = SINGLE,
+        cp: ContextParallel = NO_CP,
+    ):
         super().__init__()
         c = self.config = config
         self.layer_idx = layer_idx
@@ -192,8 +239,9 @@ class K3DecoderLayer(nn.Module):
         if c.is_moe_layer(layer_idx):
             self.block_sparse_moe = LatentMoE(c, f"{name}.block_sparse_moe", linear, experts)
         else:
-            self.mlp = GLUMLP(f"{name}.mlp", d, c.dense_intermediate_size, c.hidden_act,
-                              (c.situ_beta, c.situ_beta_lin), linear)
+            self.mlp = GLUMLP(
+                f"{name}.mlp", d, c.dense_intermediate_size, c.hidden_act, (c.situ_beta, c.situ_beta_lin), linear
+            )
 
     @property
     def ffn(self) -> nn.Module:
@@ -203,28 +251,37 @@ class K3DecoderLayer(nn.Module):
         """`then(attn_res_mix(...))`: the sublayer's norm of its mixed input, one op (one kernel under
         `use_kernels`), since nothing else reads the mix."""
         norm, proj = getattr(self, f"{site}_norm"), getattr(self, f"{site}_proj")
-        return attn_res_mix_rms_norm(h, blocks, norm.weight, proj.weight, self.config.res_eps, then.weight,
-                                     then.eps)
+        return attn_res_mix_rms_norm(h, blocks, norm.weight, proj.weight, self.config.res_eps, then.weight, then.eps)
 
-    def _added_mixed_norm(self, h: torch.Tensor, add: torch.Tensor, blocks: list[torch.Tensor], site: str,
-                          then: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+    def _added_mixed_norm(
+        self, h: torch.Tensor, add: torch.Tensor, blocks: list[torch.Tensor], site: str, then: RMSNorm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(h + add, `_mixed_norm` of it): the residual add in the same op (one kernel under `use_kernels`)."""
         norm, proj = getattr(self, f"{site}_norm"), getattr(self, f"{site}_proj")
-        return add_attn_res_mix_rms_norm(h, add, blocks, norm.weight, proj.weight, self.config.res_eps,
-                                         then.weight, then.eps)
+        return add_attn_res_mix_rms_norm(
+            h, add, blocks, norm.weight, proj.weight, self.config.res_eps, then.weight, then.eps
+        )
 
     def _sublayer(self, module: nn.Module, x: torch.Tensor, *args) -> torch.Tensor:
         # Sequence parallel: the mixer / MLP sees the whole sequence, the residual stream keeps its slice.
         return self.tp.seq_scatter(module(self.tp.seq_gather(x), *args))
 
-    def forward(self, h: torch.Tensor, blocks: list[torch.Tensor], cache: K3StateCache | None = None,
-                cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def forward(
+        self,
+        h: torch.Tensor,
+        blocks: list[torch.Tensor],
+        cache: K3StateCache | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         block_size = self.config.attn_res_block_size
         if not block_size:
             h = h + self._sublayer(self.self_attn, self.input_layernorm(h), cache, cu_seqlens)
             return h + self._sublayer(self.ffn, self.post_attention_layernorm(h)), blocks
-        normed = (self._mixed_norm(h, blocks, "self_attention_res", self.input_layernorm) if blocks
-                  else self.input_layernorm(h))
+        normed = (
+            self._mixed_norm(h, blocks, "self_attention_res", self.input_layernorm)
+            if blocks
+            else self.input_layernorm(h)
+        )
         attn_out = self._sublayer(self.self_attn, normed, cache, cu_seqlens)
         if self.layer_idx % block_size == 0:
             blocks, h = [*blocks, h], attn_out

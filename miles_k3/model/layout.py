@@ -44,10 +44,15 @@ def _kda_shapes(c: K3Config) -> dict[str, tuple[int, ...]]:
     d, hk, r = c.hidden_size, c.kda_dim, c.gate_rank
     shapes = {f"{p}_proj.weight": (hk, d) for p in "qkv"}
     shapes.update({f"{p}_conv1d.weight": (hk, 1, c.kda_conv_kernel) for p in "qkv"})
-    shapes.update({
-        "f_a_proj.weight": (r, d), "f_b_proj.weight": (hk, r),
-        "A_log": kda_a_log_shape(c), "dt_bias": (hk,), "b_proj.weight": (c.kda_num_heads, d),
-    })
+    shapes.update(
+        {
+            "f_a_proj.weight": (r, d),
+            "f_b_proj.weight": (hk, r),
+            "A_log": kda_a_log_shape(c),
+            "dt_bias": (hk,),
+            "b_proj.weight": (c.kda_num_heads, d),
+        }
+    )
     if c.kda_output_gate == "full":
         shapes["g_proj.weight"] = (hk, d)
     else:
@@ -62,16 +67,21 @@ def _mla_shapes(c: K3Config) -> dict[str, tuple[int, ...]]:
     if c.q_lora_rank is None:
         shapes["q_proj.weight"] = (h * c.qk_head_dim, d)
     else:
-        shapes.update({
-            "q_a_proj.weight": (c.q_lora_rank, d), "q_a_layernorm.weight": (c.q_lora_rank,),
-            "q_b_proj.weight": (h * c.qk_head_dim, c.q_lora_rank),
-        })
-    shapes.update({
-        "kv_a_proj_with_mqa.weight": (c.kv_lora_rank + c.qk_rope_head_dim, d),
-        "kv_a_layernorm.weight": (c.kv_lora_rank,),
-        "kv_b_proj.weight": (h * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank),
-        "o_proj.weight": (d, h * c.v_head_dim),
-    })
+        shapes.update(
+            {
+                "q_a_proj.weight": (c.q_lora_rank, d),
+                "q_a_layernorm.weight": (c.q_lora_rank,),
+                "q_b_proj.weight": (h * c.qk_head_dim, c.q_lora_rank),
+            }
+        )
+    shapes.update(
+        {
+            "kv_a_proj_with_mqa.weight": (c.kv_lora_rank + c.qk_rope_head_dim, d),
+            "kv_a_layernorm.weight": (c.kv_lora_rank,),
+            "kv_b_proj.weight": (h * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank),
+            "o_proj.weight": (d, h * c.v_head_dim),
+        }
+    )
     if c.mla_output_gate:
         shapes["g_proj.weight"] = (h * c.v_head_dim, d)
     return shapes
@@ -87,8 +97,9 @@ def _moe_shapes(c: K3Config) -> dict[str, tuple[int, ...]]:
     if c.router_correction_bias:
         shapes["gate.e_score_correction_bias"] = (c.num_experts,)
     for e in range(c.num_experts):
-        shapes.update({f"experts.{e}.w1.weight": (i, w), f"experts.{e}.w2.weight": (w, i),
-                       f"experts.{e}.w3.weight": (i, w)})
+        shapes.update(
+            {f"experts.{e}.w1.weight": (i, w), f"experts.{e}.w2.weight": (w, i), f"experts.{e}.w3.weight": (i, w)}
+        )
     if c.num_shared_experts > 0:
         shapes.update({f"shared_experts.{k}": s for k, s in _glu_shapes(d, c.shared_intermediate).items()})
     if c.moe_latent_size is not None:

@@ -79,8 +79,9 @@ class TensorParallel:
         if size < 1 or not 0 <= rank < size:
             raise ValueError(f"TensorParallel: need size >= 1 and 0 <= rank < size, got size={size}, rank={rank}")
         if sequence_parallel and size == 1:
-            raise ValueError("sequence parallelism needs tensor parallelism (size > 1): with one rank it "
-                             "shards nothing")
+            raise ValueError(
+                "sequence parallelism needs tensor parallelism (size > 1): with one rank it shards nothing"
+            )
         self.size, self.rank = size, rank
         self.sequence_parallel = sequence_parallel
 

@@ -46,8 +46,11 @@ class LoraSpec:
             raise ValueError(f"LoraSpec.rank must be an int >= 1, got {self.rank!r}")
         if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not self.alpha > 0:
             raise ValueError(f"LoraSpec.alpha must be a number > 0, got {self.alpha!r}")
-        if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) \
-                or not 0.0 <= self.dropout < 1.0:
+        if (
+            isinstance(self.dropout, bool)
+            or not isinstance(self.dropout, (int, float))
+            or not 0.0 <= self.dropout < 1.0
+        ):
             raise ValueError(f"LoraSpec.dropout must lie in [0, 1), got {self.dropout!r}")
         if isinstance(self.targets, str) or not isinstance(self.targets, (tuple, list)):
             raise ValueError(f"LoraSpec.targets must be a tuple of regex strings, got {self.targets!r}")
@@ -104,6 +107,6 @@ def adaptable_modules(config: K3Config) -> list[str]:
         if len(shape) != 2 or not tensor.endswith(".weight") or _NOT_LINEAR.search(tensor):
             continue
         expert = _EXPERT.search(tensor)
-        module = tensor[:expert.start()] + f".experts.{expert.group(1)}" if expert else tensor[:-len(".weight")]
+        module = tensor[: expert.start()] + f".experts.{expert.group(1)}" if expert else tensor[: -len(".weight")]
         names[module] = None
     return list(names)

@@ -30,8 +30,15 @@ from miles_k3.model.cache import K3StateCache
 from miles_k3.model.config import K3Config
 from miles_k3.model.context import NO_CP, ContextParallel
 from miles_k3.model.layers import K3DecoderLayer
-from miles_k3.model.linear import (SINGLE, ExpertsFactory, LinearFactory, LinearSpec, TensorParallel, torch_experts,
-                                   torch_linear)
+from miles_k3.model.linear import (
+    SINGLE,
+    ExpertsFactory,
+    LinearFactory,
+    LinearSpec,
+    TensorParallel,
+    torch_experts,
+    torch_linear,
+)
 from miles_k3.model.norm import RMSNorm
 from miles_k3.ops.attnres import attn_res_mix_rms_norm
 
@@ -56,8 +63,10 @@ def unpack_residual(x: torch.Tensor, config: K3Config, layer_idx: int) -> tuple[
     width is a ValueError naming both widths."""
     d, n = config.hidden_size, bank_rows(config, layer_idx)
     if x.shape[-1] != (1 + n) * d:
-        raise ValueError(f"pipeline input for layer {layer_idx}: width {x.shape[-1]}, expected {(1 + n) * d} "
-                         f"= (1 prefix sum + {n} AttnRes blocks) x hidden_size {d}")
+        raise ValueError(
+            f"pipeline input for layer {layer_idx}: width {x.shape[-1]}, expected {(1 + n) * d} "
+            f"= (1 prefix sum + {n} AttnRes blocks) x hidden_size {d}"
+        )
     h, *blocks = x.split(d, dim=-1)
     return h, blocks
 
@@ -103,8 +112,10 @@ class MediaEmbeds(NamedTuple):
         """embeds [B, T, D] with the media rows replaced (a new tensor: autograd reaches the features)."""
         d = embeds.shape[-1]
         if self.features.dim() != 2 or self.features.shape != (self.positions.numel(), d):
-            raise ValueError(f"media features must be [{self.positions.numel()}, {d}] (one row per media pad "
-                             f"position), got {tuple(self.features.shape)}")
+            raise ValueError(
+                f"media features must be [{self.positions.numel()}, {d}] (one row per media pad "
+                f"position), got {tuple(self.features.shape)}"
+            )
         flat = embeds.reshape(-1, d).index_copy(0, self.positions, self.features.to(embeds.dtype))
         return flat.view_as(embeds)
 
@@ -129,9 +140,16 @@ class K3Model(nn.Module):
     `layers` (default: all) is the range of decoder layers this build holds (a pipeline stage, see the
     module docstring); `first` / `last` say whether it holds layer 0 / the last layer."""
 
-    def __init__(self, config: K3Config, linear: LinearFactory, experts: ExpertsFactory,
-                 tp: TensorParallel = SINGLE, cp: ContextParallel = NO_CP, layers: range | None = None,
-                 embedding: Callable[[int, int], nn.Module] = Embedding):
+    def __init__(
+        self,
+        config: K3Config,
+        linear: LinearFactory,
+        experts: ExpertsFactory,
+        tp: TensorParallel = SINGLE,
+        cp: ContextParallel = NO_CP,
+        layers: range | None = None,
+        embedding: Callable[[int, int], nn.Module] = Embedding,
+    ):
         super().__init__()
         c = self.config = config
         self.tp, self.cp = tp, cp
@@ -151,9 +169,14 @@ class K3Model(nn.Module):
     def whole(self) -> bool:
         return self.first and self.last
 
-    def forward(self, input_ids: torch.Tensor, cache: K3StateCache | None = None,
-                cu_seqlens: torch.Tensor | None = None, inputs: torch.Tensor | None = None,
-                media: MediaEmbeds | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cache: K3StateCache | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        inputs: torch.Tensor | None = None,
+        media: MediaEmbeds | None = None,
+    ) -> torch.Tensor:
         """input_ids [B, T] -> final-normed hidden states [B, T, D]. With `cu_seqlens` ([N+1], B == 1) the
         row holds N packed sequences that do not see each other; with `cache`, T new tokens continue it.
         `media` replaces the embeddings at the media pad positions with image features (first stage only).
@@ -163,8 +186,10 @@ class K3Model(nn.Module):
         returns its packed residual state [B, T', (1 + n_blocks) * D] (T' = this rank's sequence slice under
         sequence parallelism, of T padded to a multiple of the TP size)."""
         if (inputs is None) != self.first:
-            raise ValueError(f"layers {self.layer_range.start}..{self.layer_range.stop - 1}: inputs (the previous "
-                             f"stage's output) must be given exactly when the stage does not start at layer 0")
+            raise ValueError(
+                f"layers {self.layer_range.start}..{self.layer_range.stop - 1}: inputs (the previous "
+                f"stage's output) must be given exactly when the stage does not start at layer 0"
+            )
         if cache is not None and not self.whole:
             raise ValueError("a pipeline stage takes no decode cache (the engine runs the whole model)")
         if input_ids.dim() != 2:
@@ -185,9 +210,14 @@ class K3Model(nn.Module):
             cache.advance(input_ids.shape[1])
         return h
 
-    def hidden(self, input_ids: torch.Tensor, cache: K3StateCache | None,
-               cu_seqlens: torch.Tensor | None, inputs: torch.Tensor | None = None,
-               media: MediaEmbeds | None = None) -> torch.Tensor:
+    def hidden(
+        self,
+        input_ids: torch.Tensor,
+        cache: K3StateCache | None,
+        cu_seqlens: torch.Tensor | None,
+        inputs: torch.Tensor | None = None,
+        media: MediaEmbeds | None = None,
+    ) -> torch.Tensor:
         """The computation of `forward` without its argument checks and without advancing the cache: for a
         caller whose cache tracks positions itself (the engine's paged cache, which also takes packed
         sequences)."""
@@ -201,13 +231,26 @@ class K3Model(nn.Module):
         if not self.last:
             return pack_residual(h, blocks)
         if self.config.attn_res_block_size:  # the mix and the final norm, one op (nothing else reads the mix)
-            return self.tp.seq_gather(attn_res_mix_rms_norm(
-                h, blocks, self.output_attn_res_norm.weight, self.output_attn_res_proj.weight, self.config.res_eps,
-                self.norm.weight, self.norm.eps))
+            return self.tp.seq_gather(
+                attn_res_mix_rms_norm(
+                    h,
+                    blocks,
+                    self.output_attn_res_norm.weight,
+                    self.output_attn_res_proj.weight,
+                    self.config.res_eps,
+                    self.norm.weight,
+                    self.norm.eps,
+                )
+            )
         return self.tp.seq_gather(self.norm(h))
 
-    def _sequence_parallel_hidden(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None,
-                                  inputs: torch.Tensor | None, media: MediaEmbeds | None) -> torch.Tensor:
+    def _sequence_parallel_hidden(
+        self,
+        input_ids: torch.Tensor,
+        cu_seqlens: torch.Tensor | None,
+        inputs: torch.Tensor | None,
+        media: MediaEmbeds | None,
+    ) -> torch.Tensor:
         """`hidden` with T padded up to a multiple of the TP size by token 0 at the end, then cut back: every
         mixer is causal, so the padding changes no real token's output (packed rows get the padding as a
         sequence of its own). A stage before the last returns its packed state of the padded sequence."""
@@ -227,10 +270,16 @@ class K3ForCausalLM(nn.Module):
     """The causal LM: `K3Model` and the logits (lm_head, or the embedding when tied). `layers` builds a
     pipeline stage (see the module docstring): only the last stage has logits."""
 
-    def __init__(self, config: K3Config, linear: LinearFactory = torch_linear,
-                 experts: ExpertsFactory = torch_experts, tp: TensorParallel = SINGLE,
-                 cp: ContextParallel = NO_CP, layers: range | None = None,
-                 embedding: Callable[[int, int], nn.Module] = Embedding):
+    def __init__(
+        self,
+        config: K3Config,
+        linear: LinearFactory = torch_linear,
+        experts: ExpertsFactory = torch_experts,
+        tp: TensorParallel = SINGLE,
+        cp: ContextParallel = NO_CP,
+        layers: range | None = None,
+        embedding: Callable[[int, int], nn.Module] = Embedding,
+    ):
         super().__init__()
         self.config = config
         self.model = K3Model(config, linear, experts, tp, cp, layers, embedding)
@@ -248,7 +297,7 @@ class K3ForCausalLM(nn.Module):
             leaf = name.rsplit(".", 1)[-1]
             if name.endswith("A_log"):
                 p.copy_(torch.empty_like(p).uniform_(1.0, 16.0).log())
-                p.view(-1)[self.config.kda_num_heads:] = 0.0  # K3's layout pads the heads with zeros
+                p.view(-1)[self.config.kda_num_heads :] = 0.0  # K3's layout pads the heads with zeros
             elif leaf == "dt_bias":
                 dt = torch.empty_like(p).uniform_(math.log(1e-3), math.log(1e-1)).exp().clamp_min(1e-4)
                 p.copy_(dt + torch.log(-torch.expm1(-dt)))
@@ -269,17 +318,25 @@ class K3ForCausalLM(nn.Module):
             return self.model.embed_tokens.tied_logits(hidden)
         return self.lm_head(hidden)
 
-    def forward(self, input_ids: torch.Tensor, cache: K3StateCache | None = None,
-                cu_seqlens: torch.Tensor | None = None, media: MediaEmbeds | None = None) -> K3Output:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cache: K3StateCache | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        media: MediaEmbeds | None = None,
+    ) -> K3Output:
         if not self.model.whole:
-            raise ValueError("a pipeline stage has no whole-model forward: call .model(input_ids, inputs=...) "
-                             "and, on the last stage, .logits(hidden)")
+            raise ValueError(
+                "a pipeline stage has no whole-model forward: call .model(input_ids, inputs=...) "
+                "and, on the last stage, .logits(hidden)"
+            )
         hidden = self.model(input_ids, cache, cu_seqlens, media=media)
         return K3Output(self.logits(hidden), hidden)
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32,
-                        device: str | torch.device = "cpu") -> "K3ForCausalLM":
+    def from_pretrained(
+        cls, path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    ) -> "K3ForCausalLM":
         from miles_k3.model.checkpoint import load_pretrained
 
         return load_pretrained(cls, path, dtype=dtype, device=device)

@@ -17,8 +17,16 @@ from miles_k3.ops.router import route_tokens, router_logits
 class GLUMLP(nn.Module):
     """down(act(gate(x)) * up(x)); used for the dense first layers and the shared experts."""
 
-    def __init__(self, name: str, hidden: int, inter: int, act: str, betas: tuple[float, float],
-                 linear: LinearFactory, names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")):
+    def __init__(
+        self,
+        name: str,
+        hidden: int,
+        inter: int,
+        act: str,
+        betas: tuple[float, float],
+        linear: LinearFactory,
+        names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+    ):
         super().__init__()
         g, u, d = names
         self._names = names
@@ -70,8 +78,9 @@ class RoutedExperts(nn.Module):
                 state_dict[f"{prefix}{e}.{proj}.weight"] = stacked[i]
 
     @staticmethod
-    def _stack_experts(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                       error_msgs) -> None:
+    def _stack_experts(
+        module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ) -> None:
         for proj in RoutedExperts._PROJ:
             names = [f"{prefix}{e}.{proj}.weight" for e in module.local_experts]
             if all(n in state_dict for n in names):
@@ -135,9 +144,9 @@ class RoutedExperts(nn.Module):
         start = 0
         for e, n in enumerate(counts.tolist()):
             if n:
-                seg = xs[start:start + n]
+                seg = xs[start : start + n]
                 h = self._act(F.linear(seg, self.w1[e]), F.linear(seg, self.w3[e]))
-                ys[start:start + n] = F.linear(h, self.w2[e])
+                ys[start : start + n] = F.linear(h, self.w2[e])
             start += n
         return ys
 
@@ -156,9 +165,15 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.config
-        return route_tokens(router_logits(x, self.weight), self.e_score_correction_bias, c.num_experts_per_token,
-                            num_groups=c.num_expert_group, topk_group=c.topk_group,
-                            renormalize=c.moe_renormalize, scaling_factor=c.routed_scaling_factor)
+        return route_tokens(
+            router_logits(x, self.weight),
+            self.e_score_correction_bias,
+            c.num_experts_per_token,
+            num_groups=c.num_expert_group,
+            topk_group=c.topk_group,
+            renormalize=c.moe_renormalize,
+            scaling_factor=c.routed_scaling_factor,
+        )
 
 
 class LatentMoE(nn.Module):
@@ -173,19 +188,38 @@ class LatentMoE(nn.Module):
         super().__init__()
         c = config
         self.gate = Router(c)
-        self.experts = experts(ExpertsSpec(f"{name}.experts", c.num_experts, c.expert_width,
-                                           c.moe_intermediate_size, c.hidden_act, c.situ_beta, c.situ_beta_lin))
+        self.experts = experts(
+            ExpertsSpec(
+                f"{name}.experts",
+                c.num_experts,
+                c.expert_width,
+                c.moe_intermediate_size,
+                c.hidden_act,
+                c.situ_beta,
+                c.situ_beta_lin,
+            )
+        )
         self.shared_experts = (
-            GLUMLP(f"{name}.shared_experts", c.hidden_size, c.shared_intermediate, c.hidden_act,
-                   (c.situ_beta, c.situ_beta_lin), linear) if c.num_shared_experts > 0 else None
+            GLUMLP(
+                f"{name}.shared_experts",
+                c.hidden_size,
+                c.shared_intermediate,
+                c.hidden_act,
+                (c.situ_beta, c.situ_beta_lin),
+                linear,
+            )
+            if c.num_shared_experts > 0
+            else None
         )
         self.latent = c.moe_latent_size is not None
         if self.latent:
             self.routed_expert_down_proj = linear(
-                LinearSpec(f"{name}.routed_expert_down_proj", c.hidden_size, c.expert_width, "replicated"))
+                LinearSpec(f"{name}.routed_expert_down_proj", c.hidden_size, c.expert_width, "replicated")
+            )
             self.routed_expert_norm = RMSNorm(c.expert_width, c.rms_norm_eps) if c.moe_latent_norm else None
             self.routed_expert_up_proj = linear(
-                LinearSpec(f"{name}.routed_expert_up_proj", c.expert_width, c.hidden_size, "replicated"))
+                LinearSpec(f"{name}.routed_expert_up_proj", c.expert_width, c.hidden_size, "replicated")
+            )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape

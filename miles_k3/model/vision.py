@@ -28,8 +28,15 @@ from torch import nn
 from miles_k3.model.linear import LinearFactory, LinearSpec, torch_linear
 from miles_k3.model.vision_config import ROPE_MAX_GRID, VisionConfig
 from miles_k3.ops.norm import rms_norm
-from miles_k3.ops.vision import (Grid, apply_rope_2d, grid_bounds, merge_patches, position_embedding, rope_2d,
-                                 varlen_attention)
+from miles_k3.ops.vision import (
+    Grid,
+    apply_rope_2d,
+    grid_bounds,
+    merge_patches,
+    position_embedding,
+    rope_2d,
+    varlen_attention,
+)
 
 
 class VisionRMSNorm(nn.Module):
@@ -123,8 +130,7 @@ class VisionTower(nn.Module):
         self.encoder = VisionEncoder(c)
 
     def forward(self, pixel_values: torch.Tensor, grids: list[Grid]) -> torch.Tensor:
-        return merge_patches(self.encoder(self.patch_embed(pixel_values, grids), grids), grids,
-                             self.merge_kernel_size)
+        return merge_patches(self.encoder(self.patch_embed(pixel_values, grids), grids), grids, self.merge_kernel_size)
 
 
 class Projector(nn.Module):
@@ -134,8 +140,11 @@ class Projector(nn.Module):
     def __init__(self, c: VisionConfig, linear: LinearFactory):
         super().__init__()
         m = c.projector_width
-        self.proj = nn.Sequential(linear(LinearSpec("mm_projector.proj.0", m, m, "replicated")), nn.GELU(),
-                                  linear(LinearSpec("mm_projector.proj.2", m, c.text_hidden_size, "replicated")))
+        self.proj = nn.Sequential(
+            linear(LinearSpec("mm_projector.proj.0", m, m, "replicated")),
+            nn.GELU(),
+            linear(LinearSpec("mm_projector.proj.2", m, c.text_hidden_size, "replicated")),
+        )
         self.post_norm = VisionRMSNorm(c.text_hidden_size, c.projector_ln_eps)
 
     def forward(self, merged: torch.Tensor) -> torch.Tensor:
@@ -178,22 +187,32 @@ class K3VisionModel(nn.Module):
 
     def check_grids(self, grid_thw: torch.Tensor) -> list[Grid]:
         """grid_thw [n, 3] as a list of (t, h, w), or a one-line ValueError naming the image and the limit."""
-        if not isinstance(grid_thw, torch.Tensor) or grid_thw.dim() != 2 or grid_thw.shape[1] != 3 \
-                or grid_thw.is_floating_point():
+        if (
+            not isinstance(grid_thw, torch.Tensor)
+            or grid_thw.dim() != 2
+            or grid_thw.shape[1] != 3
+            or grid_thw.is_floating_point()
+        ):
             got = tuple(grid_thw.shape) if isinstance(grid_thw, torch.Tensor) else type(grid_thw).__name__
             raise ValueError(f"grid_thw must be an integer tensor [n_images, 3] of (t, h, w) patches, got {got}")
         c, (kh, kw) = self.config, self.config.merge_kernel_size
         grids = [tuple(int(v) for v in row) for row in grid_thw.tolist()]
         for i, (t, h, w) in enumerate(grids):
             if not 1 <= t <= c.init_pos_emb_time:
-                raise ValueError(f"grid_thw[{i}]: t={t} frames, the tower takes 1..{c.init_pos_emb_time} "
-                                 f"(vision_config.init_pos_emb_time)")
+                raise ValueError(
+                    f"grid_thw[{i}]: t={t} frames, the tower takes 1..{c.init_pos_emb_time} "
+                    f"(vision_config.init_pos_emb_time)"
+                )
             if h < 1 or w < 1 or h % kh or w % kw:
-                raise ValueError(f"grid_thw[{i}]: {h} x {w} patches must be positive multiples of the merge "
-                                 f"kernel {kh} x {kw} (vision_config.merge_kernel_size)")
+                raise ValueError(
+                    f"grid_thw[{i}]: {h} x {w} patches must be positive multiples of the merge "
+                    f"kernel {kh} x {kw} (vision_config.merge_kernel_size)"
+                )
             if h > ROPE_MAX_GRID or w > ROPE_MAX_GRID:
-                raise ValueError(f"grid_thw[{i}]: {h} x {w} patches exceed the {ROPE_MAX_GRID} x {ROPE_MAX_GRID} "
-                                 "grid of the tower's rotary table")
+                raise ValueError(
+                    f"grid_thw[{i}]: {h} x {w} patches exceed the {ROPE_MAX_GRID} x {ROPE_MAX_GRID} "
+                    "grid of the tower's rotary table"
+                )
         return grids
 
     def encode(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
@@ -215,8 +234,9 @@ class K3VisionModel(nn.Module):
 
     # ------------------------------------------------------------------ HF I/O
     @classmethod
-    def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32,
-                        device: str | torch.device = "cpu") -> "K3VisionModel":
+    def from_pretrained(
+        cls, path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    ) -> "K3VisionModel":
         """The tower and projector of the K3 checkpoint at `path` (the text model's directory), validated
         against its config before anything is read (ValueError naming the tensor)."""
         from miles_k3.model.checkpoint import load_vision_pretrained

@@ -17,7 +17,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from miles_k3.model.checks import is_int as _is_int, is_number as _is_number
+from miles_k3.model.checks import is_int as _is_int
+from miles_k3.model.checks import is_number as _is_number
 
 TOWER_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu")  # the blocks' MLP activation: tanh-approximate or exact GELU
 INTERPOLATIONS = ("bilinear", "bicubic")  # how the position table is resized to an image's patch grid
@@ -89,12 +90,24 @@ class VisionConfig:
         }
         for i in range(self.vt_num_hidden_layers):
             b = f"vision_tower.encoder.blocks.{i}."
-            shapes.update({b + "norm0.weight": (d,), b + "norm1.weight": (d,), b + "wqkv.weight": (3 * q, d),
-                           b + "wo.weight": (d, q), b + "mlp.fc0.weight": (self.vt_intermediate_size, d),
-                           b + "mlp.fc1.weight": (d, self.vt_intermediate_size)})
+            shapes.update(
+                {
+                    b + "norm0.weight": (d,),
+                    b + "norm1.weight": (d,),
+                    b + "wqkv.weight": (3 * q, d),
+                    b + "wo.weight": (d, q),
+                    b + "mlp.fc0.weight": (self.vt_intermediate_size, d),
+                    b + "mlp.fc1.weight": (d, self.vt_intermediate_size),
+                }
+            )
         shapes["vision_tower.encoder.final_layernorm.weight"] = (d,)
-        shapes.update({"mm_projector.proj.0.weight": (m, m), "mm_projector.proj.2.weight": (self.text_hidden_size, m),
-                       "mm_projector.post_norm.weight": (self.text_hidden_size,)})
+        shapes.update(
+            {
+                "mm_projector.proj.0.weight": (m, m),
+                "mm_projector.proj.2.weight": (self.text_hidden_size, m),
+                "mm_projector.post_norm.weight": (self.text_hidden_size,),
+            }
+        )
         return shapes
 
     def num_parameters(self) -> int:
@@ -109,21 +122,46 @@ class VisionConfig:
         for f in dataclasses.fields(self):  # types first, so the rules below compare numbers with numbers
             ok = _TYPE_CHECKS.get(f.type)
             need(ok is None or ok(getattr(self, f.name)), f.name, f"must be {f.type}")
-        for name in ("vt_hidden_size", "vt_num_hidden_layers", "vt_num_attention_heads", "qkv_hidden_size",
-                     "vt_intermediate_size", "patch_size", "init_pos_emb_height", "init_pos_emb_width",
-                     "init_pos_emb_time", "mm_hidden_size", "text_hidden_size"):
+        for name in (
+            "vt_hidden_size",
+            "vt_num_hidden_layers",
+            "vt_num_attention_heads",
+            "qkv_hidden_size",
+            "vt_intermediate_size",
+            "patch_size",
+            "init_pos_emb_height",
+            "init_pos_emb_width",
+            "init_pos_emb_time",
+            "mm_hidden_size",
+            "text_hidden_size",
+        ):
             need(getattr(self, name) > 0, name, "must be a positive int")
-        need(self.qkv_hidden_size % self.vt_num_attention_heads == 0, "qkv_hidden_size",
-             f"must divide into vt_num_attention_heads={self.vt_num_attention_heads} heads")
-        need(self.head_dim % 4 == 0, "qkv_hidden_size",
-             f"the 2-D rotary embedding needs head_dim % 4 == 0 (head_dim {self.head_dim})")
-        need(self.mm_hidden_size == self.vt_hidden_size, "mm_hidden_size",
-             f"the projector reads the tower's output: must equal vt_hidden_size={self.vt_hidden_size}")
+        need(
+            self.qkv_hidden_size % self.vt_num_attention_heads == 0,
+            "qkv_hidden_size",
+            f"must divide into vt_num_attention_heads={self.vt_num_attention_heads} heads",
+        )
+        need(
+            self.head_dim % 4 == 0,
+            "qkv_hidden_size",
+            f"the 2-D rotary embedding needs head_dim % 4 == 0 (head_dim {self.head_dim})",
+        )
+        need(
+            self.mm_hidden_size == self.vt_hidden_size,
+            "mm_hidden_size",
+            f"the projector reads the tower's output: must equal vt_hidden_size={self.vt_hidden_size}",
+        )
         need(self.activation_func in TOWER_ACTIVATIONS, "activation_func", f"must be one of {TOWER_ACTIVATIONS}")
-        need(self.pos_emb_interpolation_mode in INTERPOLATIONS, "pos_emb_interpolation_mode",
-             f"must be one of {INTERPOLATIONS}")
-        need(all(_is_int(k) and k > 0 for k in self.merge_kernel_size), "merge_kernel_size",
-             "must be two positive ints [kh, kw]")
+        need(
+            self.pos_emb_interpolation_mode in INTERPOLATIONS,
+            "pos_emb_interpolation_mode",
+            f"must be one of {INTERPOLATIONS}",
+        )
+        need(
+            all(_is_int(k) and k > 0 for k in self.merge_kernel_size),
+            "merge_kernel_size",
+            "must be two positive ints [kh, kw]",
+        )
         need(self.projector_ln_eps > 0, "projector_ln_eps", "must be > 0")
 
     def replace(self, **changes: Any) -> "VisionConfig":
@@ -139,10 +177,12 @@ class VisionConfig:
         for key, want in _FIXED.items():
             if key in d and d[key] != want:
                 raise ValueError(f"vision_config.{key}: only {want!r} is implemented (got {d[key]!r})")
-        if "merge_kernel_size" in d and not (isinstance(d["merge_kernel_size"], (list, tuple))
-                                             and len(d["merge_kernel_size"]) == 2):
-            raise ValueError(f"vision_config.merge_kernel_size: must be two positive ints [kh, kw] "
-                             f"(got {d['merge_kernel_size']!r})")
+        if "merge_kernel_size" in d and not (
+            isinstance(d["merge_kernel_size"], (list, tuple)) and len(d["merge_kernel_size"]) == 2
+        ):
+            raise ValueError(
+                f"vision_config.merge_kernel_size: must be two positive ints [kh, kw] (got {d['merge_kernel_size']!r})"
+            )
         kw = {k: v for k, v in d.items() if k in names}
         extras = {k: v for k, v in d.items() if k not in names and k not in _FIXED}
         return cls(**kw, extras=extras)
@@ -163,7 +203,8 @@ def _pair(v: Any) -> Any:
 
 
 _TYPE_CHECKS = {
-    "int": _is_int, "str": lambda v: isinstance(v, str),
+    "int": _is_int,
+    "str": lambda v: isinstance(v, str),
     "float": _is_number,
     "tuple[int, int]": lambda v: isinstance(v, tuple) and len(v) == 2,
     "dict[str, Any]": lambda v: isinstance(v, dict),

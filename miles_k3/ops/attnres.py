@@ -42,9 +42,15 @@ def attn_res_mix(
     return (probs.unsqueeze(-1) * v).sum(0).to(h.dtype)
 
 
-def attn_res_mix_rms_norm(h: torch.Tensor, blocks: Sequence[torch.Tensor], norm_weight: torch.Tensor,
-                          proj_weight: torch.Tensor, eps: float, out_weight: torch.Tensor, out_eps: float
-                          ) -> torch.Tensor:
+def attn_res_mix_rms_norm(
+    h: torch.Tensor,
+    blocks: Sequence[torch.Tensor],
+    norm_weight: torch.Tensor,
+    proj_weight: torch.Tensor,
+    eps: float,
+    out_weight: torch.Tensor,
+    out_eps: float,
+) -> torch.Tensor:
     """`rms_norm(attn_res_mix(h, blocks, norm_weight, proj_weight, eps), out_weight, out_eps)`: a layer's
     norm of its mixed input, which the kernel computes in the same launch as the mix."""
     if use_kernels(h):
@@ -55,9 +61,16 @@ def attn_res_mix_rms_norm(h: torch.Tensor, blocks: Sequence[torch.Tensor], norm_
     return rms_norm(attn_res_mix(h, blocks, norm_weight, proj_weight, eps), out_weight, out_eps)
 
 
-def add_attn_res_mix_rms_norm(h: torch.Tensor, add: torch.Tensor, blocks: Sequence[torch.Tensor],
-                              norm_weight: torch.Tensor, proj_weight: torch.Tensor, eps: float,
-                              out_weight: torch.Tensor, out_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_attn_res_mix_rms_norm(
+    h: torch.Tensor,
+    add: torch.Tensor,
+    blocks: Sequence[torch.Tensor],
+    norm_weight: torch.Tensor,
+    proj_weight: torch.Tensor,
+    eps: float,
+    out_weight: torch.Tensor,
+    out_eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`h = h + add` and `attn_res_mix_rms_norm(h, blocks, ...)` -> (h, normed): a layer's residual add and
     the norm of the mix after it, which the kernel computes in one launch (the sum bit for bit)."""
     if use_kernels(h):

@@ -39,15 +39,24 @@ import torch.nn.functional as F
 
 from miles_k3.kernels import use_kernels
 
-__all__ = ["kda_gate", "kda_gate_beta", "l2norm", "math_dtype", "kda_recurrent", "kda_chunked", "kda",
-           "kda_advance", "PooledState", "FrozenRows"]
+__all__ = [
+    "kda_gate",
+    "kda_gate_beta",
+    "l2norm",
+    "math_dtype",
+    "kda_recurrent",
+    "kda_chunked",
+    "kda",
+    "kda_advance",
+    "PooledState",
+    "FrozenRows",
+]
 
 _GATE_FORMS = ("softplus", "lower_bound")
 _MODES = ("auto", "recurrent", "chunked")
 
 
-def _check_gate(f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None, num_heads: int,
-                form: str) -> int:
+def _check_gate(f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None, num_heads: int, form: str) -> int:
     """Validate `kda_gate`'s arguments; return the head dim K."""
     if form not in _GATE_FORMS:
         raise ValueError(f"`form` must be one of {_GATE_FORMS}, got {form!r}")
@@ -62,8 +71,15 @@ def _check_gate(f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | No
     return K
 
 
-def kda_gate(f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None, *,
-             num_heads: int, form: str = "softplus", lower_bound: float = -5.0) -> torch.Tensor:
+def kda_gate(
+    f: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor | None,
+    *,
+    num_heads: int,
+    form: str = "softplus",
+    lower_bound: float = -5.0,
+) -> torch.Tensor:
     """Log-space KDA forget gate.
 
     Args:
@@ -84,8 +100,9 @@ def kda_gate(f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None,
         from miles_k3.kernels import kda_gate as kernels  # imported here: CPU installs never load triton
 
         if kernels.supports(f, A_log, dt_bias):
-            return kernels.kda_gate(f, A_log, dt_bias, num_heads=H, softplus=form == "softplus",
-                                    lower_bound=lower_bound)[0]
+            return kernels.kda_gate(
+                f, A_log, dt_bias, num_heads=H, softplus=form == "softplus", lower_bound=lower_bound
+            )[0]
 
     dtype = math_dtype(f)
     x = f.to(dtype).unflatten(-1, (H, K))
@@ -97,9 +114,16 @@ def kda_gate(f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None,
     return lower_bound * torch.sigmoid(rate * x)
 
 
-def kda_gate_beta(f: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None, *,
-                  num_heads: int, form: str = "softplus", lower_bound: float = -5.0
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+def kda_gate_beta(
+    f: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor | None,
+    *,
+    num_heads: int,
+    form: str = "softplus",
+    lower_bound: float = -5.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The forget gate and the delta-rule write strength together: ``(kda_gate(f, A_log, dt_bias, ...),
     sigmoid(b))`` with ``b`` the raw ``b_proj(x)`` output ``[..., H]`` (f's leading dims), beta in fp32
     (fp64 for fp64 ``b``). One kernel launch for both where the kernel runs (the gate's alone would leave
@@ -111,8 +135,9 @@ def kda_gate_beta(f: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias
         from miles_k3.kernels import kda_gate as kernels
 
         if kernels.supports(f, A_log, dt_bias, b):
-            return kernels.kda_gate(f, A_log, dt_bias, num_heads=num_heads, softplus=form == "softplus",
-                                    lower_bound=lower_bound, b=b)
+            return kernels.kda_gate(
+                f, A_log, dt_bias, num_heads=num_heads, softplus=form == "softplus", lower_bound=lower_bound, b=b
+            )
     g = kda_gate(f, A_log, dt_bias, num_heads=num_heads, form=form, lower_bound=lower_bound)
     return g, torch.sigmoid(b.to(math_dtype(b)))
 
@@ -149,8 +174,9 @@ def _cu_seqlens_bounds(cu_seqlens: torch.Tensor, batch: int, total: int, *, valu
     return bounds
 
 
-def _check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens, *,
-                      values: bool = True) -> tuple[int, list[int] | None]:
+def _check_kda_inputs(
+    q, k, v, g, beta, initial_state, cu_seqlens, *, values: bool = True
+) -> tuple[int, list[int] | None]:
     """Shape validation shared by every KDA entry point; returns (N, cu_seqlens bounds or None)."""
     if q.dim() != 4:
         raise ValueError(f"`q` must be [B, T, H, K], got shape {tuple(q.shape)}")
@@ -168,8 +194,9 @@ def _check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens, *,
         bounds = _cu_seqlens_bounds(cu_seqlens, B, T, values=values)
         N = cu_seqlens.numel() - 1
     if initial_state is not None and initial_state.shape != (N, H, K, v.shape[-1]):
-        raise ValueError(f"`initial_state` must be [N, H, K, V] = {(N, H, K, v.shape[-1])}, "
-                         f"got {tuple(initial_state.shape)}")
+        raise ValueError(
+            f"`initial_state` must be [N, H, K, V] = {(N, H, K, v.shape[-1])}, got {tuple(initial_state.shape)}"
+        )
     return N, bounds
 
 
@@ -205,7 +232,7 @@ def _chunked_core(q, k, v, g, beta, S, *, chunk_size: int):
     eye = torch.eye(C, dtype=q.dtype, device=q.device)
     outs = []
     for s in range(0, T + pad, C):
-        q_c, k_c, v_c, g_c, b_c = (x[:, :, s:s + C] for x in (q, k, v, g, beta))
+        q_c, k_c, v_c, g_c, b_c = (x[:, :, s : s + C] for x in (q, k, v, g, beta))
         G = g_c.cumsum(2)  # decay from the chunk start through token i, <= 0 for forget gates
         # decay[i, j, :] = exp(G_i - G_j) for j <= i. The j > i half is exp of a
         # large positive number for strong gates (e.g. +320 for -5/step), so it is
@@ -228,13 +255,12 @@ def _chunked_core(q, k, v, g, beta, S, *, chunk_size: int):
     return o, S
 
 
-def _kda_reference(core: _Core, q, k, v, g, beta, scale, initial_state, output_final_state,
-                   cu_seqlens, use_qk_l2norm):
+def _kda_reference(core: _Core, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm):
     """Validation, fp32 promotion and the packed-sequence loop shared by both references."""
     N, bounds = _check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
     H, K = q.shape[2:]
     V = v.shape[-1]
-    scale = K ** -0.5 if scale is None else scale
+    scale = K**-0.5 if scale is None else scale
     out_dtype, dtype = v.dtype, math_dtype(q, k, v)
     if use_qk_l2norm:
         q, k = l2norm(q), l2norm(k)
@@ -253,15 +279,18 @@ def _kda_reference(core: _Core, q, k, v, g, beta, scale, initial_state, output_f
         lens = [eos - bos for bos, eos in zip(bounds[:-1], bounds[1:])]
         t_max = max(lens)
         segments = [[x[0, :, bos:eos] for bos, eos in zip(bounds[:-1], bounds[1:])] for x in (q, k, v, g, beta)]
-        padded = [torch.stack([F.pad(seg, (0, 0) * (seg.dim() - 2) + (0, t_max - seg.shape[1])) for seg in segs])
-                  for segs in segments]
+        padded = [
+            torch.stack([F.pad(seg, (0, 0) * (seg.dim() - 2) + (0, t_max - seg.shape[1])) for seg in segs])
+            for segs in segments
+        ]
         o_pad, ht = core(*padded, h0)
         o = torch.cat([o_pad[i, :, :n] for i, n in enumerate(lens)], dim=1).unsqueeze(0)
     return o.transpose(1, 2).to(out_dtype), (ht if output_final_state else None)
 
 
-def kda_recurrent(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
-                  cu_seqlens=None, use_qk_l2norm=False):
+def kda_recurrent(
+    q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None, use_qk_l2norm=False
+):
     """Token-by-token KDA reference (fp32 math, fp64 for fp64 inputs, any device).
 
     Per head, with state ``S [K, V]``:
@@ -272,12 +301,25 @@ def kda_recurrent(q, k, v, g, beta, *, scale=None, initial_state=None, output_fi
     Returns:
         ``(o [B, T, H, V] in v.dtype, final_state [N, H, K, V] in the math dtype, or None)``.
     """
-    return _kda_reference(_recurrent_core, q, k, v, g, beta, scale, initial_state, output_final_state,
-                          cu_seqlens, use_qk_l2norm)
+    return _kda_reference(
+        _recurrent_core, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm
+    )
 
 
-def kda_chunked(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
-                cu_seqlens=None, use_qk_l2norm=False, chunk_size=64):
+def kda_chunked(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    *,
+    scale=None,
+    initial_state=None,
+    output_final_state=False,
+    cu_seqlens=None,
+    use_qk_l2norm=False,
+    chunk_size=64,
+):
     """Chunked (WY / UT-transform) KDA reference; same contract as :func:`kda_recurrent`.
 
     Sequences are zero-padded to a multiple of ``chunk_size``; each chunk solves
@@ -291,8 +333,7 @@ def kda_chunked(q, k, v, g, beta, *, scale=None, initial_state=None, output_fina
     def core(*args):
         return _chunked_core(*args, chunk_size=chunk_size)
 
-    return _kda_reference(core, q, k, v, g, beta, scale, initial_state, output_final_state,
-                          cu_seqlens, use_qk_l2norm)
+    return _kda_reference(core, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm)
 
 
 def _kda_fla(q, k, v, g, beta, *, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm):
@@ -304,10 +345,18 @@ def _kda_fla(q, k, v, g, beta, *, scale, initial_state, output_final_state, cu_s
     tensors = (q, k, v, g, beta) + ((initial_state,) if initial_state is not None else ())
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
     fn = chunk_kda if q.shape[1] > 1 or needs_grad else fused_recurrent_kda
-    o, ht = fn(q=q, k=k, v=v, g=g, beta=beta, scale=scale,
-               initial_state=initial_state.float() if initial_state is not None else None,
-               output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm,
-               cu_seqlens=cu_seqlens)
+    o, ht = fn(
+        q=q,
+        k=k,
+        v=v,
+        g=g,
+        beta=beta,
+        scale=scale,
+        initial_state=initial_state.float() if initial_state is not None else None,
+        output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm,
+        cu_seqlens=cu_seqlens,
+    )
     return o.to(v.dtype), (ht.float() if ht is not None else None)
 
 
@@ -337,8 +386,9 @@ def _fla_pool_fits(q: torch.Tensor, pool: torch.Tensor) -> bool:
     return q.is_cuda and not torch.is_grad_enabled() and pool.dtype == torch.float32 and pool[0].is_contiguous()
 
 
-def _kda_fla_in_place(q, k, v, g, beta, state: PooledState, scale, use_qk_l2norm,
-                      rows: torch.Tensor | None = None) -> torch.Tensor:
+def _kda_fla_in_place(
+    q, k, v, g, beta, state: PooledState, scale, use_qk_l2norm, rows: torch.Tensor | None = None
+) -> torch.Tensor:
     """fla's recurrent kernel reading and writing pool rows `index` (its continuous-batching mode, the same
     arithmetic as its plain mode, so the state is the one the gathered call would give) -> o. `rows` [N, T]:
     the pool row each token's state is written to, the first token's also read (default: `index`, T = 1)."""
@@ -346,14 +396,27 @@ def _kda_fla_in_place(q, k, v, g, beta, state: PooledState, scale, use_qk_l2norm
 
     _check_kda_inputs(q, k, v, g, beta, None, None, values=False)
     rows = state.index if rows is None else rows
-    if state.pool.shape[1:] != (q.shape[2], q.shape[3], v.shape[-1]) or state.index.shape != (q.shape[0],) \
-            or rows.shape not in ((q.shape[0],), tuple(q.shape[:2])):
-        raise ValueError(f"pooled state {tuple(state.pool.shape)} / index {tuple(state.index.shape)} / rows "
-                         f"{tuple(rows.shape)} does not fit q {tuple(q.shape)}, v {tuple(v.shape)}")
+    if (
+        state.pool.shape[1:] != (q.shape[2], q.shape[3], v.shape[-1])
+        or state.index.shape != (q.shape[0],)
+        or rows.shape not in ((q.shape[0],), tuple(q.shape[:2]))
+    ):
+        raise ValueError(
+            f"pooled state {tuple(state.pool.shape)} / index {tuple(state.index.shape)} / rows "
+            f"{tuple(rows.shape)} does not fit q {tuple(q.shape)}, v {tuple(v.shape)}"
+        )
     o, _ = fused_recurrent_kda_fwd(
-        q=q.contiguous(), k=k.contiguous(), v=v.contiguous(), g=g.contiguous(), beta=beta.contiguous(),
-        scale=scale, initial_state=state.pool, inplace_final_state=True, ssm_state_indices=rows,
-        use_qk_l2norm_in_kernel=use_qk_l2norm)
+        q=q.contiguous(),
+        k=k.contiguous(),
+        v=v.contiguous(),
+        g=g.contiguous(),
+        beta=beta.contiguous(),
+        scale=scale,
+        initial_state=state.pool,
+        inplace_final_state=True,
+        ssm_state_indices=rows,
+        use_qk_l2norm_in_kernel=use_qk_l2norm,
+    )
     return o.to(v.dtype)
 
 
@@ -365,8 +428,9 @@ def _kda_pooled(q, k, v, g, beta, state: PooledState, **kwargs):
     pool, index = state
     if kwargs["mode"] == "auto" and q.shape[1] == 1 and kwargs["cu_seqlens"] is None:
         if (rows := _rows_kernel(q, v, pool)) is not None:
-            return rows(q, k, v, g, beta, pool, index, scale=kwargs["scale"], use_qk_l2norm=kwargs["use_qk_l2norm"],
-                        write=True), state
+            return rows(
+                q, k, v, g, beta, pool, index, scale=kwargs["scale"], use_qk_l2norm=kwargs["use_qk_l2norm"], write=True
+            ), state
         if not torch.compiler.is_compiling() and _fla_pool_fits(q, pool):
             return _kda_fla_in_place(q, k, v, g, beta, state, kwargs["scale"], kwargs["use_qk_l2norm"]), state
     o, ht = kda(q, k, v, g, beta, initial_state=pool.index_select(0, index), output_final_state=True, **kwargs)
@@ -388,8 +452,19 @@ def _kda_frozen(q, k, v, g, beta, state: FrozenRows, **kwargs):
     """`kda` from read-only pool rows (`FrozenRows`): our kernel where it fits, else the gathered call."""
     pool, index = state
     if kwargs["mode"] == "auto" and (rows := _rows_kernel(q, v, pool)) is not None:
-        return rows(q, k, v, g, beta, pool, index, scale=kwargs["scale"], use_qk_l2norm=kwargs["use_qk_l2norm"],
-                    write=False, cu_seqlens=kwargs["cu_seqlens"]), None
+        return rows(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            pool,
+            index,
+            scale=kwargs["scale"],
+            use_qk_l2norm=kwargs["use_qk_l2norm"],
+            write=False,
+            cu_seqlens=kwargs["cu_seqlens"],
+        ), None
     o, _ = kda(q, k, v, g, beta, initial_state=pool.index_select(0, index), output_final_state=False, **kwargs)
     return o, None
 
@@ -412,8 +487,18 @@ def kda_advance(q, k, v, g, beta, state: PooledState, *, scratch: int, scale=Non
         return
     if _fla_pool_fits(q, pool):
         return _kda_fla_advance(q, k, v, g, beta, state, scratch, scale, use_qk_l2norm)
-    _, ht = kda(q, k, v, g, beta, scale=scale, initial_state=pool.index_select(0, index), output_final_state=True,
-                use_qk_l2norm=use_qk_l2norm, mode="recurrent")
+    _, ht = kda(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        scale=scale,
+        initial_state=pool.index_select(0, index),
+        output_final_state=True,
+        use_qk_l2norm=use_qk_l2norm,
+        mode="recurrent",
+    )
     pool.index_copy_(0, index, ht.to(pool.dtype))
 
 
@@ -424,8 +509,21 @@ def _kda_fla_advance(q, k, v, g, beta, state: PooledState, scratch: int, scale, 
     _kda_fla_in_place(q, k, v, g, beta, state, scale, use_qk_l2norm, rows=rows)
 
 
-def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
-        use_qk_l2norm=False, mode="auto", chunk_size=64):
+def kda(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    *,
+    scale=None,
+    initial_state=None,
+    output_final_state=False,
+    cu_seqlens=None,
+    use_qk_l2norm=False,
+    mode="auto",
+    chunk_size=64,
+):
     """KDA with backend dispatch; same contract as :func:`kda_recurrent`, and a `PooledState` as
     `initial_state` is updated in place and returned as the final state, a `FrozenRows` only read (no final
     state) (module docstring).
@@ -438,13 +536,40 @@ def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=
     if mode not in _MODES:
         raise ValueError(f"`mode` must be one of {_MODES}, got {mode!r}")
     if isinstance(initial_state, FrozenRows):
-        return _kda_frozen(q, k, v, g, beta, initial_state, scale=scale, cu_seqlens=cu_seqlens,
-                           use_qk_l2norm=use_qk_l2norm, mode=mode, chunk_size=chunk_size)
+        return _kda_frozen(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            initial_state,
+            scale=scale,
+            cu_seqlens=cu_seqlens,
+            use_qk_l2norm=use_qk_l2norm,
+            mode=mode,
+            chunk_size=chunk_size,
+        )
     if isinstance(initial_state, PooledState):
-        return _kda_pooled(q, k, v, g, beta, initial_state, scale=scale, cu_seqlens=cu_seqlens,
-                           use_qk_l2norm=use_qk_l2norm, mode=mode, chunk_size=chunk_size)
-    kwargs = dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-                  cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm)
+        return _kda_pooled(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            initial_state,
+            scale=scale,
+            cu_seqlens=cu_seqlens,
+            use_qk_l2norm=use_qk_l2norm,
+            mode=mode,
+            chunk_size=chunk_size,
+        )
+    kwargs = dict(
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        cu_seqlens=cu_seqlens,
+        use_qk_l2norm=use_qk_l2norm,
+    )
     if mode == "auto" and q.is_cuda:
         return _kda_fla(q, k, v, g, beta, **kwargs)
     # Packed sequences run padded to the longest one, so that length picks the reference.

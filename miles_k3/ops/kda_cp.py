@@ -28,12 +28,20 @@ import torch
 from miles_k3.ops.kda import kda, math_dtype
 from miles_k3.ops.short_conv import causal_short_conv
 
-__all__ = ["segment_pass", "start_states", "correct", "halo_state", "segment_conv", "kda_split_reference",
-           "short_conv_split_reference"]
+__all__ = [
+    "segment_pass",
+    "start_states",
+    "correct",
+    "halo_state",
+    "segment_conv",
+    "kda_split_reference",
+    "short_conv_split_reference",
+]
 
 
-def segment_pass(q, k, v, g, beta, bounds: list[int], *, scale: float | None = None, use_qk_l2norm: bool = True
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def segment_pass(
+    q, k, v, g, beta, bounds: list[int], *, scale: float | None = None, use_qk_l2norm: bool = True
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One segment from a zero state. q, k, g [1, S, H, K], v [1, S, H, V], beta [1, S, H]; `bounds` the
     sequence boundaries inside the segment ([0, ..., S]).
 
@@ -43,14 +51,22 @@ def segment_pass(q, k, v, g, beta, bounds: list[int], *, scale: float | None = N
     dtype = math_dtype(q, k, v)
     q, k, v = (x.to(dtype) for x in (q, k, v))  # the references compute in it anyway; fla takes one dtype
     cu = torch.tensor(bounds, device=q.device)
-    o0, ends = kda(q, k, v, g, beta, scale=scale, output_final_state=True, cu_seqlens=cu,
-                   use_qk_l2norm=use_qk_l2norm)
+    o0, ends = kda(q, k, v, g, beta, scale=scale, output_final_state=True, cu_seqlens=cu, use_qk_l2norm=use_qk_l2norm)
     n = bounds[1]
     first = [x[:, :n] for x in (q, k, g, beta)]
     heads, dk = q.shape[2], q.shape[3]
     eye = torch.eye(dk, dtype=dtype, device=q.device).expand(1, heads, dk, dk)
-    w, m = kda(first[0], first[1], q.new_zeros(1, n, heads, dk, dtype=dtype), first[2], first[3], scale=scale,
-               initial_state=eye, output_final_state=True, use_qk_l2norm=use_qk_l2norm)
+    w, m = kda(
+        first[0],
+        first[1],
+        q.new_zeros(1, n, heads, dk, dtype=dtype),
+        first[2],
+        first[3],
+        scale=scale,
+        initial_state=eye,
+        output_final_state=True,
+        use_qk_l2norm=use_qk_l2norm,
+    )
     return o0, w, torch.cat([m[0], ends[-1].to(dtype)], dim=-1)
 
 
@@ -107,19 +123,33 @@ def _segments(total: int, cu_seqlens: torch.Tensor | None, size: int):
         yield start, end, inner, r > 0 and start not in bounds, max(b for b in bounds if b <= start)
 
 
-def kda_split_reference(q, k, v, g, beta, *, cu_seqlens: torch.Tensor | None, size: int,
-                        scale: float | None = None, use_qk_l2norm: bool = True) -> torch.Tensor:
+def kda_split_reference(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    *,
+    cu_seqlens: torch.Tensor | None,
+    size: int,
+    scale: float | None = None,
+    use_qk_l2norm: bool = True,
+) -> torch.Tensor:
     """`kda` over a packed row [1, T, ...] computed as `size` contiguous segments in one process."""
     segs = list(_segments(q.shape[1], cu_seqlens, size))
-    passes = [segment_pass(*(x[:, s:e] for x in (q, k, v, g, beta)), inner, scale=scale,
-                           use_qk_l2norm=use_qk_l2norm) for s, e, inner, _, _ in segs]
-    states = start_states(torch.stack([p[2] for p in passes]), [c for *_, c, _ in segs],
-                          [len(inner) == 2 for _, _, inner, _, _ in segs])
+    passes = [
+        segment_pass(*(x[:, s:e] for x in (q, k, v, g, beta)), inner, scale=scale, use_qk_l2norm=use_qk_l2norm)
+        for s, e, inner, _, _ in segs
+    ]
+    states = start_states(
+        torch.stack([p[2] for p in passes]), [c for *_, c, _ in segs], [len(inner) == 2 for _, _, inner, _, _ in segs]
+    )
     return torch.cat([correct(o0, w, states[r]) for r, (o0, w, _) in enumerate(passes)], dim=1).to(v.dtype)
 
 
-def short_conv_split_reference(x: torch.Tensor, weight: torch.Tensor, *, cu_seqlens: torch.Tensor | None,
-                               size: int) -> torch.Tensor:
+def short_conv_split_reference(
+    x: torch.Tensor, weight: torch.Tensor, *, cu_seqlens: torch.Tensor | None, size: int
+) -> torch.Tensor:
     """`causal_short_conv` over a packed row x [1, T, D] as `size` contiguous segments, each reading the
     previous segment's last W-1 inputs (segments must hold at least W-1 tokens)."""
     width = weight.shape[-1] - 1
@@ -127,7 +157,7 @@ def short_conv_split_reference(x: torch.Tensor, weight: torch.Tensor, *, cu_seql
     for r, (s, e, inner, _, seq_start) in enumerate(_segments(x.shape[1], cu_seqlens, size)):
         if e - s < width:
             raise ValueError(f"segments of {e - s} tokens are shorter than the conv's history ({width})")
-        tail = x[0, s - width:s] if r > 0 else x.new_zeros(width, x.shape[-1])
+        tail = x[0, s - width : s] if r > 0 else x.new_zeros(width, x.shape[-1])
         state = halo_state(tail, s, seq_start if r > 0 else s, len(inner) - 1)
         outs.append(segment_conv(x[:, s:e], weight, inner, state))
     return torch.cat(outs, dim=1)

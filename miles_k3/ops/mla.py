@@ -53,8 +53,12 @@ class SegmentCausalMask:
     @classmethod
     def causal(cls, q_len: int, k_len: int) -> "SegmentCausalMask":
         """The last q_len of k_len positions over all k_len keys, one sequence (`causal_mask`)."""
-        return cls(torch.arange(k_len - q_len, k_len), torch.arange(k_len), torch.zeros(q_len, dtype=torch.long),
-                   torch.zeros(k_len, dtype=torch.long))
+        return cls(
+            torch.arange(k_len - q_len, k_len),
+            torch.arange(k_len),
+            torch.zeros(q_len, dtype=torch.long),
+            torch.zeros(k_len, dtype=torch.long),
+        )
 
     @classmethod
     def packed(cls, bounds: list[int]) -> "SegmentCausalMask":
@@ -79,6 +83,7 @@ class SegmentCausalMask:
     def plan(self, block: int) -> list[tuple[slice, list[slice]]]:
         """(query block, the key blocks any of its queries may see) for blocks of `block` tokens, from each
         block's position and sequence-id ranges (a superset: the block mask decides exactly)."""
+
         def ranges(pos, seg):
             cuts = [slice(s, min(s + block, len(pos))) for s in range(0, len(pos), block)]
             return [(c, int(pos[c].min()), int(pos[c].max()), int(seg[c].min()), int(seg[c].max())) for c in cuts]
@@ -86,8 +91,16 @@ class SegmentCausalMask:
         keys = ranges(self.k_pos, self.k_seg)
         out = []
         for qs, _, q_max, qs_min, qs_max in ranges(self.q_pos, self.q_seg):
-            out.append((qs, [ks for ks, k_min, _, ks_min, ks_max in keys
-                             if k_min <= q_max and ks_min <= qs_max and qs_min <= ks_max]))
+            out.append(
+                (
+                    qs,
+                    [
+                        ks
+                        for ks, k_min, _, ks_min, ks_max in keys
+                        if k_min <= q_max and ks_min <= qs_max and qs_min <= ks_max
+                    ],
+                )
+            )
         return out
 
 
@@ -150,16 +163,19 @@ class _BlockwiseAttention(torch.autograd.Function):
         return dq.to(qh.dtype), dk.to(kh.dtype), dv.to(vh.dtype), None, None, None
 
 
-def blockwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                        mask: SegmentCausalMask, block: int | None = None) -> torch.Tensor:
+def blockwise_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: SegmentCausalMask, block: int | None = None
+) -> torch.Tensor:
     """q [B, T, H, Dqk], k [B, S, H, Dqk], v [B, S, H, Dv] under `mask` -> [B, T, H, Dv], `block` queries x
     `block` keys at a time (None: `BLOCK`; math in fp32, or fp64 for fp64 inputs; see `_BlockwiseAttention`)."""
     block = BLOCK if block is None else block
     if block < 1:
         raise ValueError(f"block must be >= 1, got {block}")
     if mask.q_pos.shape[0] != q.shape[1] or mask.k_pos.shape[0] != k.shape[1]:
-        raise ValueError(f"mask is for {mask.q_pos.shape[0]} queries x {mask.k_pos.shape[0]} keys, got q of "
-                         f"{q.shape[1]} and k of {k.shape[1]} tokens")
+        raise ValueError(
+            f"mask is for {mask.q_pos.shape[0]} queries x {mask.k_pos.shape[0]} keys, got q of "
+            f"{q.shape[1]} and k of {k.shape[1]} tokens"
+        )
     qh, kh, vh = (x.transpose(1, 2) for x in (q, k, v))
     return _BlockwiseAttention.apply(qh, kh, vh, float(scale), mask, block).transpose(1, 2)
 
@@ -170,8 +186,9 @@ def _dense(q, k, v, scale, mask: torch.Tensor | None) -> torch.Tensor:
     return out.transpose(1, 2)
 
 
-def mla_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                  mask: torch.Tensor | SegmentCausalMask | None) -> torch.Tensor:
+def mla_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | SegmentCausalMask | None
+) -> torch.Tensor:
     """q [B, T, H, Dqk], k [B, S, H, Dqk], v [B, S, H, Dv] -> [B, T, H, Dv]. `mask`: None for plain causal
     with T == S, a `SegmentCausalMask` (a context-parallel rank's), or a bool tensor broadcastable to
     [B, H, T, S] (True = attend; dense). See the module docstring for which path runs."""
@@ -189,8 +206,9 @@ def mla_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     return blockwise_attention(q, k, v, scale, mask)
 
 
-def packed_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                            cu_seqlens: torch.Tensor) -> torch.Tensor:
+def packed_causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, cu_seqlens: torch.Tensor
+) -> torch.Tensor:
     """Causal attention within each of the N sequences packed in q [1, T, H, Dqk], k [1, T, H, Dqk],
     v [1, T, H, Dv] (bounds `cu_seqlens` [N+1]). Returns [1, T, H, Dv].
 

@@ -190,8 +190,9 @@ def _code_table(device: torch.device) -> Tensor:
     return _CODE_TABLES[device]
 
 
-def dequantize_mxfp4(packed: Tensor, scales: Tensor, dtype: torch.dtype = torch.bfloat16, *,
-                     check: bool = True) -> Tensor:
+def dequantize_mxfp4(
+    packed: Tensor, scales: Tensor, dtype: torch.dtype = torch.bfloat16, *, check: bool = True
+) -> Tensor:
     """Decode MXFP4 ``(packed [..., K/2], scales [..., K/32])`` to ``[..., K]``.
 
     Both inputs must be uint8 with equal leading dims and

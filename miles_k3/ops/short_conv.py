@@ -40,12 +40,13 @@ def _conv_core(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> tu
     # An explicit tap sum (W is tiny) keeps this independent of F.conv1d, which the tests use.
     y = weight[:, 0, None] * xx[..., :T]
     for j in range(1, W):
-        y = y + weight[:, j, None] * xx[..., j:j + T]
+        y = y + weight[:, j, None] * xx[..., j : j + T]
     return y, xx[..., T:]
 
 
-def _packed_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, cu_seqlens: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def _packed_conv(
+    x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, cu_seqlens: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed sequences in one pass. x [T, D] (sequences back to back), state [N, D, W-1], cu_seqlens [N+1]
     -> (y [T, D], state [N, D, W-1]). Each sequence gets its own history spliced in front of it
     (ext = s_0 x_0 s_1 x_1 ...): sequence i's segment starts at cu_i + i (W-1), so token t of sequence i
@@ -83,9 +84,14 @@ def _flat_weight(weight: torch.Tensor) -> torch.Tensor:
     return weight.squeeze(1) if weight.dim() == 3 and weight.shape[1] == 1 else weight
 
 
-def causal_short_conv(x: torch.Tensor, weight: torch.Tensor, *, state: torch.Tensor | None = None,
-                      cu_seqlens: torch.Tensor | None = None,
-                      activation: str | None = "silu") -> tuple[torch.Tensor, torch.Tensor]:
+def causal_short_conv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    state: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    activation: str | None = "silu",
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal depthwise convolution ``y[t, d] = act(sum_j weight[d, j] * xx[t + j])``.
 
     ``xx`` is the input left-padded with ``state`` (zeros when None).
@@ -149,28 +155,41 @@ def causal_short_conv(x: torch.Tensor, weight: torch.Tensor, *, state: torch.Ten
     return y.transpose(1, 2).to(x.dtype), s.to(state.dtype if state is not None else x.dtype)
 
 
-def _pooled(x: torch.Tensor, weight: torch.Tensor, state: PooledState, cu_seqlens: torch.Tensor | None,
-            activation: str | None, n: int) -> tuple[torch.Tensor, PooledState]:
+def _pooled(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    state: PooledState,
+    cu_seqlens: torch.Tensor | None,
+    activation: str | None,
+    n: int,
+) -> tuple[torch.Tensor, PooledState]:
     """`causal_short_conv` from and back into a pooled state (its docstring)."""
     pool, index = state
     if pool.shape[1:] != (x.shape[2], weight.shape[1] - 1) or index.shape != (n,):
-        raise ValueError(f"pooled state {tuple(pool.shape)} / index {tuple(index.shape)} does not fit x "
-                         f"{tuple(x.shape)} and a {weight.shape[1]}-tap weight")
+        raise ValueError(
+            f"pooled state {tuple(pool.shape)} / index {tuple(index.shape)} does not fit x "
+            f"{tuple(x.shape)} and a {weight.shape[1]}-tap weight"
+        )
     if use_kernels(x) and cu_seqlens is None:
         from miles_k3.kernels import short_conv as kernels  # imported here: CPU installs never load triton
 
         if kernels.supports_in_place(x, weight, pool):
             return kernels.causal_short_conv_(x, weight, pool, index, silu=activation == "silu"), state
-    y, new = causal_short_conv(x, weight, state=pool.index_select(0, index), cu_seqlens=cu_seqlens,
-                               activation=activation)
+    y, new = causal_short_conv(
+        x, weight, state=pool.index_select(0, index), cu_seqlens=cu_seqlens, activation=activation
+    )
     pool.index_copy_(0, index, new)
     return y, state
 
 
-def causal_short_convs(xs: list[torch.Tensor], weights: list[torch.Tensor], *,
-                       states: list[torch.Tensor | PooledState | None],
-                       cu_seqlens: torch.Tensor | None = None,
-                       activation: str | None = "silu") -> list[tuple[torch.Tensor, torch.Tensor | PooledState]]:
+def causal_short_convs(
+    xs: list[torch.Tensor],
+    weights: list[torch.Tensor],
+    *,
+    states: list[torch.Tensor | PooledState | None],
+    cu_seqlens: torch.Tensor | None = None,
+    activation: str | None = "silu",
+) -> list[tuple[torch.Tensor, torch.Tensor | PooledState]]:
     """``[causal_short_conv(x, w, state=s, cu_seqlens=..., activation=...) for x, w, s in zip(...)]``, the same
     values; one kernel launch for all of them where `use_kernels` says so and the kernel takes the group
     (`miles_k3.kernels.short_conv.supports_group`: one shape, dtype and stride set per kind of tensor; the
@@ -195,18 +214,25 @@ def causal_short_convs(xs: list[torch.Tensor], weights: list[torch.Tensor], *,
                 return kernels.causal_short_convs(xs, flat, plain, silu=silu)
     if len(xs) > 1 and cu_seqlens is not None and _stackable(xs, weights, states):
         return _stacked(xs, weights, states, cu_seqlens, activation)
-    return [causal_short_conv(x, w, state=st, cu_seqlens=cu_seqlens, activation=activation)
-            for x, w, st in zip(xs, weights, states)]
+    return [
+        causal_short_conv(x, w, state=st, cu_seqlens=cu_seqlens, activation=activation)
+        for x, w, st in zip(xs, weights, states)
+    ]
 
 
 def _stackable(xs: list[torch.Tensor], weights: list[torch.Tensor], states: list) -> bool:
     """Whether the group can run as one convolution over its channels stacked: a depthwise convolution is
     per channel, so one call over the concatenated channels computes every value as the separate calls do."""
     taps = {w.shape[-1] for w in weights}
-    plain = all(st is None for st in states) or (all(isinstance(st, torch.Tensor) for st in states)
-                                                 and len({st.dtype for st in states}) == 1)
-    return (len(taps) == 1 and plain and len({(x.shape[:-1], x.dtype, x.device) for x in xs}) == 1
-            and all(x.dim() == 3 for x in xs))
+    plain = all(st is None for st in states) or (
+        all(isinstance(st, torch.Tensor) for st in states) and len({st.dtype for st in states}) == 1
+    )
+    return (
+        len(taps) == 1
+        and plain
+        and len({(x.shape[:-1], x.dtype, x.device) for x in xs}) == 1
+        and all(x.dim() == 3 for x in xs)
+    )
 
 
 def _stacked(xs, weights, states, cu_seqlens, activation) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -216,6 +242,7 @@ def _stacked(xs, weights, states, cu_seqlens, activation) -> list[tuple[torch.Te
     sizes = [x.shape[-1] for x in xs]
     flat = [_flat_weight(w) for w in weights]
     state = None if states[0] is None else torch.cat(states, dim=1)
-    y, final = causal_short_conv(torch.cat(xs, dim=-1), torch.cat(flat), state=state, cu_seqlens=cu_seqlens,
-                                 activation=activation)
+    y, final = causal_short_conv(
+        torch.cat(xs, dim=-1), torch.cat(flat), state=state, cu_seqlens=cu_seqlens, activation=activation
+    )
     return list(zip(y.split(sizes, dim=-1), final.split(sizes, dim=1)))

@@ -48,8 +48,12 @@ def position_embedding(table: torch.Tensor, grids: list[Grid], mode: str) -> tor
         if (h, w) == tuple(table.shape[:2]):
             spatial = table.reshape(h * w, -1)
         else:
-            spatial = F.interpolate(table.permute(2, 0, 1).unsqueeze(0), size=(h, w), mode=mode,
-                                    align_corners=False).squeeze(0).permute(1, 2, 0).reshape(h * w, -1)
+            spatial = (
+                F.interpolate(table.permute(2, 0, 1).unsqueeze(0), size=(h, w), mode=mode, align_corners=False)
+                .squeeze(0)
+                .permute(1, 2, 0)
+                .reshape(h * w, -1)
+            )
         if t > 1:
             time = sincos_time_embedding(table.shape[-1], t, table.dtype, table.device)
             spatial = (spatial.unsqueeze(0) + time.unsqueeze(1)).reshape(t * h * w, -1)
@@ -96,7 +100,7 @@ def merge_patches(x: torch.Tensor, grids: list[Grid], kernel: tuple[int, int]) -
     kh, kw = kernel
     out, start = [], 0
     for t, h, w in grids:
-        item = x[start:start + t * h * w].reshape(t, h // kh, kh, w // kw, kw, x.shape[-1])
+        item = x[start : start + t * h * w].reshape(t, h // kh, kh, w // kw, kw, x.shape[-1])
         out.append(item.permute(0, 1, 3, 2, 4, 5).mean(dim=0).reshape((h // kh) * (w // kw), -1))
         start += t * h * w
     return torch.cat(out)

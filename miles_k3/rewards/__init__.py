@@ -50,6 +50,7 @@ Use:
     result.rewards, result.keep, result.failure_counts
 """
 
+from miles_k3.data.sample import Sample
 from miles_k3.rewards.builtin import BUILTINS, arithmetic, exact_match
 from miles_k3.rewards.config import RewardConfig
 from miles_k3.rewards.math_answer import answers_match, extract_final_answer, math_final_answer
@@ -63,7 +64,6 @@ from miles_k3.rewards.runner import (
     score,
     score_async,
 )
-from miles_k3.data.sample import Sample
 
 __all__ = [
     "BUILTINS",

@@ -21,10 +21,10 @@ import unicodedata
 from collections.abc import Callable
 from typing import Any
 
+from miles_k3.data.sample import Sample
 from miles_k3.rewards.config import REMOTE, RewardConfig
 from miles_k3.rewards.math_answer import math_final_answer
 from miles_k3.rewards.remote import RemoteReward
-from miles_k3.data.sample import Sample
 from miles_k3.tasks.arithmetic import check_answer
 from miles_k3.tasks.squares import count_reward
 

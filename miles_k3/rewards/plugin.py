@@ -123,8 +123,7 @@ def load_by_path(ref: str, what: str = "reward function") -> Callable[..., Any]:
     )
     if not well_formed:
         raise ValueError(
-            f"{what} reference {ref!r} is malformed: expected 'module.path:function', "
-            f"e.g. 'my_project.rewards:score'"
+            f"{what} reference {ref!r} is malformed: expected 'module.path:function', e.g. 'my_project.rewards:score'"
         )
     try:
         module = importlib.import_module(module_name)
@@ -136,17 +135,13 @@ def load_by_path(ref: str, what: str = "reward function") -> Callable[..., Any]:
             ) from exc
         raise ValueError(f"{what} {ref!r}: importing {module_name!r} failed: {exc}") from exc
     except Exception as exc:
-        raise ValueError(
-            f"{what} {ref!r}: importing {module_name!r} raised {type(exc).__name__}: {exc}"
-        ) from exc
+        raise ValueError(f"{what} {ref!r}: importing {module_name!r} raised {type(exc).__name__}: {exc}") from exc
     obj: Any = module
     for part in attr_path.split("."):
         try:
             obj = getattr(obj, part)
         except AttributeError:
-            raise ValueError(
-                f"{what} {ref!r}: module {module_name!r} has no attribute {attr_path!r}"
-            ) from None
+            raise ValueError(f"{what} {ref!r}: module {module_name!r} has no attribute {attr_path!r}") from None
     if not callable(obj):
         raise ValueError(f"{what} {ref!r} is not callable (it is a {type(obj).__name__})")
     return obj

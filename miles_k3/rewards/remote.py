@@ -25,9 +25,9 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+from miles_k3.data.sample import Sample
 from miles_k3.rewards._aio import run_in_thread
 from miles_k3.rewards.config import RewardConfig
-from miles_k3.data.sample import Sample
 
 _BODY_SNIPPET = 300
 

@@ -37,10 +37,10 @@ from typing import Any, NamedTuple
 
 import torch
 
+from miles_k3.data.sample import Sample
 from miles_k3.rewards._aio import abandon, background_loop, run_in_thread
 from miles_k3.rewards.config import RewardConfig
 from miles_k3.rewards.plugin import RewardPlugin, load_plugin
-from miles_k3.data.sample import Sample
 
 logger = logging.getLogger(__name__)
 
@@ -81,8 +81,9 @@ class RewardPluginError(RuntimeError):
     was a bad return value. Constructible from the message alone, so it pickles (Ray actors).
     """
 
-    def __init__(self, message: str, plugin: str = "", failures: Sequence[Failure] = (),
-                 cause: BaseException | None = None) -> None:
+    def __init__(
+        self, message: str, plugin: str = "", failures: Sequence[Failure] = (), cause: BaseException | None = None
+    ) -> None:
         super().__init__(message)
         self.plugin = plugin
         self.failures = tuple(failures)
@@ -262,8 +263,14 @@ def _finish(
         counts[failure.kind] += 1
     if failures:
         summary = ", ".join(f"{kind}={count}" for kind, count in counts.items() if count)
-        logger.warning("reward plugin %r dropped %d of %d samples (%s); first: %s",
-                       plugin.name, len(failures), len(samples), summary, failures[0].message)
+        logger.warning(
+            "reward plugin %r dropped %d of %d samples (%s); first: %s",
+            plugin.name,
+            len(failures),
+            len(samples),
+            summary,
+            failures[0].message,
+        )
     return RewardResult(
         rewards=torch.tensor(rewards, dtype=torch.float32),
         keep=torch.tensor(keep, dtype=torch.bool),

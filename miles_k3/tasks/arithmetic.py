@@ -50,8 +50,9 @@ def decodable_ids(ids: Iterable[Any], vocab_size: int, vocabulary: str, errors: 
             continue
         if i >= vocab_size:
             if errors == "strict":
-                raise ValueError(f"token id {i} at position {pos} is outside the {vocabulary} vocabulary "
-                                 f"(size {vocab_size})")
+                raise ValueError(
+                    f"token id {i} at position {pos} is outside the {vocabulary} vocabulary (size {vocab_size})"
+                )
             yield None
         else:
             yield i
@@ -83,8 +84,9 @@ class ArithmeticTokenizer:
         ids = []
         for pos, ch in enumerate(text):
             if ch not in self._ids:
-                raise ValueError(f"character {ch!r} at position {pos} of {text!r} is not in the arithmetic "
-                                 f"vocabulary {SYMBOLS!r}")
+                raise ValueError(
+                    f"character {ch!r} at position {pos} of {text!r} is not in the arithmetic vocabulary {SYMBOLS!r}"
+                )
             ids.append(self._ids[ch])
         return ([self.bos_token_id] if add_bos else []) + ids + ([self.eos_token_id] if add_eos else [])
 
@@ -92,8 +94,9 @@ class ArithmeticTokenizer:
         """Text up to the first ``<eos>``, skipping ``<pad>`` and ``<bos>``. Accepts ints or an integer tensor.
         Ids >= vocab_size become U+FFFD (``errors="replace"``) or raise ValueError (``errors="strict"``);
         negative or non-integer ids always raise ValueError."""
-        return "".join("\ufffd" if i is None else self.vocab[i]
-                       for i in decodable_ids(ids, self.vocab_size, "arithmetic", errors))
+        return "".join(
+            "\ufffd" if i is None else self.vocab[i] for i in decodable_ids(ids, self.vocab_size, "arithmetic", errors)
+        )
 
 
 @dataclass(frozen=True)
@@ -130,8 +133,9 @@ def split_of(a: int, op: str, b: int) -> str:
     return "heldout" if int.from_bytes(digest[:8], "big") % HELDOUT_MODULUS == 0 else "train"
 
 
-def make_problems(n: int, seed: int, *, digits: tuple[int, int] = (1, 3), ops: Iterable[str] = ("+", "-"),
-                  split: str = "train") -> list[ArithmeticProblem]:
+def make_problems(
+    n: int, seed: int, *, digits: tuple[int, int] = (1, 3), ops: Iterable[str] = ("+", "-"), split: str = "train"
+) -> list[ArithmeticProblem]:
     """``n`` distinct problems of ``split``, a deterministic function of the arguments.
 
     Each operand gets a digit count uniform in ``digits`` (inclusive), then a value uniform among numbers of
@@ -167,9 +171,11 @@ def make_problems(n: int, seed: int, *, digits: tuple[int, int] = (1, 3), ops: I
         seen.add((a, op, b))
         problems.append(ArithmeticProblem(a, b, op))
     if len(problems) < n:
-        raise ValueError(f"n: could draw only {len(problems)} distinct {split} problems with digits={digits} "
-                         f"and ops={ops} ({_space_size(lo, hi, ops)} problems in all, about 1 in "
-                         f"{HELDOUT_MODULUS} held out); lower n or widen digits / ops")
+        raise ValueError(
+            f"n: could draw only {len(problems)} distinct {split} problems with digits={digits} "
+            f"and ops={ops} ({_space_size(lo, hi, ops)} problems in all, about 1 in "
+            f"{HELDOUT_MODULUS} held out); lower n or widen digits / ops"
+        )
     return problems
 
 
@@ -185,11 +191,11 @@ def _check_digits(digits: Any) -> tuple[int, int]:
 
 def _operand(rng: random.Random, lo: int, hi: int) -> int:
     d = rng.randint(lo, hi)
-    return rng.randint(0 if d == 1 else 10 ** (d - 1), 10 ** d - 1)
+    return rng.randint(0 if d == 1 else 10 ** (d - 1), 10**d - 1)
 
 
 def _space_size(lo: int, hi: int, ops: tuple[str, ...]) -> int:
-    operands = 10 ** hi - (0 if lo == 1 else 10 ** (lo - 1))
+    operands = 10**hi - (0 if lo == 1 else 10 ** (lo - 1))
     return operands * operands * len(ops)
 
 

@@ -88,8 +88,10 @@ class SquaresTokenizer:
         while pos < len(text):
             if text.startswith("<|", pos):
                 if text.startswith(IMAGE_PLACEHOLDER, pos):
-                    raise ValueError(f"unexpanded image placeholder at position {pos}: expand the prompt with "
-                                     "miles_k3.data.media.expand_media_prompt before tokenizing")
+                    raise ValueError(
+                        f"unexpanded image placeholder at position {pos}: expand the prompt with "
+                        "miles_k3.data.media.expand_media_prompt before tokenizing"
+                    )
                 tok = next((t for t in self._media if text.startswith(t, pos)), None)
                 if tok is not None:
                     ids.append(self._media[tok])
@@ -172,8 +174,15 @@ def split_of(problem: SquaresProblem) -> str:
     return "heldout" if int.from_bytes(digest[:8], "big") % HELDOUT_MODULUS == 0 else "train"
 
 
-def make_square_problems(n: int, seed: int, *, split: str = "train", size: int = IMAGE_SIZE,
-                         side: int = SQUARE_SIDE, max_squares: int = MAX_SQUARES) -> list[SquaresProblem]:
+def make_square_problems(
+    n: int,
+    seed: int,
+    *,
+    split: str = "train",
+    size: int = IMAGE_SIZE,
+    side: int = SQUARE_SIDE,
+    max_squares: int = MAX_SQUARES,
+) -> list[SquaresProblem]:
     """``n`` distinct problems of ``split``, a deterministic function of the arguments.
 
     Each draws 2 or 3 colours of `COLORS` and 1..max_squares squares, each of one of those colours, in
@@ -193,8 +202,9 @@ def make_square_problems(n: int, seed: int, *, split: str = "train", size: int =
     if side + GAP > CELL:
         raise ValueError(f"side: a {side} px square and {GAP} px of gap do not fit a {CELL} px cell")
     if (size // CELL) ** 2 < max_squares:
-        raise ValueError(f"max_squares: {max_squares} squares cannot fit the {(size // CELL) ** 2} cells of a "
-                         f"{size} px picture")
+        raise ValueError(
+            f"max_squares: {max_squares} squares cannot fit the {(size // CELL) ** 2} cells of a {size} px picture"
+        )
     digest = hashlib.sha256(f"miles_k3.squares:{seed}".encode()).digest()
     rng = random.Random(int.from_bytes(digest[:8], "little"))
     seen: set[str] = set()
@@ -242,8 +252,12 @@ def write_jsonl(problems: Iterable[SquaresProblem], path: str | Path, *, inline:
                 image = f"images/{hashlib.sha256(p.key.encode()).hexdigest()[:16]}.png"
                 (path.parent / "images").mkdir(exist_ok=True)
                 (path.parent / image).write_bytes(png)
-            row = {"prompt": p.prompt, "label": p.answer, "images": [image],
-                   "metadata": {"target": p.target, "squares": [list(s) for s in p.squares]}}
+            row = {
+                "prompt": p.prompt,
+                "label": p.answer,
+                "images": [image],
+                "metadata": {"target": p.target, "squares": [list(s) for s in p.squares]},
+            }
             f.write(json.dumps(row) + "\n")
             count += 1
     return count

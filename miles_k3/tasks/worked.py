@@ -33,7 +33,7 @@ MAX_RESPONSE_TOKENS = 44
 
 def _digit(x: int, i: int) -> int:
     """The i-th decimal digit of x >= 0, counting from the units (0 past its length)."""
-    return x // 10 ** i % 10
+    return x // 10**i % 10
 
 
 def _columns(x: int) -> int:

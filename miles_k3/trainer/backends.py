@@ -50,8 +50,9 @@ DRAFTER = "drafter"  # capability: distils the engine's speculative drafter onli
 class Drafter(Protocol):
     """The engine's DSpark drafter as the driver steers it (capability `DRAFTER`)."""
 
-    def distill_drafter(self, sequences: list[tuple[int, list[int]]], config: DistillConfig,
-                        seed: int) -> dict[str, float]: ...
+    def distill_drafter(
+        self, sequences: list[tuple[int, list[int]]], config: DistillConfig, seed: int
+    ) -> dict[str, float]: ...
     def drafter_state(self) -> dict | None: ...
     def load_drafter_state(self, state: dict, config: DistillConfig) -> None: ...
 
@@ -59,8 +60,9 @@ class Drafter(Protocol):
 class Plugins(Protocol):
     """Runs rollout functions against the engine (capability `ROLLOUT_FN`)."""
 
-    def rollout(self, fn: str, jobs: list[RolloutJob], *, tokenizer: tuple[str, str | None],
-                client: str) -> list[Sample]: ...
+    def rollout(
+        self, fn: str, jobs: list[RolloutJob], *, tokenizer: tuple[str, str | None], client: str
+    ) -> list[Sample]: ...
 
 
 class RolloutBackend(ABC):
@@ -231,9 +233,11 @@ def follow_trainer(worker: TrainWorker, rank: int, world_size: int) -> None:
 
 
 # the rollout backend each launcher builds, as "module:class" (imported when asked: Ray's only under Ray)
-ROLLOUT_BACKENDS = {"local": "miles_k3.trainer.backends:LocalEngine",
-                    "external": "miles_k3.trainer.backends:LocalEngine",
-                    "ray": "miles_k3.trainer.ray_launch:RayEngines"}
+ROLLOUT_BACKENDS = {
+    "local": "miles_k3.trainer.backends:LocalEngine",
+    "external": "miles_k3.trainer.backends:LocalEngine",
+    "ray": "miles_k3.trainer.ray_launch:RayEngines",
+}
 
 
 def backend_class(launcher: str) -> type[RolloutBackend]:

@@ -42,35 +42,64 @@ class TrainBatch:
         for i, s in enumerate(self.samples):
             n = len(s.output_ids)
             if not n or len(s.logprobs) != n or len(s.loss_mask) != n:
-                raise ValueError(f"sequence {i}: {n} response tokens, {len(s.logprobs)} log-probs, "
-                                 f"{len(s.loss_mask)} loss-mask entries (>= 1 token, one each per token)")
+                raise ValueError(
+                    f"sequence {i}: {n} response tokens, {len(s.logprobs)} log-probs, "
+                    f"{len(s.loss_mask)} loss-mask entries (>= 1 token, one each per token)"
+                )
             if not any(s.loss_mask):
                 raise ValueError(f"sequence {i}: no policy token in its loss mask")
             m = s.media
-            if m is not None and (tuple(m.features.shape[:1]) != (len(m.positions),)
-                                  or not all(0 <= q < len(s.prompt_ids) for q in m.positions)):
-                raise ValueError(f"sequence {i}: media {len(m.positions)} pads at {m.positions[:4]}..., features "
-                                 f"{tuple(m.features.shape)}, prompt of {len(s.prompt_ids)} tokens")
+            if m is not None and (
+                tuple(m.features.shape[:1]) != (len(m.positions),)
+                or not all(0 <= q < len(s.prompt_ids) for q in m.positions)
+            ):
+                raise ValueError(
+                    f"sequence {i}: media {len(m.positions)} pads at {m.positions[:4]}..., features "
+                    f"{tuple(m.features.shape)}, prompt of {len(s.prompt_ids)} tokens"
+                )
 
     @classmethod
-    def of(cls, prompts: list[list[int]], responses: list[list[int]], rollout_logprobs: list[list[float]],
-           advantages: list[float], group_ids: list[int], loss_masks: list[list[bool]] | None = None,
-           media: list[SequenceMedia | None] | None = None) -> TrainBatch:
+    def of(
+        cls,
+        prompts: list[list[int]],
+        responses: list[list[int]],
+        rollout_logprobs: list[list[float]],
+        advantages: list[float],
+        group_ids: list[int],
+        loss_masks: list[list[bool]] | None = None,
+        media: list[SequenceMedia | None] | None = None,
+    ) -> TrainBatch:
         """A batch from columns (tests and benchmarks that have no rollout): one sample per row; no loss
         mask means every response token carries loss."""
         n = len(prompts)
         if {len(responses), len(rollout_logprobs), len(advantages), len(group_ids)} != {n}:
-            raise ValueError(f"batch columns disagree in length: {n} prompts, {len(responses)} responses, "
-                             f"{len(rollout_logprobs)} log-prob lists, {len(advantages)} advantages, "
-                             f"{len(group_ids)} group ids")
+            raise ValueError(
+                f"batch columns disagree in length: {n} prompts, {len(responses)} responses, "
+                f"{len(rollout_logprobs)} log-prob lists, {len(advantages)} advantages, "
+                f"{len(group_ids)} group ids"
+            )
         masks = loss_masks if loss_masks is not None else [[True] * len(r) for r in responses]
         media = media if media is not None else [None] * n
         if len(masks) != n or len(media) != n:
             raise ValueError(f"{n} sequences, {len(masks)} loss masks, {len(media)} media entries")
-        return cls([Sample("", "", group_index=g, prompt_ids=list(p), output_ids=list(r), logprobs=list(lp),
-                           loss_mask=list(m), media=md, advantage=a)
-                    for p, r, lp, a, g, m, md in zip(prompts, responses, rollout_logprobs, advantages, group_ids,
-                                                      masks, media)])
+        return cls(
+            [
+                Sample(
+                    "",
+                    "",
+                    group_index=g,
+                    prompt_ids=list(p),
+                    output_ids=list(r),
+                    logprobs=list(lp),
+                    loss_mask=list(m),
+                    media=md,
+                    advantage=a,
+                )
+                for p, r, lp, a, g, m, md in zip(
+                    prompts, responses, rollout_logprobs, advantages, group_ids, masks, media
+                )
+            ]
+        )
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -127,8 +156,7 @@ class TrainBatch:
         """`parts` minibatches holding whole groups (a group's samples stay together), near-equal in groups."""
         groups = sorted(set(self.group_ids))
         chunks = [set(groups[k::parts]) for k in range(parts)]
-        return [self.select([i for i, g in enumerate(self.group_ids) if g in chunk]) for chunk in chunks
-                if chunk]
+        return [self.select([i for i, g in enumerate(self.group_ids) if g in chunk]) for chunk in chunks if chunk]
 
 
 class Packed(NamedTuple):
@@ -187,5 +215,14 @@ def pack(batch: TrainBatch, device: torch.device | str) -> Packed:
         from miles_k3.model.modeling import MediaEmbeds
 
         media = MediaEmbeds(tensor(pads), torch.cat(features).to(device))
-    return Packed(tensor([ids]), tensor(cu, torch.int32), tensor(positions), tensor(targets), tensor(rows),
-                  tensor(cols), (len(batch), t), tensor(keep, torch.bool), media)
+    return Packed(
+        tensor([ids]),
+        tensor(cu, torch.int32),
+        tensor(positions),
+        tensor(targets),
+        tensor(rows),
+        tensor(cols),
+        (len(batch), t),
+        tensor(keep, torch.bool),
+        media,
+    )

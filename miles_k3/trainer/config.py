@@ -43,8 +43,16 @@ WANDB_MODES = ("offline", "online", "disabled")
 RESUME_MODES = ("auto", "never")
 # the rollout.* keys that are SamplingParams' / EngineConfig's fields (the others are the run's own)
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_new_tokens")
-ENGINE_KEYS = ("page_size", "chunk_size", "max_prefill_tokens", "max_prefill_requests", "max_running",
-               "mxfp4_matmul", "overlap", "compile_decode")
+ENGINE_KEYS = (
+    "page_size",
+    "chunk_size",
+    "max_prefill_tokens",
+    "max_prefill_requests",
+    "max_running",
+    "mxfp4_matmul",
+    "overlap",
+    "compile_decode",
+)
 
 
 @dataclass
@@ -65,8 +73,10 @@ class ModelCfg(Section):
         c.choice("tokenizer", TOKENIZERS)
         c.choice("train_dtype", DTYPES)
         if (self.path is None) == (self.preset is None):
-            raise ValueError("path or preset must be set, not both (a checkpoint, or a random-init preset), "
-                             f"got path={self.path!r}, preset={self.preset!r}")
+            raise ValueError(
+                "path or preset must be set, not both (a checkpoint, or a random-init preset), "
+                f"got path={self.path!r}, preset={self.preset!r}"
+            )
         if self.preset is not None and self.preset not in PRESETS:
             raise c.fail("preset", f"must be one of {sorted(PRESETS)}")
         if self.path is not None:
@@ -125,8 +135,11 @@ class ParallelCfg(Section):
         if self.ep > 1 and self.tp > 1:
             raise c.fail("ep", "needs parallel.tp=1: the routed experts run with expert tensor parallelism 1")
         if (self.dp * self.cp) % self.ep:
-            raise c.fail("ep", f"must divide dp * cp = {self.dp * self.cp}: expert parallelism is formed inside the "
-                               f"data x context parallel ranks")
+            raise c.fail(
+                "ep",
+                f"must divide dp * cp = {self.dp * self.cp}: expert parallelism is formed inside the "
+                f"data x context parallel ranks",
+            )
         if self.pp_layers is not None:
             counts = list(self.pp_layers)
             if len(counts) != self.pp or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in counts):
@@ -146,7 +159,7 @@ def _renamed(build, component: type, prefix: str = ""):
         return build()
     except ValueError as e:
         msg, head = str(e), f"{component.__name__}."
-        raise ValueError(prefix + msg[len(head):] if msg.startswith(head) else msg) from None
+        raise ValueError(prefix + msg[len(head) :] if msg.startswith(head) else msg) from None
 
 
 @dataclass
@@ -178,8 +191,11 @@ class SpeculativeCfg(component_fields(SpecConfig, ("gamma", "planner", "max_batc
             return
         path = Path(builtin_path(self.drafter))
         if not ((path / "config.json").is_file() and (path / "model.safetensors").is_file()):
-            raise c.fail("drafter", "must be a DSpark drafter directory holding config.json and model.safetensors "
-                                    "(scripts/train_drafter.py writes one)")
+            raise c.fail(
+                "drafter",
+                "must be a DSpark drafter directory holding config.json and model.safetensors "
+                "(scripts/train_drafter.py writes one)",
+            )
         try:
             block = DSparkConfig(**json.loads((path / "config.json").read_text())).block_size
         except (TypeError, ValueError) as e:
@@ -192,12 +208,17 @@ class SpeculativeCfg(component_fields(SpecConfig, ("gamma", "planner", "max_batc
         """What EngineConfig.speculation takes (None: off)."""
         if self.drafter is None:
             return None
-        return _renamed(lambda: SpecConfig(drafter=builtin_path(self.drafter), gamma=self.gamma,
-                                           planner=self.planner, max_batch=self.max_batch), SpecConfig)
+        return _renamed(
+            lambda: SpecConfig(
+                drafter=builtin_path(self.drafter), gamma=self.gamma, planner=self.planner, max_batch=self.max_batch
+            ),
+            SpecConfig,
+        )
 
     def distill(self) -> DistillConfig:
-        return DistillConfig(steps=self.distill_steps, lr=self.distill_lr, blocks=self.distill_blocks,
-                             decay=self.distill_decay)
+        return DistillConfig(
+            steps=self.distill_steps, lr=self.distill_lr, blocks=self.distill_blocks, decay=self.distill_decay
+        )
 
 
 @dataclass
@@ -251,8 +272,9 @@ class RolloutCfg(component_fields(EngineConfig, ENGINE_KEYS), component_fields(S
         return SamplingParams(**self.values(SAMPLING_KEYS))
 
     def engine(self) -> EngineConfig:
-        return EngineConfig(memory_bytes=int(self.memory_mb * 2**20), speculation=self.speculative.spec(),
-                            **self.values(ENGINE_KEYS))
+        return EngineConfig(
+            memory_bytes=int(self.memory_mb * 2**20), speculation=self.speculative.spec(), **self.values(ENGINE_KEYS)
+        )
 
 
 @dataclass
@@ -363,9 +385,11 @@ def rendezvous_from_env(env: Mapping[str, str]) -> Rendezvous:
     names = _TORCHRUN if "RANK" in env else _SRUN
     missing = [n for n in names if n not in env]
     if missing:
-        raise ValueError("cluster.launcher 'external' runs one rank per process, started by srun (SLURM_PROCID, "
-                         "SLURM_NTASKS, SLURM_LOCALID) or torchrun (RANK, WORLD_SIZE, LOCAL_RANK); missing "
-                         f"{', '.join(missing)}: use cluster.launcher=local to start the ranks here")
+        raise ValueError(
+            "cluster.launcher 'external' runs one rank per process, started by srun (SLURM_PROCID, "
+            "SLURM_NTASKS, SLURM_LOCALID) or torchrun (RANK, WORLD_SIZE, LOCAL_RANK); missing "
+            f"{', '.join(missing)}: use cluster.launcher=local to start the ranks here"
+        )
     try:
         rank, world, local = (int(env[n]) for n in names)
         port = int(env["MASTER_PORT"]) if "MASTER_PORT" in env else 20000 + int(env.get("SLURM_JOB_ID", 0)) % 20000

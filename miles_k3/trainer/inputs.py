@@ -108,8 +108,9 @@ class MediaPrompts:
 
     def check(self, record: PromptRecord) -> list[int]:
         """`ids` from the images' headers alone (their sizes give the pad counts; no pixel is decoded)."""
-        return self.ids(record, [_Sized(size, self.processor.num_tokens(*size))
-                                 for size in map(_image_size, record.images)])
+        return self.ids(
+            record, [_Sized(size, self.processor.num_tokens(*size)) for size in map(_image_size, record.images)]
+        )
 
     def encode(self, record: PromptRecord) -> tuple[list[int], list[Any], torch.Tensor]:
         """(prompt ids, one `rollout.media.ImageFeatures` per image, their rows concatenated [pads, D] on the
@@ -119,8 +120,9 @@ class MediaPrompts:
         processed = [self.processor.process(ref.load(), name=ref.name) for ref in record.images]
         ids = self.ids(record, processed)
         with torch.no_grad():
-            feats = self.vision().encode(torch.cat([p.pixel_values for p in processed]),
-                                         torch.tensor([p.grid_thw for p in processed]))
+            feats = self.vision().encode(
+                torch.cat([p.pixel_values for p in processed]), torch.tensor([p.grid_thw for p in processed])
+            )
         self.encoded_prompts += 1
         feats = feats.cpu()
         rows = feats.split([p.num_tokens for p in processed])
@@ -139,8 +141,9 @@ def _image_size(ref) -> tuple[int, int]:
         raise ValueError(f"{ref.name}: not a readable image ({type(e).__name__}: {e})") from None
 
 
-def media_prompts(rc: ResolvedConfig, config: K3Config, tok: Tokenizer,
-                  records: list[PromptRecord]) -> MediaPrompts | None:
+def media_prompts(
+    rc: ResolvedConfig, config: K3Config, tok: Tokenizer, records: list[PromptRecord]
+) -> MediaPrompts | None:
     """The run's `MediaPrompts` when some record holds images, else None; ValueError naming the record and
     what it needs when this run cannot take them."""
     first = next((r for r in records if r.images), None)
@@ -148,20 +151,27 @@ def media_prompts(rc: ResolvedConfig, config: K3Config, tok: Tokenizer,
         return None
     where = f"record {first.index} (0-based, {first.prompt[:40]!r}) has {len(first.images)} image(s)"
     if rc.model.path is None:
-        raise ValueError(f"{where}: images need model.path (a vision-language checkpoint with its "
-                         f"preprocessor_config.json), not model.preset")
+        raise ValueError(
+            f"{where}: images need model.path (a vision-language checkpoint with its "
+            f"preprocessor_config.json), not model.preset"
+        )
     if config.vision_config is None or config.media_placeholder_token_id is None:
-        raise ValueError(f"{where}, but model.path {rc.model.path} is a text-only checkpoint (its config.json "
-                         f"has no vision_config / media_placeholder_token_id)")
+        raise ValueError(
+            f"{where}, but model.path {rc.model.path} is a text-only checkpoint (its config.json "
+            f"has no vision_config / media_placeholder_token_id)"
+        )
     if rc.rollout.fn is not None:
         raise ValueError(f"{where}: image prompts through rollout.fn ({rc.rollout.fn}) are not built yet")
     if rc.parallel.cp > 1:
-        raise ValueError(f"{where}: image prompts with parallel.cp={rc.parallel.cp} are not built yet (the "
-                         f"features would need the zigzag split of the row)")
+        raise ValueError(
+            f"{where}: image prompts with parallel.cp={rc.parallel.cp} are not built yet (the "
+            f"features would need the zigzag split of the row)"
+        )
     device = "cuda" if rc.cluster.device == "cuda" and torch.cuda.is_available() else "cpu"
     try:
-        return MediaPrompts(rc.model.path, tok, config.media_placeholder_token_id, TORCH_DTYPES[rc.rollout.dtype],
-                            device)
+        return MediaPrompts(
+            rc.model.path, tok, config.media_placeholder_token_id, TORCH_DTYPES[rc.rollout.dtype], device
+        )
     except ValueError as e:  # the processor settings: a missing or bad preprocessor_config.json, named
         raise ValueError(f"{where}; model.path: {e}") from None
 
@@ -188,19 +198,33 @@ def check_cluster(rc: ResolvedConfig) -> None:
         raise ValueError("cluster.launcher 'ray' needs the ray package (pip install 'ray[default]')")
     # Ray places its actors on the cluster's GPU nodes; the driver itself may have none
     if c.device == "cuda" and c.launcher == "external" and not torch.cuda.is_available():
-        raise ValueError(f"cluster.device is 'cuda' but this rank's node has no CUDA device torch can see (torch "
-                         f"{torch.__version__}, built for CUDA {torch.version.cuda or 'none'})")
+        raise ValueError(
+            f"cluster.device is 'cuda' but this rank's node has no CUDA device torch can see (torch "
+            f"{torch.__version__}, built for CUDA {torch.version.cuda or 'none'})"
+        )
     if c.device == "cuda" and c.launcher == "local":
         if not torch.cuda.is_available():
-            raise ValueError(f"cluster.device is 'cuda' but torch sees no CUDA device (torch {torch.__version__}, "
-                             f"built for CUDA {torch.version.cuda or 'none'})")
+            raise ValueError(
+                f"cluster.device is 'cuda' but torch sees no CUDA device (torch {torch.__version__}, "
+                f"built for CUDA {torch.version.cuda or 'none'})"
+            )
         if torch.cuda.device_count() < c.num_workers:
-            raise ValueError(f"cluster.num_workers ({c.num_workers}) needs one CUDA device each; this machine has "
-                             f"{torch.cuda.device_count()}")
+            raise ValueError(
+                f"cluster.num_workers ({c.num_workers}) needs one CUDA device each; this machine has "
+                f"{torch.cuda.device_count()}"
+            )
 
 
-def _check_prompts(section: str, path: str, records: list[PromptRecord], tok: Tokenizer, rc: ResolvedConfig,
-                   config: K3Config, num_pages: int, media: MediaPrompts | None = None) -> None:
+def _check_prompts(
+    section: str,
+    path: str,
+    records: list[PromptRecord],
+    tok: Tokenizer,
+    rc: ResolvedConfig,
+    config: K3Config,
+    num_pages: int,
+    media: MediaPrompts | None = None,
+) -> None:
     new, page, limit = rc.sampling.max_new_tokens, rc.engine.page_size, rc.engine.max_seq_len
     for rec in records:
         where = f"{section}: {path} record {rec.index} (0-based, {rec.prompt[:40]!r})"
@@ -211,22 +235,27 @@ def _check_prompts(section: str, path: str, records: list[PromptRecord], tok: To
         if not ids:
             raise ValueError(f"{where}: encodes to no tokens")
         if max(ids) >= config.vocab_size or min(ids) < 0:
-            raise ValueError(f"{where}: token id {max(ids)} lies outside the model's vocabulary "
-                             f"({config.vocab_size}); is model.tokenizer the model's?")
+            raise ValueError(
+                f"{where}: token id {max(ids)} lies outside the model's vocabulary "
+                f"({config.vocab_size}); is model.tokenizer the model's?"
+            )
         if len(ids) + new > limit:
-            raise ValueError(f"{where}: {len(ids)} prompt tokens + rollout.max_new_tokens ({new}) exceed the "
-                             f"engine's max_seq_len ({limit})")
+            raise ValueError(
+                f"{where}: {len(ids)} prompt tokens + rollout.max_new_tokens ({new}) exceed the "
+                f"engine's max_seq_len ({limit})"
+            )
         if -(-(len(ids) + new) // page) > num_pages:
-            raise ValueError(f"{where}: needs {-(-(len(ids) + new) // page)} KV pages but rollout.memory_mb "
-                             f"({rc.rollout.memory_mb}) holds {num_pages}")
+            raise ValueError(
+                f"{where}: needs {-(-(len(ids) + new) // page)} KV pages but rollout.memory_mb "
+                f"({rc.rollout.memory_mb}) holds {num_pages}"
+            )
 
 
 def _adapted(rc: ResolvedConfig, config: K3Config) -> set[str]:
     return {m for m in adaptable_modules(config) if rc.lora.targets_module(m)}
 
 
-def find_resume(rc: ResolvedConfig, run_dir: str | Path, config: K3Config,
-                train: list[PromptRecord]) -> Resume | None:
+def find_resume(rc: ResolvedConfig, run_dir: str | Path, config: K3Config, train: list[PromptRecord]) -> Resume | None:
     """The checkpoint trainer.resume names (auto: the newest good one of the run directory), read and checked
     against this run; None when there is none."""
     from megatron_patches.peft_io import load_peft
@@ -243,15 +272,20 @@ def find_resume(rc: ResolvedConfig, run_dir: str | Path, config: K3Config,
     adapter, spec = _named(f"trainer.resume: checkpoint {path}", lambda: load_peft(path / ckpt.ADAPTER_DIR))
     where = f"trainer.resume: checkpoint {path}"
     if len(state["workers"]) != rc.cluster.num_workers:
-        raise ValueError(f"{where} holds {len(state['workers'])} trainer ranks; cluster.num_workers is "
-                         f"{rc.cluster.num_workers}")
+        raise ValueError(
+            f"{where} holds {len(state['workers'])} trainer ranks; cluster.num_workers is {rc.cluster.num_workers}"
+        )
     if (spec.rank, spec.alpha) != (rc.lora.rank, rc.lora.alpha):
-        raise ValueError(f"{where} holds a rank-{spec.rank} adapter (alpha {spec.alpha}); this run has "
-                         f"lora.rank={rc.lora.rank}, lora.alpha={rc.lora.alpha}")
+        raise ValueError(
+            f"{where} holds a rank-{spec.rank} adapter (alpha {spec.alpha}); this run has "
+            f"lora.rank={rc.lora.rank}, lora.alpha={rc.lora.alpha}"
+        )
     saved = {k.rsplit(".", 1)[0] for k in adapter}
     if saved != _adapted(rc, config):
-        raise ValueError(f"{where}: its adapter covers {len(saved)} modules, lora.targets select "
-                         f"{len(_adapted(rc, config))} (e.g. {sorted(saved ^ _adapted(rc, config))[:2]})")
+        raise ValueError(
+            f"{where}: its adapter covers {len(saved)} modules, lora.targets select "
+            f"{len(_adapted(rc, config))} (e.g. {sorted(saved ^ _adapted(rc, config))[:2]})"
+        )
     sampler = PromptSampler(train, shuffle=rc.data.shuffle, seed=rc.data.seed, drop_last=rc.data.drop_last)
     _named(where, lambda: sampler.load_state_dict(state["sampler"]))
     return Resume(path, state, adapter)
@@ -264,9 +298,8 @@ def load_run_inputs(rc: ResolvedConfig, run_dir: str | Path, *, weights: str | N
     for the local launcher's single worker, else "check"."""
     if weights is None:
         weights = "keep" if rc.cluster.launcher == "local" and rc.cluster.num_workers == 1 else "check"
-    from rollout.memory import PoolSizes
-
     from miles_k3.model.checkpoint import load_state_dict
+    from rollout.memory import PoolSizes
 
     check_cluster(rc)
     source = "model.path" if rc.model.path is not None else "model.preset"
@@ -278,15 +311,25 @@ def load_run_inputs(rc: ResolvedConfig, run_dir: str | Path, *, weights: str | N
     if rc.data.chat_template == "hf":  # resolve checked model.tokenizer=hf
         apply_chat = in_section("data", lambda: hf_chat_renderer(tok.hf, rc.model.path))
         tok = TemplatedPrompts(tok)
-    sizes = _named(f"rollout.memory_mb ({rc.rollout.memory_mb} MiB)", lambda: PoolSizes.from_budget(
-        config, rc.engine.memory_bytes, page_size=rc.engine.page_size, state_fraction=rc.engine.state_fraction,
-        dtype=TORCH_DTYPES[rc.rollout.dtype]))
+    sizes = _named(
+        f"rollout.memory_mb ({rc.rollout.memory_mb} MiB)",
+        lambda: PoolSizes.from_budget(
+            config,
+            rc.engine.memory_bytes,
+            page_size=rc.engine.page_size,
+            state_fraction=rc.engine.state_fraction,
+            dtype=TORCH_DTYPES[rc.rollout.dtype],
+        ),
+    )
 
     loaded = []
     media = None
     for section, data in (("data.path", rc.data), ("data.eval_path", rc.eval_data)):
-        records = None if data is None else _named(section, lambda: load_prompts(data, apply_chat),
-                                                   FileNotFoundError, ImportError)
+        records = (
+            None
+            if data is None
+            else _named(section, lambda: load_prompts(data, apply_chat), FileNotFoundError, ImportError)
+        )
         if records is not None:
             if media is None:
                 media = _named(f"{section}: {data.path}", lambda: media_prompts(rc, config, tok, records))
@@ -296,8 +339,10 @@ def load_run_inputs(rc: ResolvedConfig, run_dir: str | Path, *, weights: str | N
     if media is not None and weights != "skip":  # the tower and projector read and checked now, by tensor name
         _named("model.path", media.vision, OSError)
     if rc.data.drop_last and len(train) < rc.rollout.prompts_per_step:
-        raise ValueError(f"data.drop_last: the dataset's {len(train)} prompts cannot fill one step of "
-                         f"rollout.prompts_per_step ({rc.rollout.prompts_per_step}) without wrapping around")
+        raise ValueError(
+            f"data.drop_last: the dataset's {len(train)} prompts cannot fill one step of "
+            f"rollout.prompts_per_step ({rc.rollout.prompts_per_step}) without wrapping around"
+        )
     plugin = _named("reward.fn", lambda: load_plugin(rc.reward))
     if rc.rollout.fn is not None:  # loaded again where the engine runs; here to fail before any model is built
         _named("rollout.fn", lambda: load_rollout_fn(rc.rollout.fn))
@@ -307,5 +352,13 @@ def load_run_inputs(rc: ResolvedConfig, run_dir: str | Path, *, weights: str | N
     if rc.model.path is not None and weights != "skip":
         # the loader raises ValueError naming the file or tensor (a corrupt or truncated safetensors file too)
         state = _named("model.path", lambda: load_state_dict(rc.model.path, config, torch.float32), OSError)
-    return RunInputs(config, tok, train, None if heldout is None else heldout[:rc.eval_max_prompts], plugin,
-                     state if weights == "keep" else None, resume, media)
+    return RunInputs(
+        config,
+        tok,
+        train,
+        None if heldout is None else heldout[: rc.eval_max_prompts],
+        plugin,
+        state if weights == "keep" else None,
+        resume,
+        media,
+    )

@@ -35,8 +35,15 @@ from miles_k3.trainer.workers import build_rollout_worker, configure_process, de
 log = logging.getLogger(__name__)
 
 
-def _rank_main(rank: int, rc: ResolvedConfig, run_dir: str, init_method: str, inputs: RunInputs | None = None,
-               outcome=None, local_rank: int | None = None) -> None:
+def _rank_main(
+    rank: int,
+    rc: ResolvedConfig,
+    run_dir: str,
+    init_method: str,
+    inputs: RunInputs | None = None,
+    outcome=None,
+    local_rank: int | None = None,
+) -> None:
     """One trainer rank (rank 0 also the driver and the engine). `outcome`: in a spawned world, a queue that
     carries how rank 0's run ended (a RewardPluginError's message, or a preemption) back to the launching
     process; None: raised here. `local_rank`: the rank's device index on its node (default: `rank`)."""
@@ -71,8 +78,9 @@ def _rank_main(rank: int, rc: ResolvedConfig, run_dir: str, init_method: str, in
             end_world()
 
 
-def _drive(rc: ResolvedConfig, run_dir: str, engine: RolloutWorker, trainer: TrainWorker, world: int,
-           inputs: RunInputs | None) -> GRPODriver:
+def _drive(
+    rc: ResolvedConfig, run_dir: str, engine: RolloutWorker, trainer: TrainWorker, world: int, inputs: RunInputs | None
+) -> GRPODriver:
     trainers = LocalTrainers(trainer, world)
     driver = GRPODriver(rc, run_dir, LocalEngine(engine), trainers, inputs)
     try:
@@ -97,8 +105,9 @@ def launch(rc: ResolvedConfig, run_dir: str | Path, inputs: RunInputs | None = N
     if rc.cluster.launcher == "external":
         world = rc.cluster.rendezvous()  # ClusterCfg.check matched its world size to num_workers
         # rank 0 keeps what the caller read (the driver's inputs); the others read only their own slices
-        _rank_main(world.rank, rc, run_dir, world.init_method, inputs if world.rank == 0 else None,
-                   local_rank=world.local_rank)
+        _rank_main(
+            world.rank, rc, run_dir, world.init_method, inputs if world.rank == 0 else None, local_rank=world.local_rank
+        )
         return
     from megatron_patches.parallel import free_port  # not at import: Ray's engine actors never need megatron
 
@@ -110,8 +119,9 @@ def launch(rc: ResolvedConfig, run_dir: str | Path, inputs: RunInputs | None = N
     # child's traceback; a preemption is this process's exit status)
     outcome = torch.multiprocessing.get_context("spawn").SimpleQueue()
     with preempt.watch():  # Slurm signals this process too: it waits for the ranks' checkpoint, not dies
-        torch.multiprocessing.spawn(_rank_main, args=(rc, run_dir, init_method, None, outcome),
-                                    nprocs=rc.cluster.num_workers, join=True)
+        torch.multiprocessing.spawn(
+            _rank_main, args=(rc, run_dir, init_method, None, outcome), nprocs=rc.cluster.num_workers, join=True
+        )
     if not outcome.empty():
         kind, detail = outcome.get()
         if kind == "reward":

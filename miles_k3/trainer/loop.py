@@ -68,9 +68,11 @@ def spec_metrics(counters: dict[str, int | float]) -> dict[str, float]:
     if "rollout_spec_rows" not in counters:
         return {}
     rows, drafted = counters["rollout_spec_rows"], counters["rollout_spec_drafted"]
-    return {"spec_accept_len": counters["rollout_spec_emitted"] / rows if rows else float("nan"),
-            "spec_draft_acceptance": counters["rollout_spec_accepted"] / drafted if drafted else float("nan"),
-            "spec_verify_tokens": rows + drafted}
+    return {
+        "spec_accept_len": counters["rollout_spec_emitted"] / rows if rows else float("nan"),
+        "spec_draft_acceptance": counters["rollout_spec_accepted"] / drafted if drafted else float("nan"),
+        "spec_verify_tokens": rows + drafted,
+    }
 
 
 DRAFTER_FILE = "drafter_state.pt"  # in a checkpoint, with online distillation: the drafter and its optimizer
@@ -85,8 +87,14 @@ def sample_seed(run_seed: int, step: int, round_: int, index: int) -> int:
 
 
 class GRPODriver:
-    def __init__(self, rc: ResolvedConfig, run_dir: str | Path, rollout: RolloutBackend, trainer: TrainerGroup,
-                 inputs: RunInputs | None = None):
+    def __init__(
+        self,
+        rc: ResolvedConfig,
+        run_dir: str | Path,
+        rollout: RolloutBackend,
+        trainer: TrainerGroup,
+        inputs: RunInputs | None = None,
+    ):
         """`inputs`: what `load_run_inputs(rc, run_dir)` returned, if the caller already read it (else read
         here, without the checkpoint's tensors: the driver holds none)."""
         self.rc, self.rollout, self.trainer = rc, rollout, trainer
@@ -94,8 +102,9 @@ class GRPODriver:
         self.ckpt_root = self.run_dir / "checkpoints"
         self.inputs = inputs or load_run_inputs(rc, run_dir, weights="skip")
         self.tok = self.inputs.tokenizer
-        self.sampler = PromptSampler(self.inputs.train, shuffle=rc.data.shuffle, seed=rc.data.seed,
-                                     drop_last=rc.data.drop_last)
+        self.sampler = PromptSampler(
+            self.inputs.train, shuffle=rc.data.shuffle, seed=rc.data.seed, drop_last=rc.data.drop_last
+        )
         self.eval_records = self.inputs.heldout
         self.plugin = self.inputs.plugin
         self.media = self.inputs.media  # None: a text-only run (no vision model, no image code imported)
@@ -110,8 +119,7 @@ class GRPODriver:
     def _params(self, seed: int | None, greedy: bool = False) -> SamplingParams:
         stop = (self.tok.eos_token_id,) if self.rc.rollout.stop_at_eos else ()
         if greedy:
-            return SamplingParams(temperature=0.0, max_new_tokens=self.rc.sampling.max_new_tokens,
-                                  stop_token_ids=stop)
+            return SamplingParams(temperature=0.0, max_new_tokens=self.rc.sampling.max_new_tokens, stop_token_ids=stop)
         return dataclasses.replace(self.rc.sampling, stop_token_ids=stop, seed=seed)
 
     def samples(self, records: list[PromptRecord], n: int) -> list[Sample]:
@@ -124,12 +132,23 @@ class GRPODriver:
             else:
                 ids, images, _ = self.media.encode(rec)
                 media = SequenceMedia(tuple(i for i, t in enumerate(ids) if t == self.media.pad_id), tuple(images))
-            out += [Sample(rec.prompt, label=rec.label, metadata=rec.metadata, group_index=g, sample_index=i,
-                           prompt_ids=list(ids), media=media) for i in range(n)]
+            out += [
+                Sample(
+                    rec.prompt,
+                    label=rec.label,
+                    metadata=rec.metadata,
+                    group_index=g,
+                    sample_index=i,
+                    prompt_ids=list(ids),
+                    media=media,
+                )
+                for i in range(n)
+            ]
         return out
 
-    def _generate(self, records: list[PromptRecord], samples: list[Sample],
-                  params: list[SamplingParams]) -> list[Sample]:
+    def _generate(
+        self, records: list[PromptRecord], samples: list[Sample], params: list[SamplingParams]
+    ) -> list[Sample]:
         """Each sample's output: the engine's completion, or rollout.fn's turns; its `response` (what the
         reward scores) the decoded output unless the rollout function set it."""
         r = self.rc.rollout
@@ -137,8 +156,9 @@ class GRPODriver:
             samples = self.rollout.generate(samples, params)
         else:
             jobs = [RolloutJob(records[s.group_index], s, p) for s, p in zip(samples, params)]
-            samples = self.rollout.plugins().rollout(r.fn, jobs, tokenizer=(self.rc.model.tokenizer,
-                                                                           self.rc.model.path), client=r.client)
+            samples = self.rollout.plugins().rollout(
+                r.fn, jobs, tokenizer=(self.rc.model.tokenizer, self.rc.model.path), client=r.client
+            )
         for s in samples:
             if s.response is None:
                 s.response = self.tok.decode(s.output_ids)
@@ -158,12 +178,14 @@ class GRPODriver:
         for round_ in range(a.max_refill_rounds + 1 if a.dynamic_sampling else 1):
             records = self.sampler.next_batch(groups_to_refill(len(kept), r.prompts_per_step))
             samples = self.samples(records, n)
-            params = [self._params(sample_seed(self.rc.trainer.seed, self.step, round_, i))
-                      for i in range(len(samples))]
+            params = [
+                self._params(sample_seed(self.rc.trainer.seed, self.step, round_, i)) for i in range(len(samples))
+            ]
             samples = self._generate(records, samples, params)
             if self.distill_every:  # text sequences only: the drafter's teacher forward takes no image features
-                self._step_sequences += [(len(s.prompt_ids), s.prompt_ids + s.output_ids) for s in samples
-                                         if s.media is None]
+                self._step_sequences += [
+                    (len(s.prompt_ids), s.prompt_ids + s.output_ids) for s in samples if s.media is None
+                ]
             result = score(samples, self.rc.reward, self.plugin)
             for kind, count in result.failure_counts.items():
                 failures[kind] = failures.get(kind, 0) + count
@@ -191,10 +213,15 @@ class GRPODriver:
             if groups_to_refill(len(kept), r.prompts_per_step) == 0:
                 break
         stats = reward_stats(torch.tensor(all_rewards, dtype=torch.float64))
-        metrics = {"reward_mean": float(stats["reward_mean"]), "reward_std": float(stats["reward_std"]),
-                   "response_len_mean": sum(lengths) / len(lengths) if lengths else float("nan"),
-                   "groups_sampled": groups_seen, "groups_kept": len(kept), "groups_zero_variance": groups_flat,
-                   "samples_dropped": sum(failures.values())}
+        metrics = {
+            "reward_mean": float(stats["reward_mean"]),
+            "reward_std": float(stats["reward_std"]),
+            "response_len_mean": sum(lengths) / len(lengths) if lengths else float("nan"),
+            "groups_sampled": groups_seen,
+            "groups_kept": len(kept),
+            "groups_zero_variance": groups_flat,
+            "samples_dropped": sum(failures.values()),
+        }
         metrics.update({f"reward_failures_{k}": v for k, v in failures.items()})
         if r.fn is not None:
             metrics.update(samples_all_masked=all_masked, response_env_tokens_mean=env_tokens / max(1, len(lengths)))
@@ -205,8 +232,9 @@ class GRPODriver:
     def _to_batch(self, kept: list[list[Sample]]) -> TrainBatch:
         """The kept groups' samples with their advantages, the groups numbered 0..K-1 in the batch."""
         for g, group in enumerate(kept):
-            adv = group_advantages(torch.tensor([s.reward for s in group]), len(group),
-                                   normalize_std=self.rc.algo.normalize_std)
+            adv = group_advantages(
+                torch.tensor([s.reward for s in group]), len(group), normalize_std=self.rc.algo.normalize_std
+            )
             for s, a in zip(group, adv.tolist()):
                 s.advantage, s.group_index = a, g
         return TrainBatch([s for group in kept for s in group])
@@ -218,9 +246,11 @@ class GRPODriver:
         samples = self._generate(recs, self.samples(recs, 1), [self._params(None, greedy=True)] * len(recs))
         result = score(samples, self.rc.reward, self.plugin)
         rewards = result.rewards[result.keep]
-        return {"eval_accuracy": float((rewards >= 1.0).float().mean()) if len(rewards) else float("nan"),
-                "eval_reward_mean": float(rewards.mean()) if len(rewards) else float("nan"),
-                "eval_samples": len(recs)}
+        return {
+            "eval_accuracy": float((rewards >= 1.0).float().mean()) if len(rewards) else float("nan"),
+            "eval_reward_mean": float(rewards.mean()) if len(rewards) else float("nan"),
+            "eval_samples": len(recs),
+        }
 
     # --------------------------------------------------------------- checkpoints
     def save(self) -> Path:
@@ -233,8 +263,10 @@ class GRPODriver:
 
         def write(tmp: Path) -> None:
             save_peft(tmp / ckpt.ADAPTER_DIR, adapter, self.rc.lora)
-            torch.save({"step": self.step, "sampler": self.sampler.state_dict(), "workers": states,
-                        "config": self.rc.raw}, tmp / ckpt.STATE_FILE)
+            torch.save(
+                {"step": self.step, "sampler": self.sampler.state_dict(), "workers": states, "config": self.rc.raw},
+                tmp / ckpt.STATE_FILE,
+            )
             if drafter is not None:
                 torch.save(drafter, tmp / DRAFTER_FILE)
 
@@ -251,8 +283,9 @@ class GRPODriver:
         self.sampler.load_state_dict(found.state["sampler"])
         self.trainer.load_states(found.state["workers"], found.adapter)
         if self.distill_every and (found.path / DRAFTER_FILE).is_file():
-            self.rollout.drafter().load_drafter_state(torch.load(found.path / DRAFTER_FILE),
-                                                      self.rc.rollout.speculative.distill())
+            self.rollout.drafter().load_drafter_state(
+                torch.load(found.path / DRAFTER_FILE), self.rc.rollout.speculative.distill()
+            )
         self.step = self.saved_step = int(found.state["step"])
         return found.path
 
@@ -262,9 +295,14 @@ class GRPODriver:
         resumed = self.resume()
         if resumed is not None:
             log.info("resumed from %s (step %d)", resumed, self.step)
-        runlog = RunLog(self.run_dir, wandb_mode=self.rc.logging.wandb, project=self.rc.logging.project,
-                        run_name=self.rc.logging.run_name, config=self.rc.raw,
-                        resume_step=self.step if resumed is not None else None)
+        runlog = RunLog(
+            self.run_dir,
+            wandb_mode=self.rc.logging.wandb,
+            project=self.rc.logging.project,
+            run_name=self.rc.logging.run_name,
+            config=self.rc.raw,
+            resume_step=self.step if resumed is not None else None,
+        )
         rows: list[dict[str, Any]] = []
         progress = Progress(t.max_steps, self.step, self.rc.logging.progress)
         try:
@@ -288,9 +326,13 @@ class GRPODriver:
         self.preempted = preempt.requested()
         if self.step > 0 and self.saved_step != self.step:
             self.save()
-        log.warning("%s: stopping after step %d/%d (checkpoint %s); a requeued job resumes from it",
-                    self.preempted, self.step, self.rc.trainer.max_steps,
-                    ckpt.checkpoint_dir(self.ckpt_root, self.step) if self.step else "none: nothing to keep")
+        log.warning(
+            "%s: stopping after step %d/%d (checkpoint %s); a requeued job resumes from it",
+            self.preempted,
+            self.step,
+            self.rc.trainer.max_steps,
+            ckpt.checkpoint_dir(self.ckpt_root, self.step) if self.step else "none: nothing to keep",
+        )
 
     def _one_step(self, runlog: RunLog, progress: Progress) -> list[dict[str, Any]]:
         t = self.rc.trainer
@@ -314,13 +356,22 @@ class GRPODriver:
             log.warning("step %d: no group with reward variance; skipping the update", self.step)
             train_s = 0.0
         if self.distill_every and self.step % self.distill_every == 0 and self._step_sequences:
-            metrics.update(self.rollout.drafter().distill_drafter(
-                self._step_sequences, self.rc.rollout.speculative.distill(),
-                sample_seed(self.rc.trainer.seed, self.step, -1, 0)))
+            metrics.update(
+                self.rollout.drafter().distill_drafter(
+                    self._step_sequences,
+                    self.rc.rollout.speculative.distill(),
+                    sample_seed(self.rc.trainer.seed, self.step, -1, 0),
+                )
+            )
         self._step_sequences = []
         step_s = time.perf_counter() - start
-        metrics.update(step=self.step, rollout_s=rollout_s, train_s=train_s, step_s=step_s,
-                       samples_per_s=metrics["groups_sampled"] * self.rc.rollout.samples_per_prompt / step_s)
+        metrics.update(
+            step=self.step,
+            rollout_s=rollout_s,
+            train_s=train_s,
+            step_s=step_s,
+            samples_per_s=metrics["groups_sampled"] * self.rc.rollout.samples_per_prompt / step_s,
+        )
         row = {"step": self.step, **{k: v for k, v in metrics.items() if k != "step"}}
         rows.append(row)
         if self.step % self.rc.logging.log_every == 0 or self.step == t.max_steps:
@@ -338,4 +389,3 @@ class GRPODriver:
         # one line a step for logs without a terminal (Slurm, CI, train.log in the run directory)
         log.info("step %d/%d  %s  %.1fs", self.step, t.max_steps, info, step_s)
         return rows
-

@@ -54,8 +54,7 @@ def data_share(batch: TrainBatch, size: int | None = None, rank: int | None = No
     return (shares[rank], 1.0) if rank < len(shares) else (shares[0], 0.0)
 
 
-def micro_batches(batch: TrainBatch, max_tokens: int | None, device: torch.device, weight: float = 1.0
-                  ) -> list[Piece]:
+def micro_batches(batch: TrainBatch, max_tokens: int | None, device: torch.device, weight: float = 1.0) -> list[Piece]:
     """`batch`'s sequences in order, cut into micro-batches of at most `max_tokens` packed tokens (prompt +
     response; a longer sequence is a micro-batch of its own); None: one micro-batch. `weight`: each piece's
     (`Piece.weight`)."""
@@ -97,8 +96,9 @@ def _collective(t: torch.Tensor, group) -> torch.Tensor:
     return t.to(torch.device("cuda", torch.cuda.current_device())) if dist.get_backend(group) == "nccl" else t
 
 
-def combine_metrics(per_piece: list[dict[str, torch.Tensor]], tokens: list[int], total_tokens: int
-                    ) -> dict[str, torch.Tensor]:
+def combine_metrics(
+    per_piece: list[dict[str, torch.Tensor]], tokens: list[int], total_tokens: int
+) -> dict[str, torch.Tensor]:
     """The metrics of this rank's micro-batches (`tokens[i]` loss-carrying response tokens each, of the minibatch's
     `total_tokens` over every data-parallel rank) -> the whole minibatch's, the same on every rank: loss terms
     summed, per-token means weighted by token counts (exact for token means; a sequence-level statistic such
@@ -111,8 +111,9 @@ def combine_metrics(per_piece: list[dict[str, torch.Tensor]], tokens: list[int],
     for metrics, n in zip(per_piece, tokens):
         # one device-to-host copy a piece, not one a metric (each is a wait for the device)
         values = torch.stack([torch.as_tensor(metrics[name]).detach().reshape(()).double() for name in names]).cpu()
-        flat += values * torch.tensor([1.0 if name in SUMMED else n / total_tokens for name in names],
-                                      dtype=torch.float64)
+        flat += values * torch.tensor(
+            [1.0 if name in SUMMED else n / total_tokens for name in names], dtype=torch.float64
+        )
     if ps.get_data_parallel_world_size() > 1:
         group = ps.get_data_parallel_group()
         reduced = _collective(flat, group)  # nccl takes device tensors only: the metrics' one copy there and back

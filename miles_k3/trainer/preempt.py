@@ -59,8 +59,10 @@ def watch(signals: tuple[signal.Signals, ...] = SIGNALS) -> Iterator[None]:
     """Record `signals` instead of dying of them, for the duration of the block (module docstring)."""
     global _received
     if threading.current_thread() is not threading.main_thread():
-        log.warning("not in the main thread: %s keep their default action (no preemption checkpoint)",
-                    "/".join(s.name for s in signals))
+        log.warning(
+            "not in the main thread: %s keep their default action (no preemption checkpoint)",
+            "/".join(s.name for s in signals),
+        )
         yield
         return
     _received = None

@@ -48,8 +48,7 @@ class _TrainerActor:
 
         configure_process(self.rc, self.rank)
         # Ray exposes the bundle's GPU as cuda:0
-        _, _, worker = start_trainer_rank(self.rc, self.rank, device_for(self.rc, 0),
-                                          f"tcp://{master[0]}:{master[1]}")
+        _, _, worker = start_trainer_rank(self.rc, self.rank, device_for(self.rc, 0), f"tcp://{master[0]}:{master[1]}")
         self.target = TrainerRank(worker, self.rank, self.rc.cluster.num_workers)
 
     def call(self, name: str, *args) -> Any:
@@ -86,8 +85,11 @@ class RayEngines(RolloutBackend):
 
         k = len(self.actors)
         bounds = [len(samples) * i // k for i in range(k + 1)]
-        shares = [e.call.remote("generate", samples[lo:hi], params[lo:hi])
-                  for e, lo, hi in zip(self.actors, bounds, bounds[1:]) if hi > lo]
+        shares = [
+            e.call.remote("generate", samples[lo:hi], params[lo:hi])
+            for e, lo, hi in zip(self.actors, bounds, bounds[1:])
+            if hi > lo
+        ]
         return [s for share in ray.get(shares) for s in share]  # the actors' filled copies, in order
 
     def counters(self) -> dict[str, int]:
@@ -130,8 +132,7 @@ class RayTrainers(TrainerGroup):
     def load_states(self, states, adapter) -> None:
         import ray
 
-        ray.get([t.call.remote("load_states", adapter, states if i == 0 else None)
-                 for i, t in enumerate(self.actors)])
+        ray.get([t.call.remote("load_states", adapter, states if i == 0 else None) for i, t in enumerate(self.actors)])
 
     def shutdown(self) -> None:
         import ray
@@ -154,9 +155,11 @@ def start_ray_workers(rc: ResolvedConfig) -> tuple[RayEngines, RayTrainers, Any]
         ray.get(pg.ready(), timeout=rc.cluster.ray_placement_timeout_s)
     except ray.exceptions.GetTimeoutError:
         ray.util.remove_placement_group(pg)
-        raise ValueError(f"cluster.num_workers: {rc.cluster.num_workers} bundles of {bundle} not placed within "
-                         f"cluster.ray_placement_timeout_s ({rc.cluster.ray_placement_timeout_s} s); the Ray "
-                         f"cluster holds {ray.cluster_resources()}") from None
+        raise ValueError(
+            f"cluster.num_workers: {rc.cluster.num_workers} bundles of {bundle} not placed within "
+            f"cluster.ray_placement_timeout_s ({rc.cluster.ray_placement_timeout_s} s); the Ray "
+            f"cluster holds {ray.cluster_resources()}"
+        ) from None
     share = {"num_cpus": 1, "num_gpus": 0.5 if gpu else 0}
     threads = rc.cluster.threads_per_worker or 1
     env = {"env_vars": {"OMP_NUM_THREADS": str(threads)}}

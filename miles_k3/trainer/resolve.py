@@ -20,8 +20,17 @@ from miles_k3.model.assets import builtin_path
 from miles_k3.model.lora_spec import LoraSpec
 from miles_k3.rewards import RewardConfig
 from miles_k3.trainer.backends import DRAFTER, ROLLOUT_BACKENDS, ROLLOUT_FN, backend_class
-from miles_k3.trainer.config import (AlgoCfg, ClusterCfg, LoggingCfg, ModelCfg, OptimCfg, ParallelCfg, RolloutCfg,
-                                     TrainConfig, TrainerCfg)
+from miles_k3.trainer.config import (
+    AlgoCfg,
+    ClusterCfg,
+    LoggingCfg,
+    ModelCfg,
+    OptimCfg,
+    ParallelCfg,
+    RolloutCfg,
+    TrainConfig,
+    TrainerCfg,
+)
 from miles_k3.trainer.section import Section
 from rollout.config import EngineConfig
 from rollout.request import SamplingParams
@@ -57,8 +66,16 @@ class ResolvedConfig:
         from miles_k3.trainer.base import base_args
         from rollout.build import EngineSpec
 
-        return EngineSpec(**base_args(self.model), seed=self.trainer.seed, quantize=self.rollout.quantize,
-                          dtype=self.rollout.dtype, device=device, lora=self.lora, max_adapters=1, engine=self.engine)
+        return EngineSpec(
+            **base_args(self.model),
+            seed=self.trainer.seed,
+            quantize=self.rollout.quantize,
+            dtype=self.rollout.dtype,
+            device=device,
+            lora=self.lora,
+            max_adapters=1,
+            engine=self.engine,
+        )
 
 
 def config_error(exc: Exception) -> str:
@@ -90,7 +107,7 @@ def in_section(section: str, fn: Callable[[], Any], component: type | None = Non
     except ValueError as e:
         msg = str(e)
         if component is not None and msg.startswith(f"{component.__name__}."):
-            msg = msg[len(component.__name__) + 1:]
+            msg = msg[len(component.__name__) + 1 :]
         if re.match(r"[a-z_][a-z0-9_]*\b", msg):
             raise ValueError(f"{section}.{msg}") from None
         raise ValueError(f"{section}: {msg}") from None
@@ -116,54 +133,92 @@ def resolve(cfg: Any) -> ResolvedConfig:
     r, a, c, d = cfg.rollout, cfg.algo, cfg.cluster, cfg.data
     lora = in_section("lora", lambda: LoraSpec(**cfg.lora.values()), LoraSpec)
     if cfg.lora.projector:
-        raise ValueError("lora.projector: LoRA on the vision projector is not built yet (the trainer does not "
-                         "recompute image features with grad, nor the engine take a projector adapter); set "
-                         "lora.projector=false (tower and projector frozen)")
+        raise ValueError(
+            "lora.projector: LoRA on the vision projector is not built yet (the trainer does not "
+            "recompute image features with grad, nor the engine take a projector adapter); set "
+            "lora.projector=false (tower and projector frozen)"
+        )
     sampling = in_section("rollout", r.sampling, SamplingParams)
     engine = in_section("rollout", r.engine, EngineConfig)
     loss = in_section("algo", a.loss, PolicyLossConfig)
     data = in_section("data", lambda: d.prompts(d.path), PromptDataConfig)
-    eval_data = None if d.eval_path is None else in_section(
-        "data", lambda: d.prompts(d.eval_path), PromptDataConfig)
+    eval_data = None if d.eval_path is None else in_section("data", lambda: d.prompts(d.eval_path), PromptDataConfig)
     reward = in_section("reward", lambda: RewardConfig(**cfg.reward.values()), RewardConfig)
 
     # rules that span sections
     if r.compile_decode and (c.device != "cuda" or r.dtype != "bfloat16"):
-        raise ValueError("rollout.compile_decode compiles the CUDA-graph decode step: needs cluster.device=cuda "
-                         "and rollout.dtype=bfloat16")
+        raise ValueError(
+            "rollout.compile_decode compiles the CUDA-graph decode step: needs cluster.device=cuda "
+            "and rollout.dtype=bfloat16"
+        )
     if r.mxfp4_matmul == "triton":
-        for ok, need in ((r.quantize != "none", "rollout.quantize=experts or all (MXFP4 experts)"),
-                         (c.device == "cuda", "cluster.device=cuda"), (r.dtype == "bfloat16", "rollout.dtype=bfloat16")):
+        for ok, need in (
+            (r.quantize != "none", "rollout.quantize=experts or all (MXFP4 experts)"),
+            (c.device == "cuda", "cluster.device=cuda"),
+            (r.dtype == "bfloat16", "rollout.dtype=bfloat16"),
+        ):
             if not ok:
                 raise ValueError(f"rollout.mxfp4_matmul 'triton' needs {need}")
     if a.updates_per_step > r.prompts_per_step:
-        raise ValueError(f"algo.updates_per_step must be <= rollout.prompts_per_step ({r.prompts_per_step}): "
-                         f"each update takes whole groups, got {a.updates_per_step}")
+        raise ValueError(
+            f"algo.updates_per_step must be <= rollout.prompts_per_step ({r.prompts_per_step}): "
+            f"each update takes whole groups, got {a.updates_per_step}"
+        )
     if d.chat_template == "hf" and cfg.model.tokenizer != "hf":
-        raise ValueError("data.chat_template 'hf' renders with the checkpoint tokenizer's own template: needs "
-                         f"model.tokenizer=hf, got model.tokenizer={cfg.model.tokenizer!r}")
+        raise ValueError(
+            "data.chat_template 'hf' renders with the checkpoint tokenizer's own template: needs "
+            f"model.tokenizer=hf, got model.tokenizer={cfg.model.tokenizer!r}"
+        )
     if d.chat_template == "chatml" and cfg.model.tokenizer == "hf":
-        raise ValueError("data.chat_template 'chatml' is the embedded models' built-in template; an HF checkpoint "
-                         "renders with its tokenizer's own: use data.chat_template=hf")
+        raise ValueError(
+            "data.chat_template 'chatml' is the embedded models' built-in template; an HF checkpoint "
+            "renders with its tokenizer's own: use data.chat_template=hf"
+        )
     backend = backend_class(c.launcher)  # what the launcher's rollout backend can do, before it is built
-    for asked, field, capability in ((r.speculative.drafter is not None and r.speculative.distill_every,
-                                      "rollout.speculative.distill_every", DRAFTER),
-                                     (r.fn is not None, "rollout.fn", ROLLOUT_FN)):
+    for asked, field, capability in (
+        (
+            r.speculative.drafter is not None and r.speculative.distill_every,
+            "rollout.speculative.distill_every",
+            DRAFTER,
+        ),
+        (r.fn is not None, "rollout.fn", ROLLOUT_FN),
+    ):
         if asked and capability not in backend.CAPABILITIES:
             able = sorted(k for k, v in ROLLOUT_BACKENDS.items() if capability in backend_class(k).CAPABILITIES)
-            raise ValueError(f"{field} needs a rollout backend with {capability!r}; cluster.launcher="
-                             f"{c.launcher!r} runs {backend.__name__}, which has none (launchers that do: {able})")
+            raise ValueError(
+                f"{field} needs a rollout backend with {capability!r}; cluster.launcher="
+                f"{c.launcher!r} runs {backend.__name__}, which has none (launchers that do: {able})"
+            )
     par = cfg.parallel
     if c.num_workers != par.world_size:
-        raise ValueError(f"cluster.num_workers must equal the layout's world size tp * pp * cp * dp = "
-                         f"{par.tp} * {par.pp} * {par.cp} * {par.dp} = {par.world_size} (one trainer rank per "
-                         f"worker), got {c.num_workers}")
+        raise ValueError(
+            f"cluster.num_workers must equal the layout's world size tp * pp * cp * dp = "
+            f"{par.tp} * {par.pp} * {par.cp} * {par.dp} = {par.world_size} (one trainer rank per "
+            f"worker), got {c.num_workers}"
+        )
     groups_per_update = r.prompts_per_step // a.updates_per_step
     if groups_per_update < par.dp:
-        raise ValueError(f"parallel.dp={par.dp} needs at least that many groups per update: rollout.prompts_per_step "
-                         f"({r.prompts_per_step}) / algo.updates_per_step ({a.updates_per_step}) = {groups_per_update}")
+        raise ValueError(
+            f"parallel.dp={par.dp} needs at least that many groups per update: rollout.prompts_per_step "
+            f"({r.prompts_per_step}) / algo.updates_per_step ({a.updates_per_step}) = {groups_per_update}"
+        )
 
-    return ResolvedConfig(raw=raw, model=cfg.model, lora=lora, parallel=cfg.parallel, rollout=r, sampling=sampling,
-                          engine=engine, loss=loss, algo=a, optim=cfg.optim, data=data, eval_data=eval_data,
-                          eval_max_prompts=d.eval_max_prompts, reward=reward, cluster=c, logging=cfg.logging,
-                          trainer=cfg.trainer)
+    return ResolvedConfig(
+        raw=raw,
+        model=cfg.model,
+        lora=lora,
+        parallel=cfg.parallel,
+        rollout=r,
+        sampling=sampling,
+        engine=engine,
+        loss=loss,
+        algo=a,
+        optim=cfg.optim,
+        data=data,
+        eval_data=eval_data,
+        eval_max_prompts=d.eval_max_prompts,
+        reward=reward,
+        cluster=c,
+        logging=cfg.logging,
+        trainer=cfg.trainer,
+    )

@@ -4,12 +4,12 @@
 sample (`rollout.samples_per_prompt` times per prompt), sync or `async def`:
 
     async def rollout(client: PolicyClient, record: PromptRecord) -> Sample:
-        sample = client.sample                                 # this sample's record: the prompt as training encodes it
-        turn = await client.generate(sample.ids, stop_token_ids=[CALL])  # the policy's turn (a Sample: output_ids, logprobs)
-        sample.add_policy(turn)                                # its tokens carry loss, with the engine's log-probs
-        sample.add_environment(client.encode(tool_output))     # read by the model, masked out of the loss
+        sample = client.sample                                # this sample's record, its prompt as training encodes it
+        turn = await client.generate(sample.ids, stop_token_ids=[CALL])  # the policy's turn: a Sample of its tokens
+        sample.add_policy(turn)                               # its tokens carry loss, with the engine's log-probs
+        sample.add_environment(client.encode(tool_output))    # read by the model, masked out of the loss
         sample.add_policy(await client.generate(sample.ids))
-        return sample                                          # response: what the reward scores (None: decoded output)
+        return sample                                         # response: what the reward scores (None: the output)
 
 A sync function calls `client.generate_sync(...)` instead (it runs in a thread of its own). Every sample's
 function runs concurrently, so the turns of all samples are batched by the engine together. `client.generate`
@@ -90,8 +90,10 @@ def load_rollout_fn(ref: str) -> RolloutFn:
         try:
             signature.bind(object(), object())
         except TypeError:
-            raise ValueError(f"rollout function {ref!r} must accept two positional arguments (client, record); "
-                             f"its signature is {signature}") from None
+            raise ValueError(
+                f"rollout function {ref!r} must accept two positional arguments (client, record); "
+                f"its signature is {signature}"
+            ) from None
     return RolloutFn(ref, fn, is_async(fn))
 
 
@@ -125,20 +127,27 @@ class PolicyClient:
     def _params(self, max_new_tokens: int | None, stop_token_ids) -> SamplingParams:
         p = self.job.params
         stops = tuple(p.stop_token_ids) + tuple(t for t in stop_token_ids if t not in p.stop_token_ids)
-        params = dataclasses.replace(p, max_new_tokens=max_new_tokens or p.max_new_tokens, stop_token_ids=stops,
-                                     seed=turn_seed(p.seed, self.turns), return_logprobs=True)
+        params = dataclasses.replace(
+            p,
+            max_new_tokens=max_new_tokens or p.max_new_tokens,
+            stop_token_ids=stops,
+            seed=turn_seed(p.seed, self.turns),
+            return_logprobs=True,
+        )
         self.turns += 1
         return params
 
-    async def generate(self, ids: list[int], *, max_new_tokens: int | None = None,
-                       stop_token_ids: tuple[int, ...] | list[int] = ()) -> Sample:
+    async def generate(
+        self, ids: list[int], *, max_new_tokens: int | None = None, stop_token_ids: tuple[int, ...] | list[int] = ()
+    ) -> Sample:
         """The policy's continuation of `ids` (prompt and every turn so far), ending at a stop token (kept)
         or after max_new_tokens: a Sample whose `output_ids`, `logprobs` and `finish_reason` ("stop": a stop
         token, kept as the last token | "length" | "abort") are the turn's, for `sample.add_policy`."""
         return await self._generate(list(ids), self._params(max_new_tokens, tuple(stop_token_ids)))
 
-    def generate_sync(self, ids: list[int], *, max_new_tokens: int | None = None,
-                      stop_token_ids: tuple[int, ...] | list[int] = ()) -> Sample:
+    def generate_sync(
+        self, ids: list[int], *, max_new_tokens: int | None = None, stop_token_ids: tuple[int, ...] | list[int] = ()
+    ) -> Sample:
         """`generate` for a sync rollout function (called from its thread, never from the event loop)."""
         coro = self.generate(ids, max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids)
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
@@ -149,8 +158,14 @@ class PolicyClient:
 
 def turn(ids: list[int], token_ids: list[int], logprobs: list[float], finish_reason: str) -> Sample:
     """One generation as a client returns it: the context `ids`, the policy's tokens and their log-probs."""
-    return Sample("", prompt_ids=list(ids), output_ids=list(token_ids), logprobs=list(logprobs),
-                  loss_mask=[True] * len(token_ids), finish_reason=finish_reason)
+    return Sample(
+        "",
+        prompt_ids=list(ids),
+        output_ids=list(token_ids),
+        logprobs=list(logprobs),
+        loss_mask=[True] * len(token_ids),
+        finish_reason=finish_reason,
+    )
 
 
 class EngineClient(PolicyClient):
@@ -179,11 +194,20 @@ class HTTPClient(PolicyClient):
         self.http, self.base_url = http, base_url
 
     async def _generate(self, ids: list[int], params: SamplingParams) -> Sample:
-        body = {"input_ids": ids, "return_logprob": True, "lora_path": ADAPTER,
-                "sampling_params": {"max_new_tokens": params.max_new_tokens, "temperature": params.temperature,
-                                    "top_p": params.top_p, "top_k": params.top_k or -1,
-                                    "stop_token_ids": list(params.stop_token_ids), "ignore_eos": True,
-                                    "sampling_seed": params.seed}}
+        body = {
+            "input_ids": ids,
+            "return_logprob": True,
+            "lora_path": ADAPTER,
+            "sampling_params": {
+                "max_new_tokens": params.max_new_tokens,
+                "temperature": params.temperature,
+                "top_p": params.top_p,
+                "top_k": params.top_k or -1,
+                "stop_token_ids": list(params.stop_token_ids),
+                "ignore_eos": True,
+                "sampling_seed": params.seed,
+            },
+        }
         r = await self.http.post(f"{self.base_url}/generate", json=body)
         out = r.json()
         if r.status_code != 200:
@@ -193,13 +217,15 @@ class HTTPClient(PolicyClient):
         return turn(ids, out["output_ids"], logprobs, (meta["finish_reason"] or {}).get("type", "abort"))
 
 
-async def run_rollouts(plugin: RolloutFn, jobs: list[RolloutJob], make_client, vocab_size: int
-                       ) -> list[Sample]:
+async def run_rollouts(plugin: RolloutFn, jobs: list[RolloutJob], make_client, vocab_size: int) -> list[Sample]:
     """Every job's sample, filled, in order: all rollout functions run concurrently (sync ones in threads of
     their own), each with its own client from `make_client(job, loop)`."""
     loop = asyncio.get_running_loop()
-    pool = ThreadPoolExecutor(max_workers=max(1, len(jobs)), thread_name_prefix="rollout-fn") \
-        if not plugin.is_async else None
+    pool = (
+        ThreadPoolExecutor(max_workers=max(1, len(jobs)), thread_name_prefix="rollout-fn")
+        if not plugin.is_async
+        else None
+    )
 
     async def one(job: RolloutJob) -> Sample:
         where = job.sample.where
@@ -210,12 +236,12 @@ async def run_rollouts(plugin: RolloutFn, jobs: list[RolloutJob], make_client, v
             else:
                 out = await loop.run_in_executor(pool, plugin.fn, client, job.record)
         except Exception as e:
-            raise RolloutPluginError(f"rollout.fn {plugin.name!r} raised on {where}: "
-                                     f"{type(e).__name__}: {e}") from e
+            raise RolloutPluginError(f"rollout.fn {plugin.name!r} raised on {where}: {type(e).__name__}: {e}") from e
         if out is not job.sample:
             got = "another Sample" if isinstance(out, Sample) else f"a {type(out).__name__}"
-            raise RolloutPluginError(f"rollout.fn {plugin.name!r} returned {got} on {where}; it must fill and "
-                                     "return client.sample")
+            raise RolloutPluginError(
+                f"rollout.fn {plugin.name!r} returned {got} on {where}; it must fill and return client.sample"
+            )
         try:
             out.check(vocab_size)
         except ValueError as e:

@@ -23,21 +23,26 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+
 import torch
 
 from miles_k3.data.sample import Sample
 from miles_k3.data.tokenizers import load_tokenizer
+from miles_k3.trainer.rollout_plugin import ADAPTER, EngineClient, HTTPClient, RolloutJob, load_rollout_fn, run_rollouts
 from rollout.engine import Engine
-from miles_k3.trainer.rollout_plugin import (ADAPTER, EngineClient, HTTPClient, RolloutJob, load_rollout_fn,
-                                             run_rollouts)
 from rollout.request import SamplingParams
 from rollout.spec.distill import Blocks, DistillConfig, Distiller, Sequences, teacher_blocks
 from rollout.spec.drafter import DSparkConfig, DSparkDrafter
 from rollout.spec.strategy import SpecDecode
 
 # SpecStats' counters, as engine_counters names them
-SPEC_COUNTERS = {"spec_verify_steps": "steps", "spec_rows": "rows", "spec_drafted": "drafted",
-                 "spec_accepted": "accepted", "spec_emitted": "emitted"}
+SPEC_COUNTERS = {
+    "spec_verify_steps": "steps",
+    "spec_rows": "rows",
+    "spec_drafted": "drafted",
+    "spec_accepted": "accepted",
+    "spec_emitted": "emitted",
+}
 
 
 class RolloutWorker:
@@ -79,8 +84,9 @@ class RolloutWorker:
             s.loss_mask, s.finish_reason = [True] * len(o.output_ids), o.finish_reason.value
         return samples
 
-    def rollout(self, fn: str, jobs: list[RolloutJob], *, tokenizer: tuple[str, str | None],
-                client: str = "engine") -> list[Sample]:
+    def rollout(
+        self, fn: str, jobs: list[RolloutJob], *, tokenizer: tuple[str, str | None], client: str = "engine"
+    ) -> list[Sample]:
         """Each job's sample, filled by the rollout function `fn` ("module:function"), in job order, every
         sample's function running concurrently against this engine with the policy adapter. `tokenizer`:
         (model.tokenizer, model.path); `client`: "engine" (in-process) or "http" (miles-serve on loopback)."""
@@ -105,8 +111,9 @@ class RolloutWorker:
             server = Server(served, max_queued=1 << 20).start()
             try:
                 async with httpx.AsyncClient(timeout=None) as http:
-                    return await run_rollouts(plugin, jobs, lambda job, loop: HTTPClient(job, codec, loop, http,
-                                                                                         server.url), vocab)
+                    return await run_rollouts(
+                        plugin, jobs, lambda job, loop: HTTPClient(job, codec, loop, http, server.url), vocab
+                    )
             finally:
                 server.stop()
         from rollout.server.engine_loop import EngineLoop
@@ -145,8 +152,9 @@ class RolloutWorker:
     def _dspark(self) -> DSparkDrafter:
         strategy = self.engine.decoder.strategy
         if not isinstance(strategy, SpecDecode) or not isinstance(strategy.drafter, DSparkDrafter):
-            raise ValueError("distill_drafter needs an engine speculating with a DSpark drafter "
-                             "(rollout.speculative.drafter)")
+            raise ValueError(
+                "distill_drafter needs an engine speculating with a DSpark drafter (rollout.speculative.drafter)"
+            )
         return strategy.drafter
 
     def drafter_state(self) -> dict | None:
@@ -180,14 +188,18 @@ class RolloutWorker:
             self._distiller = Distiller(drafter, config)
         elif self._distiller.config != config:
             raise ValueError("distill_drafter: the DistillConfig changed between calls (the optimizer is built once)")
-        out = self._distiller.distil(sequences, lambda examples: self.policy_blocks(sequences, examples,
-                                                                                    drafter.config),
-                                     random.Random(seed))
+        out = self._distiller.distil(
+            sequences, lambda examples: self.policy_blocks(sequences, examples, drafter.config), random.Random(seed)
+        )
         if runner.device.type == "cuda":
             torch.cuda.synchronize(runner.device)
-        return {"drafter_tv_before": out["tv_before"], "drafter_tv_after": out["tv_after"],
-                "drafter_distill_loss": out["loss"], "drafter_distill_blocks": out["blocks"],
-                "drafter_distill_ms": (time.perf_counter() - start) * 1e3}
+        return {
+            "drafter_tv_before": out["tv_before"],
+            "drafter_tv_after": out["tv_after"],
+            "drafter_distill_loss": out["loss"],
+            "drafter_distill_blocks": out["blocks"],
+            "drafter_distill_ms": (time.perf_counter() - start) * 1e3,
+        }
 
     def release_memory(self) -> None:
         self.engine.release_memory()

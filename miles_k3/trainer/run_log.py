@@ -4,7 +4,8 @@ metrics.jsonl holds one JSON object per line: a training row per step (`step`, `
 `train_rollout_logprob_abs_diff`, ...; with rollout.speculative also `spec_accept_len`,
 `spec_draft_acceptance`, `spec_verify_tokens` and the engines' `rollout_spec_*` counts, and on a
 distillation step `drafter_tv_before` / `drafter_tv_after`) and evaluation rows (`step`, `eval_accuracy`,
-...). Each line is flushed when written. On resume from checkpoint step S, rows with step > S (written by the interrupted run
+...). Each line is flushed when written. On resume from checkpoint step S, rows with step > S (written by the
+interrupted run
 after its last checkpoint) are moved to metrics.orphaned.jsonl; a run that starts from step 0 in a directory
 that already holds rows (killed before its first checkpoint, or trainer.resume=never) moves them all. So
 metrics.jsonl reads as one uninterrupted run, each step's rows once, and nothing is thrown away.
@@ -65,16 +66,27 @@ class RunLog:
     """Appends rows to metrics.jsonl and mirrors them to wandb. One per run, on the driver process.
     `resume_step`: the checkpoint step the run continues from; None: it starts at step 0."""
 
-    def __init__(self, run_dir: str | Path, *, wandb_mode: str, project: str, run_name: str | None,
-                 config: dict[str, Any], resume_step: int | None):
+    def __init__(
+        self,
+        run_dir: str | Path,
+        *,
+        wandb_mode: str,
+        project: str,
+        run_name: str | None,
+        config: dict[str, Any],
+        resume_step: int | None,
+    ):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         # rows after the checkpoint resumed from (or any, starting over) were written by an interrupted run
         moved = truncate_metrics(self.run_dir, -1 if resume_step is None else resume_step)
         if moved:
-            log.warning("%s: moved %d metrics rows of the interrupted run to %s",
-                        "starting at step 0" if resume_step is None else f"resuming at step {resume_step}",
-                        moved, ORPHANED)
+            log.warning(
+                "%s: moved %d metrics rows of the interrupted run to %s",
+                "starting at step 0" if resume_step is None else f"resuming at step {resume_step}",
+                moved,
+                ORPHANED,
+            )
         self._file = open(self.run_dir / METRICS, "a")
         self._wandb = None
         if wandb_mode != "disabled":
@@ -89,9 +101,16 @@ class RunLog:
         tmp = id_file.with_suffix(".tmp")
         tmp.write_text(run_id)
         os.replace(tmp, id_file)  # a kill mid-write must not leave an empty id (a new wandb run next time)
-        return wandb.init(mode=mode, project=project, name=run_name or self.run_dir.name, id=run_id,
-                          resume="allow", dir=str(self.run_dir), config=config,
-                          settings=wandb.Settings(console="off", silent=True))
+        return wandb.init(
+            mode=mode,
+            project=project,
+            name=run_name or self.run_dir.name,
+            id=run_id,
+            resume="allow",
+            dir=str(self.run_dir),
+            config=config,
+            settings=wandb.Settings(console="off", silent=True),
+        )
 
     def log(self, row: dict[str, Any]) -> None:
         row = {k: _jsonable(v) for k, v in row.items()}
@@ -113,12 +132,19 @@ class Progress:
     def __init__(self, total: int, start: int, enabled: bool):
         self._bar = None
         if enabled:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn
-            from rich.progress import TimeElapsedColumn, TimeRemainingColumn
+            from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+            from rich.progress import Progress as RichProgress
 
-            self._bar = RichProgress(TextColumn("[bold]GRPO"), BarColumn(), MofNCompleteColumn(),
-                                     TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
-                                     TextColumn("{task.fields[info]}"), transient=False)
+            self._bar = RichProgress(
+                TextColumn("[bold]GRPO"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                TextColumn("eta"),
+                TimeRemainingColumn(),
+                TextColumn("{task.fields[info]}"),
+                transient=False,
+            )
             self._task = self._bar.add_task("train", total=total, completed=start, info="")
             self._bar.start()
 

@@ -25,8 +25,7 @@ class Section:
 
     def values(self, names: tuple[str, ...] | None = None) -> dict[str, Any]:
         """This section's values (those of `names`), as keyword arguments for a component."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if names is None or f.name in names}
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if names is None or f.name in names}
 
 
 def component_fields(component: type, names: tuple[str, ...] | None = None) -> type:

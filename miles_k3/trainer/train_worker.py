@@ -28,25 +28,49 @@ from miles_k3.trainer.micro_batches import Piece, combine_metrics, data_share, e
 
 
 class TrainWorker:
-    def __init__(self, config: K3Config, base_state: dict[str, torch.Tensor], lora, *, loss, algo, optim,
-                 temperature: float, dtype: torch.dtype, device: str, seed: int = 0,
-                 sequence_parallel: bool = False, pp_layers: list[int] | None = None,
-                 micro_batch_tokens: int | None = None, recompute: bool = False):
+    def __init__(
+        self,
+        config: K3Config,
+        base_state: dict[str, torch.Tensor],
+        lora,
+        *,
+        loss,
+        algo,
+        optim,
+        temperature: float,
+        dtype: torch.dtype,
+        device: str,
+        seed: int = 0,
+        sequence_parallel: bool = False,
+        pp_layers: list[int] | None = None,
+        micro_batch_tokens: int | None = None,
+        recompute: bool = False,
+    ):
         from megatron_patches.lora import check_lora_replicas, lora_parameters
         from megatron_patches.model import build_policy
 
         self.device = torch.device(device)
-        self.policy = build_policy(config, base_state, lora, dtype=dtype, device=device, seed=seed,
-                                   sequence_parallel=sequence_parallel,
-                                   pp_layers=None if pp_layers is None else list(pp_layers), recompute=recompute)
+        self.policy = build_policy(
+            config,
+            base_state,
+            lora,
+            dtype=dtype,
+            device=device,
+            seed=seed,
+            sequence_parallel=sequence_parallel,
+            pp_layers=None if pp_layers is None else list(pp_layers),
+            recompute=recompute,
+        )
         self.params = lora_parameters(self.policy)  # non-empty: load_run_inputs checked lora.targets
         check_lora_replicas(self.policy)  # ranks that replicate an adapter start from the same values
         self.loss_config, self.algo, self.temperature = loss, algo, temperature
-        self.optimizer = torch.optim.AdamW(self.params, lr=optim.lr, betas=(optim.beta1, optim.beta2),
-                                           weight_decay=optim.weight_decay, eps=1e-8)
+        self.optimizer = torch.optim.AdamW(
+            self.params, lr=optim.lr, betas=(optim.beta1, optim.beta2), weight_decay=optim.weight_decay, eps=1e-8
+        )
         warmup = optim.warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
+            self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0
+        )
         self.grad_clip = optim.grad_clip
         self.micro_batch_tokens = micro_batch_tokens
 
@@ -61,14 +85,16 @@ class TrainWorker:
 
         packed, layout = micro.payload.packed, micro.layout
         if layout is None:
-            return token_logprobs(self.policy, hidden[0, packed.positions], packed.targets, self.temperature,
-                                  with_entropy=with_entropy)
+            return token_logprobs(
+                self.policy, hidden[0, packed.positions], packed.targets, self.temperature, with_entropy=with_entropy
+            )
         slot = torch.full((layout.padded,), -1, dtype=torch.long, device=hidden.device)
         slot[packed.positions] = torch.arange(len(packed.positions), device=hidden.device)
         mine = slot[layout.positions.to(hidden.device)]
         local = mine >= 0
-        logp, entropy = token_logprobs(self.policy, hidden[0, local], packed.targets[mine[local]], self.temperature,
-                                       with_entropy=with_entropy)
+        logp, entropy = token_logprobs(
+            self.policy, hidden[0, local], packed.targets[mine[local]], self.temperature, with_entropy=with_entropy
+        )
         where = (mine[local],)
         row = torch.zeros(len(packed.positions), dtype=logp.dtype, device=logp.device)
         logp = _sum_over_cp(row.index_put(where, logp))
@@ -99,7 +125,7 @@ class TrainWorker:
         out: list[list[float]] = []
         for piece, logp in zip(pieces, self._forward_logprobs(pieces)):
             padded = piece.packed.to_padded(logp).cpu()
-            out += [padded[i, :len(r)].tolist() for i, r in enumerate(piece.batch.responses)]
+            out += [padded[i, : len(r)].tolist() for i, r in enumerate(piece.batch.responses)]
         return out
 
     # ---------------------------------------------------------------------- train
@@ -114,8 +140,10 @@ class TrainWorker:
         from megatron_patches.schedule import forward_backward
 
         minibatches = batch.split_by_groups(self.algo.updates_per_step)
-        plans = [even_out(micro_batches(share, self.micro_batch_tokens, self.device, weight), self.device)
-                 for share, weight in map(data_share, minibatches)]
+        plans = [
+            even_out(micro_batches(share, self.micro_batch_tokens, self.device, weight), self.device)
+            for share, weight in map(data_share, minibatches)
+        ]
         old = None
         if len(plans) > 1:  # pi_old is the policy before this step's first update (eval mode: no dropout)
             self.policy.eval()
@@ -154,20 +182,30 @@ class TrainWorker:
         self.policy.eval()
         return sums
 
-    def _loss(self, hidden: torch.Tensor, micro, total: Totals, old: list[torch.Tensor] | None,
-              ref: list[torch.Tensor] | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def _loss(
+        self, hidden: torch.Tensor, micro, total: Totals, old: list[torch.Tensor] | None, ref: list[torch.Tensor] | None
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """One micro-batch's GRPO loss (normalized by the minibatch's `total`) and its metrics (last stage)."""
         piece = micro.payload
         p, share = piece.packed, piece.batch
         logp, entropy = self._logprobs(hidden, micro, with_entropy=True)
         old_logp = p.to_padded(old[piece.index] if old is not None else logp.detach())
         ref_logp = p.to_padded(ref[piece.index]) if ref is not None else None
-        rollout = p.to_padded(torch.tensor([x for lp in share.rollout_logprobs for x in lp], dtype=torch.float32,
-                                           device=self.device))
+        rollout = p.to_padded(
+            torch.tensor([x for lp in share.rollout_logprobs for x in lp], dtype=torch.float32, device=self.device)
+        )
         adv = torch.tensor(share.advantages, dtype=torch.float32, device=self.device)
-        loss, metrics = policy_loss(p.to_padded(logp), old_logp, adv, p.mask(), self.loss_config,
-                                    ref_logp=ref_logp, rollout_logp=rollout, num_tokens=total.tokens,
-                                    num_sequences=total.sequences)
+        loss, metrics = policy_loss(
+            p.to_padded(logp),
+            old_logp,
+            adv,
+            p.mask(),
+            self.loss_config,
+            ref_logp=ref_logp,
+            rollout_logp=rollout,
+            num_tokens=total.tokens,
+            num_sequences=total.sequences,
+        )
         metrics["entropy"] = entropy[p.loss_mask].mean()  # over the tokens the loss counts
         if piece.weight != 1.0:  # a stand-in (`data_share`): the collectives run, nothing is added
             loss, metrics = loss * piece.weight, {k: v * piece.weight for k, v in metrics.items()}
@@ -181,8 +219,12 @@ class TrainWorker:
 
     def state_dict(self) -> dict[str, Any]:
         """Everything a resumed rank needs besides the adapter (saved in PEFT form by the driver)."""
-        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                "rng": rng_state(self.device), "lora_dropout_rng": self.policy.lora_generator.get_state()}
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "rng": rng_state(self.device),
+            "lora_dropout_rng": self.policy.lora_generator.get_state(),
+        }
 
     def load_state_dict(self, state: dict[str, Any], adapter: dict[str, torch.Tensor]) -> None:
         from megatron_patches.lora import check_lora_replicas, load_adapter_state
@@ -229,4 +271,3 @@ def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
     random.setstate(state["python"])
     if "cuda" in state and device.type == "cuda":
         torch.cuda.set_rng_state(state["cuda"], device)
-

@@ -47,15 +47,33 @@ def build_rollout_worker(rc: ResolvedConfig, config, state, device: str) -> Roll
 
 
 def build_train_worker(rc: ResolvedConfig, config, state, device: str) -> TrainWorker:
-    return TrainWorker(config, state, rc.lora, loss=rc.loss, algo=rc.algo, optim=rc.optim,
-                       temperature=rc.rollout.temperature, dtype=TORCH_DTYPES[rc.model.train_dtype], device=device,
-                       seed=rc.trainer.seed, sequence_parallel=rc.parallel.sp,
-                       pp_layers=rc.parallel.pp_layers, micro_batch_tokens=rc.parallel.micro_batch_tokens,
-                       recompute=rc.parallel.recompute)
+    return TrainWorker(
+        config,
+        state,
+        rc.lora,
+        loss=rc.loss,
+        algo=rc.algo,
+        optim=rc.optim,
+        temperature=rc.rollout.temperature,
+        dtype=TORCH_DTYPES[rc.model.train_dtype],
+        device=device,
+        seed=rc.trainer.seed,
+        sequence_parallel=rc.parallel.sp,
+        pp_layers=rc.parallel.pp_layers,
+        micro_batch_tokens=rc.parallel.micro_batch_tokens,
+        recompute=rc.parallel.recompute,
+    )
 
 
-def start_trainer_rank(rc: ResolvedConfig, rank: int, device: str, init_method: str,
-                       inputs: RunInputs | None = None, *, holds_engine: bool = False):
+def start_trainer_rank(
+    rc: ResolvedConfig,
+    rank: int,
+    device: str,
+    init_method: str,
+    inputs: RunInputs | None = None,
+    *,
+    holds_engine: bool = False,
+):
     """One trainer rank (local process or Ray actor; after `configure_process`): joins the torch.distributed
     world, builds megatron's groups for `parallel.*` over it, loads the base (or takes the checkpoint `inputs`
     already read) and the policy. A rank that also builds the engine (`holds_engine`) reads the whole base;

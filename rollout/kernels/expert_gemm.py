@@ -48,8 +48,11 @@ def supports(xs: torch.Tensor, w: torch.Tensor) -> bool:
     or fp16 rows and weights (in fp32 `tl.dot` would round to tf32) and at most MAX_ROWS_PER_EXPERT rows an
     expert on average: decode batches, where this kernel was measured faster (docs/benchmarks.md); prefill's
     larger blocks stay with cuBLAS."""
-    return (xs.dtype in (torch.bfloat16, torch.float16) and w.dtype == xs.dtype
-            and xs.shape[0] <= MAX_ROWS_PER_EXPERT * w.shape[0])
+    return (
+        xs.dtype in (torch.bfloat16, torch.float16)
+        and w.dtype == xs.dtype
+        and xs.shape[0] <= MAX_ROWS_PER_EXPERT * w.shape[0]
+    )
 
 
 if triton is not None:
@@ -74,8 +77,23 @@ if triton is not None:
         return e, rows, rows < tl.sum(tl.where(mine, ends, 0), axis=0), cols, cols < N
 
     @triton.jit
-    def _grouped_gemm(x_ptr, w_ptr, y_ptr, counts_ptr, E, N, K, stride_xm, stride_we, stride_wn, stride_ym,
-                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BE: tl.constexpr):
+    def _grouped_gemm(
+        x_ptr,
+        w_ptr,
+        y_ptr,
+        counts_ptr,
+        E,
+        N,
+        K,
+        stride_xm,
+        stride_we,
+        stride_wn,
+        stride_ym,
+        BM: tl.constexpr,
+        BN: tl.constexpr,
+        BK: tl.constexpr,
+        BE: tl.constexpr,
+    ):
         e, rows, row_ok, cols, col_ok = _tile(counts_ptr, E, N, BM, BN, BE)
         if e < E:
             w_rows = w_ptr + e.to(tl.int64) * stride_we + cols[:, None].to(tl.int64) * stride_wn
@@ -83,27 +101,51 @@ if triton is not None:
             for k0 in range(0, K, BK):
                 ks = k0 + tl.arange(0, BK)
                 k_ok = ks < K
-                x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + ks[None, :],
-                            mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                x = tl.load(
+                    x_ptr + rows[:, None].to(tl.int64) * stride_xm + ks[None, :],
+                    mask=row_ok[:, None] & k_ok[None, :],
+                    other=0.0,
+                )
                 w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
                 acc += tl.dot(x, tl.trans(w))
             _store(y_ptr, acc, rows, row_ok, cols, col_ok, stride_ym)
 
     @triton.jit
-    def _mxfp4_grouped_gemm(x_ptr, packed_ptr, scale_ptr, y_ptr, counts_ptr, E, N, K, stride_xm, stride_pe,
-                            stride_pn, stride_se, stride_sn, stride_ym,
-                            BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BE: tl.constexpr):
+    def _mxfp4_grouped_gemm(
+        x_ptr,
+        packed_ptr,
+        scale_ptr,
+        y_ptr,
+        counts_ptr,
+        E,
+        N,
+        K,
+        stride_xm,
+        stride_pe,
+        stride_pn,
+        stride_se,
+        stride_sn,
+        stride_ym,
+        BM: tl.constexpr,
+        BN: tl.constexpr,
+        BK: tl.constexpr,
+        BE: tl.constexpr,
+    ):
         e, rows, row_ok, cols, col_ok = _tile(counts_ptr, E, N, BM, BN, BE)
         if e < E:
             e64 = e.to(tl.int64)
             acc = tl.zeros((BM, BN), dtype=tl.float32)
             for k0 in range(0, K, BK):
                 ks = k0 + tl.arange(0, BK)
-                x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + ks[None, :], mask=row_ok[:, None],
-                            other=0.0)
+                x = tl.load(
+                    x_ptr + rows[:, None].to(tl.int64) * stride_xm + ks[None, :], mask=row_ok[:, None], other=0.0
+                )
                 kb = k0 // 2 + tl.arange(0, BK // 2)
-                p = tl.load(packed_ptr + e64 * stride_pe + cols[:, None] * stride_pn + kb[None, :],
-                            mask=col_ok[:, None], other=0)
+                p = tl.load(
+                    packed_ptr + e64 * stride_pe + cols[:, None] * stride_pn + kb[None, :],
+                    mask=col_ok[:, None],
+                    other=0,
+                )
                 # element 2j is the low nibble of byte j, element 2j + 1 the high one
                 codes = tl.reshape(tl.join(p & 0xF, p >> 4), (BN, BK))
                 mag = (codes & 7).to(tl.int32)
@@ -113,8 +155,11 @@ if triton is not None:
                 val = tl.where(exp == 0, man * 0.5, (1.0 + man * 0.5) * tl.exp2((exp - 1).to(tl.float32)))
                 val = tl.where((codes & 8) != 0, -val, val)
                 sb = k0 // 32 + tl.arange(0, BK // 32)
-                s = tl.load(scale_ptr + e64 * stride_se + cols[:, None] * stride_sn + sb[None, :],
-                            mask=col_ok[:, None], other=127)
+                s = tl.load(
+                    scale_ptr + e64 * stride_se + cols[:, None] * stride_sn + sb[None, :],
+                    mask=col_ok[:, None],
+                    other=127,
+                )
                 scale = tl.exp2(s.to(tl.float32) - 127.0)
                 w = tl.reshape(tl.reshape(val, (BN, BK // 32, 32)) * scale[:, :, None], (BN, BK))
                 acc += tl.dot(x, tl.trans(w.to(x.dtype)))
@@ -130,8 +175,17 @@ def _rows(xs: torch.Tensor) -> torch.Tensor:
     return xs if xs.stride(1) == 1 else xs.contiguous()
 
 
-def grouped_matmul(xs: torch.Tensor, counts: torch.Tensor, w: torch.Tensor, *, block_m: int | None = None,
-                   block_n: int = 64, block_k: int = 64, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+def grouped_matmul(
+    xs: torch.Tensor,
+    counts: torch.Tensor,
+    w: torch.Tensor,
+    *,
+    block_m: int | None = None,
+    block_n: int = 64,
+    block_k: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 3,
+) -> torch.Tensor:
     """See the module docstring (bf16 weights). block_m: rows per block (default `default_block_m`); the tile
     and launch settings are for the benchmark's sweeps (scripts/bench_decode_kernels.py)."""
     if triton is None:
@@ -145,14 +199,31 @@ def grouped_matmul(xs: torch.Tensor, counts: torch.Tensor, w: torch.Tensor, *, b
         return y
     bm = block_m or default_block_m(m, e)
     grid = (triton.cdiv(m, bm) + e, triton.cdiv(n, block_n))
-    _grouped_gemm[grid](xs, w, y, counts, e, n, k, xs.stride(0), w.stride(0), w.stride(1), y.stride(0),
-                        BM=bm, BN=block_n, BK=block_k, BE=triton.next_power_of_2(e),
-                        num_warps=num_warps, num_stages=num_stages)
+    _grouped_gemm[grid](
+        xs,
+        w,
+        y,
+        counts,
+        e,
+        n,
+        k,
+        xs.stride(0),
+        w.stride(0),
+        w.stride(1),
+        y.stride(0),
+        BM=bm,
+        BN=block_n,
+        BK=block_k,
+        BE=triton.next_power_of_2(e),
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
     return y
 
 
-def mxfp4_grouped_matmul(xs: torch.Tensor, counts: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
-                         *, block_m: int | None = None) -> torch.Tensor:
+def mxfp4_grouped_matmul(
+    xs: torch.Tensor, counts: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, *, block_m: int | None = None
+) -> torch.Tensor:
     """See the module docstring (MXFP4 weights). block_m: rows per block (default `default_block_m`)."""
     if triton is None:
         raise RuntimeError("mxfp4_grouped_matmul needs triton")
@@ -167,7 +238,24 @@ def mxfp4_grouped_matmul(xs: torch.Tensor, counts: torch.Tensor, packed: torch.T
     bm = block_m or default_block_m(m, e)
     bn, bk = 64, 64 if k % 64 == 0 else 32
     grid = (triton.cdiv(m, bm) + e, triton.cdiv(n, bn))
-    _mxfp4_grouped_gemm[grid](xs, packed, scales, y, counts, e, n, k, xs.stride(0), packed.stride(0),
-                              packed.stride(1), scales.stride(0), scales.stride(1), y.stride(0),
-                              BM=bm, BN=bn, BK=bk, BE=triton.next_power_of_2(e))
+    _mxfp4_grouped_gemm[grid](
+        xs,
+        packed,
+        scales,
+        y,
+        counts,
+        e,
+        n,
+        k,
+        xs.stride(0),
+        packed.stride(0),
+        packed.stride(1),
+        scales.stride(0),
+        scales.stride(1),
+        y.stride(0),
+        BM=bm,
+        BN=bn,
+        BK=bk,
+        BE=triton.next_power_of_2(e),
+    )
     return y

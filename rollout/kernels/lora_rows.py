@@ -33,8 +33,20 @@ except ImportError:  # pragma: no cover - triton ships with CUDA torch builds
 if triton is not None:
 
     @triton.jit
-    def _lora_down(x_ptr, a_ptr, index_ptr, h_ptr, IN, stride_x, stride_ak, stride_ar, stride_h,
-                   R: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr):
+    def _lora_down(
+        x_ptr,
+        a_ptr,
+        index_ptr,
+        h_ptr,
+        IN,
+        stride_x,
+        stride_ak,
+        stride_ar,
+        stride_h,
+        R: tl.constexpr,
+        BR: tl.constexpr,
+        BK: tl.constexpr,
+    ):
         row = tl.program_id(0)
         w = tl.load(index_ptr + row).to(tl.int64)
         rs = tl.arange(0, BR)
@@ -44,14 +56,30 @@ if triton is not None:
                 ks = k0 + tl.arange(0, BK)
                 k_ok = ks < IN
                 xk = tl.load(x_ptr + row.to(tl.int64) * stride_x + ks, mask=k_ok, other=0.0).to(tl.float32)
-                a = tl.load(a_ptr + w * stride_ak + rs[:, None] * stride_ar + ks[None, :],
-                            mask=(rs[:, None] < R) & k_ok[None, :], other=0.0).to(tl.float32)
+                a = tl.load(
+                    a_ptr + w * stride_ak + rs[:, None] * stride_ar + ks[None, :],
+                    mask=(rs[:, None] < R) & k_ok[None, :],
+                    other=0.0,
+                ).to(tl.float32)
                 acc += tl.sum(a * xk[None, :], axis=1)
         tl.store(h_ptr + row.to(tl.int64) * stride_h + rs, acc, mask=rs < R)
 
     @triton.jit
-    def _lora_up(h_ptr, b_ptr, index_ptr, scale_ptr, y_ptr, OUT, stride_h, stride_bk, stride_bo, stride_y,
-                 R: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr):
+    def _lora_up(
+        h_ptr,
+        b_ptr,
+        index_ptr,
+        scale_ptr,
+        y_ptr,
+        OUT,
+        stride_h,
+        stride_bk,
+        stride_bo,
+        stride_y,
+        R: tl.constexpr,
+        BR: tl.constexpr,
+        BN: tl.constexpr,
+    ):
         row = tl.program_id(0)
         w = tl.load(index_ptr + row).to(tl.int64)
         if w >= 0:
@@ -59,16 +87,20 @@ if triton is not None:
             cols = tl.program_id(1) * BN + tl.arange(0, BN)
             col_ok = cols < OUT
             h = tl.load(h_ptr + row.to(tl.int64) * stride_h + rs, mask=rs < R, other=0.0)
-            b = tl.load(b_ptr + w * stride_bk + cols[:, None] * stride_bo + rs[None, :],
-                        mask=col_ok[:, None] & (rs[None, :] < R), other=0.0).to(tl.float32)
+            b = tl.load(
+                b_ptr + w * stride_bk + cols[:, None] * stride_bo + rs[None, :],
+                mask=col_ok[:, None] & (rs[None, :] < R),
+                other=0.0,
+            ).to(tl.float32)
             delta = tl.sum(b * h[None, :], axis=1) * tl.load(scale_ptr + row)
             out = y_ptr + row.to(tl.int64) * stride_y + cols
             y = tl.load(out, mask=col_ok, other=0.0).to(tl.float32)
             tl.store(out, (y + delta).to(y_ptr.dtype.element_ty), mask=col_ok)
 
 
-def lora_rows_(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, index: torch.Tensor,
-               row_scale: torch.Tensor) -> torch.Tensor:
+def lora_rows_(
+    y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, index: torch.Tensor, row_scale: torch.Tensor
+) -> torch.Tensor:
     """See the module docstring."""
     if triton is None:
         raise RuntimeError("lora_rows_ needs triton")
@@ -82,9 +114,23 @@ def lora_rows_(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tenso
         return y
     h = torch.empty(n, rank, dtype=torch.float32, device=x.device)
     br = triton.next_power_of_2(rank)
-    _lora_down[(n,)](x, a, index, h, in_features, x.stride(0), a.stride(0), a.stride(1), h.stride(0),
-                     R=rank, BR=br, BK=128)
+    _lora_down[(n,)](
+        x, a, index, h, in_features, x.stride(0), a.stride(0), a.stride(1), h.stride(0), R=rank, BR=br, BK=128
+    )
     bn = 64
-    _lora_up[(n, triton.cdiv(out_features, bn))](h, b, index, row_scale, y, out_features, h.stride(0),
-                                                 b.stride(0), b.stride(1), y.stride(0), R=rank, BR=br, BN=bn)
+    _lora_up[(n, triton.cdiv(out_features, bn))](
+        h,
+        b,
+        index,
+        row_scale,
+        y,
+        out_features,
+        h.stride(0),
+        b.stride(0),
+        b.stride(1),
+        y.stride(0),
+        R=rank,
+        BR=br,
+        BN=bn,
+    )
     return y

@@ -57,10 +57,39 @@ _BM = 16  # query rows (token, head pairs) per program: tl.dot's smallest tile
 if triton is not None:
 
     @triton.jit
-    def _mla_attention(ql_ptr, qr_ptr, kv_ptr, rows_ptr, pos_ptr, qidx_ptr, out_ptr, part_ptr, lse_ptr,
-                       S, TQ, H, split_len, scale, sql_t, sql_h, sqr_t, sqr_h, s_kv, s_rows, s_pos, s_qidx,
-                       R: tl.constexpr, DR: tl.constexpr, BR: tl.constexpr, BDR: tl.constexpr, BM: tl.constexpr,
-                       BS: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
+    def _mla_attention(
+        ql_ptr,
+        qr_ptr,
+        kv_ptr,
+        rows_ptr,
+        pos_ptr,
+        qidx_ptr,
+        out_ptr,
+        part_ptr,
+        lse_ptr,
+        S,
+        TQ,
+        H,
+        split_len,
+        scale,
+        sql_t,
+        sql_h,
+        sqr_t,
+        sqr_h,
+        s_kv,
+        s_rows,
+        s_pos,
+        s_qidx,
+        R: tl.constexpr,
+        DR: tl.constexpr,
+        BR: tl.constexpr,
+        BDR: tl.constexpr,
+        BM: tl.constexpr,
+        BS: tl.constexpr,
+        SPLIT: tl.constexpr,
+        UPCAST: tl.constexpr,
+        PREC: tl.constexpr,
+    ):
         n = tl.program_id(0).to(tl.int64)
         sp = tl.program_id(2)
         m = tl.program_id(1) * BM + tl.arange(0, BM)  # query rows: (token t, head h) = (m // H, m % H)
@@ -70,10 +99,16 @@ if triton is not None:
         pos = tl.load(pos_ptr + n * s_pos + t, mask=m_ok, other=-1)  # rows past the last see nothing
         rr, dd = tl.arange(0, BR), tl.arange(0, BDR)
         r_ok, d_ok = rr < R, dd < DR
-        ql = tl.load(ql_ptr + token[:, None] * sql_t + h[:, None] * sql_h + rr[None, :],
-                     mask=m_ok[:, None] & r_ok[None, :], other=0.0)
-        qr = tl.load(qr_ptr + token[:, None] * sqr_t + h[:, None] * sqr_h + dd[None, :],
-                     mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+        ql = tl.load(
+            ql_ptr + token[:, None] * sql_t + h[:, None] * sql_h + rr[None, :],
+            mask=m_ok[:, None] & r_ok[None, :],
+            other=0.0,
+        )
+        qr = tl.load(
+            qr_ptr + token[:, None] * sqr_t + h[:, None] * sqr_h + dd[None, :],
+            mask=m_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
         if UPCAST:  # fp32 dots (module docstring)
             ql, qr = ql.to(tl.float32), qr.to(tl.float32)
         lo = sp * split_len
@@ -85,14 +120,15 @@ if triton is not None:
             ks = s0 + tl.arange(0, BS)
             k_ok = ks < hi
             row = tl.load(rows_ptr + n * s_rows + ks, mask=k_ok, other=0).to(tl.int64)
-            lat = tl.load(kv_ptr + row[:, None] * s_kv + rr[None, :], mask=k_ok[:, None] & r_ok[None, :],
-                          other=0.0)
-            rope = tl.load(kv_ptr + row[:, None] * s_kv + R + dd[None, :], mask=k_ok[:, None] & d_ok[None, :],
-                           other=0.0)
+            lat = tl.load(kv_ptr + row[:, None] * s_kv + rr[None, :], mask=k_ok[:, None] & r_ok[None, :], other=0.0)
+            rope = tl.load(
+                kv_ptr + row[:, None] * s_kv + R + dd[None, :], mask=k_ok[:, None] & d_ok[None, :], other=0.0
+            )
             lat_f = lat.to(tl.float32)
             if UPCAST:
-                scores = tl.dot(ql, tl.trans(lat_f), input_precision=PREC) + \
-                    tl.dot(qr, tl.trans(rope.to(tl.float32)), input_precision=PREC)
+                scores = tl.dot(ql, tl.trans(lat_f), input_precision=PREC) + tl.dot(
+                    qr, tl.trans(rope.to(tl.float32)), input_precision=PREC
+                )
             else:  # 16-bit inputs on tensor cores: exact products, fp32 sums
                 scores = tl.dot(ql, tl.trans(lat)) + tl.dot(qr, tl.trans(rope))
             seen = (ks[None, :] <= pos[:, None]) & k_ok[None, :]
@@ -111,8 +147,11 @@ if triton is not None:
             tl.store(lse_ptr + at, tl.where(denom > 0, run_max + tl.log(denom), float("-inf")), mask=m_ok)
         else:
             at = n * TQ * H + m.to(tl.int64)
-            tl.store(out_ptr + at[:, None] * R + rr[None, :], round_to(o, out_ptr.dtype.element_ty),
-                     mask=m_ok[:, None] & r_ok[None, :])
+            tl.store(
+                out_ptr + at[:, None] * R + rr[None, :],
+                round_to(o, out_ptr.dtype.element_ty),
+                mask=m_ok[:, None] & r_ok[None, :],
+            )
 
     @triton.jit
     def _mla_merge(part_ptr, lse_ptr, out_ptr, SPLITS, R: tl.constexpr, BR: tl.constexpr, BSP: tl.constexpr):
@@ -120,19 +159,31 @@ if triton is not None:
         sp, rr = tl.arange(0, BSP), tl.arange(0, BR)
         lse = tl.load(lse_ptr + q * SPLITS + sp, mask=sp < SPLITS, other=float("-inf"))
         w = tl.exp(lse - tl.max(lse, axis=0))  # range 0 always holds position 0, which every query sees
-        parts = tl.load(part_ptr + (q * SPLITS + sp)[:, None] * R + rr[None, :],
-                        mask=(sp < SPLITS)[:, None] & (rr < R)[None, :], other=0.0)
+        parts = tl.load(
+            part_ptr + (q * SPLITS + sp)[:, None] * R + rr[None, :],
+            mask=(sp < SPLITS)[:, None] & (rr < R)[None, :],
+            other=0.0,
+        )
         o = tl.sum(parts * w[:, None], axis=0) / tl.sum(w, axis=0)
         tl.store(out_ptr + q * R + rr, round_to(o, out_ptr.dtype.element_ty), mask=rr < R)
 
 
 def supports(q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, hist_rows: torch.Tensor, r: int) -> bool:
     """Whether the kernel takes this call (module docstring)."""
-    return (triton is not None and q_lat.dim() == 3 and q_rope.dim() == 3 and kv.dim() == 2
-            and q_lat.shape[-1] == r and 0 < r <= MAX_R and kv.shape[-1] == r + q_rope.shape[-1]
-            and q_lat.dtype == q_rope.dtype == kv.dtype and kv.dtype in DTYPES
-            and q_lat.stride(-1) == q_rope.stride(-1) == kv.stride(-1) == 1
-            and q_lat.device == kv.device == hist_rows.device and hist_rows.shape[1] > 0)
+    return (
+        triton is not None
+        and q_lat.dim() == 3
+        and q_rope.dim() == 3
+        and kv.dim() == 2
+        and q_lat.shape[-1] == r
+        and 0 < r <= MAX_R
+        and kv.shape[-1] == r + q_rope.shape[-1]
+        and q_lat.dtype == q_rope.dtype == kv.dtype
+        and kv.dtype in DTYPES
+        and q_lat.stride(-1) == q_rope.stride(-1) == kv.stride(-1) == 1
+        and q_lat.device == kv.device == hist_rows.device
+        and hist_rows.shape[1] > 0
+    )
 
 
 @functools.cache
@@ -143,9 +194,18 @@ def _programs_wanted(device: torch.device) -> int:
     return 4
 
 
-def paged_mla_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, hist_rows: torch.Tensor,
-                        q_pos: torch.Tensor, q_index: torch.Tensor, scale: float, r: int,
-                        splits: int | None = None, tensor_cores: bool | None = None) -> torch.Tensor:
+def paged_mla_attention(
+    q_lat: torch.Tensor,
+    q_rope: torch.Tensor,
+    kv: torch.Tensor,
+    hist_rows: torch.Tensor,
+    q_pos: torch.Tensor,
+    q_index: torch.Tensor,
+    scale: float,
+    r: int,
+    splits: int | None = None,
+    tensor_cores: bool | None = None,
+) -> torch.Tensor:
     """-> o_lat [N, Tq, H, R] (module docstring)."""
     fast = (kv.is_cuda if tensor_cores is None else tensor_cores) and kv.dtype != torch.float32
     assert supports(q_lat, q_rope, kv, hist_rows, r)
@@ -166,10 +226,39 @@ def paged_mla_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Ten
         part = torch.empty(n * tq * heads * splits, r, dtype=torch.float32, device=kv.device)
         lse = torch.empty(n * tq * heads * splits, dtype=torch.float32, device=kv.device)
     _mla_attention[(n, m_blocks, splits)](
-        q_lat, q_rope, kv, hist_rows, q_pos, q_index, out, part, lse, s, tq, heads, split_len, float(scale),
-        q_lat.stride(0), q_lat.stride(1), q_rope.stride(0), q_rope.stride(1), kv.stride(0), hist_rows.stride(0),
-        q_pos.stride(0), q_index.stride(0), R=r, DR=dr, BR=br, BDR=bdr, BM=_BM, BS=bs, SPLIT=splits > 1,
-        UPCAST=not fast, PREC="tf32x3" if fast else "ieee", num_warps=4 if br <= 256 else 8)
+        q_lat,
+        q_rope,
+        kv,
+        hist_rows,
+        q_pos,
+        q_index,
+        out,
+        part,
+        lse,
+        s,
+        tq,
+        heads,
+        split_len,
+        float(scale),
+        q_lat.stride(0),
+        q_lat.stride(1),
+        q_rope.stride(0),
+        q_rope.stride(1),
+        kv.stride(0),
+        hist_rows.stride(0),
+        q_pos.stride(0),
+        q_index.stride(0),
+        R=r,
+        DR=dr,
+        BR=br,
+        BDR=bdr,
+        BM=_BM,
+        BS=bs,
+        SPLIT=splits > 1,
+        UPCAST=not fast,
+        PREC="tf32x3" if fast else "ieee",
+        num_warps=4 if br <= 256 else 8,
+    )
     if splits > 1:
         _mla_merge[(n * tq * heads,)](part, lse, out, splits, R=r, BR=br, BSP=max(2, triton.next_power_of_2(splits)))
     return out

@@ -46,8 +46,21 @@ def _mix(x):
 
 
 @triton.jit
-def _partial(logits_ptr, stride, temps_ptr, keys_ptr, m_ptr, s_ptr, best_ptr, arg_ptr, B, V, per_split,
-             SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+def _partial(
+    logits_ptr,
+    stride,
+    temps_ptr,
+    keys_ptr,
+    m_ptr,
+    s_ptr,
+    best_ptr,
+    arg_ptr,
+    B,
+    V,
+    per_split,
+    SPLITS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     temp = tl.load(temps_ptr + row)
@@ -96,8 +109,9 @@ def _partial(logits_ptr, stride, temps_ptr, keys_ptr, m_ptr, s_ptr, best_ptr, ar
 
 
 @triton.jit
-def _combine(logits_ptr, stride, temps_ptr, m_ptr, s_ptr, best_ptr, arg_ptr, tokens_ptr, logps_ptr,
-             SPLITS: tl.constexpr):
+def _combine(
+    logits_ptr, stride, temps_ptr, m_ptr, s_ptr, best_ptr, arg_ptr, tokens_ptr, logps_ptr, SPLITS: tl.constexpr
+):
     row = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, SPLITS)
     m = tl.load(m_ptr + row * SPLITS + j)
@@ -135,7 +149,21 @@ def sample_rows(logits: torch.Tensor, temps: torch.Tensor, keys: torch.Tensor) -
     logps = torch.empty(b, dtype=torch.float32, device=dev)
     if b == 0:
         return tokens, logps
-    _partial[(b, splits)](logits, logits.stride(0), temps, keys, m, s, best, arg, b, v, per_split,
-                          SPLITS=splits, BLOCK=min(BLOCK, triton.next_power_of_2(v)), num_warps=4)
+    _partial[(b, splits)](
+        logits,
+        logits.stride(0),
+        temps,
+        keys,
+        m,
+        s,
+        best,
+        arg,
+        b,
+        v,
+        per_split,
+        SPLITS=splits,
+        BLOCK=min(BLOCK, triton.next_power_of_2(v)),
+        num_warps=4,
+    )
     _combine[(b,)](logits, logits.stride(0), temps, m, s, best, arg, tokens, logps, SPLITS=splits, num_warps=1)
     return tokens, logps

@@ -21,13 +21,20 @@ from rollout.server.config import ServeConfig, add_flags
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="miles-serve", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="miles-serve", description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     names = [f.name for f in dataclasses.fields(ServeConfig)]
-    add_flags(parser, ServeConfig, names[:names.index("adapters")])
-    parser.add_argument("--adapter", dest="adapters", action="append", default=[], metavar="NAME=PEFT_DIR",
-                        help=ServeConfig.__dataclass_fields__["adapters"].metadata["help"])
-    add_flags(parser, ServeConfig, names[names.index("adapters") + 1:])
+    add_flags(parser, ServeConfig, names[: names.index("adapters")])
+    parser.add_argument(
+        "--adapter",
+        dest="adapters",
+        action="append",
+        default=[],
+        metavar="NAME=PEFT_DIR",
+        help=ServeConfig.__dataclass_fields__["adapters"].metadata["help"],
+    )
+    add_flags(parser, ServeConfig, names[names.index("adapters") + 1 :])
     return parser
 
 
@@ -52,13 +59,21 @@ def main(argv: list[str] | None = None) -> None:
 
     try:
         served = load_served(cfg)
-        server = Server(served, max_queued=cfg.max_queued, host=cfg.host, port=cfg.port,
-                        shutdown_timeout=cfg.shutdown_timeout, log_level=cfg.log_level)
+        server = Server(
+            served,
+            max_queued=cfg.max_queued,
+            host=cfg.host,
+            port=cfg.port,
+            shutdown_timeout=cfg.shutdown_timeout,
+            log_level=cfg.log_level,
+        )
     except (ValueError, OSError) as e:  # bad input, or the port is taken
         print(f"miles-serve: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
-    print(f"miles-serve: serving {cfg.model_name} (adapters: {list(served.adapters) or 'none'}) on {server.url}",
-          flush=True)
+    print(
+        f"miles-serve: serving {cfg.model_name} (adapters: {list(served.adapters) or 'none'}) on {server.url}",
+        flush=True,
+    )
     server.run()
     print("miles-serve: stopped", flush=True)
 

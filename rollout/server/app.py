@@ -43,8 +43,10 @@ async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
 
 
 def build_app(ctx: ServerContext) -> Starlette:
-    app = Starlette(routes=openai_api.routes() + sglang_api.routes(),
-                    exception_handlers={HTTPException: _http_error, Exception: _internal_error})
+    app = Starlette(
+        routes=openai_api.routes() + sglang_api.routes(),
+        exception_handlers={HTTPException: _http_error, Exception: _internal_error},
+    )
     app.state.ctx = ctx
     return app
 
@@ -60,8 +62,7 @@ class _Uvicorn(uvicorn.Server):
 
     async def shutdown(self, sockets=None) -> None:
         margin = min(0.5, self.config.timeout_graceful_shutdown / 2)
-        timer = asyncio.get_running_loop().call_later(self.config.timeout_graceful_shutdown - margin,
-                                                      self.on_deadline)
+        timer = asyncio.get_running_loop().call_later(self.config.timeout_graceful_shutdown - margin, self.on_deadline)
         try:
             await super().shutdown(sockets)
         finally:
@@ -72,22 +73,43 @@ class Server:
     """The engine loop and an HTTP server over `served`. `capacity` = samples in flight before 429
     (the engine's max_running plus the queue allowed beyond it)."""
 
-    def __init__(self, served: Served, *, max_queued: int, host: str = "127.0.0.1", port: int = 0,
-                 shutdown_timeout: float = 30.0, log_level: str = "warning"):
+    def __init__(
+        self,
+        served: Served,
+        *,
+        max_queued: int,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        shutdown_timeout: float = 30.0,
+        log_level: str = "warning",
+    ):
         engine = served.engine
         self.loop = EngineLoop(engine)
         self.service = GenerationService(self.loop, served.tokenizer, capacity=engine.config.max_running + max_queued)
-        self.ctx = ServerContext(self.service, served.tokenizer, served.model_name, served.adapters,
-                                 served.model_path, engine.model.config.vocab_size, engine.config.max_seq_len,
-                                 served.image_processor, engine.model.config.media_placeholder_token_id)
+        self.ctx = ServerContext(
+            self.service,
+            served.tokenizer,
+            served.model_name,
+            served.adapters,
+            served.model_path,
+            engine.model.config.vocab_size,
+            engine.config.max_seq_len,
+            served.image_processor,
+            engine.model.config.media_placeholder_token_id,
+        )
         self.app = build_app(self.ctx)
         self.socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.socket.bind((host, port))
         self.socket.listen(2048)  # from here on a client that connects waits in the backlog, never refused
         self.host, self.port = self.socket.getsockname()[:2]
-        config = uvicorn.Config(self.app, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout,
-                                lifespan="off", access_log=log_level == "debug")
+        config = uvicorn.Config(
+            self.app,
+            log_level=log_level,
+            timeout_graceful_shutdown=shutdown_timeout,
+            lifespan="off",
+            access_log=log_level == "debug",
+        )
         self.uvicorn = _Uvicorn(config, on_deadline=self.service.abort)
         self._thread: threading.Thread | None = None
 
@@ -98,6 +120,7 @@ class Server:
     def run(self) -> None:
         """Serve in this (the main) thread until SIGINT/SIGTERM; in-flight requests get the shutdown
         timeout to finish, then whatever is left is aborted."""
+
         # uvicorn re-raises the signal it stopped for once it has shut down, to the handler that was there
         # before it: with the default one the process would die with status 128 + N after a clean
         # shutdown. This one asks uvicorn to stop (a signal before uvicorn took over still counts), and
@@ -116,8 +139,9 @@ class Server:
     def start(self) -> Server:
         """Serve from a background thread; returns once it accepts connections."""
         self.loop.start()
-        self._thread = threading.Thread(target=lambda: asyncio.run(self.uvicorn.serve(sockets=[self.socket])),
-                                        name="http", daemon=True)
+        self._thread = threading.Thread(
+            target=lambda: asyncio.run(self.uvicorn.serve(sockets=[self.socket])), name="http", daemon=True
+        )
         self._thread.start()
         while not self.uvicorn.started:
             if not self._thread.is_alive():

@@ -64,7 +64,7 @@ def flag_errors() -> Iterator[None]:
         if m is None:
             raise
         flag = SPEC_FLAGS.get(m.group(1), flag_name(m.group(1)))
-        raise ValueError(flag + str(e)[m.end():]) from None
+        raise ValueError(flag + str(e)[m.end() :]) from None
 
 
 class _Check:
@@ -114,36 +114,75 @@ class EngineFlags:
     checkpoint and its tokenizer, where and how the engine holds it, its memory and batch limits, and
     speculative decoding. Each field's help text (its `metadata["help"]`) is the flag's help."""
 
-    model: str = field(metadata={"help": "an HF checkpoint directory (config.json, safetensors, the tokenizer's "
-                                         "files) or builtin:<name> (an embedded model, e.g. builtin:k3-tiny-arith)"})
-    tokenizer: str | None = field(default=None, metadata={
-        "help": f"one of {TOKENIZERS}: the embedded models' character tokenizer, or transformers' AutoTokenizer "
-                "from the checkpoint; default: arithmetic for builtin:, hf for a directory"})
+    model: str = field(
+        metadata={
+            "help": "an HF checkpoint directory (config.json, safetensors, the tokenizer's "
+            "files) or builtin:<name> (an embedded model, e.g. builtin:k3-tiny-arith)"
+        }
+    )
+    tokenizer: str | None = field(
+        default=None,
+        metadata={
+            "help": f"one of {TOKENIZERS}: the embedded models' character tokenizer, or transformers' AutoTokenizer "
+            "from the checkpoint; default: arithmetic for builtin:, hf for a directory"
+        },
+    )
     device: str = field(default="cpu", metadata={"help": f"one of {DEVICES}"})
-    dtype: str | None = field(default=None, metadata={
-        "help": f"one of {DTYPES}: the engine's compute and KV dtype; default: bfloat16 on cuda, float32 on cpu"})
-    quantize: str = field(default="experts", metadata={
-        "help": f"one of {QUANTIZE_MODES}: the frozen base as stored, MXFP4 routed experts, or every projection"})
-    memory_mb: float = field(default=64.0, metadata={
-        "help": "the engine's KV pages + KDA state slots (each rank's, when sharded), in MiB"})
-    max_running: int | None = field(default=None, metadata={
-        "help": "requests decoding at once; default: EngineConfig's", "type": int})
-    max_seq_len: int | None = field(default=None, metadata={
-        "help": "prompt + generated tokens of one request; default: EngineConfig's", "type": int})
-    speculative: str = field(default="off", metadata={
-        "help": f"one of {SPECULATIVE}: dspark drafts a block with --drafter and verifies it in one target "
-                "forward (lossless: the same tokens and distribution as without)"})
-    drafter: str | None = field(default=None, metadata={
-        "help": "with --speculative dspark: a DSpark drafter directory (scripts/train_drafter.py writes one) or "
-                "builtin:<name> (e.g. builtin:k3-tiny-steps/drafter)"})
-    gamma: int | None = field(default=None, metadata={
-        "help": "with --speculative: drafts per verify block; default: SpecConfig's", "type": int})
-    spec_planner: str | None = field(default=None, metadata={
-        "help": "with --speculative: verify_all or cost_aware (how many drafts a verify checks); default: "
-                "SpecConfig's"})
-    spec_max_batch: int | None = field(default=None, metadata={
-        "help": "with --speculative: speculate only while at most this many requests decode together; larger "
-                "batches decode one token a step; default: always speculate", "type": int})
+    dtype: str | None = field(
+        default=None,
+        metadata={
+            "help": f"one of {DTYPES}: the engine's compute and KV dtype; default: bfloat16 on cuda, float32 on cpu"
+        },
+    )
+    quantize: str = field(
+        default="experts",
+        metadata={
+            "help": f"one of {QUANTIZE_MODES}: the frozen base as stored, MXFP4 routed experts, or every projection"
+        },
+    )
+    memory_mb: float = field(
+        default=64.0, metadata={"help": "the engine's KV pages + KDA state slots (each rank's, when sharded), in MiB"}
+    )
+    max_running: int | None = field(
+        default=None, metadata={"help": "requests decoding at once; default: EngineConfig's", "type": int}
+    )
+    max_seq_len: int | None = field(
+        default=None,
+        metadata={"help": "prompt + generated tokens of one request; default: EngineConfig's", "type": int},
+    )
+    speculative: str = field(
+        default="off",
+        metadata={
+            "help": f"one of {SPECULATIVE}: dspark drafts a block with --drafter and verifies it in one target "
+            "forward (lossless: the same tokens and distribution as without)"
+        },
+    )
+    drafter: str | None = field(
+        default=None,
+        metadata={
+            "help": "with --speculative dspark: a DSpark drafter directory (scripts/train_drafter.py writes one) or "
+            "builtin:<name> (e.g. builtin:k3-tiny-steps/drafter)"
+        },
+    )
+    gamma: int | None = field(
+        default=None,
+        metadata={"help": "with --speculative: drafts per verify block; default: SpecConfig's", "type": int},
+    )
+    spec_planner: str | None = field(
+        default=None,
+        metadata={
+            "help": "with --speculative: verify_all or cost_aware (how many drafts a verify checks); default: "
+            "SpecConfig's"
+        },
+    )
+    spec_max_batch: int | None = field(
+        default=None,
+        metadata={
+            "help": "with --speculative: speculate only while at most this many requests decode together; larger "
+            "batches decode one token a step; default: always speculate",
+            "type": int,
+        },
+    )
 
     # ----------------------------------------------------------------- derived
     @property
@@ -179,8 +218,16 @@ class EngineFlags:
         """The `rollout.build.EngineSpec` of these flags (check them first); `fields` set its other fields (the
         adapters, the layout, a sharded rank's device) or replace these (a preset base, for benchmarks)."""
         with flag_errors():
-            return EngineSpec(**{"path": str(self.model_path), "quantize": self.quantize, "dtype": self.dtype,
-                                 "device": self.device, "engine": self.engine_config(), **fields})
+            return EngineSpec(
+                **{
+                    "path": str(self.model_path),
+                    "quantize": self.quantize,
+                    "dtype": self.dtype,
+                    "device": self.device,
+                    "engine": self.engine_config(),
+                    **fields,
+                }
+            )
 
     def speculation(self):
         """EngineConfig.speculation for these flags: None (off) or a SpecConfig, which checks its fields
@@ -189,14 +236,20 @@ class EngineFlags:
             return None
         from rollout.spec import SpecConfig
 
-        given = {k: v for k, v in (("gamma", self.gamma), ("planner", self.spec_planner),
-                                   ("max_batch", self.spec_max_batch)) if v is not None}
+        given = {
+            k: v
+            for k, v in (("gamma", self.gamma), ("planner", self.spec_planner), ("max_batch", self.spec_max_batch))
+            if v is not None
+        }
         try:
             return SpecConfig(drafter=Path(builtin_path(self.drafter)), **given)
         except ValueError as e:  # "SpecConfig.gamma must ..." -> the flag's name
-            raise ValueError(str(e).replace("SpecConfig.planner", "--spec-planner")
-                             .replace("SpecConfig.gamma", "--gamma")
-                             .replace("SpecConfig.max_batch", "--spec-max-batch")) from None
+            raise ValueError(
+                str(e)
+                .replace("SpecConfig.planner", "--spec-planner")
+                .replace("SpecConfig.gamma", "--gamma")
+                .replace("SpecConfig.max_batch", "--spec-max-batch")
+            ) from None
 
     # ------------------------------------------------------------------- check
     def check(self) -> None:
@@ -219,8 +272,9 @@ class EngineFlags:
         if (self.speculative != "off") != (self.drafter is not None):
             raise ValueError("--speculative dspark and --drafter go together")
         if self.drafter is not None and not (Path(builtin_path(self.drafter)) / "config.json").is_file():
-            raise ValueError(f"--drafter {self.drafter}: no drafter here (config.json; scripts/train_drafter.py "
-                             "writes one)")
+            raise ValueError(
+                f"--drafter {self.drafter}: no drafter here (config.json; scripts/train_drafter.py writes one)"
+            )
         self.speculation()
         if self.device == "cuda":
             import torch
@@ -237,20 +291,35 @@ class ServeConfig(EngineFlags):
     """miles-serve's settings: the engine flags (`EngineFlags`) and the server's own below. Each field's help
     text (its `metadata["help"]`) is the flag's help in `miles-serve --help`."""
 
-    adapters: tuple[tuple[str, str], ...] = field(default=(), metadata={
-        "help": "NAME=PEFT_DIR: a PEFT LoRA adapter (as the trainer saves it) served under the model name NAME; "
-                "repeat for several (all of one rank and module set)"})
-    served_model_name: str | None = field(default=None, metadata={
-        "help": "the base model's name in the APIs (/v1/models, the model field); default: --model as given"})
+    adapters: tuple[tuple[str, str], ...] = field(
+        default=(),
+        metadata={
+            "help": "NAME=PEFT_DIR: a PEFT LoRA adapter (as the trainer saves it) served under the model name NAME; "
+            "repeat for several (all of one rank and module set)"
+        },
+    )
+    served_model_name: str | None = field(
+        default=None,
+        metadata={"help": "the base model's name in the APIs (/v1/models, the model field); default: --model as given"},
+    )
     host: str = field(default="127.0.0.1", metadata={"help": "the address to listen on"})
-    port: int = field(default=30000, metadata={
-        "help": "the port to listen on (SGLang's default, so rollout code pointed at SGLang finds us); 0: any free"})
-    max_prefill_tokens: int | None = field(default=None, metadata={
-        "help": "prompt tokens prefilled per engine step; default: EngineConfig's", "type": int})
-    max_queued: int = field(default=256, metadata={
-        "help": "samples that may wait for a decode slot beyond the max-running ones; past that, 429"})
-    shutdown_timeout: float = field(default=30.0, metadata={
-        "help": "after SIGINT/SIGTERM: seconds in-flight requests get to finish before they are aborted"})
+    port: int = field(
+        default=30000,
+        metadata={
+            "help": "the port to listen on (SGLang's default, so rollout code pointed at SGLang finds us); 0: any free"
+        },
+    )
+    max_prefill_tokens: int | None = field(
+        default=None, metadata={"help": "prompt tokens prefilled per engine step; default: EngineConfig's", "type": int}
+    )
+    max_queued: int = field(
+        default=256,
+        metadata={"help": "samples that may wait for a decode slot beyond the max-running ones; past that, 429"},
+    )
+    shutdown_timeout: float = field(
+        default=30.0,
+        metadata={"help": "after SIGINT/SIGTERM: seconds in-flight requests get to finish before they are aborted"},
+    )
     log_level: str = field(default="info", metadata={"help": f"one of {LOG_LEVELS}"})
 
     def __post_init__(self) -> None:
@@ -281,7 +350,10 @@ class ServeConfig(EngineFlags):
             raise c.fail("port", "must be <= 65535")
         c.int_at_least("max_prefill_tokens", 1, optional=True)
         c.int_at_least("max_queued", 0)
-        if isinstance(self.shutdown_timeout, bool) or not isinstance(self.shutdown_timeout, (int, float)) \
-                or not self.shutdown_timeout >= 0:
+        if (
+            isinstance(self.shutdown_timeout, bool)
+            or not isinstance(self.shutdown_timeout, (int, float))
+            or not self.shutdown_timeout >= 0
+        ):
             raise c.fail("shutdown_timeout", "must be a number >= 0")
         c.choice("log_level", LOG_LEVELS)

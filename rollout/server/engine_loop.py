@@ -120,8 +120,15 @@ class EngineLoop:
             self._wake.notify()
 
     # ------------------------------------------------------ from a coroutine
-    def submit(self, prompt_ids: list[int], params: SamplingParams, adapter: str | None,
-               queue: asyncio.Queue, index: int = 0, images: tuple = ()) -> Ticket:
+    def submit(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        adapter: str | None,
+        queue: asyncio.Queue,
+        index: int = 0,
+        images: tuple = (),
+    ) -> Ticket:
         ticket = Ticket(prompt_ids, params, adapter, queue, asyncio.get_running_loop(), index, tuple(images))
         self._post(lambda out: self._submit(ticket, out))
         return ticket
@@ -190,8 +197,9 @@ class EngineLoop:
         self.engine.take_tokens(c.request_id)  # drops the engine's record (the completion is authoritative)
         new = slice(ticket.sent, None)
         ticket.sent = len(c.output_ids)
-        out.put(ticket, Update(ticket.index, c.output_ids[new], (c.logprobs or [])[new], c.finish_reason,
-                               c.cached_tokens))
+        out.put(
+            ticket, Update(ticket.index, c.output_ids[new], (c.logprobs or [])[new], c.finish_reason, c.cached_tokens)
+        )
 
     def _submit(self, ticket: Ticket, out: _Outbox) -> None:
         if ticket.cancelled:
@@ -201,8 +209,9 @@ class EngineLoop:
             out.put(ticket, Update(ticket.index, [], [], error=why, status=503))
             return
         try:
-            rid = self.engine.submit(ticket.prompt_ids, ticket.params, ticket.adapter, stream=True,
-                                     images=list(ticket.images) or None)
+            rid = self.engine.submit(
+                ticket.prompt_ids, ticket.params, ticket.adapter, stream=True, images=list(ticket.images) or None
+            )
         except ValueError as e:  # the engine's own checks (token ids, length, pool size, adapter, images)
             out.put(ticket, Update(ticket.index, [], [], error=str(e)))
             return

@@ -30,8 +30,14 @@ from rollout.server.tokenization import ServerTokenizer
 class RequestError(Exception):
     """A request the server refuses; `status` is its HTTP status (4xx, or 503 while it cannot serve)."""
 
-    def __init__(self, message: str, status: int = 400, param: str | None = None, kind: str | None = None,
-                 code: str | None = None):
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        param: str | None = None,
+        kind: str | None = None,
+        code: str | None = None,
+    ):
         super().__init__(message)
         self.message, self.status, self.param, self.code = message, status, param, code
         self.kind = kind or ("invalid_request_error" if status < 500 else "server_error")
@@ -124,7 +130,7 @@ class _SampleState:
         if update.finish is not None:
             s.cached_tokens = update.cached_tokens
         end = len(self.text) if self.done else len(self.text) - self._holdback()
-        piece, self.emitted = self.text[self.emitted:end], max(self.emitted, end)
+        piece, self.emitted = self.text[self.emitted : end], max(self.emitted, end)
         if self.done:
             s.text = self.text
         if not (piece or new_ids or self.done):
@@ -143,7 +149,7 @@ class _SampleState:
         if best is None:
             return False
         at, stop = best
-        self.text = self.text[:at + len(stop)] if self.req.keep_stop else self.text[:at]
+        self.text = self.text[: at + len(stop)] if self.req.keep_stop else self.text[:at]
         self.sample.finish_reason, self.sample.matched = "stop", stop
         return True
 
@@ -178,10 +184,15 @@ class Generation:
             stops = params.stop_token_ids
             if not req.ignore_eos and eos not in stops:
                 stops += (eos,)
-            params = dataclasses.replace(params, stop_token_ids=stops, return_logprobs=True,
-                                         seed=None if params.seed is None else params.seed + st.nth)
-            st.ticket = self.service.loop.submit(req.prompt_ids, params, req.adapter, self.queue, st.sample.index,
-                                                 images=req.images)
+            params = dataclasses.replace(
+                params,
+                stop_token_ids=stops,
+                return_logprobs=True,
+                seed=None if params.seed is None else params.seed + st.nth,
+            )
+            st.ticket = self.service.loop.submit(
+                req.prompt_ids, params, req.adapter, self.queue, st.sample.index, images=req.images
+            )
 
     async def __aiter__(self) -> AsyncIterator[Delta]:
         pending = sum(not st.done for st in self.states)
@@ -241,11 +252,16 @@ class GenerationService:
             raise RequestError(f"the engine is not serving{why}", status=503)
         total = sum(r.n for r in reqs)
         if total > self.capacity:
-            raise RequestError(f"the request asks for {total} samples; this server holds at most {self.capacity} "
-                               "in flight (max running + max queued)", param="n")
+            raise RequestError(
+                f"the request asks for {total} samples; this server holds at most {self.capacity} "
+                "in flight (max running + max queued)",
+                param="n",
+            )
         if self.in_flight + total > self.capacity:
-            raise Overloaded(f"server busy: {self.in_flight} samples in flight, {total} more asked, capacity "
-                             f"{self.capacity} (max running + max queued); retry later")
+            raise Overloaded(
+                f"server busy: {self.in_flight} samples in flight, {total} more asked, capacity "
+                f"{self.capacity} (max running + max queued); retry later"
+            )
         gen = Generation(self, reqs)
         self.in_flight += total
         self._open[gen] = list(rids) if rids is not None else [None] * len(reqs)

@@ -30,8 +30,15 @@ from miles_k3.data.media import IMAGE_PLACEHOLDER, decode_data_url, prompt_encod
 from rollout.server.generation import RequestError
 from rollout.server.protocol import Fields, ServerContext, encode
 
-__all__ = ["CHAT_ROLES", "IMAGE_PLACEHOLDER", "ImagePart", "image_part", "images_prompt_ids", "message_text",
-           "process_images"]
+__all__ = [
+    "CHAT_ROLES",
+    "IMAGE_PLACEHOLDER",
+    "ImagePart",
+    "image_part",
+    "images_prompt_ids",
+    "message_text",
+    "process_images",
+]
 
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 
@@ -47,7 +54,8 @@ class ImagePart:
 
 def message_text(i: int, message: Any, images: list) -> dict[str, str]:
     """One chat message as {role, content}: content a string or a list of OpenAI content parts. A text
-    part is its text; an `image_url` part (`image_part`, appended to `images` in order) is one `<|kimi_image_placeholder|>`, as the chat templates render image parts
+    part is its text; an `image_url` part (`image_part`, appended to `images` in order) is one
+    `<|kimi_image_placeholder|>`, as the chat templates render image parts
     (`miles_k3.data.chat_template.content_parts_text`). ValueError naming the message and part."""
     if not isinstance(message, dict):
         raise ValueError(f"messages[{i}] must be an object with role and content")
@@ -112,8 +120,10 @@ def process_images(ctx: ServerContext, parts: list[ImagePart]) -> list:
     if not parts:
         return []
     if ctx.image_processor is None:
-        raise RequestError(f"{parts[0].param}: the model {ctx.model_name!r} takes no images (its checkpoint has "
-                           "no vision_config)", param=parts[0].param)
+        raise RequestError(
+            f"{parts[0].param}: the model {ctx.model_name!r} takes no images (its checkpoint has no vision_config)",
+            param=parts[0].param,
+        )
     done: dict[str, Any] = {}
     out = []
     for p in parts:
@@ -146,7 +156,10 @@ def images_prompt_ids(ctx: ServerContext, row: dict[str, Any], images: list, key
     texts = [row["prompt"]] if "prompt" in row else [m["content"] for m in row["messages"]]
     held = sum(t.count(IMAGE_PLACEHOLDER) for t in texts)
     if held != len(images):
-        raise RequestError(f"{key} holds {held} image placeholder(s) {IMAGE_PLACEHOLDER} for {len(images)} "
-                           "image(s); in chat the image_url parts write them (text must not), in /generate the "
-                           "text holds one per image_data entry", param=key)
+        raise RequestError(
+            f"{key} holds {held} image placeholder(s) {IMAGE_PLACEHOLDER} for {len(images)} "
+            "image(s); in chat the image_url parts write them (text must not), in /generate the "
+            "text holds one per image_data entry",
+            param=key,
+        )
     return encode(prompt_encoder(ctx.tokenizer, images, ctx.media_pad_id), row, key)

@@ -42,8 +42,9 @@ class Served:
     image_processor: ImageProcessor | None = None
 
 
-def load_vision(path: str | None, config: K3Config, dtype: torch.dtype, device: str
-                ) -> tuple[torch.nn.Module | None, ImageProcessor | None]:
+def load_vision(
+    path: str | None, config: K3Config, dtype: torch.dtype, device: str
+) -> tuple[torch.nn.Module | None, ImageProcessor | None]:
     """(the tower + projector in eval mode, the image processor) of the vision-language checkpoint at `path`;
     (None, None) for a text-only one or a preset (`path` None). ValueError naming the checkpoint part that is
     missing."""
@@ -73,6 +74,8 @@ def build_served(spec: EngineSpec, tokenizer: str, name: str) -> Served:
         engine = build_engine(spec, vision=vision)
     vocab = engine.model.config.vocab_size
     if not 0 <= tok.eos_token_id < vocab:
-        raise ValueError(f"--tokenizer: eos id {tok.eos_token_id} is outside the model's vocabulary ({vocab}); is "
-                         "it the model's tokenizer?")
+        raise ValueError(
+            f"--tokenizer: eos id {tok.eos_token_id} is outside the model's vocabulary ({vocab}); is "
+            "it the model's tokenizer?"
+        )
     return Served(engine, tok, name, tuple(n for n, _ in spec.adapters), where, processor)

@@ -38,13 +38,29 @@ from starlette.routing import Route
 from rollout.request import SamplingParams
 from rollout.server.generation import Choice, Delta, Generation, GenerationRequest, RequestError
 from rollout.server.images import ImagePart, images_prompt_ids, message_text, process_images
-from rollout.server.protocol import Fields, ServerContext, check_length, encode, error_body, new_id, \
-    parse_body, prompt_ids, sse
+from rollout.server.protocol import (
+    Fields,
+    ServerContext,
+    check_length,
+    encode,
+    error_body,
+    new_id,
+    parse_body,
+    prompt_ids,
+    sse,
+)
 from rollout.server.responses import collect, json_error, read_body, stream_response
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to what fits
-_IGNORED_CHAT = ("metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
-                 "safety_identifier", "user")
+_IGNORED_CHAT = (
+    "metadata",
+    "store",
+    "service_tier",
+    "parallel_tool_calls",
+    "prompt_cache_key",
+    "safety_identifier",
+    "user",
+)
 
 
 def _sampling(f: Fields) -> dict[str, Any]:
@@ -67,16 +83,41 @@ def _sampling(f: Fields) -> dict[str, Any]:
     )
 
 
-def _requests(prompts: list[list[int]], s: dict[str, Any], n: int, adapter: str | None, max_new: int | None,
-              max_key: str, default_max: int | None, ctx: ServerContext, images: list | None = None
-              ) -> list[GenerationRequest]:
+def _requests(
+    prompts: list[list[int]],
+    s: dict[str, Any],
+    n: int,
+    adapter: str | None,
+    max_new: int | None,
+    max_key: str,
+    default_max: int | None,
+    ctx: ServerContext,
+    images: list | None = None,
+) -> list[GenerationRequest]:
     out = []
     for ids in prompts:
         tokens = check_length(len(ids), max_new, ctx.max_seq_len, max_key, default_max)
-        params = SamplingParams(temperature=s["temperature"], top_p=s["top_p"], top_k=s["top_k"],
-                                max_new_tokens=tokens, stop_token_ids=s["stop_token_ids"], seed=s["seed"])
-        out.append(GenerationRequest(ids, params, n, adapter, s["stop"], s["keep_stop"], s["ignore_eos"],
-                                     s["skip_special_tokens"], tuple(images or ())))
+        params = SamplingParams(
+            temperature=s["temperature"],
+            top_p=s["top_p"],
+            top_k=s["top_k"],
+            max_new_tokens=tokens,
+            stop_token_ids=s["stop_token_ids"],
+            seed=s["seed"],
+        )
+        out.append(
+            GenerationRequest(
+                ids,
+                params,
+                n,
+                adapter,
+                s["stop"],
+                s["keep_stop"],
+                s["ignore_eos"],
+                s["skip_special_tokens"],
+                tuple(images or ()),
+            )
+        )
     return out
 
 
@@ -87,8 +128,12 @@ def _usage(gen: Generation, samples: list[Choice]) -> dict[str, Any]:
     prompt = sum(len(ss[0].prompt_ids) for ss in by_prompt.values())
     completion = sum(len(s.token_ids) for s in samples)
     cached = sum(min(s.cached_tokens for s in ss) for ss in by_prompt.values())
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
 
 
 def _finish(reason: str | None) -> str | None:
@@ -118,8 +163,15 @@ def _chat_logprobs(ctx: ServerContext, ids: list[int], lps: list[float]) -> dict
 # ------------------------------------------------------------------ routes
 async def list_models(request: Request) -> JSONResponse:
     ctx: ServerContext = request.app.state.ctx
-    base = {"id": ctx.model_name, "object": "model", "created": ctx.created, "owned_by": "miles-k3",
-            "root": ctx.model_path, "parent": None, "max_model_len": ctx.max_seq_len}
+    base = {
+        "id": ctx.model_name,
+        "object": "model",
+        "created": ctx.created,
+        "owned_by": "miles-k3",
+        "root": ctx.model_path,
+        "parent": None,
+        "max_model_len": ctx.max_seq_len,
+    }
     adapters = [{**base, "id": name, "root": name, "parent": ctx.model_name} for name in ctx.adapters]
     return JSONResponse({"object": "list", "data": [base, *adapters]})
 
@@ -137,8 +189,9 @@ def _completion_prompts(value: Any, ctx: ServerContext) -> list[list[int]]:
             else:
                 out.append(prompt_ids(p, f"prompt[{i}]", ctx.vocab_size))
         return out
-    raise RequestError("prompt must be a string, a list of strings, a list of token ids, or a list of those",
-                       param="prompt")
+    raise RequestError(
+        "prompt must be a string, a list of strings, a list of token ids, or a list of those", param="prompt"
+    )
 
 
 async def completions(request: Request):
@@ -155,8 +208,11 @@ async def completions(request: Request):
         f.neutral("suffix", "")
         logprobs = f.int("logprobs", None, low=0, high=5)
         if logprobs:
-            raise f.fail("logprobs", "> 0 asks for top alternatives, which this server does not compute; "
-                                     "logprobs=0 returns the sampled tokens' log-probs")
+            raise f.fail(
+                "logprobs",
+                "> 0 asks for top alternatives, which this server does not compute; "
+                "logprobs=0 returns the sampled tokens' log-probs",
+            )
         s = _sampling(f)
         max_new = f.int("max_tokens", None, low=1)
         stream, include_usage = f.bool("stream", False), _stream_options(f)
@@ -166,8 +222,7 @@ async def completions(request: Request):
         gen = ctx.service.open(reqs)
     except RequestError as e:
         return json_error(e)
-    meta = {"id": f"cmpl-{new_id()}", "object": "text_completion", "created": int(time.time()),
-            "model": f.obj["model"]}
+    meta = {"id": f"cmpl-{new_id()}", "object": "text_completion", "created": int(time.time()), "model": f.obj["model"]}
     want_lp = logprobs is not None
     if stream:
         return await stream_response(request, gen, _completion_chunks(ctx, gen, meta, want_lp, include_usage))
@@ -175,9 +230,15 @@ async def completions(request: Request):
     if not isinstance(samples, list):
         return samples
     try:
-        choices = [{"index": s.index, "text": s.text, "finish_reason": _finish(s.finish_reason),
-                    "logprobs": _completion_logprobs(ctx, s.token_ids, s.logprobs, 0) if want_lp else None}
-                   for s in samples]
+        choices = [
+            {
+                "index": s.index,
+                "text": s.text,
+                "finish_reason": _finish(s.finish_reason),
+                "logprobs": _completion_logprobs(ctx, s.token_ids, s.logprobs, 0) if want_lp else None,
+            }
+            for s in samples
+        ]
     except RequestError as e:
         return json_error(e)
     return JSONResponse({**meta, "choices": choices, "usage": _usage(gen, samples), "system_fingerprint": None})
@@ -223,18 +284,27 @@ async def chat_completions(request: Request):
         gen = ctx.service.open(_requests([ids], s, n, adapter, max_new, key, None, ctx, images))
     except RequestError as e:
         return json_error(e)
-    meta = {"id": f"chatcmpl-{new_id()}", "object": "chat.completion", "created": int(time.time()),
-            "model": f.obj["model"]}
+    meta = {
+        "id": f"chatcmpl-{new_id()}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": f.obj["model"],
+    }
     if stream:
         return await stream_response(request, gen, _chat_chunks(ctx, gen, meta, want_lp, include_usage))
     samples = await collect(request, gen)
     if not isinstance(samples, list):
         return samples
     try:
-        choices = [{"index": s.index, "message": {"role": "assistant", "content": s.text},
-                    "finish_reason": _finish(s.finish_reason),
-                    "logprobs": _chat_logprobs(ctx, s.token_ids, s.logprobs) if want_lp else None}
-                   for s in samples]
+        choices = [
+            {
+                "index": s.index,
+                "message": {"role": "assistant", "content": s.text},
+                "finish_reason": _finish(s.finish_reason),
+                "logprobs": _chat_logprobs(ctx, s.token_ids, s.logprobs) if want_lp else None,
+            }
+            for s in samples
+        ]
     except RequestError as e:
         return json_error(e)
     return JSONResponse({**meta, "choices": choices, "usage": _usage(gen, samples), "system_fingerprint": None})
@@ -262,8 +332,9 @@ async def _completion_chunks(ctx, gen: Generation, meta, want_lp: bool, include_
         if want_lp:
             lp = _completion_logprobs(ctx, d.token_ids, d.logprobs, offsets[d.index])
         offsets[d.index] += len(d.text)
-        yield sse({**meta, "choices": [{"index": d.index, "text": d.text, "logprobs": lp,
-                                        "finish_reason": d.finish_reason}]})
+        yield sse(
+            {**meta, "choices": [{"index": d.index, "text": d.text, "logprobs": lp, "finish_reason": d.finish_reason}]}
+        )
     else:
         if include_usage:
             yield sse({**meta, "choices": [], "usage": _usage(gen, [st.sample for st in gen.states])})
@@ -282,8 +353,9 @@ async def _chat_chunks(ctx, gen: Generation, meta, want_lp: bool, include_usage:
             started.add(d.index)
             delta["role"] = "assistant"
         lp = _chat_logprobs(ctx, d.token_ids, d.logprobs) if want_lp else None
-        yield sse({**meta, "choices": [{"index": d.index, "delta": delta, "logprobs": lp,
-                                        "finish_reason": d.finish_reason}]})
+        yield sse(
+            {**meta, "choices": [{"index": d.index, "delta": delta, "logprobs": lp, "finish_reason": d.finish_reason}]}
+        )
     else:
         if include_usage:
             yield sse({**meta, "choices": [], "usage": _usage(gen, [st.sample for st in gen.states])})
@@ -307,6 +379,8 @@ async def _deltas_first(gen: Generation) -> AsyncIterator[Delta | RequestError]:
 
 
 def routes() -> list[Route]:
-    return [Route("/v1/models", list_models, methods=["GET"]),
-            Route("/v1/completions", completions, methods=["POST"]),
-            Route("/v1/chat/completions", chat_completions, methods=["POST"])]
+    return [
+        Route("/v1/models", list_models, methods=["GET"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+    ]

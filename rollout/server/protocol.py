@@ -54,8 +54,12 @@ class ServerContext:
         if model in self.adapters:
             return model
         served = [self.model_name, *self.adapters]
-        raise RequestError(f"the model {model!r} does not exist; this server serves {served}",
-                           status=404, param=key, code="model_not_found")
+        raise RequestError(
+            f"the model {model!r} does not exist; this server serves {served}",
+            status=404,
+            param=key,
+            code="model_not_found",
+        )
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:
@@ -127,8 +131,9 @@ class Fields:
             raise self.fail(key, f"must be <= {high}")
         return value
 
-    def number(self, key: str, default: float, low: float | None = None, high: float | None = None, *,
-               open_low: bool = False) -> float:
+    def number(
+        self, key: str, default: float, low: float | None = None, high: float | None = None, *, open_low: bool = False
+    ) -> float:
         value = self.raw(key, default)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             raise self.fail(key, "must be a finite number")
@@ -154,8 +159,9 @@ class Fields:
 
     def token_ids(self, key: str) -> tuple[int, ...]:
         value = self.raw(key, ())
-        if not isinstance(value, (list, tuple)) or any(isinstance(t, bool) or not isinstance(t, int) or t < 0
-                                                       for t in value):
+        if not isinstance(value, (list, tuple)) or any(
+            isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in value
+        ):
             raise self.fail(key, "must be a list of token ids (integers >= 0)")
         return tuple(value)
 
@@ -190,13 +196,17 @@ def check_length(prompt_len: int, max_new: int | None, max_seq_len: int, key: st
     engine's max_seq_len), or, when not asked, `default` capped to what still fits (all of it: None)."""
     room = max_seq_len - prompt_len
     if room < 1:
-        raise RequestError(f"the prompt has {prompt_len} tokens; the server's max_seq_len ({max_seq_len}) "
-                           "leaves no room to generate", param="prompt")
+        raise RequestError(
+            f"the prompt has {prompt_len} tokens; the server's max_seq_len ({max_seq_len}) leaves no room to generate",
+            param="prompt",
+        )
     if max_new is None:
         return room if default is None else min(default, room)
     if max_new > room:
-        raise RequestError(f"{key} ({max_new}) + the prompt's {prompt_len} tokens exceeds the server's max_seq_len "
-                           f"({max_seq_len})", param=key)
+        raise RequestError(
+            f"{key} ({max_new}) + the prompt's {prompt_len} tokens exceeds the server's max_seq_len ({max_seq_len})",
+            param=key,
+        )
     return max_new
 
 

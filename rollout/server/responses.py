@@ -100,9 +100,13 @@ class EventStream:
         self.chunks, self.on_close = chunks, on_close
 
     async def __call__(self, scope, receive, send) -> None:
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"text/event-stream; charset=utf-8"),
-                                (b"cache-control", b"no-cache")]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")],
+            }
+        )
 
         async def pump() -> None:
             async for chunk in self.chunks:

@@ -46,14 +46,40 @@ from starlette.routing import Route
 from rollout.request import SamplingParams
 from rollout.server.generation import Choice, Generation, GenerationRequest, RequestError
 from rollout.server.images import ImagePart, data_image_parts, images_prompt_ids, process_images
-from rollout.server.protocol import Fields, ServerContext, check_length, encode, error_body, new_id, \
-    parse_body, prompt_ids, sse
-from rollout.server.responses import ClientGone, collect, empty, json_error, read_body, stream_response, \
-    unless_disconnected
+from rollout.server.protocol import (
+    Fields,
+    ServerContext,
+    check_length,
+    encode,
+    error_body,
+    new_id,
+    parse_body,
+    prompt_ids,
+    sse,
+)
+from rollout.server.responses import (
+    ClientGone,
+    collect,
+    empty,
+    json_error,
+    read_body,
+    stream_response,
+    unless_disconnected,
+)
 
 SGLANG_DEFAULT_MAX_NEW_TOKENS = 128
-_NULL_ONLY = ("video_data", "audio_data", "input_embeds", "token_ids_logprob", "custom_logit_processor",
-              "session_params", "priority", "bootstrap_host", "bootstrap_port", "bootstrap_room")
+_NULL_ONLY = (
+    "video_data",
+    "audio_data",
+    "input_embeds",
+    "token_ids_logprob",
+    "custom_logit_processor",
+    "session_params",
+    "priority",
+    "bootstrap_host",
+    "bootstrap_port",
+    "bootstrap_room",
+)
 _FALSE_ONLY = ("return_hidden_states", "return_routed_experts", "return_prompt_token_ids", "return_entropy")
 
 
@@ -75,23 +101,33 @@ def _prompts(f: Fields, ctx: ServerContext) -> tuple[list[list[int]], bool, list
     image_data = f.raw("image_data")
     if image_data is not None:
         if text is None:
-            raise RequestError("image_data needs text: its <|kimi_image_placeholder|>s are expanded by the images "
-                               "(input_ids hold no placeholders)", param="image_data")
+            raise RequestError(
+                "image_data needs text: its <|kimi_image_placeholder|>s are expanded by the images "
+                "(input_ids hold no placeholders)",
+                param="image_data",
+            )
         if isinstance(text, str):
             return [[]], False, [data_image_parts(image_data, "image_data")]
         if not (isinstance(text, list) and text and all(isinstance(t, str) for t in text)):
             raise RequestError("text must be a string or a non-empty list of strings", param="text")
         if not isinstance(image_data, list) or len(image_data) != len(text):
-            raise RequestError(f"image_data must hold one entry per text ({len(text)}): each a data URL or base64 "
-                               "string, a list of them, or null", param="image_data")
-        return [[] for _ in text], True, [[] if v is None else data_image_parts(v, f"image_data[{i}]")
-                                          for i, v in enumerate(image_data)]
+            raise RequestError(
+                f"image_data must hold one entry per text ({len(text)}): each a data URL or base64 "
+                "string, a list of them, or null",
+                param="image_data",
+            )
+        return (
+            [[] for _ in text],
+            True,
+            [[] if v is None else data_image_parts(v, f"image_data[{i}]") for i, v in enumerate(image_data)],
+        )
     prompts, batch = _text_prompts(text, ids, ctx)
     return prompts, batch, [[] for _ in prompts]
 
 
-async def _with_images(f: Fields, prompts: list[list[int]], parts: list[list[ImagePart]], ctx: ServerContext
-                       ) -> list[list]:
+async def _with_images(
+    f: Fields, prompts: list[list[int]], parts: list[list[ImagePart]], ctx: ServerContext
+) -> list[list]:
     """Each prompt's ProcessedImages (off the event loop), its ids from its text with them expanded."""
     if not any(parts):
         return [[] for _ in prompts]
@@ -116,13 +152,20 @@ def _text_prompts(text: Any, ids: Any, ctx: ServerContext) -> tuple[list[list[in
     return [prompt_ids(ids, "input_ids", ctx.vocab_size)], False
 
 
-def _sampling(sp: Any, where: str, prompt: list[int], ctx: ServerContext, adapter: str | None
-              ) -> tuple[GenerationRequest, int]:
+def _sampling(
+    sp: Any, where: str, prompt: list[int], ctx: ServerContext, adapter: str | None
+) -> tuple[GenerationRequest, int]:
     """One prompt's GenerationRequest and its stream_interval."""
     f = Fields({} if sp is None else sp, where)
-    for key, neutral in (("min_p", (0, 0.0)), ("frequency_penalty", (0, 0.0)), ("presence_penalty", (0, 0.0)),
-                         ("repetition_penalty", (1, 1.0)), ("min_new_tokens", (0,)), ("logit_bias", ({},)),
-                         ("stop_regex", ([], ""))):
+    for key, neutral in (
+        ("min_p", (0, 0.0)),
+        ("frequency_penalty", (0, 0.0)),
+        ("presence_penalty", (0, 0.0)),
+        ("repetition_penalty", (1, 1.0)),
+        ("min_new_tokens", (0,)),
+        ("logit_bias", ({},)),
+        ("stop_regex", ([], "")),
+    ):
         f.neutral(key, *neutral)
     for key in ("json_schema", "regex", "ebnf", "structural_tag"):
         f.neutral(key)
@@ -135,14 +178,24 @@ def _sampling(sp: Any, where: str, prompt: list[int], ctx: ServerContext, adapte
     else:
         max_new, default = f.int("max_new_tokens", None, low=1), SGLANG_DEFAULT_MAX_NEW_TOKENS
     tokens = check_length(len(prompt), max_new, ctx.max_seq_len, f.path("max_new_tokens"), default)
-    params = SamplingParams(temperature=f.number("temperature", 1.0, low=0.0),
-                            top_p=f.number("top_p", 1.0, low=0.0, high=1.0, open_low=True),
-                            top_k=max(top_k, 0), max_new_tokens=tokens,
-                            stop_token_ids=f.token_ids("stop_token_ids"),
-                            seed=f.int("sampling_seed", None, low=0, high=2**63 - 1))
-    req = GenerationRequest(prompt, params, n=f.int("n", 1, low=1), adapter=adapter, stop=f.strings("stop"),
-                            keep_stop=f.bool("no_stop_trim", False), ignore_eos=f.bool("ignore_eos", False),
-                            skip_special_tokens=f.bool("skip_special_tokens", True))
+    params = SamplingParams(
+        temperature=f.number("temperature", 1.0, low=0.0),
+        top_p=f.number("top_p", 1.0, low=0.0, high=1.0, open_low=True),
+        top_k=max(top_k, 0),
+        max_new_tokens=tokens,
+        stop_token_ids=f.token_ids("stop_token_ids"),
+        seed=f.int("sampling_seed", None, low=0, high=2**63 - 1),
+    )
+    req = GenerationRequest(
+        prompt,
+        params,
+        n=f.int("n", 1, low=1),
+        adapter=adapter,
+        stop=f.strings("stop"),
+        keep_stop=f.bool("no_stop_trim", False),
+        ignore_eos=f.bool("ignore_eos", False),
+        skip_special_tokens=f.bool("skip_special_tokens", True),
+    )
     interval = f.int("stream_interval", 1, low=1)
     f.bool("spaces_between_special_tokens", True)
     custom = f.raw("custom_params", None)
@@ -162,14 +215,22 @@ def _finish_reason(s: Choice) -> dict[str, Any] | None:
     return None
 
 
-def _output(ctx: ServerContext, s: Choice, rid: str, logprob: bool, with_text: bool, started: float,
-            index: int | None) -> dict[str, Any]:
-    meta: dict[str, Any] = {"id": rid, "finish_reason": _finish_reason(s), "prompt_tokens": len(s.prompt_ids),
-                            "completion_tokens": len(s.token_ids), "cached_tokens": s.cached_tokens,
-                            "weight_version": "default", "e2e_latency": time.perf_counter() - started}
+def _output(
+    ctx: ServerContext, s: Choice, rid: str, logprob: bool, with_text: bool, started: float, index: int | None
+) -> dict[str, Any]:
+    meta: dict[str, Any] = {
+        "id": rid,
+        "finish_reason": _finish_reason(s),
+        "prompt_tokens": len(s.prompt_ids),
+        "completion_tokens": len(s.token_ids),
+        "cached_tokens": s.cached_tokens,
+        "weight_version": "default",
+        "e2e_latency": time.perf_counter() - started,
+    }
     if logprob:
-        meta["output_token_logprobs"] = [[lp, t, ctx.tokenizer.token_text(t) if with_text else None]
-                                         for lp, t in zip(s.logprobs, s.token_ids)]
+        meta["output_token_logprobs"] = [
+            [lp, t, ctx.tokenizer.token_text(t) if with_text else None] for lp, t in zip(s.logprobs, s.token_ids)
+        ]
     out = {"text": s.text, "output_ids": list(s.token_ids), "meta_info": meta}
     if index is not None:
         out["index"] = index
@@ -186,8 +247,9 @@ async def generate(request: Request):
         sps = _per_prompt(f.raw("sampling_params"), count, "sampling_params")
         lora = _per_prompt(f.raw("lora_path"), count, "lora_path")
         adapters = [None if name is None else ctx.adapter_for(name, "lora_path") for name in lora]
-        logprob = [_bool(v, "return_logprob") for v in _per_prompt(f.raw("return_logprob", False), count,
-                                                                   "return_logprob")]
+        logprob = [
+            _bool(v, "return_logprob") for v in _per_prompt(f.raw("return_logprob", False), count, "return_logprob")
+        ]
         with_text = f.bool("return_text_in_logprobs", False)
         f.neutral("logprob_start_len", -1)
         f.neutral("top_logprobs_num", 0)
@@ -205,10 +267,14 @@ async def generate(request: Request):
         f.finish()
         images = await _with_images(f, prompts, parts, ctx)  # after every cheap check
         per_prompt = isinstance(f.obj.get("sampling_params"), list)
-        built = [_sampling(sp, f"sampling_params[{i}]" if per_prompt else "sampling_params", p, ctx, a)
-                 for i, (sp, p, a) in enumerate(zip(sps, prompts, adapters))]
-        built = [(dataclasses.replace(r, images=tuple(im)), every) if im else (r, every)
-                 for (r, every), im in zip(built, images)]
+        built = [
+            _sampling(sp, f"sampling_params[{i}]" if per_prompt else "sampling_params", p, ctx, a)
+            for i, (sp, p, a) in enumerate(zip(sps, prompts, adapters))
+        ]
+        built = [
+            (dataclasses.replace(r, images=tuple(im)), every) if im else (r, every)
+            for (r, every), im in zip(built, images)
+        ]
         gen = ctx.service.open([r for r, _ in built], rids)
     except RequestError as e:
         return json_error(e)
@@ -251,8 +317,9 @@ async def _stream(request, ctx, gen: Generation, rids, lps, with_text, interval,
                 pending[d.index] = 0
                 s = gen.states[d.index].sample
                 partial = s if d.finish_reason is not None else _so_far(gen, d.index)
-                yield sse(_output(ctx, partial, rids[d.index], lps[d.index], with_text, started,
-                                  d.index if many else None))
+                yield sse(
+                    _output(ctx, partial, rids[d.index], lps[d.index], with_text, started, d.index if many else None)
+                )
         except RequestError as e:
             if not begun:
                 raise
@@ -266,8 +333,9 @@ def _so_far(gen: Generation, index: int) -> Choice:
     """A sample's output so far, as a stream event shows it (the text up to what may not be a stop string)."""
     st = gen.states[index]
     s = st.sample
-    return Choice(s.index, s.prompt_ids, st.text[:st.emitted], list(s.token_ids), list(s.logprobs), None, None,
-                  s.cached_tokens)
+    return Choice(
+        s.index, s.prompt_ids, st.text[: st.emitted], list(s.token_ids), list(s.logprobs), None, None, s.cached_tokens
+    )
 
 
 # ------------------------------------------------------------------ the other native routes
@@ -296,10 +364,18 @@ async def health_generate(request: Request):
 
 async def get_model_info(request: Request):
     ctx: ServerContext = request.app.state.ctx
-    return JSONResponse({"model_path": ctx.model_path, "tokenizer_path": ctx.tokenizer.name_or_path,
-                         "is_generation": True, "preferred_sampling_params": None, "weight_version": "default",
-                         "served_model_name": ctx.model_name, "lora_adapters": list(ctx.adapters),
-                         "max_context_length": ctx.max_seq_len})
+    return JSONResponse(
+        {
+            "model_path": ctx.model_path,
+            "tokenizer_path": ctx.tokenizer.name_or_path,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": "default",
+            "served_model_name": ctx.model_name,
+            "lora_adapters": list(ctx.adapters),
+            "max_context_length": ctx.max_seq_len,
+        }
+    )
 
 
 async def abort_request(request: Request):
@@ -318,8 +394,10 @@ async def abort_request(request: Request):
 
 
 def routes() -> list[Route]:
-    return [Route("/generate", generate, methods=["POST"]),
-            Route("/health", health, methods=["GET"]),
-            Route("/health_generate", health_generate, methods=["GET"]),
-            Route("/get_model_info", get_model_info, methods=["GET"]),
-            Route("/abort_request", abort_request, methods=["POST"])]
+    return [
+        Route("/generate", generate, methods=["POST"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/health_generate", health_generate, methods=["GET"]),
+        Route("/get_model_info", get_model_info, methods=["GET"]),
+        Route("/abort_request", abort_request, methods=["POST"]),
+    ]

@@ -32,20 +32,20 @@ class Decoder:
 
     def push(self, ids: list[int]) -> str:
         self.ids.extend(ids)
-        prefix_text = self._decode(self.ids[self._prefix:self._read])
-        text = self._decode(self.ids[self._prefix:])
+        prefix_text = self._decode(self.ids[self._prefix : self._read])
+        text = self._decode(self.ids[self._prefix :])
         if len(text) > len(prefix_text) and not text.endswith("\ufffd"):
             # decode a window (the previous piece and the new tokens), not the whole text: O(1) per token,
             # and both strings start at the same token, so context-dependent spacing cancels out
             self._prefix, self._read = self._read, len(self.ids)
-            return text[len(prefix_text):]
+            return text[len(prefix_text) :]
         return ""
 
     def finish(self) -> str:
-        prefix_text = self._decode(self.ids[self._prefix:self._read])
-        text = self._decode(self.ids[self._prefix:])
+        prefix_text = self._decode(self.ids[self._prefix : self._read])
+        text = self._decode(self.ids[self._prefix :])
         self._prefix = self._read = len(self.ids)
-        return text[len(prefix_text):]
+        return text[len(prefix_text) :]
 
 
 class ServerTokenizer:
@@ -59,7 +59,8 @@ class ServerTokenizer:
         raise NotImplementedError
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        """Checked chat messages (`rollout.server.images.message_text`) -> the prompt ids that ask for the assistant's next turn."""
+        """Checked chat messages (`rollout.server.images.message_text`) -> the prompt ids that ask for the
+        assistant's next turn."""
         raise NotImplementedError
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
@@ -130,8 +131,10 @@ class HFServerTokenizer(ServerTokenizer):
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
         if not getattr(self._hf, "chat_template", None):
-            raise ValueError(f"the tokenizer in {self.name_or_path} has no chat template; "
-                             "send the prompt text to /v1/completions instead")
+            raise ValueError(
+                f"the tokenizer in {self.name_or_path} has no chat template; "
+                "send the prompt text to /v1/completions instead"
+            )
         try:
             text = self._hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         except Exception as e:  # jinja's own errors (a template that rejects a role order, raise_exception)

@@ -46,18 +46,21 @@ class SpecConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.drafter, (str, Path, Drafter)):
-            raise ValueError(f"SpecConfig.drafter must be a drafter directory or a Drafter, got "
-                             f"{type(self.drafter).__name__}")
+            raise ValueError(
+                f"SpecConfig.drafter must be a drafter directory or a Drafter, got {type(self.drafter).__name__}"
+            )
         if isinstance(self.gamma, bool) or not isinstance(self.gamma, int) or self.gamma < 1:
             raise ValueError(f"SpecConfig.gamma must be an integer >= 1, got {self.gamma!r}")
         if self.planner not in PLANNERS:
             raise ValueError(f"SpecConfig.planner must be one of {PLANNERS}, got {self.planner!r}")
         if self.rollback not in ROLLBACKS:
             raise ValueError(f"SpecConfig.rollback must be one of {ROLLBACKS}, got {self.rollback!r}")
-        if self.max_batch is not None and (isinstance(self.max_batch, bool) or not isinstance(self.max_batch, int)
-                                           or self.max_batch < 1):
-            raise ValueError(f"SpecConfig.max_batch must be an integer >= 1 (None: every step speculates), got "
-                             f"{self.max_batch!r}")
+        if self.max_batch is not None and (
+            isinstance(self.max_batch, bool) or not isinstance(self.max_batch, int) or self.max_batch < 1
+        ):
+            raise ValueError(
+                f"SpecConfig.max_batch must be an integer >= 1 (None: every step speculates), got {self.max_batch!r}"
+            )
 
     def __eq__(self, other) -> bool:
         """Field by field, a `Drafter` instance by its class: each rank of a sharded engine builds its own
@@ -82,7 +85,9 @@ class SpecConfig:
         if self.gamma > drafter.max_gamma:
             raise ValueError(f"SpecConfig.gamma ({self.gamma}) exceeds the drafter's block ({drafter.max_gamma})")
         if self.planner == "cost_aware" and not drafter.has_confidence:
-            raise ValueError("SpecConfig.planner='cost_aware' needs a drafter with a confidence head "
-                             f"({type(drafter).__name__} has none)")
+            raise ValueError(
+                "SpecConfig.planner='cost_aware' needs a drafter with a confidence head "
+                f"({type(drafter).__name__} has none)"
+            )
         drafter.attach(runner)
         return drafter

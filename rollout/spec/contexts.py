@@ -132,8 +132,9 @@ class ContextWindows:
         age = (self.last.index_select(0, idx)[:, None] - 1 - slot) % self.window  # 0: the newest
         return self.features.index_select(0, idx), age < self.length.index_select(0, idx)[:, None]
 
-    def append(self, requests: list, features: torch.Tensor, starts: list[int], counts: list[int],
-               ends: list[int]) -> None:
+    def append(
+        self, requests: list, features: torch.Tensor, starts: list[int], counts: list[int], ends: list[int]
+    ) -> None:
         """Request n's window takes features[starts[n] : starts[n] + counts[n]] ([T, F], in order) as its
         newest, keeping the latest `window`; they are the features of positions [ends[n] - counts[n],
         ends[n]). A request the buffer does not hold, or whose window does not end at ends[n] - counts[n],
@@ -142,8 +143,9 @@ class ContextWindows:
         self._append(requests, features, starts, counts, ends)
 
     @torch.inference_mode()  # the buffer is an inference tensor (made in the drafter's inference-mode propose)
-    def _append(self, requests: list, features: torch.Tensor, starts: list[int], counts: list[int],
-                ends: list[int]) -> None:
+    def _append(
+        self, requests: list, features: torch.Tensor, starts: list[int], counts: list[int], ends: list[int]
+    ) -> None:
         w, rows, afresh = self.window, [], []
         for req, e, c in zip(requests, ends, counts):  # one pass: at batch 256 this is a step's host time
             rid = req.request_id

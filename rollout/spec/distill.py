@@ -68,6 +68,7 @@ class DistillConfig:
         if self.decay > 1:
             raise ValueError(f"DistillConfig.decay must be <= 1, got {self.decay!r}")
 
+
 Sequences = list[tuple[int, list[int]]]  # (prompt length, prompt + response) per sequence
 
 
@@ -86,8 +87,15 @@ class Blocks(NamedTuple):
 
 
 @torch.no_grad()
-def teacher(model, seqs: Sequences, layers: tuple[int, ...], *, before_forward: Callable[[list[int]], None] | None
-            = None, max_tokens: int = 8192, media: list | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def teacher(
+    model,
+    seqs: Sequences,
+    layers: tuple[int, ...],
+    *,
+    before_forward: Callable[[list[int]], None] | None = None,
+    max_tokens: int = 8192,
+    media: list | None = None,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per sequence: the tapped layers' states [T, F] and the target's next-token distributions [T, V]
     (fp32, on the CPU), from packed forwards of `model` (a K3ForCausalLM: the reference or an engine's) of
     up to `max_tokens` tokens. `before_forward(lengths)` runs before each forward (an engine's model: set
@@ -121,9 +129,16 @@ def teacher(model, seqs: Sequences, layers: tuple[int, ...], *, before_forward: 
 
 
 @torch.no_grad()
-def teacher_blocks(model, seqs: Sequences, examples: list[tuple[int, int]], config: DSparkConfig, *,
-                   before_forward: Callable[[list[int]], None] | None = None, max_tokens: int = 8192,
-                   media: list | None = None) -> Blocks:
+def teacher_blocks(
+    model,
+    seqs: Sequences,
+    examples: list[tuple[int, int]],
+    config: DSparkConfig,
+    *,
+    before_forward: Callable[[list[int]], None] | None = None,
+    max_tokens: int = 8192,
+    media: list | None = None,
+) -> Blocks:
     """`make_blocks(seqs, teacher(model, seqs, ...), examples, config)` without keeping the whole teacher:
     packed forwards over the examples' sequences only (up to `max_tokens` tokens each), reading the
     context windows and the lm_head at the block positions only. `before_forward(lengths)` and `media` as
@@ -162,12 +177,12 @@ def teacher_blocks(model, seqs: Sequences, examples: list[tuple[int, int]], conf
             seq = seqs[s][1]
             for i in wanted[s]:
                 p = examples[i][1]
-                c = feats[offset + max(0, p - window):offset + p]
-                ctx[i, :len(c)], mask[i, :len(c)] = c.float().cpu(), True
+                c = feats[offset + max(0, p - window) : offset + p]
+                ctx[i, : len(c)], mask[i, : len(c)] = c.float().cpu(), True
                 anchor[i] = seq[p]
-                nxt = seq[p + 1:p + 1 + g]
-                tokens[i, :len(nxt)] = torch.tensor(nxt)
-                valid[i, :len(nxt)] = True
+                nxt = seq[p + 1 : p + 1 + g]
+                tokens[i, : len(nxt)] = torch.tensor(nxt)
+                valid[i, : len(nxt)] = True
                 rows += range(offset + p, offset + p + len(nxt))  # row j: the distribution of token j + 1
                 slots += [(i, k) for k in range(len(nxt))]
         if rows:
@@ -203,13 +218,13 @@ def make_blocks(seqs: Sequences, teach, examples: list[tuple[int, int]], config:
     probs, valid = torch.full((n, g, vocab), 1.0 / vocab), torch.zeros(n, g, dtype=torch.bool)
     for i, (s, p) in enumerate(examples):
         seq, (feats, pr) = seqs[s][1], teach[s]
-        c = feats[max(0, p - window):p]
-        ctx[i, :len(c)], mask[i, :len(c)] = c, True
+        c = feats[max(0, p - window) : p]
+        ctx[i, : len(c)], mask[i, : len(c)] = c, True
         anchor[i] = seq[p]
-        nxt = seq[p + 1:p + 1 + g]
-        tokens[i, :len(nxt)] = torch.tensor(nxt)
-        probs[i, :len(nxt)] = pr[p:p + len(nxt)]  # pr[j]: the target's distribution of token j + 1
-        valid[i, :len(nxt)] = True
+        nxt = seq[p + 1 : p + 1 + g]
+        tokens[i, : len(nxt)] = torch.tensor(nxt)
+        probs[i, : len(nxt)] = pr[p : p + len(nxt)]  # pr[j]: the target's distribution of token j + 1
+        valid[i, : len(nxt)] = True
     return Blocks(ctx, mask, anchor, tokens, probs, valid)
 
 
@@ -267,8 +282,9 @@ class Distiller:
         self.opt.zero_grad(set_to_none=True)  # no gradient buffers kept between distillations
         return {"loss": float(loss.detach()), **parts}
 
-    def distil(self, seqs: Sequences, blocks_of: Callable[[list[tuple[int, int]]], Blocks],
-               rng: random.Random) -> dict[str, float]:
+    def distil(
+        self, seqs: Sequences, blocks_of: Callable[[list[tuple[int, int]]], Blocks], rng: random.Random
+    ) -> dict[str, float]:
         """An online distillation on one batch of sequences (an RL step's rollouts): every
         `heldout_every`-th sequence held out, `steps` optimizer steps of `blocks` blocks sampled from the
         others, and the held-out TV before and after. `blocks_of(examples)` builds the blocks of (sequence,
@@ -282,10 +298,15 @@ class Distiller:
         held_x = [(held[s], p) for s, p in anchors([seqs[i] for i in held])]
         if not train_x:
             return {"tv_before": float("nan"), "tv_after": float("nan"), "loss": float("nan"), "blocks": 0}
-        held_blocks = blocks_of(held_x[:c.blocks * 4]) if held_x else None
+        held_blocks = blocks_of(held_x[: c.blocks * 4]) if held_x else None
         before = evaluate(self.drafter, held_blocks, c.decay)["tv"] if held_blocks else float("nan")
         parts: dict[str, float] = {}
         for _ in range(c.steps):
             parts = self.step(blocks_of(rng.sample(train_x, min(c.blocks, len(train_x)))))
         after = evaluate(self.drafter, held_blocks, c.decay)["tv"] if held_blocks else float("nan")
-        return {"tv_before": before, "tv_after": after, "loss": parts["loss"], "blocks": c.steps * min(c.blocks, len(train_x))}
+        return {
+            "tv_before": before,
+            "tv_after": after,
+            "loss": parts["loss"],
+            "blocks": c.steps * min(c.blocks, len(train_x)),
+        }

@@ -52,8 +52,14 @@ class DraftGraphs:
     def usable(self, n: int) -> bool:
         return not self.failed and _bucket(n, self.batch_buckets) is not None
 
-    def run(self, rows: list[int], anchors: torch.Tensor, gamma: int,
-            sampling: tuple[list[float], torch.Tensor, torch.Tensor] | None = None, exact: bool = False) -> tuple:
+    def run(
+        self,
+        rows: list[int],
+        anchors: torch.Tensor,
+        gamma: int,
+        sampling: tuple[list[float], torch.Tensor, torch.Tensor] | None = None,
+        exact: bool = False,
+    ) -> tuple:
         """`propose`'s outputs for N rows (buffer rows `rows`, anchors [N] on the device; `sampling`: the rows'
         temperatures, DRAFT-stream seeds [N] and positions [N] on the device, None when every row is greedy),
         from the graph of the batch's bucket (after `usable`). `exact`: that bucket's own graph, captured now
@@ -69,8 +75,7 @@ class DraftGraphs:
         inputs = [host_tensor(rows + [0] * pad, torch.long), _padded(anchors, pad, 0)]
         if sampling is not None:
             temps, seeds, at = sampling
-            inputs += [host_tensor(temps + [1.0] * pad, torch.float32), _padded(seeds, pad, 0),
-                       _padded(at, pad, 0)]
+            inputs += [host_tensor(temps + [1.0] * pad, torch.float32), _padded(seeds, pad, 0), _padded(at, pad, 0)]
         if not self.capture:  # counted as a capture / replay would be, so the CPU tests see the policy
             if key not in self.graphs:
                 self.graphs[key] = None
@@ -82,8 +87,9 @@ class DraftGraphs:
                 self.graphs[key] = self._capture(inputs, anchors.device, gamma)
                 self.captures += 1
             except Exception:  # noqa: BLE001 - any capture failure means: propose eagerly from now on
-                log.warning("CUDA graph capture of the drafter failed for batch %d; drafting eagerly", key[0],
-                            exc_info=True)
+                log.warning(
+                    "CUDA graph capture of the drafter failed for batch %d; drafting eagerly", key[0], exc_info=True
+                )
                 self.failed = True
                 self.graphs.clear()
                 return _rows(self._call(inputs, anchors.device, gamma), n)

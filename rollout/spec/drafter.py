@@ -48,8 +48,9 @@ class Drafter:
     def attach(self, runner) -> None:
         """Meet the engine's `ModelRunner` (read the target's shared weights, name `taps`)."""
 
-    def propose(self, batch: list, anchors: torch.Tensor, gamma: int, params: list[SamplingParams]
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def propose(
+        self, batch: list, anchors: torch.Tensor, gamma: int, params: list[SamplingParams]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """batch: the rows (`Running`: the anchor sits at r.pos, draft k at r.pos + k); anchors [N] their next
         input tokens (device) -> (drafts [N, gamma]
         long, q [N, gamma, V]: row n's draft j was drawn from q[n, j] given drafts[n, :j]; None when every
@@ -64,8 +65,9 @@ class Drafter:
         whole speculative steps (`SpecDecode._probe`). Greedy rows, or with `sampled` rows at temperature 1.
         A drafter with no device work of its own does nothing."""
 
-    def observe(self, batch: list, tapped: dict[str, torch.Tensor], lengths: list[int], counts: list[int],
-                starts: list[int]) -> None:
+    def observe(
+        self, batch: list, tapped: dict[str, torch.Tensor], lengths: list[int], counts: list[int], starts: list[int]
+    ) -> None:
         """After a verify step is read: `tapped[name]` the outputs of `taps` at every fed token ([1, sum
         lengths, ...], row by row, lengths[n] each: the anchor then the drafts), counts[n] the tokens row n
         committed (the anchor and its surviving drafts), from position starts[n] on (the row's `pos` when
@@ -106,8 +108,16 @@ class DSparkConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "target_layers", tuple(int(i) for i in self.target_layers))
-        for name in ("hidden_size", "vocab_size", "block_size", "num_layers", "num_heads", "intermediate_size",
-                     "markov_rank", "context_window"):
+        for name in (
+            "hidden_size",
+            "vocab_size",
+            "block_size",
+            "num_layers",
+            "num_heads",
+            "intermediate_size",
+            "markov_rank",
+            "context_window",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"DSparkConfig.{name} must be an integer >= 1, got {value!r}")
@@ -120,12 +130,15 @@ class DSparkConfig:
         """ValueError naming the field when this drafter does not fit the target model."""
         for name in ("hidden_size", "vocab_size"):
             if getattr(self, name) != getattr(target_config, name):
-                raise ValueError(f"DSparkConfig.{name} ({getattr(self, name)}) differs from the target's "
-                                 f"({getattr(target_config, name)})")
+                raise ValueError(
+                    f"DSparkConfig.{name} ({getattr(self, name)}) differs from the target's "
+                    f"({getattr(target_config, name)})"
+                )
         bad = [i for i in self.target_layers if not 0 <= i < target_config.num_hidden_layers]
         if bad:
-            raise ValueError(f"DSparkConfig.target_layers {bad} outside the target's "
-                             f"{target_config.num_hidden_layers} layers")
+            raise ValueError(
+                f"DSparkConfig.target_layers {bad} outside the target's {target_config.num_hidden_layers} layers"
+            )
 
 
 def default_target_layers(num_layers: int) -> tuple[int, ...]:
@@ -242,8 +255,16 @@ class DSparkDrafter(nn.Module, Drafter):
         self.to(runner.device).eval()
         if graphs is None:
             graphs = runner.graphs_apply() and self._gather is None
-        self.graphs = DraftGraphs(self._from_tensors, lambda: self.contexts.features, runner.config.max_running,
-                                  capture=runner.device.type == "cuda") if graphs else None
+        self.graphs = (
+            DraftGraphs(
+                self._from_tensors,
+                lambda: self.contexts.features,
+                runner.config.max_running,
+                capture=runner.device.type == "cuda",
+            )
+            if graphs
+            else None
+        )
 
     @property
     def captures(self) -> int:
@@ -258,16 +279,17 @@ class DSparkDrafter(nn.Module, Drafter):
         c = self.fc_norm(self.fc(features.to(self.fc.weight.dtype)))
         return torch.cat([layer.context(c) for layer in self.layers], dim=-1)
 
-    def block_hidden(self, ctx_kv: torch.Tensor, ctx_mask: torch.Tensor, anchors: torch.Tensor, gamma: int
-                     ) -> torch.Tensor:
+    def block_hidden(
+        self, ctx_kv: torch.Tensor, ctx_mask: torch.Tensor, anchors: torch.Tensor, gamma: int
+    ) -> torch.Tensor:
         """ctx_kv [N, C, num_layers * 2D] the context's keys and values (`context`; ctx_mask [N, C] True where
         real), anchors [N] -> the block's outputs [N, gamma + 1, D] (position 0 the anchor)."""
         embed, _ = self._shared
         n, d = anchors.shape[0], self.config.hidden_size
         x = torch.cat([embed[anchors].to(self.fc.weight.dtype)[:, None], self.mask_embed.expand(n, gamma, d)], dim=1)
-        x = x + self.pos_embed[:gamma + 1]
+        x = x + self.pos_embed[: gamma + 1]
         for i, layer in enumerate(self.layers):
-            x = layer(x, ctx_kv[..., 2 * d * i:2 * d * (i + 1)], ctx_mask)
+            x = layer(x, ctx_kv[..., 2 * d * i : 2 * d * (i + 1)], ctx_mask)
         return self.norm(x)
 
     def head_logits(self, h: torch.Tensor) -> torch.Tensor:
@@ -277,8 +299,9 @@ class DSparkDrafter(nn.Module, Drafter):
         logits = h @ head.to(h.dtype).t()
         return logits if self._gather is None else self._gather(logits)
 
-    def position_logits(self, h: torch.Tensor, prev: torch.Tensor, k: int, base: torch.Tensor | None = None
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    def position_logits(
+        self, h: torch.Tensor, prev: torch.Tensor, k: int, base: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Draft position k (1-based) from its block output h [.., D] and the token before it prev [..]:
         (logits [.., V] after the Markov bias and position k's temperature, confidence [..]). `base`: h's
         `head_logits` when already computed (`propose` computes every position's in one GEMM)."""
@@ -305,8 +328,9 @@ class DSparkDrafter(nn.Module, Drafter):
         greedy = all(p.temperature == 0 for p in params)
         seeds = None if greedy else stream_seeds([r.req.seed for r in batch], DRAFT, anchors.device)
         at = None if greedy else to_device([r.pos for r in batch], anchors.device)
-        tensors_only = greedy or (all(p.temperature > 0 for p in params)
-                                  and not truncates(params, self.config.vocab_size))
+        tensors_only = greedy or (
+            all(p.temperature > 0 for p in params) and not truncates(params, self.config.vocab_size)
+        )
         if tensors_only and self.graphs is not None and self.graphs.usable(len(batch)):
             sampling = None if greedy else ([p.temperature for p in params], seeds, at)
             return self.graphs.run(rows, anchors, gamma, sampling)
@@ -321,17 +345,27 @@ class DSparkDrafter(nn.Module, Drafter):
         # buffer is made as large as the engine runs first, so graphs captured here are not dropped by a
         # growth when the requests arrive (`DraftGraphs`: they read the buffer by address)
         c = self.config
-        self.contexts.reserve(self._runner.config.max_running, 2 * c.num_layers * c.hidden_size,
-                              self.fc.weight.dtype, self.fc.weight.device)
+        self.contexts.reserve(
+            self._runner.config.max_running,
+            2 * c.num_layers * c.hidden_size,
+            self.fc.weight.dtype,
+            self.fc.weight.device,
+        )
         zeros = torch.zeros(rows, dtype=torch.long, device=self.fc.weight.device)  # rows, anchors, seeds, positions
         if self.graphs is not None and self.graphs.usable(rows):
             self.graphs.run([0] * rows, zeros, gamma, ([1.0] * rows, zeros, zeros) if sampled else None, exact=True)
         else:
-            self._from_tensors(zeros, zeros, gamma, (torch.ones(rows, device=zeros.device), zeros, zeros)
-                               if sampled else None)
+            self._from_tensors(
+                zeros, zeros, gamma, (torch.ones(rows, device=zeros.device), zeros, zeros) if sampled else None
+            )
 
-    def _from_tensors(self, idx: torch.Tensor, anchors: torch.Tensor, gamma: int,
-                      sampling: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> tuple:
+    def _from_tensors(
+        self,
+        idx: torch.Tensor,
+        anchors: torch.Tensor,
+        gamma: int,
+        sampling: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    ) -> tuple:
         """The block of a batch whose rows are all greedy (`sampling` None) or all sample without top-k / top-p
         (`sampling`: temperatures fp32 [N], DRAFT-stream seeds [N], positions [N]), read from device tensors
         only: the form `DraftGraphs` captures."""
@@ -339,8 +373,9 @@ class DSparkDrafter(nn.Module, Drafter):
             greedy = [_GREEDY] * len(anchors)
             return self._block(idx, anchors, gamma, lambda logits, k: draw(logits, greedy, None, None))
         temps, seeds, at = sampling
-        return self._block(idx, anchors, gamma,
-                           lambda logits, k: draw_scaled(logits, temps, torch.stack([seeds, at + k])))
+        return self._block(
+            idx, anchors, gamma, lambda logits, k: draw_scaled(logits, temps, torch.stack([seeds, at + k]))
+        )
 
     def _block(self, idx: torch.Tensor, anchors: torch.Tensor, gamma: int, pick) -> tuple:
         """The block proposal of the windows in buffer rows idx [N] after anchors [N], `pick(logits, k)` drawing
@@ -367,15 +402,17 @@ class DSparkDrafter(nn.Module, Drafter):
         # SpecConfig.max_batch) proposes nothing while requests finish
         self.contexts.drop_finished({r.req.request_id for r in batch})
         offsets = [0, *itertools.accumulate(lengths)][:-1]  # row n's features in `tapped`
-        self.contexts.append([r.req for r in batch], self._context(tapped), offsets, counts,
-                             [s + c for s, c in zip(starts, counts)])
+        self.contexts.append(
+            [r.req for r in batch], self._context(tapped), offsets, counts, [s + c for s, c in zip(starts, counts)]
+        )
 
     def observe_plain(self, batch, tapped, starts):
         # the raw taps copied out of the graph's outputs here (the cat), in stream order; projected and written
         # when the windows are next read (`ContextWindows.defer`)
         self.contexts.drop_finished({r.req.request_id for r in batch})
-        self.contexts.defer([r.req for r in batch], _features(tapped, self.config.target_layers)[0],
-                            [s + 1 for s in starts])
+        self.contexts.defer(
+            [r.req for r in batch], _features(tapped, self.config.target_layers)[0], [s + 1 for s in starts]
+        )
 
     def prefilled(self, rows, spans, tapped):
         """Windows from the engine's own prefill, so that a request needs no catch-up pass: a chunk that
@@ -413,11 +450,13 @@ class DSparkDrafter(nn.Module, Drafter):
             return
         runner = self._runner
         first: dict[tuple, int] = {}  # (adapter, computed tokens) -> the row computed for it
-        of = [first.setdefault((r.req.adapter, tuple(r.tokens[:r.pos])) if r.req.media is None else (id(r),), i)
-              for i, r in enumerate(rows)]
+        of = [
+            first.setdefault((r.req.adapter, tuple(r.tokens[: r.pos])) if r.req.media is None else (id(r),), i)
+            for i, r in enumerate(rows)
+        ]
         unique = [rows[i] for i in first.values()]
         lengths = [r.pos for r in unique]
-        ids = to_device([t for r in unique for t in r.tokens[:r.pos]], runner.device)[None]
+        ids = to_device([t for r in unique for t in r.tokens[: r.pos]], runner.device)[None]
         cu = to_device([0, *lengths], runner.device).cumsum(0)
         if runner.adapters is not None:
             runner.adapters.set_batch([runner.adapters.slot_of(r.req.adapter) for r in unique], lengths)
@@ -427,8 +466,13 @@ class DSparkDrafter(nn.Module, Drafter):
             runner.model.model.hidden(ids, None, cu, media=media)
         ends = dict(zip(first.values(), itertools.accumulate(lengths)))
         keep = [min(r.pos, self.config.context_window) for r in rows]
-        self.contexts.append([r.req for r in rows], self._context(store),
-                             [ends[i] - k for i, k in zip(of, keep)], keep, [r.pos for r in rows])
+        self.contexts.append(
+            [r.req for r in rows],
+            self._context(store),
+            [ends[i] - k for i, k in zip(of, keep)],
+            keep,
+            [r.pos for r in rows],
+        )
 
     @torch.inference_mode()
     def _context(self, tapped: dict[str, torch.Tensor | tuple]) -> torch.Tensor:
@@ -447,8 +491,9 @@ class DSparkDrafter(nn.Module, Drafter):
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         (path / "config.json").write_text(json.dumps(asdict(self.config), indent=2) + "\n")
-        save_file({k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()},
-                  str(path / "model.safetensors"))
+        save_file(
+            {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}, str(path / "model.safetensors")
+        )
 
     @classmethod
     def load(cls, path: str | Path, target=None) -> "DSparkDrafter":
@@ -456,8 +501,10 @@ class DSparkDrafter(nn.Module, Drafter):
         path = Path(path)
         for name in ("config.json", "model.safetensors"):
             if not (path / name).is_file():
-                raise ValueError(f"SpecConfig.drafter: {path / name} not found (a DSpark drafter directory holds "
-                                 f"config.json and model.safetensors, written by scripts/train_drafter.py)")
+                raise ValueError(
+                    f"SpecConfig.drafter: {path / name} not found (a DSpark drafter directory holds "
+                    f"config.json and model.safetensors, written by scripts/train_drafter.py)"
+                )
         try:
             config = DSparkConfig(**json.loads((path / "config.json").read_text()))
         except TypeError as e:

@@ -68,9 +68,16 @@ class FoldGraphs:
         self.failed = False
         self.captures = self.replays = 0
 
-    def fold(self, inputs: KDAInputs, slots: list[int], counts: torch.Tensor, positions: list[int],
-             chunk_size: int, checkpoint: Callable[[list[int]], list[int | None]], exact: bool = False
-             ) -> list[tuple[int, int, int | None]]:
+    def fold(
+        self,
+        inputs: KDAInputs,
+        slots: list[int],
+        counts: torch.Tensor,
+        positions: list[int],
+        chunk_size: int,
+        checkpoint: Callable[[list[int]], list[int | None]],
+        exact: bool = False,
+    ) -> list[tuple[int, int, int | None]]:
         """What `rollout.spec.replay.fold` does, through the bucket's graph, with counts [N] on the device
         (eagerly, reading the counts, past the largest bucket or after a failed capture). `exact`: the
         bucket's own graph, captured now if it is not yet (the start-up probes'), not a larger one.
@@ -88,7 +95,11 @@ class FoldGraphs:
             host = counts.tolist()
             return with_checkpoints(
                 lambda at: fold(self.runner.model, self.states, inputs, slots, host, positions, chunk_size, at),
-                host, positions, chunk_size, checkpoint)
+                host,
+                positions,
+                chunk_size,
+                checkpoint,
+            )
         self._load(static, inputs, slots, bucket)
         # tokens a row folds before its state may be checkpointed: up to the next chunk boundary
         cut = [chunk_size - p % chunk_size for p in positions]
@@ -107,8 +118,7 @@ class FoldGraphs:
         device = static["slots"].device
         static["slots"].copy_(to_device(slots + [self.states.sink_slot] * (bucket - n), device))
         dense = all(k == w for k in inputs.lengths)
-        dest = None if dense else to_device([i * w + j for i, k in enumerate(inputs.lengths) for j in range(k)],
-                                            device)
+        dest = None if dense else to_device([i * w + j for i, k in enumerate(inputs.lengths) for j in range(k)], device)
         pairs = [(buf, inputs.layers[layer][p][0]) for layer, per in static["raw"].items() for p, buf in per.items()]
         if dense:  # every KDA layer's five projections in one multi-tensor copy, not a launch each
             torch._foreach_copy_([buf[: n * w] for buf, _ in pairs], [src for _, src in pairs])
@@ -139,13 +149,20 @@ class FoldGraphs:
         if bucket in self.graphs:
             return self.graphs[bucket][2]
         device, w = self.runner.device, self.width
-        raw = {layer: {p: inputs.layers[layer][p].new_zeros(bucket * w, inputs.layers[layer][p].shape[-1])
-                       for p in PROJECTIONS} for layer in self.mixers}
-        static = dict(raw=raw, slots=torch.full((bucket,), self.states.sink_slot, dtype=torch.long, device=device),
-                      start=torch.zeros(bucket, dtype=torch.long, device=device),
-                      stop=torch.zeros(bucket, dtype=torch.long, device=device),
-                      offsets=torch.arange(w, device=device),  # a block's positions
-                      window=torch.arange(next(iter(self.states.conv.values())).shape[-1], device=device))
+        raw = {
+            layer: {
+                p: inputs.layers[layer][p].new_zeros(bucket * w, inputs.layers[layer][p].shape[-1]) for p in PROJECTIONS
+            }
+            for layer in self.mixers
+        }
+        static = dict(
+            raw=raw,
+            slots=torch.full((bucket,), self.states.sink_slot, dtype=torch.long, device=device),
+            start=torch.zeros(bucket, dtype=torch.long, device=device),
+            stop=torch.zeros(bucket, dtype=torch.long, device=device),
+            offsets=torch.arange(w, device=device),  # a block's positions
+            window=torch.arange(next(iter(self.states.conv.values())).shape[-1], device=device),
+        )
         self.captures += 1  # counted as on CUDA when the padded shape runs eagerly (the CPU tests' policy)
         if not self.capture:
             self.graphs[bucket] = (None, None, static)
@@ -180,6 +197,13 @@ class FoldGraphs:
             at_stop = stop[:, None, None, None] + static["window"]  # the history entries of the conv state at stop
             for layer, ((q, k, v), g, beta, history) in static["block"].items():
                 states.conv[layer].index_copy_(0, slots, history.gather(-1, at_stop.expand(*history.shape[:3], -1)))
-                kda_advance(q, k, v, torch.where(active[..., None, None], g, 0.0),
-                            torch.where(active[..., None], beta, 0.0), PooledState(states.recurrent[layer], slots),
-                            scratch=states.sink_slot, use_qk_l2norm=True)
+                kda_advance(
+                    q,
+                    k,
+                    v,
+                    torch.where(active[..., None, None], g, 0.0),
+                    torch.where(active[..., None], beta, 0.0),
+                    PooledState(states.recurrent[layer], slots),
+                    scratch=states.sink_slot,
+                    use_qk_l2norm=True,
+                )

@@ -29,7 +29,7 @@ import logging
 import torch
 
 from rollout.forward import GraphChoice, _bucket, capture_graph, hooks, model_step, tapped_rows
-from rollout.spec.replay import KDAInputs, PROJECTIONS, VerifyStateCache, kda_mixers
+from rollout.spec.replay import PROJECTIONS, KDAInputs, VerifyStateCache, kda_mixers
 from rollout.state_cache import BatchLayout
 
 log = logging.getLogger(__name__)
@@ -88,10 +88,16 @@ class VerifyGraphs:
         kv, sink = self.kv, self.kv.sink_page
         tables = [r.pages + [sink] * max(0, -(-(r.pos + w) // kv.page_size) - len(r.pages)) for r in batch]
         target = torch.device("cpu") if self.capture else self.runner.device
-        layout = BatchLayout.build(kv, [r.slot for r in batch] + [self.states.sink_slot] * pad,
-                                   [r.pos for r in batch] + [0] * pad, [w] * bb,
-                                   tables + [[sink] * -(-w // kv.page_size)] * pad, target, hist_len=sb,
-                                   dcp_rank=self.runner.dcp_rank)
+        layout = BatchLayout.build(
+            kv,
+            [r.slot for r in batch] + [self.states.sink_slot] * pad,
+            [r.pos for r in batch] + [0] * pad,
+            [w] * bb,
+            tables + [[sink] * -(-w // kv.page_size)] * pad,
+            target,
+            hist_len=sb,
+            dcp_rank=self.runner.dcp_rank,
+        )
         ids = torch.cat([ids, ids.new_zeros(pad, w)]) if pad else ids
         if self.runner.adapters is not None:  # sink rows take the batch's slot: same shapes, no mixing
             self.runner.adapters.set_batch([key[2]] * bb, w)
@@ -109,8 +115,12 @@ class VerifyGraphs:
                 self.graphs[key] = self._capture(bb, sb)
                 self.captures += 1
             except Exception:  # noqa: BLE001 - any capture failure means: verify eagerly from now on
-                log.warning("CUDA graph capture of the verify step failed for batch %d, history %d; verifying "
-                            "eagerly", bb, sb, exc_info=True)
+                log.warning(
+                    "CUDA graph capture of the verify step failed for batch %d, history %d; verifying eagerly",
+                    bb,
+                    sb,
+                    exc_info=True,
+                )
                 self.failed = True
                 self.graphs.clear()
                 store = {}
@@ -126,8 +136,9 @@ class VerifyGraphs:
 
     def _step(self, ids: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
         with torch.inference_mode():
-            return model_step(self.runner.model, ids, VerifyStateCache(self.kv, self.states, layout), None,
-                              every_token=True)
+            return model_step(
+                self.runner.model, ids, VerifyStateCache(self.kv, self.states, layout), None, every_token=True
+            )
 
     def _outputs(self, logits: torch.Tensor, store: dict, n: int):
         """The first n rows of a padded step, in the packed form the fold and the drafter read."""
@@ -145,9 +156,16 @@ class VerifyGraphs:
     def _capture(self, bb: int, sb: int):
         # warm-up and capture on sink-only rows: they touch no request's state or KV
         kv, w, device = self.kv, self.width, self.runner.device
-        layout = BatchLayout.build(kv, [self.states.sink_slot] * bb, [0] * bb, [w] * bb,
-                                   [[kv.sink_page] * -(-w // kv.page_size)] * bb, device, hist_len=sb,
-                                   dcp_rank=self.runner.dcp_rank)
+        layout = BatchLayout.build(
+            kv,
+            [self.states.sink_slot] * bb,
+            [0] * bb,
+            [w] * bb,
+            [[kv.sink_page] * -(-w // kv.page_size)] * bb,
+            device,
+            hist_len=sb,
+            dcp_rank=self.runner.dcp_rank,
+        )
         ids = torch.zeros(bb, w, dtype=torch.long, device=device)
         store: dict[str, torch.Tensor] = {}  # the hooked projections' outputs inside the graph's memory
         graph, logits = capture_graph(lambda: self._step(ids, layout), lambda: hooks(self.watched, store))

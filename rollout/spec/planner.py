@@ -212,8 +212,15 @@ class VerifyPlanner:
     (graphed verify), else packed budgets. `observe`: a step's wall time prices the surface (module
     docstring), when `learn`."""
 
-    def __init__(self, surface: CostSurface, prior: float = 0.5, by_width: bool = False, learn: bool = False,
-                 explore_every: int = 16, explore_max: int = 512):
+    def __init__(
+        self,
+        surface: CostSurface,
+        prior: float = 0.5,
+        by_width: bool = False,
+        learn: bool = False,
+        explore_every: int = 16,
+        explore_max: int = 512,
+    ):
         self.surface, self.prior, self.by_width, self.learn = surface, prior, by_width, learn
         self.explore_every, self.explore_max = explore_every, explore_max
         self.wait = explore_every  # plain steps in a row before a block is explored (module docstring)

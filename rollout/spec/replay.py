@@ -70,9 +70,9 @@ def kda_mixers(model: K3ForCausalLM) -> dict[int, KDAMixer]:
     return {layer.layer_idx: layer.self_attn for layer in model.model.layers if isinstance(layer.self_attn, KDAMixer)}
 
 
-def verify_forward(runner: ModelRunner, batch, ids: list[int], lengths: list[int],
-                   taps: dict[str, torch.nn.Module] | None = None) -> tuple[torch.Tensor, KDAInputs,
-                                                                            dict[str, torch.Tensor]]:
+def verify_forward(
+    runner: ModelRunner, batch, ids: list[int], lengths: list[int], taps: dict[str, torch.nn.Module] | None = None
+) -> tuple[torch.Tensor, KDAInputs, dict[str, torch.Tensor]]:
     """One packed target forward over each row's `lengths[n]` new tokens at positions from its `pos` (pages
     covering them), through `VerifyStateCache`. Returns logits at every new token [sum lengths, V], the
     KDA layers' raw inputs, and the outputs of `taps` (extra modules to read, e.g. a drafter's target
@@ -91,14 +91,16 @@ def verify_forward(runner: ModelRunner, batch, ids: list[int], lengths: list[int
     return logits, inputs, tapped
 
 
-def decode_kda_step(mixer: KDAMixer, raw: dict[str, torch.Tensor], conv: torch.Tensor, recurrent: torch.Tensor
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+def decode_kda_step(
+    mixer: KDAMixer, raw: dict[str, torch.Tensor], conv: torch.Tensor, recurrent: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """What `KDAMixer.forward` does to the state for one decode token per row, from that token's raw
     projections raw[name] [R, 1, C] and the rows' state (conv [R, 3, HK, W-1], recurrent [R, H, K, V]):
     returns the new (conv, recurrent)."""
     (q, k, v), g, beta, history = block_kda_inputs(mixer, raw, conv)
-    _, state = mixer.cp.kda(q, k, v, g, beta, initial_state=recurrent, output_final_state=True, cu_seqlens=None,
-                            use_qk_l2norm=True)
+    _, state = mixer.cp.kda(
+        q, k, v, g, beta, initial_state=recurrent, output_final_state=True, cu_seqlens=None, use_qk_l2norm=True
+    )
     return history[..., 1:], state
 
 
@@ -115,19 +117,38 @@ def block_kda_inputs(mixer: KDAMixer, raw: dict[str, torch.Tensor], conv: torch.
     r, t = raw["q_proj"].shape[:2]
     heads = (r, t, mixer.heads, c.kda_head_dim)
     xs = [raw[f"{p}_proj"] for p in "qkv"]
-    convs = cp.short_convs(xs, [getattr(mixer, f"{p}_conv1d").weight for p in "qkv"],
-                           states=[conv[:, i] for i in range(3)], cu_seqlens=None)
+    convs = cp.short_convs(
+        xs,
+        [getattr(mixer, f"{p}_conv1d").weight for p in "qkv"],
+        states=[conv[:, i] for i in range(3)],
+        cu_seqlens=None,
+    )
     qkv = [y.view(heads) for y, _ in convs]
     # the mixer's own gate call (kda_gate_beta: one kernel where kernels run), so the fold's state is the plain
     # decode step's bit for bit
-    g, beta = kda_gate_beta(raw["f_b_proj"], raw["b_proj"], mixer.A_log, mixer.dt_bias, num_heads=mixer.heads,
-                            form=c.kda_gate_form, lower_bound=c.kda_gate_lower_bound)
+    g, beta = kda_gate_beta(
+        raw["f_b_proj"],
+        raw["b_proj"],
+        mixer.A_log,
+        mixer.dt_bias,
+        num_heads=mixer.heads,
+        form=c.kda_gate_form,
+        lower_bound=c.kda_gate_lower_bound,
+    )
     history = torch.cat([conv, torch.stack(xs, dim=1).transpose(2, 3).to(conv.dtype)], dim=-1)
     return qkv, g, beta, history
 
 
-def fold(model: K3ForCausalLM, states: KDAStatePool, inputs: KDAInputs, slots: list[int], counts: list[int],
-         positions: list[int], chunk_size: int, at_boundary: Callable[[int, int], None] | None = None) -> None:
+def fold(
+    model: K3ForCausalLM,
+    states: KDAStatePool,
+    inputs: KDAInputs,
+    slots: list[int],
+    counts: list[int],
+    positions: list[int],
+    chunk_size: int,
+    at_boundary: Callable[[int, int], None] | None = None,
+) -> None:
     """Commit row n's first counts[n] verified tokens (n's inputs start at offset sum(lengths[:n])) into its
     working slot slots[n], whose state stands at positions[n]. Token by token, every KDA layer; after a
     token that puts a row on a chunk boundary before its last committed token, `at_boundary(n, pos)` is
@@ -152,9 +173,13 @@ def fold(model: K3ForCausalLM, states: KDAStatePool, inputs: KDAInputs, slots: l
                     at_boundary(n, pos)
 
 
-def with_checkpoints(run: Callable[[Callable[[int, int], None]], None], counts: list[int], positions: list[int],
-                     chunk_size: int, checkpoint: Callable[[list[int]], list[int | None]]
-                     ) -> list[tuple[int, int, int | None]]:
+def with_checkpoints(
+    run: Callable[[Callable[[int, int], None]], None],
+    counts: list[int],
+    positions: list[int],
+    chunk_size: int,
+    checkpoint: Callable[[list[int]], list[int | None]],
+) -> list[tuple[int, int, int | None]]:
     """Run a fold that reads its counts on the host (`run(at_boundary)`: `fold`, or the snapshot baseline's
     `SnapshotWindow.commit`) and checkpoint every chunk boundary a row reaches: the ones it crosses through
     `at_boundary`, mid-fold, the one it ends on after the fold. `checkpoint(rows)` copies the rows' working

@@ -22,7 +22,7 @@ import torch
 
 from miles_k3.model.modeling import K3ForCausalLM
 from rollout.memory import KDAStatePool
-from rollout.spec.replay import KDAInputs, PROJECTIONS, decode_kda_step, kda_mixers
+from rollout.spec.replay import PROJECTIONS, KDAInputs, decode_kda_step, kda_mixers
 from rollout.transfer import to_device
 
 
@@ -67,8 +67,16 @@ class SnapshotWindow:
             states.conv[layer].index_copy_(0, all_slots, conv)
             states.recurrent[layer].index_copy_(0, all_slots, rec)
 
-    def commit(self, states: KDAStatePool, slots: list[int], lengths: list[int], counts: list[int],
-               positions: list[int], chunk_size: int, at_boundary: Callable[[int, int], None] | None = None) -> None:
+    def commit(
+        self,
+        states: KDAStatePool,
+        slots: list[int],
+        lengths: list[int],
+        counts: list[int],
+        positions: list[int],
+        chunk_size: int,
+        at_boundary: Callable[[int, int], None] | None = None,
+    ) -> None:
         """Row n keeps its first counts[n] verified tokens: its working slot takes snapshot counts[n] - 1
         (it already holds the state after all lengths[n]). A kept token that lands on a chunk boundary
         before the last one puts that snapshot in the working slot for `at_boundary(n, pos)` (which copies

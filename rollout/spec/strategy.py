@@ -121,8 +121,9 @@ class SpecLaunch(DecodeLaunch):
 class SpecDecode(DecodeStrategy):
     own_checkpoints = True
 
-    def __init__(self, runner: ModelRunner, spec: SpecConfig, graphs: bool | None = None,
-                 surface: CostSurface | None = None):
+    def __init__(
+        self, runner: ModelRunner, spec: SpecConfig, graphs: bool | None = None, surface: CostSurface | None = None
+    ):
         """`graphs`: verify and fold through CUDA graphs (`rollout.spec.graphs`, `rollout.spec.fold_graphs`);
         None: where the runner's decode graphs apply (CUDA), eager otherwise. On CPU True runs their padded
         shapes eagerly. The cost-aware planner's surface is then measured on the graphed forward it runs;
@@ -197,9 +198,10 @@ class SpecDecode(DecodeStrategy):
             window.record(self.runner.model, self.runner.states, inputs, [r.slot for r in batch])
         w = logits.shape[1]  # a graph of width max(num) + 1 verifies only that many positions
         with record_function("spec.verify"):
-            q = None if q is None else q[:, :w - 1]  # None: every row greedy
-            tokens, logps, counts = verify(logits, drafts[:, :w - 1], q, params, seeds,
-                                           to_device(positions, logits.device), num)
+            q = None if q is None else q[:, : w - 1]  # None: every row greedy
+            tokens, logps, counts = verify(
+                logits, drafts[:, : w - 1], q, params, seeds, to_device(positions, logits.device), num
+            )
             committed = _committed(batch, tokens, counts)
         both = [tokens.double(), logps.double(), committed.double()[:, None], counts.double()[:, None]]
         host, ready = to_host(torch.cat(both, dim=1))  # the step's one read, waited for in `read`
@@ -218,17 +220,33 @@ class SpecDecode(DecodeStrategy):
             else:  # the eager fold and the snapshot baseline read their counts here
                 counts_h = committed.tolist()
                 if window is not None:
+
                     def run(at):
                         window.commit(self.runner.states, slots, inputs.lengths, counts_h, positions, chunk, at)
                 else:
+
                     def run(at):
                         fold(self.runner.model, self.runner.states, inputs, slots, counts_h, positions, chunk, at)
+
                 taken = with_checkpoints(run, counts_h, positions, chunk, checkpoint)
-        self.stats.window_bytes = max(self.stats.window_bytes,
-                                      inputs.nbytes() // n if window is None else window.nbytes_per_row)
+        self.stats.window_bytes = max(
+            self.stats.window_bytes, inputs.nbytes() // n if window is None else window.nbytes_per_row
+        )
         self.stats.drafted += sum(num)
-        return SpecLaunch(batch, tokens, host, ready, [], overlaps=False, checkpoints=taken, tapped=tapped,
-                          lengths=inputs.lengths, starts=positions, started=started, captured=captured)
+        return SpecLaunch(
+            batch,
+            tokens,
+            host,
+            ready,
+            [],
+            overlaps=False,
+            checkpoints=taken,
+            tapped=tapped,
+            lengths=inputs.lengths,
+            starts=positions,
+            started=started,
+            captured=captured,
+        )
 
     def read(self, launch: SpecLaunch) -> tuple[list[list[int]], list[list[float]]]:
         """Wait for the step's copy, then complete it on the host: each row's committed tokens and log-probs,
@@ -246,7 +264,7 @@ class SpecDecode(DecodeStrategy):
             for row in launch.host.tolist():
                 c = int(row[2 * w])
                 out_t.append([int(t) for t in row[:c]])
-                out_l.append(row[w:w + c])
+                out_l.append(row[w : w + c])
                 committed.append(c)
                 emitted += int(row[2 * w + 1])
         for i, pos, snap in launch.checkpoints:  # the rows' pos still stand before the step here
@@ -295,8 +313,9 @@ class SpecDecode(DecodeStrategy):
         n = len(batch)
         starts = [r.pos for r in batch]
         logits, tapped = self.runner.forward_tapped(batch, anchors, self.drafter.taps)
-        tokens, logps = sample_on_device(logits, [r.req.params for r in batch], [r.req.seed for r in batch],
-                                         [p + 1 for p in starts])
+        tokens, logps = sample_on_device(
+            logits, [r.req.params for r in batch], [r.req.seed for r in batch], [p + 1 for p in starts]
+        )
         ones = torch.ones(n, 2, dtype=torch.float64, device=tokens.device)  # committed and emitted: one token
         host, ready = to_host(torch.cat([tokens.double()[:, None], logps.double()[:, None], ones], dim=1))
         chunk = self.memory.config.chunk_size
@@ -307,8 +326,9 @@ class SpecDecode(DecodeStrategy):
         with record_function("spec.observe"):
             self.drafter.observe_plain(batch, tapped, starts)
         self.unread += 1
-        return SpecLaunch(batch, tokens[:, None], host, ready, snaps, lengths=[1] * n, plain=True, started=started,
-                          captured=captured)
+        return SpecLaunch(
+            batch, tokens[:, None], host, ready, snaps, lengths=[1] * n, plain=True, started=started, captured=captured
+        )
 
     def _captured(self) -> int:
         """Graphs captured so far: the steps' (verify, fold, the drafter's) and the decode graphs' (plain steps)."""
@@ -348,8 +368,9 @@ class SpecDecode(DecodeStrategy):
         if graphs is None or graphs.kv is not self.runner.kv:  # none yet, or the pools were rebuilt
             if graphs is not None:
                 self._verify_graphs.clear()
-            graphs = self._verify_graphs[width] = VerifyGraphs(self.runner, width, self.drafter.taps,
-                                                               capture=self.runner.device.type == "cuda")
+            graphs = self._verify_graphs[width] = VerifyGraphs(
+                self.runner, width, self.drafter.taps, capture=self.runner.device.type == "cuda"
+            )
         return graphs
 
     def _folds(self) -> FoldGraphs:
@@ -402,8 +423,9 @@ class SpecDecode(DecodeStrategy):
                 _, inputs, _ = verify_forward(self.runner, fake, [0] * (rows * per), [per] * rows)
             if self.graph_verify and self.rollback == "replay":  # no chunk boundary in the block: one replay
                 nothing = torch.zeros(rows, dtype=torch.long, device=self.runner.device)
-                self._folds().fold(inputs, [states.sink_slot] * rows, nothing, [0] * rows, per + 1, lambda r: [],
-                                   exact=True)
+                self._folds().fold(
+                    inputs, [states.sink_slot] * rows, nothing, [0] * rows, per + 1, lambda r: [], exact=True
+                )
         if self.runner.device.type == "cuda":
             torch.cuda.synchronize()
 

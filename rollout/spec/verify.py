@@ -53,16 +53,18 @@ def warp(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Tens
     return _warp(logits, to_device(temps, logits.device, logits.dtype), params)
 
 
-def _warp(logits: torch.Tensor, temps: torch.Tensor, params: list[SamplingParams] | None
-          ) -> tuple[torch.Tensor, torch.Tensor]:
+def _warp(
+    logits: torch.Tensor, temps: torch.Tensor, params: list[SamplingParams] | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`warp` with the temperatures a tensor [B]; `params` None: no row truncates."""
     logp = torch.log_softmax(logits / temps[:, None].to(logits.dtype), dim=-1)
     probs = logp.exp() if params is None else truncate_probs(logp.exp(), params)
     return logp, probs / probs.sum(-1, keepdim=True)
 
 
-def draw(logits: torch.Tensor, params: list[SamplingParams], seeds: torch.Tensor, positions: torch.Tensor
-         ) -> tuple[torch.Tensor, torch.Tensor]:
+def draw(
+    logits: torch.Tensor, params: list[SamplingParams], seeds: torch.Tensor, positions: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A drafter's draw of the token at positions[b] for each row: logits [B, V], seeds [B] the requests'
     DRAFT-stream seeds (`stream_seeds(..., DRAFT, ...)`, device) -> (tokens [B], q [B, V] the exact
     distribution each token came from). Sampled rows draw from p' of their logits (the request's
@@ -89,9 +91,15 @@ def draw_scaled(logits: torch.Tensor, temps: torch.Tensor, keys: torch.Tensor) -
     return tokens, _warp(_math(logits), temps, None)[1]
 
 
-def verify(logits: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | None, params: list[SamplingParams],
-           seeds: list[int], positions: torch.Tensor, num_drafts: list[int] | None = None
-           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def verify(
+    logits: torch.Tensor,
+    drafts: torch.Tensor,
+    q: torch.Tensor | None,
+    params: list[SamplingParams],
+    seeds: list[int],
+    positions: torch.Tensor,
+    num_drafts: list[int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One verify step for N rows (see the module docstring).
 
     logits [N, G + 1, V]: the verify forward's, at the anchor and each draft; drafts [N, G]; q [N, G, V] (None
@@ -142,8 +150,9 @@ def verify(logits: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | None, p
     sampled = [i for i, p in enumerate(params) if p.temperature > 0]
     if sampled:  # the residual's draw: the sampler's race over its log, at temperature 1, no truncation
         rows = to_device(sampled, device)
-        keys = torch.stack([stream_seeds([seeds[i] for i in sampled], FINAL, device),
-                            positions.long()[rows] + accepted[rows] + 1])
+        keys = torch.stack(
+            [stream_seeds([seeds[i] for i in sampled], FINAL, device), positions.long()[rows] + accepted[rows] + 1]
+        )
         drawn, _ = sample_keys(torch.log(residual[rows]), [SamplingParams(temperature=1.0)] * len(sampled), keys)
         final = final.index_copy(0, rows, drawn)
 
@@ -152,8 +161,9 @@ def verify(logits: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | None, p
     return tokens, logp.gather(2, tokens[..., None])[..., 0], accepted + 1
 
 
-def _verify_greedy(logits: torch.Tensor, drafts: torch.Tensor, limit: torch.Tensor
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _verify_greedy(
+    logits: torch.Tensor, drafts: torch.Tensor, limit: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`verify` when every row is greedy: argmax agreement and the log-probs only, none of the sampled path's
     [N, G + 1, V] distributions (at batch 256 and K3's 163,840 ids each one is 0.8 GB in fp32)."""
     n, g = drafts.shape

@@ -51,7 +51,7 @@ def test_unit_rms_invariant():
     # with ddof 0, sum_i A_i^2 = n per group (up to eps), whatever n is
     for n in (2, 3, 8):
         adv = group_advantages(torch.randn(4, n, dtype=torch.float64), eps=0.0)
-        torch.testing.assert_close((adv ** 2).sum(-1), torch.full((4,), float(n), dtype=torch.float64))
+        torch.testing.assert_close((adv**2).sum(-1), torch.full((4,), float(n), dtype=torch.float64))
         torch.testing.assert_close(adv.sum(-1), torch.zeros(4, dtype=torch.float64))
 
 
@@ -82,16 +82,19 @@ def test_int_and_bool_rewards_become_fp32():
     torch.testing.assert_close(adv, torch.tensor([[1.0, -1.0], [0.0, 0.0]]), atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("call, match", [
-    (lambda: group_advantages(torch.tensor([1.0, float("nan")]), group_size=2), "NaN or inf"),
-    (lambda: group_advantages(torch.tensor([1.0, float("inf")]), group_size=2), "NaN or inf"),
-    (lambda: group_advantages(torch.zeros(6), group_size=4), "do not split"),
-    (lambda: group_advantages(torch.zeros(6)), "exactly one"),
-    (lambda: group_advantages(torch.zeros(6), group_size=3, group_ids=torch.zeros(6)), "exactly one"),
-    (lambda: group_advantages(torch.zeros(2, 3), group_size=3), "neither"),
-    (lambda: group_advantages(torch.zeros(2, 3, 1)), r"\[G, n\] or \[N\]"),
-    (lambda: group_advantages(torch.zeros(4), group_ids=torch.zeros(3)), "must match"),
-])
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda: group_advantages(torch.tensor([1.0, float("nan")]), group_size=2), "NaN or inf"),
+        (lambda: group_advantages(torch.tensor([1.0, float("inf")]), group_size=2), "NaN or inf"),
+        (lambda: group_advantages(torch.zeros(6), group_size=4), "do not split"),
+        (lambda: group_advantages(torch.zeros(6)), "exactly one"),
+        (lambda: group_advantages(torch.zeros(6), group_size=3, group_ids=torch.zeros(6)), "exactly one"),
+        (lambda: group_advantages(torch.zeros(2, 3), group_size=3), "neither"),
+        (lambda: group_advantages(torch.zeros(2, 3, 1)), r"\[G, n\] or \[N\]"),
+        (lambda: group_advantages(torch.zeros(4), group_ids=torch.zeros(3)), "must match"),
+    ],
+)
 def test_errors(call, match):
     with pytest.raises(ValueError, match=match):
         call()

@@ -17,7 +17,7 @@ def test_keep_mask():
 
 def test_ragged_ids():
     rewards = torch.tensor([1.0, 1.0, 0.0, 1.0, 3.0])
-    ids = torch.tensor([0, 0, 1, 1, 2])          # group 2 has a single sample: no variance
+    ids = torch.tensor([0, 0, 1, 1, 2])  # group 2 has a single sample: no variance
     keep = nonzero_variance_groups(rewards, group_ids=ids)
     assert keep.tolist() == [False, True, False]
     assert keep[ids].tolist() == [False, False, True, True, False]
@@ -29,11 +29,11 @@ def test_nan_reward_is_an_error():
 
 
 def test_groups_to_refill():
-    assert groups_to_refill(3, 8) == 5                  # shortfall
+    assert groups_to_refill(3, 8) == 5  # shortfall
     assert groups_to_refill(8, 8) == 0 and groups_to_refill(10, 8) == 0
     assert groups_to_refill(3, 8, keep_rate=0.5) == 10  # 5 / 0.5
     assert groups_to_refill(5, 8, keep_rate=0.3) == 10  # 3 / 0.3 = 10.000000000000002 -> 10
-    assert groups_to_refill(6, 8, keep_rate=0.3) == 7   # 2 / 0.3 = 6.67 -> 7
+    assert groups_to_refill(6, 8, keep_rate=0.3) == 7  # 2 / 0.3 = 6.67 -> 7
     for kw in (dict(keep_rate=0.0), dict(keep_rate=1.5)):
         with pytest.raises(ValueError, match="keep_rate"):
             groups_to_refill(1, 8, **kw)

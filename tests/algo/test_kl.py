@@ -17,7 +17,7 @@ def test_known_pairs():
     # k1 = d
     torch.testing.assert_close(kl_penalty(logp, ref, "k1"), torch.tensor([LN2, -LN2, 0.0]))
     # k2 = d^2 / 2 = 0.2402265 for both signs
-    torch.testing.assert_close(kl_penalty(logp, ref, "k2"), torch.tensor([LN2 ** 2 / 2, LN2 ** 2 / 2, 0.0]))
+    torch.testing.assert_close(kl_penalty(logp, ref, "k2"), torch.tensor([LN2**2 / 2, LN2**2 / 2, 0.0]))
     # k3 = exp(ref - logp) - (ref - logp) - 1:  0.5 + ln2 - 1 = 0.1931472;  2 - ln2 - 1 = 0.3068528
     torch.testing.assert_close(kl_penalty(logp, ref, "k3"), torch.tensor([0.5 + LN2 - 1, 2 - LN2 - 1, 0.0]))
 
@@ -34,11 +34,14 @@ def test_k1_k3_unbiased_exact_expectation():
     assert (kl_penalty(logp, logq, "k3") >= 0).all() and (kl_penalty(logp, logq, "k2") >= 0).all()
 
 
-@pytest.mark.parametrize("kind, dkdd", [
-    ("k1", lambda d: 1.0),
-    ("k2", lambda d: d),
-    ("k3", lambda d: 1.0 - math.exp(-d)),
-])
+@pytest.mark.parametrize(
+    "kind, dkdd",
+    [
+        ("k1", lambda d: 1.0),
+        ("k2", lambda d: d),
+        ("k3", lambda d: 1.0 - math.exp(-d)),
+    ],
+)
 def test_gradients_flow_to_logp_only(kind, dkdd):
     logp = torch.tensor([math.log(0.5)], requires_grad=True)
     ref = torch.tensor([math.log(0.25)], requires_grad=True)

@@ -20,30 +20,34 @@ def _seed():
 
 # ---------------------------------------------------------------- config validation
 
-@pytest.mark.parametrize("kwargs, field", [
-    (dict(eps_low=1.0), "eps_low"),
-    (dict(eps_low=-0.1), "eps_low"),
-    (dict(eps_low=float("nan")), "eps_low"),
-    (dict(eps_high=-0.2), "eps_high"),
-    (dict(eps_high="0.2"), "eps_high"),
-    (dict(dual_clip_c=1.0), "dual_clip_c"),
-    (dict(dual_clip_c=float("inf")), "dual_clip_c"),
-    (dict(ratio="sequence"), "ratio"),
-    (dict(kl="k4"), "kl"),
-    (dict(kl="k3", kl_coef=-0.1), "kl_coef"),
-    (dict(kl="none", kl_coef=0.1), "kl_coef"),
-    (dict(reducer="mean"), "reducer"),
-    (dict(reducer="dr_grpo"), "max_response_len"),
-    (dict(max_response_len=0), "max_response_len"),
-    (dict(max_response_len=2.5), "max_response_len"),
-    (dict(rollout_correction="tis+mis"), "rollout_correction"),
-    (dict(rollout_correction="is"), "rollout_correction"),
-    (dict(tis_cap=0.0), "tis_cap"),
-    (dict(mis_low=1.5), "mis_low"),
-    (dict(mis_high=0.9), "mis_high"),
-    (dict(mis_level="chunk"), "mis_level"),
-    (dict(opsm_delta=-1e-4), "opsm_delta"),
-])
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(eps_low=1.0), "eps_low"),
+        (dict(eps_low=-0.1), "eps_low"),
+        (dict(eps_low=float("nan")), "eps_low"),
+        (dict(eps_high=-0.2), "eps_high"),
+        (dict(eps_high="0.2"), "eps_high"),
+        (dict(dual_clip_c=1.0), "dual_clip_c"),
+        (dict(dual_clip_c=float("inf")), "dual_clip_c"),
+        (dict(ratio="sequence"), "ratio"),
+        (dict(kl="k4"), "kl"),
+        (dict(kl="k3", kl_coef=-0.1), "kl_coef"),
+        (dict(kl="none", kl_coef=0.1), "kl_coef"),
+        (dict(reducer="mean"), "reducer"),
+        (dict(reducer="dr_grpo"), "max_response_len"),
+        (dict(max_response_len=0), "max_response_len"),
+        (dict(max_response_len=2.5), "max_response_len"),
+        (dict(rollout_correction="tis+mis"), "rollout_correction"),
+        (dict(rollout_correction="is"), "rollout_correction"),
+        (dict(tis_cap=0.0), "tis_cap"),
+        (dict(mis_low=1.5), "mis_low"),
+        (dict(mis_high=0.9), "mis_high"),
+        (dict(mis_level="chunk"), "mis_level"),
+        (dict(opsm_delta=-1e-4), "opsm_delta"),
+    ],
+)
 def test_config_errors_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=rf"PolicyLossConfig\.{field}\b"):
         PolicyLossConfig(**kwargs)
@@ -57,8 +61,15 @@ def test_defaults_are_the_grpo_run():
 
 
 def test_config_frozen_and_corrections():
-    cfg = PolicyLossConfig(rollout_correction="tis+opsm", reducer="dr_grpo", max_response_len=16, kl="k3",
-                           kl_coef=0.01, dual_clip_c=3.0, eps_high=0.28)
+    cfg = PolicyLossConfig(
+        rollout_correction="tis+opsm",
+        reducer="dr_grpo",
+        max_response_len=16,
+        kl="k3",
+        kl_coef=0.01,
+        dual_clip_c=3.0,
+        eps_high=0.28,
+    )
     assert cfg.corrections == {"tis", "opsm"}
     assert PLAIN.corrections == frozenset()
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -66,6 +77,7 @@ def test_config_frozen_and_corrections():
 
 
 # ---------------------------------------------------------------- hand-computed values
+
 
 def test_hand_computed_token_mean():
     # one sequence, ratios [1.5, 1.0, (pad)], A = +1, eps 0.2: per-token [-1.2, -1.0] -> token mean -1.1
@@ -97,13 +109,15 @@ def test_dual_clip_through_config():
     # r = 5, A = -1, c = 3: 3 instead of 5
     old = torch.zeros(1, 1)
     logp = torch.full((1, 1), LN(5.0))
-    loss, m = policy_loss(logp, old, torch.tensor([-1.0]), torch.ones(1, 1),
-                          dataclasses.replace(PLAIN, dual_clip_c=3.0))
+    loss, m = policy_loss(
+        logp, old, torch.tensor([-1.0]), torch.ones(1, 1), dataclasses.replace(PLAIN, dual_clip_c=3.0)
+    )
     torch.testing.assert_close(loss, torch.tensor(3.0))
     torch.testing.assert_close(m["dual_clipfrac"], torch.tensor(1.0))
 
 
 # ---------------------------------------------------------------- invariants
+
 
 @pytest.mark.parametrize("reducer", ["token_mean", "sequence_mean", "dr_grpo"])
 @pytest.mark.parametrize("ratio", ["token", "gspo"])
@@ -132,13 +146,15 @@ def test_nan_padding_does_not_leak():
     old, ref, rollout = base + 0.1, base - 0.2, base + 0.05
     cfg = PolicyLossConfig(kl="k3", kl_coef=0.1, rollout_correction="mis+opsm", mis_level="geometric", ratio="gspo")
     clean = base.clone().requires_grad_()
-    loss_clean, _ = policy_loss(clean, old, torch.tensor([1.0, -1.0, 0.5]), mask, cfg, ref_logp=ref,
-                                rollout_logp=rollout)
+    loss_clean, _ = policy_loss(
+        clean, old, torch.tensor([1.0, -1.0, 0.5]), mask, cfg, ref_logp=ref, rollout_logp=rollout
+    )
     loss_clean.backward()
     dirty = torch.where(mask, base, float("nan")).requires_grad_()
     junk = lambda x: torch.where(mask, x, float("inf"))  # noqa: E731
-    loss_dirty, metrics = policy_loss(dirty, junk(old), torch.tensor([1.0, -1.0, 0.5]), mask, cfg,
-                                      ref_logp=junk(ref), rollout_logp=junk(rollout))
+    loss_dirty, metrics = policy_loss(
+        dirty, junk(old), torch.tensor([1.0, -1.0, 0.5]), mask, cfg, ref_logp=junk(ref), rollout_logp=junk(rollout)
+    )
     loss_dirty.backward()
     torch.testing.assert_close(loss_dirty, loss_clean)
     torch.testing.assert_close(dirty.grad, clean.grad)
@@ -147,6 +163,7 @@ def test_nan_padding_does_not_leak():
 
 # ---------------------------------------------------------------- rollout correction in the loss
 
+
 def test_tis_weight_is_detached_and_scales_gradient():
     B, T = 2, 3
     logp = (-torch.rand(B, T)).requires_grad_()
@@ -154,8 +171,9 @@ def test_tis_weight_is_detached_and_scales_gradient():
     rollout = (old - torch.tensor([[LN(3.0), LN(0.5), 0.0], [LN(1.5), LN(2.5), LN(0.25)]])).requires_grad_()
     mask = torch.ones(B, T, dtype=torch.bool)
     adv = torch.tensor([1.0, -1.0])
-    loss_tis, m = policy_loss(logp, old, adv, mask, dataclasses.replace(PLAIN, rollout_correction="tis"),
-                              rollout_logp=rollout)
+    loss_tis, m = policy_loss(
+        logp, old, adv, mask, dataclasses.replace(PLAIN, rollout_correction="tis"), rollout_logp=rollout
+    )
     (g_tis,) = torch.autograd.grad(loss_tis, logp)
     loss_plain, _ = policy_loss(logp, old, adv, mask, PLAIN)
     (g_plain,) = torch.autograd.grad(loss_plain, logp)
@@ -197,15 +215,34 @@ def test_mis_rejects_and_weights():
 
 # ---------------------------------------------------------------- API contract
 
+
 def test_metrics_are_detached_scalars():
     B, T = 2, 3
     logp = (-torch.rand(B, T)).requires_grad_()
     cfg = PolicyLossConfig(kl="k1", kl_coef=0.01, dual_clip_c=3.0, rollout_correction="tis+opsm")
-    loss, metrics = policy_loss(logp, logp.detach() + 0.1, torch.tensor([1.0, -1.0]), torch.ones(B, T), cfg,
-                                ref_logp=logp.detach() - 0.1, rollout_logp=logp.detach())
+    loss, metrics = policy_loss(
+        logp,
+        logp.detach() + 0.1,
+        torch.tensor([1.0, -1.0]),
+        torch.ones(B, T),
+        cfg,
+        ref_logp=logp.detach() - 0.1,
+        rollout_logp=logp.detach(),
+    )
     assert loss.requires_grad and loss.dim() == 0
-    expected = {"loss", "pg_loss", "kl_loss", "pg_clipfrac", "dual_clipfrac", "approx_kl", "ratio_mean",
-                "train_rollout_logprob_abs_diff", "rollout_ess", "tis_clipfrac", "opsm_frac"}
+    expected = {
+        "loss",
+        "pg_loss",
+        "kl_loss",
+        "pg_clipfrac",
+        "dual_clipfrac",
+        "approx_kl",
+        "ratio_mean",
+        "train_rollout_logprob_abs_diff",
+        "rollout_ess",
+        "tis_clipfrac",
+        "opsm_frac",
+    }
     assert set(metrics) == expected
     for v in metrics.values():
         assert isinstance(v, torch.Tensor) and v.dim() == 0 and not v.requires_grad and v.dtype == torch.float32
@@ -229,7 +266,8 @@ def test_kl_reduced_with_loss_mask_only():
     logp = torch.zeros(2, 1)
     ref = torch.full((2, 1), -LN(2.0))
     cfg = PolicyLossConfig(kl="k1", kl_coef=1.0, rollout_correction="opsm", opsm_delta=0.0)
-    loss, m = policy_loss(logp, logp, torch.tensor([-1.0, 0.0]), torch.ones(2, 1), cfg, ref_logp=ref,
-                          rollout_logp=torch.ones(2, 1))
+    loss, m = policy_loss(
+        logp, logp, torch.tensor([-1.0, 0.0]), torch.ones(2, 1), cfg, ref_logp=ref, rollout_logp=torch.ones(2, 1)
+    )
     torch.testing.assert_close(m["kl_loss"], kl_penalty(logp, ref, "k1").mean())
     torch.testing.assert_close(m["pg_loss"], torch.tensor(0.0))

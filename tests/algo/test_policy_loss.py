@@ -62,8 +62,15 @@ def test_dual_clip_scales_with_advantage():
     torch.testing.assert_close(out.loss, torch.tensor([1.5]))
 
 
-@pytest.mark.parametrize("kw", [dict(eps_low=1.0, eps_high=0.2), dict(eps_low=-0.1, eps_high=0.2),
-                                dict(eps_low=0.2, eps_high=-0.1), dict(eps_low=0.2, eps_high=0.2, dual_clip_c=1.0)])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(eps_low=1.0, eps_high=0.2),
+        dict(eps_low=-0.1, eps_high=0.2),
+        dict(eps_low=0.2, eps_high=-0.1),
+        dict(eps_low=0.2, eps_high=0.2, dual_clip_c=1.0),
+    ],
+)
 def test_surrogate_rejects_bad_args(kw):
     with pytest.raises(ValueError):
         clipped_surrogate(torch.zeros(2), torch.ones(2), **kw)

@@ -38,7 +38,7 @@ def test_empty_row():
     x = torch.cat([x, torch.full((1, 4), NAN)])
     mask = torch.cat([mask, torch.zeros(1, 4, dtype=torch.bool)])
     torch.testing.assert_close(reduce_loss(x, mask, "token_mean"), torch.tensor(45 / 7))
-    torch.testing.assert_close(reduce_loss(x, mask, "sequence_mean"), torch.tensor(7.5))   # empty row not counted
+    torch.testing.assert_close(reduce_loss(x, mask, "sequence_mean"), torch.tensor(7.5))  # empty row not counted
     torch.testing.assert_close(reduce_loss(x, mask, "dr_grpo", max_response_len=8), torch.tensor(45 / 32))  # 4 rows
 
 
@@ -57,11 +57,14 @@ def test_float_mask_equals_bool_mask():
         torch.testing.assert_close(a, b)
 
 
-@pytest.mark.parametrize("name, denom_kw", [
-    ("token_mean", dict(num_tokens=7)),
-    ("sequence_mean", dict(num_sequences=3)),
-    ("dr_grpo", dict(num_sequences=3)),
-])
+@pytest.mark.parametrize(
+    "name, denom_kw",
+    [
+        ("token_mean", dict(num_tokens=7)),
+        ("sequence_mean", dict(num_sequences=3)),
+        ("dr_grpo", dict(num_sequences=3)),
+    ],
+)
 def test_micro_batches_with_global_denominators_sum_to_full(name, denom_kw):
     x, mask = ragged()
     full = reduce_loss(x, mask, name, max_response_len=8)

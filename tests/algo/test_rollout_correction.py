@@ -48,8 +48,9 @@ def test_mis_sequence_and_geometric():
     torch.testing.assert_close(seq.weight, torch.tensor([[0.0, 0.0], [1.25, 1.25], [1.9, 0.0]]))
     geo = mis_weights(old, rollout, mask, 0.5, 2.0, "geometric")
     assert geo.keep.tolist() == [[True, True], [True, True], [True, False]]
-    torch.testing.assert_close(geo.weight, torch.tensor([[math.sqrt(3), math.sqrt(3)], [1.25 ** 0.5, 1.25 ** 0.5],
-                                                         [1.9, 0.0]]))
+    torch.testing.assert_close(
+        geo.weight, torch.tensor([[math.sqrt(3), math.sqrt(3)], [1.25**0.5, 1.25**0.5], [1.9, 0.0]])
+    )
 
 
 def test_mis_sequence_overflow_is_rejected_not_nan():
@@ -59,8 +60,9 @@ def test_mis_sequence_overflow_is_rejected_not_nan():
     assert not res.keep.any() and torch.equal(res.weight, torch.zeros(1, 10))
 
 
-@pytest.mark.parametrize("low, high, level", [(1.5, 2.0, "token"), (0.5, 0.9, "token"), (-0.1, 2.0, "token"),
-                                              (0.5, 2.0, "chunk")])
+@pytest.mark.parametrize(
+    "low, high, level", [(1.5, 2.0, "token"), (0.5, 0.9, "token"), (-0.1, 2.0, "token"), (0.5, 2.0, "chunk")]
+)
 def test_mis_errors(low, high, level):
     with pytest.raises(ValueError):
         mis_weights(torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1), low, high, level)
@@ -94,13 +96,14 @@ def test_opsm_token_level_advantages():
 def test_ess():
     mask = torch.tensor([[1, 1, 1, 1, 0]], dtype=torch.bool)
     # uniform weights -> 1, whatever their scale; padding (inf) ignored
-    torch.testing.assert_close(effective_sample_size(torch.tensor([[3.0, 3.0, 3.0, 3.0, math.inf]]), mask),
-                               torch.tensor(1.0))
+    torch.testing.assert_close(
+        effective_sample_size(torch.tensor([[3.0, 3.0, 3.0, 3.0, math.inf]]), mask), torch.tensor(1.0)
+    )
     # one-hot over n = 4 -> (1)^2 / (4 * 1) = 0.25
-    torch.testing.assert_close(effective_sample_size(torch.tensor([[0.0, 5.0, 0.0, 0.0, 1.0]]), mask),
-                               torch.tensor(0.25))
+    torch.testing.assert_close(
+        effective_sample_size(torch.tensor([[0.0, 5.0, 0.0, 0.0, 1.0]]), mask), torch.tensor(0.25)
+    )
     # [1, 3]: (1 + 3)^2 / (2 * (1 + 9)) = 16 / 20 = 0.8
-    torch.testing.assert_close(effective_sample_size(torch.tensor([[1.0, 3.0]]), torch.ones(1, 2)),
-                               torch.tensor(0.8))
+    torch.testing.assert_close(effective_sample_size(torch.tensor([[1.0, 3.0]]), torch.ones(1, 2)), torch.tensor(0.8))
     # nothing valid -> 0 (not NaN)
     assert effective_sample_size(torch.ones(1, 2), torch.zeros(1, 2)).item() == 0.0

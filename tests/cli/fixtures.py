@@ -22,8 +22,9 @@ def write_tokenizer(path: Path) -> None:
     vocab = {"<pad>": 0, "<bos>": 1, "<eos>": 2, "<unk>": 3, **{w: i + 4 for i, w in enumerate(WORDS)}}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
-                            unk_token="<unk>").save_pretrained(path)
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>"
+    ).save_pretrained(path)
 
 
 def write_checkpoint(path: Path, *, tokenizer: bool = True, seed: int = 0, **overrides) -> Path:
@@ -67,8 +68,16 @@ def run_cli(*argv: str) -> tuple[int, str]:
     return code, err.getvalue()
 
 
-def write_resume_checkpoint(root: Path, config, records, *, rank: int = 8, workers: int = 1,
-                            targets: tuple[str, ...] | None = None, step: int = 1) -> Path:
+def write_resume_checkpoint(
+    root: Path,
+    config,
+    records,
+    *,
+    rank: int = 8,
+    workers: int = 1,
+    targets: tuple[str, ...] | None = None,
+    step: int = 1,
+) -> Path:
     """A run checkpoint as GRPODriver.save writes one (PEFT adapter + trainer_state.pt + manifest), with
     zero adapter tensors for the modules `targets` select in `config`'s layout, a fresh sampler position over
     `records` and `workers` empty trainer-rank states."""
@@ -95,7 +104,9 @@ def write_resume_checkpoint(root: Path, config, records, *, rank: int = 8, worke
 
     def write(tmp: Path) -> None:
         save_peft(tmp / ckpt.ADAPTER_DIR, adapter, spec)
-        torch.save({"step": step, "sampler": PromptSampler(records).state_dict(), "workers": [{}] * workers,
-                    "config": {}}, tmp / ckpt.STATE_FILE)
+        torch.save(
+            {"step": step, "sampler": PromptSampler(records).state_dict(), "workers": [{}] * workers, "config": {}},
+            tmp / ckpt.STATE_FILE,
+        )
 
     return ckpt.save_checkpoint(root, step, write)

@@ -18,7 +18,7 @@ def test_greedy_generate_matches_argmax_of_full_forward():
             lp = model(seq).logits[:, -1].float().log_softmax(-1)
             assert torch.equal(lp.argmax(-1), tokens[:, t])
             torch.testing.assert_close(lp.max(-1).values, logps[:, t], rtol=1e-5, atol=1e-5)
-            seq = torch.cat([seq, tokens[:, t:t + 1]], dim=1)
+            seq = torch.cat([seq, tokens[:, t : t + 1]], dim=1)
 
 
 def test_greedy_generate_stops_at_eos():

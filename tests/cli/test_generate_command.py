@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from miles_k3.cli.main import main
-from miles_k3.model.generate import greedy_generate
 from miles_k3.model.assets import builtin_path
 from miles_k3.model.base import load_base
+from miles_k3.model.generate import greedy_generate
 
 MODEL = "builtin:k3-tiny-arith"
 ROWS = [[1, 5, 7], [1, 5, 9, 11, 4], [2, 3]]
@@ -57,10 +57,28 @@ def test_a_rows_sample_does_not_depend_on_the_rows_after_it(tmp_path):
 
 
 def test_prompts_and_messages_are_encoded_and_stop_at_eos(tmp_path):
-    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "12+7="}, {"messages": [{"role": "user", "content": "3*4="}]}])
+    prompts = write_jsonl(
+        tmp_path / "p.jsonl", [{"prompt": "12+7="}, {"messages": [{"role": "user", "content": "3*4="}]}]
+    )
     out = tmp_path / "out.json"
-    assert main(["generate", "--model", MODEL, "--prompts", str(prompts), "--json", str(out), "--temperature", "0",
-                 "--max-new-tokens", "40"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--model",
+                MODEL,
+                "--prompts",
+                str(prompts),
+                "--json",
+                str(out),
+                "--temperature",
+                "0",
+                "--max-new-tokens",
+                "40",
+            ]
+        )
+        == 0
+    )
     outputs = json.loads(out.read_text())["outputs"]
     assert [o["finish_reason"] for o in outputs] == ["stop", "stop"]
     assert all(isinstance(o["text"], str) and len(o["logprobs"]) == len(o["output_ids"]) for o in outputs)
@@ -71,25 +89,29 @@ def test_an_adapter_changes_the_outputs(tmp_path):
 
     adapter = write_adapter(tmp_path / "adapter", seed=1)
     base = generate(tmp_path, "--temperature", "0", "--max-new-tokens", "6", name="base.json")
-    tuned = generate(tmp_path, "--temperature", "0", "--max-new-tokens", "6", "--adapter", str(adapter),
-                     name="tuned.json")
+    tuned = generate(
+        tmp_path, "--temperature", "0", "--max-new-tokens", "6", "--adapter", str(adapter), name="tuned.json"
+    )
     assert [o["logprobs"] for o in base] != [o["logprobs"] for o in tuned]
 
 
-@pytest.mark.parametrize("lines, flags, needle", [
-    (['{"input_ids": [1, 2]}', "not json"], (), "line 2: malformed JSON"),
-    (['{"ids": [1, 2]}'], (), "line 1: input_ids must be a non-empty list of integers"),
-    (['{"input_ids": []}'], (), "line 1: input_ids must be a non-empty list"),
-    (['{"input_ids": [1, 100000]}'], (), "row 1: token id 100000 is outside the model's vocabulary"),
-    (['[1, 2]'], (), "line 1: expected a JSON object"),
-    ([], (), "no rows"),
-    (['{"input_ids": [1]}'], ("--dcp", "2"), "--dcp 2 must divide --tp 1"),
-    (['{"input_ids": [1]}'], ("--ep",), "--ep needs --tp > 1"),
-    (['{"input_ids": [1]}'], ("--speculative", "dspark"), "--speculative dspark and --drafter go together"),
-    (['{"input_ids": [1]}'], ("--speculative", "dspark", "--drafter", "/nonexistent"), "--drafter /nonexistent"),
-    (['{"input_ids": [1]}'], ("--max-new-tokens", "0"), "SamplingParams.max_new_tokens"),
-    (['{"input_ids": [1, 2, 3]}'], ("--max-seq-len", "4", "--max-new-tokens", "2"), "exceed the engine's max"),
-])
+@pytest.mark.parametrize(
+    "lines, flags, needle",
+    [
+        (['{"input_ids": [1, 2]}', "not json"], (), "line 2: malformed JSON"),
+        (['{"ids": [1, 2]}'], (), "line 1: input_ids must be a non-empty list of integers"),
+        (['{"input_ids": []}'], (), "line 1: input_ids must be a non-empty list"),
+        (['{"input_ids": [1, 100000]}'], (), "row 1: token id 100000 is outside the model's vocabulary"),
+        (["[1, 2]"], (), "line 1: expected a JSON object"),
+        ([], (), "no rows"),
+        (['{"input_ids": [1]}'], ("--dcp", "2"), "--dcp 2 must divide --tp 1"),
+        (['{"input_ids": [1]}'], ("--ep",), "--ep needs --tp > 1"),
+        (['{"input_ids": [1]}'], ("--speculative", "dspark"), "--speculative dspark and --drafter go together"),
+        (['{"input_ids": [1]}'], ("--speculative", "dspark", "--drafter", "/nonexistent"), "--drafter /nonexistent"),
+        (['{"input_ids": [1]}'], ("--max-new-tokens", "0"), "SamplingParams.max_new_tokens"),
+        (['{"input_ids": [1, 2, 3]}'], ("--max-seq-len", "4", "--max-new-tokens", "2"), "exceed the engine's max"),
+    ],
+)
 def test_bad_input_is_one_line_naming_it(tmp_path, capsys, lines, flags, needle):
     ids = tmp_path / "ids.jsonl"
     ids.write_text("".join(line + "\n" for line in lines))
@@ -135,8 +157,15 @@ def test_speculative_decoding_is_lossless_through_the_command(tmp_path):
 
     config, _ = load_base(builtin_path(MODEL))
     torch.manual_seed(0)
-    DSparkDrafter(DSparkConfig(target_layers=(0, config.num_hidden_layers - 1), hidden_size=config.hidden_size,
-                               vocab_size=config.vocab_size, block_size=3, context_window=16)).save(tmp_path / "dr")
+    DSparkDrafter(
+        DSparkConfig(
+            target_layers=(0, config.num_hidden_layers - 1),
+            hidden_size=config.hidden_size,
+            vocab_size=config.vocab_size,
+            block_size=3,
+            context_window=16,
+        )
+    ).save(tmp_path / "dr")
     flags = ("--temperature", "0", "--max-new-tokens", "8")
     plain = generate(tmp_path, *flags, name="plain.json")
     speculative = ("--speculative", "dspark", "--drafter", str(tmp_path / "dr"), "--gamma", "3")

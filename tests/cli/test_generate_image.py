@@ -16,16 +16,13 @@ from miles_k3.data.media import IMAGE_PLACEHOLDER
 from tests.vl_checkpoint import write_png, write_vl_checkpoint
 
 
-
-
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
     return write_vl_checkpoint(tmp_path_factory.mktemp("vl") / "ckpt")
 
 
 @torch.no_grad()
-def reference(ckpt: Path, prompt: str, images: list[Path], n: int, chat: bool = False
-              ) -> tuple[list[int], list[float]]:
+def reference(ckpt: Path, prompt: str, images: list[Path], n: int, chat: bool = False) -> tuple[list[int], list[float]]:
     """The checkpoint's pieces by hand: processor, XTML expansion, tokenizer, tower, then the text model fed
     the features at the pads (`MediaEmbeds`), greedy."""
     from miles_k3.data.image_processor import ImageProcessor
@@ -52,8 +49,29 @@ def generate(tmp_path: Path, ckpt: Path, rows: list[dict], *flags: str) -> list[
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "out.json"
-    assert main(["generate", "--model", str(ckpt), "--prompts", str(prompts), "--json", str(out), "--temperature",
-                 "0", "--quantize", "none", "--max-new-tokens", "6", "--tokenizer", "hf", *flags]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--model",
+                str(ckpt),
+                "--prompts",
+                str(prompts),
+                "--json",
+                str(out),
+                "--temperature",
+                "0",
+                "--quantize",
+                "none",
+                "--max-new-tokens",
+                "6",
+                "--tokenizer",
+                "hf",
+                *flags,
+            ]
+        )
+        == 0
+    )
     return json.loads(out.read_text())["outputs"]
 
 
@@ -73,20 +91,31 @@ def test_an_image_prompt_equals_the_reference_and_depends_on_the_image(tmp_path,
     assert pair["output_ids"] == reference(checkpoint, both, [one, two], 6)[0]
 
 
-@pytest.mark.parametrize("rows, flags, needle", [
-    ([{"prompt": "how many ?"}], ("--image", "{png}"), "line 1: prompt has 0 image placeholder(s)"),
-    ([{"messages": [{"role": "user", "content": "?"}]}], ("--image", "{png}"), "line 1: the messages hold 0"),
-    ([{"prompt": f"{IMAGE_PLACEHOLDER} ?"}], ("--image", "{missing}"), "--image"),
-    ([{"prompt": f"{IMAGE_PLACEHOLDER} ?"}], ("--image", "{notpng}"), "notpng"),
-])
+@pytest.mark.parametrize(
+    "rows, flags, needle",
+    [
+        ([{"prompt": "how many ?"}], ("--image", "{png}"), "line 1: prompt has 0 image placeholder(s)"),
+        ([{"messages": [{"role": "user", "content": "?"}]}], ("--image", "{png}"), "line 1: the messages hold 0"),
+        ([{"prompt": f"{IMAGE_PLACEHOLDER} ?"}], ("--image", "{missing}"), "--image"),
+        ([{"prompt": f"{IMAGE_PLACEHOLDER} ?"}], ("--image", "{notpng}"), "notpng"),
+    ],
+)
 def test_bad_image_input_is_one_line_naming_it(tmp_path, checkpoint, capsys, rows, flags, needle):
     png, notpng = write_png(tmp_path / "a.png", 3), tmp_path / "notpng.png"
     notpng.write_text("not an image")
     paths = {"png": png, "missing": tmp_path / "missing.png", "notpng": notpng}
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    argv = ["generate", "--model", str(checkpoint), "--prompts", str(prompts), "--tokenizer", "hf",
-            *(f.format(**paths) for f in flags)]
+    argv = [
+        "generate",
+        "--model",
+        str(checkpoint),
+        "--prompts",
+        str(prompts),
+        "--tokenizer",
+        "hf",
+        *(f.format(**paths) for f in flags),
+    ]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and needle in err[0], err

@@ -13,10 +13,24 @@ def test_one_step_on_a_saved_checkpoint_with_its_tokenizer(tmp_path):
     ckpt = write_checkpoint(tmp_path / "ckpt")
     data = write_prompts(tmp_path / "prompts.jsonl", spaced_arithmetic(8))
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "miles_k3.cli.train", "model=hf_checkpoint", f"model.path={ckpt}",
-           f"data.path={data}", "data.eval_path=null", "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2",
-           "rollout.max_new_tokens=3", "algo.dynamic_sampling=false", "trainer.max_steps=1", "logging.wandb=disabled",
-           "logging.progress=false", "cluster.threads_per_worker=1", f"hydra.run.dir={run}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "miles_k3.cli.train",
+        "model=hf_checkpoint",
+        f"model.path={ckpt}",
+        f"data.path={data}",
+        "data.eval_path=null",
+        "rollout.prompts_per_step=2",
+        "rollout.samples_per_prompt=2",
+        "rollout.max_new_tokens=3",
+        "algo.dynamic_sampling=false",
+        "trainer.max_steps=1",
+        "logging.wandb=disabled",
+        "logging.progress=false",
+        "cluster.threads_per_worker=1",
+        f"hydra.run.dir={run}",
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "WANDB_SILENT": "true"})
     assert out.returncode == 0, out.stderr[-3000:]
     (row,) = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

@@ -28,9 +28,16 @@ from tests.cli.fixtures import run_cli, spaced_arithmetic, write_checkpoint, wri
 
 ASSET = Path(__file__).resolve().parents[2] / "miles_k3" / "assets" / "k3-tiny-arith"
 REPO = Path(__file__).resolve().parents[2]
-BASE = ["recipe=k3_grpo", "logging.wandb=disabled", "logging.progress=false", "cluster.threads_per_worker=1",
-        "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "trainer.max_steps=1",
-        "data.eval_max_prompts=2"]
+BASE = [
+    "recipe=k3_grpo",
+    "logging.wandb=disabled",
+    "logging.progress=false",
+    "cluster.threads_per_worker=1",
+    "rollout.prompts_per_step=2",
+    "rollout.samples_per_prompt=2",
+    "trainer.max_steps=1",
+    "data.eval_max_prompts=2",
+]
 PLUGINS = "tests.cli.plugins.bad_rewards"
 
 # (case id, overrides ({d}: the directory of malformed inputs), text the one line must contain)
@@ -81,14 +88,23 @@ CASES = [
     ("lora-dropout-one", ["lora.dropout=1.0"], "lora.dropout"),
     ("lora-targets-empty", ["lora.targets=[]"], "lora.targets"),
     ("lora-targets-bad-regex", ["lora.targets=['q_proj(']"], "lora.targets"),
-    ("pipeline-split-sum", ["parallel.pp=2", "cluster.num_workers=2", "parallel.pp_layers=[1,2]"],
-     "parallel: pp_layers: [1, 2] sum to 3, but the model has 6 layers"),
+    (
+        "pipeline-split-sum",
+        ["parallel.pp=2", "cluster.num_workers=2", "parallel.pp_layers=[1,2]"],
+        "parallel: pp_layers: [1, 2] sum to 3, but the model has 6 layers",
+    ),
     ("pipeline-more-stages-than-layers", ["parallel.pp=8", "cluster.num_workers=8"], "pp_layers"),
-    ("experts-over-ep", ["parallel.ep=3", "parallel.dp=3", "cluster.num_workers=3", "rollout.prompts_per_step=3"],
-     "num_experts=16 is not divisible by the expert-parallel size 3"),
+    (
+        "experts-over-ep",
+        ["parallel.ep=3", "parallel.dp=3", "cluster.num_workers=3", "rollout.prompts_per_step=3"],
+        "num_experts=16 is not divisible by the expert-parallel size 3",
+    ),
     ("ep-with-tp", ["parallel.ep=2", "parallel.tp=2", "cluster.num_workers=2"], "parallel.ep needs parallel.tp=1"),
-    ("layout-world-mismatch", ["parallel.pp=2", "parallel.dp=2", "cluster.num_workers=2"],
-     "cluster.num_workers must equal the layout's world size"),
+    (
+        "layout-world-mismatch",
+        ["parallel.pp=2", "parallel.dp=2", "cluster.num_workers=2"],
+        "cluster.num_workers must equal the layout's world size",
+    ),
     ("tp-without-workers", ["parallel.tp=2"], "cluster.num_workers"),
     ("sp-without-tp", ["parallel.sp=true"], "parallel.sp"),
     ("device-unknown", ["cluster.device=tpu"], "cluster.device"),
@@ -124,10 +140,16 @@ CASES = [
     ("safetensors-truncated", ["model.path={d}/ckpt_truncated"], "model.path"),
     ("no-safetensors", ["model.path={d}/ckpt_no_tensors"], "safetensors"),
     ("index-missing-shard", ["model.path={d}/ckpt_index_missing_shard"], "model.safetensors.index.json"),
-    ("hf-tokenizer-missing", ["model=hf_checkpoint", "model.path={d}/hf_no_tokenizer",
-                              "data.path={d}/spaced.jsonl", "data.eval_path=null"], "model.tokenizer"),
-    ("tokenizer-not-the-models", ["model=hf_checkpoint", "model.path={d}/hf_vocab8", "data.path={d}/spaced.jsonl",
-                                  "data.eval_path=null"], "outside the model's vocabulary (8)"),
+    (
+        "hf-tokenizer-missing",
+        ["model=hf_checkpoint", "model.path={d}/hf_no_tokenizer", "data.path={d}/spaced.jsonl", "data.eval_path=null"],
+        "model.tokenizer",
+    ),
+    (
+        "tokenizer-not-the-models",
+        ["model=hf_checkpoint", "model.path={d}/hf_vocab8", "data.path={d}/spaced.jsonl", "data.eval_path=null"],
+        "outside the model's vocabulary (8)",
+    ),
     # --- datasets (data.path, data.eval_path) ---
     ("data-missing", ["data.path=/no/such.jsonl"], "/no/such.jsonl"),
     ("data-not-jsonl", ["data.path={d}/csv_rows.jsonl"], "csv_rows.jsonl line 1"),
@@ -141,8 +163,11 @@ CASES = [
     ("data-prompt-too-long", ["data.path={d}/long.jsonl"], "long.jsonl record 0"),
     ("eval-data-bad-row", ["data.eval_path={d}/no_prompt.jsonl"], "data.eval_path"),
     ("parquet-garbage", ["data.path={d}/garbage.parquet"], "garbage.parquet"),
-    ("drop-last-too-few-rows", ["data.path={d}/three_rows.jsonl", "data.drop_last=true",
-                                "rollout.prompts_per_step=4"], "data.drop_last"),
+    (
+        "drop-last-too-few-rows",
+        ["data.path={d}/three_rows.jsonl", "data.drop_last=true", "rollout.prompts_per_step=4"],
+        "data.drop_last",
+    ),
     # --- reward plugins (reward.fn) ---
     ("plugin-module-missing", ["reward.fn=no_such_module:score"], "reward.fn"),
     ("plugin-attribute-missing", ["reward.fn=os.path:not_there"], "reward.fn"),
@@ -179,8 +204,10 @@ def bad(tmp_path_factory) -> Path:
     (_copy_asset(d, "ckpt_config_llama") / "config.json").write_text(json.dumps({"model_type": "llama"}))
     tensors = load_file(str(ASSET / "model.safetensors"))
     norm = next(k for k in tensors if k.endswith("model.norm.weight"))  # stored names may carry a prefix
-    save_file({k: v for k, v in tensors.items() if k != norm},
-              str(_copy_asset(d, "ckpt_tensor_missing") / "model.safetensors"))
+    save_file(
+        {k: v for k, v in tensors.items() if k != norm},
+        str(_copy_asset(d, "ckpt_tensor_missing") / "model.safetensors"),
+    )
     emb = next(k for k in tensors if k.endswith("model.embed_tokens.weight"))
     save_file({**tensors, emb: torch.zeros(3, 3)}, str(_copy_asset(d, "ckpt_tensor_shape") / "model.safetensors"))
     (_copy_asset(d, "ckpt_corrupt") / "model.safetensors").write_bytes(os.urandom(4096))
@@ -188,8 +215,9 @@ def bad(tmp_path_factory) -> Path:
     truncated.write_bytes(truncated.read_bytes()[: truncated.stat().st_size // 2])
     (_copy_asset(d, "ckpt_no_tensors") / "model.safetensors").unlink()
     index = _copy_asset(d, "ckpt_index_missing_shard")
-    (index / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {k: "shard-2.safetensors"
-                                                                                   for k in tensors}}))
+    (index / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {k: "shard-2.safetensors" for k in tensors}})
+    )
     write_checkpoint(d / "hf_no_tokenizer", tokenizer=False)
     write_checkpoint(d / "hf_vocab8", vocab_size=8)  # the tokenizer's 19 ids do not fit
     write_prompts(d / "spaced.jsonl", spaced_arithmetic(4))
@@ -219,8 +247,12 @@ def _argv(case_overrides: list[str], d: Path, run_dir: Path) -> list[str]:
     """BASE, a small train / held-out split (reading 20,000 prompts per case would dominate the test's time)
     and the run directory, each unless the case sets that key itself, then the case's overrides."""
     overrides = [o.format(d=d) for o in case_overrides]
-    defaults = [*BASE, f"data.path={d}/small_train.jsonl", f"data.eval_path={d}/small_heldout.jsonl",
-                f"hydra.run.dir={run_dir}"]
+    defaults = [
+        *BASE,
+        f"data.path={d}/small_train.jsonl",
+        f"data.eval_path={d}/small_heldout.jsonl",
+        f"hydra.run.dir={run_dir}",
+    ]
     mine = {o.split("=", 1)[0] for o in overrides}
     return [o for o in defaults if o.split("=", 1)[0] not in mine] + overrides
 
@@ -266,6 +298,12 @@ def test_as_a_subprocess(bad, tmp_path, case):
     script = Path(sys.executable).with_name("miles-train")
     cmd = [str(script)] if script.exists() else [sys.executable, "-m", "miles_k3.cli.train"]
     env = {**os.environ, "PYTHONPATH": str(REPO), "WANDB_SILENT": "true"}  # the checkout under test
-    out = subprocess.run([*cmd, *_argv(overrides, bad, tmp_path / "run")], capture_output=True, text=True,
-                         timeout=300, cwd=tmp_path, env=env)
+    out = subprocess.run(
+        [*cmd, *_argv(overrides, bad, tmp_path / "run")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env=env,
+    )
     _check(out.returncode, out.stderr, expected)

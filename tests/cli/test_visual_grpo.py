@@ -8,9 +8,18 @@ import os
 import subprocess
 import sys
 
-SMALL = ["recipe=k3_grpo_squares", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4", "trainer.max_steps=2",
-         "trainer.eval_every=2", "trainer.save_every=2", "data.eval_max_prompts=16", "logging.wandb=disabled",
-         "logging.progress=false", "cluster.threads_per_worker=1"]
+SMALL = [
+    "recipe=k3_grpo_squares",
+    "rollout.prompts_per_step=4",
+    "rollout.samples_per_prompt=4",
+    "trainer.max_steps=2",
+    "trainer.eval_every=2",
+    "trainer.save_every=2",
+    "data.eval_max_prompts=16",
+    "logging.wandb=disabled",
+    "logging.progress=false",
+    "cluster.threads_per_worker=1",
+]
 
 
 def test_two_steps_of_the_visual_recipe(tmp_path):

@@ -13,9 +13,11 @@ from miles_k3.data.hf_chat import TemplatedPrompts, hf_chat_renderer
 
 ASSET = Path(__file__).resolve().parents[2] / "miles_k3" / "assets" / "k3-tiny-arith"
 # ChatML as ChatML tokenizers ship it (each message, then the generation prompt); written here, not fetched
-CHATML_JINJA = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + "
-                "'<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
-                "{% endif %}")
+CHATML_JINJA = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+    "'<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{% endif %}"
+)
 WORDS = ["hi", "be", "brief", "what", "is", "2+2", "4", "ok", "system", "user", "assistant", "S"]
 
 
@@ -32,8 +34,13 @@ def write_tokenizer(d: Path, template: str | None, bos: bool = False) -> Path:
     if bos:
         tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
     tok.save(str(d / "tokenizer.json"))
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "<unk>", "eos_token": "<|im_end|>",
-              "bos_token": "<s>", "additional_special_tokens": ["<|im_start|>"]}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "unk_token": "<unk>",
+        "eos_token": "<|im_end|>",
+        "bos_token": "<s>",
+        "additional_special_tokens": ["<|im_start|>"],
+    }
     if template is not None:
         config["chat_template"] = template
     (d / "tokenizer_config.json").write_text(json.dumps(config))
@@ -56,10 +63,23 @@ PROMPTS = [
     ("what is 2+2", None),
     ("what is 2+2", "be brief"),
     ([{"role": "user", "content": "hi"}], None),
-    ([{"role": "system", "content": "S"}, {"role": "user", "content": "hi"},
-      {"role": "assistant", "content": "ok"}, {"role": "user", "content": "what is 2+2"}], "be brief"),
-    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"},
-      {"role": "user", "content": "what is 2+2"}], "be brief"),
+    (
+        [
+            {"role": "system", "content": "S"},
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "ok"},
+            {"role": "user", "content": "what is 2+2"},
+        ],
+        "be brief",
+    ),
+    (
+        [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "ok"},
+            {"role": "user", "content": "what is 2+2"},
+        ],
+        "be brief",
+    ),
 ]
 
 
@@ -73,17 +93,27 @@ def test_builtin_chatml_agrees_with_a_chatml_tokenizers_own_template(tmp_path, r
 def test_hf_template_renders_the_dataset_and_prompts_encode_without_a_second_bos(tmp_path):
     template = "{{ bos_token }}" + CHATML_JINJA  # the template writes the BOS itself
     hf = load(write_tokenizer(tmp_path / "tok", template, bos=True))
-    rows = [{"prompt": "what is 2+2", "label": 4},
-            {"prompt": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"},
-                        {"role": "user", "content": "what is 2+2"}], "label": 4}]
+    rows = [
+        {"prompt": "what is 2+2", "label": 4},
+        {
+            "prompt": [
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "ok"},
+                {"role": "user", "content": "what is 2+2"},
+            ],
+            "label": 4,
+        },
+    ]
     path = tmp_path / "p.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    records = load_prompts(PromptDataConfig(path=str(path), chat_template="hf", system_prompt="be brief"),
-                           hf_chat_renderer(hf, "tok"))
+    records = load_prompts(
+        PromptDataConfig(path=str(path), chat_template="hf", system_prompt="be brief"), hf_chat_renderer(hf, "tok")
+    )
     for rec, row in zip(records, rows):
         msgs = row["prompt"] if isinstance(row["prompt"], list) else [{"role": "user", "content": row["prompt"]}]
-        want = hf.apply_chat_template([{"role": "system", "content": "be brief"}] + msgs, tokenize=False,
-                                      add_generation_prompt=True)
+        want = hf.apply_chat_template(
+            [{"role": "system", "content": "be brief"}] + msgs, tokenize=False, add_generation_prompt=True
+        )
         assert rec.prompt == want and rec.prompt.startswith("<s><|im_start|>system\nbe brief<|im_end|>")
 
     from miles_k3.data.tokenizers import HFTokenizer
@@ -119,8 +149,13 @@ def test_run_inputs_render_with_the_checkpoints_own_template(tmp_path):
     write_tokenizer(ckpt, "{{ bos_token }}" + CHATML_JINJA, bos=True)
     path = tmp_path / "p.jsonl"
     path.write_text(json.dumps({"prompt": [{"role": "user", "content": "what is 2+2"}], "label": 4}) + "\n")
-    base = [f"model.path={ckpt}", "model.tokenizer=hf", f"data.path={path}", "data.eval_path=null",
-            "rollout.prompts_per_step=1"]
+    base = [
+        f"model.path={ckpt}",
+        "model.tokenizer=hf",
+        f"data.path={path}",
+        "data.eval_path=null",
+        "rollout.prompts_per_step=1",
+    ]
     rc = resolve(composed("recipe=k3_grpo", *base, "data.chat_template=hf"))
     inputs = load_run_inputs(rc, tmp_path / "run", weights="skip")
     (rec,) = inputs.train
@@ -133,5 +168,6 @@ def test_run_inputs_render_with_the_checkpoints_own_template(tmp_path):
         resolve(composed("recipe=k3_grpo", "data.chat_template=hf"))
     write_tokenizer(ckpt, None, bos=True)  # no template in the checkpoint
     with pytest.raises(ValueError, match=r"^data.chat_template: 'hf', but the tokenizer in .* has no chat template"):
-        load_run_inputs(resolve(composed("recipe=k3_grpo", *base, "data.chat_template=hf")), tmp_path / "run",
-                        weights="skip")
+        load_run_inputs(
+            resolve(composed("recipe=k3_grpo", *base, "data.chat_template=hf")), tmp_path / "run", weights="skip"
+        )

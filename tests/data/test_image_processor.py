@@ -9,17 +9,33 @@ import pytest
 import torch
 from PIL import Image
 
-from miles_k3.data.image_processor import (PREPROCESSOR_CONFIG, ImageProcessor, ImageProcessorConfig,
-                                           TransparentBackground, content_hash)
+from miles_k3.data.image_processor import (
+    PREPROCESSOR_CONFIG,
+    ImageProcessor,
+    ImageProcessorConfig,
+    TransparentBackground,
+    content_hash,
+)
 
 # The published K3 checkpoint's media_proc_cfg (preprocessor_config.json), keys as it writes them.
 K3_MEDIA_PROC_CFG = {
-    "in_patch_limit": 65536, "patch_size": 14, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
-    "merge_kernel_size": 2, "fixed_output_tokens": None, "patch_limit_on_one_side": 512,
-    "in_patch_limit_each_frame": 16384, "sample_fps": 8.0, "temporal_merge_kernel_size": 4,
-    "transparent_bg_config": {"pattern": "chessboard", "chessboard_square_size": 8,
-                              "chessboard_square_on_top_left": True, "chessboard_white_value": 255,
-                              "chessboard_gray_value": 180},
+    "in_patch_limit": 65536,
+    "patch_size": 14,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+    "merge_kernel_size": 2,
+    "fixed_output_tokens": None,
+    "patch_limit_on_one_side": 512,
+    "in_patch_limit_each_frame": 16384,
+    "sample_fps": 8.0,
+    "temporal_merge_kernel_size": 4,
+    "transparent_bg_config": {
+        "pattern": "chessboard",
+        "chessboard_square_size": 8,
+        "chessboard_square_on_top_left": True,
+        "chessboard_white_value": 255,
+        "chessboard_gray_value": 180,
+    },
     "transparent_bg_fill_stage": "after_resize",
     "config_type": "media_proc.processors.moonvit.MoonViTMediaProcessorConfig",
 }
@@ -27,8 +43,14 @@ K3 = ImageProcessorConfig.from_media_proc_cfg(K3_MEDIA_PROC_CFG)
 
 
 def small(**kw):
-    base = dict(patch_size=14, merge_kernel_size=2, in_patch_limit=16, patch_limit_on_one_side=512,
-                image_mean=(0.5, 0.5, 0.5), image_std=(0.5, 0.5, 0.5))
+    base = dict(
+        patch_size=14,
+        merge_kernel_size=2,
+        in_patch_limit=16,
+        patch_limit_on_one_side=512,
+        image_mean=(0.5, 0.5, 0.5),
+        image_std=(0.5, 0.5, 0.5),
+    )
     return ImageProcessorConfig(**{**base, **kw})
 
 
@@ -39,6 +61,7 @@ def png_bytes(img):
 
 
 # --- the resize rule, by hand ---
+
 
 def test_sides_not_multiples_of_the_patch_are_padded_to_the_merge_grid():
     # 225x223: 16 x 15 = 240 patches, far under 65536; one side cap 512 * 14 = 7168: scale 1, no resize.
@@ -85,6 +108,7 @@ def test_a_non_square_merge_kernel():
 
 
 # --- pixels ---
+
 
 def test_constant_colour_normalizes_per_channel_and_padding_is_normalized_black():
     mean, std = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
@@ -158,6 +182,7 @@ def test_transparency_composites_onto_the_configured_background():
 
 # --- bad images ---
 
+
 def test_a_corrupt_or_missing_image_fails_in_one_line_naming_it(tmp_path):
     proc = ImageProcessor(K3)
     with pytest.raises(ValueError, match=r"^image bytes \(12 bytes\): not a readable image") as e:
@@ -184,15 +209,20 @@ def test_jpeg_and_palette_images_process_to_rgb():
     assert abs(float(out.pixel_values[0, 0, 0, 0]) - (250 / 255 * 2 - 1)) < 0.05  # lossy, close to red
     pal = Image.new("P", (28, 28), 0)
     pal.putpalette([0, 200, 0] + [0] * 765)
-    assert torch.allclose(ImageProcessor(K3).process(pal).pixel_values[0, :, 0, 0],
-                          torch.tensor([-1.0, 200 / 255 * 2 - 1, -1.0]), atol=1e-6)
+    assert torch.allclose(
+        ImageProcessor(K3).process(pal).pixel_values[0, :, 0, 0],
+        torch.tensor([-1.0, 200 / 255 * 2 - 1, -1.0]),
+        atol=1e-6,
+    )
 
 
 # --- the config file ---
 
+
 def test_from_pretrained_reads_the_published_file_and_round_trips(tmp_path):
-    (tmp_path / PREPROCESSOR_CONFIG).write_text(json.dumps({"media_proc_cfg": K3_MEDIA_PROC_CFG,
-                                                            "processor_class": "KimiK3Processor"}))
+    (tmp_path / PREPROCESSOR_CONFIG).write_text(
+        json.dumps({"media_proc_cfg": K3_MEDIA_PROC_CFG, "processor_class": "KimiK3Processor"})
+    )
     c = ImageProcessorConfig.from_pretrained(tmp_path)
     assert c == K3 and c.merge_kernel_size == (2, 2) and c.transparent_bg.chessboard_gray_value == 180
     assert ImageProcessor.from_pretrained(tmp_path).num_tokens(225, 223) == 72
@@ -200,18 +230,21 @@ def test_from_pretrained_reads_the_published_file_and_round_trips(tmp_path):
     assert ImageProcessorConfig.from_pretrained(tmp_path / "copy") == c
 
 
-@pytest.mark.parametrize("edit, match", [
-    (lambda d: d.pop("patch_size"), r"media_proc_cfg\.patch_size: missing"),
-    (lambda d: d.update(patch_size="14"), r"media_proc_cfg\.patch_size must be an int >= 1, got '14'"),
-    (lambda d: d.update(merge_kernel_size=[2, 0]), r"media_proc_cfg\.merge_kernel_size must be"),
-    (lambda d: d.update(image_std=[0.5, 0, 0.5]), r"media_proc_cfg\.image_std must be > 0"),
-    (lambda d: d.update(image_mean=[0.5, 0.5]), r"media_proc_cfg\.image_mean must be three numbers"),
-    (lambda d: d.update(fixed_output_tokens=64), r"media_proc_cfg\.fixed_output_tokens is not supported"),
-    (lambda d: d.update(transparent_bg_fill_stage="later"), r"transparent_bg_fill_stage must be one of"),
-    (lambda d: d.update(resize_mode="crop"), r"media_proc_cfg\.resize_mode: not a setting this processor knows"),
-    (lambda d: d["transparent_bg_config"].update(pattern="stripes"), r"transparent_bg_config\.pattern must be"),
-    (lambda d: d["transparent_bg_config"].update(tint=1), r"transparent_bg_config: unknown key 'tint'"),
-])
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (lambda d: d.pop("patch_size"), r"media_proc_cfg\.patch_size: missing"),
+        (lambda d: d.update(patch_size="14"), r"media_proc_cfg\.patch_size must be an int >= 1, got '14'"),
+        (lambda d: d.update(merge_kernel_size=[2, 0]), r"media_proc_cfg\.merge_kernel_size must be"),
+        (lambda d: d.update(image_std=[0.5, 0, 0.5]), r"media_proc_cfg\.image_std must be > 0"),
+        (lambda d: d.update(image_mean=[0.5, 0.5]), r"media_proc_cfg\.image_mean must be three numbers"),
+        (lambda d: d.update(fixed_output_tokens=64), r"media_proc_cfg\.fixed_output_tokens is not supported"),
+        (lambda d: d.update(transparent_bg_fill_stage="later"), r"transparent_bg_fill_stage must be one of"),
+        (lambda d: d.update(resize_mode="crop"), r"media_proc_cfg\.resize_mode: not a setting this processor knows"),
+        (lambda d: d["transparent_bg_config"].update(pattern="stripes"), r"transparent_bg_config\.pattern must be"),
+        (lambda d: d["transparent_bg_config"].update(tint=1), r"transparent_bg_config: unknown key 'tint'"),
+    ],
+)
 def test_a_bad_field_fails_by_name_in_one_line(tmp_path, edit, match):
     cfg = json.loads(json.dumps(K3_MEDIA_PROC_CFG))
     edit(cfg)

@@ -37,8 +37,10 @@ def test_load_with_defaults_keeps_other_keys_as_metadata(tmp_path, fmt):
 
 @pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
 def test_custom_keys_and_selected_metadata(tmp_path, fmt):
-    rows = [{"question": "q0", "answer": "x", "id": 7, "junk": [1]}, {"question": "q1", "answer": "y", "id": 8,
-                                                                       "junk": [2]}]
+    rows = [
+        {"question": "q0", "answer": "x", "id": 7, "junk": [1]},
+        {"question": "q1", "answer": "y", "id": 8, "junk": [2]},
+    ]
     path = (write_jsonl if fmt == "jsonl" else write_parquet)(tmp_path / f"d.{fmt}", rows)
     c = PromptDataConfig(path=path, prompt_key="question", label_key="answer", metadata_keys=["id"])
     assert c.metadata_keys == ("id",) and isinstance(c.path, str)
@@ -67,28 +69,32 @@ def test_parquet_message_lists(tmp_path):
 
 # --- config validation: ValueError names the field ---
 
-@pytest.mark.parametrize("kwargs, field", [
-    ({"path": "d.csv"}, "path"),
-    ({"path": "d"}, "path"),
-    ({"path": ""}, "path"),
-    ({"prompt_key": ""}, "prompt_key"),
-    ({"label_key": ""}, "label_key"),
-    ({"label_key": "prompt"}, "label_key"),
-    ({"metadata_keys": "src"}, "metadata_keys"),
-    ({"metadata_keys": ("a", "a")}, "metadata_keys"),
-    ({"metadata_keys": ("prompt",)}, "metadata_keys"),
-    ({"metadata_keys": (1,)}, "metadata_keys"),
-    ({"chat_template": "llama3"}, "chat_template"),
-    ({"chat_template": "Q: {question}"}, "chat_template"),
-    ({"chat_template": "Q: {prompt"}, "chat_template"),
-    ({"chat_template": "{prompt!r}"}, "chat_template"),
-    ({"system_prompt": "be brief"}, "system_prompt"),
-    ({"chat_template": "Q: {prompt}", "system_prompt": "be brief"}, "system_prompt"),
-    ({"shuffle": "yes"}, "shuffle"),
-    ({"drop_last": 1}, "drop_last"),
-    ({"seed": 1.5}, "seed"),
-    ({"seed": True}, "seed"),
-])
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"path": "d.csv"}, "path"),
+        ({"path": "d"}, "path"),
+        ({"path": ""}, "path"),
+        ({"prompt_key": ""}, "prompt_key"),
+        ({"label_key": ""}, "label_key"),
+        ({"label_key": "prompt"}, "label_key"),
+        ({"metadata_keys": "src"}, "metadata_keys"),
+        ({"metadata_keys": ("a", "a")}, "metadata_keys"),
+        ({"metadata_keys": ("prompt",)}, "metadata_keys"),
+        ({"metadata_keys": (1,)}, "metadata_keys"),
+        ({"chat_template": "llama3"}, "chat_template"),
+        ({"chat_template": "Q: {question}"}, "chat_template"),
+        ({"chat_template": "Q: {prompt"}, "chat_template"),
+        ({"chat_template": "{prompt!r}"}, "chat_template"),
+        ({"system_prompt": "be brief"}, "system_prompt"),
+        ({"chat_template": "Q: {prompt}", "system_prompt": "be brief"}, "system_prompt"),
+        ({"shuffle": "yes"}, "shuffle"),
+        ({"drop_last": 1}, "drop_last"),
+        ({"seed": 1.5}, "seed"),
+        ({"seed": True}, "seed"),
+    ],
+)
 def test_config_errors_name_the_field(kwargs, field):
     kwargs = {"path": "d.jsonl", **kwargs}
     with pytest.raises(ValueError, match=rf"^PromptDataConfig\.{field}\b"):
@@ -104,6 +110,7 @@ def test_config_is_frozen_and_format_from_suffix():
 
 # --- load errors: file, line/row and key ---
 
+
 def load_jsonl_text(tmp_path, text, **kw):
     path = tmp_path / "d.jsonl"
     path.write_text(text, encoding="utf-8")
@@ -115,30 +122,48 @@ def test_missing_file(tmp_path):
         load_prompts(PromptDataConfig(path=str(tmp_path / "nope.jsonl")))
 
 
-@pytest.mark.parametrize("text, kw, pattern", [
-    ('{"prompt": "a", "label": 1}\n{"prompt": "b", "label": }\n', {}, r"d\.jsonl line 2: malformed JSON"),
-    ('{"prompt": "a", "label": 1}\n\n[1, 2]\n', {}, r"line 3: expected a JSON object, got list"),
-    ('{"prompt": "a", "label": 1}\n{"text": "b", "label": 2}\n', {}, r"line 2: missing prompt key 'prompt'"),
-    ('{"prompt": 5, "label": 1}\n', {}, r"line 1: key 'prompt': must be a string or a list .* got int"),
-    ('{"prompt": null, "label": 1}\n', {}, r"line 1: key 'prompt': .* got NoneType"),
-    ('{"prompt": "", "label": 1}\n', {}, r"line 1: key 'prompt': empty string"),
-    ('{"q": "a"}\n', {"prompt_key": "q"}, r"line 1: missing label key 'label'"),
-    ('{"prompt": "a", "label": null}\n', {}, r"line 1: label key 'label' is null"),
-    ('{"prompt": "a", "label": 1}\n', {"metadata_keys": ("id",)}, r"line 1: missing metadata key 'id'"),
-    ('{"prompt": [{"role": "user", "content": "hi"}], "label": 1}\n', {},
-     r"line 1: key 'prompt': a chat-message list needs chat_template='chatml'"),
-    ('{"prompt": [{"role": "user", "content": "hi"}], "label": 1}\n', {"chat_template": "Q: {prompt}"},
-     r"line 1: key 'prompt': a chat-message list needs"),
-    ('{"prompt": [], "label": 1}\n', {"chat_template": "chatml"}, r"line 1: key 'prompt': empty message list"),
-    ('{"prompt": [{"role": "bot", "content": "hi"}], "label": 1}\n', {"chat_template": "chatml"},
-     r"line 1: key 'prompt': message 0 has role 'bot'"),
-    ('{"prompt": [{"role": "user", "content": 3}], "label": 1}\n', {"chat_template": "chatml"},
-     r"line 1: key 'prompt': message 0 content must be a string"),
-    ('{"prompt": ["hi"], "label": 1}\n', {"chat_template": "chatml"}, r"line 1: key 'prompt': message 0 must be"),
-    ('{"prompt": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}], "label": 1}\n',
-     {"chat_template": "chatml"}, r"line 1: key 'prompt': the last message must have role 'user'"),
-    ("\n\n", {}, r"d\.jsonl: empty dataset"),
-])
+@pytest.mark.parametrize(
+    "text, kw, pattern",
+    [
+        ('{"prompt": "a", "label": 1}\n{"prompt": "b", "label": }\n', {}, r"d\.jsonl line 2: malformed JSON"),
+        ('{"prompt": "a", "label": 1}\n\n[1, 2]\n', {}, r"line 3: expected a JSON object, got list"),
+        ('{"prompt": "a", "label": 1}\n{"text": "b", "label": 2}\n', {}, r"line 2: missing prompt key 'prompt'"),
+        ('{"prompt": 5, "label": 1}\n', {}, r"line 1: key 'prompt': must be a string or a list .* got int"),
+        ('{"prompt": null, "label": 1}\n', {}, r"line 1: key 'prompt': .* got NoneType"),
+        ('{"prompt": "", "label": 1}\n', {}, r"line 1: key 'prompt': empty string"),
+        ('{"q": "a"}\n', {"prompt_key": "q"}, r"line 1: missing label key 'label'"),
+        ('{"prompt": "a", "label": null}\n', {}, r"line 1: label key 'label' is null"),
+        ('{"prompt": "a", "label": 1}\n', {"metadata_keys": ("id",)}, r"line 1: missing metadata key 'id'"),
+        (
+            '{"prompt": [{"role": "user", "content": "hi"}], "label": 1}\n',
+            {},
+            r"line 1: key 'prompt': a chat-message list needs chat_template='chatml'",
+        ),
+        (
+            '{"prompt": [{"role": "user", "content": "hi"}], "label": 1}\n',
+            {"chat_template": "Q: {prompt}"},
+            r"line 1: key 'prompt': a chat-message list needs",
+        ),
+        ('{"prompt": [], "label": 1}\n', {"chat_template": "chatml"}, r"line 1: key 'prompt': empty message list"),
+        (
+            '{"prompt": [{"role": "bot", "content": "hi"}], "label": 1}\n',
+            {"chat_template": "chatml"},
+            r"line 1: key 'prompt': message 0 has role 'bot'",
+        ),
+        (
+            '{"prompt": [{"role": "user", "content": 3}], "label": 1}\n',
+            {"chat_template": "chatml"},
+            r"line 1: key 'prompt': message 0 content must be a string",
+        ),
+        ('{"prompt": ["hi"], "label": 1}\n', {"chat_template": "chatml"}, r"line 1: key 'prompt': message 0 must be"),
+        (
+            '{"prompt": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}], "label": 1}\n',
+            {"chat_template": "chatml"},
+            r"line 1: key 'prompt': the last message must have role 'user'",
+        ),
+        ("\n\n", {}, r"d\.jsonl: empty dataset"),
+    ],
+)
 def test_jsonl_errors_name_file_line_and_key(tmp_path, text, kw, pattern):
     with pytest.raises(ValueError, match=pattern):
         load_jsonl_text(tmp_path, text, **kw)

@@ -107,14 +107,16 @@ def test_state_mismatches_raise_and_leave_sampler_unchanged():
         PromptSampler(records(10, tag="x"), seed=1).load_state_dict(state)
     with pytest.raises(ValueError, match="dataset_size"):
         PromptSampler(records(11), seed=1).load_state_dict(state)
-    for kwargs, field in [({"seed": 2}, "seed"), ({"shuffle": False}, "shuffle"), ({"drop_last": True},
-                                                                                     "drop_last")]:
+    for kwargs, field in [({"seed": 2}, "seed"), ({"shuffle": False}, "shuffle"), ({"drop_last": True}, "drop_last")]:
         with pytest.raises(ValueError, match=field):
             PromptSampler(records(10), **{"seed": 1, **kwargs}).load_state_dict(state)
     target = PromptSampler(records(10), seed=1)
-    for bad, field in [({**state, "position": 10}, "position"), ({**state, "epoch": -1}, "epoch"),
-                       ({**state, "version": 99}, "version"),
-                       ({k: v for k, v in state.items() if k != "position"}, "position")]:
+    for bad, field in [
+        ({**state, "position": 10}, "position"),
+        ({**state, "epoch": -1}, "epoch"),
+        ({**state, "version": 99}, "version"),
+        ({k: v for k, v in state.items() if k != "position"}, "position"),
+    ]:
         with pytest.raises(ValueError, match=field):
             target.load_state_dict(bad)
     assert (target.epoch, target.position) == (0, 0)

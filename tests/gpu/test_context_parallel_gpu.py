@@ -41,8 +41,13 @@ def _inputs(seed: int = 0):
     """The row's q, k, v, g, beta on CPU in fp64 (the reference's inputs; the GPU gets bf16 q, k, v)."""
     g = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(1, N, H, K, generator=g, dtype=torch.float64) for _ in range(3))
-    gate = kda_gate(torch.randn(1, N, H * K, generator=g, dtype=torch.float64), torch.rand(H, generator=g).log1p(),
-                    None, num_heads=H, form="lower_bound")
+    gate = kda_gate(
+        torch.randn(1, N, H * K, generator=g, dtype=torch.float64),
+        torch.rand(H, generator=g).log1p(),
+        None,
+        num_heads=H,
+        form="lower_bound",
+    )
     beta = torch.rand(1, N, H, generator=g, dtype=torch.float64)
     return q, k, v, gate, beta
 
@@ -88,15 +93,22 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         group = ps.get_context_parallel_group()
         layout = ZigzagLayout.split(N, torch.tensor(BOUNDS), world, rank)
         context = phase("fla CP context", lambda: fla_context(layout, group, device))
-        results = {"fla": phase("fla CP fwd+bwd",
-                                lambda: _run_segment(lambda *x: fla_segment_kda(*x, context, True), layout, device))}
+        results = {
+            "fla": phase(
+                "fla CP fwd+bwd", lambda: _run_segment(lambda *x: fla_segment_kda(*x, context, True), layout, device)
+            )
+        }
         if world == 1:  # fla's own varlen kernel, no CP context; int32 boundaries as the context's own
             cu = torch.tensor(BOUNDS, device=device, dtype=torch.int32)
-            results["varlen"] = phase("fla varlen fwd+bwd", lambda: _run_segment(
-                lambda *x: kda(*x, cu_seqlens=cu, use_qk_l2norm=True)[0], layout, device))
+            results["varlen"] = phase(
+                "fla varlen fwd+bwd",
+                lambda: _run_segment(lambda *x: kda(*x, cu_seqlens=cu, use_qk_l2norm=True)[0], layout, device),
+            )
         else:
-            results["torch"] = phase("torch scan fwd+bwd", lambda: _run_segment(
-                lambda *x: torch_segment_kda(*x, layout, group, True), layout, device))
+            results["torch"] = phase(
+                "torch scan fwd+bwd",
+                lambda: _run_segment(lambda *x: torch_segment_kda(*x, layout, group, True), layout, device),
+            )
         destroy_parallel()
         torch.save(results, f"{out}/rank{rank}.pt")
     except BaseException:
@@ -113,8 +125,11 @@ def _spawn(world: int, out: Path) -> list[dict]:
     try:
         mp.spawn(_worker, args=(world, free_port(), str(out)), nprocs=world, join=True)
     except Exception as e:  # torch.multiprocessing's ProcessRaisedException / ProcessExitedException
-        logs = "".join(f"--- rank{r}.log (tail)\n{(out / f'rank{r}.log').read_text()[-3000:]}\n"
-                       for r in range(world) if (out / f"rank{r}.log").exists())
+        logs = "".join(
+            f"--- rank{r}.log (tail)\n{(out / f'rank{r}.log').read_text()[-3000:]}\n"
+            for r in range(world)
+            if (out / f"rank{r}.log").exists()
+        )
         raise AssertionError(f"{type(e).__name__}: {str(e)[-1500:]}\n{logs}") from None
     for r in range(world):
         print((out / f"rank{r}.log").read_text())  # phase times, shown by pytest with -rP

@@ -23,8 +23,13 @@ def kda_inputs(b, t, h, d, seed=0, form="lower_bound"):
     g = torch.Generator(device=DEV).manual_seed(seed)
     q, k, v = (torch.randn(b, t, h, d, device=DEV, generator=g).bfloat16() for _ in range(3))
     f = torch.randn(b, t, h * d, device=DEV, generator=g)
-    gate = kda_gate(f, torch.rand(h, device=DEV, generator=g).log1p(), torch.randn(h * d, device=DEV, generator=g),
-                    num_heads=h, form=form)
+    gate = kda_gate(
+        f,
+        torch.rand(h, device=DEV, generator=g).log1p(),
+        torch.randn(h * d, device=DEV, generator=g),
+        num_heads=h,
+        form=form,
+    )
     beta = torch.rand(b, t, h, device=DEV, generator=g)
     return q, k, v, gate, beta
 
@@ -34,8 +39,17 @@ def test_fla_chunk_kda_matches_reference(form):
     q, k, v, g, beta = kda_inputs(2, 1000, 4, 64, form=form)
     s0 = torch.randn(2, 4, 64, 64, device=DEV) * 0.1
     o, st = kda(q, k, v, g, beta, initial_state=s0, output_final_state=True, use_qk_l2norm=True)
-    o_ref, st_ref = kda(q.float(), k.float(), v.float(), g, beta, initial_state=s0, output_final_state=True,
-                        use_qk_l2norm=True, mode="chunked")
+    o_ref, st_ref = kda(
+        q.float(),
+        k.float(),
+        v.float(),
+        g,
+        beta,
+        initial_state=s0,
+        output_final_state=True,
+        use_qk_l2norm=True,
+        mode="chunked",
+    )
     assert o.dtype == torch.bfloat16 and st.dtype == torch.float32
     assert rel(o, o_ref) <= 2e-2 and rel(st, st_ref) <= 2e-2
 
@@ -44,15 +58,41 @@ def test_fla_varlen_and_decode_match_reference():
     q, k, v, g, beta = kda_inputs(1, 700, 4, 64, seed=1)
     cu = torch.tensor([0, 100, 101, 450, 700], device=DEV)
     o, st = kda(q, k, v, g, beta, cu_seqlens=cu, output_final_state=True, use_qk_l2norm=True)
-    o_ref, st_ref = kda(q.float(), k.float(), v.float(), g, beta, cu_seqlens=cu, output_final_state=True,
-                        use_qk_l2norm=True, mode="chunked")
+    o_ref, st_ref = kda(
+        q.float(),
+        k.float(),
+        v.float(),
+        g,
+        beta,
+        cu_seqlens=cu,
+        output_final_state=True,
+        use_qk_l2norm=True,
+        mode="chunked",
+    )
     assert rel(o, o_ref) <= 2e-2 and rel(st, st_ref) <= 2e-2
     # single-token decode through fused_recurrent_kda from a carried state
     with torch.no_grad():
-        o1, st1 = kda(q[:, :1], k[:, :1], v[:, :1], g[:, :1], beta[:, :1], initial_state=st[-1:],
-                      output_final_state=True, use_qk_l2norm=True)
-    o1_ref, st1_ref = kda(q[:, :1].float(), k[:, :1].float(), v[:, :1].float(), g[:, :1], beta[:, :1],
-                          initial_state=st[-1:], output_final_state=True, use_qk_l2norm=True, mode="recurrent")
+        o1, st1 = kda(
+            q[:, :1],
+            k[:, :1],
+            v[:, :1],
+            g[:, :1],
+            beta[:, :1],
+            initial_state=st[-1:],
+            output_final_state=True,
+            use_qk_l2norm=True,
+        )
+    o1_ref, st1_ref = kda(
+        q[:, :1].float(),
+        k[:, :1].float(),
+        v[:, :1].float(),
+        g[:, :1],
+        beta[:, :1],
+        initial_state=st[-1:],
+        output_final_state=True,
+        use_qk_l2norm=True,
+        mode="recurrent",
+    )
     assert rel(o1, o1_ref) <= 2e-2 and rel(st1, st1_ref) <= 2e-2
 
 
@@ -82,7 +122,7 @@ def test_decode_on_cuda_matches_full_forward():
     with torch.no_grad():
         full = model(ids).logits
         cache = DenseStateCache(model.config)
-        steps = [model(ids[:, :64], cache).logits] + [model(ids[:, t:t + 1], cache).logits for t in range(64, 80)]
+        steps = [model(ids[:, :64], cache).logits] + [model(ids[:, t : t + 1], cache).logits for t in range(64, 80)]
     assert rel(torch.cat(steps, 1), full) <= 3e-2
 
 
@@ -92,8 +132,9 @@ def test_kimi_linear_parity_on_cuda(tmp_path):
     transformers bf16 0.330 (this oracle's weights have std 1/sqrt(fan_in), which bf16 handles poorly)."""
     from tests.model.kimi_linear_oracle import random_kimi_linear
 
-    oracle = random_kimi_linear(tmp_path, hidden=128, layers=5, heads=4, head_dim=32, kda_heads=4,
-                                kda_head_dim=64, experts=8, top_k=2, seed=7)
+    oracle = random_kimi_linear(
+        tmp_path, hidden=128, layers=5, heads=4, head_dim=32, kda_heads=4, kda_head_dim=64, experts=8, top_k=2, seed=7
+    )
     ours = K3ForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16, device=DEV).eval()
     ids = torch.randint(0, 64, (2, 200))
     with torch.no_grad():

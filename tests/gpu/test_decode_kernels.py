@@ -36,7 +36,7 @@ def test_situ_glu_kernel_equals_the_definition_on_cuda(dtype):
         wide = (torch.randn(m, 2 * i, device=DEV, generator=g) * 6).to(dtype)
         gate, up = wide[:, :i], wide[:, i:]
         got, want = situ_glu(gate, up, 4.0, 25.0), definition(gate, up, 4.0, 25.0)
-        rel = 1e-5 if dtype == torch.float32 else 2.0 ** -7
+        rel = 1e-5 if dtype == torch.float32 else 2.0**-7
         assert bool(((got.float() - want.float()).abs() <= want.float().abs() * rel + 1e-5).all()), (m, i)
 
 
@@ -54,7 +54,7 @@ def test_few_rows_linear_equals_f_linear_on_cuda():
             for dtype in (torch.bfloat16, torch.float32):
                 got, want = linear(x.to(dtype), w.to(dtype)).float(), F.linear(x.to(dtype), w.to(dtype)).float()
                 scale = F.linear(x.abs(), w.abs())
-                bound = want.abs() * (2.0 ** -7 if dtype == torch.bfloat16 else 0) + scale * 1e-6
+                bound = want.abs() * (2.0**-7 if dtype == torch.bfloat16 else 0) + scale * 1e-6
                 assert bool(((got - want).abs() <= bound).all()), (n, k, m, dtype)
 
 
@@ -62,8 +62,9 @@ def _models():
     torch.manual_seed(0)
     ref = K3ForCausalLM(K3Config.from_preset("k3-tiny")).eval()
     state = {k: v.to(DEV) for k, v in ref.state_dict().items()}
-    model, pool = build_engine_model(ref.config, state, quantize="experts", lora=LoraSpec(rank=8),
-                                     dtype=torch.bfloat16, device=DEV)
+    model, pool = build_engine_model(
+        ref.config, state, quantize="experts", lora=LoraSpec(rank=8), dtype=torch.bfloat16, device=DEV
+    )
     return ref.to(DEV), model, pool
 
 
@@ -105,7 +106,7 @@ def test_every_op_kernel_equals_its_definition_on_cuda():
     bounds (tests/ops/test_kernels_*.py), here on compiled code."""
     from tests.ops.kernel_cases import op_calls
 
-    for dtype, rel in ((torch.float32, 1e-5), (torch.bfloat16, 2.0 ** -7)):
+    for dtype, rel in ((torch.float32, 1e-5), (torch.bfloat16, 2.0**-7)):
         calls = op_calls(DEV, dtype)
         route = calls.pop("route")
         for name, op in calls.items():
@@ -113,8 +114,9 @@ def test_every_op_kernel_equals_its_definition_on_cuda():
                 want = op().float()
             with torch.inference_mode():
                 got = op().float()
-            slack = {"attn_res_mix": 1e-5, "add_attn_res_mix": 1e-5, "kda_gate": 1e-5,
-                     "router_logits": 1e-4}.get(name, 1e-6)  # router_logits: a 7,168-term fp32 sum in its own order
+            slack = {"attn_res_mix": 1e-5, "add_attn_res_mix": 1e-5, "kda_gate": 1e-5, "router_logits": 1e-4}.get(
+                name, 1e-6
+            )  # router_logits: a 7,168-term fp32 sum in its own order
             bound = want.abs() * rel + slack
             assert bool(((got - want).abs() <= bound).all()), (name, dtype, float((got - want).abs().max()))
 
@@ -161,10 +163,10 @@ def test_a_pooled_kda_state_steps_in_place_on_cuda_as_the_gathered_call_does():
     index = torch.tensor([4, 9, 1, 7, 2, 10], device=DEV)
     before = pool.clone()
     with torch.inference_mode():
-        o_want, ht = kda(q, k, v, gate, beta, initial_state=before[index], output_final_state=True,
-                         use_qk_l2norm=True)
-        o, _ = kda(q, k, v, gate, beta, initial_state=PooledState(pool, index), output_final_state=True,
-                   use_qk_l2norm=True)
+        o_want, ht = kda(q, k, v, gate, beta, initial_state=before[index], output_final_state=True, use_qk_l2norm=True)
+        o, _ = kda(
+            q, k, v, gate, beta, initial_state=PooledState(pool, index), output_final_state=True, use_qk_l2norm=True
+        )
     assert torch.equal(o, o_want) and torch.equal(pool[index], ht)
     others = torch.tensor([0, 3, 5, 6, 8], device=DEV)
     assert torch.equal(pool[others], before[others])
@@ -187,8 +189,12 @@ def test_advancing_pooled_kda_states_by_a_masked_block_equals_the_decode_steps_o
     with torch.inference_mode():
         for j in range(t):
             rows = live[:, j].nonzero()[:, 0]
-            kda(*(a[rows, j:j + 1] for a in (q, k, v, gate, beta)), initial_state=PooledState(want, index[rows]),
-                output_final_state=True, use_qk_l2norm=True)
+            kda(
+                *(a[rows, j : j + 1] for a in (q, k, v, gate, beta)),
+                initial_state=PooledState(want, index[rows]),
+                output_final_state=True,
+                use_qk_l2norm=True,
+            )
         kda_advance(q, k, v, gate, beta, PooledState(pool, index), scratch=0, use_qk_l2norm=True)
     assert torch.equal(pool[index], want[index])
     others = torch.tensor([3, 5, 6, 8], device=DEV)
@@ -208,13 +214,18 @@ def test_a_verify_reads_frozen_rows_on_cuda_and_outputs_the_decode_steps_values_
     index = torch.tensor([4, 9, 1, 7, 2, 10], device=DEV)
     before = pool.clone()
     with torch.inference_mode():
-        o, final = kda(q, k, v, gate, beta, initial_state=FrozenRows(pool, index), output_final_state=True,
-                       use_qk_l2norm=True)
+        o, final = kda(
+            q, k, v, gate, beta, initial_state=FrozenRows(pool, index), output_final_state=True, use_qk_l2norm=True
+        )
         o_chunk, _ = kda(q, k, v, gate, beta, initial_state=before[index], use_qk_l2norm=True)
         steps, outs = before.clone(), []
         for j in range(t):
-            o_j, _ = kda(*(a[:, j:j + 1] for a in (q, k, v, gate, beta)), initial_state=PooledState(steps, index),
-                         output_final_state=True, use_qk_l2norm=True)
+            o_j, _ = kda(
+                *(a[:, j : j + 1] for a in (q, k, v, gate, beta)),
+                initial_state=PooledState(steps, index),
+                output_final_state=True,
+                use_qk_l2norm=True,
+            )
             outs.append(o_j)
     assert final is None and torch.equal(pool, before)
     torch.testing.assert_close(o.float(), o_chunk.float(), atol=3e-2, rtol=3e-2)

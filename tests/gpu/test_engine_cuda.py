@@ -39,8 +39,10 @@ def assert_greedy_agree(want, got, tol=5e-2):
     request diverging at its 5th token; graph vs eager 60-173 of 200 over four runs, 2026-11-30). The
     token-exact check of the graphs' padded shapes is test_fp32_decodes_eagerly_and_padded_shapes_are_exact."""
     for a, b in zip(want, got):
-        common = next((i for i, (x, y) in enumerate(zip(a.output_ids, b.output_ids)) if x != y),
-                      min(len(a.output_ids), len(b.output_ids)))
+        common = next(
+            (i for i, (x, y) in enumerate(zip(a.output_ids, b.output_ids)) if x != y),
+            min(len(a.output_ids), len(b.output_ids)),
+        )
         upto = min(common + 1, len(a.logprobs), len(b.logprobs))
         gaps = [abs(x - y) for x, y in zip(a.logprobs[:upto], b.logprobs[:upto])]
         assert max(gaps) < tol, (common, gaps)
@@ -75,8 +77,9 @@ def test_fp32_decodes_eagerly_and_padded_shapes_are_exact():
     eager = Engine(model, EngineConfig(cuda_graphs=False, max_prefill_tokens=64, **CFG)).generate(ps, params)
     eng = Engine(model, EngineConfig(max_prefill_tokens=64, **CFG))
     assert eng.graphs is None  # cuda_graphs=True, but nothing to capture in fp32
-    eng.graphs = DecodeGraphs(model, eng.kv, eng.states, max_batch=CFG["max_running"], max_seq_len=CFG["max_seq_len"],
-                              capture=False)
+    eng.graphs = DecodeGraphs(
+        model, eng.kv, eng.states, max_batch=CFG["max_running"], max_seq_len=CFG["max_seq_len"], capture=False
+    )
     padded = eng.generate(ps, params)
     assert eng.graphs.replays > 0 and len(eng.graphs.graphs) >= 2
     for a, b in zip(eager, padded):
@@ -102,15 +105,20 @@ def test_graph_decode_with_adapter_and_mxfp4_experts():
 
     ref = small_model()
     state = {k: v.to("cuda") for k, v in ref.state_dict().items()}
-    model, pool = build_engine_model(ref.config, state, quantize="experts", lora=LoraSpec(rank=16),
-                                     dtype=torch.bfloat16, device="cuda")
+    model, pool = build_engine_model(
+        ref.config, state, quantize="experts", lora=LoraSpec(rank=16), dtype=torch.bfloat16, device="cuda"
+    )
     g = torch.Generator().manual_seed(2)
 
     def adapter(scale):
         out = {}
         for name in pool.A:
-            out[f"{name}.lora_A"] = (torch.randn(pool.A[name].shape[1:], generator=g) * scale).to("cuda", torch.bfloat16)
-            out[f"{name}.lora_B"] = (torch.randn(pool.B[name].shape[1:], generator=g) * scale).to("cuda", torch.bfloat16)
+            out[f"{name}.lora_A"] = (torch.randn(pool.A[name].shape[1:], generator=g) * scale).to(
+                "cuda", torch.bfloat16
+            )
+            out[f"{name}.lora_B"] = (torch.randn(pool.B[name].shape[1:], generator=g) * scale).to(
+                "cuda", torch.bfloat16
+            )
         return out
 
     ps = prompts([5, 20, 30, 40, 50], 4)
@@ -140,15 +148,20 @@ def test_triton_expert_gemms_bf16_and_in_the_engine():
     from rollout.model_runner import build_engine_model
 
     g = torch.Generator().manual_seed(0)
-    for e, n, k, rows in [(64, 768, 512, 1024), (64, 512, 384, 1024), (64, 384, 512, 4096), (8, 96, 64, 3),
-                          (64, 768, 512, 4)]:
+    for e, n, k, rows in [
+        (64, 768, 512, 1024),
+        (64, 512, 384, 1024),
+        (64, 384, 512, 4096),
+        (8, 96, 64, 3),
+        (64, 768, 512, 4),
+    ]:
         idx = torch.randint(0, e, (rows,), generator=g).sort().values
         counts = torch.bincount(idx, minlength=e).cuda()
         offs = counts.cumsum(0).to(torch.int32)
         x = torch.randn(rows, k, generator=g).cuda().bfloat16()
         w = (torch.randn(e, n, k, generator=g) * 0.05).cuda().bfloat16()
         got, want = grouped_matmul(x, counts, w).float(), torch._grouped_mm(x, w.transpose(1, 2), offs=offs).float()
-        assert float((got - want).abs().max()) <= 2 ** -7 * float(want.abs().max()), (e, n, k, rows)
+        assert float((got - want).abs().max()) <= 2**-7 * float(want.abs().max()), (e, n, k, rows)
         packed, scales = quantize_mxfp4(torch.randn(e, n, k, generator=g) * 0.05)
         packed, scales = packed.cuda(), scales.cuda()
         got = mxfp4_grouped_matmul(x, counts, packed, scales)
@@ -156,8 +169,13 @@ def test_triton_expert_gemms_bf16_and_in_the_engine():
         assert float((got.float() - want.float()).norm() / want.float().norm()) < 1e-2, (e, n, k, rows)
 
     ref = small_model()
-    model, _ = build_engine_model(ref.config, {k: v.cuda() for k, v in ref.state_dict().items()},
-                                  quantize="experts", dtype=torch.bfloat16, device="cuda")
+    model, _ = build_engine_model(
+        ref.config,
+        {k: v.cuda() for k, v in ref.state_dict().items()},
+        quantize="experts",
+        dtype=torch.bfloat16,
+        device="cuda",
+    )
     ps = prompts([5, 20, 30, 40, 50], 6)
     params = SamplingParams(temperature=0, max_new_tokens=16)
     torch_path = Engine(model, EngineConfig(max_prefill_tokens=64, mxfp4_matmul="torch", **CFG)).generate(ps, params)
@@ -171,8 +189,7 @@ def test_overlapped_decode_enqueues_without_syncing_and_matches_plain():
     set to raise. Greedy outputs agree with overlap off."""
     model = small_model()
     ps = prompts([5, 20, 30, 40, 50], 8)
-    sampled = [SamplingParams(temperature=0.8, top_k=40, top_p=0.9, max_new_tokens=30, seed=i)
-               for i in range(len(ps))]
+    sampled = [SamplingParams(temperature=0.8, top_k=40, top_p=0.9, max_new_tokens=30, seed=i) for i in range(len(ps))]
     greedy = SamplingParams(temperature=0, max_new_tokens=30)
     eng = Engine(model, EngineConfig(max_prefill_tokens=64, **CFG))
     assert eng.overlap
@@ -214,8 +231,8 @@ def test_compiled_graph_decode_agrees_with_plain_graph_decode():
 def test_triton_lora_rows_kernel_bf16_and_mixed_adapter_decode():
     """`EngineConfig(lora_mixed="triton")` compiled: the kernel in bf16 against a per-row fp32 reference,
     then a batch mixing two adapters and the base decodes as the torch mixed path does."""
-    from rollout.kernels.lora_rows import lora_rows_
     from miles_k3.model.lora_spec import LoraSpec
+    from rollout.kernels.lora_rows import lora_rows_
     from rollout.model_runner import build_engine_model
 
     g = torch.Generator().manual_seed(0)
@@ -234,12 +251,24 @@ def test_triton_lora_rows_kernel_bf16_and_mixed_adapter_decode():
         assert float((got.float() - want).norm() / want.norm()) < 1e-2, (n, k, r, i, o)
 
     ref = small_model()
-    model, pool = build_engine_model(ref.config, {k: v.cuda() for k, v in ref.state_dict().items()},
-                                     quantize="none", lora=LoraSpec(rank=16), dtype=torch.bfloat16, device="cuda")
+    model, pool = build_engine_model(
+        ref.config,
+        {k: v.cuda() for k, v in ref.state_dict().items()},
+        quantize="none",
+        lora=LoraSpec(rank=16),
+        dtype=torch.bfloat16,
+        device="cuda",
+    )
     for seed, name in [(1, "a"), (2, "b")]:
         gen = torch.Generator().manual_seed(seed)
-        pool.add_adapter(name, {f"{m}.lora_{p}": (torch.randn(t[m].shape[1:], generator=gen) * 0.05).cuda().bfloat16()
-                                for p, t in (("A", pool.A), ("B", pool.B)) for m in t})
+        pool.add_adapter(
+            name,
+            {
+                f"{m}.lora_{p}": (torch.randn(t[m].shape[1:], generator=gen) * 0.05).cuda().bfloat16()
+                for p, t in (("A", pool.A), ("B", pool.B))
+                for m in t
+            },
+        )
     ps = prompts([5, 20, 30, 40, 50], 11)
     adapters = ["a", None, "b", "a", "b"]
     params = SamplingParams(temperature=0, max_new_tokens=16)

@@ -48,7 +48,9 @@ def test_tp1_policy_equals_reference_on_cuda(dtype, tol):
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_tp2_nccl_equals_tp1(tmp_path):
-    mp.spawn(tp_worker.worker, args=(2, free_port(), 2, str(tmp_path), "cuda", torch.float32, 150.0), nprocs=2, join=True)
+    mp.spawn(
+        tp_worker.worker, args=(2, free_port(), 2, str(tmp_path), "cuda", torch.float32, 150.0), nprocs=2, join=True
+    )
     tp2 = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     tp1 = {name: tp_worker.run_case(c, dtype=torch.float32, device="cuda:0") for name, c in tp_worker.configs().items()}
     for case, want in tp1.items():

@@ -35,8 +35,15 @@ def plain(model):
 
 
 def spec_engine(model, script, **kw) -> Engine:
-    return Engine(model, EngineConfig(max_prefill_tokens=64, **CFG, **kw, speculation=SpecConfig(
-        drafter=ScriptedDrafter(script, wrong=0.3), gamma=GAMMA)))
+    return Engine(
+        model,
+        EngineConfig(
+            max_prefill_tokens=64,
+            **CFG,
+            **kw,
+            speculation=SpecConfig(drafter=ScriptedDrafter(script, wrong=0.3), gamma=GAMMA),
+        ),
+    )
 
 
 def test_greedy_speculation_with_graphed_verify_equals_plain_greedy(model, plain):
@@ -65,8 +72,9 @@ def test_graphed_and_eager_verify_agree(model, plain):
     for _ in range(3):  # a few verify steps in: the rows have KV and KDA state of their own
         eng.step()
     strategy, batch = eng.decoder.strategy, list(eng.scheduler.running)
-    block = torch.randint(3, 512, (len(batch), GAMMA + 1), device="cuda",
-                          generator=torch.Generator("cuda").manual_seed(0))
+    block = torch.randint(
+        3, 512, (len(batch), GAMMA + 1), device="cuda", generator=torch.Generator("cuda").manual_seed(0)
+    )
     graphs = strategy._graphs(GAMMA + 1)
     g_logits, g_inputs, _ = graphs.run(graphs.key(batch), batch, block)
     e_logits, e_inputs, _ = verify_forward(eng.runner, batch, block.flatten(), [GAMMA + 1] * len(batch))
@@ -92,8 +100,9 @@ def test_the_graphed_fold_commits_the_eager_folds_state_bit_for_bit(model, dense
     from tests.rollout.test_spec_fold_graphs import fold_both_ways
 
     eng = Engine(model, EngineConfig(max_prefill_tokens=64, **{**CFG, "max_running": 6}))
-    want, want_seen, got, got_seen = fold_both_ways(eng, counts, dense, larger=False, capture=True,
-                                                    dtype=torch.bfloat16)
+    want, want_seen, got, got_seen = fold_both_ways(
+        eng, counts, dense, larger=False, capture=True, dtype=torch.bfloat16
+    )
     for key in want_seen:
         for name in ("conv", "recurrent"):
             for k in want_seen[key][name]:
@@ -112,8 +121,9 @@ def test_a_graphed_drafter_proposes_the_eager_drafts_on_cuda(model, plain):
     ps, want = plain
     c = model.config
     torch.manual_seed(0)
-    d = DSparkDrafter(DSparkConfig(target_layers=(1, 3), hidden_size=c.hidden_size, vocab_size=c.vocab_size,
-                                   block_size=GAMMA))
+    d = DSparkDrafter(
+        DSparkConfig(target_layers=(1, 3), hidden_size=c.hidden_size, vocab_size=c.vocab_size, block_size=GAMMA)
+    )
     eng = Engine(model, EngineConfig(max_prefill_tokens=64, **CFG, speculation=SpecConfig(drafter=d, gamma=GAMMA)))
     assert d.graphs is not None and d.graphs.capture
     got = eng.generate(ps, PARAMS)
@@ -130,9 +140,15 @@ def test_a_graphed_drafter_proposes_the_eager_drafts_on_cuda(model, plain):
         for sampling in (None, (temps, seeds, at)):
             for _ in range(3):  # a bucket's graph is captured on its third ask
                 got = d.graphs.run(rows, anchors, GAMMA, sampling)
-            padded = None if sampling is None else (
-                torch.tensor(temps + [1.0] * pad, device="cuda"), torch.cat([seeds, seeds.new_zeros(pad)]),
-                torch.cat([at, at.new_zeros(pad)]))
+            padded = (
+                None
+                if sampling is None
+                else (
+                    torch.tensor(temps + [1.0] * pad, device="cuda"),
+                    torch.cat([seeds, seeds.new_zeros(pad)]),
+                    torch.cat([at, at.new_zeros(pad)]),
+                )
+            )
             want = d._from_tensors(idx, ids, GAMMA, padded)
             assert torch.equal(got[0], want[0][:5])
             torch.testing.assert_close(got[2].float(), want[2][:5].float(), atol=2e-2, rtol=2e-2)

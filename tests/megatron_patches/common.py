@@ -31,8 +31,9 @@ def random_like(tensors: dict[str, torch.Tensor], seed: int, scale: float = 0.3)
     return {k: (torch.randn(v.shape, generator=g) * scale).to(v.dtype) for k, v in tensors.items()}
 
 
-def merged_state(base: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor], scale: float
-                 ) -> dict[str, torch.Tensor]:
+def merged_state(
+    base: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor], scale: float
+) -> dict[str, torch.Tensor]:
     """The base HF state with each adapter folded in: W + scale * B @ A (per expert for stacked experts)."""
     state = {k: v.clone() for k, v in base.items()}
     for key, a in tensors.items():

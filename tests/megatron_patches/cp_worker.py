@@ -9,7 +9,6 @@ ranks, and the LoRA gradients (replicated over CP) are all-reduced over the CP g
 
 from __future__ import annotations
 
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -74,8 +73,9 @@ def run_case(config: K3Config, row: str, seed: int = 0, cp_class: type[ContextPa
     ids, targets, cu = _row(config, row, seed)
     policy = build_policy(config, reference_state(config, seed), SPEC, seed=seed, dtype=DTYPE)
     g = torch.Generator().manual_seed(seed + 2)
-    load_adapter_state(policy, {k: torch.randn(v.shape, generator=g, dtype=DTYPE) * 0.3
-                                for k, v in adapter_state(policy).items()})
+    load_adapter_state(
+        policy, {k: torch.randn(v.shape, generator=g, dtype=DTYPE) * 0.3 for k, v in adapter_state(policy).items()}
+    )
     if ps.get_context_parallel_world_size() == 1:
         logp = _token_logprobs(policy, policy.model(ids, cu_seqlens=cu), targets)[0]
         loss = logp.sum()
@@ -96,8 +96,12 @@ def run_case(config: K3Config, row: str, seed: int = 0, cp_class: type[ContextPa
     for p in lora_parameters(policy):  # replicated over CP: the full gradient is the sum of the ranks' parts
         if p.grad is not None:
             dist.all_reduce(p.grad, group=ps.get_context_parallel_group())
-    return {"logp": cp.gather_tokens(logp, layout, dim=0), "loss": cp.sum(local), "grads": adapter_grads(policy),
-            "local_len": hidden.shape[1]}
+    return {
+        "logp": cp.gather_tokens(logp, layout, dim=0),
+        "loss": cp.sum(local),
+        "grads": adapter_grads(policy),
+        "local_len": hidden.shape[1],
+    }
 
 
 def relayout_round_trip() -> dict:
@@ -109,9 +113,15 @@ def relayout_round_trip() -> dict:
         seg = cp.to_segment(x)
         back = cp.to_zigzag(seg)
     probe = torch.randn(seg.shape, generator=torch.Generator().manual_seed(5 + cp.rank), dtype=DTYPE)
-    grad, = torch.autograd.grad((seg * probe).sum(), x)
-    return {"positions": layout.positions, "segment": seg.detach(), "back": back.detach(), "x": x.detach(),
-            "probe": probe, "grad": grad}
+    (grad,) = torch.autograd.grad((seg * probe).sum(), x)
+    return {
+        "positions": layout.positions,
+        "segment": seg.detach(),
+        "back": back.detach(),
+        "x": x.detach(),
+        "probe": probe,
+        "grad": grad,
+    }
 
 
 def worker(rank: int, world: int, port: int, out: str, watchdog_s: float = 400.0) -> None:

@@ -14,8 +14,15 @@ import re
 import torch
 import torch.nn.functional as F
 
-from megatron_patches.lora import (adapter_grads, adapter_state, check_lora_replicas, clip_lora_grad_norm_,
-                                   load_adapter_state, lora_modules, reduce_lora_grads_)
+from megatron_patches.lora import (
+    adapter_grads,
+    adapter_state,
+    check_lora_replicas,
+    clip_lora_grad_norm_,
+    load_adapter_state,
+    lora_modules,
+    reduce_lora_grads_,
+)
 from megatron_patches.model import build_policy, reference_state
 from miles_k3.model import K3Config
 from miles_k3.model.lora_spec import LoraSpec
@@ -48,31 +55,39 @@ def base_state(config: K3Config, skewed: bool, seed: int = 0) -> dict[str, torch
     return state
 
 
-def run_case(config: K3Config, skewed: bool, rows: slice = slice(0, ROWS), reduce: bool = True,
-             seed: int = 0) -> dict:
+def run_case(config: K3Config, skewed: bool, rows: slice = slice(0, ROWS), reduce: bool = True, seed: int = 0) -> dict:
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, config.vocab_size, (ROWS, LENGTH), generator=g)
     targets = torch.randint(3, config.vocab_size, (ROWS, LENGTH), generator=g)
     policy = build_policy(config, base_state(config, skewed, seed), SPEC, seed=seed, dtype=DTYPE)
     gen = torch.Generator().manual_seed(seed + 2)  # the same full adapter on every rank
-    load_adapter_state(policy, {k: torch.randn(v.shape, generator=gen, dtype=DTYPE) * 0.3
-                                for k, v in adapter_state(policy).items()})
+    load_adapter_state(
+        policy, {k: torch.randn(v.shape, generator=gen, dtype=DTYPE) * 0.3 for k, v in adapter_state(policy).items()}
+    )
     routed = []  # the largest expert index any token chose, per MoE layer
     for m in policy.modules():
         if type(m).__name__ == "Router":
             m.register_forward_hook(lambda mod, args, out: routed.append(int(out[1].max())))
     logits = policy(ids[rows]).logits
-    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets[rows].reshape(-1),
-                           reduction="sum") / ids.numel()
+    loss = (
+        F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets[rows].reshape(-1), reduction="sum") / ids.numel()
+    )
     loss.backward()
     before = adapter_grads(policy)
     if reduce:
         reduce_lora_grads_(policy)
     grads = adapter_grads(policy)
     norm = clip_lora_grad_norm_(policy, max_norm=1e-3)
-    return {"loss": loss.detach(), "before": before, "grads": grads, "norm": norm,
-            "clipped": adapter_grads(policy), "export": adapter_state(policy), "max_routed": max(routed),
-            "held": sorted(int(m[1]) for k in policy.state_dict() if (m := _HELD.match(k)))}
+    return {
+        "loss": loss.detach(),
+        "before": before,
+        "grads": grads,
+        "norm": norm,
+        "clipped": adapter_grads(policy),
+        "export": adapter_state(policy),
+        "max_routed": max(routed),
+        "held": sorted(int(m[1]) for k in policy.state_dict() if (m := _HELD.match(k))),
+    }
 
 
 def run_replica_checks(rank: int) -> dict:

@@ -13,8 +13,7 @@ import zlib
 
 import torch
 
-from megatron_patches.lora import (adapter_grads, adapter_state, clip_lora_grad_norm_, load_adapter_state,
-                                   lora_modules)
+from megatron_patches.lora import adapter_grads, adapter_state, clip_lora_grad_norm_, load_adapter_state, lora_modules
 from megatron_patches.model import build_policy, reference_state
 from megatron_patches.schedule import MicroBatch, forward_backward, forward_only
 from megatron_patches.vocab_parallel import token_logprobs
@@ -74,8 +73,11 @@ def logp_fn(policy, hidden: torch.Tensor, mb: MicroBatch):
 
 def random_adapter(shapes: dict[str, torch.Size], seed: int = 3) -> dict[str, torch.Tensor]:
     """A random adapter drawn per tensor name, so every stage draws its share of the same full adapter."""
-    return {k: torch.randn(s, generator=torch.Generator().manual_seed(seed * 7919 + zlib.crc32(k.encode())),
-                           dtype=DTYPE) * 0.3 for k, s in shapes.items()}
+    return {
+        k: torch.randn(s, generator=torch.Generator().manual_seed(seed * 7919 + zlib.crc32(k.encode())), dtype=DTYPE)
+        * 0.3
+        for k, s in shapes.items()
+    }
 
 
 def local_adapter_names(policy) -> dict[str, torch.Size]:
@@ -111,10 +113,17 @@ def run_case(config: K3Config, pp_layers: list[int] | None) -> dict:
     grads = adapter_grads(policy)
     norm = clip_lora_grad_norm_(policy, max_norm=1e9)  # global over the stages (no clipping at this bound)
     logp = forward_only(policy, mbs, logp_fn)
-    return {"losses": [r["loss"] for r in trained], "train_logp": [r["logp"] for r in trained],
-            "logp": [r["logp"] for r in logp], "local_grads": local_grads, "grads": grads, "norm": norm,
-            "layers": list(policy.model.layer_range), "names": sorted(policy.state_dict()),
-            "adapter": adapter_state(policy)}
+    return {
+        "losses": [r["loss"] for r in trained],
+        "train_logp": [r["logp"] for r in trained],
+        "logp": [r["logp"] for r in logp],
+        "local_grads": local_grads,
+        "grads": grads,
+        "norm": norm,
+        "layers": list(policy.model.layer_range),
+        "names": sorted(policy.state_dict()),
+        "adapter": adapter_state(policy),
+    }
 
 
 def reference(config: K3Config) -> dict:
@@ -138,9 +147,14 @@ def _reference(config: K3Config) -> dict:
         losses.append(loss.detach())
         logps.append(out["logp"])
     grads = adapter_grads(policy)
-    return {"losses": losses, "logp": logps, "grads": grads,
-            "norm": torch.sqrt(sum(g.pow(2).sum() for g in grads.values())),
-            "names": sorted(policy.state_dict()), "adapter": adapter_state(policy)}
+    return {
+        "losses": losses,
+        "logp": logps,
+        "grads": grads,
+        "norm": torch.sqrt(sum(g.pow(2).sum() for g in grads.values())),
+        "names": sorted(policy.state_dict()),
+        "adapter": adapter_state(policy),
+    }
 
 
 def worker(rank: int, world: int, port: int, out: str, tp: int = 1, watchdog_s: float = 300.0) -> None:

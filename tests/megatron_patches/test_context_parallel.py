@@ -64,9 +64,9 @@ def test_chunk_plan_moves_every_chunk_to_its_owner(size):
     """Every CP size: simulate the all-to-all of `_chunk_plan` for all ranks at once, both directions."""
     for forward in (True, False):
         layouts = [ZigzagLayout.split(8 * size, None, size, r) for r in range(size)]
-        held = {r: (l.chunks_of(r) if forward else (2 * r, 2 * r + 1)) for r, l in enumerate(layouts)}
-        want = {r: ((2 * r, 2 * r + 1) if forward else l.chunks_of(r)) for r, l in enumerate(layouts)}
-        plans = [_chunk_plan(l, forward) for l in layouts]
+        held = {r: (lay.chunks_of(r) if forward else (2 * r, 2 * r + 1)) for r, lay in enumerate(layouts)}
+        want = {r: ((2 * r, 2 * r + 1) if forward else lay.chunks_of(r)) for r, lay in enumerate(layouts)}
+        plans = [_chunk_plan(lay, forward) for lay in layouts]
         # messages from src to dst, in src's send order
         outbox = {}
         for src, (send, send_counts, _, _) in enumerate(plans):

@@ -36,8 +36,9 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         for p in params:
             p.grad = torch.zeros_like(p)
         opt.step()
-        counts["optimizer"] = sum(t.numel() * t.element_size() for p in params for t in opt.state[p].values()
-                                  if t.shape == p.shape)
+        counts["optimizer"] = sum(
+            t.numel() * t.element_size() for p in params for t in opt.state[p].values() if t.shape == p.shape
+        )
         counts["lora_grads"] = sum(p.grad.numel() * p.grad.element_size() for p in params)
         results.append(counts)
         destroy_parallel()
@@ -73,8 +74,13 @@ def test_planner_bytes_equal_the_real_shards(shards, index, no_world):
     stages = LayoutPlanner(K3Config.from_preset("k3-tiny"), LORA).stages(layout, None)
     for rank in range(2):
         real, planned = shards[rank][index], stages[rank // (layout.world // layout.pp)]
-        got = {"base_experts": planned.base_experts, "base_other": planned.base_other, "lora": planned.lora,
-               "lora_grads": planned.lora_grads, "optimizer": planned.optimizer}
+        got = {
+            "base_experts": planned.base_experts,
+            "base_other": planned.base_other,
+            "lora": planned.lora,
+            "lora_grads": planned.lora_grads,
+            "optimizer": planned.optimizer,
+        }
         assert got == real, (rank, got, real)
         assert real["base_experts"] > 0 and real["lora"] > 0
 

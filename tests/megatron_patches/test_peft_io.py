@@ -15,8 +15,12 @@ from miles_k3.model.lora_spec import LoraSpec
 from tests.megatron_patches.common import CONFIG, random_like, reference, token_ids
 
 # Everything but routed experts: PEFT wraps nn.Linear modules, and K3's reference holds experts stacked.
-LINEAR_TARGETS = (r"self_attn\.(q|k|v|o|g|q_b|kv_b)_proj$", r"mlp\.(gate|up|down)_proj$",
-                  r"shared_experts\.(gate|up|down)_proj$", r"routed_expert_(down|up)_proj$")
+LINEAR_TARGETS = (
+    r"self_attn\.(q|k|v|o|g|q_b|kv_b)_proj$",
+    r"mlp\.(gate|up|down)_proj$",
+    r"shared_experts\.(gate|up|down)_proj$",
+    r"routed_expert_(down|up)_proj$",
+)
 
 
 @pytest.fixture(scope="module")
@@ -113,17 +117,20 @@ def _reshape_first_a(w):
     w[k] = torch.zeros(3, w[k].shape[1])
 
 
-@pytest.mark.parametrize("mutate_config, mutate_weights, msg", [
-    (_drop("r"), None, "missing 'r'"),
-    (lambda c: c.update(r=0), None, "LoraSpec.rank"),
-    (lambda c: c.update(peft_type="IA3"), None, "not LORA"),
-    (lambda c: c.update(use_rslora=True), None, "use_rslora"),
-    (lambda c: c.update(rank_pattern={"q_proj": 4}), None, "rank_pattern"),
-    (None, _first_expert_gone, "experts"),
-    (None, _rename_first, "unexpected tensor"),
-    (None, _reshape_first_a, "r=2"),
-    (None, lambda w: w.pop(sorted(k for k in w if ".experts." not in k)[0]), "has no lora_"),
-])
+@pytest.mark.parametrize(
+    "mutate_config, mutate_weights, msg",
+    [
+        (_drop("r"), None, "missing 'r'"),
+        (lambda c: c.update(r=0), None, "LoraSpec.rank"),
+        (lambda c: c.update(peft_type="IA3"), None, "not LORA"),
+        (lambda c: c.update(use_rslora=True), None, "use_rslora"),
+        (lambda c: c.update(rank_pattern={"q_proj": 4}), None, "rank_pattern"),
+        (None, _first_expert_gone, "experts"),
+        (None, _rename_first, "unexpected tensor"),
+        (None, _reshape_first_a, "r=2"),
+        (None, lambda w: w.pop(sorted(k for k in w if ".experts." not in k)[0]), "has no lora_"),
+    ],
+)
 def test_malformed_files_raise(ref, tmp_path, mutate_config, mutate_weights, msg):
     d = _write(tmp_path, ref, mutate_config, mutate_weights)
     with pytest.raises(ValueError, match=msg):

@@ -9,8 +9,7 @@ import torch
 from megatron_patches.lora import adapter_grads
 from megatron_patches.pipeline import stage_layers
 from megatron_patches.schedule import forward_backward, forward_only
-from miles_k3.model import K3Config, K3ForCausalLM
-from miles_k3.model import modeling
+from miles_k3.model import K3Config, K3ForCausalLM, modeling
 from miles_k3.model.modeling import bank_rows, pack_residual, unpack_residual
 from tests.megatron_patches import pp_worker
 from tests.megatron_patches.common import spawn_world
@@ -162,10 +161,12 @@ def test_stages_chained_in_process_equal_the_whole_model_and_a_broken_packing_do
 
     real = modeling.pack_residual
     # (the AttnRes mix is a softmax over the set of sources: their order alone changes nothing)
-    broken = {"zeroed bank": lambda h, blocks: real(h, [torch.zeros_like(b) for b in blocks]),
-              # at layer 4's edge (2 blocks): the last row dropped, the first sent twice to keep the width
-              "bank row dropped": lambda h, blocks: real(h, blocks[:-1] + blocks[:1]),
-              "prefix sum and a bank row swapped": lambda h, blocks: real(blocks[0], [h, *blocks[1:]])}
+    broken = {
+        "zeroed bank": lambda h, blocks: real(h, [torch.zeros_like(b) for b in blocks]),
+        # at layer 4's edge (2 blocks): the last row dropped, the first sent twice to keep the width
+        "bank row dropped": lambda h, blocks: real(h, blocks[:-1] + blocks[:1]),
+        "prefix sum and a bank row swapped": lambda h, blocks: real(blocks[0], [h, *blocks[1:]]),
+    }
     for what, pack in broken.items():
         monkeypatch.setattr(modeling, "pack_residual", pack)
         assert not _close(_chained_logits(stages, ids, cu), want, 1e-3), what
@@ -190,9 +191,15 @@ def test_a_stage_holds_only_its_layers_under_global_names():
         K3ForCausalLM(CONFIG, layers=range(4, 9))
 
 
-@pytest.mark.parametrize("split, match", [
-    ([3, 3, 1], "sum to 7, but the model has 6"), ([5, 1, 0], "every stage needs >= 1 layer"),
-    ([3, 3], "2 stage counts"), ([2.5, 3.5, 0], "list of integers")])
+@pytest.mark.parametrize(
+    "split, match",
+    [
+        ([3, 3, 1], "sum to 7, but the model has 6"),
+        ([5, 1, 0], "every stage needs >= 1 layer"),
+        ([3, 3], "2 stage counts"),
+        ([2.5, 3.5, 0], "list of integers"),
+    ],
+)
 def test_bad_layer_split_is_an_error_naming_the_field(split, match):
     with pytest.raises(ValueError, match=match) as e:
         stage_layers(6, 3, split)

@@ -4,8 +4,7 @@ import pytest
 import torch
 
 from megatron_patches.linears import ColumnLinear, ReplicatedLinear, RowLinear
-from megatron_patches.lora import (adapter_state, adapters_disabled, load_adapter_state, lora_modules,
-                                   lora_parameters)
+from megatron_patches.lora import adapter_state, adapters_disabled, load_adapter_state, lora_modules, lora_parameters
 from megatron_patches.model import build_policy
 from miles_k3.model import K3ForCausalLM
 from miles_k3.model.lora_spec import DEFAULT_TARGETS, LoraSpec
@@ -38,8 +37,20 @@ def test_linears_are_megatron_and_only_adapters_train(policy):
     assert len(trainable) == 2 * len(lora_modules(policy)) > 0
     # every default target kind is adapted: KDA, MLA, dense MLP, shared experts, latent projections, experts
     names = {m.name.rsplit(".", 1)[-1] for m in lora_modules(policy)}
-    assert {"q_proj", "o_proj", "g_proj", "q_b_proj", "kv_b_proj", "gate_proj", "down_proj",
-            "routed_expert_down_proj", "routed_expert_up_proj", "w1", "w2", "w3"} <= names
+    assert {
+        "q_proj",
+        "o_proj",
+        "g_proj",
+        "q_b_proj",
+        "kv_b_proj",
+        "gate_proj",
+        "down_proj",
+        "routed_expert_down_proj",
+        "routed_expert_up_proj",
+        "w1",
+        "w2",
+        "w3",
+    } <= names
 
 
 def test_fresh_adapter_is_the_base_model(ref, policy):
@@ -108,8 +119,7 @@ def test_adapter_state_drives_the_engine(ref, adapter):
     """Trainer -> engine sync: the engine with `adapter_state(policy)` in a slot computes the policy."""
     policy = build_policy(CONFIG, ref.state_dict(), SPEC).eval()
     load_adapter_state(policy, adapter)
-    engine, pool = build_engine_model(CONFIG, ref.state_dict(), quantize="none", dtype=torch.float32,
-                                      lora=SPEC)
+    engine, pool = build_engine_model(CONFIG, ref.state_dict(), quantize="none", dtype=torch.float32, lora=SPEC)
     state = adapter_state(policy)
     pool.add_adapter("a", state)
     ids = token_ids()
@@ -137,8 +147,13 @@ def test_bad_adapter_tensors_write_nothing(policy, adapter):
     missing = {k: v for k, v in random_like(adapter, seed=9).items() if k != key}
     unknown = {**random_like(adapter, seed=9), "model.layers.0.self_attn.nope.lora_A": torch.zeros(4, 4)}
     nan = {k: (torch.full_like(v, float("nan")) if k == key else v) for k, v in random_like(adapter, seed=9).items()}
-    for bad, msg in [(bad_shape, "shape"), (bad_dtype, "dtype"), (missing, "missing"), (unknown, "unknown"),
-                     (nan, "NaN")]:
+    for bad, msg in [
+        (bad_shape, "shape"),
+        (bad_dtype, "dtype"),
+        (missing, "missing"),
+        (unknown, "unknown"),
+        (nan, "NaN"),
+    ]:
         with pytest.raises(ValueError, match=msg):
             load_adapter_state(policy, bad)
         after = adapter_state(policy)
@@ -148,8 +163,9 @@ def test_bad_adapter_tensors_write_nothing(policy, adapter):
 def test_targets_select_modules_and_base_only_without_targets(ref):
     spec = LoraSpec(rank=2, targets=(r"self_attn\.q_b_proj$",))
     policy = build_policy(CONFIG, ref.state_dict(), spec)
-    assert {m.name for m in lora_modules(policy)} == {f"model.layers.{i}.self_attn.q_b_proj"
-                                                      for i, k in enumerate(CONFIG.layer_kinds) if k == "mla"}
+    assert {m.name for m in lora_modules(policy)} == {
+        f"model.layers.{i}.self_attn.q_b_proj" for i, k in enumerate(CONFIG.layer_kinds) if k == "mla"
+    }
     assert SPEC.targets == DEFAULT_TARGETS
 
 
@@ -189,11 +205,19 @@ def test_base_state_errors(ref):
         build_policy(CONFIG, state, {"rank": 4})
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    (dict(rank=0), "rank"), (dict(rank=2.5), "rank"), (dict(alpha=0), "alpha"), (dict(dropout=1.0), "dropout"),
-    (dict(dropout=-0.1), "dropout"), (dict(targets=()), "targets"), (dict(targets="q_proj"), "targets"),
-    (dict(targets=("(",)), "targets"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(rank=0), "rank"),
+        (dict(rank=2.5), "rank"),
+        (dict(alpha=0), "alpha"),
+        (dict(dropout=1.0), "dropout"),
+        (dict(dropout=-0.1), "dropout"),
+        (dict(targets=()), "targets"),
+        (dict(targets="q_proj"), "targets"),
+        (dict(targets=("(",)), "targets"),
+    ],
+)
 def test_bad_lora_spec(kwargs, field):
     with pytest.raises(ValueError, match=f"LoraSpec.{field}"):
         LoraSpec(**kwargs)
@@ -223,8 +247,12 @@ def test_bf16_grouped_experts_equal_the_expert_loop(ref):
             p.grad = None
         y = path(xs, counts)
         y.float().square().sum().backward()
-        results.append((y.float(), [m.A.grad.float() for m in experts.lora.values()]
-                        + [m.B.grad.float() for m in experts.lora.values()]))
+        results.append(
+            (
+                y.float(),
+                [m.A.grad.float() for m in experts.lora.values()] + [m.B.grad.float() for m in experts.lora.values()],
+            )
+        )
     (y1, g1), (y2, g2) = results
     assert rel(y1, y2) < 1e-2
     assert all(rel(a, b) < 2e-2 for a, b in zip(g1, g2))

@@ -31,11 +31,13 @@ def _small_attention_blocks() -> None:
 
 
 def _policy(config: K3Config, recompute: bool, seed: int = 0, **kw):
-    policy = build_policy(config, reference_state(config, seed), SPEC, seed=seed, dtype=DTYPE, recompute=recompute,
-                          **kw)
+    policy = build_policy(
+        config, reference_state(config, seed), SPEC, seed=seed, dtype=DTYPE, recompute=recompute, **kw
+    )
     g = torch.Generator().manual_seed(seed + 2)
-    load_adapter_state(policy, {k: torch.randn(v.shape, generator=g, dtype=DTYPE) * 0.3
-                                for k, v in adapter_state(policy).items()})
+    load_adapter_state(
+        policy, {k: torch.randn(v.shape, generator=g, dtype=DTYPE) * 0.3 for k, v in adapter_state(policy).items()}
+    )
     return policy
 
 
@@ -50,6 +52,7 @@ def _row(config: K3Config, seed: int = 0):
 
 def _saved_bytes_hooks(seen: dict, weights: set):
     """As scripts/bench_sequence_parallel.py counts them: each saved storage once, the model's tensors left out."""
+
     def pack(t):
         key = t.untyped_storage().data_ptr()
         if key not in weights:
@@ -69,8 +72,12 @@ def _step(policy, config: K3Config) -> dict:
         logp, _ = token_logprobs(policy, hidden[0], targets, 0.7)
     loss = -(logp * weights).sum()
     loss.backward()
-    return {"loss": loss.detach(), "grads": adapter_grads(policy), "saved": sum(seen.values()),
-            "rng_after": policy.lora_generator.get_state()}
+    return {
+        "loss": loss.detach(),
+        "grads": adapter_grads(policy),
+        "saved": sum(seen.values()),
+        "rng_after": policy.lora_generator.get_state(),
+    }
 
 
 def _assert_same_grads(got: dict, want: dict, what: str) -> None:
@@ -115,7 +122,8 @@ def test_recompute_keeps_names_and_the_layers_contract():
     assert sorted(wrapped.state_dict()) == sorted(plain.state_dict())
     assert sorted(adapter_state(wrapped)) == sorted(adapter_state(plain))  # the engine's names
     assert [n.replace("_checkpoint_wrapped_module.", "") for n, _ in wrapped.named_parameters()] == [
-        n for n, _ in plain.named_parameters()]
+        n for n, _ in plain.named_parameters()
+    ]
     assert len(lora_parameters(wrapped)) == len(lora_parameters(plain))
     assert wrapped.model.layers[0].layer_idx == 0  # the wrapper forwards attributes to its layer
     meta = build_policy(TINY, None, SPEC, device="meta", recompute=True)

@@ -19,8 +19,10 @@ def tp2(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tp1():
     out = {name: tp_worker.run_case(c, dtype=tp_worker.DTYPE) for name, c in tp_worker.configs().items()}
-    out |= {name: tp_worker.run_case(c, dtype=tp_worker.DTYPE, packed=packed, lora=lora)
-            for name, (c, packed, lora) in tp_worker.reference_cases().items()}
+    out |= {
+        name: tp_worker.run_case(c, dtype=tp_worker.DTYPE, packed=packed, lora=lora)
+        for name, (c, packed, lora) in tp_worker.reference_cases().items()
+    }
     return out
 
 

@@ -31,8 +31,14 @@ def full_computation(case: dict) -> dict:
     (logp * t["weights"]).sum().backward()
     logq = z.detach().log_softmax(-1)
     entropy = -(logq.exp() * logq).sum(-1)
-    return {"logp": logp.detach(), "entropy": entropy, "grad_hidden": hidden.grad,
-            "grad_A": a.grad, "grad_B": b.grad, "embed": t["W"][t["ids"]]}
+    return {
+        "logp": logp.detach(),
+        "entropy": entropy,
+        "grad_hidden": hidden.grad,
+        "grad_A": a.grad,
+        "grad_B": b.grad,
+        "embed": t["W"][t["ids"]],
+    }
 
 
 def _close(a, b, tol=1e-10):

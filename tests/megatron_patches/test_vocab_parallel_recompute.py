@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron_patches.parallel import ensure_parallel
 from megatron_patches.vocab_parallel import vocab_parallel_logprobs
 from tests.megatron_patches import vocab_worker as w
-from megatron_patches.parallel import ensure_parallel
 
 
 def _run(recompute: bool, dropout: float, seed: int = 0) -> dict:
@@ -28,12 +28,26 @@ def _run(recompute: bool, dropout: float, seed: int = 0) -> dict:
     hidden = t["hidden"].clone().requires_grad_(True)
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda x: saved.append(x) or x, lambda x: x):
-        logp, entropy = vocab_parallel_logprobs(head, hidden, t["targets"], 0.7, with_entropy=True, chunk_size=5,
-                                                recompute_logits=recompute, generator=generator)
+        logp, entropy = vocab_parallel_logprobs(
+            head,
+            hidden,
+            t["targets"],
+            0.7,
+            with_entropy=True,
+            chunk_size=5,
+            recompute_logits=recompute,
+            generator=generator,
+        )
     (logp * t["weights"]).sum().backward()
-    return {"logp": logp.detach(), "entropy": entropy, "grad_hidden": hidden.grad, "grad_A": head.lora.A.grad,
-            "grad_B": head.lora.B.grad, "rng": generator.get_state(),
-            "widest_saved": max(x.numel() for x in saved if x.dim() == 2 and x is not hidden)}
+    return {
+        "logp": logp.detach(),
+        "entropy": entropy,
+        "grad_hidden": hidden.grad,
+        "grad_A": head.lora.A.grad,
+        "grad_B": head.lora.B.grad,
+        "rng": generator.get_state(),
+        "widest_saved": max(x.numel() for x in saved if x.dim() == 2 and x is not hidden),
+    }
 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.3])

@@ -8,11 +8,15 @@ exported adapter.
 
 from __future__ import annotations
 
-
 import torch
 
-from megatron_patches.lora import (adapter_grads, adapter_state, adapters_disabled, clip_lora_grad_norm_,
-                                   load_adapter_state)
+from megatron_patches.lora import (
+    adapter_grads,
+    adapter_state,
+    adapters_disabled,
+    clip_lora_grad_norm_,
+    load_adapter_state,
+)
 from megatron_patches.model import build_policy, reference_state
 from miles_k3.model import K3Config
 from miles_k3.model.lora_spec import LoraSpec
@@ -39,8 +43,11 @@ NO_DROPOUT = LoraSpec(rank=SPEC.rank, alpha=SPEC.alpha, dropout=0.0)
 def reference_cases() -> dict[str, tuple[K3Config, bool, LoraSpec]]:
     """The TP=1 cases that the sequence-parallel cases compare with -> (config, packed, adapters)."""
     tiny, kimi = configs()["k3-tiny"], configs()["kimi-linear-form"]
-    return {"packed/k3-tiny": (tiny, True, SPEC), "packed/kimi-linear-form": (kimi, True, SPEC),
-            "no-dropout/k3-tiny": (tiny, False, NO_DROPOUT)}
+    return {
+        "packed/k3-tiny": (tiny, True, SPEC),
+        "packed/kimi-linear-form": (kimi, True, SPEC),
+        "no-dropout/k3-tiny": (tiny, False, NO_DROPOUT),
+    }
 
 
 def sequence_parallel_cases() -> dict[str, tuple[K3Config, bool, LoraSpec]]:
@@ -50,31 +57,55 @@ def sequence_parallel_cases() -> dict[str, tuple[K3Config, bool, LoraSpec]]:
     return {f"sp/{name}": case for name, case in reference_cases().items()}
 
 
-def run_case(config: K3Config, seed: int = 0, dtype: torch.dtype = torch.float32, device: str = "cpu",
-             sequence_parallel: bool = False, packed: bool = False, lora: LoraSpec = SPEC) -> dict:
+def run_case(
+    config: K3Config,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    sequence_parallel: bool = False,
+    packed: bool = False,
+    lora: LoraSpec = SPEC,
+) -> dict:
     """packed: one row of two sequences (8 + 10 tokens, `cu_seqlens`) instead of two rows of 9."""
     shape, cu_seqlens = ((1, 18), torch.tensor([0, 8, 18], device=device)) if packed else ((2, 9), None)
     ids = torch.randint(3, config.vocab_size, shape, generator=torch.Generator().manual_seed(seed)).to(device)
     target = torch.randint(3, config.vocab_size, shape, generator=torch.Generator().manual_seed(seed + 1))
-    policy = build_policy(config, reference_state(config, seed), lora, seed=seed, dtype=dtype, device=device,
-                          sequence_parallel=sequence_parallel)
+    policy = build_policy(
+        config,
+        reference_state(config, seed),
+        lora,
+        seed=seed,
+        dtype=dtype,
+        device=device,
+        sequence_parallel=sequence_parallel,
+    )
     g = torch.Generator().manual_seed(seed + 2)
-    adapter = {k: (torch.randn(v.shape, generator=g) * 0.3).to(device=device, dtype=dtype)
-               for k, v in adapter_state(policy).items()}
+    adapter = {
+        k: (torch.randn(v.shape, generator=g) * 0.3).to(device=device, dtype=dtype)
+        for k, v in adapter_state(policy).items()
+    }
     load_adapter_state(policy, adapter)
     residual = []  # the sequence length of the residual stream (this rank's slice under sequence parallelism)
     policy.model.layers[0].input_layernorm.register_forward_hook(lambda m, a, out: residual.append(out.shape[1]))
     logits = policy.tp.gather_last_dim(policy(ids, cu_seqlens=cu_seqlens).logits)  # vocab slices -> all
-    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
-                                             target.reshape(-1).to(device))
+    loss = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1).to(device)
+    )
     loss.backward()
     grads = adapter_grads(policy)
     norm = clip_lora_grad_norm_(policy, max_norm=1e-3)
     clipped = adapter_grads(policy)
     with torch.no_grad(), adapters_disabled(policy):
         base = policy.tp.gather_last_dim(policy.eval()(ids, cu_seqlens=cu_seqlens).logits)
-    out = {"logits": logits.detach(), "base": base, "grads": grads, "norm": norm, "clipped": clipped,
-           "adapter": adapter_state(policy), "residual_len": residual[0]}
+    out = {
+        "logits": logits.detach(),
+        "base": base,
+        "grads": grads,
+        "norm": norm,
+        "clipped": clipped,
+        "adapter": adapter_state(policy),
+        "residual_len": residual[0],
+    }
     return _to_cpu(out)
 
 
@@ -84,8 +115,16 @@ def _to_cpu(x):
     return x.cpu() if isinstance(x, torch.Tensor) else x
 
 
-def worker(rank: int, world: int, port: int, tp: int, out: str, device: str = "cpu",
-           dtype: torch.dtype = DTYPE, watchdog_s: float = 300.0) -> None:
+def worker(
+    rank: int,
+    world: int,
+    port: int,
+    tp: int,
+    out: str,
+    device: str = "cpu",
+    dtype: torch.dtype = DTYPE,
+    watchdog_s: float = 300.0,
+) -> None:
     """One rank: gloo on CPU, nccl with one GPU per rank on `device="cuda"`. A rank stuck in a collective
     past `watchdog_s` prints every thread's stack and exits, so a hang fails the test instead of CI."""
     if device == "cuda":
@@ -94,6 +133,8 @@ def worker(rank: int, world: int, port: int, tp: int, out: str, device: str = "c
     with spawned_rank(rank, world, port, watchdog_s, "nccl" if device.startswith("cuda") else "gloo"), layout(tp=tp):
         results = {name: run_case(c, dtype=dtype, device=device) for name, c in configs().items()}
         if tp > 1:
-            results |= {name: run_case(c, dtype=dtype, device=device, sequence_parallel=True, packed=packed, lora=lora)
-                        for name, (c, packed, lora) in sequence_parallel_cases().items()}
+            results |= {
+                name: run_case(c, dtype=dtype, device=device, sequence_parallel=True, packed=packed, lora=lora)
+                for name, (c, packed, lora) in sequence_parallel_cases().items()
+            }
     torch.save(results, f"{out}/rank{rank}.pt")

@@ -25,25 +25,32 @@ from tests.megatron_patches.common import layout, spawned_rank
 V, D, M = 48, 12, 13  # vocabulary, width, tokens (chunks of 5 / 4 leave a ragged last chunk)
 DTYPE = torch.float64
 LORA = LoraSpec(rank=3, alpha=6.0, dropout=0.0, targets=(r"lm_head$",))
-CASES = {"untied-lora": dict(tied=False, temperature=0.7, chunk=5),
-         "tied": dict(tied=True, temperature=1.3, chunk=4)}
+CASES = {"untied-lora": dict(tied=False, temperature=0.7, chunk=5), "tied": dict(tied=True, temperature=1.3, chunk=4)}
 
 
 def tensors(seed: int = 0) -> dict[str, torch.Tensor]:
     """The full tensors every TP size starts from (targets hit every rank's slice of the vocabulary)."""
     g = torch.Generator().manual_seed(seed)
-    return {"W": torch.randn(V, D, generator=g, dtype=DTYPE), "A": torch.randn(LORA.rank, D, generator=g, dtype=DTYPE),
-            "B": torch.randn(V, LORA.rank, generator=g, dtype=DTYPE) * 0.5,
-            "hidden": torch.randn(M, D, generator=g, dtype=DTYPE),
-            "targets": torch.randint(0, V, (M,), generator=g), "weights": torch.randn(M, generator=g, dtype=DTYPE),
-            "ids": torch.randint(0, V, (2, 7), generator=g)}
+    return {
+        "W": torch.randn(V, D, generator=g, dtype=DTYPE),
+        "A": torch.randn(LORA.rank, D, generator=g, dtype=DTYPE),
+        "B": torch.randn(V, LORA.rank, generator=g, dtype=DTYPE) * 0.5,
+        "hidden": torch.randn(M, D, generator=g, dtype=DTYPE),
+        "targets": torch.randint(0, V, (M,), generator=g),
+        "weights": torch.randn(M, generator=g, dtype=DTYPE),
+        "ids": torch.randint(0, V, (2, 7), generator=g),
+    }
 
 
 def _policy(tied: bool, t: dict[str, torch.Tensor]) -> nn.Module:
     tp = MegatronTP()
     rows = slice(tp.rank * V // tp.size, (tp.rank + 1) * V // tp.size)
-    mp = ModelParallelConfig(tensor_model_parallel_size=tp.size, params_dtype=DTYPE, use_cpu_initialization=True,
-                             perform_initialization=False)
+    mp = ModelParallelConfig(
+        tensor_model_parallel_size=tp.size,
+        params_dtype=DTYPE,
+        use_cpu_initialization=True,
+        perform_initialization=False,
+    )
     policy = nn.Module()
     policy.config = SimpleNamespace(tie_word_embeddings=tied, vocab_size=V)
     policy.model = nn.Module()
@@ -68,14 +75,23 @@ def run_cases() -> dict:
         if not case["tied"]:
             policy.lm_head.register_forward_hook(lambda m, a, y: widths.append(tuple(y.shape)))
         hidden = t["hidden"].clone().requires_grad_(True)
-        logp, entropy = token_logprobs(policy, hidden, t["targets"], case["temperature"], with_entropy=True,
-                                       chunk_size=case["chunk"])
+        logp, entropy = token_logprobs(
+            policy, hidden, t["targets"], case["temperature"], with_entropy=True, chunk_size=case["chunk"]
+        )
         (logp * t["weights"]).sum().backward()
         with torch.no_grad():
-            logp_nograd, none = token_logprobs(policy, t["hidden"], t["targets"], case["temperature"],
-                                               chunk_size=case["chunk"])
-        res = {"logp": logp.detach(), "entropy": entropy, "grad_hidden": hidden.grad, "logp_nograd": logp_nograd,
-               "no_entropy": none is None, "widths": widths, "embed": logits_module(t["ids"]) if case["tied"] else None}
+            logp_nograd, none = token_logprobs(
+                policy, t["hidden"], t["targets"], case["temperature"], chunk_size=case["chunk"]
+            )
+        res = {
+            "logp": logp.detach(),
+            "entropy": entropy,
+            "grad_hidden": hidden.grad,
+            "logp_nograd": logp_nograd,
+            "no_entropy": none is None,
+            "widths": widths,
+            "embed": logits_module(t["ids"]) if case["tied"] else None,
+        }
         if not case["tied"]:
             res |= {"grad_A": policy.lm_head.lora.A.grad, "grad_B": policy.lm_head.lora.B.grad}
         out[name] = res

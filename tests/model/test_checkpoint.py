@@ -123,12 +123,16 @@ def _quantize_without_config(t):
     t[f"{name}.weight_packed"], t[f"{name}.weight_scale"] = quantize_mxfp4(t.pop(f"{name}.weight"))
 
 
-@pytest.mark.parametrize("corrupt, message", [
-    (_drop_tensor, "missing.*layers.2.self_attn.kv_b_proj.weight"),
-    (_narrow_tensor, r"layers.0.self_attn.o_proj.weight.*shape \(128, 127\)"),
-    (_add_zero_point, "unknown quantization.*weight_zero_point"),
-    (_quantize_without_config, "no compressed-tensors quantization_config"),
-], ids=["missing", "wrong-shape", "unknown-quantization", "quantized-without-config"])
+@pytest.mark.parametrize(
+    "corrupt, message",
+    [
+        (_drop_tensor, "missing.*layers.2.self_attn.kv_b_proj.weight"),
+        (_narrow_tensor, r"layers.0.self_attn.o_proj.weight.*shape \(128, 127\)"),
+        (_add_zero_point, "unknown quantization.*weight_zero_point"),
+        (_quantize_without_config, "no compressed-tensors quantization_config"),
+    ],
+    ids=["missing", "wrong-shape", "unknown-quantization", "quantized-without-config"],
+)
 def test_bad_tensors_are_named(saved, corrupt, message):
     path, tensors = saved
     corrupt(tensors)
@@ -165,10 +169,27 @@ def _published_tiny_config() -> dict:
     """The published K3 config.json (tests/model/fixtures) shrunk to a few layers, every K3 feature on."""
     d = json.loads((Path(__file__).parent / "fixtures" / "kimi_k3_config.json").read_text())
     t = d["text_config"]
-    t.update(hidden_size=64, vocab_size=96, num_hidden_layers=4, intermediate_size=96, num_attention_heads=2,
-             num_key_value_heads=2, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
-             v_head_dim=16, num_experts=4, num_experts_per_token=2, moe_intermediate_size=32,
-             routed_expert_hidden_size=32, attn_res_block_size=2, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    t.update(
+        hidden_size=64,
+        vocab_size=96,
+        num_hidden_layers=4,
+        intermediate_size=96,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        q_lora_rank=32,
+        kv_lora_rank=16,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        num_experts=4,
+        num_experts_per_token=2,
+        moe_intermediate_size=32,
+        routed_expert_hidden_size=32,
+        attn_res_block_size=2,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
     t["linear_attn_config"].update(kda_layers=[1, 2, 3], full_attn_layers=[4], num_heads=2, head_dim=16)
     d.update(bos_token_id=1, eos_token_id=2, pad_token_id=0, media_placeholder_token_id=95)
     return d
@@ -214,8 +235,9 @@ def test_a_checkpoint_in_the_published_k3_layout_loads_and_matches_the_reference
             dense[name] = files[stored].float()
     files["vision_tower.encoder.blocks.0.wqkv.weight"] = torch.randn(12, 8, generator=g).to(torch.bfloat16)
     files["mm_projector.proj.0.weight"] = torch.randn(8, 8, generator=g).to(torch.bfloat16)
-    assert files["language_model.model.layers.1.block_sparse_moe.routed_expert_down_proj.weight"].dtype == \
-        torch.bfloat16
+    assert (
+        files["language_model.model.layers.1.block_sparse_moe.routed_expert_down_proj.weight"].dtype == torch.bfloat16
+    )
     save_file(files, str(tmp_path / "model.safetensors"))
 
     loaded = K3ForCausalLM.from_pretrained(tmp_path).eval()
@@ -266,8 +288,9 @@ def test_a_corrupt_safetensors_file_is_named(saved, damage):
     path, _ = saved
     f = path / "model.safetensors"
     data = f.read_bytes()
-    f.write_bytes({"garbage": b"\x00\x01not a safetensors file" * 10, "truncated": data[: len(data) // 2],
-                   "empty": b""}[damage])
+    f.write_bytes(
+        {"garbage": b"\x00\x01not a safetensors file" * 10, "truncated": data[: len(data) // 2], "empty": b""}[damage]
+    )
     with pytest.raises(ValueError, match="model.safetensors"):
         K3ForCausalLM.from_pretrained(path)
 

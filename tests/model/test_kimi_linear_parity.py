@@ -8,8 +8,18 @@ from tests.model.kimi_linear_oracle import random_kimi_linear
 
 SHAPES = [
     dict(),
-    dict(hidden=48, layers=5, heads=4, head_dim=12, kda_heads=3, kda_head_dim=16, experts=8, top_k=3,
-         q_lora_rank=24, seed=1),
+    dict(
+        hidden=48,
+        layers=5,
+        heads=4,
+        head_dim=12,
+        kda_heads=3,
+        kda_head_dim=16,
+        experts=8,
+        top_k=3,
+        q_lora_rank=24,
+        seed=1,
+    ),
     dict(layers=8, experts=8, top_k=2, n_group=4, topk_group=2, seed=2, shared=2),
 ]
 
@@ -38,7 +48,7 @@ def test_incremental_decode_matches_transformers_full_forward(tmp_path):
         want = oracle(ids).logits
         cache = DenseStateCache(ours.config)
         steps = [ours(ids[:, :5], cache).logits]
-        steps += [ours(ids[:, t:t + 1], cache).logits for t in range(5, 12)]
+        steps += [ours(ids[:, t : t + 1], cache).logits for t in range(5, 12)]
     assert rel_err(torch.cat(steps, dim=1), want) <= 1e-4
 
 

@@ -15,10 +15,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import miles_k3.model.checkpoint as checkpoint
+from megatron_patches.loading import local_state
 from miles_k3.model import K3Config, K3ForCausalLM
 from miles_k3.model.checkpoint import CheckpointSource, StateDictSource, as_stored, load_state_dict
 from miles_k3.model.layout import a_log_heads
-from megatron_patches.loading import local_state
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -37,8 +37,10 @@ CONFIGS = {
     # LatentMoE projections, the flat zero-padded A_log, fp32 throughout
     "k3-mxfp4": (K3Config.from_preset("k3-tiny", experts_mxfp4=True), torch.float32),
     # Kimi-Linear form, tied embeddings, A_log [1, 1, H, 1], stored in bf16 (read back as fp32)
-    "kimi-tied-bf16": (K3Config.from_preset("k3-tiny").kimi_linear_form().replace(tie_word_embeddings=True),
-                       torch.bfloat16),
+    "kimi-tied-bf16": (
+        K3Config.from_preset("k3-tiny").kimi_linear_form().replace(tie_word_embeddings=True),
+        torch.bfloat16,
+    ),
 }
 
 
@@ -72,12 +74,16 @@ def test_every_slice_of_every_tensor_equals_the_full_load(ckpt):
             for dim, n in enumerate(t.shape):
                 for start, length in _cuts(n):
                     part = source.narrow(name, dim, start, length)
-                    assert part.is_contiguous() and torch.equal(part, t.narrow(dim, start, length)), \
-                        (name, dim, start, length)
+                    assert part.is_contiguous() and torch.equal(part, t.narrow(dim, start, length)), (
+                        name,
+                        dim,
+                        start,
+                        length,
+                    )
             if name.endswith(".A_log"):
                 heads = a_log_heads(t, config.kda_num_heads)
                 for start, length in _cuts(config.kda_num_heads):
-                    assert torch.equal(source.a_log_heads(name, start, length), heads[start:start + length])
+                    assert torch.equal(source.a_log_heads(name, start, length), heads[start : start + length])
     experts = [n for n in full if ".experts." in n]
     assert experts and all(torch.equal(full[n], want[n]) for n in experts)
 
@@ -86,10 +92,14 @@ def test_a_state_dict_source_slices_as_the_checkpoint_does(ckpt):
     path, config, want = ckpt
     memory, disk = StateDictSource(want, config, torch.bfloat16), CheckpointSource(path, config, torch.bfloat16)
     name = "model.layers.1.block_sparse_moe.experts.5.w2.weight"
-    for a, b in [(memory.narrow(name, 1, 16, 16), disk.narrow(name, 1, 16, 16)),
-                 (memory.read("model.embed_tokens.weight"), disk.read("model.embed_tokens.weight")),
-                 (memory.a_log_heads("model.layers.0.self_attn.A_log", 2, 2),
-                  disk.a_log_heads("model.layers.0.self_attn.A_log", 2, 2))]:
+    for a, b in [
+        (memory.narrow(name, 1, 16, 16), disk.narrow(name, 1, 16, 16)),
+        (memory.read("model.embed_tokens.weight"), disk.read("model.embed_tokens.weight")),
+        (
+            memory.a_log_heads("model.layers.0.self_attn.A_log", 2, 2),
+            disk.a_log_heads("model.layers.0.self_attn.A_log", 2, 2),
+        ),
+    ]:
         assert a.dtype == b.dtype and torch.equal(a, b)
     assert memory.read("model.layers.0.self_attn.dt_bias").dtype == torch.float32  # decay stays fp32
     disk.release()
@@ -98,6 +108,7 @@ def test_a_state_dict_source_slices_as_the_checkpoint_does(ckpt):
 def _rank_slicer(rank: int, size: int):
     """A test layout (TP-like): output projections cut along dim 1, other matrices along dim 0, KDA decay
     rates by head, vectors whole."""
+
     def slicer(name: str, source) -> torch.Tensor:
         shape = source.shapes[name]
         if name.endswith(".A_log"):
@@ -108,6 +119,7 @@ def _rank_slicer(rank: int, size: int):
         dim = 1 if name.endswith(("o_proj.weight", "down_proj.weight", "w2.weight")) else 0
         step = shape[dim] // size
         return source.narrow(name, dim, rank * step, step)
+
     return slicer
 
 
@@ -135,8 +147,10 @@ def test_local_state_reads_file_by_file_and_casts(ckpt, monkeypatch):
 
 def test_a_slice_out_of_range_is_named(ckpt):
     path, config, _ = ckpt
-    with CheckpointSource(path, config) as source, \
-            pytest.raises(ValueError, match=r"'model.norm.weight' of shape \(128,\): no slice 100:140 along dim 0"):
+    with (
+        CheckpointSource(path, config) as source,
+        pytest.raises(ValueError, match=r"'model.norm.weight' of shape \(128,\): no slice 100:140 along dim 0"),
+    ):
         source.narrow("model.norm.weight", 0, 100, 40)
 
 
@@ -186,8 +200,16 @@ _MEASURE = textwrap.dedent("""
 
 def _big_config() -> K3Config:
     """~220 MB of fp32 weights, most of it in tensors that a rank cuts to a quarter."""
-    return K3Config.from_preset("k3-tiny", vocab_size=16384, hidden_size=1024, kda_num_heads=8, kda_head_dim=128,
-                                dense_intermediate_size=2048, moe_latent_size=256, moe_intermediate_size=256)
+    return K3Config.from_preset(
+        "k3-tiny",
+        vocab_size=16384,
+        hidden_size=1024,
+        kda_num_heads=8,
+        kda_head_dim=128,
+        dense_intermediate_size=2048,
+        moe_latent_size=256,
+        moe_intermediate_size=256,
+    )
 
 
 def _write_random_checkpoint(path: Path, config: K3Config, shard_bytes: int) -> int:
@@ -217,8 +239,9 @@ def _write_random_checkpoint(path: Path, config: K3Config, shard_bytes: int) -> 
 
 
 def _peak(path: Path, mode: str) -> dict:
-    out = subprocess.run([sys.executable, "-c", _MEASURE, str(path), mode], cwd=REPO, capture_output=True,
-                         text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", _MEASURE, str(path), mode], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -237,5 +260,7 @@ def test_a_rank_peaks_at_about_its_shard_of_host_memory(tmp_path):
     largest = max(t.numel() * 4 for t in load_file(next((tmp_path / "ckpt").glob("*.safetensors"))).values())
     assert sharded["peak"] <= sharded["held"] + shard_bytes + largest + (16 << 20), (sharded, full)
     assert sharded["peak"] < 0.5 * full["peak"], (sharded, full)
-    print(f"peak rise: full load {full['peak'] / 2**20:.0f} MiB (holds {total / 2**20:.0f} MiB), rank 1 of 4 "
-          f"{sharded['peak'] / 2**20:.0f} MiB (holds {sharded['held'] / 2**20:.0f} MiB)")
+    print(
+        f"peak rise: full load {full['peak'] / 2**20:.0f} MiB (holds {total / 2**20:.0f} MiB), rank 1 of 4 "
+        f"{sharded['peak'] / 2**20:.0f} MiB (holds {sharded['held'] / 2**20:.0f} MiB)"
+    )

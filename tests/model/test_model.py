@@ -27,8 +27,10 @@ def test_state_dict_names_and_shapes_equal_the_hf_layout(preset):
     assert got == tensor_shapes(config)
 
 
-@pytest.mark.parametrize("overrides", [{}, dict(attn_res_block_size=0), dict(q_lora_rank=None, mla_output_gate=False,
-                                                                             kda_output_gate="low_rank")])
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, dict(attn_res_block_size=0), dict(q_lora_rank=None, mla_output_gate=False, kda_output_gate="low_rank")],
+)
 def test_incremental_decode_equals_full_forward(overrides):
     model = tiny(**overrides)
     ids = ids_for(model, 3, 40)
@@ -37,7 +39,7 @@ def test_incremental_decode_equals_full_forward(overrides):
         cache = DenseStateCache(model.config)
         pieces, t = [], 0
         for step in [17, 1, 6, 1, 1, 14]:  # prefill chunks of several sizes, then single-token decode
-            pieces.append(model(ids[:, t:t + step], cache).logits)
+            pieces.append(model(ids[:, t : t + step], cache).logits)
             t += step
     inc = torch.cat(pieces, dim=1)
     torch.testing.assert_close(inc, full, rtol=1e-4, atol=1e-5)
@@ -79,8 +81,9 @@ def test_attn_res_schedule_matches_published_formula():
                 h = h + attn_out
             h = h + layer.ffn(layer.post_attention_layernorm(mix(h, blocks, layer, "mlp_res")))
         m = model.model
-        h = naive_attnres(m.output_attn_res_proj.weight[0], [*blocks, h], m.output_attn_res_norm.weight,
-                          rms_eps=c.res_eps)
+        h = naive_attnres(
+            m.output_attn_res_proj.weight[0], [*blocks, h], m.output_attn_res_norm.weight, rms_eps=c.res_eps
+        )
         want = m.norm(h)
         assert len(blocks) == 3
         torch.testing.assert_close(model(ids).hidden_states, want, rtol=1e-5, atol=1e-5)

@@ -55,8 +55,7 @@ def test_checkpoint_has_every_k3_feature(model):
     assert any(c.is_moe_layer(i) for i in range(c.num_hidden_layers)) and c.num_shared_experts > 0
     assert c.hidden_act == "situ"
     assert 1e6 <= c.num_parameters() <= 3e6
-    assert (c.pad_token_id, c.bos_token_id, c.eos_token_id) == (TOK.pad_token_id, TOK.bos_token_id,
-                                                                 TOK.eos_token_id)
+    assert (c.pad_token_id, c.bos_token_id, c.eos_token_id) == (TOK.pad_token_id, TOK.bos_token_id, TOK.eos_token_id)
     assert c.vocab_size >= TOK.vocab_size
 
 
@@ -98,7 +97,8 @@ def test_greedy_accuracy_matches_the_readme(model):
     recorded = _readme_value(f"heldout_accuracy_first{FIRST_N}")
     assert abs(correct / FIRST_N - recorded) <= TOLERANCE, (
         f"greedy accuracy on the first {FIRST_N} held-out prompts is {correct / FIRST_N:.3f}; the asset README "
-        f"records {recorded:.3f}")
+        f"records {recorded:.3f}"
+    )
     # A base for RL: it knows some of the arithmetic (its first number is right 20-70% of the time) but its
     # habit (a trailing random number) costs it at least 15 points that a verifier reward can win back.
     assert 0.20 <= knows / FIRST_N <= 0.70, knows / FIRST_N

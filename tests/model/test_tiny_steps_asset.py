@@ -46,14 +46,17 @@ def _readme_value(key: str) -> float:
 def _engine(speculation=None) -> Engine:
     config = K3Config.from_json_file(ASSET / "config.json")
     model, _ = build_engine_model(config, load_state_dict(ASSET, config), quantize="none", dtype=torch.float32)
-    return Engine(model, EngineConfig(memory_bytes=64 << 20, max_running=64, max_seq_len=128, overlap="off",
-                                      speculation=speculation))
+    return Engine(
+        model,
+        EngineConfig(memory_bytes=64 << 20, max_running=64, max_seq_len=128, overlap="off", speculation=speculation),
+    )
 
 
 def _greedy(engine: Engine, records):
     prompts = [TOK.encode(r.prompt, add_bos=True) for r in records]
-    params = [SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW, stop_token_ids=(TOK.eos_token_id,))
-              for _ in records]
+    params = [
+        SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW, stop_token_ids=(TOK.eos_token_id,)) for _ in records
+    ]
     return engine.generate(prompts, params)
 
 
@@ -72,8 +75,15 @@ def plain():
 
 
 def test_files_present_and_small():
-    for name in ("config.json", "model.safetensors", "train.jsonl", "heldout.jsonl", "README.md",
-                 "drafter/config.json", "drafter/model.safetensors"):
+    for name in (
+        "config.json",
+        "model.safetensors",
+        "train.jsonl",
+        "heldout.jsonl",
+        "README.md",
+        "drafter/config.json",
+        "drafter/model.safetensors",
+    ):
         assert (ASSET / name).is_file(), f"{name} missing from {ASSET}"
     assert sum(f.stat().st_size for f in ASSET.rglob("*") if f.is_file()) < 10e6
 
@@ -83,8 +93,7 @@ def test_checkpoint_is_a_k3_tiny_on_the_arithmetic_tokenizer():
     c = model.config
     assert {"kda", "mla"} <= set(c.layer_kinds) and c.attn_res_block_size > 0 and c.moe_latent_size is not None
     assert 1e6 <= c.num_parameters() <= 3e6
-    assert (c.pad_token_id, c.bos_token_id, c.eos_token_id) == (TOK.pad_token_id, TOK.bos_token_id,
-                                                                 TOK.eos_token_id)
+    assert (c.pad_token_id, c.bos_token_id, c.eos_token_id) == (TOK.pad_token_id, TOK.bos_token_id, TOK.eos_token_id)
     assert c.vocab_size >= TOK.vocab_size
 
 
@@ -107,8 +116,8 @@ def test_greedy_accuracy_matches_the_readme_and_outputs_are_long(plain):
     accuracy = sum(check_answer(t, r.label) for t, r in zip(texts, records)) / FIRST_N
     recorded = _readme_value(f"heldout_accuracy_first{FIRST_N}")
     assert abs(accuracy - recorded) <= TOLERANCE, (
-        f"greedy accuracy on the first {FIRST_N} held-out prompts is {accuracy:.3f}; the README records "
-        f"{recorded:.3f}")
+        f"greedy accuracy on the first {FIRST_N} held-out prompts is {accuracy:.3f}; the README records {recorded:.3f}"
+    )
     # long, well-formed outputs (what speculation wins on): most responses stop at eos after a full solution
     lengths = [len(c.output_ids) for c in plain]
     assert sum(lengths) / len(lengths) >= 25

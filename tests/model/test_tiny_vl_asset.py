@@ -19,13 +19,13 @@ import miles_k3
 from miles_k3.data import PromptDataConfig, load_prompts
 from miles_k3.data.image_processor import ImageProcessor
 from miles_k3.data.media import expand_media_prompt, media_pad_positions
+from miles_k3.data.tokenizers import load_tokenizer
 from miles_k3.model import K3ForCausalLM
 from miles_k3.model.generate import greedy_generate
 from miles_k3.model.modeling import MediaEmbeds
 from miles_k3.model.vision import K3VisionModel
 from miles_k3.tasks import SquaresProblem, SquaresTokenizer, check_count
 from miles_k3.tasks.squares import split_of
-from miles_k3.data.tokenizers import load_tokenizer
 
 ASSET = Path(miles_k3.__file__).parent / "assets" / "k3-tiny-vl-squares"
 FIRST_N = 64
@@ -36,8 +36,11 @@ MAX_NEW_TOKENS = 4  # the recipe's rollout.max_new_tokens
 @pytest.fixture(scope="module")
 def base():
     torch.manual_seed(0)
-    return (K3ForCausalLM.from_pretrained(ASSET).eval(), K3VisionModel.from_pretrained(ASSET).eval(),
-            ImageProcessor.from_pretrained(ASSET))
+    return (
+        K3ForCausalLM.from_pretrained(ASSET).eval(),
+        K3VisionModel.from_pretrained(ASSET).eval(),
+        ImageProcessor.from_pretrained(ASSET),
+    )
 
 
 def _records(name: str):
@@ -56,8 +59,14 @@ def _readme_value(key: str) -> float:
 
 
 def test_files_present_and_small():
-    for name in ("config.json", "model.safetensors", "preprocessor_config.json", "train.jsonl", "heldout.jsonl",
-                 "README.md"):
+    for name in (
+        "config.json",
+        "model.safetensors",
+        "preprocessor_config.json",
+        "train.jsonl",
+        "heldout.jsonl",
+        "README.md",
+    ):
         assert (ASSET / name).is_file(), f"{name} missing from {ASSET}"
     total = sum(f.stat().st_size for f in ASSET.iterdir())
     assert total < 10e6, f"{ASSET} is {total / 1e6:.1f} MB: the asset ships in the package"
@@ -102,12 +111,19 @@ def test_train_and_heldout_are_disjoint():
 @torch.no_grad()
 def _greedy(text, vision, prompt_ids: torch.Tensor, images) -> list[list[int]]:
     """Equal-length prompts [B, T], one image each: prefill with the features at the pads, then greedy."""
-    features = vision.encode(torch.cat([im.pixel_values for im in images]),
-                             torch.tensor([im.grid_thw for im in images]))
+    features = vision.encode(
+        torch.cat([im.pixel_values for im in images]), torch.tensor([im.grid_thw for im in images])
+    )
     t = prompt_ids.shape[1]
     pad_id = text.config.media_placeholder_token_id
-    positions = torch.tensor([b * t + i for b, row in enumerate(prompt_ids.tolist())
-                              for run in media_pad_positions(row, images[b:b + 1], pad_id) for i in run])
+    positions = torch.tensor(
+        [
+            b * t + i
+            for b, row in enumerate(prompt_ids.tolist())
+            for run in media_pad_positions(row, images[b : b + 1], pad_id)
+            for i in run
+        ]
+    )
     return greedy_generate(text, prompt_ids, MAX_NEW_TOKENS, media=MediaEmbeds(positions, features))[0].tolist()
 
 
@@ -140,8 +156,9 @@ def heldout_accuracy(base, first_heldout):
 
 def test_heldout_accuracy_matches_the_readme(heldout_accuracy):
     expected = _readme_value(f"heldout_accuracy_first{FIRST_N}")
-    assert abs(heldout_accuracy - expected) <= TOLERANCE, \
+    assert abs(heldout_accuracy - expected) <= TOLERANCE, (
         f"greedy accuracy {heldout_accuracy:.3f} on the first {FIRST_N}, README {expected}"
+    )
 
 
 def test_the_base_sees_the_picture(base, first_heldout, heldout_accuracy):

@@ -24,20 +24,30 @@ def _random_weights(seed=0):
     """Weights by checkpoint name, large enough that every nonlinearity matters; norms around 1."""
     g = torch.Generator().manual_seed(seed)
     d, m, inter, q = 64, 256, 128, 64
-    w = {"vision_tower.patch_embed.proj.weight": torch.randn(d, 3, 14, 14, generator=g) * 0.05,
-         "vision_tower.patch_embed.pos_emb.weight": torch.randn(8, 8, d, generator=g)}
+    w = {
+        "vision_tower.patch_embed.proj.weight": torch.randn(d, 3, 14, 14, generator=g) * 0.05,
+        "vision_tower.patch_embed.pos_emb.weight": torch.randn(8, 8, d, generator=g),
+    }
     for i in range(2):
         b = f"vision_tower.encoder.blocks.{i}."
-        w.update({b + "norm0.weight": 1 + 0.2 * torch.randn(d, generator=g),
-                  b + "norm1.weight": 1 + 0.2 * torch.randn(d, generator=g),
-                  b + "wqkv.weight": torch.randn(3 * q, d, generator=g) * 0.3,
-                  b + "wo.weight": torch.randn(d, q, generator=g) * 0.15,
-                  b + "mlp.fc0.weight": torch.randn(inter, d, generator=g) * 0.2,
-                  b + "mlp.fc1.weight": torch.randn(d, inter, generator=g) * 0.1})
+        w.update(
+            {
+                b + "norm0.weight": 1 + 0.2 * torch.randn(d, generator=g),
+                b + "norm1.weight": 1 + 0.2 * torch.randn(d, generator=g),
+                b + "wqkv.weight": torch.randn(3 * q, d, generator=g) * 0.3,
+                b + "wo.weight": torch.randn(d, q, generator=g) * 0.15,
+                b + "mlp.fc0.weight": torch.randn(inter, d, generator=g) * 0.2,
+                b + "mlp.fc1.weight": torch.randn(d, inter, generator=g) * 0.1,
+            }
+        )
     w["vision_tower.encoder.final_layernorm.weight"] = 1 + 0.2 * torch.randn(d, generator=g)
-    w.update({"mm_projector.proj.0.weight": torch.randn(m, m, generator=g) * 0.1,
-              "mm_projector.proj.2.weight": torch.randn(128, m, generator=g) * 0.1,
-              "mm_projector.post_norm.weight": 1 + 0.2 * torch.randn(128, generator=g)})
+    w.update(
+        {
+            "mm_projector.proj.0.weight": torch.randn(m, m, generator=g) * 0.1,
+            "mm_projector.proj.2.weight": torch.randn(128, m, generator=g) * 0.1,
+            "mm_projector.post_norm.weight": 1 + 0.2 * torch.randn(128, generator=g),
+        }
+    )
     return {k: v.double() for k, v in w.items()}
 
 
@@ -86,7 +96,7 @@ def _rotate(x, h, w):
 
 
 def _gelu_tanh(x):
-    return 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))
+    return 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
 
 
 def _reference(w, pixels, grids):
@@ -99,7 +109,7 @@ def _reference(w, pixels, grids):
     for i in range(2):
         b = f"vision_tower.encoder.blocks.{i}."
         qkv = _rms(x, w[b + "norm0.weight"], eps) @ w[b + "wqkv.weight"].T
-        q, k, v = (qkv[:, j * 64:(j + 1) * 64].reshape(-1, 4, 16) for j in range(3))
+        q, k, v = (qkv[:, j * 64 : (j + 1) * 64].reshape(-1, 4, 16) for j in range(3))
         attn = []
         for (t, h, ww), s, e in zip(grids, starts[:-1], starts[1:]):
             qi, ki, vi = _rotate(q[s:e], h, ww), _rotate(k[s:e], h, ww), v[s:e]
@@ -111,7 +121,7 @@ def _reference(w, pixels, grids):
     x = _rms(x, w["vision_tower.encoder.final_layernorm.weight"], eps)
     merged = []
     for (t, h, ww), s in zip(grids, starts):
-        frames = x[s:s + t * h * ww].reshape(t, h, ww, -1).mean(0)
+        frames = x[s : s + t * h * ww].reshape(t, h, ww, -1).mean(0)
         for i in range(h // 2):
             for j in range(ww // 2):
                 merged.append(torch.cat([frames[2 * i + a, 2 * j + c] for a in range(2) for c in range(2)]))
@@ -182,11 +192,14 @@ def test_the_model_dtype_rules_the_computation():
     assert (bf16.double() - ref).norm() / ref.norm() < 0.05
 
 
-@pytest.mark.parametrize("grids, n, match", [
-    ([(1, 5, 4)], 20, r"grid_thw\[0\]: 5 x 4 patches must be positive multiples of the merge kernel 2 x 2"),
-    ([(1, 4, 4), (5, 2, 2)], 36, r"grid_thw\[1\]: t=5 frames, the tower takes 1..4"),
-    ([(1, 4, 4)], 15, r"pixel_values has 15 patches, grid_thw says 16"),
-])
+@pytest.mark.parametrize(
+    "grids, n, match",
+    [
+        ([(1, 5, 4)], 20, r"grid_thw\[0\]: 5 x 4 patches must be positive multiples of the merge kernel 2 x 2"),
+        ([(1, 4, 4), (5, 2, 2)], 36, r"grid_thw\[1\]: t=5 frames, the tower takes 1..4"),
+        ([(1, 4, 4)], 15, r"pixel_values has 15 patches, grid_thw says 16"),
+    ],
+)
 def test_bad_inputs_fail_by_name(grids, n, match):
     with pytest.raises(ValueError, match=match):
         _model().encode(torch.zeros(n, 3, 14, 14, dtype=torch.float64), torch.tensor(grids))

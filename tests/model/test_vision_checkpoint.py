@@ -78,8 +78,11 @@ def test_a_misshapen_vision_tensor_is_named(saved):
     tensors = load_file(path / "model.safetensors")
     tensors["mm_projector.proj.2.weight"] = torch.zeros(64, 256)
     save_file(tensors, path / "model.safetensors")
-    with pytest.raises(ValueError, match=r"'mm_projector.proj.2.weight': shape \(64, 256\) does not match "
-                                         r"vision_config \(expected \(128, 256\)\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"'mm_projector.proj.2.weight': shape \(64, 256\) does not match "
+        r"vision_config \(expected \(128, 256\)\)",
+    ):
         K3VisionModel.from_pretrained(path)
 
 

@@ -32,21 +32,24 @@ def test_round_trip_to_dict_is_exact_and_carries_unknown_keys():
     assert back == d and back["some_later_key"] == {"a": [1, 2]}
 
 
-@pytest.mark.parametrize("key, value, match", [
-    ("patch_size", 0, "vision_config.patch_size: must be a positive int"),
-    ("vt_hidden_size", "1024", "vision_config.vt_hidden_size: must be int"),
-    ("qkv_hidden_size", 1000, "vision_config.qkv_hidden_size: must divide into vt_num_attention_heads=12"),
-    ("qkv_hidden_size", 12 * 6, r"vision_config.qkv_hidden_size: the 2-D rotary embedding needs head_dim % 4"),
-    ("mm_hidden_size", 512, "vision_config.mm_hidden_size: .* must equal vt_hidden_size=1024"),
-    ("merge_kernel_size", [2], r"vision_config.merge_kernel_size: must be two positive ints \[kh, kw\]"),
-    ("merge_kernel_size", [2, 0], "vision_config.merge_kernel_size: must be two positive ints"),
-    ("activation_func", "relu", "vision_config.activation_func: must be one of"),
-    ("pos_emb_interpolation_mode", "nearest", "vision_config.pos_emb_interpolation_mode: must be one of"),
-    ("norm_type", "layernorm", "vision_config.norm_type: only 'rmsnorm' is implemented"),
-    ("attn_bias", True, "vision_config.attn_bias: only False is implemented"),
-    ("mm_projector_type", "patchmerger", "vision_config.mm_projector_type: only 'patchmergerv2'"),
-    ("projector_ln_eps", 0.0, "vision_config.projector_ln_eps: must be > 0"),
-])
+@pytest.mark.parametrize(
+    "key, value, match",
+    [
+        ("patch_size", 0, "vision_config.patch_size: must be a positive int"),
+        ("vt_hidden_size", "1024", "vision_config.vt_hidden_size: must be int"),
+        ("qkv_hidden_size", 1000, "vision_config.qkv_hidden_size: must divide into vt_num_attention_heads=12"),
+        ("qkv_hidden_size", 12 * 6, r"vision_config.qkv_hidden_size: the 2-D rotary embedding needs head_dim % 4"),
+        ("mm_hidden_size", 512, "vision_config.mm_hidden_size: .* must equal vt_hidden_size=1024"),
+        ("merge_kernel_size", [2], r"vision_config.merge_kernel_size: must be two positive ints \[kh, kw\]"),
+        ("merge_kernel_size", [2, 0], "vision_config.merge_kernel_size: must be two positive ints"),
+        ("activation_func", "relu", "vision_config.activation_func: must be one of"),
+        ("pos_emb_interpolation_mode", "nearest", "vision_config.pos_emb_interpolation_mode: must be one of"),
+        ("norm_type", "layernorm", "vision_config.norm_type: only 'rmsnorm' is implemented"),
+        ("attn_bias", True, "vision_config.attn_bias: only False is implemented"),
+        ("mm_projector_type", "patchmerger", "vision_config.mm_projector_type: only 'patchmergerv2'"),
+        ("projector_ln_eps", 0.0, "vision_config.projector_ln_eps: must be > 0"),
+    ],
+)
 def test_a_bad_field_fails_by_name(key, value, match):
     d = _published()["vision_config"]
     d[key] = value

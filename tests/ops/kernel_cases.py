@@ -30,7 +30,7 @@ def op_calls(device: str, dtype: torch.dtype, seed: int = 0) -> dict[str, Callab
     block, row = rand(4, 5, 96 * 4).to(dtype), rand(2, 21, 96 * 4).to(dtype)  # a verify step's; a prefill's
     f, b, a_log, dt = rand(4, 1, 96 * 4).to(dtype), rand(4, 1, 4).to(dtype), rand(4), rand(96 * 4)
     qkv, planes = rand(4, 1, 3 * 96 * 4 + 8).to(dtype), rand(4, 3, 96 * 4, 3).to(dtype)  # one GEMM's q | k | v
-    group = ([qkv[..., i * 384:(i + 1) * 384] for i in range(3)], [conv_w] * 3, [planes[:, i] for i in range(3)])
+    group = ([qkv[..., i * 384 : (i + 1) * 384] for i in range(3)], [conv_w] * 3, [planes[:, i] for i in range(3)])
     logits, bias = rand(64, 896), rand(896, scale=0.1)  # the router's GEMM output is fp32
     router = rand(896, 7168, scale=0.01)  # an fp32 router weight (its logits O(1): the bounds' scale)
     return {

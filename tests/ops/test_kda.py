@@ -158,15 +158,15 @@ def test_varlen_matches_per_sequence(mode):
     N, T = len(lens), sum(lens)
     q, k, v, g, beta, _ = make_inputs(B=1, T=T, strong=True, with_state=False)
     h0 = torch.randn(N, q.shape[2], q.shape[3], v.shape[3])
-    o, ht = kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu, mode=mode,
-                chunk_size=16)
+    o, ht = kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu, mode=mode, chunk_size=16)
     assert o.shape == v.shape and ht.shape == h0.shape
     for i in range(N):
         s = slice(int(cu[i]), int(cu[i + 1]))
-        o_i, h_i = naive_recurrent_kda(q[:, s], k[:, s], v[:, s], g[:, s], beta[:, s],
-                                       initial_state=h0[i:i + 1], output_final_state=True)
+        o_i, h_i = naive_recurrent_kda(
+            q[:, s], k[:, s], v[:, s], g[:, s], beta[:, s], initial_state=h0[i : i + 1], output_final_state=True
+        )
         torch.testing.assert_close(o[:, s], o_i, **TOL)
-        torch.testing.assert_close(ht[i:i + 1], h_i, **TOL)
+        torch.testing.assert_close(ht[i : i + 1], h_i, **TOL)
     # without initial states every segment starts from zeros
     o0, _ = kda(q, k, v, g, beta, cu_seqlens=cu, mode=mode, chunk_size=16)
     s = slice(int(cu[2]), int(cu[3]))
@@ -178,8 +178,9 @@ def test_qk_l2norm_flag(fn):
     q, k, v, g, beta, h0 = make_inputs(T=70)
     k = torch.randn_like(k) * 3  # un-normalised: the flag must normalise it
     o, ht = fn(q, k, v, g, beta, initial_state=h0, output_final_state=True, use_qk_l2norm=True)
-    o_ref, ht_ref = naive_recurrent_kda(F.normalize(q, dim=-1), F.normalize(k, dim=-1), v, g, beta,
-                                        initial_state=h0, output_final_state=True)
+    o_ref, ht_ref = naive_recurrent_kda(
+        F.normalize(q, dim=-1), F.normalize(k, dim=-1), v, g, beta, initial_state=h0, output_final_state=True
+    )
     torch.testing.assert_close(o, o_ref, **TOL)
     torch.testing.assert_close(ht, ht_ref, **TOL)
 

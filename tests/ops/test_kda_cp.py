@@ -15,8 +15,13 @@ def _inputs(total: int, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     q, k = (torch.randn(1, total, H, K, generator=g, dtype=torch.float64) for _ in range(2))
     v = torch.randn(1, total, H, V, generator=g, dtype=torch.float64)
-    gate = kda_gate(torch.randn(1, total, H * K, generator=g, dtype=torch.float64), torch.zeros(H), None,
-                    num_heads=H, form="lower_bound").double()
+    gate = kda_gate(
+        torch.randn(1, total, H * K, generator=g, dtype=torch.float64),
+        torch.zeros(H),
+        None,
+        num_heads=H,
+        form="lower_bound",
+    ).double()
     beta = torch.rand(1, total, H, generator=g, dtype=torch.float64)
     return [t.requires_grad_() for t in (q, k, v, gate, beta)]
 
@@ -47,8 +52,13 @@ def test_split_without_state_hand_off_differs():
     cu = torch.tensor(CASES["packed"])
     inputs = _inputs(24)
     want = kda(*inputs, cu_seqlens=cu, use_qk_l2norm=True)[0]
-    alone = torch.cat([kda(*(x[:, s:s + 12] for x in inputs), cu_seqlens=torch.tensor(b), use_qk_l2norm=True)[0]
-                       for s, b in ((0, [0, 9, 11, 12]), (12, [0, 8, 12]))], dim=1)
+    alone = torch.cat(
+        [
+            kda(*(x[:, s : s + 12] for x in inputs), cu_seqlens=torch.tensor(b), use_qk_l2norm=True)[0]
+            for s, b in ((0, [0, 9, 11, 12]), (12, [0, 8, 12]))
+        ],
+        dim=1,
+    )
     assert float((alone - want).detach().norm() / want.detach().norm()) > 1e-3
 
 
@@ -76,8 +86,8 @@ def test_split_short_conv_equals_unsplit(case):
         got = short_conv_split_reference(x, weight, cu_seqlens=cu, size=size)
         assert float((got - want).detach().norm() / want.detach().norm()) < 1e-14
         probe = torch.randn(want.shape, generator=g, dtype=torch.float64)
-        a, = torch.autograd.grad((got * probe).sum(), x)
-        b, = torch.autograd.grad((want * probe).sum(), x)
+        (a,) = torch.autograd.grad((got * probe).sum(), x)
+        (b,) = torch.autograd.grad((want * probe).sum(), x)
         assert float((a - b).norm() / b.norm()) < 1e-14
 
 

@@ -78,7 +78,7 @@ def test_advancing_a_pooled_state_by_a_masked_block_equals_its_decode_steps_bit_
     want = pool.clone()
     for t in range(live.shape[1]):  # decode steps of the rows whose token t is live
         rows = live[:, t].nonzero()[:, 0]
-        step = [a[rows, t:t + 1] for a in args]
+        step = [a[rows, t : t + 1] for a in args]
         kda(*step, initial_state=PooledState(want, index[rows]), output_final_state=True, use_qk_l2norm=True)
     before = pool.clone()
     kda_advance(*args, PooledState(pool, index), scratch=0, use_qk_l2norm=True)

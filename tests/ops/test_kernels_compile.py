@@ -9,7 +9,7 @@ import subprocess
 import sys
 import textwrap
 
-_KERNELS = textwrap.dedent('''
+_KERNELS = textwrap.dedent("""
     import triton
     import triton.language as tl
 
@@ -24,7 +24,7 @@ _KERNELS = textwrap.dedent('''
     def scales(x_ptr, y_ptr, n, s, B: tl.constexpr):
         i = tl.program_id(0) * B + tl.arange(0, B)
         tl.store(y_ptr + i, tl.load(x_ptr + i, mask=i < n) * s, mask=i < n)
-''')
+""")
 
 
 def _spec(kernel, args, **kwargs):
@@ -33,13 +33,21 @@ def _spec(kernel, args, **kwargs):
 
 def test_the_check_compiles_a_sound_kernel_and_names_the_one_the_interpreter_lets_through(tmp_path):
     (tmp_path / "bad_and_good.py").write_text(_KERNELS)
-    specs = [_spec("scales", [{"dtype": "bfloat16"}, {"dtype": "float32"}, 100, 0.5], B=64),
-             _spec("rebinds", [{"dtype": "float32"}, 7], B=16)]
+    specs = [
+        _spec("scales", [{"dtype": "bfloat16"}, {"dtype": "float32"}, 100, 0.5], B=64),
+        _spec("rebinds", [{"dtype": "float32"}, 7], B=16),
+    ]
     (tmp_path / "launches.json").write_text(json.dumps(specs))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), os.getcwd()])
-    proc = subprocess.run([sys.executable, "-m", "miles_k3.kernels.compile_check", "launches.json"], cwd=tmp_path,
-                          env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "miles_k3.kernels.compile_check", "launches.json"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     lines = proc.stdout.splitlines()
     assert proc.returncode == 1, proc.stdout + proc.stderr[-2000:]
     assert any(ln.startswith("ok   bad_and_good:scales(B=64)") for ln in lines), proc.stdout
@@ -51,7 +59,12 @@ def test_the_check_compiles_a_sound_kernel_and_names_the_one_the_interpreter_let
 def test_the_check_refuses_an_interpreter_process(tmp_path):
     (tmp_path / "launches.json").write_text("[]")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-m", "miles_k3.kernels.compile_check", str(tmp_path / "launches.json")],
-                          env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "miles_k3.kernels.compile_check", str(tmp_path / "launches.json")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 2 and proc.stderr.startswith("compile_check: ") and "Traceback" not in proc.stderr
     assert "without TRITON_INTERPRET=1" in proc.stderr

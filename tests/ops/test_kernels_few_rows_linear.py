@@ -10,7 +10,8 @@ from tests.rollout.interpreted import assert_interpreted_ok
 
 
 def test_few_rows_linear_matches_an_fp64_product_and_its_callers_dispatch_to_it():
-    assert_interpreted_ok(textwrap.dedent("""
+    assert_interpreted_ok(
+        textwrap.dedent("""
         import os
         os.environ["MILES_K3_KERNELS"] = "interpret"
         import torch
@@ -66,4 +67,6 @@ def test_few_rows_linear_matches_an_fp64_product_and_its_callers_dispatch_to_it(
             assert len(launches) == 2
         assert router_logits(xb, wr).dtype == torch.float32 and len(launches) == 2  # no inference mode: definition
         print("ok")
-    """), timeout=600)
+    """),
+        timeout=600,
+    )

@@ -4,7 +4,8 @@ CPU through Triton's interpreter in subprocesses (TRITON_INTERPRET must be set b
 
 Each script sets MILES_K3_KERNELS=interpret, so the `miles_k3.ops` functions take the kernel under
 torch.inference_mode() (the engine's) and the definition with autograd on or under no_grad alone
-(`use_kernels`): the same call, both paths (the last test runs a whole KDA mixer so). Bounds: fp32 to a few ulps (the two sides' exp differ); a bf16 conv output equal
+(`use_kernels`): the same call, both paths (the last test runs a whole KDA mixer so). Bounds: fp32 to a few ulps (the
+two sides' exp differ); a bf16 conv output equal
 to the definition's, or one bf16 ulp away where the fp32 values straddle a rounding tie; the gate (fp32 out)
 to a few fp32 ulps from any input dtype; conv states bit-identical in every dtype."""
 
@@ -248,8 +249,9 @@ _CONV_GROUP = _PRELUDE + textwrap.dedent("""
             pool = torch.randn(SLOTS, 3, D, W - 1, generator=g).to(dtype)
             index = torch.tensor([4, 0, 7, 1, 2])
             before = pool.clone()
-            singles = [kernel(causal_short_conv, x, w, state=before[:, i][index]) for i, (x, w) in enumerate(zip(xs, ws))]
-            refs = [definition(causal_short_conv, x, w, state=before[:, i][index]) for i, (x, w) in enumerate(zip(xs, ws))]
+            pairs = list(enumerate(zip(xs, ws)))
+            singles = [kernel(causal_short_conv, x, w, state=before[:, i][index]) for i, (x, w) in pairs]
+            refs = [definition(causal_short_conv, x, w, state=before[:, i][index]) for i, (x, w) in pairs]
             got, n = launched(causal_short_convs, xs, ws, states=[PooledState(pool[:, i], index) for i in range(3)])
             assert n == (1 if T <= 16 else 3), (T, n)  # past one time block: each gathered and scattered
             for i, ((y, back), (y1, s1), (_, s_ref)) in enumerate(zip(got, singles, refs)):

@@ -10,7 +10,8 @@ from tests.rollout.interpreted import assert_interpreted_ok
 
 
 def test_dispatch_and_combine_match_the_definition_and_dispatch():
-    assert_interpreted_ok(textwrap.dedent("""
+    assert_interpreted_ok(
+        textwrap.dedent("""
         import os
         os.environ["MILES_K3_KERNELS"] = "interpret"
         import torch
@@ -68,4 +69,6 @@ def test_dispatch_and_combine_match_the_definition_and_dispatch():
         assert calls == [1]
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
         print("ok")
-    """), timeout=600)
+    """),
+        timeout=600,
+    )

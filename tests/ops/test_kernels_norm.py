@@ -34,7 +34,9 @@ _ULPS = textwrap.dedent("""
 
 
 def test_rms_norm_kernels_match_the_definition():
-    assert_interpreted_ok(_ULPS + textwrap.dedent("""
+    assert_interpreted_ok(
+        _ULPS
+        + textwrap.dedent("""
         from miles_k3.kernels import norm as kernels
         from miles_k3.ops import norm as definition
 
@@ -94,11 +96,14 @@ def test_rms_norm_kernels_match_the_definition():
         assert check(x, torch.randn(100, generator=g).bfloat16()).dtype == torch.float32
         assert kernels.rms_norm(torch.empty(0, 5, 64), torch.ones(64), eps).shape == (0, 5, 64)
         print("ok")
-    """), timeout=300)
+    """),
+        timeout=300,
+    )
 
 
 def test_attn_res_kernel_matches_the_definition():
-    assert_interpreted_ok(textwrap.dedent("""
+    assert_interpreted_ok(
+        textwrap.dedent("""
         import torch
         from miles_k3.kernels import attnres as kernels
         from miles_k3.ops.attnres import attn_res_mix as definition
@@ -157,7 +162,9 @@ def test_attn_res_kernel_matches_the_definition():
             zeros = torch.zeros(3, 100, dtype=dtype)
             assert bool((check(zeros, [zeros, zeros], nw, pw) == 0).all())
         print("ok")
-    """), timeout=300)
+    """),
+        timeout=300,
+    )
 
 
 def test_attn_res_mix_with_its_norm_and_the_residual_add_before_it_is_each_kernel_in_turn():
@@ -166,7 +173,8 @@ def test_attn_res_mix_with_its_norm_and_the_residual_add_before_it_is_each_kerne
     bounds against the definition; `add_attn_res_mix` adds first, h + add as torch's add rounds it (bit for
     bit), then mixes that sum as the kernel mixes it given as h. The ops take them under inference mode, one
     launch each, and compose the definitions without."""
-    assert_interpreted_ok(textwrap.dedent("""
+    assert_interpreted_ok(
+        textwrap.dedent("""
         import os
         os.environ["MILES_K3_KERNELS"] = "interpret"
         import torch
@@ -208,13 +216,17 @@ def test_attn_res_mix_with_its_norm_and_the_residual_add_before_it_is_each_kerne
             add_attn_res_mix_rms_norm(h, add, blocks, nw, pw, 1e-5, ow, 1e-6)
         assert launches == ["attn_res_mix", "add_attn_res_mix"], launches  # one launch each
         print("ok")
-    """), timeout=300)
+    """),
+        timeout=300,
+    )
 
 
 def test_situ_glu_kernel_takes_any_leading_shape():
     # the 2-D contract is held by tests/rollout/test_kernels_situ_glu.py; here [B, T, I] over a GEMM's columns
     # and heads-like [B, T, H, I] views of such slices
-    assert_interpreted_ok(_ULPS + textwrap.dedent("""
+    assert_interpreted_ok(
+        _ULPS
+        + textwrap.dedent("""
         from miles_k3.kernels.situ_glu import situ_glu
         from miles_k3.ops.glu import situ_glu as definition
 
@@ -228,11 +240,14 @@ def test_situ_glu_kernel_takes_any_leading_shape():
                 # fp32: its tanh is a rational of exp (a series near 0), not torch's: up to ~1e-6 relative
                 assert ulps(got, want).max() <= (1 if dtype == torch.bfloat16 else 16), dtype
         print("ok")
-    """), timeout=120)
+    """),
+        timeout=120,
+    )
 
 
 def test_ops_run_the_kernels_only_without_autograd_under_interpret():
-    assert_interpreted_ok(textwrap.dedent("""
+    assert_interpreted_ok(
+        textwrap.dedent("""
         import os
         import torch
         from miles_k3 import kernels
@@ -300,7 +315,9 @@ def test_ops_run_the_kernels_only_without_autograd_under_interpret():
         else:
             raise AssertionError("a bad MILES_K3_KERNELS ran")
         print("ok")
-    """), timeout=120)
+    """),
+        timeout=120,
+    )
 
 
 def test_row_layout_merges_leading_dims_each_operand_steps_over_whole():

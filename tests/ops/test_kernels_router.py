@@ -9,7 +9,8 @@ from tests.rollout.interpreted import assert_interpreted_ok
 
 
 def test_router_kernel_matches_the_definition_and_dispatches():
-    assert_interpreted_ok(textwrap.dedent("""
+    assert_interpreted_ok(
+        textwrap.dedent("""
         import os
         os.environ["MILES_K3_KERNELS"] = "interpret"
         import torch
@@ -57,4 +58,6 @@ def test_router_kernel_matches_the_definition_and_dispatches():
         route_tokens(x, None, 4)  # outside inference mode (the trainer): the definition
         assert launches == [1]
         print("ok")
-    """), timeout=600)
+    """),
+        timeout=600,
+    )

@@ -108,8 +108,9 @@ def test_packed_attention_equals_segment_masked_attention():
     mask = (seg[:, None] == seg[None, :]) & causal_mask(13, 13, q.device)  # independent [T, T] reference
     scores = torch.einsum("bthd,bshd->bhts", q, k) * 0.4
     p = scores.masked_fill(~mask, float("-inf")).softmax(-1)
-    torch.testing.assert_close(packed_causal_attention(q, k, v, 0.4, cu), torch.einsum("bhts,bshd->bthd", p, v),
-                               rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        packed_causal_attention(q, k, v, 0.4, cu), torch.einsum("bhts,bshd->bthd", p, v), rtol=1e-5, atol=1e-6
+    )
 
 
 def test_packed_attention_gradients_and_empty_sequences():

@@ -92,8 +92,9 @@ def test_long_rows_take_the_blockwise_path(monkeypatch):
     leaves, up = _leaves(13, 13, seed=5)
     cu = torch.tensor([0, 6, 13])
     got = _value_and_grads(lambda q, k, v: packed_causal_attention(q, k, v, 0.4, cu), leaves, up)
-    want = _value_and_grads(lambda q, k, v: _explicit(q, k, v, 0.4, SegmentCausalMask.packed([0, 6, 13]).dense()),
-                            leaves, up)
+    want = _value_and_grads(
+        lambda q, k, v: _explicit(q, k, v, 0.4, SegmentCausalMask.packed([0, 6, 13]).dense()), leaves, up
+    )
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
     got = _value_and_grads(lambda q, k, v: mla_attention(q, k, v, 0.4, None), leaves, up)

@@ -31,7 +31,7 @@ def test_matches_conv1d(activation, W):
     x, weight, state = torch.randn(B, T, D), torch.randn(D, W), torch.randn(B, D, W - 1)
     y, s = causal_short_conv(x, weight, activation=activation)
     torch.testing.assert_close(y, conv1d_reference(x, weight, None, activation), **TOL)
-    torch.testing.assert_close(s, x[:, T - (W - 1):].transpose(1, 2) if W > 1 else x[:, :0].transpose(1, 2))
+    torch.testing.assert_close(s, x[:, T - (W - 1) :].transpose(1, 2) if W > 1 else x[:, :0].transpose(1, 2))
     y, _ = causal_short_conv(x, weight, state=state, activation=activation)
     torch.testing.assert_close(y, conv1d_reference(x, weight, state, activation), **TOL)
 
@@ -79,9 +79,9 @@ def test_varlen_resets_per_segment():
         assert s.shape == (N, D, W - 1)
         for i in range(N):
             seg = slice(int(cu[i]), int(cu[i + 1]))
-            y_i, s_i = causal_short_conv(x[:, seg], weight, state=None if st is None else st[i:i + 1])
+            y_i, s_i = causal_short_conv(x[:, seg], weight, state=None if st is None else st[i : i + 1])
             torch.testing.assert_close(y[:, seg], y_i, **TOL)
-            torch.testing.assert_close(s[i:i + 1], s_i, rtol=0, atol=0)
+            torch.testing.assert_close(s[i : i + 1], s_i, rtol=0, atol=0)
     # changing segment 0 must not leak into segment 2
     x2 = x.clone()
     x2[:, :3] += 10.0
@@ -98,7 +98,9 @@ def test_varlen_gradients_equal_per_segment():
     lens = [5, 1, 0, 6]
     cu = torch.tensor([0] + lens).cumsum(0)
     g = torch.Generator().manual_seed(1)
-    x, weight, state = (torch.randn(*shape, generator=g) for shape in ((1, sum(lens), D), (D, W), (len(lens), D, W - 1)))
+    x, weight, state = (
+        torch.randn(*shape, generator=g) for shape in ((1, sum(lens), D), (D, W), (len(lens), D, W - 1))
+    )
     upstream = torch.randn(1, sum(lens), D, generator=g)
     packed = [t.clone().requires_grad_() for t in (x, weight, state)]
     y, s = causal_short_conv(packed[0], packed[1], state=packed[2], cu_seqlens=cu)
@@ -107,7 +109,7 @@ def test_varlen_gradients_equal_per_segment():
     loss = 0
     for i in range(len(lens)):
         seg = slice(int(cu[i]), int(cu[i + 1]))
-        y_i, s_i = causal_short_conv(split[0][:, seg], split[1], state=split[2][i:i + 1])
+        y_i, s_i = causal_short_conv(split[0][:, seg], split[1], state=split[2][i : i + 1])
         loss = loss + (y_i * upstream[:, seg]).sum() + s_i.square().sum()
     loss.backward()
     for a, b in zip(packed, split):
@@ -122,8 +124,14 @@ def test_a_packed_group_runs_stacked_and_equals_its_members_bit_for_bit(with_sta
     widths, W, lens = [4, 6, 4], 4, [5, 1, 0, 6]
     cu = torch.tensor([0] + lens).cumsum(0)
     g = torch.Generator().manual_seed(2)
-    group = [(torch.randn(1, sum(lens), d, generator=g, dtype=torch.bfloat16), torch.randn(d, 1, W, generator=g),
-              torch.randn(len(lens), d, W - 1, generator=g) if with_state else None) for d in widths]
+    group = [
+        (
+            torch.randn(1, sum(lens), d, generator=g, dtype=torch.bfloat16),
+            torch.randn(d, 1, W, generator=g),
+            torch.randn(len(lens), d, W - 1, generator=g) if with_state else None,
+        )
+        for d in widths
+    ]
     ups = [(torch.randn(1, sum(lens), d, generator=g), torch.randn(len(lens), d, W - 1, generator=g)) for d in widths]
 
     def run(call):
@@ -132,8 +140,9 @@ def test_a_packed_group_runs_stacked_and_equals_its_members_bit_for_bit(with_sta
         sum((y.float() * uy).sum() + (s * us).sum() for (y, s), (uy, us) in zip(outs, ups)).backward()
         return [(y.detach(), s.detach()) for y, s in outs], [[t.grad for t in m if t is not None] for m in leaves]
 
-    stacked, grads = run(lambda ls: causal_short_convs([m[0] for m in ls], [m[1] for m in ls],
-                                                       states=[m[2] for m in ls], cu_seqlens=cu))
+    stacked, grads = run(
+        lambda ls: causal_short_convs([m[0] for m in ls], [m[1] for m in ls], states=[m[2] for m in ls], cu_seqlens=cu)
+    )
     single, grads1 = run(lambda ls: [causal_short_conv(x, w, state=st, cu_seqlens=cu) for x, w, st in ls])
     for (y, s), (y1, s1) in zip(stacked, single):
         assert y.dtype == y1.dtype and torch.equal(y, y1) and torch.equal(s, s1)

@@ -166,7 +166,7 @@ FORMATS = [
 
 
 @settings(max_examples=60, deadline=None, derandomize=True)
-@given(n=st.integers(-10**12, 10**12), fmt=st.sampled_from(FORMATS), other=st.integers(-10**12, 10**12))
+@given(n=st.integers(-(10**12), 10**12), fmt=st.sampled_from(FORMATS), other=st.integers(-(10**12), 10**12))
 def test_integers_roundtrip_in_any_format(n, fmt, other):
     sample = Sample(prompt="q", response=fmt(n), label=n)
     assert math_final_answer(sample) == 1.0

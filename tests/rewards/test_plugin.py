@@ -4,7 +4,7 @@ import importlib.metadata
 
 import pytest
 
-from miles_k3.rewards import RewardConfig, load_plugin, known_names
+from miles_k3.rewards import RewardConfig, known_names, load_plugin
 from miles_k3.rewards.builtin import exact_match
 from tests.rewards.plugins import good
 
@@ -28,8 +28,11 @@ def test_builtins_load_by_name(name):
 
 
 def test_remote_builtin_is_batched_async_with_its_own_deadline():
-    plugin = load_plugin(RewardConfig(fn="remote", url="http://127.0.0.1:9/score", timeout_s=2.0, retries=2,
-                                      backoff_s=0.5, backoff_max_s=0.75))
+    plugin = load_plugin(
+        RewardConfig(
+            fn="remote", url="http://127.0.0.1:9/score", timeout_s=2.0, retries=2, backoff_s=0.5, backoff_max_s=0.75
+        )
+    )
     assert plugin.batched and plugin.is_async
     assert plugin.timeout_s == pytest.approx(3 * 2.0 + 0.5 + 0.75 + 1.0)
 
@@ -85,6 +88,7 @@ def test_generator_is_rejected():
 
 # --- entry points -------------------------------------------------------------------------------
 
+
 def fake_entry_points(monkeypatch, *pairs):
     eps = [importlib.metadata.EntryPoint(name, value, "miles_k3.rewards") for name, value in pairs]
     eps.append(importlib.metadata.EntryPoint("elsewhere", f"{P}.good:length_reward", "other.group"))
@@ -118,8 +122,13 @@ def test_unknown_dotted_name_suggests_the_colon_form(monkeypatch):
 
 
 def test_ambiguous_entry_point(monkeypatch):
-    fake_entry_points(monkeypatch, ("dup", f"{P}.good:length_reward"), ("dup", f"{P}.good:bool_reward"),
-                      ("same", f"{P}.good:length_reward"), ("same", f"{P}.good:length_reward"))
+    fake_entry_points(
+        monkeypatch,
+        ("dup", f"{P}.good:length_reward"),
+        ("dup", f"{P}.good:bool_reward"),
+        ("same", f"{P}.good:length_reward"),
+        ("same", f"{P}.good:length_reward"),
+    )
     with pytest.raises(ValueError, match="'dup' is ambiguous.*good:length_reward.*good:bool_reward"):
         load("dup")
     assert load("same").fn is good.length_reward  # one package seen twice is not ambiguous

@@ -104,12 +104,18 @@ def test_success_posts_the_samples_and_headers(serve):
     config = RewardConfig(fn="remote", url=server.url, headers={"Authorization": "Bearer t0ken"})
     result = score(SAMPLES, config)  # through load_plugin, real sleep
     assert result.rewards.tolist() == [1.0, 0.0, 1.0] and result.keep.all()
-    (path, headers, body), = server.requests
+    ((path, headers, body),) = server.requests
     assert path == "/score?v=1" and headers["Authorization"] == "Bearer t0ken"
     assert headers["Content-Type"] == "application/json"
     assert body == {"samples": [s.to_json() for s in SAMPLES]}
-    assert body["samples"][1] == {"prompt": "1+1", "response": "3", "label": 2, "metadata": {"id": "b"},
-                                  "group_index": 0, "sample_index": 1}
+    assert body["samples"][1] == {
+        "prompt": "1+1",
+        "response": "3",
+        "label": 2,
+        "metadata": {"id": "b"},
+        "group_index": 0,
+        "sample_index": 1,
+    }
 
 
 def test_two_503_then_success_is_retried_with_seeded_backoff(serve):
@@ -130,8 +136,21 @@ def test_backoff_doubles_up_to_its_cap():
     assert [fn.backoff_cap(k) for k in range(5)] == [0.25, 0.5, 1.0, 1.0, 1.0]
 
 
-@pytest.mark.parametrize("status, retry", [(500, True), (502, True), (503, True), (408, True), (429, True),
-                                           (400, False), (401, False), (404, False), (422, False), (301, False)])
+@pytest.mark.parametrize(
+    "status, retry",
+    [
+        (500, True),
+        (502, True),
+        (503, True),
+        (408, True),
+        (429, True),
+        (400, False),
+        (401, False),
+        (404, False),
+        (422, False),
+        (301, False),
+    ],
+)
 def test_retryable_statuses(status, retry):
     assert retryable_status(status) is retry
 

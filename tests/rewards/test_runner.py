@@ -178,6 +178,7 @@ def test_sync_function_returning_a_coroutine_is_a_bad_type():
 
 # --- timeouts -----------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("fn", ["selective", "async_selective"])
 def test_hanging_sample_times_out_without_hanging_the_run(fn):
     config = cfg(f"{P}.bad:{fn}", timeout_s=0.3, on_failure="drop", max_concurrency=4)
@@ -218,6 +219,7 @@ def test_async_plugin_blocking_the_loop_is_timed_out_and_the_next_call_works():
 
 
 # --- loops --------------------------------------------------------------------------------------
+
 
 def test_async_plugins_see_one_loop_across_calls():
     config = cfg(f"{P}.good:remembers_loop")

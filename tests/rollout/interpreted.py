@@ -26,7 +26,12 @@ def run_and_compile(script: str, tmp_path) -> list[str]:
     finally:
         del os.environ["LAUNCHES_JSON"]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-m", "miles_k3.kernels.compile_check", str(path)], env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "miles_k3.kernels.compile_check", str(path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     return [spec["kernel"].split(":")[1] for spec in json.loads(path.read_text())]

@@ -7,8 +7,18 @@ import torch
 from rollout.kernels.mla_attention import paged_mla_attention, supports
 
 
-def check_case(heads: int, r: int, dr: int, positions: list[int], lengths: list[int], pad: int,
-               dtype: torch.dtype, splits: int | None, seed: int, device: str = "cpu") -> None:
+def check_case(
+    heads: int,
+    r: int,
+    dr: int,
+    positions: list[int],
+    lengths: list[int],
+    pad: int,
+    dtype: torch.dtype,
+    splits: int | None,
+    seed: int,
+    device: str = "cpu",
+) -> None:
     """Requests with `positions[n]` computed tokens bring `lengths[n]` queries; the history is padded `pad`
     positions past the longest (a graph bucket), its rows scattered over a pool whose row 0 is zero."""
     g = torch.Generator().manual_seed(seed)
@@ -24,7 +34,7 @@ def check_case(heads: int, r: int, dr: int, positions: list[int], lengths: list[
     q_index = torch.zeros(n, tq, dtype=torch.long)
     start = used = 0
     for i, (p, t) in enumerate(zip(positions, lengths)):
-        hist[i, :p + t] = perm[used:used + p + t]
+        hist[i, : p + t] = perm[used : used + p + t]
         used += p + t
         q_pos[i, :t] = torch.arange(p, p + t)
         q_index[i, :t] = torch.arange(start, start + t)
@@ -41,13 +51,13 @@ def check_case(heads: int, r: int, dr: int, positions: list[int], lengths: list[
     qf = torch.cat([q_lat, q_rope], -1).double().cpu()
     for i, (p, t) in enumerate(zip(positions, lengths)):
         for j in range(t):
-            keys = kv64[hist[i, :p + j + 1].cpu()]
+            keys = kv64[hist[i, : p + j + 1].cpu()]
             want = torch.softmax(qf[q_index[i, j].item()] @ keys.T * scale, dim=-1) @ keys[:, :r]
             if dtype == torch.float32:
                 torch.testing.assert_close(got[i, j], want, rtol=1e-5, atol=1e-5)
             else:  # the fp32 result rounded once: within one bf16 ulp of the exact one
                 err = (got[i, j] - want).abs()
-                assert bool((err <= want.abs() * 2.0 ** -8 + 1e-6).all()), (heads, r, splits, float(err.max()))
+                assert bool((err <= want.abs() * 2.0**-8 + 1e-6).all()), (heads, r, splits, float(err.max()))
 
 
 def run_all(device: str = "cpu") -> None:

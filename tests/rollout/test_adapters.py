@@ -20,8 +20,9 @@ GREEDY = SamplingParams(temperature=0, max_new_tokens=6)
 
 
 def engine_model(quantize="none", rank=4):
-    return build_engine_model(REF.config, REF.state_dict(), quantize=quantize, lora=LoraSpec(rank=rank),
-                              dtype=torch.float32)
+    return build_engine_model(
+        REF.config, REF.state_dict(), quantize=quantize, lora=LoraSpec(rank=rank), dtype=torch.float32
+    )
 
 
 def rel(a, b):
@@ -128,8 +129,7 @@ def test_grouped_expert_path_equals_per_expert_loop(quantize):
     from rollout.linears import EngineExperts
 
     state = {k: v.bfloat16() for k, v in REF.state_dict().items()}
-    model, pool = build_engine_model(REF.config, state, quantize=quantize, lora=LoraSpec(rank=8),
-                                     dtype=torch.bfloat16)
+    model, pool = build_engine_model(REF.config, state, quantize=quantize, lora=LoraSpec(rank=8), dtype=torch.bfloat16)
     pool.add_adapter("a", {k: v.bfloat16() for k, v in random_adapter(pool, 3, scale=0.2).items()})
     experts = next(m for m in model.modules() if isinstance(m, EngineExperts))
     g = torch.Generator().manual_seed(5)
@@ -164,12 +164,11 @@ def test_fp32_state_builds_a_model_in_the_engine_dtype(quantize):
     GPU takes the looped-expert path and no CUDA graphs), router/decay parameters stay fp32, and MXFP4
     experts are packed from the fp32 source, not from a bf16 rounding of it."""
     from miles_k3.model.checkpoint import keeps_fp32
-    from rollout.linears import EngineExperts
     from miles_k3.ops.mxfp4 import quantize_mxfp4
+    from rollout.linears import EngineExperts
 
     state = REF.state_dict()
-    model, _ = build_engine_model(REF.config, state, quantize=quantize, lora=LoraSpec(rank=8),
-                                  dtype=torch.bfloat16)
+    model, _ = build_engine_model(REF.config, state, quantize=quantize, lora=LoraSpec(rank=8), dtype=torch.bfloat16)
     tensors = dict(model.named_parameters()) | dict(model.named_buffers())
     floating = {n: t.dtype for n, t in tensors.items() if t.is_floating_point()}
     assert {n for n, d in floating.items() if d == torch.float32} == {n for n in floating if keeps_fp32(n)}
@@ -187,8 +186,14 @@ def test_fp32_state_builds_a_model_in_the_engine_dtype(quantize):
 def test_the_engine_takes_the_trainer_lora_spec_and_its_own_pool_size():
     """One LoRA spec type on both sides: the pool adapts what the spec targets; without a spec the model has
     no adapter buffers and no pool; the pool size is the engine's own argument, checked."""
-    model, pool = build_engine_model(REF.config, REF.state_dict(), quantize="none", dtype=torch.float32,
-                                     lora=LoraSpec(rank=4, alpha=2.0, targets=(r"self_attn\.q_proj$",)), max_adapters=2)
+    model, pool = build_engine_model(
+        REF.config,
+        REF.state_dict(),
+        quantize="none",
+        dtype=torch.float32,
+        lora=LoraSpec(rank=4, alpha=2.0, targets=(r"self_attn\.q_proj$",)),
+        max_adapters=2,
+    )
     assert pool.slots == 3 and pool.spec.scale == 0.5
     assert pool.A and all(name.endswith("self_attn.q_proj") for name in pool.A)
     bare, no_pool = build_engine_model(REF.config, REF.state_dict(), quantize="none", dtype=torch.float32)

@@ -28,24 +28,27 @@ def spec(**fields) -> EngineSpec:
     return EngineSpec(**{"path": MODEL, "quantize": "none", "engine": CONFIG, **fields})
 
 
-@pytest.mark.parametrize("fields, needle", [
-    (dict(path="/no/such/dir"), "EngineSpec.path must be a directory holding config.json"),
-    (dict(preset="k3-tiny"), "EngineSpec.path or EngineSpec.preset, not both"),
-    (dict(path=None, preset="k3-nope"), "EngineSpec.preset must be one of"),
-    (dict(vocab_size=32), "EngineSpec.vocab_size only applies with EngineSpec.preset"),
-    (dict(quantize="int4"), "EngineSpec.quantize must be one of"),
-    (dict(dtype="float16"), "EngineSpec.dtype must be one of"),
-    (dict(device="tpu"), "EngineSpec.device must be a cpu or cuda device"),
-    (dict(lora={"rank": 4}), "EngineSpec.lora must be a LoraSpec"),
-    (dict(adapters=(("a", "x"), ("a", "y"))), "EngineSpec.adapters names must be distinct"),
-    (dict(adapters=(("a=b", "x"),)), "EngineSpec.adapters must be (name, PEFT directory) pairs"),
-    (dict(adapters=(("a", "x"), ("b", "y")), max_adapters=1), "EngineSpec.max_adapters must be an integer >= 2"),
-    (dict(tp=0), "EngineSpec.tp must be an integer >= 1"),
-    (dict(tp=2, ep=3), "EngineSpec.ep must be 1 or EngineSpec.tp (2)"),
-    (dict(tp=4, dcp=3), "EngineSpec.dcp must divide EngineSpec.tp (4)"),
-    (dict(tp=2, dcp=2, engine=EngineConfig(memory_bytes=1 << 20, dcp_size=4)), "EngineSpec.engine.dcp_size=4"),
-    (dict(engine={"memory_bytes": 1}), "EngineSpec.engine must be an EngineConfig"),
-])
+@pytest.mark.parametrize(
+    "fields, needle",
+    [
+        (dict(path="/no/such/dir"), "EngineSpec.path must be a directory holding config.json"),
+        (dict(preset="k3-tiny"), "EngineSpec.path or EngineSpec.preset, not both"),
+        (dict(path=None, preset="k3-nope"), "EngineSpec.preset must be one of"),
+        (dict(vocab_size=32), "EngineSpec.vocab_size only applies with EngineSpec.preset"),
+        (dict(quantize="int4"), "EngineSpec.quantize must be one of"),
+        (dict(dtype="float16"), "EngineSpec.dtype must be one of"),
+        (dict(device="tpu"), "EngineSpec.device must be a cpu or cuda device"),
+        (dict(lora={"rank": 4}), "EngineSpec.lora must be a LoraSpec"),
+        (dict(adapters=(("a", "x"), ("a", "y"))), "EngineSpec.adapters names must be distinct"),
+        (dict(adapters=(("a=b", "x"),)), "EngineSpec.adapters must be (name, PEFT directory) pairs"),
+        (dict(adapters=(("a", "x"), ("b", "y")), max_adapters=1), "EngineSpec.max_adapters must be an integer >= 2"),
+        (dict(tp=0), "EngineSpec.tp must be an integer >= 1"),
+        (dict(tp=2, ep=3), "EngineSpec.ep must be 1 or EngineSpec.tp (2)"),
+        (dict(tp=4, dcp=3), "EngineSpec.dcp must divide EngineSpec.tp (4)"),
+        (dict(tp=2, dcp=2, engine=EngineConfig(memory_bytes=1 << 20, dcp_size=4)), "EngineSpec.engine.dcp_size=4"),
+        (dict(engine={"memory_bytes": 1}), "EngineSpec.engine must be an EngineConfig"),
+    ],
+)
 def test_a_bad_spec_is_one_line_naming_the_field(fields, needle):
     with pytest.raises(ValueError) as e:
         spec(**fields)
@@ -58,8 +61,10 @@ def test_the_spec_normalizes_what_it_is_given():
     s = spec(dtype=torch.bfloat16, device="cuda:1", tp=2, dcp=2)
     assert s.dtype == "bfloat16" and s.device == "cuda:1" and s.engine.dcp_size == 2
     assert spec(device="cuda").dtype == "bfloat16"  # as the server's --dtype default
-    assert spec(adapters=[("a", ASSETS_DIR), ("b", ASSETS_DIR)]).adapters == (("a", str(ASSETS_DIR)),
-                                                                              ("b", str(ASSETS_DIR)))
+    assert spec(adapters=[("a", ASSETS_DIR), ("b", ASSETS_DIR)]).adapters == (
+        ("a", str(ASSETS_DIR)),
+        ("b", str(ASSETS_DIR)),
+    )
     assert spec(path=None).has_base is False
     with pytest.raises(ValueError, match="EngineSpec names no base"):
         build_engine(spec(path=None))
@@ -70,9 +75,12 @@ def test_a_preset_base_takes_the_tokenizers_special_ids():
     assert (config.vocab_size, config.eos_token_id) == (32, preset_token_ids("arithmetic")["eos_token_id"])
     s = EngineSpec(preset="k3-tiny", vocab_size=32, token_ids=preset_token_ids("arithmetic"), seed=3, engine=CONFIG)
     assert s.base_config() == config
-    for kwargs, needle in ((dict(), "exactly one"), (dict(path="x", preset="k3-tiny"), "exactly one"),
-                           (dict(path=builtin_path(MODEL), vocab_size=32), "apply to a preset only"),
-                           (dict(preset="k3-tiny", token_ids={"unk_token_id": 0}), "token_ids may set")):
+    for kwargs, needle in (
+        (dict(), "exactly one"),
+        (dict(path="x", preset="k3-tiny"), "exactly one"),
+        (dict(path=builtin_path(MODEL), vocab_size=32), "apply to a preset only"),
+        (dict(preset="k3-tiny", token_ids={"unk_token_id": 0}), "token_ids may set"),
+    ):
         with pytest.raises(ValueError, match=needle):
             load_base_config(**kwargs)
 
@@ -107,10 +115,12 @@ def test_adapters_load_under_their_names_and_must_share_one_shape(tmp_path):
 def test_build_errors_are_renamed_to_the_flags():
     from rollout.server.config import flag_errors
 
-    for raised, shown in (("EngineSpec.adapters x=/d: no adapter", "--adapter x=/d: no adapter"),
-                          ("EngineSpec.quantize must be one of", "--quantize must be one of"),
-                          ("EngineSpec.path must be a directory", "--model must be a directory"),
-                          ("something else", "something else")):
+    for raised, shown in (
+        ("EngineSpec.adapters x=/d: no adapter", "--adapter x=/d: no adapter"),
+        ("EngineSpec.quantize must be one of", "--quantize must be one of"),
+        ("EngineSpec.path must be a directory", "--model must be a directory"),
+        ("something else", "something else"),
+    ):
         with pytest.raises(ValueError) as e, flag_errors():
             raise ValueError(raised)
         assert str(e.value) == shown

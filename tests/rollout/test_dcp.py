@@ -81,8 +81,9 @@ def test_logical_kv_capacity_per_rank_grows_with_dcp(capsys):
     budget, fraction = 32 << 30, 0.5  # half of 32 GiB to KV pages
     tokens = {}
     for dcp in (1, 2, 4, 8):
-        sizes = PoolSizes.from_budget(config, budget, page_size=64, state_fraction=fraction, dtype=torch.bfloat16,
-                                      tp_size=8, dcp_size=dcp)
+        sizes = PoolSizes.from_budget(
+            config, budget, page_size=64, state_fraction=fraction, dtype=torch.bfloat16, tp_size=8, dcp_size=dcp
+        )
         tokens[dcp] = sizes.num_pages * sizes.page_size
     with capsys.disabled():
         print("\nK3, TP=8, 16 GiB of MLA KV per rank (bf16, 64-token pages): tokens of KV per rank")

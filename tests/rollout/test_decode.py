@@ -16,8 +16,7 @@ from tests.rollout.common import MODEL, assert_pools_drain_to_full, engine, prom
 
 def padded_graphs(eng: Engine, max_batch: int, **kw) -> DecodeGraphs:
     """The CUDA-graph shapes (batch padded with sink rows, history padded to a power of two), run eagerly."""
-    eng.graphs = DecodeGraphs(eng.model, eng.kv, eng.states, max_batch=max_batch, max_seq_len=256, capture=False,
-                              **kw)
+    eng.graphs = DecodeGraphs(eng.model, eng.kv, eng.states, max_batch=max_batch, max_seq_len=256, capture=False, **kw)
     return eng.graphs
 
 
@@ -30,11 +29,12 @@ def test_overlapped_decode_gives_the_plain_schedule_outputs():
     prompts = [group] * 3 + [prompt(n, 41 + n) for n in (5, 9, 17)]
     greedy_ref = engine(overlap="off").generate([prompts[3]], SamplingParams(temperature=0, max_new_tokens=12))[0]
     stop = greedy_ref.output_ids[5]  # some requests stop early on it
-    params = [SamplingParams(temperature=1.0, max_new_tokens=12 + i, seed=i, stop_token_ids=(stop,))
-              for i in range(3)]
-    params += [SamplingParams(temperature=0, max_new_tokens=12, stop_token_ids=(stop,)),
-               SamplingParams(temperature=0.7, top_k=50, max_new_tokens=20, seed=7),
-               SamplingParams(temperature=0, max_new_tokens=1)]
+    params = [SamplingParams(temperature=1.0, max_new_tokens=12 + i, seed=i, stop_token_ids=(stop,)) for i in range(3)]
+    params += [
+        SamplingParams(temperature=0, max_new_tokens=12, stop_token_ids=(stop,)),
+        SamplingParams(temperature=0.7, top_k=50, max_new_tokens=20, seed=7),
+        SamplingParams(temperature=0, max_new_tokens=1),
+    ]
 
     def run(overlap):
         eng = engine(overlap=overlap, max_running=4)
@@ -108,8 +108,8 @@ def test_padded_bucketed_decode_equals_exact_decode(compiled):
     for a, b in zip(plain, padded):
         assert a.output_ids == b.output_ids
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
-    assert not eng.states.recurrent[eng.states.kda_layers[0]][eng.states.allocator.capacity:].isnan().any()
-    assert not eng.kv.buffers[eng.kv.mla_layers[0]][-eng.kv.page_size:].any(), "the zero page was written"
+    assert not eng.states.recurrent[eng.states.kda_layers[0]][eng.states.allocator.capacity :].isnan().any()
+    assert not eng.kv.buffers[eng.kv.mla_layers[0]][-eng.kv.page_size :].any(), "the zero page was written"
     eng.check_invariants()
 
 

@@ -61,8 +61,13 @@ def test_stacked_expert_gate_up_gives_the_separate_gemms_outputs(quantize):
     with and without the batch's adapter; w1 / w3 become views of w13 and the state dict is unchanged."""
     from rollout.linears import EngineExperts
 
-    model, pool = build_engine_model(REF.config, {k: v.bfloat16() for k, v in REF.state_dict().items()},
-                                     quantize=quantize, lora=LoraSpec(rank=8), dtype=torch.bfloat16)
+    model, pool = build_engine_model(
+        REF.config,
+        {k: v.bfloat16() for k, v in REF.state_dict().items()},
+        quantize=quantize,
+        lora=LoraSpec(rank=8),
+        dtype=torch.bfloat16,
+    )
     g = torch.Generator().manual_seed(2)
     adapter = {}
     for name in pool.A:  # a random adapter on every target
@@ -80,8 +85,11 @@ def test_stacked_expert_gate_up_gives_the_separate_gemms_outputs(quantize):
         wants.append(experts._experts_grouped(xs, counts))
     experts.share_gate_up()
     name = "w1_packed" if quantize == "experts" else "w1"
-    assert experts.gate_up and getattr(experts, name).untyped_storage().data_ptr() == \
-        getattr(experts, name.replace("w1", "w13")).untyped_storage().data_ptr()
+    assert (
+        experts.gate_up
+        and getattr(experts, name).untyped_storage().data_ptr()
+        == getattr(experts, name.replace("w1", "w13")).untyped_storage().data_ptr()
+    )
     after = model.state_dict()
     assert after.keys() == before_state.keys() and all(torch.equal(after[k], v) for k, v in before_state.items())
     for slot, want in zip((1, 0), wants):
@@ -97,8 +105,14 @@ def test_a_shared_gemm_member_called_out_of_pattern_gets_its_own_output():
     mixer = next(m for m in model.modules() if isinstance(m, KDAMixer))
     g = torch.Generator().manual_seed(1)
     x1, x2 = (torch.randn(3, REF.config.hidden_size, generator=g) for _ in range(2))
-    calls = [(mixer.q_proj, x1), (mixer.v_proj, x2), (mixer.q_proj, x1), (mixer.q_proj, x1), (mixer.k_proj, x1),
-             (mixer.b_proj, x2)]
+    calls = [
+        (mixer.q_proj, x1),
+        (mixer.v_proj, x2),
+        (mixer.q_proj, x1),
+        (mixer.q_proj, x1),
+        (mixer.k_proj, x1),
+        (mixer.b_proj, x2),
+    ]
     for linear, x in calls:
         torch.testing.assert_close(linear(x), x @ linear.weight.t(), rtol=0, atol=1e-5)
 
@@ -126,11 +140,12 @@ def test_prepared_bf16_engine_keeps_its_log_prob_gap_to_the_fp32_reference():
     after = float((logprobs(model) - want).abs().max())
     assert after <= 1.1 * before + 1e-3, (before, after)
 
-    eng = Engine(model, EngineConfig(memory_bytes=8 << 20, page_size=4, chunk_size=8, max_prefill_tokens=16,
-                                     max_seq_len=128))
+    eng = Engine(
+        model, EngineConfig(memory_bytes=8 << 20, page_size=4, chunk_size=8, max_prefill_tokens=16, max_seq_len=128)
+    )
     out = eng.generate([IDS[0].tolist()], SamplingParams(temperature=1.0, max_new_tokens=8, seed=3))[0]
     full = torch.tensor([IDS[0].tolist() + out.output_ids])
-    ref_lp = logprobs(REF, full)[0, IDS.shape[1] - 1:-1].gather(1, torch.tensor(out.output_ids)[:, None])[:, 0]
+    ref_lp = logprobs(REF, full)[0, IDS.shape[1] - 1 : -1].gather(1, torch.tensor(out.output_ids)[:, None])[:, 0]
     gap = float((torch.tensor(out.logprobs) - ref_lp).abs().max())
     assert gap < 3 * before + 1e-2, (gap, before)
 

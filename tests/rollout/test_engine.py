@@ -5,7 +5,8 @@ import random
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from miles_k3.model.generate import greedy_generate
 from rollout.request import FinishReason, SamplingParams
@@ -114,8 +115,12 @@ def test_fuzz_streams_with_shared_prefixes_aborts_and_pressure(overlap, seed, me
     for _ in range(30):
         if submitted < 8 and rng.random() < 0.4:
             p = rng.choice(bases)[: rng.randrange(1, 30)] + prompt(rng.randrange(0, 6), rng.randrange(10**6))
-            eng.submit(p, SamplingParams(temperature=rng.choice([0, 1.0]), max_new_tokens=rng.randrange(1, 8),
-                                         seed=rng.randrange(100)))  # <= 43 tokens: fits 11 pages
+            eng.submit(
+                p,
+                SamplingParams(
+                    temperature=rng.choice([0, 1.0]), max_new_tokens=rng.randrange(1, 8), seed=rng.randrange(100)
+                ),
+            )  # <= 43 tokens: fits 11 pages
             submitted += 1
         elif eng.scheduler.running and rng.random() < 0.1:
             eng.abort(rng.choice(eng.scheduler.running).req.request_id)

@@ -110,9 +110,26 @@ def test_the_engine_through_the_kernels_decodes_the_definitions_tokens(launches)
 
 def test_every_launch_of_the_run_compiles_for_the_h200(launches):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-m", "miles_k3.kernels.compile_check", str(launches), "--arch", "90"],
-                          env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "miles_k3.kernels.compile_check", str(launches), "--arch", "90"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     kernels = {spec["kernel"].split(":")[1] for spec in json.loads(launches.read_text())}
-    assert {"_rms_norm", "_gated_rms_norm", "_attn_res_mix", "_situ_glu", "_short_conv", "_kda_gate", "_kda_rows",
-            "_route", "_align", "_combine", "_mla_attention", "_mla_merge"} <= kernels, kernels
+    assert {
+        "_rms_norm",
+        "_gated_rms_norm",
+        "_attn_res_mix",
+        "_situ_glu",
+        "_short_conv",
+        "_kda_gate",
+        "_kda_rows",
+        "_route",
+        "_align",
+        "_combine",
+        "_mla_attention",
+        "_mla_merge",
+    } <= kernels, kernels

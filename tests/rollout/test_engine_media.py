@@ -45,16 +45,14 @@ def pixels(n: int, seed: int) -> ProcessedImage:
     """A processed image of n merged tokens: a 2 x 2n patch grid of seeded random pixels."""
     p = VL.vision_config.patch_size
     px = torch.randn(4 * n, 3, p, p, generator=torch.Generator().manual_seed(seed))
-    return ProcessedImage(px, (1, 2, 2 * n), n, (2 * n * p, 2 * p), (2 * n * p, 2 * p),
-                          f"img-{seed}-{n}".encode())
+    return ProcessedImage(px, (1, 2, 2 * n), n, (2 * n * p, 2 * p), (2 * n * p, 2 * p), f"img-{seed}-{n}".encode())
 
 
 def image(n: int, seed: int) -> ImageFeatures:
     """The same image as features: the tower's rows for `pixels(n, seed)`, under its content hash."""
     p = pixels(n, seed)
     with torch.no_grad():
-        return ImageFeatures(K3VisionModel.encode(VISION, p.pixel_values, torch.tensor([p.grid_thw])),
-                             p.content_hash)
+        return ImageFeatures(K3VisionModel.encode(VISION, p.pixel_values, torch.tensor([p.grid_thw])), p.content_hash)
 
 
 def text(n: int, seed: int) -> list[int]:
@@ -73,8 +71,9 @@ def media_prompt(parts) -> list[int]:
 
 
 def media_engine(memory: int = ROOMY, model=MODEL, adapters=None, **kw) -> Engine:
-    return Engine(model, EngineConfig(memory_bytes=memory, **{**SMALL, **kw}), adapters, vision=VISION,
-                  media_token_id=PAD)
+    return Engine(
+        model, EngineConfig(memory_bytes=memory, **{**SMALL, **kw}), adapters, vision=VISION, media_token_id=PAD
+    )
 
 
 @torch.no_grad()
@@ -191,14 +190,15 @@ def test_outputs_that_are_the_pad_id_stay_text_after_a_retraction():
     eng = media_engine()
     r = eng.media.place(p, [img])
     tokens = p + [PAD, 9]
-    assert r.keys(tokens)[len(p):] == [PAD, 9]
+    assert r.keys(tokens)[len(p) :] == [PAD, 9]
     assert r.rows(len(p), len(tokens)) == ([], None)
 
 
 @pytest.mark.parametrize("unified", [False, True])
 def test_pools_drain_to_full_after_an_abort_mid_prefill_and_retractions(unified):
-    eng = media_engine(TIGHT["memory"], state_fraction=TIGHT["state_fraction"], max_prefill_tokens=8,
-                       unified_memory=unified)
+    eng = media_engine(
+        TIGHT["memory"], state_fraction=TIGHT["state_fraction"], max_prefill_tokens=8, unified_memory=unified
+    )
     imgs = [image(10, 20 + i) for i in range(4)]
     prompts = [media_prompt([2 + i, im, 3]) for i, im in enumerate(imgs)]
     params = SamplingParams(temperature=0, max_new_tokens=12)
@@ -334,8 +334,9 @@ def _sharded_worker(rank: int, port: int, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
-        model, _ = build_engine_model(MODEL.config, reference_state(MODEL.config), quantize="none",
-                                      dtype=torch.float32, tp=EngineTP())
+        model, _ = build_engine_model(
+            MODEL.config, reference_state(MODEL.config), quantize="none", dtype=torch.float32, tp=EngineTP()
+        )
         eng = media_engine(model=model)
         if eng.is_leader:
             a, b = image(9, 30), image(9, 31)

@@ -44,8 +44,9 @@ def memory(dcp: int) -> dict:
 
 def adapter(seed: int) -> dict[str, torch.Tensor]:
     """Full (logical) adapter tensors for every module the spec adapts, as the trainer exports them."""
-    _, pool = build_engine_model(CONFIG, reference_state(CONFIG), quantize="none", lora=SPEC, max_adapters=1,
-                                 dtype=torch.float32)
+    _, pool = build_engine_model(
+        CONFIG, reference_state(CONFIG), quantize="none", lora=SPEC, max_adapters=1, dtype=torch.float32
+    )
     g = torch.Generator().manual_seed(seed)
     out = {}
     for name in pool.A:
@@ -98,8 +99,15 @@ def workload(engine: Engine, first: dict, second: dict) -> dict:
 
 def build(tp=None, dcp: int = 1) -> Engine:
     """The engine of one rank (`tp`: its EngineTP) or of one process (None)."""
-    model, pool = build_engine_model(CONFIG, reference_state(CONFIG), quantize="none", lora=SPEC, max_adapters=2,
-                                     dtype=torch.float32, **({} if tp is None else {"tp": tp}))
+    model, pool = build_engine_model(
+        CONFIG,
+        reference_state(CONFIG),
+        quantize="none",
+        lora=SPEC,
+        max_adapters=2,
+        dtype=torch.float32,
+        **({} if tp is None else {"tp": tp}),
+    )
     return Engine(model, EngineConfig(**memory(dcp), dcp_size=dcp, **SETTINGS), pool)
 
 
@@ -108,21 +116,29 @@ def _completions(cs) -> list[tuple[list[int], list[float]]]:
 
 
 def _summary(out: dict, engine: Engine) -> dict:
-    return {"batch": _completions(out["batch"]), "after_update": _completions(out["after_update"]),
-            "fuzz": [(p, params, c.output_ids, c.logprobs) for (p, params), c in out["fuzz"]],
-            "cached": [c.cached_tokens for c in out["batch"]], "in_place": out["in_place"],
-            "counters": engine.counters()}
+    return {
+        "batch": _completions(out["batch"]),
+        "after_update": _completions(out["after_update"]),
+        "fuzz": [(p, params, c.output_ids, c.logprobs) for (p, params), c in out["fuzz"]],
+        "cached": [c.cached_tokens for c in out["batch"]],
+        "in_place": out["in_place"],
+        "counters": engine.counters(),
+    }
 
 
 def _rank_state(engine: Engine) -> dict:
     """What every rank must agree on after the run: the accounting and what the pools hold locally."""
     engine.check_invariants()
     pool = engine.adapters
-    return {"counters": engine.counters(), "free_pages": engine.kv.allocator.num_free,
-            "free_slots": engine.states.allocator.num_free, "rows_per_page": engine.kv.rows_per_page,
-            "state_heads": next(iter(engine.states.recurrent.values())).shape[1],
-            "slices": {k: pool.A[k][pool.slot_of("policy")].clone() for k in pool.A} |
-                      {k + ".B": pool.B[k][pool.slot_of("policy")].clone() for k in pool.B}}
+    return {
+        "counters": engine.counters(),
+        "free_pages": engine.kv.allocator.num_free,
+        "free_slots": engine.states.allocator.num_free,
+        "rows_per_page": engine.kv.rows_per_page,
+        "state_heads": next(iter(engine.states.recurrent.values())).shape[1],
+        "slices": {k: pool.A[k][pool.slot_of("policy")].clone() for k in pool.A}
+        | {k + ".B": pool.B[k][pool.slot_of("policy")].clone() for k in pool.B},
+    }
 
 
 class CountingSource:
@@ -180,8 +196,15 @@ def worker(rank: int, world: int, port: int, out: str, checkpoint: str) -> None:
         results = {}
         for name, case in CASES.items():
             if name == "ep2":  # from the checkpoint directory, each rank reading its slices
-                engine = build_sharded_engine(checkpoint, EngineConfig(**memory(1), **SETTINGS), ep=True, lora=SPEC,
-                                              max_adapters=2, quantize="none", dtype=torch.float32)
+                engine = build_sharded_engine(
+                    checkpoint,
+                    EngineConfig(**memory(1), **SETTINGS),
+                    ep=True,
+                    lora=SPEC,
+                    max_adapters=2,
+                    quantize="none",
+                    dtype=torch.float32,
+                )
             else:
                 engine = build(EngineTP(dcp_size=case["dcp"]), case["dcp"])
             buffers = [*engine.adapters.A.values(), *engine.adapters.B.values()]
@@ -281,8 +304,11 @@ def test_ranks_agree_and_hold_only_their_shares(sharded, case):
     assert lead["rows_per_page"] == SETTINGS["page_size"] // CASES[case]["dcp"]  # DCP: its positions' rows
     # the adapter update reached each rank's slices of the trainer's full tensors
     full = adapter(2)
-    row, column, expert = ("model.layers.0.self_attn.o_proj", "model.layers.0.self_attn.q_proj",
-                           "model.layers.1.block_sparse_moe.experts.w2")
+    row, column, expert = (
+        "model.layers.0.self_attn.o_proj",
+        "model.layers.0.self_attn.q_proj",
+        "model.layers.1.block_sparse_moe.experts.w2",
+    )
     for rank, state in enumerate((lead, follow)):
         a, b = full[f"{row}.lora_A"], full[f"{column}.lora_B"]
         assert torch.equal(state["slices"][row], a.chunk(2, dim=1)[rank])  # row split: A's columns

@@ -21,7 +21,8 @@ _CASES = """
     ]
 """
 
-_CHECK = textwrap.dedent("""
+_CHECK = textwrap.dedent(
+    """
     import torch
     from miles_k3.ops.mxfp4 import dequantize_mxfp4, quantize_mxfp4
     from rollout.kernels.expert_gemm import grouped_matmul, mxfp4_grouped_matmul
@@ -31,7 +32,9 @@ _CHECK = textwrap.dedent("""
     def per_expert(x, w, counts):  # the fp64 reference: each expert's rows times its weight
         parts = [xe @ we.T for xe, we in zip(x.split(counts.tolist()), w)]
         return torch.cat(parts) if parts else x.new_zeros(0, w.shape[1])
-""" + _CASES + """
+"""
+    + _CASES
+    + """
     for e, n, k, rows, bm in cases:
         counts = torch.tensor(rows)
         m = int(counts.sum())
@@ -78,7 +81,8 @@ _CHECK = textwrap.dedent("""
     got = experts._experts_grouped(xs, counts)
     assert float((got - want).norm() / want.norm()) < 1e-5
     print("ok")
-""")
+"""
+)
 
 
 def test_grouped_gemms_match_an_fp64_product_and_the_decoded_mxfp4_weights():
@@ -89,7 +93,8 @@ def test_bf16_experts_dispatch_to_the_kernel_at_decode_sizes_only():
     """Under inference mode with kernels on, a bf16 engine's expert GEMMs go to `grouped_matmul` when the rows
     are at most MAX_ROWS_PER_EXPERT an expert (gate and up as one call over w13, then w2); more rows, fp32,
     or no inference mode keep torch's grouped GEMM. The kernel's bf16 result is torch's here (module doc)."""
-    assert_interpreted_ok(textwrap.dedent("""
+    assert_interpreted_ok(
+        textwrap.dedent("""
         import os
         os.environ["MILES_K3_KERNELS"] = "interpret"
         import torch
@@ -125,13 +130,16 @@ def test_bf16_experts_dispatch_to_the_kernel_at_decode_sizes_only():
                 torch.testing.assert_close(experts._experts_grouped(xs, counts), got)  # no inference mode
                 assert calls == []
         print("ok")
-    """), timeout=300)
+    """),
+        timeout=300,
+    )
 
 
 def test_both_kernels_compile_for_sm90_in_bf16_at_every_benchmarked_tile(tmp_path):
     """What the interpreter does not check (its bf16 dot is not the device's): the launches the engine makes,
     bf16 rows and weights at k3-small's expert shapes, and every tile of the benchmark's sweep, compile."""
-    names = run_and_compile(textwrap.dedent("""
+    names = run_and_compile(
+        textwrap.dedent("""
         import json, os, sys
         import torch
         from miles_k3.kernels import interpreted_launches
@@ -143,7 +151,8 @@ def test_both_kernels_compile_for_sm90_in_bf16_at_every_benchmarked_tile(tmp_pat
         counts = torch.full((e,), 4)
         x = torch.zeros(4 * e, k, dtype=torch.bfloat16)
         w = torch.zeros(e, n, k, dtype=torch.bfloat16)
-        packed, scales = torch.zeros(e, n, k // 2, dtype=torch.uint8), torch.full((e, n, k // 32), 127, dtype=torch.uint8)
+        packed = torch.zeros(e, n, k // 2, dtype=torch.uint8)
+        scales = torch.full((e, n, k // 32), 127, dtype=torch.uint8)
         record = []
         with interpreted_launches(record):
             for bn, bk, warps, stages in EXPERT_TILES:
@@ -153,5 +162,7 @@ def test_both_kernels_compile_for_sm90_in_bf16_at_every_benchmarked_tile(tmp_pat
         with open(os.environ["LAUNCHES_JSON"], "w") as f:
             json.dump(record, f)
         print("ok")
-    """), tmp_path)
+    """),
+        tmp_path,
+    )
     assert names == ["_grouped_gemm"] * 6 + ["_mxfp4_grouped_gemm"]

@@ -124,16 +124,17 @@ def test_lora_rows_kernel_and_mixed_adapter_engine_equal_torch():
 
 def test_lora_mixed_is_validated():
     from miles_k3.model import K3Config, K3ForCausalLM
+    from miles_k3.model.lora_spec import LoraSpec
     from rollout.config import EngineConfig
     from rollout.engine import Engine
-    from miles_k3.model.lora_spec import LoraSpec
     from rollout.model_runner import build_engine_model
 
     with pytest.raises(ValueError, match="lora_mixed must be one of"):
         EngineConfig(memory_bytes=1 << 20, lora_mixed="cutlass")
     torch.manual_seed(0)
     ref = K3ForCausalLM(K3Config.from_preset("k3-tiny"))
-    model, pool = build_engine_model(ref.config, ref.state_dict(), quantize="none", lora=LoraSpec(rank=4),
-                                     dtype=torch.float32)
+    model, pool = build_engine_model(
+        ref.config, ref.state_dict(), quantize="none", lora=LoraSpec(rank=4), dtype=torch.float32
+    )
     with pytest.raises(ValueError, match="lora_mixed='triton' needs an adapter pool and the model on CUDA"):
         Engine(model, EngineConfig(memory_bytes=4 << 20, lora_mixed="triton"), pool)

@@ -25,7 +25,9 @@ def test_pool_sizes_follow_the_budget():
     slot = PoolSizes.bytes_per_slot(c, torch.bfloat16)
     assert page == 2 * 16 * (32 + 16) * 2  # 2 MLA layers, latent 32 + rope 16, bf16
     assert slot == 4 * (4 * 32 * 32 * 4 + 3 * 128 * 3 * 2)  # 4 KDA layers: fp32 state + bf16 conv history
-    sizes = PoolSizes.from_budget(c, 10 * slot + 100 * page, page_size=16, state_fraction=10 * slot / (10 * slot + 100 * page))
+    sizes = PoolSizes.from_budget(
+        c, 10 * slot + 100 * page, page_size=16, state_fraction=10 * slot / (10 * slot + 100 * page)
+    )
     assert (sizes.num_slots, sizes.num_pages) in {(10, 100), (9, 100), (10, 99)}
     with pytest.raises(ValueError, match="need at least one"):
         PoolSizes.from_budget(c, 100, page_size=16, state_fraction=0.5)

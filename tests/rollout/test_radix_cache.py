@@ -4,7 +4,8 @@ import copy
 import random
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rollout.memory import IndexAllocator, OutOfSlots
 from rollout.radix_cache import HybridRadixCache
@@ -147,8 +148,15 @@ def _release(cache, pa, sa, req):
 
 def _shape(node):
     """A subtree as plain values (keys, pages, checkpoints, locks, LRU stamps), children in key order."""
-    return (tuple(node.key), tuple(node.pages), node.end, node.checkpoint, node.lock_ref, node.last_access,
-            tuple(_shape(node.children[k]) for k in sorted(node.children)))
+    return (
+        tuple(node.key),
+        tuple(node.pages),
+        node.end,
+        node.checkpoint,
+        node.lock_ref,
+        node.last_access,
+        tuple(_shape(node.children[k]) for k in sorted(node.children)),
+    )
 
 
 @settings(max_examples=60, deadline=None)
@@ -170,7 +178,9 @@ def test_fuzz_request_streams_keep_accounting_and_drain_to_full(seed, page_size,
     for _ in range(40):
         op = rng.random()
         if op < 0.4 or not running:  # admit
-            toks = rng.choice(prefixes)[: rng.randrange(1, 40)] + [rng.randrange(50) for _ in range(rng.randrange(1, 20))]
+            toks = rng.choice(prefixes)[: rng.randrange(1, 40)] + [
+                rng.randrange(50) for _ in range(rng.randrange(1, 20))
+            ]
             req = Request(toks)
             m = cache.match_prefix(toks)
             cache.lock(m.node)
@@ -203,8 +213,12 @@ def test_fuzz_request_streams_keep_accounting_and_drain_to_full(seed, page_size,
             twin, twin_pa, twin_sa = copy.deepcopy((cache, pa, sa))  # the same insert walking from the root
             res = cache.insert(req.tokens, req.pages[:full], donated, start=req.node)
             want = twin.insert(req.tokens, req.pages[:full], donated)
-            assert (res.node.end, res.pages, res.duplicate_pages, res.rejected_slots) == \
-                (want.node.end, want.pages, want.duplicate_pages, want.rejected_slots)
+            assert (res.node.end, res.pages, res.duplicate_pages, res.rejected_slots) == (
+                want.node.end,
+                want.pages,
+                want.duplicate_pages,
+                want.rejected_slots,
+            )
             assert _shape(cache.root) == _shape(twin.root)
             assert (pa.num_free, sa.num_free) == (twin_pa.num_free, twin_sa.num_free)
             req.private_pages -= set(req.pages[:full]) - set(res.duplicate_pages)

@@ -16,8 +16,12 @@ from tests.rollout.interpreted import assert_interpreted_ok
 def test_batched_sampler_truncation_seeds_and_logprobs():
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(4, 50, generator=g) * 3
-    params = [SamplingParams(temperature=0), SamplingParams(temperature=0.7, top_k=1, seed=1),
-              SamplingParams(temperature=1.3, top_p=0.3), SamplingParams(temperature=1.0, top_k=5, top_p=0.9)]
+    params = [
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0.7, top_k=1, seed=1),
+        SamplingParams(temperature=1.3, top_p=0.3),
+        SamplingParams(temperature=1.0, top_k=5, top_p=0.9),
+    ]
     seeds, positions = [5, 1, 9, 2], [10, 11, 12, 13]
     tokens, logps = sample(logits, params, seeds, positions)
     assert tokens[0] == int(logits[0].argmax()) and tokens[1] == int(logits[1].argmax())
@@ -78,7 +82,8 @@ def test_a_seeds_streams_are_distinct_seeds_whose_noise_is_unrelated():
 
 
 def test_sampling_kernel_matches_the_definition_token_for_token():
-    assert_interpreted_ok(textwrap.dedent("""
+    assert_interpreted_ok(
+        textwrap.dedent("""
         import os
         os.environ["MILES_K3_KERNELS"] = "interpret"
         import torch
@@ -109,4 +114,6 @@ def test_sampling_kernel_matches_the_definition_token_for_token():
         want = _sample_torch(logits, params, keys)
         assert torch.equal(got[0], want[0]) and torch.allclose(got[1], want[1], atol=2e-5)
         print("ok")
-    """), timeout=600)
+    """),
+        timeout=600,
+    )

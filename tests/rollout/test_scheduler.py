@@ -15,8 +15,9 @@ def record_prefills(eng, monkeypatch) -> list[list[int]]:
     """The per-request token counts of every forward the engine runs from now on (decode: all ones)."""
     seen: list[list[int]] = []
     real = eng.runner.forward
-    monkeypatch.setattr(eng.runner, "forward",
-                        lambda batch, ids, lengths: seen.append(list(lengths)) or real(batch, ids, lengths))
+    monkeypatch.setattr(
+        eng.runner, "forward", lambda batch, ids, lengths: seen.append(list(lengths)) or real(batch, ids, lengths)
+    )
     return seen
 
 
@@ -90,8 +91,7 @@ def test_a_batch_short_of_snapshot_slots_evicts_the_checkpoints_it_lacks_in_one_
     eng.generate([prompt(20, 300 + i) for i in range(6)], SamplingParams(temperature=0, max_new_tokens=1))
     passes, calls = [], []
     evict, snapshots = HybridRadixCache.evict_checkpoints, eng.memory.snapshots
-    monkeypatch.setattr(HybridRadixCache, "evict_checkpoints",
-                        lambda cache, n: passes.append(n) or evict(cache, n))
+    monkeypatch.setattr(HybridRadixCache, "evict_checkpoints", lambda cache, n: passes.append(n) or evict(cache, n))
 
     def counted(rows):
         before = len(passes)
@@ -118,8 +118,9 @@ def test_a_grpo_batch_of_short_prompts_prefills_in_one_forward(monkeypatch):
     params = [SamplingParams(temperature=1.0, max_new_tokens=2, seed=i) for i in range(len(prompts))]
     outs, prefills = {}, {}
     for n in (16, EngineConfig.max_prefill_requests):
-        eng = Engine(MODEL, EngineConfig(memory_bytes=64 << 20, max_prefill_tokens=4096, max_prefill_requests=n,
-                                         max_running=256))
+        eng = Engine(
+            MODEL, EngineConfig(memory_bytes=64 << 20, max_prefill_tokens=4096, max_prefill_requests=n, max_running=256)
+        )
         lengths_seen = record_prefills(eng, monkeypatch)
         outs[n] = eng.generate(prompts, params)
         prefills[n] = sum(1 for lengths in lengths_seen if max(lengths) > 1)

@@ -1,6 +1,7 @@
 """The drafter's context windows (rollout/spec/contexts.py): after any sequence of appends (a catch-up of up to a
 whole window, then verify steps committing 1..5 features), each request's window is the latest `window`
-features it was given, in order, exactly; a batch read holds them under a mask that covers them only; rows of finished requests are reused, a retracted (unfinished) request keeps its window, and the
+features it was given, in order, exactly; a batch read holds them under a mask that covers them only; rows of finished
+requests are reused, a retracted (unfinished) request keeps its window, and the
 buffer grows past its first capacity without losing any."""
 
 import random

@@ -30,22 +30,37 @@ PROMPTS = [TOK.encode(p, add_bos=True) for p in ["12+7=", "40-9=", "3+3=", "77-7
 def new_drafter(seed: int = 0) -> DSparkDrafter:
     torch.manual_seed(seed)
     c = TARGET.config
-    d = DSparkDrafter(DSparkConfig(target_layers=LAYERS, hidden_size=c.hidden_size, vocab_size=c.vocab_size,
-                                   block_size=3, num_layers=1, intermediate_size=64, context_window=16))
+    d = DSparkDrafter(
+        DSparkConfig(
+            target_layers=LAYERS,
+            hidden_size=c.hidden_size,
+            vocab_size=c.vocab_size,
+            block_size=3,
+            num_layers=1,
+            intermediate_size=64,
+            context_window=16,
+        )
+    )
     d.share(TARGET)
     return d
 
 
 def new_engine(drafter=None) -> Engine:
     spec = None if drafter is None else SpecConfig(drafter=drafter, gamma=3)
-    return Engine(TARGET, EngineConfig(memory_bytes=8 << 20, page_size=4, chunk_size=8, max_prefill_tokens=16,
-                                       overlap="off", speculation=spec))
+    return Engine(
+        TARGET,
+        EngineConfig(
+            memory_bytes=8 << 20, page_size=4, chunk_size=8, max_prefill_tokens=16, overlap="off", speculation=spec
+        ),
+    )
 
 
 def sampled(eng: Engine, repeats: int = 4, seed: int = 0) -> list[tuple[int, list[int]]]:
     prompts = [p for p in PROMPTS for _ in range(repeats)]
-    params = [SamplingParams(temperature=1.0, max_new_tokens=12, stop_token_ids=(2,), seed=seed + i)
-              for i in range(len(prompts))]
+    params = [
+        SamplingParams(temperature=1.0, max_new_tokens=12, stop_token_ids=(2,), seed=seed + i)
+        for i in range(len(prompts))
+    ]
     return [(len(p), p + c.output_ids) for p, c in zip(prompts, eng.generate(prompts, params))]
 
 
@@ -79,12 +94,12 @@ def test_blocks_line_context_tokens_and_targets_up_with_the_sequence():
     assert b.anchors[0] == seq[p] and b.valid[0].tolist() == [True, False, False]
     assert b.tokens[0, 0] == seq[p + 1]
     torch.testing.assert_close(b.probs[0, 0], probs[p])
-    c = feats[max(0, p - 16):p]
-    torch.testing.assert_close(b.ctx[0, :len(c)], c)
+    c = feats[max(0, p - 16) : p]
+    torch.testing.assert_close(b.ctx[0, : len(c)], c)
     assert b.mask[0].sum() == len(c)
     s0, p0 = examples[0]
     n = min(3, len(seqs[s0][1]) - 1 - p0)
-    assert b.tokens[1, :n].tolist() == seqs[s0][1][p0 + 1:p0 + 1 + n]
+    assert b.tokens[1, :n].tolist() == seqs[s0][1][p0 + 1 : p0 + 1 + n]
 
 
 def test_blocks_from_a_target_pass_over_their_sequences_only_equal_the_kept_teachers():
@@ -126,7 +141,8 @@ def test_the_engines_drafter_trains_in_place_and_speculation_stays_lossless():
     before = {n: p.detach().clone() for n, p in d.named_parameters()}
     seqs = SEQS[:8]
     Distiller(d, DistillConfig(steps=3, lr=1e-2, blocks=32)).distil(
-        seqs, lambda ex: teacher_blocks(TARGET, seqs, ex, d.config), random.Random(1))
+        seqs, lambda ex: teacher_blocks(TARGET, seqs, ex, d.config), random.Random(1)
+    )
     assert eng.decoder.strategy.drafter is d
     assert {n: p.data_ptr() for n, p in d.named_parameters()} == ptrs
     moved = [n for n, p in d.named_parameters() if not torch.equal(p.detach(), before[n])]
@@ -147,7 +163,8 @@ def test_a_distillation_drops_the_windows_of_requests_in_flight():
         eng.step()
     seqs = SEQS[:8]
     Distiller(d, DistillConfig(steps=1, lr=1e-2, blocks=16)).distil(
-        seqs, lambda ex: teacher_blocks(TARGET, seqs, ex, d.config), random.Random(2))
+        seqs, lambda ex: teacher_blocks(TARGET, seqs, ex, d.config), random.Random(2)
+    )
     assert not d.contexts.ids()
     done = {}
     while eng.has_work():
@@ -155,8 +172,18 @@ def test_a_distillation_drops_the_windows_of_requests_in_flight():
     assert done[rid].output_ids == want[0].output_ids
 
 
-@pytest.mark.parametrize("field, value", [("steps", 0), ("blocks", 0), ("lr", 0.0), ("decay", 1.5),
-                                          ("heldout_every", 1), ("grad_clip", -1.0), ("weight_decay", "x")])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("steps", 0),
+        ("blocks", 0),
+        ("lr", 0.0),
+        ("decay", 1.5),
+        ("heldout_every", 1),
+        ("grad_clip", -1.0),
+        ("weight_decay", "x"),
+    ],
+)
 def test_bad_distill_settings_fail_by_field_name(field, value):
     with pytest.raises(ValueError, match=rf"^DistillConfig\.{field} "):
         DistillConfig(**{field: value})

@@ -9,8 +9,7 @@ import json
 import pytest
 import torch
 
-from rollout.forward import DecodeGraphs
-from rollout.forward import hooks
+from rollout.forward import DecodeGraphs, hooks
 from rollout.request import SamplingParams
 from rollout.spec import SpecConfig
 from rollout.spec.drafter import DSparkConfig, DSparkDrafter, _features
@@ -21,8 +20,16 @@ C = MODEL.config
 
 def drafter(seed: int = 0, cls: type = DSparkDrafter, **kw) -> DSparkDrafter:
     torch.manual_seed(seed)
-    d = cls(DSparkConfig(target_layers=(1, 4), hidden_size=C.hidden_size, vocab_size=C.vocab_size,
-                                   block_size=3, context_window=16, **kw))
+    d = cls(
+        DSparkConfig(
+            target_layers=(1, 4),
+            hidden_size=C.hidden_size,
+            vocab_size=C.vocab_size,
+            block_size=3,
+            context_window=16,
+            **kw,
+        )
+    )
     with torch.no_grad():  # a drafter with something to say: non-zero Markov head and temperatures
         d.markov_out.weight.normal_(0, 0.5)
         d.pos_embed.normal_(0, 0.1)
@@ -77,7 +84,7 @@ def test_engine_context_equals_a_fresh_target_pass_and_greedy_stays_lossless():
     r = eng.scheduler.running[0]
     store: dict = {}
     with hooks(d.taps, store), torch.inference_mode():
-        MODEL.model.hidden(torch.tensor(r.tokens[:r.pos])[None], None, None)
+        MODEL.model.hidden(torch.tensor(r.tokens[: r.pos])[None], None, None)
     fresh = d.context(_features(store, d.config.target_layers)[0, -16:])
     kept = d.contexts.get(rid)
     assert kept.shape == fresh.shape
@@ -99,8 +106,12 @@ def test_a_groups_catch_up_computes_each_distinct_prefix_once():
     d = drafter(3)
     engine(speculation=SpecConfig(drafter=d, gamma=3))  # attaches the drafter to an engine's runner
     a, b = prompt(20, 40), prompt(9, 41)
-    rows = [SimpleNamespace(req=SimpleNamespace(request_id=i, adapter=None, media=None, finish_reason=None),
-                            pos=len(t), tokens=t) for i, t in enumerate([a, b, a, a])]
+    rows = [
+        SimpleNamespace(
+            req=SimpleNamespace(request_id=i, adapter=None, media=None, finish_reason=None), pos=len(t), tokens=t
+        )
+        for i, t in enumerate([a, b, a, a])
+    ]
     fed = []
     handle = MODEL.model.embed_tokens.register_forward_hook(lambda m, args, out: fed.append(args[0].numel()))
     try:
@@ -112,8 +123,12 @@ def test_a_groups_catch_up_computes_each_distinct_prefix_once():
         store: dict = {}
         with hooks(d.taps, store), torch.inference_mode():
             MODEL.model.hidden(torch.tensor(r.tokens)[None], None, None)
-        torch.testing.assert_close(d.contexts.get(r.req.request_id),
-                                   d.context(_features(store, d.config.target_layers)[0, -16:]), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(
+            d.contexts.get(r.req.request_id),
+            d.context(_features(store, d.config.target_layers)[0, -16:]),
+            atol=1e-4,
+            rtol=1e-4,
+        )
 
 
 class CatchUps(DSparkDrafter):
@@ -131,8 +146,8 @@ class CatchUps(DSparkDrafter):
 def fresh_window(d, r) -> torch.Tensor:
     store: dict = {}
     with hooks(d.taps, store), torch.inference_mode():
-        MODEL.model.hidden(torch.tensor(r.tokens[:r.pos])[None], None, None)
-        return d.context(_features(store, d.config.target_layers)[0, -d.config.context_window:])
+        MODEL.model.hidden(torch.tensor(r.tokens[: r.pos])[None], None, None)
+        return d.context(_features(store, d.config.target_layers)[0, -d.config.context_window :])
 
 
 def test_windows_come_from_the_engines_prefill_and_a_short_suffix_after_a_hit_catches_up():
@@ -231,8 +246,9 @@ def test_plain_steps_overlap_as_plain_decoding_does_and_speculation_resumes_afte
             in_flight += 1
             for r in eng.decoder.inflight.batch:
                 if r in eng.scheduler.running:
-                    torch.testing.assert_close(d.contexts.get(r.req.request_id), fresh_window(d, r),
-                                               atol=1e-4, rtol=1e-4)
+                    torch.testing.assert_close(
+                        d.contexts.get(r.req.request_id), fresh_window(d, r), atol=1e-4, rtol=1e-4
+                    )
                     checked += 1
         eng.check_invariants()
     assert in_flight > 3 and checked > 8 and strategy.stats.steps > 0 and strategy.unread == 0
@@ -353,8 +369,7 @@ def test_a_retracted_request_prefilled_again_keeps_a_true_window():
         done.update((c.request_id, c) for c in eng.step())
         for r in eng.scheduler.running:
             if r.req.request_id in d.contexts and d.contexts.end(r.req.request_id) == r.pos:
-                torch.testing.assert_close(d.contexts.get(r.req.request_id), fresh_window(d, r), atol=1e-4,
-                                           rtol=1e-4)
+                torch.testing.assert_close(d.contexts.get(r.req.request_id), fresh_window(d, r), atol=1e-4, rtol=1e-4)
                 checked += 1
     assert eng.counters()["retractions"] > 0 and checked > 0
     want = engine().generate(prompts, params)

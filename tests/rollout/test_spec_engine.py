@@ -38,8 +38,9 @@ class ScriptedDrafter(Drafter):
             row = []
             for j in range(gamma):
                 right = ref[k + j] if k + j < len(ref) else 3
-                bad = (self.accept is not None and j >= self.accept) or \
-                    (self.accept is None and self.rng.random() < self.wrong)
+                bad = (self.accept is not None and j >= self.accept) or (
+                    self.accept is None and self.rng.random() < self.wrong
+                )
                 row.append((right + 1 + self.rng.randrange(V - 1)) % V if bad else right)
             rows.append(row)
         drafts = torch.tensor(rows, device=anchors.device)
@@ -113,8 +114,9 @@ def test_greedy_speculation_equals_plain_greedy(memory):
 
 def working_state(eng: Engine, rid: int) -> dict:
     r = next(r for r in eng.scheduler.running if r.req.request_id == rid)
-    return {i: (eng.states.conv[i][r.slot].clone(), eng.states.recurrent[i][r.slot].clone())
-            for i in eng.states.kda_layers}
+    return {
+        i: (eng.states.conv[i][r.slot].clone(), eng.states.recurrent[i][r.slot].clone()) for i in eng.states.kda_layers
+    }
 
 
 @pytest.mark.parametrize("accept", range(GAMMA + 1))
@@ -173,8 +175,13 @@ def test_a_seeded_sampled_request_does_not_depend_on_its_batch():
     script = script_for([p, *others], SamplingParams(temperature=0, max_new_tokens=10))
     alone = spec_engine(ScriptedDrafter(script)).generate([p], params)[0]
     mixed = spec_engine(ScriptedDrafter(script)).generate(
-        [others[0], p, others[1]], [SamplingParams(temperature=1.0, max_new_tokens=10, seed=9), params,
-                                    SamplingParams(temperature=0.7, top_k=20, max_new_tokens=8, seed=1)])[1]
+        [others[0], p, others[1]],
+        [
+            SamplingParams(temperature=1.0, max_new_tokens=10, seed=9),
+            params,
+            SamplingParams(temperature=0.7, top_k=20, max_new_tokens=8, seed=1),
+        ],
+    )[1]
     assert alone.output_ids == mixed.output_ids
     assert alone.logprobs == pytest.approx(mixed.logprobs, abs=1e-5)
 
@@ -191,8 +198,12 @@ def test_fuzz_with_speculation_keeps_every_pool_invariant(seed, memory, graphs):
     for _ in range(16):
         if rng.random() < 0.4:
             p = rng.choice(bases)[: rng.randrange(1, 24)] + prompt(rng.randrange(0, 4), rng.randrange(10**6))
-            eng.submit(p, SamplingParams(temperature=rng.choice([0, 1.0]), max_new_tokens=rng.randrange(1, 9),
-                                         seed=rng.randrange(100)))  # <= 36 tokens + a block: fits 11 pages
+            eng.submit(
+                p,
+                SamplingParams(
+                    temperature=rng.choice([0, 1.0]), max_new_tokens=rng.randrange(1, 9), seed=rng.randrange(100)
+                ),
+            )  # <= 36 tokens + a block: fits 11 pages
         elif eng.scheduler.running and rng.random() < 0.15:
             eng.abort(rng.choice(eng.scheduler.running).req.request_id)
         eng.step()

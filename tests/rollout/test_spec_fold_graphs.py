@@ -24,8 +24,9 @@ def random_inputs(runner, lengths, seed, dtype=torch.float32):
         dim = mixer.heads * mixer.config.kda_head_dim
         widths = {"q_proj": dim, "k_proj": dim, "v_proj": dim, "f_b_proj": dim, "b_proj": mixer.heads}
         assert set(widths) == set(PROJECTIONS)
-        inputs.layers[layer] = {p: torch.randn(1, sum(lengths), c, generator=g).to(runner.device, dtype)
-                                for p, c in widths.items()}
+        inputs.layers[layer] = {
+            p: torch.randn(1, sum(lengths), c, generator=g).to(runner.device, dtype) for p, c in widths.items()
+        }
     return inputs
 
 
@@ -61,21 +62,34 @@ def fold_both_ways(eng, counts, dense, larger, capture, dtype=torch.float32):
         copies = []
 
         def checkpoint(rows):  # what CacheManager.snapshots copies: the rows' working state, now
-            copies.extend({name: {k: v[SLOTS[n]].clone() for k, v in getattr(states, name).items()}
-                           for name in ("conv", "recurrent")} for n in rows)
+            copies.extend(
+                {
+                    name: {k: v[SLOTS[n]].clone() for k, v in getattr(states, name).items()}
+                    for name in ("conv", "recurrent")
+                }
+                for n in rows
+            )
             return list(range(len(copies) - len(rows), len(copies)))
+
         taken = folder(checkpoint)
-        return snapshot(states), {(n, pos): copies[snap] for n, pos, snap in taken
-                                  if pos <= POSITIONS[n] + counts[n]}, taken
+        return (
+            snapshot(states),
+            {(n, pos): copies[snap] for n, pos, snap in taken if pos <= POSITIONS[n] + counts[n]},
+            taken,
+        )
 
     with torch.inference_mode():  # as the engine's step runs it: where the kernels run (CUDA), the decode step's
-        want, want_seen, _ = run(lambda ck: with_checkpoints(
-            lambda at: fold(runner.model, states, inputs, SLOTS, counts, POSITIONS, 8, at), counts, POSITIONS, 8, ck))
+        want, want_seen, _ = run(
+            lambda ck: with_checkpoints(
+                lambda at: fold(runner.model, states, inputs, SLOTS, counts, POSITIONS, 8, at), counts, POSITIONS, 8, ck
+            )
+        )
     graphs = FoldGraphs(runner, WIDTH, capture=capture)
     if larger:
         graphs._static(12, inputs)
-    got, got_seen, taken = run(lambda ck: graphs.fold(inputs, SLOTS, torch.tensor(counts, device=runner.device),
-                                                      POSITIONS, 8, ck))
+    got, got_seen, taken = run(
+        lambda ck: graphs.fold(inputs, SLOTS, torch.tensor(counts, device=runner.device), POSITIONS, 8, ck)
+    )
     assert sorted(graphs.graphs) == ([12] if larger else [6]) and graphs.captures == 1
     reached = {(n, p + 8 - p % 8) for n, (p, c) in enumerate(zip(POSITIONS, counts)) if 8 - p % 8 <= c}
     assert set(got_seen) == set(want_seen) == reached
@@ -91,12 +105,20 @@ def fold_both_ways(eng, counts, dense, larger, capture, dtype=torch.float32):
     return want, want_seen, got, got_seen
 
 
-@pytest.mark.parametrize("dense,counts,larger", [(True, [5] * 6, False), (True, [1, 2, 3, 4, 5, 5], False),
-                                                 (False, [1, 2, 3, 4, 5, 5], False), (True, [5] * 6, True)])
+@pytest.mark.parametrize(
+    "dense,counts,larger",
+    [
+        (True, [5] * 6, False),
+        (True, [1, 2, 3, 4, 5, 5], False),
+        (False, [1, 2, 3, 4, 5, 5], False),
+        (True, [5] * 6, True),
+    ],
+)
 def test_the_padded_fold_commits_the_eager_folds_state(dense, counts, larger):
     """larger: six rows (bucket 8) folded through an already captured bucket 12, more padding rows."""
-    want, want_seen, got, got_seen = fold_both_ways(engine(max_running=12 if larger else 6), counts, dense, larger,
-                                                    capture=False)
+    want, want_seen, got, got_seen = fold_both_ways(
+        engine(max_running=12 if larger else 6), counts, dense, larger, capture=False
+    )
     assert (5, 24) in want_seen
     for key in want_seen:
         for name in ("conv", "recurrent"):

@@ -42,8 +42,12 @@ def test_padded_verify_equals_plain_greedy_and_the_packed_verify():
             assert a.pos == b.pos
             for layer in packed.states.kda_layers:
                 for table in ("conv", "recurrent"):
-                    torch.testing.assert_close(getattr(padded.states, table)[layer][b.slot],
-                                               getattr(packed.states, table)[layer][a.slot], atol=1e-5, rtol=1e-5)
+                    torch.testing.assert_close(
+                        getattr(padded.states, table)[layer][b.slot],
+                        getattr(packed.states, table)[layer][a.slot],
+                        atol=1e-5,
+                        rtol=1e-5,
+                    )
     for want, a, b in zip(plain, *ids):
         for got in (done[0][a], done[1][b]):
             assert got.output_ids == want.output_ids
@@ -66,8 +70,9 @@ def test_graphs_serve_verify_all_only_and_the_cpu_verifies_eagerly_by_default():
     from tests.rollout.common import MODEL
 
     c = MODEL.config
-    d = DSparkDrafter(DSparkConfig(target_layers=(1,), hidden_size=c.hidden_size, vocab_size=c.vocab_size,
-                                   block_size=GAMMA))
+    d = DSparkDrafter(
+        DSparkConfig(target_layers=(1,), hidden_size=c.hidden_size, vocab_size=c.vocab_size, block_size=GAMMA)
+    )
     eng = engine(speculation=SpecConfig(drafter=d, gamma=GAMMA), max_running=2)
     assert not eng.decoder.strategy.graph_verify  # CPU: eager by default
     assert SpecDecode(eng.runner, SpecConfig(drafter=d, gamma=GAMMA), graphs=True).graph_verify

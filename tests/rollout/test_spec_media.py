@@ -35,8 +35,11 @@ def test_catch_up_states_at_the_pads_equal_the_reference_fed_the_features():
     eng = media_engine(speculation=SpecConfig(drafter=d, gamma=3))
     a = image(5, 21)
     prompt = media_prompt([3, a, 4])  # 14 tokens: all inside the drafter's 16-position window
-    row = SimpleNamespace(req=SimpleNamespace(request_id=-1, adapter=None, media=eng.media.place(prompt, [a])),
-                          pos=len(prompt), tokens=prompt)
+    row = SimpleNamespace(
+        req=SimpleNamespace(request_id=-1, adapter=None, media=eng.media.place(prompt, [a])),
+        pos=len(prompt),
+        tokens=prompt,
+    )
     d._catch_up([row])
     got = d.contexts.get(-1)  # the draft layers' keys and values of the states
     want = reference_states(prompt, [a], d.config.target_layers)

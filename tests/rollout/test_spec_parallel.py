@@ -24,8 +24,7 @@ from rollout.spec.drafter import DSparkConfig, DSparkDrafter
 from tests.rollout.test_spec_engine import ScriptedDrafter
 
 CONFIG = K3Config.from_preset("k3-tiny")
-SETTINGS = dict(memory_bytes=8 << 20, page_size=4, chunk_size=8, max_prefill_tokens=16, max_seq_len=128,
-                max_running=4)
+SETTINGS = dict(memory_bytes=8 << 20, page_size=4, chunk_size=8, max_prefill_tokens=16, max_seq_len=128, max_running=4)
 GAMMA = 3
 GREEDY = SamplingParams(temperature=0, max_new_tokens=10)
 SAMPLED = SamplingParams(temperature=1.0, max_new_tokens=8, seed=5)
@@ -35,14 +34,22 @@ CASES = ("tp2", "tp2-dcp2", "ep2", "tp2-dspark")
 def prompts() -> list[list[int]]:
     g = torch.Generator().manual_seed(3)
     shared = torch.randint(3, 512, (11,), generator=g).tolist()
-    return [shared + torch.randint(3, 512, (n,), generator=g).tolist() for n in (2, 6)] + \
-        [torch.randint(3, 512, (n,), generator=g).tolist() for n in (5, 14)]
+    return [shared + torch.randint(3, 512, (n,), generator=g).tolist() for n in (2, 6)] + [
+        torch.randint(3, 512, (n,), generator=g).tolist() for n in (5, 14)
+    ]
 
 
 def dspark() -> DSparkDrafter:
     torch.manual_seed(0)  # the same drafter on every rank
-    d = DSparkDrafter(DSparkConfig(target_layers=(1, 4), hidden_size=CONFIG.hidden_size,
-                                   vocab_size=CONFIG.vocab_size, block_size=GAMMA, context_window=16))
+    d = DSparkDrafter(
+        DSparkConfig(
+            target_layers=(1, 4),
+            hidden_size=CONFIG.hidden_size,
+            vocab_size=CONFIG.vocab_size,
+            block_size=GAMMA,
+            context_window=16,
+        )
+    )
     with torch.no_grad():
         d.markov_out.weight.normal_(0, 0.5)
         d.pos_embed.normal_(0, 0.1)
@@ -50,8 +57,9 @@ def dspark() -> DSparkDrafter:
 
 
 def model(tp=None):
-    return build_engine_model(CONFIG, reference_state(CONFIG), quantize="none", dtype=torch.float32,
-                              **({} if tp is None else {"tp": tp}))[0]
+    return build_engine_model(
+        CONFIG, reference_state(CONFIG), quantize="none", dtype=torch.float32, **({} if tp is None else {"tp": tp})
+    )[0]
 
 
 def speculation(case: str, script: dict) -> SpecConfig:
@@ -62,8 +70,10 @@ def speculation(case: str, script: dict) -> SpecConfig:
 
 def workload(engine: Engine) -> dict:
     ps = prompts()
-    return {"greedy": [(c.output_ids, c.logprobs) for c in engine.generate(ps, GREEDY)],
-            "sampled": [(c.output_ids, c.logprobs) for c in engine.generate(ps[:2], SAMPLED)]}
+    return {
+        "greedy": [(c.output_ids, c.logprobs) for c in engine.generate(ps, GREEDY)],
+        "sampled": [(c.output_ids, c.logprobs) for c in engine.generate(ps[:2], SAMPLED)],
+    }
 
 
 def worker(rank: int, world: int, port: int, out: str, script: dict) -> None:
@@ -80,8 +90,10 @@ def worker(rank: int, world: int, port: int, out: str, script: dict) -> None:
     try:
         for case in CASES:
             dcp = 2 if case == "tp2-dcp2" else 1
-            engine = Engine(model(EngineTP(dcp_size=dcp, ep_size=2 if case == "ep2" else 1)),
-                            EngineConfig(**SETTINGS, dcp_size=dcp, speculation=speculation(case, script)))
+            engine = Engine(
+                model(EngineTP(dcp_size=dcp, ep_size=2 if case == "ep2" else 1)),
+                EngineConfig(**SETTINGS, dcp_size=dcp, speculation=speculation(case, script)),
+            )
             if engine.is_leader:
                 results[case] = workload(engine)
                 engine.stop_followers()
@@ -89,8 +101,14 @@ def worker(rank: int, world: int, port: int, out: str, script: dict) -> None:
                 engine.follow()
             engine.check_invariants()
             s = engine.decoder.strategy.stats
-            results[f"{case}.rank"] = (engine.counters(), s.steps, s.accepted, s.emitted,
-                                       engine.kv.allocator.num_free, engine.states.allocator.num_free)
+            results[f"{case}.rank"] = (
+                engine.counters(),
+                s.steps,
+                s.accepted,
+                s.emitted,
+                engine.kv.allocator.num_free,
+                engine.states.allocator.num_free,
+            )
     finally:
         end_world()
     torch.save(results, f"{out}/rank{rank}.pt")

@@ -8,8 +8,8 @@ import torch
 
 from rollout.request import SamplingParams
 from rollout.spec import SpecConfig
-from rollout.spec.strategy import SpecDecode
 from rollout.spec.planner import CostSurface, VerifyPlanner, budget, fill, monotone, survival, width
+from rollout.spec.strategy import SpecDecode
 from rollout.spec.verify import verify
 from tests.rollout.common import assert_pools_drain_to_full, engine, prompt
 from tests.rollout.test_spec_drafter import drafter
@@ -28,7 +28,7 @@ def test_the_decision_at_j_never_reads_the_draft_at_j():
         counts = fill(survival(conf), tokens)
         n, j = trial % 5, trial % 4
         other = conf.clone()
-        other[n, j + 1:] = torch.rand(3 - j, generator=rng) if trial % 2 else 1.0
+        other[n, j + 1 :] = torch.rand(3 - j, generator=rng) if trial % 2 else 1.0
         assert (fill(survival(other), tokens)[n] > j) == (counts[n] > j)
         assert sum(counts) == tokens
 
@@ -101,8 +101,13 @@ def test_when_no_block_pays_the_planner_decodes_plainly_and_explores_ever_more_r
     the same."""
     dear = {4: [(4 * per, float(per)) for per in range(1, 5)]}  # a block of w tokens a row costs w plain steps
     for by_width, full in ((True, 3), (False, 12)):
-        planner = VerifyPlanner(CostSurface({k: list(v) for k, v in dear.items()}), prior=0.9, by_width=by_width,
-                                explore_every=3, explore_max=8)
+        planner = VerifyPlanner(
+            CostSurface({k: list(v) for k, v in dear.items()}),
+            prior=0.9,
+            by_width=by_width,
+            explore_every=3,
+            explore_max=8,
+        )
         allotted = [planner.allot(list(range(4)), 3) for _ in range(42)]
         assert set(allotted) == {0, full}
         assert [i for i, a in enumerate(allotted) if a] == [3, 10, 19, 28, 37]  # waits 3, 6, 8, 8, 8
@@ -234,8 +239,9 @@ def test_where_blocks_never_pay_the_engine_decodes_plainly_and_stays_lossless(ov
     params = SamplingParams(temperature=0, max_new_tokens=12)
     want = engine(max_running=4).generate(prompts, params)
     for per_token, speculates in ((1.0, False), (0.01, True)):
-        surface = CostSurface({b: [(b * per, 1.0 + per_token * (per - 1)) for per in range(1, 5)]
-                               for b in (1, 2, 3, 4)})
+        surface = CostSurface(
+            {b: [(b * per, 1.0 + per_token * (per - 1)) for per in range(1, 5)] for b in (1, 2, 3, 4)}
+        )
         spec = SpecConfig(drafter=drafter(3), gamma=3, planner="cost_aware")
         eng = engine(max_running=4, speculation=spec, overlap=overlap)
         eng.decoder.strategy = strategy = SpecDecode(eng.runner, spec, surface=surface)

@@ -18,8 +18,12 @@ def spec(rollback: str, drafter) -> object:
 def states(eng, ids: list[int]) -> dict:
     """Every running request's working state, by its submission index (request ids are process-wide)."""
     s = eng.states
-    return {ids.index(r.req.request_id): {i: (s.conv[i][r.slot].clone(), s.recurrent[i][r.slot].clone())
-                                          for i in s.kda_layers} for r in eng.scheduler.running}
+    return {
+        ids.index(r.req.request_id): {
+            i: (s.conv[i][r.slot].clone(), s.recurrent[i][r.slot].clone()) for i in s.kda_layers
+        }
+        for r in eng.scheduler.running
+    }
 
 
 def assert_same_states(a: dict, b: dict) -> None:
@@ -72,8 +76,7 @@ def test_the_snapshot_window_holds_gamma_states_per_row():
         eng = spec(rb, ScriptedDrafter(script, wrong=0.0))
         eng.generate([p], params)
         got[rb] = eng.decoder.strategy.stats.window_bytes
-        per_state = sum(eng.states.conv[i][0].nbytes + eng.states.recurrent[i][0].nbytes
-                        for i in eng.states.kda_layers)
+        per_state = sum(eng.states.conv[i][0].nbytes + eng.states.recurrent[i][0].nbytes for i in eng.states.kda_layers)
     assert got["snapshot"] == GAMMA * per_state
     assert 0 < got["replay"] < got["snapshot"]
 

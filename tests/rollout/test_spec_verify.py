@@ -52,7 +52,7 @@ def speculate(target: torch.Tensor, draft: torch.Tensor, params: SamplingParams,
         tokens, _, counts = rule(target[fed], drafts, q, plist, seeds, at)
         for o, t, c in zip(out, tokens.tolist(), counts.tolist()):
             o.extend(t[:c])
-    return [tuple(o[1:L + 1]) for o in out]
+    return [tuple(o[1 : L + 1]) for o in out]
 
 
 def exact(target: torch.Tensor, params: SamplingParams) -> dict[tuple, float]:
@@ -82,8 +82,9 @@ def tables(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return target, draft
 
 
-@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_k=3)],
-                         ids=["t1", "t0.8-topk3"])
+@pytest.mark.parametrize(
+    "params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_k=3)], ids=["t1", "t0.8-topk3"]
+)
 def test_sampled_speculation_emits_the_target_distribution(params):
     """Chains of L tokens from a Markov target, drafted by a different Markov drafter: the empirical law of
     the 64 sequences is the target's (chi-square under its 1e-3 quantile, fp64); the same test with a
@@ -109,8 +110,9 @@ def test_an_exact_drafter_is_always_accepted():
     tok1, q1 = draw(target[anchor], [params] * 64, stream_seeds(seeds, DRAFT, "cpu"), at + 1)
     tok2, q2 = draw(target[tok1], [params] * 64, stream_seeds(seeds, DRAFT, "cpu"), at + 2)
     drafts = torch.stack([tok1, tok2], 1)
-    _, _, counts = verify(target[torch.cat([anchor[:, None], drafts], 1)], drafts, torch.stack([q1, q2], 1),
-                          [params] * 64, seeds, at)
+    _, _, counts = verify(
+        target[torch.cat([anchor[:, None], drafts], 1)], drafts, torch.stack([q1, q2], 1), [params] * 64, seeds, at
+    )
     assert counts.tolist() == [GAMMA + 1] * 64
 
 
@@ -119,8 +121,9 @@ def test_greedy_keeps_the_argmax_run_and_reports_temperature_one_logprobs():
     log-probs are the temperature-1 ones at every emitted position; `num_drafts` caps what is verified."""
     logits = torch.randn(3, GAMMA + 1, 7, generator=torch.Generator().manual_seed(2))
     best = logits.argmax(-1)
-    drafts = torch.stack([best[0, :2], torch.stack([best[1, 0], (best[1, 1] + 1) % 7]),
-                          torch.stack([(best[2, 0] + 1) % 7, best[2, 1]])])
+    drafts = torch.stack(
+        [best[0, :2], torch.stack([best[1, 0], (best[1, 1] + 1) % 7]), torch.stack([(best[2, 0] + 1) % 7, best[2, 1]])]
+    )
     greedy = [SamplingParams(temperature=0)] * 3
     at = torch.zeros(3, dtype=torch.long)
     tokens, logps, counts = verify(logits, drafts, torch.zeros(3, GAMMA, 7), greedy, [0] * 3, at)
@@ -151,9 +154,10 @@ def test_a_rows_draws_do_not_depend_on_its_batch():
         at = torch.tensor([5] + [i % 3 for i in range(n_rows - 1)])
         anchor = torch.zeros(n_rows, dtype=torch.long)
         tok, q = draw(draft[anchor], [params] * n_rows, stream_seeds(seeds, DRAFT, "cpu"), at + 1)
-        tokens, logps, counts = verify(target[torch.stack([anchor, tok], 1)], tok[:, None], q[:, None],
-                                       [params] * n_rows, seeds, at)
-        return tok[0].item(), tokens[0, :counts[0]].tolist(), logps[0, :counts[0]].tolist()
+        tokens, logps, counts = verify(
+            target[torch.stack([anchor, tok], 1)], tok[:, None], q[:, None], [params] * n_rows, seeds, at
+        )
+        return tok[0].item(), tokens[0, : counts[0]].tolist(), logps[0, : counts[0]].tolist()
 
     assert run(1) == run(9)
     assert len({tuple(run(1, seed)[1]) for seed in range(12)}) > 1
@@ -166,7 +170,8 @@ def test_the_sampling_kernel_draws_the_definitions_drafts_and_final_tokens():
 
     from tests.rollout.interpreted import assert_interpreted_ok
 
-    assert_interpreted_ok(textwrap.dedent("""
+    assert_interpreted_ok(
+        textwrap.dedent("""
         import os
         import torch
         from rollout.request import SamplingParams
@@ -195,4 +200,6 @@ def test_the_sampling_kernel_draws_the_definitions_drafts_and_final_tokens():
         assert all(torch.equal(a, b) for a, b in zip(got, want)), (got, want)
         assert (want[2] == 1).any() and (want[2] == 2).any()  # rejections (residual draws) and acceptances
         print("ok")
-    """), timeout=600)
+    """),
+        timeout=600,
+    )

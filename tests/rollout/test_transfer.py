@@ -7,8 +7,23 @@ import torch
 
 from rollout.transfer import host_tensor, to_device
 
-CASES = [[1, 2, 3], [[1, 2], [3, 4]], [1.5, 2], [1, 2.5], [True, False], [True, 1], [1.0, True], [[1, 2], [3]],
-         [], [[]], [2**70], [[1, 2], [3, True]], [[1.0, 2], [3, 4]], [[1, 2], [3, 4.5]], [-(2**63)]]
+CASES = [
+    [1, 2, 3],
+    [[1, 2], [3, 4]],
+    [1.5, 2],
+    [1, 2.5],
+    [True, False],
+    [True, 1],
+    [1.0, True],
+    [[1, 2], [3]],
+    [],
+    [[]],
+    [2**70],
+    [[1, 2], [3, True]],
+    [[1.0, 2], [3, 4]],
+    [[1, 2], [3, 4.5]],
+    [-(2**63)],
+]
 
 
 @pytest.mark.parametrize("values", CASES, ids=range(len(CASES)))

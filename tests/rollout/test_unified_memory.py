@@ -7,7 +7,8 @@ import random
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from miles_k3.model import K3Config
 from rollout.cache_manager import CacheManager
@@ -60,8 +61,9 @@ class Holders:
         assert a.high_start == a.top - pages.extent * a.page_bytes
         assert a.free_bytes >= 0
         for kind, region in a._regions.items():
-            assert {region.id_of(k) for k in range(region.extent)} - set(self.held[kind]) == \
-                {region.id_of(k) for k in region.holes}
+            assert {region.id_of(k) for k in range(region.extent)} - set(self.held[kind]) == {
+                region.id_of(k) for k in region.holes
+            }
         # the fixed blocks: the zero page is zero, nothing handed out overlaps them
         assert not a.page_blocks[a.zero_page].any()
 
@@ -70,8 +72,12 @@ class Holders:
 @given(seed=st.integers(0, 2**31 - 1))
 def test_moves_keep_every_live_blocks_bytes_and_rename_it_for_its_holder(seed):
     rng = random.Random(seed)
-    arena = UnifiedArena(rng.randrange(3000, 9000), slot_bytes=rng.choice([160, 320, 480]),
-                         page_bytes=rng.choice([16, 48, 96]), device="cpu")
+    arena = UnifiedArena(
+        rng.randrange(3000, 9000),
+        slot_bytes=rng.choice([160, 320, 480]),
+        page_bytes=rng.choice([16, 48, 96]),
+        device="cpu",
+    )
     h = Holders(arena)
     for _ in range(150):
         kind = rng.choice(KINDS)
@@ -181,15 +187,14 @@ def test_pool_tensors_are_fixed_views_of_the_blocks_for_every_rank_share():
         slot = states.allocator.alloc(1)[0]
         for i, t in enumerate([*states.recurrent.values(), *states.conv.values()]):
             t[slot] = float(i + 1)
-        used = arena.slot_blocks[slot].view(torch.float32)[:PoolSizes.bytes_per_slot(CONFIG, torch.float32, tp) // 4]
+        used = arena.slot_blocks[slot].view(torch.float32)[: PoolSizes.bytes_per_slot(CONFIG, torch.float32, tp) // 4]
         assert torch.equal(used.unique(), torch.arange(1.0, 9.0))
         # a move carries every layer's rows; the views do not change address
         other = kv.allocator.alloc(1)[0]
         kv.buffers[layer][other * kv.rows_per_page] = 7.0
         kv.allocator.free([page])  # `other` (the region's end) moves into page's place
         assert float(kv.buffers[layer][page * kv.rows_per_page, 0]) == 7.0
-        assert ptrs == [t.data_ptr() for t in [*kv.buffers.values(), *states.recurrent.values(),
-                                               *states.conv.values()]]
+        assert ptrs == [t.data_ptr() for t in [*kv.buffers.values(), *states.recurrent.values(), *states.conv.values()]]
         states.copy_slots([slot], [states.sink_slot])
         assert torch.equal(states.recurrent[states.kda_layers[3]][0], states.recurrent[states.kda_layers[3]][slot])
         states.zero_slots([slot])
@@ -197,8 +202,9 @@ def test_pool_tensors_are_fixed_views_of_the_blocks_for_every_rank_share():
 
 
 def manager(memory: int) -> CacheManager:
-    return CacheManager(CONFIG, EngineConfig(memory_bytes=memory, unified_memory=True, **SMALL), torch.float32,
-                        torch.device("cpu"))
+    return CacheManager(
+        CONFIG, EngineConfig(memory_bytes=memory, unified_memory=True, **SMALL), torch.float32, torch.device("cpu")
+    )
 
 
 def test_eviction_crosses_the_boundary_both_ways():

@@ -15,8 +15,20 @@ import bench_engine_layouts  # noqa: E402
 
 def test_sharded_layouts_decode_the_single_engines_greedy_tokens(tmp_path):
     out = tmp_path / "layouts.json"
-    rows = bench_engine_layouts.main(["--layouts", "single,tp2_dcp2,ep2", "--batch-sizes", "1,3", "--prompt-len", "20",
-                                      "--gen-len", "5", "--json", str(out)])
+    rows = bench_engine_layouts.main(
+        [
+            "--layouts",
+            "single,tp2_dcp2,ep2",
+            "--batch-sizes",
+            "1,3",
+            "--prompt-len",
+            "20",
+            "--gen-len",
+            "5",
+            "--json",
+            str(out),
+        ]
+    )
     assert json.loads(out.read_text())["rows"] == rows
     assert [(r["layout"], r["batch"]) for r in rows] == [(n, b) for n in ("single", "tp2_dcp2", "ep2") for b in (1, 3)]
     for r in rows:
@@ -26,8 +38,20 @@ def test_sharded_layouts_decode_the_single_engines_greedy_tokens(tmp_path):
 
 
 def test_a_layout_that_fails_is_a_row_naming_its_error():
-    rows = bench_engine_layouts.main(["--layouts", "single,tp2", "--batch-sizes", "2", "--prompt-len", "8",
-                                      "--gen-len", "4", "--memory-gb", "0.00001"])
+    rows = bench_engine_layouts.main(
+        [
+            "--layouts",
+            "single,tp2",
+            "--batch-sizes",
+            "2",
+            "--prompt-len",
+            "8",
+            "--gen-len",
+            "4",
+            "--memory-gb",
+            "0.00001",
+        ]
+    )
     assert [r["layout"] for r in rows] == ["single", "tp2"]
     for r in rows:
         assert r["status"].startswith("failed: ") and "memory budget" in r["status"]

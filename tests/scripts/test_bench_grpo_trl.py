@@ -28,9 +28,29 @@ def test_tokenizer_for_trl_matches_the_task_tokenizer():
 
 
 def test_our_side_runs_and_reports(tmp_path):
-    out = bench.main(["--device", "cpu", "--preset", "k3-tiny", "--steps", "2", "--prompts", "2", "--samples", "2",
-                      "--max-new-tokens", "4", "--skip-trl", "--work-dir", str(tmp_path),
-                      "--ours-override", "rollout.max_running=3", "--json", str(tmp_path / "b.json")])
+    out = bench.main(
+        [
+            "--device",
+            "cpu",
+            "--preset",
+            "k3-tiny",
+            "--steps",
+            "2",
+            "--prompts",
+            "2",
+            "--samples",
+            "2",
+            "--max-new-tokens",
+            "4",
+            "--skip-trl",
+            "--work-dir",
+            str(tmp_path),
+            "--ours-override",
+            "rollout.max_running=3",
+            "--json",
+            str(tmp_path / "b.json"),
+        ]
+    )
     (row,) = out["rows"]
     (raw,) = out["raw"].values()
     assert raw["command"].endswith(f"rollout.max_running=3 hydra.run.dir={tmp_path / 'ours_kimi'}")
@@ -43,8 +63,26 @@ def test_our_side_runs_and_reports(tmp_path):
     assert (tmp_path / "ours_kimi.log").exists()
     # --reuse: a finished run in --work-dir is read back, not run again (a cut device call continues)
     log_time = (tmp_path / "ours_kimi.log").stat().st_mtime_ns
-    again = bench.main(["--device", "cpu", "--preset", "k3-tiny", "--steps", "2", "--prompts", "2", "--samples", "2",
-                        "--max-new-tokens", "4", "--skip-trl", "--work-dir", str(tmp_path), "--reuse"])
+    again = bench.main(
+        [
+            "--device",
+            "cpu",
+            "--preset",
+            "k3-tiny",
+            "--steps",
+            "2",
+            "--prompts",
+            "2",
+            "--samples",
+            "2",
+            "--max-new-tokens",
+            "4",
+            "--skip-trl",
+            "--work-dir",
+            str(tmp_path),
+            "--reuse",
+        ]
+    )
     assert again["rows"] == out["rows"] and (tmp_path / "ours_kimi.log").stat().st_mtime_ns == log_time
     with pytest.raises(ValueError, match="--reuse needs --work-dir"):
         bench.main(["--device", "cpu", "--skip-trl", "--reuse"])
@@ -53,8 +91,26 @@ def test_our_side_runs_and_reports(tmp_path):
 
 
 def test_ignore_eos_runs_every_completion_to_its_length(tmp_path):
-    bench.main(["--device", "cpu", "--preset", "k3-tiny", "--steps", "2", "--prompts", "2", "--samples", "2",
-                "--max-new-tokens", "40", "--ignore-eos", "--skip-trl", "--work-dir", str(tmp_path)])
+    bench.main(
+        [
+            "--device",
+            "cpu",
+            "--preset",
+            "k3-tiny",
+            "--steps",
+            "2",
+            "--prompts",
+            "2",
+            "--samples",
+            "2",
+            "--max-new-tokens",
+            "40",
+            "--ignore-eos",
+            "--skip-trl",
+            "--work-dir",
+            str(tmp_path),
+        ]
+    )
     rows = [json.loads(line) for line in (tmp_path / "ours_kimi" / "metrics.jsonl").read_text().splitlines()]
     lengths = [r["response_len_mean"] for r in rows if "response_len_mean" in r]
     assert lengths and all(n == 40 for n in lengths)  # a random base would stop at its first eos

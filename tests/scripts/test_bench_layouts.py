@@ -12,16 +12,39 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 
 import bench_layouts  # noqa: E402
 
-SMALL = ["--set", "rollout.prompts_per_step=4", "--set", "rollout.samples_per_prompt=4", "--set",
-         "data.eval_max_prompts=16", "--set", "cluster.threads_per_worker=1"]
+SMALL = [
+    "--set",
+    "rollout.prompts_per_step=4",
+    "--set",
+    "rollout.samples_per_prompt=4",
+    "--set",
+    "data.eval_max_prompts=16",
+    "--set",
+    "cluster.threads_per_worker=1",
+]
 
 
 def test_layouts_are_read_back_against_the_single_rank(tmp_path, capsys):
     """TP=2, and EP=2 with 64-token micro-batches: its data-parallel shares cut into different counts, which
     hung the expert dispatch until the ranks ran equally many (`micro_batches.even_out`)."""
     out = tmp_path / "layouts.json"
-    bench_layouts.main(["--layouts", "single,tp2,ep2", "--steps", "1", *SMALL, "--set", "parallel.micro_batch_tokens=64",
-                        "--work-dir", str(tmp_path / "runs"), "--json", str(out), "--timeout", "240"])
+    bench_layouts.main(
+        [
+            "--layouts",
+            "single,tp2,ep2",
+            "--steps",
+            "1",
+            *SMALL,
+            "--set",
+            "parallel.micro_batch_tokens=64",
+            "--work-dir",
+            str(tmp_path / "runs"),
+            "--json",
+            str(out),
+            "--timeout",
+            "240",
+        ]
+    )
     rows = {r["layout"]: r for r in json.loads(out.read_text())["rows"]}
     assert [r["status"] for r in rows.values()] == ["ok"] * 3, rows
     for name in ("tp2", "ep2"):
@@ -34,8 +57,23 @@ def test_layouts_are_read_back_against_the_single_rank(tmp_path, capsys):
 
 def test_a_failing_run_is_a_row_and_the_next_layout_runs(tmp_path):
     out = tmp_path / "layouts.json"
-    bench_layouts.main(["--layouts", "tp2,single", "--steps", "1", *SMALL, "--set", "parallel.tp=3",
-                        "--work-dir", str(tmp_path / "runs"), "--json", str(out), "--timeout", "300"])
+    bench_layouts.main(
+        [
+            "--layouts",
+            "tp2,single",
+            "--steps",
+            "1",
+            *SMALL,
+            "--set",
+            "parallel.tp=3",
+            "--work-dir",
+            str(tmp_path / "runs"),
+            "--json",
+            str(out),
+            "--timeout",
+            "300",
+        ]
+    )
     rows = json.loads(out.read_text())["rows"]
     assert [r["layout"] for r in rows] == ["tp2", "single"]
     assert all(r["status"].startswith("failed: ") and "tp" in r["status"] for r in rows)

@@ -23,14 +23,30 @@ def test_the_benchmarked_torch_path_is_the_attention_over_each_requests_history(
     for n in range(3):
         keys = buf[x["lay"].hist_rows[n]]  # all 20 positions: the query sits at the last
         q = torch.cat([x["q_lat"][n], x["q_rope"][n]], -1).double()
-        want = torch.softmax(q @ keys.T * x["scale"], -1) @ keys[:, :x["r"]]
+        want = torch.softmax(q @ keys.T * x["scale"], -1) @ keys[:, : x["r"]]
         torch.testing.assert_close(got[n].double(), want, rtol=1e-5, atol=1e-6)
 
 
 def test_bench_mla_writes_its_rows(tmp_path):
     out = tmp_path / "mla.json"
-    res = bench.main(["--device", "cpu", "--preset", "k3-tiny", "--dtype", "float32", "--batch-sizes", "1,2",
-                      "--histories", "16", "--steps", "2", "--json", str(out)])
+    res = bench.main(
+        [
+            "--device",
+            "cpu",
+            "--preset",
+            "k3-tiny",
+            "--dtype",
+            "float32",
+            "--batch-sizes",
+            "1,2",
+            "--histories",
+            "16",
+            "--steps",
+            "2",
+            "--json",
+            str(out),
+        ]
+    )
     assert json.loads(out.read_text()) == json.loads(json.dumps(res))
     assert [(r["batch"], r["history"]) for r in res["rows"]] == [(1, 16), (2, 16)]
     assert all(r["torch_us"] > 0 and "kernel_us" not in r for r in res["rows"])  # the kernel needs CUDA

@@ -14,9 +14,34 @@ _spec.loader.exec_module(bench)
 
 # prompt 33 with 16-token prefill chunks: the leader donates checkpoints at 16 and 32, so each of the
 # other n-1 samples restores 32 tokens and computes 1.
-TINY = ["--device", "cpu", "--preset", "k3-tiny", "--dtype", "fp32", "--batch-sizes", "1,3", "--prompt-len", "33",
-        "--gen-len", "4", "--prefill-len", "48", "--group-prompts", "2", "--group-n", "4", "--memory-gb", "0.02",
-        "--page-size", "8", "--chunk-size", "16", "--max-prefill-tokens", "16"]
+TINY = [
+    "--device",
+    "cpu",
+    "--preset",
+    "k3-tiny",
+    "--dtype",
+    "fp32",
+    "--batch-sizes",
+    "1,3",
+    "--prompt-len",
+    "33",
+    "--gen-len",
+    "4",
+    "--prefill-len",
+    "48",
+    "--group-prompts",
+    "2",
+    "--group-n",
+    "4",
+    "--memory-gb",
+    "0.02",
+    "--page-size",
+    "8",
+    "--chunk-size",
+    "16",
+    "--max-prefill-tokens",
+    "16",
+]
 
 
 @pytest.fixture(autouse=True)
@@ -62,7 +87,10 @@ def test_bench_rollout_json_and_prefix_reuse(tmp_path):
         assert r["floor_bytes"] == r["floor_weight_bytes"] + r["floor_kv_bytes"] + r["floor_state_bytes"]
         assert r["vs_floor"] == pytest.approx(r["step_ms"] / r["floor_ms"])
     assert one["floor_weight_bytes"] == f["weight_bytes_read_per_step"]
-    assert three["floor_kv_bytes"] == 3 * one["floor_kv_bytes"] and three["floor_state_bytes"] == 3 * one["floor_state_bytes"]
+    assert (
+        three["floor_kv_bytes"] == 3 * one["floor_kv_bytes"]
+        and three["floor_state_bytes"] == 3 * one["floor_state_bytes"]
+    )
     assert one["floor_weight_bytes"] < three["floor_weight_bytes"] < f["weight_bytes"]  # more experts selected
 
 
@@ -77,8 +105,9 @@ def test_bench_rollout_hf_peer():
     """Most of this test's time is importing transformers' KimiLinear (and fla) once."""
     res = bench.main([*TINY, "--batch-sizes", "2", "--peer", "hf"])
     rows = {(r["model"], r["batch"]): r for r in res["decode"]}
-    assert set(rows) == {(m, b) for m in ("miles-k3", "miles-k3 (kimi-linear form)", "transformers KimiLinear")
-                         for b in (1, 2)}  # bs=1 is always run: it feeds the floor
+    assert set(rows) == {
+        (m, b) for m in ("miles-k3", "miles-k3 (kimi-linear form)", "transformers KimiLinear") for b in (1, 2)
+    }  # bs=1 is always run: it feeds the floor
     assert all(r["status"] == "ok" and r["decode_tok_s"] > 0 for r in rows.values())
     assert set(res["hf_decode_tok_s"]) == set(res["decode_vs_hf"]) == {"1", "2"}
     for b in ("1", "2"):
@@ -105,20 +134,33 @@ def test_a_failing_workload_is_reported_and_the_others_still_run(monkeypatch):
     assert bench.failures(res) == [res["group"]]
 
 
-@pytest.mark.parametrize("flags", [["--batch-sizes", "1,x"], ["--batch-sizes", "0,4"], ["--gen-len", "2"],
-                                   ["--memory-gb", "-1"], ["--peer", "vllm"], ["--preset", "k4"]])
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--batch-sizes", "1,x"],
+        ["--batch-sizes", "0,4"],
+        ["--gen-len", "2"],
+        ["--memory-gb", "-1"],
+        ["--peer", "vllm"],
+        ["--preset", "k4"],
+    ],
+)
 def test_bad_flag_values_exit_with_a_usage_error(flags):
     with pytest.raises(SystemExit):
         bench.main([*TINY, *flags])
 
 
-@pytest.mark.parametrize("flags, match", [
-    (["--memory-gb", "0.0001"], "--memory-gb"),
-    (["--batch-sizes", "512"], "--memory-gb"),
-    (["--chunk-size", "12"], "--chunk-size"),
-    (["--max-prefill-tokens", "24"], "--max-prefill-tokens"),
-    (["--prompt-len", "5000"], "--prompt-len"),
-] + ([] if torch.cuda.is_available() else [(["--device", "cuda"], "--device cuda")]))
+@pytest.mark.parametrize(
+    "flags, match",
+    [
+        (["--memory-gb", "0.0001"], "--memory-gb"),
+        (["--batch-sizes", "512"], "--memory-gb"),
+        (["--chunk-size", "12"], "--chunk-size"),
+        (["--max-prefill-tokens", "24"], "--max-prefill-tokens"),
+        (["--prompt-len", "5000"], "--prompt-len"),
+    ]
+    + ([] if torch.cuda.is_available() else [(["--device", "cuda"], "--device cuda")]),
+)
 def test_bad_flag_combinations_raise_value_error_naming_the_flag(flags, match):
     with pytest.raises(ValueError, match=match):
         bench.main([*TINY, *flags])

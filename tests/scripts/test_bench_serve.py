@@ -16,8 +16,9 @@ _spec.loader.exec_module(bench)
 
 def test_bench_serve_rows_and_json(tmp_path):
     out = tmp_path / "serve.json"
-    res = bench.main(["--concurrency", "1,3", "--requests", "4", "--gen-len", "3", "--api", "openai",
-                      "--json", str(out)])
+    res = bench.main(
+        ["--concurrency", "1,3", "--requests", "4", "--gen-len", "3", "--api", "openai", "--json", str(out)]
+    )
     assert json.loads(out.read_text()) == json.loads(json.dumps(res))
     meta = res["meta"]
     assert meta["command"].startswith("python scripts/bench_serve.py --concurrency 1,3")

@@ -19,14 +19,36 @@ import bench_spec  # noqa: E402
 def test_rows_for_each_rollback_with_measured_windows_and_fitting_batches(tmp_path):
     config = K3Config.from_json_file(bench_spec.ASSET / "config.json")
     torch.manual_seed(0)
-    DSparkDrafter(DSparkConfig(target_layers=(1, 4), hidden_size=config.hidden_size, vocab_size=config.vocab_size,
-                               block_size=3, context_window=16)).save(tmp_path / "drafter")
+    DSparkDrafter(
+        DSparkConfig(
+            target_layers=(1, 4),
+            hidden_size=config.hidden_size,
+            vocab_size=config.vocab_size,
+            block_size=3,
+            context_window=16,
+        )
+    ).save(tmp_path / "drafter")
     out = tmp_path / "bench.json"
-    bench_spec.main(["--drafter", str(tmp_path / "drafter"), "--batch-sizes", "2", "--gen-len", "4",
-                     "--rollback", "replay,snapshot", "--threads", "1", "--json", str(out)])
+    bench_spec.main(
+        [
+            "--drafter",
+            str(tmp_path / "drafter"),
+            "--batch-sizes",
+            "2",
+            "--gen-len",
+            "4",
+            "--rollback",
+            "replay,snapshot",
+            "--threads",
+            "1",
+            "--json",
+            str(out),
+        ]
+    )
     rows = json.loads(out.read_text())["rows"]
     assert [(r["batch"], r["temperature"], r["rollback"]) for r in rows] == [
-        (2, t, rb) for t in (0.0, 1.0) for rb in ("replay", "snapshot")]
+        (2, t, rb) for t in (0.0, 1.0) for rb in ("replay", "snapshot")
+    ]
     assert all(r["lossless"] for r in rows if r["temperature"] == 0)
     slot = PoolSizes.bytes_per_slot(config, torch.float32)
     for r in rows:
@@ -42,17 +64,76 @@ def test_a_controlled_drafter_on_a_random_preset_is_lossless_at_its_set_acceptan
     """--drafter controlled:P drafts the target's own greedy continuation (each draft kept with probability
     P): P = 1 accepts every draft of a full block, P = 0 none, and both leave the greedy tokens unchanged."""
     out = tmp_path / "bench.json"
-    bench_spec.main(["--target", "preset:k3-tiny", "--drafter", "controlled:1.0", "--temperatures", "0",
-                     "--batch-sizes", "3", "--prompt-len", "10", "--gen-len", "11", "--gamma", "4", "--threads", "1",
-                     "--json", str(out)])
+    bench_spec.main(
+        [
+            "--target",
+            "preset:k3-tiny",
+            "--drafter",
+            "controlled:1.0",
+            "--temperatures",
+            "0",
+            "--batch-sizes",
+            "3",
+            "--prompt-len",
+            "10",
+            "--gen-len",
+            "11",
+            "--gamma",
+            "4",
+            "--threads",
+            "1",
+            "--json",
+            str(out),
+        ]
+    )
     (full,) = json.loads(out.read_text())["rows"]
-    bench_spec.main(["--target", "preset:k3-tiny", "--drafter", "controlled:0", "--temperatures", "0",
-                     "--batch-sizes", "3", "--prompt-len", "10", "--gen-len", "11", "--gamma", "4", "--threads", "1",
-                     "--json", str(out)])
+    bench_spec.main(
+        [
+            "--target",
+            "preset:k3-tiny",
+            "--drafter",
+            "controlled:0",
+            "--temperatures",
+            "0",
+            "--batch-sizes",
+            "3",
+            "--prompt-len",
+            "10",
+            "--gen-len",
+            "11",
+            "--gamma",
+            "4",
+            "--threads",
+            "1",
+            "--json",
+            str(out),
+        ]
+    )
     (none,) = json.loads(out.read_text())["rows"]
-    bench_spec.main(["--target", "preset:k3-tiny", "--drafter", "controlled:1.0", "--temperatures", "0",
-                     "--batch-sizes", "3", "--prompt-len", "10", "--gen-len", "11", "--gamma", "4", "--threads", "1",
-                     "--max-batch", "2", "--json", str(out)])
+    bench_spec.main(
+        [
+            "--target",
+            "preset:k3-tiny",
+            "--drafter",
+            "controlled:1.0",
+            "--temperatures",
+            "0",
+            "--batch-sizes",
+            "3",
+            "--prompt-len",
+            "10",
+            "--gen-len",
+            "11",
+            "--gamma",
+            "4",
+            "--threads",
+            "1",
+            "--max-batch",
+            "2",
+            "--json",
+            str(out),
+        ]
+    )
     (gated,) = json.loads(out.read_text())["rows"]  # three rows over --max-batch 2: plain steps at first
     assert gated["lossless"] and gated["plain_steps"] > 0 and full["plain_steps"] == none["plain_steps"] == 0
     assert full["lossless"] and none["lossless"]
@@ -69,9 +150,28 @@ def test_a_controlled_drafter_of_mixed_rates_is_lossless_and_confident_as_its_ro
     assert sorted(d.rates) == [(1,), (2,), (3,)] and all(0.2 <= r <= 0.9 for r in d.rates.values())
     assert len(set(d.rates.values())) == 3
     out = tmp_path / "bench.json"
-    bench_spec.main(["--target", "preset:k3-tiny", "--drafter", "controlled:0.2-0.9", "--temperatures", "0",
-                     "--batch-sizes", "4", "--prompt-len", "8", "--gen-len", "9", "--planners", "verify_all,cost_aware",
-                     "--threads", "1", "--json", str(out)])
+    bench_spec.main(
+        [
+            "--target",
+            "preset:k3-tiny",
+            "--drafter",
+            "controlled:0.2-0.9",
+            "--temperatures",
+            "0",
+            "--batch-sizes",
+            "4",
+            "--prompt-len",
+            "8",
+            "--gen-len",
+            "9",
+            "--planners",
+            "verify_all,cost_aware",
+            "--threads",
+            "1",
+            "--json",
+            str(out),
+        ]
+    )
     rows = json.loads(out.read_text())["rows"]
     assert len(rows) == 2 and all(r["lossless"] for r in rows)
     assert 0 < rows[0]["draft_acceptance"] < 1
@@ -96,12 +196,34 @@ def test_a_controlled_drafter_with_a_dspark_shadow_keeps_its_acceptance_and_runs
 
     made = []
     build = bench_spec.shadow_drafter
-    monkeypatch.setattr(bench_spec, "shadow_drafter",
-                        lambda config, gamma: made.append(build(config, gamma)) or made[-1])
+    monkeypatch.setattr(
+        bench_spec, "shadow_drafter", lambda config, gamma: made.append(build(config, gamma)) or made[-1]
+    )
     out = tmp_path / "bench.json"
-    bench_spec.main(["--target", "preset:k3-tiny", "--drafter", "controlled:1.0", "--drafter-cost", "dspark",
-                     "--temperatures", "0", "--batch-sizes", "3", "--prompt-len", "10", "--gen-len", "11",
-                     "--gamma", "4", "--threads", "1", "--json", str(out)])
+    bench_spec.main(
+        [
+            "--target",
+            "preset:k3-tiny",
+            "--drafter",
+            "controlled:1.0",
+            "--drafter-cost",
+            "dspark",
+            "--temperatures",
+            "0",
+            "--batch-sizes",
+            "3",
+            "--prompt-len",
+            "10",
+            "--gen-len",
+            "11",
+            "--gamma",
+            "4",
+            "--threads",
+            "1",
+            "--json",
+            str(out),
+        ]
+    )
     report = json.loads(out.read_text())
     (row,) = report["rows"]
     assert report["meta"]["drafter_cost"] == "dspark"

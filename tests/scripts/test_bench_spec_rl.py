@@ -16,12 +16,37 @@ import bench_spec_rl  # noqa: E402
 
 def test_two_runs_rows_per_step_and_json(tmp_path, capsys):
     torch.manual_seed(0)
-    DSparkDrafter(DSparkConfig(target_layers=(1, 3, 5), hidden_size=128, vocab_size=32, num_layers=1,
-                               intermediate_size=64, context_window=16)).save(tmp_path / "drafter")
+    DSparkDrafter(
+        DSparkConfig(
+            target_layers=(1, 3, 5),
+            hidden_size=128,
+            vocab_size=32,
+            num_layers=1,
+            intermediate_size=64,
+            context_window=16,
+        )
+    ).save(tmp_path / "drafter")
     out = tmp_path / "result.json"
-    res = bench_spec_rl.main(["--recipe", "k3_grpo", "--drafter", str(tmp_path / "drafter"), "--steps", "2",
-                              "--prompts-per-step", "2", "--samples-per-prompt", "4", "--distill-steps", "1",
-                              "--out", str(tmp_path / "runs"), "--json", str(out)])
+    res = bench_spec_rl.main(
+        [
+            "--recipe",
+            "k3_grpo",
+            "--drafter",
+            str(tmp_path / "drafter"),
+            "--steps",
+            "2",
+            "--prompts-per-step",
+            "2",
+            "--samples-per-prompt",
+            "4",
+            "--distill-steps",
+            "1",
+            "--out",
+            str(tmp_path / "runs"),
+            "--json",
+            str(out),
+        ]
+    )
     assert json.loads(out.read_text()) == json.loads(json.dumps(res))
     assert [r["step"] for r in res["steps"]] == [1, 2]
     for r in res["steps"]:

@@ -13,10 +13,34 @@ _spec.loader.exec_module(profile)
 
 
 def test_both_sides_profile_the_same_tokens(tmp_path):
-    out = profile.main(["--device", "cpu", "--preset", "k3-tiny", "--samples", "2", "--prompt-len", "4",
-                        "--response-len", "12", "--peer-micro-batch", "1", "--warmup", "1", "--steps", "1",
-                        "--top", "3", "--override", "parallel.micro_batch_tokens=16", "--count-ops", "4",
-                        "--json", str(tmp_path / "p.json")])
+    out = profile.main(
+        [
+            "--device",
+            "cpu",
+            "--preset",
+            "k3-tiny",
+            "--samples",
+            "2",
+            "--prompt-len",
+            "4",
+            "--response-len",
+            "12",
+            "--peer-micro-batch",
+            "1",
+            "--warmup",
+            "1",
+            "--steps",
+            "1",
+            "--top",
+            "3",
+            "--override",
+            "parallel.micro_batch_tokens=16",
+            "--count-ops",
+            "4",
+            "--json",
+            str(tmp_path / "p.json"),
+        ]
+    )
     assert out["meta"]["tokens"] == 2 * (4 + 12)
     for side in ("miles-k3", "peft"):
         res = out[side]

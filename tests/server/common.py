@@ -35,8 +35,10 @@ def twin(cfg: ServeConfig) -> Served:
 
 def run_on_loop(server: Server, fn):
     """fn(engine) on the server's engine thread, from synchronous test code."""
+
     async def call():
         return await server.loop.call(fn)
+
     return asyncio.run(call())
 
 

@@ -36,10 +36,28 @@ def run_main(*argv: str) -> tuple[int, str]:
 
 
 def test_sigterm_finishes_in_flight_streams_aborts_the_rest_at_the_deadline_and_exits_0():
-    proc = subprocess.Popen([sys.executable, "-m", "rollout.server", "--model", "builtin:k3-tiny-arith", "--port", "0",
-                             "--quantize", "none", "--shutdown-timeout", "3", "--log-level", "warning"], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "rollout.server",
+            "--model",
+            "builtin:k3-tiny-arith",
+            "--port",
+            "0",
+            "--quantize",
+            "none",
+            "--shutdown-timeout",
+            "3",
+            "--log-level",
+            "warning",
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
     streams = {"short": 10, "long": 3000}  # the short one ends within the timeout, the long one cannot
     got: dict[str, list[str]] = {name: [] for name in streams}
     started = {name: threading.Event() for name in streams}
@@ -49,8 +67,11 @@ def test_sigterm_finishes_in_flight_streams_aborts_the_rest_at_the_deadline_and_
         url = line.rsplit(" ", 1)[-1].strip()
 
         def stream(name: str) -> None:
-            body = {"text": "1+1=", "stream": True,
-                    "sampling_params": {"max_new_tokens": streams[name], "ignore_eos": True}}
+            body = {
+                "text": "1+1=",
+                "stream": True,
+                "sampling_params": {"max_new_tokens": streams[name], "ignore_eos": True},
+            }
             with httpx.stream("POST", f"{url}/generate", json=body, timeout=60) as r:
                 for data in r.iter_lines():
                     if data.startswith("data: "):
@@ -77,15 +98,18 @@ def test_sigterm_finishes_in_flight_streams_aborts_the_rest_at_the_deadline_and_
     assert len(long["output_ids"]) < 3000
 
 
-@pytest.mark.parametrize("argv, fragment", [
-    (["--model", "/no/such/dir"], "--model must be a directory holding config.json"),
-    (["--model", "builtin:nope"], "--model names no embedded model"),
-    (["--model", "builtin:k3-tiny-arith", "--max-queued", "-1"], "--max-queued must be an integer >= 0"),
-    (["--model", "builtin:k3-tiny-arith", "--dtype", "float16"], "--dtype must be one of"),
-    (["--model", "builtin:k3-tiny-arith", "--adapter", "x=/no/such/adapter"], "--adapter x=/no/such/adapter"),
-    (["--model", "builtin:k3-tiny-arith", "--adapter", "noequals"], "expected NAME=PEFT_DIR"),
-    (["--model", "builtin:k3-tiny-arith", "--max-running", "0"], "--max-running must be an integer >= 1"),
-])
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (["--model", "/no/such/dir"], "--model must be a directory holding config.json"),
+        (["--model", "builtin:nope"], "--model names no embedded model"),
+        (["--model", "builtin:k3-tiny-arith", "--max-queued", "-1"], "--max-queued must be an integer >= 0"),
+        (["--model", "builtin:k3-tiny-arith", "--dtype", "float16"], "--dtype must be one of"),
+        (["--model", "builtin:k3-tiny-arith", "--adapter", "x=/no/such/adapter"], "--adapter x=/no/such/adapter"),
+        (["--model", "builtin:k3-tiny-arith", "--adapter", "noequals"], "expected NAME=PEFT_DIR"),
+        (["--model", "builtin:k3-tiny-arith", "--max-running", "0"], "--max-running must be an integer >= 1"),
+    ],
+)
 def test_bad_flags_stop_it_with_one_line(argv, fragment):
     code, err = run_main(*argv)
     assert code == 2 and "Traceback" not in err, err
@@ -111,15 +135,31 @@ def write_hf_checkpoint(path: Path) -> Path:
 
     from miles_k3.model import K3Config, K3ForCausalLM
 
-    vocab = {"<pad>": 0, "<bos>": 1, "<eos>": 2, "<unk>": 3, "user": 4, "assistant": 5, "system": 6, ":": 7,
-             **{w: i + 8 for i, w in enumerate(WORDS)}}
+    vocab = {
+        "<pad>": 0,
+        "<bos>": 1,
+        "<eos>": 2,
+        "<unk>": 3,
+        "user": 4,
+        "assistant": 5,
+        "system": 6,
+        ":": 7,
+        **{w: i + 8 for i, w in enumerate(WORDS)},
+    }
     torch.manual_seed(0)
-    K3ForCausalLM(K3Config.from_preset("k3-tiny", vocab_size=len(vocab), pad_token_id=0, bos_token_id=1,
-                                       eos_token_id=2)).save_pretrained(path)
+    K3ForCausalLM(
+        K3Config.from_preset("k3-tiny", vocab_size=len(vocab), pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    ).save_pretrained(path)
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
-                            unk_token="<unk>", chat_template=TEMPLATE).save_pretrained(path)
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<bos>",
+        eos_token="<eos>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        chat_template=TEMPLATE,
+    ).save_pretrained(path)
     return path
 
 
@@ -131,18 +171,26 @@ def test_an_hf_checkpoint_is_served_with_its_own_tokenizer_and_chat_template(tmp
     server = serve(config(model=str(path)))
     try:
         messages = [{"role": "system", "content": "="}, {"role": "user", "content": "1 + 2 ="}]
-        r = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
-            "model": str(path), "messages": messages, "max_tokens": 5, "temperature": 0})
+        r = httpx.post(
+            f"{server.url}/v1/chat/completions",
+            timeout=60,
+            json={"model": str(path), "messages": messages, "max_tokens": 5, "temperature": 0},
+        )
         assert r.status_code == 200, r.text
-        want = hf.encode(hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
-                         add_special_tokens=False)
+        want = hf.encode(
+            hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False), add_special_tokens=False
+        )
         assert r.json()["usage"]["prompt_tokens"] == len(want)
-        g = httpx.post(f"{server.url}/generate", timeout=60, json={
-            "input_ids": want, "sampling_params": {"temperature": 0, "max_new_tokens": 5}}).json()
+        g = httpx.post(
+            f"{server.url}/generate",
+            timeout=60,
+            json={"input_ids": want, "sampling_params": {"temperature": 0, "max_new_tokens": 5}},
+        ).json()
         assert g["text"] == r.json()["choices"][0]["message"]["content"]
         assert g["text"] == hf.decode(g["output_ids"], skip_special_tokens=True)
-        c = httpx.post(f"{server.url}/generate", timeout=60, json={"text": "3 + 4 =", "sampling_params": {
-            "max_new_tokens": 1}}).json()
+        c = httpx.post(
+            f"{server.url}/generate", timeout=60, json={"text": "3 + 4 =", "sampling_params": {"max_new_tokens": 1}}
+        ).json()
         assert c["meta_info"]["prompt_tokens"] == len(hf.encode("3 + 4 =", add_special_tokens=True))
     finally:
         server.stop()

@@ -25,7 +25,7 @@ def http(server):
 
 def events(response: httpx.Response) -> list:
     """The JSON payloads of an SSE stream; asserts it ends with [DONE]."""
-    lines = [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
+    lines = [line[len("data: ") :] for line in response.iter_lines() if line.startswith("data: ")]
     assert lines[-1] == "[DONE]"
     return [json.loads(line) for line in lines[:-1]]
 
@@ -35,8 +35,10 @@ def test_greedy_outputs_equal_the_in_process_engine(http, reference):
     prompts = [tok.encode(t) for t in TEXTS]
     params = SamplingParams(temperature=0, max_new_tokens=8, stop_token_ids=(tok.eos_token_id,))
     want = reference.engine.generate(prompts, params)
-    r = http.post("/generate", json={"input_ids": prompts, "return_logprob": True,
-                                     "sampling_params": {"temperature": 0, "max_new_tokens": 8}})
+    r = http.post(
+        "/generate",
+        json={"input_ids": prompts, "return_logprob": True, "sampling_params": {"temperature": 0, "max_new_tokens": 8}},
+    )
     assert r.status_code == 200
     outs = r.json()
     assert len(outs) == len(prompts)
@@ -54,9 +56,15 @@ def test_greedy_outputs_equal_the_in_process_engine(http, reference):
 
 
 def test_text_prompt_single_answer_and_logprob_text(http):
-    r = http.post("/generate", json={"text": "12+3=", "return_logprob": True, "return_text_in_logprobs": True,
-                                     "sampling_params": {"temperature": 0, "max_new_tokens": 4,
-                                                         "ignore_eos": True}})
+    r = http.post(
+        "/generate",
+        json={
+            "text": "12+3=",
+            "return_logprob": True,
+            "return_text_in_logprobs": True,
+            "sampling_params": {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True},
+        },
+    )
     out = r.json()
     assert isinstance(out, dict) and len(out["output_ids"]) == 4
     assert "".join(item[2] for item in out["meta_info"]["output_token_logprobs"]) == out["text"]
@@ -66,8 +74,12 @@ def test_text_prompt_single_answer_and_logprob_text(http):
 
 
 def test_stream_events_grow_to_the_whole_answer(http):
-    body = {"text": "45+45=", "return_logprob": True, "stream": True,
-            "sampling_params": {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}}
+    body = {
+        "text": "45+45=",
+        "return_logprob": True,
+        "stream": True,
+        "sampling_params": {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True},
+    }
     with http.stream("POST", "/generate", json=body) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         evs = events(r)
@@ -85,8 +97,7 @@ def test_stream_events_grow_to_the_whole_answer(http):
 
 
 def test_n_samples_seeded_and_indexed(http):
-    body = {"text": "3+4=", "sampling_params": {"n": 3, "temperature": 1.0, "max_new_tokens": 5,
-                                                "sampling_seed": 11}}
+    body = {"text": "3+4=", "sampling_params": {"n": 3, "temperature": 1.0, "max_new_tokens": 5, "sampling_seed": 11}}
     a, b = http.post("/generate", json=body).json(), http.post("/generate", json=body).json()
     assert len(a) == 3 and [x["text"] for x in a] == [x["text"] for x in b]
     with http.stream("POST", "/generate", json={**body, "stream": True}) as r:
@@ -101,8 +112,10 @@ def test_lora_path_selects_the_adapter(http, reference):
     ids = tok.encode("12+3=")
     params = SamplingParams(temperature=0, max_new_tokens=6, stop_token_ids=(tok.eos_token_id,))
     want = reference.engine.generate([ids], params, adapter=ADAPTER)[0]
-    out = http.post("/generate", json={"input_ids": ids, "lora_path": ADAPTER,
-                                       "sampling_params": {"temperature": 0, "max_new_tokens": 6}}).json()
+    out = http.post(
+        "/generate",
+        json={"input_ids": ids, "lora_path": ADAPTER, "sampling_params": {"temperature": 0, "max_new_tokens": 6}},
+    ).json()
     assert out["output_ids"] == want.output_ids
 
 
@@ -111,8 +124,14 @@ def test_abort_request_ends_a_request_with_what_it_had(http, server):
 
     def long_request():
         with httpx.Client(base_url=server.url, timeout=60) as c:
-            result["out"] = c.post("/generate", json={"text": "1+1=", "rid": "long-one", "sampling_params": {
-                "max_new_tokens": 200, "ignore_eos": True}}).json()
+            result["out"] = c.post(
+                "/generate",
+                json={
+                    "text": "1+1=",
+                    "rid": "long-one",
+                    "sampling_params": {"max_new_tokens": 200, "ignore_eos": True},
+                },
+            ).json()
 
     t = threading.Thread(target=long_request)
     t.start()

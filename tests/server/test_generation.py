@@ -43,8 +43,9 @@ def test_samples_equal_the_engine_and_capacity_is_given_back(pair):
         return samples
 
     samples = asyncio.run(main())
-    want = ref.engine.generate(prompts, SamplingParams(temperature=0, max_new_tokens=6,
-                                                       stop_token_ids=(tok.eos_token_id,)))
+    want = ref.engine.generate(
+        prompts, SamplingParams(temperature=0, max_new_tokens=6, stop_token_ids=(tok.eos_token_id,))
+    )
     assert [s.index for s in samples] == [0, 1, 2, 3]
     for s, w in zip(samples, [want[0], want[0], want[1], want[1]]):
         assert s.token_ids == w.output_ids and s.logprobs == pytest.approx(w.logprobs, abs=1e-4)
@@ -58,8 +59,10 @@ def byte_level_tokenizer():
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(["hello world", "héllo wörld", "naïve café"] * 20,
-                            trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.train_from_iterator(
+        ["hello world", "héllo wörld", "naïve café"] * 20,
+        trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()),
+    )
     return tok
 
 

@@ -43,11 +43,15 @@ async def _client_request(c: httpx.AsyncClient, rng: random.Random, i: int) -> s
     n = rng.choice([1, 1, 2])
     tokens = rng.randint(1, 12)
     if openai_api:
-        url, body = "/v1/completions", {"model": MODEL, "prompt": f"{i}+{i % 7}=", "max_tokens": tokens, "n": n,
-                                        "stream": stream}
+        url, body = (
+            "/v1/completions",
+            {"model": MODEL, "prompt": f"{i}+{i % 7}=", "max_tokens": tokens, "n": n, "stream": stream},
+        )
     else:
-        url, body = "/generate", {"text": f"{i}-{i % 5}=", "stream": stream,
-                                  "sampling_params": {"max_new_tokens": tokens, "n": n}}
+        url, body = (
+            "/generate",
+            {"text": f"{i}-{i % 5}=", "stream": stream, "sampling_params": {"max_new_tokens": tokens, "n": n}},
+        )
     try:
         if not stream:
             timeout = rng.uniform(0.01, 0.3) if behaviour == "give_up" else 120
@@ -81,8 +85,7 @@ def test_hundreds_of_concurrent_requests_with_aborts_leave_the_pools_full(small)
         rng = random.Random(0)
         limits = httpx.Limits(max_connections=REQUESTS, max_keepalive_connections=0)
         async with httpx.AsyncClient(base_url=small.url, limits=limits) as c:
-            return await asyncio.gather(*[_client(c, random.Random(rng.random()), i)
-                                          for i in range(REQUESTS)])
+            return await asyncio.gather(*[_client(c, random.Random(rng.random()), i) for i in range(REQUESTS)])
 
     outcomes = asyncio.run(main())
     counts = {k: outcomes.count(k) for k in ("answered", "refused", "gave_up")}
@@ -107,7 +110,10 @@ def test_a_client_leaving_mid_stream_aborts_its_request(small):
 
 def test_a_client_leaving_while_waiting_aborts_its_request(small):
     with pytest.raises(httpx.TimeoutException):
-        httpx.post(f"{small.url}/v1/completions", timeout=0.3,
-                   json={"model": MODEL, "prompt": "1+1=", "max_tokens": 200, "ignore_eos": True})
+        httpx.post(
+            f"{small.url}/v1/completions",
+            timeout=0.3,
+            json={"model": MODEL, "prompt": "1+1=", "max_tokens": 200, "ignore_eos": True},
+        )
     wait_idle(small, timeout=5)
     run_on_loop(small, assert_pools_drain_to_full)

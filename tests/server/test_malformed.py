@@ -35,16 +35,31 @@ CASES = [
     ("POST", "/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
     ("POST", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}, 400, "role"),
     ("POST", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user"}]}, 400, "content"),
-    ("POST", "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "tools": [{"type": "function"}]}, 400,
-     "not supported"),
-    ("POST", "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "stream_options": {"bogus": 1}}, 400,
-     "stream_options.bogus"),
+    (
+        "POST",
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": CHAT, "tools": [{"type": "function"}]},
+        400,
+        "not supported",
+    ),
+    (
+        "POST",
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": CHAT, "stream_options": {"bogus": 1}},
+        400,
+        "stream_options.bogus",
+    ),
     ("POST", "/generate", {"text": "1+1=", "input_ids": [1, 4]}, 400, "exactly one of text and input_ids"),
     ("POST", "/generate", {}, 400, "exactly one of text and input_ids"),
     ("POST", "/generate", {"input_ids": []}, 400, "input_ids"),
     ("POST", "/generate", {"text": "1+1=", "sampling_params": {"top_k": 0}}, 400, "sampling_params.top_k"),
-    ("POST", "/generate", {"text": "1+1=", "sampling_params": {"max_new_token": 3}}, 400,
-     "unknown field 'sampling_params.max_new_token'"),
+    (
+        "POST",
+        "/generate",
+        {"text": "1+1=", "sampling_params": {"max_new_token": 3}},
+        400,
+        "unknown field 'sampling_params.max_new_token'",
+    ),
     ("POST", "/generate", {"text": "1+1=", "sampling_params": {"regex": "[0-9]+"}}, 400, "not supported"),
     ("POST", "/generate", {"text": "1+1=", "lora_path": "nope"}, 404, "does not exist"),
     ("POST", "/generate", {"text": ["1+1=", "2+2="], "sampling_params": [{}]}, 400, "1 entries for 2 prompts"),
@@ -63,8 +78,9 @@ def http(server):
         yield c
 
 
-@pytest.mark.parametrize("method, path, body, status, fragment", CASES,
-                         ids=[f"{i:02d}-{c[1]}-{c[4][:24]}" for i, c in enumerate(CASES)])
+@pytest.mark.parametrize(
+    "method, path, body, status, fragment", CASES, ids=[f"{i:02d}-{c[1]}-{c[4][:24]}" for i, c in enumerate(CASES)]
+)
 def test_a_malformed_request_gets_a_4xx_json_error(http, method, path, body, status, fragment):
     kw = {"content": body} if isinstance(body, bytes) else {"json": body} if body is not None else {}
     r = http.request(method, path, **kw)

@@ -54,8 +54,16 @@ def test_chat_goes_through_the_template_and_streams_the_same_text(client, refere
     _, want_text = greedy(reference, "12+3=", 6)
     assert r.choices[0].message.role == "assistant" and r.choices[0].message.content == want_text
     assert len(r.choices[0].logprobs.content) == r.usage.completion_tokens
-    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0,
-                                                  stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=6,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == want_text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == r.choices[0].finish_reason
@@ -95,15 +103,30 @@ def test_the_adapter_is_selected_by_model_name(client, reference):
 
 
 def test_stop_strings_cut_the_text(client):
-    full = client.completions.create(model=MODEL, prompt="12+3=", max_tokens=8, temperature=0,
-                                     extra_body={"ignore_eos": True}).choices[0].text
+    full = (
+        client.completions.create(
+            model=MODEL, prompt="12+3=", max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+        )
+        .choices[0]
+        .text
+    )
     stop = full[2:4]
-    cut = client.completions.create(model=MODEL, prompt="12+3=", max_tokens=8, temperature=0, stop=[stop],
-                                    extra_body={"ignore_eos": True}).choices[0]
-    assert cut.finish_reason == "stop" and cut.text == full[:full.index(stop)]
+    cut = client.completions.create(
+        model=MODEL, prompt="12+3=", max_tokens=8, temperature=0, stop=[stop], extra_body={"ignore_eos": True}
+    ).choices[0]
+    assert cut.finish_reason == "stop" and cut.text == full[: full.index(stop)]
     # streamed, the stop string's first character is held back until the second one completes the match
-    chunks = list(client.completions.create(model=MODEL, prompt="12+3=", max_tokens=8, temperature=0, stop=[stop],
-                                            stream=True, extra_body={"ignore_eos": True}))
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt="12+3=",
+            max_tokens=8,
+            temperature=0,
+            stop=[stop],
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks) == cut.text
     assert chunks[-1].choices[0].finish_reason == "stop"
 
@@ -111,8 +134,12 @@ def test_stop_strings_cut_the_text(client):
 def test_async_client_requests_batch_together(server):
     async def main():
         client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
-        rs = await asyncio.gather(*[client.completions.create(model=MODEL, prompt=f"{i}+{i}=", max_tokens=4,
-                                                              temperature=0) for i in range(12)])
+        rs = await asyncio.gather(
+            *[
+                client.completions.create(model=MODEL, prompt=f"{i}+{i}=", max_tokens=4, temperature=0)
+                for i in range(12)
+            ]
+        )
         await client.close()
         return rs
 

@@ -25,8 +25,15 @@ def drafter_dir(tmp_path_factory):
     does not depend on it), saved as scripts/train_drafter.py saves one."""
     target = K3Config.from_json_file(Path(builtin_path(MODEL)) / "config.json")
     torch.manual_seed(0)
-    d = DSparkDrafter(DSparkConfig(target_layers=(0, target.num_hidden_layers - 1), hidden_size=target.hidden_size,
-                                   vocab_size=target.vocab_size, block_size=3, context_window=16))
+    d = DSparkDrafter(
+        DSparkConfig(
+            target_layers=(0, target.num_hidden_layers - 1),
+            hidden_size=target.hidden_size,
+            vocab_size=target.vocab_size,
+            block_size=3,
+            context_window=16,
+        )
+    )
     path = tmp_path_factory.mktemp("drafter")
     d.save(path)
     return path
@@ -37,8 +44,9 @@ def clients(drafter_dir):
     plain = serve(config())
     spec = serve(config(speculative="dspark", drafter=str(drafter_dir), gamma=3))
     try:
-        yield tuple(openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=60)
-                    for s in (plain, spec))
+        yield tuple(
+            openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=60) for s in (plain, spec)
+        )
     finally:
         plain.stop()
         spec.stop()
@@ -51,8 +59,9 @@ def test_speculative_greedy_completions_equal_plain_ones(clients):
         got = spec.completions.create(model=MODEL, prompt=text, max_tokens=12, temperature=0, logprobs=0)
         assert got.choices[0].text == want.choices[0].text
         assert got.choices[0].logprobs.tokens == want.choices[0].logprobs.tokens
-        assert got.choices[0].logprobs.token_logprobs == pytest.approx(want.choices[0].logprobs.token_logprobs,
-                                                                       abs=1e-4)
+        assert got.choices[0].logprobs.token_logprobs == pytest.approx(
+            want.choices[0].logprobs.token_logprobs, abs=1e-4
+        )
 
 
 def test_a_speculative_stream_carries_the_same_text(clients):
@@ -64,16 +73,21 @@ def test_a_speculative_stream_carries_the_same_text(clients):
     assert text == want.choices[0].message.content
 
 
-@pytest.mark.parametrize("flags, match", [
-    (["--speculative", "eagle", "--drafter", "x"], "--speculative must be one of"),
-    (["--speculative", "dspark"], "--speculative dspark and --drafter go together"),
-    (["--drafter", "DRAFTER"], "--speculative dspark and --drafter go together"),
-    (["--speculative", "dspark", "--drafter", "/nonexistent"], "--drafter /nonexistent: no drafter here"),
-    (["--speculative", "dspark", "--drafter", "DRAFTER", "--gamma", "0"], "--gamma must be an integer >= 1"),
-    (["--speculative", "dspark", "--drafter", "DRAFTER", "--spec-planner", "psychic"], "--spec-planner must be"),
-    (["--speculative", "dspark", "--drafter", "DRAFTER", "--spec-max-batch", "0"],
-     "--spec-max-batch must be an integer >= 1"),
-])
+@pytest.mark.parametrize(
+    "flags, match",
+    [
+        (["--speculative", "eagle", "--drafter", "x"], "--speculative must be one of"),
+        (["--speculative", "dspark"], "--speculative dspark and --drafter go together"),
+        (["--drafter", "DRAFTER"], "--speculative dspark and --drafter go together"),
+        (["--speculative", "dspark", "--drafter", "/nonexistent"], "--drafter /nonexistent: no drafter here"),
+        (["--speculative", "dspark", "--drafter", "DRAFTER", "--gamma", "0"], "--gamma must be an integer >= 1"),
+        (["--speculative", "dspark", "--drafter", "DRAFTER", "--spec-planner", "psychic"], "--spec-planner must be"),
+        (
+            ["--speculative", "dspark", "--drafter", "DRAFTER", "--spec-max-batch", "0"],
+            "--spec-max-batch must be an integer >= 1",
+        ),
+    ],
+)
 def test_bad_speculation_flags_stop_the_server_with_one_line(flags, match, drafter_dir):
     flags = [str(drafter_dir) if f == "DRAFTER" else f for f in flags]
     code, err = run_main("--model", MODEL, "--port", "0", *flags)

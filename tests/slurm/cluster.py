@@ -29,8 +29,10 @@ def unavailable() -> str | None:
     """Why a test cluster cannot start on this machine (None: it can)."""
     missing = [b for b in BINARIES if shutil.which(b) is None and not Path("/usr/sbin", b).exists()]
     if missing:
-        return (f"Slurm is not installed ({', '.join(missing)} missing): scripts/setup.sh installs it where apt "
-                f"and root are available")
+        return (
+            f"Slurm is not installed ({', '.join(missing)} missing): scripts/setup.sh installs it where apt "
+            f"and root are available"
+        )
     if os.geteuid() != 0:
         return "the test Slurm cluster runs its daemons as root (slurmd starts jobs as their user)"
     try:
@@ -112,15 +114,18 @@ class SlurmCluster:
             "SlurmdTimeout=60",
         ]
         for name, port in zip(NODES, ports[1:]):
-            lines.append(f"NodeName={name} NodeHostname={host} NodeAddr=127.0.0.1 Port={port} CPUs={cpus} "
-                         f"RealMemory={mem} State=UNKNOWN")
+            lines.append(
+                f"NodeName={name} NodeHostname={host} NodeAddr=127.0.0.1 Port={port} CPUs={cpus} "
+                f"RealMemory={mem} State=UNKNOWN"
+            )
         lines.append(f"PartitionName=test Nodes={','.join(NODES)} Default=YES MaxTime=INFINITE State=UP")
         self.conf.write_text("\n".join(lines) + "\n")
 
     def _spawn(self, name: str, cmd: list[str], **kw) -> None:
         log = open(self.root / f"{name}.out", "w")
-        self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env(),
-                                            start_new_session=True, **kw)
+        self.procs[name] = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env(), start_new_session=True, **kw
+        )
 
     def _start_munge(self) -> None:
         munge = pwd.getpwnam("munge")
@@ -132,9 +137,20 @@ class SlurmCluster:
         key.chmod(0o600)
         for p in (d, key):
             os.chown(p, munge.pw_uid, munge.pw_gid)
-        self._spawn("munged", [_which("munged"), "-F", f"--socket={d}/munge.socket", f"--key-file={key}",
-                               f"--pid-file={d}/munged.pid", f"--log-file={d}/munged.log",
-                               f"--seed-file={d}/munged.seed"], user=munge.pw_uid, group=munge.pw_gid)
+        self._spawn(
+            "munged",
+            [
+                _which("munged"),
+                "-F",
+                f"--socket={d}/munge.socket",
+                f"--key-file={key}",
+                f"--pid-file={d}/munged.pid",
+                f"--log-file={d}/munged.log",
+                f"--seed-file={d}/munged.seed",
+            ],
+            user=munge.pw_uid,
+            group=munge.pw_gid,
+        )
         self._wait(lambda: (d / "munge.socket").exists(), "munged's socket", "munged")
 
     def start(self, timeout: float = 60) -> SlurmCluster:
@@ -162,8 +178,9 @@ class SlurmCluster:
             dead = [n for n, p in self.procs.items() if p.poll() is not None]
             if dead or time.time() > deadline:
                 why = f"exited: {', '.join(dead)}" if dead else "timeout"
-                raise RuntimeError(f"test Slurm cluster: no {what} ({why}); see {self.root}/{daemon}.out and the "
-                                   f"logs beside it")
+                raise RuntimeError(
+                    f"test Slurm cluster: no {what} ({why}); see {self.root}/{daemon}.out and the logs beside it"
+                )
             time.sleep(0.2)
 
     # --------------------------------------------------------------- tear-down

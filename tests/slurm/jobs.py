@@ -5,8 +5,14 @@ import time
 from pathlib import Path
 
 # the embedded run, shortened: a few groups, no evaluation, one thread
-SMALL = ["recipe=k3_grpo", "rollout.prompts_per_step=2", "rollout.samples_per_prompt=4", "data.eval_path=null",
-         "logging.progress=false", "cluster.threads_per_worker=1"]
+SMALL = [
+    "recipe=k3_grpo",
+    "rollout.prompts_per_step=2",
+    "rollout.samples_per_prompt=4",
+    "data.eval_path=null",
+    "logging.progress=false",
+    "cluster.threads_per_worker=1",
+]
 
 
 def job_field(slurm, job_id: str, name: str) -> str:
@@ -41,6 +47,7 @@ def finish(slurm, job_id: str, timeout: float = 600, hold: float = 3.0) -> str:
         elif time.time() - pending[0] >= hold:
             slurm.run("scontrol", "update", f"jobid={job_id}", "StartTime=now", check=False)
         return state if state in ENDED else None
+
     return wait_for(f"job {job_id} to end", ended, timeout, poll=0.5)
 
 

@@ -21,27 +21,67 @@ REPO = Path(__file__).resolve().parents[2]
 MULTI = REPO / "scripts" / "slurm" / "train_multinode.sbatch"
 
 
-def submit(slurm, tmp_path: Path, run_dir: Path, launcher: str, *overrides: str, env: dict | None = None,
-           nodes: int = 2, cpus: int = 1) -> str:
-    env = {**slurm.env(), "MILES_K3_PYTHON": sys.executable, "MILES_K3_LAUNCHER": launcher, "WANDB_SILENT": "true",
-           **(env or {})}
-    out = subprocess.run(["sbatch", "--parsable", f"--nodes={nodes}", "--ntasks-per-node=1", f"--cpus-per-task={cpus}",
-                          f"--output={tmp_path}/slurm-%j.out", str(MULTI), *overrides, f"hydra.run.dir={run_dir}"],
-                         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60)
+def submit(
+    slurm,
+    tmp_path: Path,
+    run_dir: Path,
+    launcher: str,
+    *overrides: str,
+    env: dict | None = None,
+    nodes: int = 2,
+    cpus: int = 1,
+) -> str:
+    env = {
+        **slurm.env(),
+        "MILES_K3_PYTHON": sys.executable,
+        "MILES_K3_LAUNCHER": launcher,
+        "WANDB_SILENT": "true",
+        **(env or {}),
+    }
+    out = subprocess.run(
+        [
+            "sbatch",
+            "--parsable",
+            f"--nodes={nodes}",
+            "--ntasks-per-node=1",
+            f"--cpus-per-task={cpus}",
+            f"--output={tmp_path}/slurm-%j.out",
+            str(MULTI),
+            *overrides,
+            f"hydra.run.dir={run_dir}",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     return out.stdout.strip().split(";")[0]
 
 
 def nodes_that_ran(slurm, job: str) -> set[str]:
     """The nodes whose slurmd launched a task of one of `job`'s steps (their logs)."""
-    return {n for n in ("n1", "n2")
-            if re.search(rf"launch task StepId={job}\.\d+", (slurm.root / f"slurmd-{n}.log").read_text())}
+    return {
+        n
+        for n in ("n1", "n2")
+        if re.search(rf"launch task StepId={job}\.\d+", (slurm.root / f"slurmd-{n}.log").read_text())
+    }
 
 
 def test_srun_launcher_trains_with_one_rank_on_each_node_and_resumes_after_the_time_limit_warning(slurm, tmp_path):
     run = tmp_path / "run"
-    job = submit(slurm, tmp_path, run, "srun", *SMALL, "parallel=tp2", "trainer.max_steps=3", "trainer.save_every=0",
-                 "logging.wandb=disabled")
+    job = submit(
+        slurm,
+        tmp_path,
+        run,
+        "srun",
+        *SMALL,
+        "parallel=tp2",
+        "trainer.max_steps=3",
+        "trainer.save_every=0",
+        "logging.wandb=disabled",
+    )
     log = lambda: (run / f"slurm-{job}.out").read_text()  # noqa: E731
     wait_for("step 1's row", lambda: (run / "metrics.jsonl").exists() and rows(run), timeout=400)
     # the warning reaches the batch shell, which passes it to srun, which passes it to both ranks: rank 0
@@ -61,8 +101,19 @@ def test_ray_launcher_runs_the_loop_on_a_real_single_node_ray_cluster(slurm, tmp
     # one node: the file's real `ray start --head`, the node wait, the driver with cluster.ray_address and
     # the teardown (this Ray build needs RAY_AUTH_MODE=disabled for a cluster started by `ray start`)
     run = tmp_path / "run"
-    job = submit(slurm, tmp_path, run, "ray", *SMALL, "cluster=ray_cpu", "trainer.max_steps=2",
-                 "logging.wandb=disabled", nodes=1, cpus=2, env={"RAY_AUTH_MODE": "disabled"})
+    job = submit(
+        slurm,
+        tmp_path,
+        run,
+        "ray",
+        *SMALL,
+        "cluster=ray_cpu",
+        "trainer.max_steps=2",
+        "logging.wandb=disabled",
+        nodes=1,
+        cpus=2,
+        env={"RAY_AUTH_MODE": "disabled"},
+    )
     log = lambda: (run / f"slurm-{job}.out").read_text()  # noqa: E731
     assert finish(slurm, job) == "COMPLETED", log()[-4000:]
     assert [r["step"] for r in rows(run)] == [1, 2]
@@ -93,9 +144,19 @@ def test_ray_launcher_places_head_and_worker_on_both_nodes_and_stops_only_them(s
         (tmp_path / name).write_text(text)
         os.chmod(tmp_path / name, 0o755)
     run = tmp_path / "run"
-    job = submit(slurm, tmp_path, run, "ray", "recipe=k3_grpo", "cluster.num_workers=2",
-                 env={"MILES_K3_PYTHON": str(tmp_path / "python"), "MILES_K3_RAY": str(tmp_path / "ray"),
-                      "FAKE_LOG": str(fake_log)})
+    job = submit(
+        slurm,
+        tmp_path,
+        run,
+        "ray",
+        "recipe=k3_grpo",
+        "cluster.num_workers=2",
+        env={
+            "MILES_K3_PYTHON": str(tmp_path / "python"),
+            "MILES_K3_RAY": str(tmp_path / "ray"),
+            "FAKE_LOG": str(fake_log),
+        },
+    )
     assert finish(slurm, job) == "COMPLETED", (run / f"slurm-{job}.out").read_text()
     calls = fake_log.read_text().splitlines()
     port = 20000 + int(job) % 20000
@@ -109,8 +170,13 @@ def test_ray_launcher_places_head_and_worker_on_both_nodes_and_stops_only_them(s
     waits = [c for c in calls if "miles_k3.trainer.ray_launch wait" in c]
     assert [w.split()[-2] for w in waits] == ["1", "2"]
     assert len(driver) == 1 and driver[0].startswith("n1 ")
-    for arg in ("recipe=k3_grpo", "cluster.num_workers=2", "cluster.launcher=ray",
-                f"cluster.ray_address=127.0.0.1:{port}", f"hydra.run.dir={run}"):
+    for arg in (
+        "recipe=k3_grpo",
+        "cluster.num_workers=2",
+        "cluster.launcher=ray",
+        f"cluster.ray_address=127.0.0.1:{port}",
+        f"hydra.run.dir={run}",
+    ):
         assert arg in driver[0].split(), arg
     assert calls.index(waits[-1]) < calls.index(driver[0])
     # teardown: both of this job's Ray processes stopped (they were the job's own srun steps)

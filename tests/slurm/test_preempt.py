@@ -53,8 +53,7 @@ def cli(run_dir: Path, *overrides: str, wait: bool = True):
     cmd = [sys.executable, "-m", "miles_k3.cli.train", *SMALL, *overrides, f"hydra.run.dir={run_dir}"]
     env = {**os.environ, "WANDB_SILENT": "true"}
     if not wait:  # its own process group: a signal to the group reaches every rank, as Slurm's does
-        return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env,
-                                start_new_session=True)
+        return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, start_new_session=True)
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
 
 
@@ -72,7 +71,7 @@ def test_sigterm_stops_after_a_checkpoint_then_resume_reproduces_the_uninterrupt
     wait_for("step 1's row", lambda: proc.poll() is None and (run / METRICS).exists() and rows(run))
     os.kill(proc.pid, signal.SIGTERM)
     assert proc.wait(timeout=300) == preempt.PREEMPTED_EXIT, proc.stderr.read().decode()[-3000:]
-    (step, path), = ckpt.list_checkpoints(run / "checkpoints")  # save_every=0: the preemption's own
+    ((step, path),) = ckpt.list_checkpoints(run / "checkpoints")  # save_every=0: the preemption's own
     assert ckpt.verify_checkpoint(path) is None and step < 4
     assert [r["step"] for r in rows(run)] == list(range(1, step + 1))
 
@@ -84,12 +83,19 @@ def test_sigterm_stops_after_a_checkpoint_then_resume_reproduces_the_uninterrupt
 
 def test_every_rank_of_a_local_world_outlives_the_signal_until_the_checkpoint(tmp_path):
     run = tmp_path / "tp2"
-    proc = cli(run, "parallel=tp2", "cluster.num_workers=2", "trainer.max_steps=5", "trainer.save_every=0",
-               "logging.wandb=disabled", wait=False)
+    proc = cli(
+        run,
+        "parallel=tp2",
+        "cluster.num_workers=2",
+        "trainer.max_steps=5",
+        "trainer.save_every=0",
+        "logging.wandb=disabled",
+        wait=False,
+    )
     wait_for("step 1's row", lambda: proc.poll() is None and (run / METRICS).exists() and rows(run), timeout=600)
     os.killpg(proc.pid, signal.SIGTERM)  # the launcher and both ranks, as Slurm signals a job
     assert proc.wait(timeout=300) == preempt.PREEMPTED_EXIT, proc.stderr.read().decode()[-3000:]
-    (step, path), = ckpt.list_checkpoints(run / "checkpoints")
+    ((step, path),) = ckpt.list_checkpoints(run / "checkpoints")
     assert ckpt.verify_checkpoint(path) is None
     assert len(torch.load(path / ckpt.STATE_FILE, weights_only=False)["workers"]) == 2  # both ranks' states
     assert [r["step"] for r in rows(run)] == list(range(1, step + 1))

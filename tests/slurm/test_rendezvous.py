@@ -5,12 +5,19 @@ import pytest
 
 from miles_k3.trainer.config import ClusterCfg, Rendezvous, first_host, rendezvous_from_env
 
-SRUN = {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1", "SLURM_JOB_ID": "123456",
-        "SLURM_JOB_NODELIST": "gpu[07-08]"}
+SRUN = {
+    "SLURM_PROCID": "3",
+    "SLURM_NTASKS": "4",
+    "SLURM_LOCALID": "1",
+    "SLURM_JOB_ID": "123456",
+    "SLURM_JOB_NODELIST": "gpu[07-08]",
+}
 
 
-@pytest.mark.parametrize("nodelist, first", [("n1", "n1"), ("gpu[07-09,12],cpu3", "gpu07"), ("a,b", "a"),
-                                             ("node-[001-004]-ib", "node-001-ib"), ("x[3]", "x3")])
+@pytest.mark.parametrize(
+    "nodelist, first",
+    [("n1", "n1"), ("gpu[07-09,12],cpu3", "gpu07"), ("a,b", "a"), ("node-[001-004]-ib", "node-001-ib"), ("x[3]", "x3")],
+)
 def test_first_host_of_a_slurm_hostlist(nodelist, first):
     assert first_host(nodelist) == first
 

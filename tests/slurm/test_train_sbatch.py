@@ -24,9 +24,19 @@ def submit(slurm, run_dir: Path, *overrides: str, wait: bool = False, name: str 
     code). The test's python is named by MILES_K3_PYTHON; `bare`: no environment at all (--export=NONE), the
     file finds the python itself."""
     env = {**slurm.env(), "MILES_K3_PYTHON": sys.executable, "WANDB_SILENT": "true"}
-    cmd = ["sbatch", "--parsable", f"--job-name={name}", "--cpus-per-task=1", *(["--export=NONE"] if bare else []),
-           f"--output={run_dir.parent}/{run_dir.name}.slurm-%j.out", *(["--wait"] if wait else []),
-           str(TRAIN), *SMALL, *overrides, f"hydra.run.dir={run_dir}"]
+    cmd = [
+        "sbatch",
+        "--parsable",
+        f"--job-name={name}",
+        "--cpus-per-task=1",
+        *(["--export=NONE"] if bare else []),
+        f"--output={run_dir.parent}/{run_dir.name}.slurm-%j.out",
+        *(["--wait"] if wait else []),
+        str(TRAIN),
+        *SMALL,
+        *overrides,
+        f"hydra.run.dir={run_dir}",
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=run_dir.parent, timeout=900)
     if wait:
         return out
@@ -110,7 +120,13 @@ def test_no_python_that_imports_miles_k3_is_one_clear_line(slurm, tmp_path):
     env = {**slurm.env(), "MILES_K3_PYTHON": "/nonexistent/python", "PATH": "/usr/bin:/bin"}
     env.pop("VIRTUAL_ENV", None)
     out_file = tmp_path / "out"
-    done = subprocess.run(["sbatch", "--wait", "--cpus-per-task=1", f"--output={out_file}", str(copy),
-                           "trainer.max_steps=1"], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    done = subprocess.run(
+        ["sbatch", "--wait", "--cpus-per-task=1", f"--output={out_file}", str(copy), "trainer.max_steps=1"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=120,
+    )
     assert done.returncode == 2
     assert "no python that imports miles_k3; set MILES_K3_PYTHON" in out_file.read_text()

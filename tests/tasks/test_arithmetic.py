@@ -7,13 +7,22 @@ import torch
 
 from miles_k3.data import PromptDataConfig, load_prompts
 from miles_k3.model import K3Config
-from miles_k3.tasks import (HELDOUT_MODULUS, ArithmeticProblem, ArithmeticTokenizer, check_answer,
-                            final_integer, make_problems, split_of, write_jsonl)
+from miles_k3.tasks import (
+    HELDOUT_MODULUS,
+    ArithmeticProblem,
+    ArithmeticTokenizer,
+    check_answer,
+    final_integer,
+    make_problems,
+    split_of,
+    write_jsonl,
+)
 
 TOK = ArithmeticTokenizer()
 
 
 # --- tokenizer ---
+
 
 def test_vocabulary_is_frozen_and_fits_k3_tiny():
     assert TOK.vocab[:3] == ("<pad>", "<bos>", "<eos>")
@@ -58,6 +67,7 @@ def test_encode_unknown_character_is_named(text, bad):
 
 # --- generator ---
 
+
 def test_generator_is_deterministic_and_seed_dependent():
     a = make_problems(200, seed=3, digits=(1, 3), ops=("+", "-", "*"))
     assert a == make_problems(200, seed=3, digits=(1, 3), ops=("+", "-", "*"))
@@ -91,6 +101,7 @@ def test_splits_are_disjoint_and_distinct_over_many_problems():
 
     def canon(p):  # commutative problems with swapped operands count as the same problem
         return (min(p.a, p.b), p.op, max(p.a, p.b)) if p.op in "+*" else (p.a, p.op, p.b)
+
     assert not {canon(p) for p in train} & {canon(p) for p in held + held_other_seed}
 
 
@@ -107,11 +118,20 @@ def test_small_spaces_run_out_with_a_clear_error():
         make_problems(50, seed=0, digits=(1, 1), split="heldout")
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    ({"n": -1}, "n"), ({"seed": "0"}, "seed"), ({"split": "test"}, "split"), ({"digits": (0, 2)}, "digits"),
-    ({"digits": (3, 2)}, "digits"), ({"digits": 3}, "digits"), ({"ops": ("/",)}, "ops"), ({"ops": ()}, "ops"),
-    ({"ops": ("+", "+")}, "ops"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"n": -1}, "n"),
+        ({"seed": "0"}, "seed"),
+        ({"split": "test"}, "split"),
+        ({"digits": (0, 2)}, "digits"),
+        ({"digits": (3, 2)}, "digits"),
+        ({"digits": 3}, "digits"),
+        ({"ops": ("/",)}, "ops"),
+        ({"ops": ()}, "ops"),
+        ({"ops": ("+", "+")}, "ops"),
+    ],
+)
 def test_generator_argument_errors(kwargs, field):
     args = {"n": 5, "seed": 0, **kwargs}
     with pytest.raises(ValueError, match=f"^{field}:"):
@@ -130,15 +150,36 @@ def test_write_jsonl_loads_with_prompt_data_defaults(tmp_path):
 
 # --- checker ---
 
-@pytest.mark.parametrize("response, label, ok", [
-    ("357", 357, True), (" 357 ", 357, True), ("357.", 357, True), ("357 is it", 357, True),
-    ("the answer: 357\n", 357, True), ("12 then 357", 357, True), ("357 12", 357, False),
-    ("-7", -7, True), ("= -7", -7, True), ("7", -7, False), ("-7", 7, False),
-    ("3-7", -7, False), ("3-7", 7, True),  # '-' after a digit is an operator, not a sign
-    ("0357", 357, True), ("357.0", 357, False), ("3.57", 357, False),
-    ("", 0, False), ("abc", 0, False), ("\ufffd", 5, False), ("35\ufffd7", 7, True),
-    ("357", "357", True), ("357", " -357 ", False), ("-357", " -357 ", True), ("357", 357.0, True),
-])
+
+@pytest.mark.parametrize(
+    "response, label, ok",
+    [
+        ("357", 357, True),
+        (" 357 ", 357, True),
+        ("357.", 357, True),
+        ("357 is it", 357, True),
+        ("the answer: 357\n", 357, True),
+        ("12 then 357", 357, True),
+        ("357 12", 357, False),
+        ("-7", -7, True),
+        ("= -7", -7, True),
+        ("7", -7, False),
+        ("-7", 7, False),
+        ("3-7", -7, False),
+        ("3-7", 7, True),  # '-' after a digit is an operator, not a sign
+        ("0357", 357, True),
+        ("357.0", 357, False),
+        ("3.57", 357, False),
+        ("", 0, False),
+        ("abc", 0, False),
+        ("\ufffd", 5, False),
+        ("35\ufffd7", 7, True),
+        ("357", "357", True),
+        ("357", " -357 ", False),
+        ("-357", " -357 ", True),
+        ("357", 357.0, True),
+    ],
+)
 def test_check_answer(response, label, ok):
     assert check_answer(response, label) is ok
 

@@ -11,18 +11,39 @@ from miles_k3.data.image_processor import ImageProcessor, ImageProcessorConfig
 from miles_k3.data.media import expand_media_prompt, media_pad_positions
 from miles_k3.model import K3Config
 from miles_k3.rewards import Sample
-from miles_k3.tasks.squares import (BACKGROUND, CELL, COLORS, GAP, HELDOUT_MODULUS, MEDIA_PAD_ID, SquaresProblem,
-                                    SquaresTokenizer, _draw, check_count, count_reward, make_square_problems,
-                                    split_of, write_jsonl)
+from miles_k3.tasks.squares import (
+    BACKGROUND,
+    CELL,
+    COLORS,
+    GAP,
+    HELDOUT_MODULUS,
+    MEDIA_PAD_ID,
+    SquaresProblem,
+    SquaresTokenizer,
+    _draw,
+    check_count,
+    count_reward,
+    make_square_problems,
+    split_of,
+    write_jsonl,
+)
 
 TOK = SquaresTokenizer()
 
 
 # --- tokenizer ---
 
+
 def test_ids_are_frozen_and_fit_the_tiny_model():
-    assert TOK.vocab[:7] == ("<pad>", "<bos>", "<eos>", "<|media_pad|>", "<|media_begin|>", "<|media_content|>",
-                             "<|media_end|>")
+    assert TOK.vocab[:7] == (
+        "<pad>",
+        "<bos>",
+        "<eos>",
+        "<|media_pad|>",
+        "<|media_begin|>",
+        "<|media_content|>",
+        "<|media_end|>",
+    )
     assert (TOK.pad_token_id, TOK.bos_token_id, TOK.eos_token_id, TOK.media_pad_token_id) == (0, 1, 2, 3)
     assert MEDIA_PAD_ID == 3 and TOK.encode(" a") == [7, 8] and TOK.vocab_size == 81
     tiny = K3Config.from_preset("k3-tiny-vl")
@@ -42,17 +63,21 @@ def test_an_expanded_prompt_round_trips_with_one_id_per_media_token():
         TOK.decode([300], errors="strict")
 
 
-@pytest.mark.parametrize("text, match", [
-    ("hi<|kimi_image_placeholder|>", r"unexpanded image placeholder at position 2: expand the prompt"),
-    ("a+b", r"character '\+' at position 1 is not in the squares vocabulary"),
-    ("<|im_start|>", r"character '<' at position 0"),
-])
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ("hi<|kimi_image_placeholder|>", r"unexpanded image placeholder at position 2: expand the prompt"),
+        ("a+b", r"character '\+' at position 1 is not in the squares vocabulary"),
+        ("<|im_start|>", r"character '<' at position 0"),
+    ],
+)
 def test_encode_errors_name_the_position(text, match):
     with pytest.raises(ValueError, match=match):
         TOK.encode(text)
 
 
 # --- generator ---
+
 
 def test_generation_is_seeded():
     a = make_square_problems(50, seed=3)
@@ -99,7 +124,7 @@ def test_the_drawn_count_is_the_label():
         for name, rgb in COLORS.items():
             mask = (px == rgb).all(-1)
             n = sum(1 for *_, c in p.squares if c == name)
-            assert _components(mask) == n and mask.sum() == n * p.side ** 2
+            assert _components(mask) == n and mask.sum() == n * p.side**2
         assert p.answer == _components((px == COLORS[p.target]).all(-1))
         assert 1 <= len(p.squares) <= 6
         assert p.target in {c for *_, c in p.squares} or p.answer == 0
@@ -133,11 +158,17 @@ def test_colours_light_one_channel_each_of_a_black_background():
     assert len({rgb.index(255) for rgb in COLORS.values()}) == len(COLORS)
 
 
-@pytest.mark.parametrize("kw, match", [
-    (dict(n=-1), r"n: must be an int >= 0"), (dict(split="test"), r"split: must be one of"),
-    (dict(seed="1"), r"seed: must be an int"), (dict(max_squares=50), r"max_squares: 50 squares"),
-    (dict(size=50), r"size: must be a multiple of the 14 px cell"), (dict(side=13), r"side: a 13 px square"),
-])
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(n=-1), r"n: must be an int >= 0"),
+        (dict(split="test"), r"split: must be one of"),
+        (dict(seed="1"), r"seed: must be an int"),
+        (dict(max_squares=50), r"max_squares: 50 squares"),
+        (dict(size=50), r"size: must be a multiple of the 14 px cell"),
+        (dict(side=13), r"side: a 13 px square"),
+    ],
+)
 def test_bad_generator_arguments(kw, match):
     with pytest.raises(ValueError, match=match):
         make_square_problems(**{"n": 1, "seed": 0, **kw})
@@ -145,15 +176,23 @@ def test_bad_generator_arguments(kw, match):
 
 # --- through the data path ---
 
+
 @pytest.mark.parametrize("inline", [False, True])
 def test_rows_load_process_expand_and_tokenize(tmp_path, inline):
     problems = make_square_problems(4, seed=7)
     assert write_jsonl(problems, tmp_path / "train.jsonl", inline=inline) == 4
     records = load_prompts(PromptDataConfig(path=str(tmp_path / "train.jsonl")))
     # 56x56 at patch 14, merge 2: 4 x 4 patches, 4 tokens
-    proc = ImageProcessor(ImageProcessorConfig(patch_size=14, merge_kernel_size=2, in_patch_limit=64,
-                                               patch_limit_on_one_side=8, image_mean=(0.5,) * 3,
-                                               image_std=(0.5,) * 3))
+    proc = ImageProcessor(
+        ImageProcessorConfig(
+            patch_size=14,
+            merge_kernel_size=2,
+            in_patch_limit=64,
+            patch_limit_on_one_side=8,
+            image_mean=(0.5,) * 3,
+            image_std=(0.5,) * 3,
+        )
+    )
     for p, r in zip(problems, records):
         assert r.prompt == p.prompt and r.label == p.answer and len(r.images) == 1
         image = proc.process(r.images[0].load(), name=r.images[0].name)

@@ -7,25 +7,35 @@ import re
 import pytest
 
 from miles_k3.rewards import Sample, arithmetic
-from miles_k3.tasks import (ArithmeticProblem, ArithmeticTokenizer, check_answer, final_integer, make_step_problems,
-                            split_of, worked_solution)
+from miles_k3.tasks import (
+    ArithmeticProblem,
+    ArithmeticTokenizer,
+    check_answer,
+    final_integer,
+    make_step_problems,
+    split_of,
+    worked_solution,
+)
 from miles_k3.tasks.worked import DIGITS, MAX_RESPONSE_TOKENS, OPS, kind
 
 TOK = ArithmeticTokenizer()
 P = ArithmeticProblem
 
 
-@pytest.mark.parametrize("problem, text", [
-    (P(347, 586, "+"), "7+6=13 4+8+1=13 3+5+1=9 347+586=933"),
-    (P(999, 999, "+"), "9+9=18 9+9+1=19 9+9+1=19 999+999=1998"),  # the last column's carry leads the answer
-    (P(120, 314, "+"), "0+4=4 2+1+0=3 1+3+0=4 120+314=434"),
-    (P(347, 86, "+"), "7+6=13 4+8+1=13 3+0+1=4 347+86=433"),  # a shorter operand's missing digits are 0
-    (P(52, 17, "-"), "12-7=5 5-1-1=3 52-17=35"),  # a borrowing column writes its top digit plus ten
-    (P(305, 298, "-"), "15-8=7 10-9-1=0 3-2-1=0 305-298=7"),  # leading zeros drop from the answer
-    (P(500, 500, "-"), "0-0=0 0-0-0=0 5-5-0=0 500-500=0"),
-    (P(23, 58, "-"), "58-23 8-3=5 5-2-0=3 23-58=-35"),  # negative: the swapped problem is worked
-    (P(199, 900, "-"), "900-199 10-9=1 10-9-1=0 9-1-1=7 199-900=-701"),
-])
+@pytest.mark.parametrize(
+    "problem, text",
+    [
+        (P(347, 586, "+"), "7+6=13 4+8+1=13 3+5+1=9 347+586=933"),
+        (P(999, 999, "+"), "9+9=18 9+9+1=19 9+9+1=19 999+999=1998"),  # the last column's carry leads the answer
+        (P(120, 314, "+"), "0+4=4 2+1+0=3 1+3+0=4 120+314=434"),
+        (P(347, 86, "+"), "7+6=13 4+8+1=13 3+0+1=4 347+86=433"),  # a shorter operand's missing digits are 0
+        (P(52, 17, "-"), "12-7=5 5-1-1=3 52-17=35"),  # a borrowing column writes its top digit plus ten
+        (P(305, 298, "-"), "15-8=7 10-9-1=0 3-2-1=0 305-298=7"),  # leading zeros drop from the answer
+        (P(500, 500, "-"), "0-0=0 0-0-0=0 5-5-0=0 500-500=0"),
+        (P(23, 58, "-"), "58-23 8-3=5 5-2-0=3 23-58=-35"),  # negative: the swapped problem is worked
+        (P(199, 900, "-"), "900-199 10-9=1 10-9-1=0 9-1-1=7 199-900=-701"),
+    ],
+)
 def test_formatter_matches_hand_worked_examples(problem, text):
     assert worked_solution(problem) == text
 
@@ -59,7 +69,7 @@ def test_the_arithmetic_reward_scores_a_worked_response_unchanged():
     right = worked_solution(p)
     assert arithmetic(Sample(prompt=p.prompt, response=right, label=p.answer)) == 1.0
     # every step right but the final answer wrong, and the reverse: only the final answer counts
-    wrong_final = right[:-len(str(p.answer))] + str(p.answer + 1)
+    wrong_final = right[: -len(str(p.answer))] + str(p.answer + 1)
     assert arithmetic(Sample(prompt=p.prompt, response=wrong_final, label=p.answer)) == 0.0
     wrong_step = right.replace("4+8+1=13", "4+8+1=12")
     assert arithmetic(Sample(prompt=p.prompt, response=wrong_step, label=p.answer)) == 1.0
@@ -85,15 +95,20 @@ def test_problems_follow_the_mix_and_the_arithmetic_split():
     assert not {p.prompt for p in train} & {p.prompt for p in heldout}
     for problems, split in ((train, "train"), (heldout, "heldout")):
         assert all(split_of(p.a, p.op, p.b) == split for p in problems)
-        assert all(p.op in OPS and all(DIGITS[0] <= len(str(x)) <= DIGITS[1] for x in (p.a, p.b))
-                   for p in problems)
+        assert all(p.op in OPS and all(DIGITS[0] <= len(str(x)) <= DIGITS[1] for x in (p.a, p.b)) for p in problems)
     kinds = {kind(p) for p in train}
     assert kinds == {"a+b, carry", "a+b, no carry", "a-b < 0", "a-b >= 0, borrow", "a-b >= 0, no borrow"}
 
 
-@pytest.mark.parametrize("problem, want", [
-    (P(347, 586, "+"), "a+b, carry"), (P(120, 314, "+"), "a+b, no carry"), (P(305, 298, "-"), "a-b >= 0, borrow"),
-    (P(599, 123, "-"), "a-b >= 0, no borrow"), (P(199, 900, "-"), "a-b < 0"),
-])
+@pytest.mark.parametrize(
+    "problem, want",
+    [
+        (P(347, 586, "+"), "a+b, carry"),
+        (P(120, 314, "+"), "a+b, no carry"),
+        (P(305, 298, "-"), "a-b >= 0, borrow"),
+        (P(599, 123, "-"), "a-b >= 0, no borrow"),
+        (P(199, 900, "-"), "a-b < 0"),
+    ],
+)
 def test_kind(problem, want):
     assert kind(problem) == want

@@ -4,7 +4,6 @@ a fixed batch: the world of tests/trainer/test_data_share.py."""
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from megatron_patches.parallel import end_world
 from miles_k3.trainer.batch import TrainBatch
@@ -19,8 +18,8 @@ def one_group() -> TrainBatch:
 
 
 def worker(rank: int, world: int, port: int, out: str, overrides: tuple[str, ...]) -> None:
-    from miles_k3.trainer.workers import configure_process, start_trainer_rank
     from miles_k3.trainer.resolve import resolve
+    from miles_k3.trainer.workers import configure_process, start_trainer_rank
     from tests.trainer.recipes import composed
 
     rc = resolve(composed(*overrides, f"cluster.num_workers={world}"))

@@ -6,8 +6,13 @@ from miles_k3.trainer.batch import TrainBatch, pack
 
 
 def test_pack_positions_targets_and_padding():
-    b = TrainBatch.of(prompts=[[1, 5, 6], [1, 7]], responses=[[8, 2], [9, 10, 2]],
-                   rollout_logprobs=[[-0.1, -0.2], [-0.3, -0.4, -0.5]], advantages=[1.0, -1.0], group_ids=[0, 0])
+    b = TrainBatch.of(
+        prompts=[[1, 5, 6], [1, 7]],
+        responses=[[8, 2], [9, 10, 2]],
+        rollout_logprobs=[[-0.1, -0.2], [-0.3, -0.4, -0.5]],
+        advantages=[1.0, -1.0],
+        group_ids=[0, 0],
+    )
     p = pack(b, "cpu")
     assert p.input_ids.tolist() == [[1, 5, 6, 8, 2, 1, 7, 9, 10, 2]]
     assert p.cu_seqlens.tolist() == [0, 5, 10]
@@ -21,8 +26,13 @@ def test_pack_positions_targets_and_padding():
 
 
 def test_split_by_groups_keeps_groups_whole():
-    b = TrainBatch.of(prompts=[[1]] * 6, responses=[[2]] * 6, rollout_logprobs=[[0.0]] * 6,
-                   advantages=[0.0] * 6, group_ids=[0, 0, 1, 1, 2, 2])
+    b = TrainBatch.of(
+        prompts=[[1]] * 6,
+        responses=[[2]] * 6,
+        rollout_logprobs=[[0.0]] * 6,
+        advantages=[0.0] * 6,
+        group_ids=[0, 0, 1, 1, 2, 2],
+    )
     parts = b.split_by_groups(2)
     assert [p.group_ids for p in parts] == [[0, 0, 2, 2], [1, 1]]
     assert sum(len(p) for p in parts) == 6

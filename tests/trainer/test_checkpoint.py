@@ -13,6 +13,7 @@ def write_files(payload: bytes):
         (d / "a.bin").write_bytes(payload)
         (d / "sub").mkdir()
         (d / "sub" / "b.txt").write_text("hello")
+
     return write
 
 

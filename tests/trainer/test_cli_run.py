@@ -12,9 +12,17 @@ from pathlib import Path
 
 import pytest
 
-SMALL = ["recipe=k3_grpo", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4", "trainer.max_steps=3",
-         "trainer.save_every=1", "trainer.eval_every=0", "data.eval_max_prompts=16", "logging.progress=false",
-         "cluster.threads_per_worker=1"]
+SMALL = [
+    "recipe=k3_grpo",
+    "rollout.prompts_per_step=4",
+    "rollout.samples_per_prompt=4",
+    "trainer.max_steps=3",
+    "trainer.save_every=1",
+    "trainer.eval_every=0",
+    "data.eval_max_prompts=16",
+    "logging.progress=false",
+    "cluster.threads_per_worker=1",
+]
 TIMING = {"rollout_s", "train_s", "step_s", "samples_per_s", "adapter_sync_ms"}
 
 
@@ -93,8 +101,14 @@ def test_damaged_checkpoint_is_skipped_on_resume(tmp_path):
 
 
 def test_ray_launcher_runs_the_colocated_loop(tmp_path):
-    out = cli(tmp_path / "run", "cluster=ray_cpu", "trainer.max_steps=2", "logging.wandb=disabled",
-              "trainer.eval_before=false", timeout=900)
+    out = cli(
+        tmp_path / "run",
+        "cluster=ray_cpu",
+        "trainer.max_steps=2",
+        "logging.wandb=disabled",
+        "trainer.eval_before=false",
+        timeout=900,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     rs = rows(tmp_path / "run")
     assert [r["step"] for r in rs] == [1, 2, 2]
@@ -129,10 +143,12 @@ def test_local_parallel_layouts_match_single_rank(tmp_path):
     assert r4[0]["loss"] == pytest.approx(r1[0]["loss"], abs=1e-5)
     assert r4[0]["grad_norm"] == pytest.approx(r1[0]["grad_norm"], rel=1e-4)
     assert r4[0]["entropy"] == pytest.approx(r1[0]["entropy"], rel=1e-4)
-    for name, layout in (("pp2", ["parallel=pp2", "parallel.micro_batch_tokens=64", "cluster.num_workers=2"]),
-                         ("ep2", ["parallel=ep2", "cluster.num_workers=2"]),
-                         ("cp2", ["parallel=cp2", "cluster.num_workers=2"]),
-                         ("tp2_pp2", ["parallel=tp2_pp2", "parallel.micro_batch_tokens=64", "cluster.num_workers=4"])):
+    for name, layout in (
+        ("pp2", ["parallel=pp2", "parallel.micro_batch_tokens=64", "cluster.num_workers=2"]),
+        ("ep2", ["parallel=ep2", "cluster.num_workers=2"]),
+        ("cp2", ["parallel=cp2", "cluster.num_workers=2"]),
+        ("tp2_pp2", ["parallel=tp2_pp2", "parallel.micro_batch_tokens=64", "cluster.num_workers=4"]),
+    ):
         out = cli(tmp_path / name, *flags, *layout, timeout=900)
         assert out.returncode == 0, (name, out.stderr[-3000:])
         got = rows(tmp_path / name)
@@ -143,8 +159,15 @@ def test_local_parallel_layouts_match_single_rank(tmp_path):
         # engine's log-probs are the trainer's again
         assert got[1]["train_rollout_logprob_abs_diff"] < 1e-4, name
     # resuming a TP=2 run: rank 0 reads the checkpoint and hands each rank its own optimizer / RNG state
-    more = cli(tmp_path / "tp2", "trainer.max_steps=3", "logging.wandb=disabled", "trainer.eval_before=false",
-               "parallel=tp2", "cluster.num_workers=2", "trainer.resume=auto")
+    more = cli(
+        tmp_path / "tp2",
+        "trainer.max_steps=3",
+        "logging.wandb=disabled",
+        "trainer.eval_before=false",
+        "parallel=tp2",
+        "cluster.num_workers=2",
+        "trainer.resume=auto",
+    )
     assert more.returncode == 0, more.stderr[-3000:]
     # metrics.jsonl is appended to: a run that started over instead of resuming would repeat steps 1-2
     assert [r["step"] for r in rows(tmp_path / "tp2") if "loss" in r] == [1, 2, 3]

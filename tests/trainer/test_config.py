@@ -24,17 +24,24 @@ def defaults(cls, names=None):
     out = {}
     for f in dataclasses.fields(cls):
         if names is None or f.name in names:
-            out[f.name] = f.default if f.default is not dataclasses.MISSING else (
-                f.default_factory() if f.default_factory is not dataclasses.MISSING else "???")
+            out[f.name] = (
+                f.default
+                if f.default is not dataclasses.MISSING
+                else (f.default_factory() if f.default_factory is not dataclasses.MISSING else "???")
+            )
     return out
 
 
 def test_schema_sections_take_the_components_fields_and_defaults():
     schema = TrainConfig()
-    for section, component, names in [("lora", LoraSpec, None), ("algo", PolicyLossConfig, None),
-                                      ("data", PromptDataConfig, None), ("reward", RewardConfig, None),
-                                      ("rollout", SamplingParams, SAMPLING_KEYS),
-                                      ("rollout", EngineConfig, ENGINE_KEYS)]:
+    for section, component, names in [
+        ("lora", LoraSpec, None),
+        ("algo", PolicyLossConfig, None),
+        ("data", PromptDataConfig, None),
+        ("reward", RewardConfig, None),
+        ("rollout", SamplingParams, SAMPLING_KEYS),
+        ("rollout", EngineConfig, ENGINE_KEYS),
+    ]:
         node = getattr(schema, section)
         assert {k: getattr(node, k) for k in defaults(component, names)} == defaults(component, names), section
     assert schema.data.path == "???" and schema.reward.fn == "???"  # mandatory: no component default
@@ -53,9 +60,19 @@ def test_default_recipe_resolves_to_the_embedded_run():
 
 
 def test_user_keys_reach_the_components():
-    rc = resolve(composed("recipe=k3_grpo", "algo.eps_high=0.3", "rollout.top_p=0.9", "rollout.top_k=5",
-                          "lora.rank=4", "lora.targets=[q_proj$,o_proj$]", "data.metadata_keys=[src]",
-                          "rollout.page_size=32", "reward.headers={}"))
+    rc = resolve(
+        composed(
+            "recipe=k3_grpo",
+            "algo.eps_high=0.3",
+            "rollout.top_p=0.9",
+            "rollout.top_k=5",
+            "lora.rank=4",
+            "lora.targets=[q_proj$,o_proj$]",
+            "data.metadata_keys=[src]",
+            "rollout.page_size=32",
+            "reward.headers={}",
+        )
+    )
     assert rc.loss.eps_high == 0.3 and rc.sampling.top_p == 0.9 and rc.sampling.top_k == 5
     assert rc.lora.rank == 4 and rc.lora.targets == ("q_proj$", "o_proj$")  # a list becomes the tuple
     assert rc.data.metadata_keys == ("src",) and rc.engine.page_size == 32
@@ -90,64 +107,75 @@ def test_the_engine_spec_is_the_runs_engine():
     assert (spec.preset, spec.vocab_size, spec.seed, spec.path) == ("k3-small", 32, rc.trainer.seed, None)
     assert spec.base_config() == load_base_config(rc.model)
     assert (spec.quantize, spec.dtype, spec.lora, spec.max_adapters, spec.engine) == (
-        "experts", rc.rollout.dtype, rc.lora, 1, rc.engine)
+        "experts",
+        rc.rollout.dtype,
+        rc.lora,
+        1,
+        rc.engine,
+    )
     rc = resolve(composed("recipe=k3_grpo"))
     assert rc.engine_spec("cpu").path == rc.model.path and rc.engine_spec("cpu").token_ids is None
 
 
-@pytest.mark.parametrize("override, message", [
-    ("algo.eps_low=1.5", "algo.eps_low must be in [0, 1), got 1.5"),
-    ("algo.kl=k9", "algo.kl must be one of"),
-    ("algo.kl_coef=0.1", "algo.kl_coef must be 0 when kl is 'none'"),
-    ("algo.max_refill_rounds=-1", "algo.max_refill_rounds must be an integer >= 0"),
-    ("algo.updates_per_step=64", "algo.updates_per_step must be <= rollout.prompts_per_step (32)"),
-    ("rollout.samples_per_prompt=1", "rollout.samples_per_prompt must be an integer >= 2"),
-    ("rollout.temperature=0", "rollout.temperature must be > 0.0"),
-    ("rollout.top_p=1.5", "rollout.top_p must be in (0, 1]"),
-    ("rollout.top_p=0", "rollout.top_p must be in (0, 1]"),
-    ("rollout.top_k=-5", "rollout.top_k must be an integer >= 0"),
-    ("rollout.max_new_tokens=0", "rollout.max_new_tokens must be an integer >= 1"),
-    ("rollout.quantize=int3", "rollout.quantize must be one of"),
-    ("rollout.mxfp4_matmul=cutlass", "rollout.mxfp4_matmul must be one of"),
-    ("rollout.overlap=yes", "rollout.overlap must be one of"),
-    ("rollout.compile_decode=true", "rollout.compile_decode compiles the CUDA-graph decode step"),
-    ("rollout.mxfp4_matmul=triton", "rollout.mxfp4_matmul 'triton' needs rollout.quantize"),  # quantize none
-    ("rollout.chunk_size=24", "rollout.chunk_size must be a multiple of page_size (16)"),
-    ("rollout.page_size=0", "rollout.page_size must be an integer >= 1"),
-    ("rollout.max_prefill_requests=0", "rollout.max_prefill_requests must be an integer >= 1"),
-    ("rollout.memory_mb=0", "rollout.memory_mb must be > 0.0"),
-    ("optim.lr=0", "optim.lr must be > 0.0"),
-    ("optim.beta2=1.5", "optim.beta2 must be <= 1.0"),
-    ("trainer.max_steps=0", "trainer.max_steps must be an integer >= 1"),
-    ("trainer.resume=/no/such/dir", "trainer.resume must be one of"),
-    ("parallel.pp=2 parallel.pp_layers=[3]", "parallel.pp_layers must list parallel.pp=2 layer counts"),
-    ("parallel.micro_batch_tokens=0", "parallel.micro_batch_tokens must be an integer >= 1"),
-    ("parallel.tp=2 parallel.ep=2", "parallel.ep needs parallel.tp=1"),
-    ("parallel.ep=2", "parallel.ep must divide dp * cp = 1"),
-    ("parallel.sp=true", "parallel.sp needs parallel.tp > 1"),
-    ("parallel.tp=2", "cluster.num_workers must equal the layout's world size tp * pp * cp * dp = 2 * 1 * 1 * 1 = 2"),
-    ("parallel.dp=0", "parallel.dp must be an integer >= 1"),
-    ("parallel.dp=3", "cluster.num_workers must equal the layout's world size"),
-    ("parallel.dp=64 cluster.num_workers=64", "parallel.dp=64 needs at least that many groups per update"),
-    ("cluster.device=tpu", "cluster.device must be one of"),
-    ("cluster.ray_address=auto", "cluster.ray_address only applies with cluster.launcher=ray"),
-    ("reward.on_failure=ignore", "reward.on_failure must be one of"),
-    ("reward.url=http://x", "reward.url only applies to fn='remote'"),
-    ("reward.fn=remote", "reward.url is required when fn='remote'"),
-    ("data.path=prompts.csv", "data.path must end in one of"),
-    ("data.prompt_key=label", "data.label_key must differ from prompt_key"),
-    ("data.system_prompt=hi", "data.system_prompt: set, but chat_template is None"),
-    ("data.eval_path=heldout.txt", "data.path must end in one of"),
-    ("data.eval_max_prompts=0", "data.eval_max_prompts must be an integer >= 1"),
-    ("model.path=/no/such/model", "model.path must be a directory holding config.json"),
-    ("model.preset=k3-small", "model.path or preset must be set, not both"),
-    ("model.preset=k3-huge", "model.path or preset must be set"),
-    ("lora.rank=0", "lora.rank must be an int >= 1"),
-    ("lora.dropout=1.0", "lora.dropout must lie in [0, 1)"),
-    ("lora.targets=[]", "lora.targets must name at least one module pattern"),
-    ("lora.targets=['q_proj(']", "lora.targets: bad regex"),
-    ("logging.wandb=cloud", "logging.wandb must be one of"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("algo.eps_low=1.5", "algo.eps_low must be in [0, 1), got 1.5"),
+        ("algo.kl=k9", "algo.kl must be one of"),
+        ("algo.kl_coef=0.1", "algo.kl_coef must be 0 when kl is 'none'"),
+        ("algo.max_refill_rounds=-1", "algo.max_refill_rounds must be an integer >= 0"),
+        ("algo.updates_per_step=64", "algo.updates_per_step must be <= rollout.prompts_per_step (32)"),
+        ("rollout.samples_per_prompt=1", "rollout.samples_per_prompt must be an integer >= 2"),
+        ("rollout.temperature=0", "rollout.temperature must be > 0.0"),
+        ("rollout.top_p=1.5", "rollout.top_p must be in (0, 1]"),
+        ("rollout.top_p=0", "rollout.top_p must be in (0, 1]"),
+        ("rollout.top_k=-5", "rollout.top_k must be an integer >= 0"),
+        ("rollout.max_new_tokens=0", "rollout.max_new_tokens must be an integer >= 1"),
+        ("rollout.quantize=int3", "rollout.quantize must be one of"),
+        ("rollout.mxfp4_matmul=cutlass", "rollout.mxfp4_matmul must be one of"),
+        ("rollout.overlap=yes", "rollout.overlap must be one of"),
+        ("rollout.compile_decode=true", "rollout.compile_decode compiles the CUDA-graph decode step"),
+        ("rollout.mxfp4_matmul=triton", "rollout.mxfp4_matmul 'triton' needs rollout.quantize"),  # quantize none
+        ("rollout.chunk_size=24", "rollout.chunk_size must be a multiple of page_size (16)"),
+        ("rollout.page_size=0", "rollout.page_size must be an integer >= 1"),
+        ("rollout.max_prefill_requests=0", "rollout.max_prefill_requests must be an integer >= 1"),
+        ("rollout.memory_mb=0", "rollout.memory_mb must be > 0.0"),
+        ("optim.lr=0", "optim.lr must be > 0.0"),
+        ("optim.beta2=1.5", "optim.beta2 must be <= 1.0"),
+        ("trainer.max_steps=0", "trainer.max_steps must be an integer >= 1"),
+        ("trainer.resume=/no/such/dir", "trainer.resume must be one of"),
+        ("parallel.pp=2 parallel.pp_layers=[3]", "parallel.pp_layers must list parallel.pp=2 layer counts"),
+        ("parallel.micro_batch_tokens=0", "parallel.micro_batch_tokens must be an integer >= 1"),
+        ("parallel.tp=2 parallel.ep=2", "parallel.ep needs parallel.tp=1"),
+        ("parallel.ep=2", "parallel.ep must divide dp * cp = 1"),
+        ("parallel.sp=true", "parallel.sp needs parallel.tp > 1"),
+        (
+            "parallel.tp=2",
+            "cluster.num_workers must equal the layout's world size tp * pp * cp * dp = 2 * 1 * 1 * 1 = 2",
+        ),
+        ("parallel.dp=0", "parallel.dp must be an integer >= 1"),
+        ("parallel.dp=3", "cluster.num_workers must equal the layout's world size"),
+        ("parallel.dp=64 cluster.num_workers=64", "parallel.dp=64 needs at least that many groups per update"),
+        ("cluster.device=tpu", "cluster.device must be one of"),
+        ("cluster.ray_address=auto", "cluster.ray_address only applies with cluster.launcher=ray"),
+        ("reward.on_failure=ignore", "reward.on_failure must be one of"),
+        ("reward.url=http://x", "reward.url only applies to fn='remote'"),
+        ("reward.fn=remote", "reward.url is required when fn='remote'"),
+        ("data.path=prompts.csv", "data.path must end in one of"),
+        ("data.prompt_key=label", "data.label_key must differ from prompt_key"),
+        ("data.system_prompt=hi", "data.system_prompt: set, but chat_template is None"),
+        ("data.eval_path=heldout.txt", "data.path must end in one of"),
+        ("data.eval_max_prompts=0", "data.eval_max_prompts must be an integer >= 1"),
+        ("model.path=/no/such/model", "model.path must be a directory holding config.json"),
+        ("model.preset=k3-small", "model.path or preset must be set, not both"),
+        ("model.preset=k3-huge", "model.path or preset must be set"),
+        ("lora.rank=0", "lora.rank must be an int >= 1"),
+        ("lora.dropout=1.0", "lora.dropout must lie in [0, 1)"),
+        ("lora.targets=[]", "lora.targets must name at least one module pattern"),
+        ("lora.targets=['q_proj(']", "lora.targets: bad regex"),
+        ("logging.wandb=cloud", "logging.wandb must be one of"),
+    ],
+)
 def test_bad_values_name_the_field(override, message):
     with pytest.raises(ValueError) as e:
         resolve(composed("recipe=k3_grpo", *override.split()))
@@ -182,8 +210,13 @@ def test_resolve_accepts_a_plain_mapping_and_reports_bad_types_in_one_line():
 
 
 def test_cli_prints_the_whole_config_and_rejects_bad_ones(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "miles_k3.cli.train", "recipe=k3_grpo", "--cfg", "job"],
-                         capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "miles_k3.cli.train", "recipe=k3_grpo", "--cfg", "job"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     printed = OmegaConf.create(out.stdout)
     assert printed.recipe == "k3_grpo" and printed.rollout.samples_per_prompt == 8
@@ -193,9 +226,20 @@ def test_cli_prints_the_whole_config_and_rejects_bad_ones(tmp_path):
         if section != "recipe":
             assert set(printed[section]) == set(schema[section]), section
     assert list(printed.lora.targets) == list(DEFAULT_TARGETS) and printed.algo.eps_high == 0.28
-    bad = subprocess.run([sys.executable, "-m", "miles_k3.cli.train", "recipe=k3_grpo", "algo.eps_high=-1",
-                          f"hydra.run.dir={tmp_path / 'run'}"], capture_output=True, text=True, cwd=tmp_path,
-                         timeout=120)
+    bad = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "miles_k3.cli.train",
+            "recipe=k3_grpo",
+            "algo.eps_high=-1",
+            f"hydra.run.dir={tmp_path / 'run'}",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
     assert bad.returncode == 2
     assert bad.stderr.strip() == "miles-train: error: algo.eps_high must be >= 0, got -1.0"
     assert not (tmp_path / "run" / "metrics.jsonl").exists()

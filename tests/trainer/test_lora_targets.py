@@ -10,11 +10,17 @@ from megatron_patches.parallel import ensure_parallel
 from miles_k3.model import K3Config
 from miles_k3.model.lora_spec import LoraSpec, adaptable_modules
 
-
 # k3-tiny has every K3 feature; the Kimi-Linear form has none of them (q_proj instead of q_a/q_b, no latent
 # MoE, no AttnRes, low-rank KDA output gate, no MLA output gate)
-KIMI_LINEAR_FORM = dict(q_lora_rank=None, moe_latent_size=None, moe_latent_norm=False, attn_res_block_size=0,
-                        kda_output_gate="low_rank", mla_output_gate=False, num_shared_experts=1)
+KIMI_LINEAR_FORM = dict(
+    q_lora_rank=None,
+    moe_latent_size=None,
+    moe_latent_norm=False,
+    attn_res_block_size=0,
+    kda_output_gate="low_rank",
+    mla_output_gate=False,
+    num_shared_experts=1,
+)
 
 
 @pytest.mark.parametrize("overrides", [{}, KIMI_LINEAR_FORM], ids=["k3", "kimi-linear"])

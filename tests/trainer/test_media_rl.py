@@ -30,8 +30,6 @@ def reward(sample) -> float:
     return float(len(sample.response.split()) % 2)
 
 
-
-
 def write_rows(path: Path, rows: list[dict]) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
@@ -44,25 +42,45 @@ def vl(tmp_path_factory) -> Path:
     for i in range(3):
         write_png(root / f"{i}.png", i)
     # two image prompts and a text one: a batch mixes them
-    write_rows(root / "train.jsonl", [{"prompt": PROMPT, "images": ["0.png"], "label": 0},
-                                      {"prompt": f"how many ? {IMAGE_PLACEHOLDER} red", "images": ["1.png"],
-                                       "label": 1},
-                                      {"prompt": "how many red squares ?", "label": 2}])
+    write_rows(
+        root / "train.jsonl",
+        [
+            {"prompt": PROMPT, "images": ["0.png"], "label": 0},
+            {"prompt": f"how many ? {IMAGE_PLACEHOLDER} red", "images": ["1.png"], "label": 1},
+            {"prompt": "how many red squares ?", "label": 2},
+        ],
+    )
     return root
 
 
 def overrides(root: Path, *extra: str) -> list[str]:
-    return ["recipe=k3_grpo", f"model.path={root / 'ckpt'}", "model.tokenizer=hf", f"data.path={root / 'train.jsonl'}",
-            "data.eval_path=null", "data.shuffle=false", f"reward.fn={__name__}:reward", "rollout.prompts_per_step=3",
-            "rollout.samples_per_prompt=3", "rollout.max_new_tokens=4", "rollout.stop_at_eos=false",
-            "algo.dynamic_sampling=false", "trainer.max_steps=2", "trainer.save_every=0", "trainer.eval_every=0",
-            "trainer.eval_before=false", "logging.progress=false", "logging.wandb=disabled", *extra]
+    return [
+        "recipe=k3_grpo",
+        f"model.path={root / 'ckpt'}",
+        "model.tokenizer=hf",
+        f"data.path={root / 'train.jsonl'}",
+        "data.eval_path=null",
+        "data.shuffle=false",
+        f"reward.fn={__name__}:reward",
+        "rollout.prompts_per_step=3",
+        "rollout.samples_per_prompt=3",
+        "rollout.max_new_tokens=4",
+        "rollout.stop_at_eos=false",
+        "algo.dynamic_sampling=false",
+        "trainer.max_steps=2",
+        "trainer.save_every=0",
+        "trainer.eval_every=0",
+        "trainer.eval_before=false",
+        "logging.progress=false",
+        "logging.wandb=disabled",
+        *extra,
+    ]
 
 
 def build(rc, run_dir):
     from megatron_patches.parallel import ensure_parallel
-    from miles_k3.trainer.inputs import load_run_inputs
     from miles_k3.trainer.backends import LocalEngine, LocalTrainers
+    from miles_k3.trainer.inputs import load_run_inputs
     from miles_k3.trainer.workers import build_rollout_worker, build_train_worker
 
     ensure_parallel()
@@ -133,13 +151,18 @@ def test_the_trainer_reads_the_images_features(vl, tmp_path):
 
 def test_mixed_text_and_image_pieces_pack_their_media_at_packed_positions(vl, tmp_path):
     from miles_k3.trainer.batch import SequenceMedia, TrainBatch, pack
-
     from rollout.media import ImageFeatures
 
     feats = torch.arange(6.0).reshape(3, 2)
     m = SequenceMedia((1, 2), (ImageFeatures(feats[:1], 1), ImageFeatures(feats[1:2], 2)))
-    b = TrainBatch.of([[5, 3, 3, 6], [7, 8], [5, 3, 6]], [[9], [10, 11], [12]], [[0.0], [0.0, 0.0], [0.0]],
-                      [0.0] * 3, [0, 1, 2], media=[m, None, SequenceMedia((1,), (ImageFeatures(feats[2:], 3),))])
+    b = TrainBatch.of(
+        [[5, 3, 3, 6], [7, 8], [5, 3, 6]],
+        [[9], [10, 11], [12]],
+        [[0.0], [0.0, 0.0], [0.0]],
+        [0.0] * 3,
+        [0, 1, 2],
+        media=[m, None, SequenceMedia((1,), (ImageFeatures(feats[2:], 3),))],
+    )
     p = pack(b, "cpu")
     assert p.media.positions.tolist() == [1, 2, 10]  # sequence 2 starts after 4 + 1 and 2 + 2 tokens: at 9
     assert torch.equal(p.media.features, feats)
@@ -162,19 +185,29 @@ def test_a_text_only_run_builds_and_imports_none_of_the_image_path(tmp_path):
         "assert inputs.media is None and driver.media is None\n"
         "driver.samples(inputs.train[:4], 2)\n"
         "bad = [m for m in ('miles_k3.data.image_processor', 'miles_k3.model.vision', 'PIL') if m in sys.modules]\n"
-        "assert not bad, bad\n")
+        "assert not bad, bad\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
 
 
-@pytest.mark.parametrize("rows, extra, needle", [
-    ([{"prompt": PROMPT, "images": ["missing.png"], "label": 0}], (), "image file 'missing.png' not found"),
-    ([{"prompt": f"{PROMPT} {IMAGE_PLACEHOLDER}", "images": ["0.png"], "label": 0}], (),
-     "has 2 image placeholder(s)"),
-    ([{"prompt": PROMPT, "images": ["notpng.png"], "label": 0}], (), "not a readable image"),
-    ([{"prompt": PROMPT, "images": ["0.png"], "label": 0}], ("rollout.fn=tests.trainer.test_multi_turn:x",),
-     "image prompts through rollout.fn"),
-])
+@pytest.mark.parametrize(
+    "rows, extra, needle",
+    [
+        ([{"prompt": PROMPT, "images": ["missing.png"], "label": 0}], (), "image file 'missing.png' not found"),
+        (
+            [{"prompt": f"{PROMPT} {IMAGE_PLACEHOLDER}", "images": ["0.png"], "label": 0}],
+            (),
+            "has 2 image placeholder(s)",
+        ),
+        ([{"prompt": PROMPT, "images": ["notpng.png"], "label": 0}], (), "not a readable image"),
+        (
+            [{"prompt": PROMPT, "images": ["0.png"], "label": 0}],
+            ("rollout.fn=tests.trainer.test_multi_turn:x",),
+            "image prompts through rollout.fn",
+        ),
+    ],
+)
 def test_bad_image_input_fails_before_any_model_naming_the_record(vl, tmp_path, rows, extra, needle):
     from miles_k3.trainer.inputs import load_run_inputs
 
@@ -193,14 +226,25 @@ def test_images_on_a_text_only_checkpoint_or_a_preset_fail_naming_the_record(vl,
     from miles_k3.trainer.inputs import load_run_inputs
 
     write_png(tmp_path / "0.png", 0)
-    data = write_rows(tmp_path / "data.jsonl", [{"prompt": f"{IMAGE_PLACEHOLDER}12+3=", "images": ["0.png"],
-                                                 "label": 15}])
+    data = write_rows(
+        tmp_path / "data.jsonl", [{"prompt": f"{IMAGE_PLACEHOLDER}12+3=", "images": ["0.png"], "label": 15}]
+    )
     rc = resolve(composed("recipe=k3_grpo", f"data.path={data}", "data.eval_path=null"))
-    with pytest.raises(ValueError, match=r"^data\.path: .*record 0 .*has 1 image\(s\), but model\.path .* is a "
-                                         r"text-only checkpoint"):
+    with pytest.raises(
+        ValueError,
+        match=r"^data\.path: .*record 0 .*has 1 image\(s\), but model\.path .* is a "
+        r"text-only checkpoint",
+    ):
         load_run_inputs(rc, tmp_path, weights="skip")
-    rc = resolve(composed(*overrides(vl), f"data.path={data}", "model.path=null", "model.preset=k3-tiny-vl",
-                          "model.tokenizer=arithmetic"))
+    rc = resolve(
+        composed(
+            *overrides(vl),
+            f"data.path={data}",
+            "model.path=null",
+            "model.preset=k3-tiny-vl",
+            "model.tokenizer=arithmetic",
+        )
+    )
     with pytest.raises(ValueError, match=r"images need model\.path .*not model\.preset"):
         load_run_inputs(rc, tmp_path, weights="skip")
 
@@ -228,11 +272,19 @@ def test_image_runs_through_miles_train_agree_over_tp2_sp_and_pp2(vl, tmp_path):
 
     flags = [*overrides(vl), "trainer.deterministic=true", "cluster.threads_per_worker=1"]
     runs = {}
-    for name, layout in (("one", []), ("sp", ["parallel=tp2", "parallel.sp=true", "cluster.num_workers=2"]),
-                         ("pp2", ["parallel=pp2", "parallel.micro_batch_tokens=64", "cluster.num_workers=2"])):
-        out = subprocess.run([sys.executable, "-m", "miles_k3.cli.train", *flags, *layout,
-                              f"hydra.run.dir={tmp_path / name}"], cwd=REPO, capture_output=True, text=True,
-                             timeout=900, env={**os.environ, "WANDB_SILENT": "true"})
+    for name, layout in (
+        ("one", []),
+        ("sp", ["parallel=tp2", "parallel.sp=true", "cluster.num_workers=2"]),
+        ("pp2", ["parallel=pp2", "parallel.micro_batch_tokens=64", "cluster.num_workers=2"]),
+    ):
+        out = subprocess.run(
+            [sys.executable, "-m", "miles_k3.cli.train", *flags, *layout, f"hydra.run.dir={tmp_path / name}"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=900,
+            env={**os.environ, "WANDB_SILENT": "true"},
+        )
         assert out.returncode == 0, (name, out.stderr[-3000:])
         runs[name] = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
     one = runs["one"]

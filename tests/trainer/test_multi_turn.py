@@ -13,26 +13,46 @@ import pytest
 import torch
 
 from miles_k3.data import PromptRecord
+from miles_k3.data.sample import Sample
 from miles_k3.trainer.batch import TrainBatch, pack
 from miles_k3.trainer.resolve import resolve
-from miles_k3.data.sample import Sample
-from miles_k3.trainer.rollout_plugin import (PolicyClient, RolloutJob, RolloutPluginError, load_rollout_fn,
-                                             run_rollouts, turn)
+from miles_k3.trainer.rollout_plugin import (
+    PolicyClient,
+    RolloutJob,
+    RolloutPluginError,
+    load_rollout_fn,
+    run_rollouts,
+    turn,
+)
 from rollout.request import SamplingParams
 from tests.trainer.recipes import composed
 
 REPO = Path(__file__).resolve().parents[2]
-SMALL = ["recipe=k3_grpo", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4", "trainer.max_steps=2",
-         "trainer.save_every=0", "trainer.eval_every=0", "data.eval_max_prompts=8", "logging.progress=false",
-         "logging.wandb=disabled", "cluster.threads_per_worker=1"]
+SMALL = [
+    "recipe=k3_grpo",
+    "rollout.prompts_per_step=4",
+    "rollout.samples_per_prompt=4",
+    "trainer.max_steps=2",
+    "trainer.save_every=0",
+    "trainer.eval_every=0",
+    "data.eval_max_prompts=8",
+    "logging.progress=false",
+    "logging.wandb=disabled",
+    "cluster.threads_per_worker=1",
+]
 TIMING = {"rollout_s", "train_s", "step_s", "samples_per_s", "adapter_sync_ms"}
 
 
 # ------------------------------------------------------------------ the batch
 def test_pack_keeps_masked_tokens_in_the_row_and_out_of_the_loss_mask():
-    b = TrainBatch.of(prompts=[[1, 5], [1, 7]], responses=[[8, 9, 10, 2], [11, 2]],
-                   rollout_logprobs=[[-0.1, 0.0, 0.0, -0.2], [-0.3, -0.4]], advantages=[1.0, -1.0], group_ids=[0, 0],
-                   loss_masks=[[True, False, False, True], [True, True]])
+    b = TrainBatch.of(
+        prompts=[[1, 5], [1, 7]],
+        responses=[[8, 9, 10, 2], [11, 2]],
+        rollout_logprobs=[[-0.1, 0.0, 0.0, -0.2], [-0.3, -0.4]],
+        advantages=[1.0, -1.0],
+        group_ids=[0, 0],
+        loss_masks=[[True, False, False, True], [True, True]],
+    )
     p = pack(b, "cpu")
     assert p.input_ids.tolist() == [[1, 5, 8, 9, 10, 2, 1, 7, 11, 2]]  # the tool's tokens are read as context
     assert p.targets.tolist() == [8, 9, 10, 2, 11, 2]
@@ -60,8 +80,14 @@ def tiny():
     outs = engine.generate([Sample("", prompt_ids=p) for p in prompts], params)
     adv = torch.randn(len(prompts), generator=torch.Generator().manual_seed(0)).tolist()
     masks = [[True, False, False, True, True] for _ in prompts]  # tokens 1-2 "the tool's"
-    batch = TrainBatch.of(prompts, [o.output_ids for o in outs], [o.logprobs for o in outs], adv,
-                          [i // 2 for i in range(len(prompts))], masks)
+    batch = TrainBatch.of(
+        prompts,
+        [o.output_ids for o in outs],
+        [o.logprobs for o in outs],
+        adv,
+        [i // 2 for i in range(len(prompts))],
+        masks,
+    )
     return rc, config, state, batch
 
 
@@ -79,23 +105,40 @@ def test_masked_tokens_carry_no_loss_and_flipping_the_mask_changes_the_gradient(
     g, m = _grads(tiny, batch)
     assert g.abs().sum() > 0
     # the masked tokens' rollout log-probs (what a plugin puts there) reach neither the gradient nor the metrics
-    junk = [[lp if keep else -7.0 for lp, keep in zip(lps, mask)]
-            for lps, mask in zip(batch.rollout_logprobs, batch.loss_masks)]
-    g_junk, m_junk = _grads(tiny, TrainBatch.of(batch.prompts, batch.responses, junk, batch.advantages,
-                                             batch.group_ids, batch.loss_masks))
+    junk = [
+        [lp if keep else -7.0 for lp, keep in zip(lps, mask)]
+        for lps, mask in zip(batch.rollout_logprobs, batch.loss_masks)
+    ]
+    g_junk, m_junk = _grads(
+        tiny, TrainBatch.of(batch.prompts, batch.responses, junk, batch.advantages, batch.group_ids, batch.loss_masks)
+    )
     assert torch.equal(g, g_junk)
     assert m["train_rollout_logprob_abs_diff"] == m_junk["train_rollout_logprob_abs_diff"] < 1e-5
     assert m["entropy"] == m_junk["entropy"]
     # the mask flipped (the tool's tokens the policy's, and the policy's the tool's, keeping one): another gradient
     flipped = [[not k for k in mask[:-1]] + [True] for mask in batch.loss_masks]
-    g_flip, _ = _grads(tiny, TrainBatch.of(batch.prompts, batch.responses, batch.rollout_logprobs, batch.advantages,
-                                        batch.group_ids, flipped))
+    g_flip, _ = _grads(
+        tiny,
+        TrainBatch.of(
+            batch.prompts, batch.responses, batch.rollout_logprobs, batch.advantages, batch.group_ids, flipped
+        ),
+    )
     assert not torch.allclose(g, g_flip)
     # no mask: every token carries loss, as single-turn; equal to an all-True mask
-    g_all, _ = _grads(tiny, TrainBatch.of(batch.prompts, batch.responses, batch.rollout_logprobs, batch.advantages,
-                                       batch.group_ids))
-    g_true, _ = _grads(tiny, TrainBatch.of(batch.prompts, batch.responses, batch.rollout_logprobs, batch.advantages,
-                                        batch.group_ids, [[True] * 5 for _ in batch.prompts]))
+    g_all, _ = _grads(
+        tiny, TrainBatch.of(batch.prompts, batch.responses, batch.rollout_logprobs, batch.advantages, batch.group_ids)
+    )
+    g_true, _ = _grads(
+        tiny,
+        TrainBatch.of(
+            batch.prompts,
+            batch.responses,
+            batch.rollout_logprobs,
+            batch.advantages,
+            batch.group_ids,
+            [[True] * 5 for _ in batch.prompts],
+        ),
+    )
     assert torch.equal(g_all, g_true) and not torch.allclose(g_all, g)
 
 
@@ -117,8 +160,10 @@ class Codec:
 
 def _jobs(n):
     rec = PromptRecord(0, "1+1=", "1+1=", 2)
-    return [RolloutJob(rec, Sample(rec.prompt, sample_index=i, prompt_ids=[1, 4, 13, 4, 16]), SamplingParams(seed=i))
-            for i in range(n)]
+    return [
+        RolloutJob(rec, Sample(rec.prompt, sample_index=i, prompt_ids=[1, 4, 13, 4, 16]), SamplingParams(seed=i))
+        for i in range(n)
+    ]
 
 
 def _run(fn, jobs):
@@ -173,8 +218,9 @@ def all_masked_rollout(client, record):
     return traj
 
 
-@pytest.mark.parametrize("fn", ["tests.trainer.test_multi_turn:async_tool_rollout",
-                                "tests.trainer.test_multi_turn:sync_tool_rollout"])
+@pytest.mark.parametrize(
+    "fn", ["tests.trainer.test_multi_turn:async_tool_rollout", "tests.trainer.test_multi_turn:sync_tool_rollout"]
+)
 def test_sync_and_async_plugins_return_masked_samples(fn):
     jobs = _jobs(3)
     trajs = _run(fn, jobs)
@@ -195,12 +241,15 @@ def test_client_seeds_each_turn_and_adds_stop_tokens():
     assert second.max_new_tokens == 3 and first.seed != second.seed and first.seed is not None
 
 
-@pytest.mark.parametrize("fn, match", [
-    ("tests.trainer.test_multi_turn:bad_logprob_rollout", "group 0 sample 0: invalid sample: a policy token's"),
-    ("tests.trainer.test_multi_turn:raising_rollout", "raised on group 0 sample 0: KeyError"),
-    ("tests.trainer.test_multi_turn:not_a_sample", "returned a dict on group 0 sample 0"),
-    ("tests.trainer.test_multi_turn:another_sample", "returned another Sample on group 0 sample 0; it must fill"),
-])
+@pytest.mark.parametrize(
+    "fn, match",
+    [
+        ("tests.trainer.test_multi_turn:bad_logprob_rollout", "group 0 sample 0: invalid sample: a policy token's"),
+        ("tests.trainer.test_multi_turn:raising_rollout", "raised on group 0 sample 0: KeyError"),
+        ("tests.trainer.test_multi_turn:not_a_sample", "returned a dict on group 0 sample 0"),
+        ("tests.trainer.test_multi_turn:another_sample", "returned another Sample on group 0 sample 0; it must fill"),
+    ],
+)
 def test_a_broken_plugin_stops_the_run_naming_it_and_the_sample(fn, match):
     with pytest.raises(RolloutPluginError, match=match):
         _run(fn, _jobs(1))
@@ -212,8 +261,9 @@ def test_sample_checks_hold_every_per_token_field_to_the_output():
     with pytest.raises(ValueError, match="output_ids holds 99"):
         Sample("", prompt_ids=[1], output_ids=[99], loss_mask=[True], logprobs=[-1.0]).check(32)
     with pytest.raises(ValueError, match=r"1 output tokens, but 0 token_fields\['routed_experts'\]"):
-        Sample("", prompt_ids=[1], output_ids=[3], loss_mask=[True], logprobs=[-1.0],
-               token_fields={"routed_experts": []}).check(32)
+        Sample(
+            "", prompt_ids=[1], output_ids=[3], loss_mask=[True], logprobs=[-1.0], token_fields={"routed_experts": []}
+        ).check(32)
 
 
 def test_per_token_fields_ride_along_each_turn_and_pad_around_environment_tokens():
@@ -229,23 +279,31 @@ def test_per_token_fields_ride_along_each_turn_and_pad_around_environment_tokens
     s.check(32)
 
 
-@pytest.mark.parametrize("ref, match", [
-    ("tests.trainer.test_multi_turn:one_argument", "must accept two positional arguments"),
-    ("tests.trainer.test_multi_turn:nope", "rollout function .* has no attribute 'nope'"),
-    ("no_such_module_xyz:fn", "rollout function .* module 'no_such_module_xyz' not found"),
-])
+@pytest.mark.parametrize(
+    "ref, match",
+    [
+        ("tests.trainer.test_multi_turn:one_argument", "must accept two positional arguments"),
+        ("tests.trainer.test_multi_turn:nope", "rollout function .* has no attribute 'nope'"),
+        ("no_such_module_xyz:fn", "rollout function .* module 'no_such_module_xyz' not found"),
+    ],
+)
 def test_load_rollout_fn_errors_name_the_reference(ref, match):
     with pytest.raises(ValueError, match=match):
         load_rollout_fn(ref)
 
 
-@pytest.mark.parametrize("overrides, match", [
-    (["rollout.fn=calculator_tool"], "rollout.fn must be 'module.path:function'"),
-    (["rollout.client=http"], "rollout.client only applies with rollout.fn"),
-    (["rollout.fn=m:f", "rollout.client=grpc"], "rollout.client must be one of"),
-    (["rollout.fn=m:f", "cluster=ray_cpu"],
-     "rollout.fn needs a rollout backend with 'rollout_fn'; cluster.launcher='ray' runs RayEngines"),
-])
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (["rollout.fn=calculator_tool"], "rollout.fn must be 'module.path:function'"),
+        (["rollout.client=http"], "rollout.client only applies with rollout.fn"),
+        (["rollout.fn=m:f", "rollout.client=grpc"], "rollout.client must be one of"),
+        (
+            ["rollout.fn=m:f", "cluster=ray_cpu"],
+            "rollout.fn needs a rollout backend with 'rollout_fn'; cluster.launcher='ray' runs RayEngines",
+        ),
+    ],
+)
 def test_bad_rollout_config_is_one_error_naming_the_field(overrides, match):
     with pytest.raises(ValueError, match=match):
         resolve(composed(*overrides))
@@ -285,8 +343,14 @@ def test_calculator_tool_trains_end_to_end_with_both_clients(tmp_path):
 
 
 def test_all_masked_responses_are_dropped_and_counted(tmp_path):
-    rows = cli(tmp_path / "run", "rollout.fn=tests.trainer.test_multi_turn:all_masked_rollout", "trainer.max_steps=1",
-               "trainer.eval_before=false", "algo.dynamic_sampling=false", "data.eval_path=null")
+    rows = cli(
+        tmp_path / "run",
+        "rollout.fn=tests.trainer.test_multi_turn:all_masked_rollout",
+        "trainer.max_steps=1",
+        "trainer.eval_before=false",
+        "algo.dynamic_sampling=false",
+        "data.eval_path=null",
+    )
     (step,) = rows
     assert step["samples_all_masked"] == 8  # half of 4 x 4; the rest trained
     assert step["groups_sampled"] == 4

@@ -15,9 +15,9 @@ import torch
 
 from miles_k3.trainer.base import build_tokenizer, load_base
 from miles_k3.trainer.config import SpeculativeCfg
-from miles_k3.trainer.workers import build_rollout_worker
 from miles_k3.trainer.resolve import resolve
 from miles_k3.trainer.rollout_worker import ADAPTER
+from miles_k3.trainer.workers import build_rollout_worker
 from rollout.request import SamplingParams
 from rollout.spec import SpecConfig
 from rollout.spec.distill import DistillConfig
@@ -31,28 +31,48 @@ LAYERS = (1, 3, 5)
 def drafter_dir(tmp_path_factory):
     """A random DSpark drafter for the embedded base, saved as scripts/train_drafter.py saves one."""
     torch.manual_seed(0)
-    d = DSparkDrafter(DSparkConfig(target_layers=LAYERS, hidden_size=128, vocab_size=32, block_size=4, num_layers=1,
-                                   intermediate_size=64, context_window=16))
+    d = DSparkDrafter(
+        DSparkConfig(
+            target_layers=LAYERS,
+            hidden_size=128,
+            vocab_size=32,
+            block_size=4,
+            num_layers=1,
+            intermediate_size=64,
+            context_window=16,
+        )
+    )
     path = tmp_path_factory.mktemp("drafter")
     d.save(path)
     return path
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["rollout.speculative.drafter=/no/such/dir"], r"^rollout\.speculative\.drafter must be a DSpark drafter "),
-    (["rollout.speculative.distill_every=2"], r"^rollout\.speculative\.distill_every needs rollout\.speculative"),
-    (["DRAFTER", "rollout.speculative.gamma=0"], r"^rollout\.speculative\.gamma must be an integer >= 1"),
-    (["DRAFTER", "rollout.speculative.gamma=5"], r"^rollout\.speculative\.gamma must be <= the drafter's block_size"),
-    (["DRAFTER", "rollout.speculative.planner=best"], r"^rollout\.speculative\.planner must be one of"),
-    (["DRAFTER", "rollout.speculative.max_batch=0"], r"^rollout\.speculative\.max_batch must be an integer >= 1"),
-    (["DRAFTER", "rollout.speculative.distill_every=-1"], r"^rollout\.speculative\.distill_every must be an integer"),
-    (["rollout.speculative.distill_lr=0"], r"^rollout\.speculative\.distill_lr must be > 0"),
-    (["rollout.speculative.distill_decay=2"], r"^rollout\.speculative\.distill_decay must be <= 1"),
-    (["rollout.speculative.distill_steps=0"], r"^rollout\.speculative\.distill_steps must be an integer >= 1"),
-    (["DRAFTER", "rollout.speculative.distill_every=2", "cluster=ray_cpu"],
-     r"^rollout\.speculative\.distill_every needs a rollout backend with 'drafter'; cluster\.launcher='ray' runs "
-     r"RayEngines, which has none \(launchers that do: \['external', 'local'\]\)"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["rollout.speculative.drafter=/no/such/dir"], r"^rollout\.speculative\.drafter must be a DSpark drafter "),
+        (["rollout.speculative.distill_every=2"], r"^rollout\.speculative\.distill_every needs rollout\.speculative"),
+        (["DRAFTER", "rollout.speculative.gamma=0"], r"^rollout\.speculative\.gamma must be an integer >= 1"),
+        (
+            ["DRAFTER", "rollout.speculative.gamma=5"],
+            r"^rollout\.speculative\.gamma must be <= the drafter's block_size",
+        ),
+        (["DRAFTER", "rollout.speculative.planner=best"], r"^rollout\.speculative\.planner must be one of"),
+        (["DRAFTER", "rollout.speculative.max_batch=0"], r"^rollout\.speculative\.max_batch must be an integer >= 1"),
+        (
+            ["DRAFTER", "rollout.speculative.distill_every=-1"],
+            r"^rollout\.speculative\.distill_every must be an integer",
+        ),
+        (["rollout.speculative.distill_lr=0"], r"^rollout\.speculative\.distill_lr must be > 0"),
+        (["rollout.speculative.distill_decay=2"], r"^rollout\.speculative\.distill_decay must be <= 1"),
+        (["rollout.speculative.distill_steps=0"], r"^rollout\.speculative\.distill_steps must be an integer >= 1"),
+        (
+            ["DRAFTER", "rollout.speculative.distill_every=2", "cluster=ray_cpu"],
+            r"^rollout\.speculative\.distill_every needs a rollout backend with 'drafter'; "
+            r"cluster\.launcher='ray' runs RayEngines, which has none \(launchers that do: \['external', 'local'\]\)",
+        ),
+    ],
+)
 def test_bad_speculative_settings_fail_by_field_name(drafter_dir, overrides, message):
     overrides = [f"rollout.speculative.drafter={drafter_dir}" if o == "DRAFTER" else o for o in overrides]
     with pytest.raises(ValueError, match=message) as e:
@@ -123,8 +143,13 @@ def test_distill_drafter_updates_the_engines_drafter_in_place_and_stays_lossless
     gens = spec_w.generate(fresh(prompts * 2), sampled)
     seqs = [(len(p), p + g.output_ids) for p, g in zip(prompts * 2, gens)]
     out = spec_w.distill_drafter(seqs, DistillConfig(steps=2, blocks=16), seed=0)
-    assert set(out) == {"drafter_tv_before", "drafter_tv_after", "drafter_distill_loss", "drafter_distill_blocks",
-                        "drafter_distill_ms"}
+    assert set(out) == {
+        "drafter_tv_before",
+        "drafter_tv_after",
+        "drafter_distill_loss",
+        "drafter_distill_blocks",
+        "drafter_distill_ms",
+    }
     assert spec_w.engine.decoder.strategy.drafter is drafter
     assert {n: p.data_ptr() for n, p in drafter.named_parameters()} == ptrs
     assert not torch.equal(drafter.fc.weight.detach(), fc)
@@ -136,13 +161,30 @@ def test_distill_drafter_updates_the_engines_drafter_in_place_and_stays_lossless
     assert ADAPTER in spec_w.engine.adapters.names
 
 
-SMALL = ["recipe=k3_grpo", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4", "trainer.eval_before=false", "trainer.eval_every=0", "data.eval_max_prompts=4",
-         "logging.progress=false", "logging.wandb=disabled", "cluster.threads_per_worker=1"]
+SMALL = [
+    "recipe=k3_grpo",
+    "rollout.prompts_per_step=4",
+    "rollout.samples_per_prompt=4",
+    "trainer.eval_before=false",
+    "trainer.eval_every=0",
+    "data.eval_max_prompts=4",
+    "logging.progress=false",
+    "logging.wandb=disabled",
+    "cluster.threads_per_worker=1",
+]
 
 
 def run(run_dir: Path, *overrides, steps: int = 2, save_every: int = 0) -> list[dict]:
-    cmd = [sys.executable, "-m", "miles_k3.cli.train", *SMALL, f"trainer.max_steps={steps}",
-           f"trainer.save_every={save_every}", *overrides, f"hydra.run.dir={run_dir}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "miles_k3.cli.train",
+        *SMALL,
+        f"trainer.max_steps={steps}",
+        f"trainer.save_every={save_every}",
+        *overrides,
+        f"hydra.run.dir={run_dir}",
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "WANDB_SILENT": "true"})
     assert out.returncode == 0, out.stderr[-3000:]
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -153,9 +195,16 @@ def test_the_loop_writes_speculation_metrics_and_agreement_is_unchanged(tmp_path
     row holds the speculation and distillation metrics, and the engine's sampled log-probs agree with the
     trainer's recomputation as closely as without speculation."""
     plain = [r for r in run(tmp_path / "plain") if "reward_mean" in r]
-    spec = [r for r in run(tmp_path / "spec", f"rollout.speculative.drafter={drafter_dir}",
-                           "rollout.speculative.distill_every=1",
-                           "rollout.speculative.distill_steps=2") if "reward_mean" in r]
+    spec = [
+        r
+        for r in run(
+            tmp_path / "spec",
+            f"rollout.speculative.drafter={drafter_dir}",
+            "rollout.speculative.distill_every=1",
+            "rollout.speculative.distill_steps=2",
+        )
+        if "reward_mean" in r
+    ]
     assert [r["step"] for r in spec] == [1, 2]
     for p, s in zip(plain, spec):
         assert "spec_accept_len" not in p
@@ -164,8 +213,10 @@ def test_the_loop_writes_speculation_metrics_and_agreement_is_unchanged(tmp_path
         assert s["spec_accept_len"] == pytest.approx(s["rollout_spec_emitted"] / s["rollout_spec_rows"])
         assert s["drafter_distill_blocks"] > 0 and s["drafter_tv_after"] >= 0.0
     # a step without a group of reward variance trains nothing (and has no agreement to report)
-    agree = [[r["train_rollout_logprob_abs_diff"] for r in rs if "train_rollout_logprob_abs_diff" in r]
-             for rs in (plain, spec)]
+    agree = [
+        [r["train_rollout_logprob_abs_diff"] for r in rs if "train_rollout_logprob_abs_diff" in r]
+        for rs in (plain, spec)
+    ]
     assert agree[0] and agree[1]
     assert max(agree[0]) < 1e-5 and max(agree[1]) < 1e-5
     assert abs(max(agree[0]) - max(agree[1])) < 2e-6
@@ -174,8 +225,11 @@ def test_the_loop_writes_speculation_metrics_and_agreement_is_unchanged(tmp_path
 def test_a_resumed_run_continues_with_the_distilled_drafter_and_its_optimizer(tmp_path, drafter_dir):
     """The checkpoint keeps the distilled drafter (it decides which tokens a seeded sample draws): a run
     stopped after step 2 and resumed reproduces step 3 of the uninterrupted run."""
-    spec = [f"rollout.speculative.drafter={drafter_dir}", "rollout.speculative.distill_every=1",
-            "rollout.speculative.distill_steps=2"]
+    spec = [
+        f"rollout.speculative.drafter={drafter_dir}",
+        "rollout.speculative.distill_every=1",
+        "rollout.speculative.distill_steps=2",
+    ]
     whole = run(tmp_path / "whole", *spec, steps=3, save_every=1)
     run(tmp_path / "split", *spec, steps=2, save_every=1)
     assert (tmp_path / "split" / "checkpoints" / "step_00000002" / "drafter_state.pt").is_file()

@@ -24,12 +24,14 @@ def setup():
 
 def rollouts(engine, tok, n=8, seed=0):
     prompts = [tok.encode_prompt(p) for p in ["12+7=", "40-9=", "3+3=", "77-70="] for _ in range(n // 4)]
-    params = [SamplingParams(max_new_tokens=5, stop_token_ids=(tok.eos_token_id,), seed=seed + i)
-              for i in range(len(prompts))]
+    params = [
+        SamplingParams(max_new_tokens=5, stop_token_ids=(tok.eos_token_id,), seed=seed + i) for i in range(len(prompts))
+    ]
     outs = engine.generate(fresh(prompts), params)
     adv = torch.randn(len(prompts), generator=torch.Generator().manual_seed(seed)).tolist()
-    return TrainBatch.of(prompts, [o.output_ids for o in outs], [o.logprobs for o in outs], adv,
-                      [i // 2 for i in range(len(prompts))])
+    return TrainBatch.of(
+        prompts, [o.output_ids for o in outs], [o.logprobs for o in outs], adv, [i // 2 for i in range(len(prompts))]
+    )
 
 
 @pytest.mark.parametrize("overlap", ["off", "on"])  # "on": the schedule a CUDA rollout uses
@@ -97,8 +99,15 @@ def test_engine_counters_add_up_across_a_release(setup):
 
     def padded_graphs():
         e = worker.engine
-        e.graphs = DecodeGraphs(e.model, e.kv, e.states, max_batch=e.config.max_running, capture=False,
-                                max_seq_len=e.config.max_seq_len, adapters=e.adapters)
+        e.graphs = DecodeGraphs(
+            e.model,
+            e.kv,
+            e.states,
+            max_batch=e.config.max_running,
+            capture=False,
+            max_seq_len=e.config.max_seq_len,
+            adapters=e.adapters,
+        )
         return e.graphs
 
     first = padded_graphs()
@@ -110,5 +119,8 @@ def test_engine_counters_add_up_across_a_release(setup):
     worker.resume_memory()
     second = padded_graphs()
     rollouts(worker, tok, seed=5)
-    assert worker.engine_counters() == {"graph_captures": once["graph_captures"] + second.captures,
-                                        "graph_replays": once["graph_replays"] + second.replays, "retractions": 0}
+    assert worker.engine_counters() == {
+        "graph_captures": once["graph_captures"] + second.captures,
+        "graph_replays": once["graph_replays"] + second.replays,
+        "retractions": 0,
+    }

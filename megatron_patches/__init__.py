@@ -23,7 +23,6 @@ Modules, one job each:
     expert_parallel.py   the routed experts' EP share and the dropless all-to-all dispatch
     vocab_parallel.py    the vocab-parallel embedding / lm_head and token log-probs without [M, V] logits
     layout_plan.py       the layout planner's per-rank byte counts (meta builds in a fake world)
-    peft_io.py           save_peft / load_peft: PEFT adapter directories with HF K3 module names
 """
 
 from megatron_patches.lora import (
@@ -38,7 +37,6 @@ from megatron_patches.lora import (
 )
 from megatron_patches.model import build_policy, reference_state
 from megatron_patches.parallel import destroy_parallel, ensure_parallel, init_parallel, single_process
-from megatron_patches.peft_io import load_peft, save_peft
 from miles_k3.model.lora_spec import DEFAULT_TARGETS, LoraSpec
 
 __all__ = [
@@ -58,6 +56,4 @@ __all__ = [
     "destroy_parallel",
     "ensure_parallel",
     "single_process",
-    "save_peft",
-    "load_peft",
 ]

@@ -47,6 +47,7 @@ from miles_k3.model.layout import tensor_shapes
 from miles_k3.model.linear import ExpertsSpec, LinearSpec, TensorParallel
 from miles_k3.model.lora_spec import LoraSpec
 from miles_k3.model.modeling import K3ForCausalLM, reference_state
+from miles_k3.model.routing import Routing
 
 # Per-head tensors of a KDA mixer that follow its heads across TP ranks (dim 0 of the full tensor).
 _KDA_HEAD_SPLIT = re.compile(r"\.self_attn\.([qkv]_conv1d\.weight|dt_bias)$")
@@ -278,6 +279,7 @@ def build_policy(
     model.tp, model.lora_spec, model.lora_generator = tp, lora, generator
     model.residual_dtype = dtype
     _install_media_feed(model)
+    model.routing = Routing(model, config)  # routing replay (`MicroBatch.routing`); inert until a table comes
     if recompute:
         recompute_layers(model)
     return model.train()
@@ -304,26 +306,30 @@ def recompute_layers(model: K3ForCausalLM) -> None:
     wrapper's `_checkpoint_wrapped_module.`, and attribute reads pass through it (`layers[0].self_attn`)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 
-    generator, cp = model.lora_generator, model.model.cp
+    generator, cp, routing = model.lora_generator, model.model.cp, getattr(model, "routing", None)
     stack = model.model.layers
     for name, layer in list(stack.named_children()):
         stack.add_module(
             name,
             checkpoint_wrapper(
-                layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT, context_fn=lambda: _replay_contexts(generator, cp)
+                layer,
+                checkpoint_impl=CheckpointImpl.NO_REENTRANT,
+                context_fn=lambda: _replay_contexts(generator, cp, routing),
             ),
         )
 
 
-def _replay_contexts(generator: torch.Generator | None, cp) -> tuple:
+def _replay_contexts(generator: torch.Generator | None, cp, routing: Routing | None = None) -> tuple:
     """(forward context, recompute context) of one checkpointed layer call: the forward records the dropout
-    generator's state and the CP layout, the recompute replays them."""
+    generator's state, the CP layout and the routing replay in force, the recompute replays them (the
+    backward runs outside the micro-batch's replay, and a recomputed router must pick the same experts)."""
     seen: dict = {}
 
     @contextlib.contextmanager
     def forward():
         seen["rng"] = None if generator is None else generator.get_state()
         seen["layout"] = cp.layout if isinstance(cp, MegatronCP) else None
+        seen["routing"] = None if routing is None else routing.current()
         yield
 
     @contextlib.contextmanager
@@ -332,7 +338,11 @@ def _replay_contexts(generator: torch.Generator | None, cp) -> tuple:
         if generator is not None:
             generator.set_state(seen["rng"])
         try:
-            with cp.sharded(seen["layout"]) if seen["layout"] is not None else contextlib.nullcontext():
+            with contextlib.ExitStack() as stack:
+                if seen["layout"] is not None:
+                    stack.enter_context(cp.sharded(seen["layout"]))
+                if seen["routing"] is not None:
+                    stack.enter_context(routing.replaying(*seen["routing"]))
                 yield
         finally:
             if generator is not None:

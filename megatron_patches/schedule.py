@@ -47,6 +47,7 @@ backward in the same order on every rank of a stage, so gloo does not hang on th
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -76,6 +77,11 @@ class MicroBatch:
     # on its local tokens and `loss_fn` / `output_fn` get hidden states of those tokens ([1, 2c, D], in
     # `layout.positions` order)
     layout: ZigzagLayout | None = None
+    # The engine's expert ids of each token [N, MoE layers, top_k] (`miles_k3.model.routing`): the policy's
+    # routers replay them (`replay`) or only measure their agreement with them; under context parallelism each
+    # rank takes its tokens' rows
+    routing: torch.Tensor | None = None
+    replay: bool = True
 
 
 LossFn = Callable[[nn.Module, torch.Tensor, MicroBatch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
@@ -99,11 +105,15 @@ class _MegatronStage(nn.Module):
     def forward(self, mb: MicroBatch) -> torch.Tensor:
         model = self.module.model
         inputs = None if model.first else self.input_tensor
-        if mb.layout is None:
-            out = model(mb.input_ids, cu_seqlens=mb.cu_seqlens, inputs=inputs)
-        else:  # the layout carries the sequence boundaries; the backward needs none
-            with model.cp.sharded(mb.layout):
-                out = model(mb.layout.shard(mb.input_ids), inputs=inputs)
+        table = mb.routing
+        if table is not None and mb.layout is not None:
+            table = mb.layout.shard(table, dim=0, pad_value=-1)
+        with self.module.routing.replaying(table, mb.replay) if table is not None else contextlib.nullcontext():
+            if mb.layout is None:
+                out = model(mb.input_ids, cu_seqlens=mb.cu_seqlens, inputs=inputs)
+            else:  # the layout carries the sequence boundaries; the backward needs none
+                with model.cp.sharded(mb.layout):
+                    out = model(mb.layout.shard(mb.input_ids), inputs=inputs)
         if not self.module.model.last and out.dtype != self.config.pipeline_dtype:
             raise ValueError(
                 f"pipeline send of dtype {out.dtype}, but the receiving stage expects "

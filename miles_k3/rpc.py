@@ -26,6 +26,7 @@ message can never call something the target did not offer; an unknown name is a 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -93,41 +94,27 @@ class _TensorSlot:
     dtype: torch.dtype
 
 
+def _walk(obj: Any, leaf: Callable[[Any], Any]) -> Any:
+    """`obj` rebuilt with `leaf(x)` for every value x inside its lists, tuples (named ones too) and dicts, in one
+    fixed order (the sender's and the receivers' walks meet the tensors in the same order)."""
+    if isinstance(obj, (list, tuple)):
+        out = [_walk(x, leaf) for x in obj]
+        return out if isinstance(obj, list) else type(obj)(out) if type(obj) is tuple else type(obj)(*out)
+    if isinstance(obj, dict):
+        return {k: _walk(v, leaf) for k, v in obj.items()}
+    return leaf(obj)
+
+
 def _lift(obj: Any, tensors: list[torch.Tensor]) -> Any:
-    """`obj` with every tensor (inside lists, tuples and dicts) replaced by a `_TensorSlot`, appended to
-    `tensors`."""
-    if torch.is_tensor(obj):
-        tensors.append(obj)
-        return _TensorSlot(len(tensors) - 1, tuple(obj.shape), obj.dtype)
-    if isinstance(obj, (list, tuple)):
-        out = [_lift(x, tensors) for x in obj]
-        return out if isinstance(obj, list) else type(obj)(out) if type(obj) is tuple else type(obj)(*out)
-    if isinstance(obj, dict):
-        return {k: _lift(v, tensors) for k, v in obj.items()}
-    return obj
+    """`obj` with every tensor replaced by a `_TensorSlot`, the tensors appended to `tensors` in walk order."""
 
+    def slot(x: Any) -> Any:
+        if not torch.is_tensor(x):
+            return x
+        tensors.append(x)
+        return _TensorSlot(len(tensors) - 1, tuple(x.shape), x.dtype)
 
-def _slots(obj: Any, found: list[_TensorSlot]) -> None:
-    if isinstance(obj, _TensorSlot):
-        found.append(obj)
-    elif isinstance(obj, (list, tuple)):
-        for x in obj:
-            _slots(x, found)
-    elif isinstance(obj, dict):
-        for x in obj.values():
-            _slots(x, found)
-
-
-def _lower(obj: Any, tensors: list[torch.Tensor]) -> Any:
-    """`_lift` undone: each slot replaced by its received tensor."""
-    if isinstance(obj, _TensorSlot):
-        return tensors[obj.index]
-    if isinstance(obj, (list, tuple)):
-        out = [_lower(x, tensors) for x in obj]
-        return out if isinstance(obj, list) else type(obj)(out) if type(obj) is tuple else type(obj)(*out)
-    if isinstance(obj, dict):
-        return {k: _lower(v, tensors) for k, v in obj.items()}
-    return obj
+    return _walk(obj, slot)
 
 
 class Broadcast:
@@ -153,14 +140,14 @@ class Broadcast:
 
         box: list[Any] = [None]
         dist.broadcast_object_list(box, src=self.src, group=self.control)
-        message = box[0]
         if self.data is None:
-            return message
-        slots: list[_TensorSlot] = []
-        _slots(message, slots)
-        tensors = []
-        for slot in sorted(slots, key=lambda s: s.index):
-            t = torch.empty(slot.shape, dtype=slot.dtype, device=self.device)
+            return box[0]
+
+        def receive(x: Any) -> Any:  # the walk meets the slots in the order the sender broadcast them
+            if not isinstance(x, _TensorSlot):
+                return x
+            t = torch.empty(x.shape, dtype=x.dtype, device=self.device)
             dist.broadcast(t, src=self.src, group=self.data)
-            tensors.append(t)
-        return _lower(message, tensors)
+            return t
+
+        return _walk(box[0], receive)

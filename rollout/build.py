@@ -11,7 +11,7 @@ its engine here: `miles-serve` (`rollout.server.loading`), `miles-k3 generate` (
 
 The base comes from the spec (a checkpoint directory, or a random-init preset initialized from `seed`, read
 by `miles_k3.model.base.load_base`: the same weights the trainer starts from) or, already in memory, from the
-caller (`base=`). PEFT adapters named by the spec are read (`megatron_patches.peft_io.load_peft`, the format
+caller (`base=`). PEFT adapters named by the spec are read (`miles_k3.model.peft.load_peft`, the format
 the trainer saves) and loaded under their names; they share one rank and module set (the pool holds one
 shape) and each keeps its own alpha.
 
@@ -34,6 +34,7 @@ from miles_k3.model.base import DTYPES, SPECIAL_TOKENS, TORCH_DTYPES, load_base,
 from miles_k3.model.config import PRESETS, K3Config
 from miles_k3.model.linear import SINGLE
 from miles_k3.model.lora_spec import LoraSpec, adaptable_modules
+from miles_k3.model.peft import load_peft
 from rollout.config import EngineConfig
 from rollout.engine import Engine
 from rollout.model_runner import QUANTIZE_MODES, build_engine_model
@@ -166,6 +167,22 @@ class EngineSpec:
             raise ValueError("EngineSpec names no base (path or preset): the caller holds it")
         return load_base_config(self.path, preset=self.preset, vocab_size=self.vocab_size, token_ids=self.token_ids)
 
+    def check_layout(self, config: K3Config) -> None:
+        """That `config` splits over this spec's tp / ep layout (`rollout.model_runner.check_layout`: heads,
+        vocabulary, expert dims); ValueError "EngineSpec.tp=N: ..." naming the field. For the caller's own
+        process, before any rank is spawned (each rank would otherwise meet it alone)."""
+        if self.tp == 1:
+            return
+        from miles_k3.model.linear import TensorParallel
+        from rollout.model_runner import check_layout
+
+        tp = TensorParallel(self.tp)
+        tp.ep_size = self.ep
+        try:
+            check_layout(config, tp)
+        except ValueError as e:
+            raise ValueError(f"EngineSpec.tp={self.tp}: {e}") from None
+
     def load_base(self) -> tuple[K3Config, Mapping[str, torch.Tensor] | TensorSource]:
         """(config, tensors) of the base: a preset initialized from `seed`; a checkpoint read whole in one
         process, or as a lazy `CheckpointSource` when sharded (each rank reads only its slices)."""
@@ -183,19 +200,19 @@ class EngineSpec:
 
 def read_adapters(spec: EngineSpec) -> tuple[LoraSpec | None, dict[str, dict[str, torch.Tensor]], dict[str, float]]:
     """(the pool's LoraSpec, tensors by name, alpha by name) of `spec.adapters`: every adapter of one rank and
-    module set, and `spec.lora`'s when that is given. ValueError "EngineSpec.adapters NAME=DIR: ..."."""
+    module set, and `spec.lora`'s when that is given. Any format `load_peft` reads (ours, transformers-native
+    Kimi-Linear, K3's published names, stacked experts), checked against the spec's base config when the spec
+    names one. ValueError "EngineSpec.adapters NAME=DIR: <file>: module ...: ..." (the CLIs show --adapter)."""
     lora, tensors, alphas = spec.lora, {}, {}
     if not spec.adapters:
         return lora, tensors, alphas
-    # imported here: the megatron_patches package imports megatron-core (seconds), which a base-only engine
-    # never needs
-    from megatron_patches.peft_io import load_peft
-
     first = "EngineSpec.lora's" if lora is not None else None
+    # with the spec's base at hand, every module of an adapter must be one of its modules, with its shapes
+    config = spec.base_config() if spec.has_base else None
     for name, path in spec.adapters:
         where = f"EngineSpec.adapters {name}={path}"
         try:
-            t, s = load_peft(path)
+            t, s = load_peft(path, config=config)
         except ValueError as e:
             raise ValueError(f"{where}: {e}") from None
         if lora is None:

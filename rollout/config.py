@@ -57,6 +57,10 @@ class EngineConfig:
     # decode context parallelism inside the tensor-parallel group: MLA's latent KV sharded by token position
     # over `dcp_size` ranks (rank r keeps positions p with p % dcp_size == r); 1: every rank keeps all of it
     dcp_size: int = 1
+    # record each token's routed experts per MoE layer (`Completion.routed_experts`, for the trainer's routing
+    # replay): a table beside the KV pages, so prefix hits and speculation keep the routing that computed the
+    # KV; decode runs eagerly while it is on (the table's writes are not in the CUDA graphs yet)
+    record_routing: bool = False
     # speculative decoding (rollout.engine.strategy_for builds the decode strategy from it); None: one token
     # per row per step
     speculation: object | None = None
@@ -89,13 +93,18 @@ class EngineConfig:
         ):
             if getattr(self, name) not in options:
                 raise fail(name, f"must be one of {options}")
-        for name in ("cuda_graphs", "compile_decode", "unified_memory"):
+        for name in ("cuda_graphs", "compile_decode", "unified_memory", "record_routing"):
             if not isinstance(getattr(self, name), bool):
                 raise fail(name, "must be a bool")
         if self.chunk_size % self.page_size:
             raise fail("chunk_size", f"must be a multiple of page_size ({self.page_size})")
         if self.max_prefill_tokens % self.chunk_size:
             raise fail("max_prefill_tokens", f"must be a multiple of chunk_size ({self.chunk_size})")
+        if self.record_routing and self.unified_memory:
+            raise fail(
+                "record_routing",
+                "needs unified_memory=False (the routing table follows KV page ids, which unified memory moves)",
+            )
         if self.page_size % self.dcp_size:
             raise fail(
                 "dcp_size",

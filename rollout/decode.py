@@ -23,7 +23,7 @@ import torch
 
 from rollout.cache_manager import CacheManager, Running
 from rollout.model_runner import ModelRunner
-from rollout.sampler import sample_on_device
+from rollout.sampler import sample_alternatives, sample_on_device, unpack_alternatives
 from rollout.scheduler import Scheduler
 from rollout.transfer import to_device, to_host
 
@@ -45,6 +45,7 @@ class DecodeLaunch:
     ready: torch.cuda.Event | None
     snapshots: list[tuple[Running, int, int | None]] = field(default_factory=list)
     overlaps: bool = True
+    alternatives: torch.Tensor | None = None  # host copy of the rows' alternatives (`OneToken`), when asked
 
 
 class DecodeStrategy:
@@ -113,25 +114,45 @@ class DecodeStrategy:
 
 
 class OneToken(DecodeStrategy):
-    """One forward, one sampled token per row."""
+    """One forward, one sampled token per row. Rows whose params ask for alternatives (top log-probs, given
+    ids' log-probs) get them from the step's own logits and log-softmax (`rollout.sampler.sample_alternatives`;
+    on CUDA such a batch samples through the torch path), read back with the tokens and handed to each row's
+    request (`Request.step_alternatives`); a batch where no row asks samples as it always did."""
 
     def __init__(self, runner: ModelRunner):
         self.runner = runner
 
     def launch(self, batch: list[Running], ids: list[int] | torch.Tensor) -> DecodeLaunch:
         logits = self.runner.forward(batch, ids, [1] * len(batch))
-        tokens, logps = sample_on_device(
-            logits, [r.req.params for r in batch], [r.req.seed for r in batch], [r.pos + 1 for r in batch]
-        )  # the new token's position
-        host, ready = to_host(torch.stack([tokens.to(torch.float64), logps.to(torch.float64)]))
+        params = [r.req.params for r in batch]
+        alternatives = None
+        if not any(p.alternatives for p in params):
+            tokens, logps = sample_on_device(
+                logits, params, [r.req.seed for r in batch], [r.pos + 1 for r in batch]
+            )  # the new token's position
+            host, ready = to_host(torch.stack([tokens.to(torch.float64), logps.to(torch.float64)]))
+        else:
+            keys = to_device([[r.req.seed for r in batch], [r.pos + 1 for r in batch]], logits.device, torch.long)
+            tokens, logps, alt = sample_alternatives(logits, params, keys)
+            host, _ = to_host(torch.stack([tokens.to(torch.float64), logps.to(torch.float64)]))
+            alternatives, ready = to_host(alt)  # recorded after both copies: one event marks them
         for r in batch:
             r.pos += 1
-        return DecodeLaunch(batch, tokens, host, ready)
+        launch = DecodeLaunch(batch, tokens, host, ready)
+        launch.alternatives = alternatives
+        return launch
 
     def read(self, launch: DecodeLaunch) -> tuple[list[list[int]], list[list[float]]]:
         if launch.ready is not None:
             launch.ready.synchronize()
         tokens, logps = launch.host.tolist()
+        if launch.alternatives is not None:
+            asking = [r for r in launch.batch if r.req.params.alternatives]
+            vocab = self.runner.model.config.vocab_size
+            for r, both in zip(
+                asking, unpack_alternatives(launch.alternatives.tolist(), [r.req.params for r in asking], vocab)
+            ):
+                r.req.step_alternatives = [both]
         return [[int(t)] for t in tokens], [[lp] for lp in logps]
 
 

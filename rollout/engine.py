@@ -41,9 +41,18 @@ from rollout.media import Image, MediaEncoder, PromptMedia, packed_media
 from rollout.memory import KDAStatePool, KVPagePool
 from rollout.model_runner import ModelRunner
 from rollout.parallel import EngineTP
-from rollout.request import Completion, FinishReason, Request, SamplingParams, next_request_id
-from rollout.sampler import sample
+from rollout.request import (
+    Completion,
+    FinishReason,
+    PromptLogprobs,
+    Request,
+    SamplingParams,
+    TokenEvent,
+    next_request_id,
+)
+from rollout.sampler import prompt_alternatives, sample, sample_alternatives, unpack_alternatives
 from rollout.scheduler import Scheduler
+from rollout.transfer import to_device
 
 
 def strategy_for(runner: ModelRunner, config) -> DecodeStrategy:
@@ -65,7 +74,17 @@ def strategy_for(runner: ModelRunner, config) -> DecodeStrategy:
 class Engine:
     # the calls rank 0 of a sharded engine logs and the other ranks replay (`follow`): every state change
     REPLAYED = frozenset(
-        {"_enqueue", "_step", "_abort", "_add_adapter", "_update_adapter", "_release_memory", "_resume_memory"}
+        {
+            "_enqueue",
+            "_step",
+            "_abort",
+            "_add_adapter",
+            "_update_adapter",
+            "_remove_adapter",
+            "_flush_cache",
+            "_release_memory",
+            "_resume_memory",
+        }
     )
 
     def __init__(
@@ -105,7 +124,7 @@ class Engine:
         self.scheduler = Scheduler(config, self.memory, lookahead=strategy.lookahead)
         overlap = config.overlap == "on" or (config.overlap == "auto" and self.runner.device.type == "cuda")
         self.decoder = DecodePipeline(strategy, self.scheduler, self.memory, self._append, overlap)
-        self._events: dict[int, list[tuple[int, float]]] = {}  # submitted with stream=True: not yet taken
+        self._events: dict[int, list[TokenEvent]] = {}  # submitted with stream=True: not yet taken
         self._ended: set[int] = set()  # streamed requests that finished: take_tokens hands over the rest
         self._completed: list[Completion] = []
 
@@ -150,6 +169,55 @@ class Engine:
             raise RuntimeError(f"update_adapter({name!r}) while requests using it are in flight")
         self._apply("_update_adapter", name, tensors, now=True)
 
+    def remove_adapter(self, name: str) -> None:
+        """Unload an adapter: its slot is zeroed and freed, its cached prefixes dropped. Refused (RuntimeError)
+        while requests using it are in flight; ValueError for a name not loaded."""
+        self._caller()
+        self._need_adapters().slot_of(name)
+        s = self.scheduler
+        if any(r.adapter == name for r in s.waiting) or any(r.req.adapter == name for r in s.running):
+            raise RuntimeError(f"remove_adapter({name!r}) while requests using it are in flight")
+        self._apply("_remove_adapter", name, now=True)
+
+    def _remove_adapter(self, name: str) -> None:
+        self.decoder.settle()  # a step in flight of finished requests may still hold snapshots in its tree
+        self._need_adapters().remove_adapter(name)
+        if self.memory.kv is not None:
+            self.memory.drop_tree(name)
+
+    def flush_cache(self) -> None:
+        """Evict every cached prefix (KV pages and KDA checkpoints of every tree). Only while no request is
+        waiting or running (RuntimeError otherwise): then both pools are back to full."""
+        self._caller()
+        if self.has_work():
+            raise RuntimeError("flush_cache() with requests in flight; finish or abort them first")
+        self._apply("_flush_cache")
+
+    def _flush_cache(self) -> None:
+        self.decoder.settle()
+        if self.memory.kv is not None:
+            for name in list(self.memory.caches):
+                self.memory.drop_tree(name)
+
+    def pool_stats(self) -> dict[str, int]:
+        """Occupancy now: KV pages and KDA state slots in use (by requests or the prefix trees) and in all, the
+        pages and slots the trees hold, running and waiting requests (all zeros but the counts while the memory
+        is released)."""
+        kv, states, s = self.memory.kv, self.memory.states, self.scheduler
+        out = {"running": len(s.running), "waiting": len(s.waiting)}
+        if kv is None:
+            return {**out, "kv_pages_used": 0, "kv_pages_total": 0, "kda_slots_used": 0, "kda_slots_total": 0}
+        pages, slots = kv.allocator, states.allocator
+        return {
+            **out,
+            "kv_pages_used": pages.capacity - pages.num_free,
+            "kv_pages_total": pages.capacity,
+            "kda_slots_used": slots.capacity - slots.num_free,
+            "kda_slots_total": slots.capacity,
+            "tree_pages": sum(len(c.owned_pages()) for c in self.memory.caches.values()),
+            "tree_slots": sum(len(c.owned_slots()) for c in self.memory.caches.values()),
+        }
+
     def _add_adapter(self, name: str, tensors: dict[str, torch.Tensor], alpha: float | None) -> None:
         self._need_adapters().add_adapter(name, tensors, alpha)
 
@@ -183,7 +251,7 @@ class Engine:
         images: list[Image] | None = None,
     ) -> int:
         """Queue a request; returns its id. Bad requests raise ValueError and leave the engine untouched.
-        With `stream`, the engine keeps the request's (token, log-prob) pairs for `take_tokens`. `images`: the
+        With `stream`, the engine keeps the request's tokens for `take_tokens` / `take_events`. `images`: the
         prompt's images in order (`ImageFeatures` or `ProcessedImage`), covering its media pad tokens in order
         (`rollout.media`); an image's features are computed once while requests share them."""
         self._caller()
@@ -204,6 +272,21 @@ class Engine:
             raise ValueError(
                 f"request needs {pages} KV pages but the pool holds {self.memory.sizes.num_pages}; "
                 "raise memory_bytes or shorten the request"
+            )
+        vocab_checks = [("top_logprobs", params.top_logprobs > vocab)]
+        vocab_checks.append(("token_ids_logprob", any(t >= vocab for t in params.token_ids_logprob)))
+        for name, bad in vocab_checks:
+            if bad:
+                raise ValueError(f"SamplingParams.{name} reaches past the vocabulary ({vocab})")
+        if params.logprob_start_len >= len(prompt_ids):
+            raise ValueError(
+                f"SamplingParams.logprob_start_len ({params.logprob_start_len}) must be < the prompt's length "
+                f"({len(prompt_ids)})"
+            )
+        if self.config.speculation is not None and (params.alternatives or params.logprob_start_len >= 0):
+            raise ValueError(
+                "SamplingParams.top_logprobs / token_ids_logprob / logprob_start_len are not computed under "
+                "speculative decoding"
             )
         if adapter is not None:
             if self.adapters is None:
@@ -241,12 +324,24 @@ class Engine:
         media = None if images is None else PromptMedia(prompt_ids, self.media.pads(prompt_ids), images)
         req = Request(prompt_ids, params, adapter, request_id=request_id, media=media)
         req.seed = seed
+        if params.logprob_start_len >= 0:
+            req.prompt_lp = PromptLogprobs(
+                params.logprob_start_len,
+                top=[] if params.top_logprobs else None,
+                token_ids=[] if params.token_ids_logprob else None,
+            )
+            if params.logprob_start_len == 0:  # position 0 has no distribution before it
+                _add_prompt_position(req.prompt_lp, None, (None, None))
         self.scheduler.add(req)
 
     def take_tokens(self, request_id: int) -> list[tuple[int, float]]:
         """The (token, log-prob) pairs a request submitted with `stream=True` sampled since the last call (in
         order, [] for any other id). Once it has finished (its Completion came out of `step` or `abort`), the
         call hands over the rest and the engine forgets the request."""
+        return [(e.token, e.logprob) for e in self.take_events(request_id)]
+
+    def take_events(self, request_id: int) -> list[TokenEvent]:
+        """`take_tokens` with each token's alternatives and, on the first, the prompt log-probs (`TokenEvent`)."""
         if request_id in self._ended:
             self._ended.discard(request_id)
             return self._events.pop(request_id, [])
@@ -336,12 +431,19 @@ class Engine:
         lengths = [end - r.pos for r, end in plan]
         media = packed_media([(r.req.media, r.pos, end) for r, end in plan], self.runner.device)
         ids = [t for r, end in plan for t in r.tokens[r.pos : end]]
-        # media only when there is some: a text prefill's call is the one it always was
+        # media only when there is some: a text prefill's call is the one it always was; logits at every new
+        # token only when a request computes prompt log-probs in this chunk (`_prompt_logprobs`)
+        extra = {} if media is None else {"media": media}
+        every = any(_prompt_rows(r, end) for r, end in plan)
+        if every:
+            extra["every_token"] = True
         logits = self.decoder.strategy.prefill(
-            lambda: self.runner.forward(batch, ids, lengths, **({} if media is None else {"media": media})),
+            lambda: self.runner.forward(batch, ids, lengths, **extra),
             batch,
             [(r.pos, end) for r, end in plan],
         )
+        if every:
+            logits = self._prompt_logprobs(plan, logits)
         for r, end in plan:
             r.pos = end
         self.memory.donate(batch)
@@ -349,21 +451,75 @@ class Engine:
         if done:
             rows = done if len(done) < len(plan) else slice(None)
             batch = [plan[i][0] for i in done]
-            tokens, logps = sample(
-                logits[rows], [r.req.params for r in batch], [r.req.seed for r in batch], [r.pos for r in batch]
-            )  # the new token's position: r.pos = len(r.tokens)
+            params = [r.req.params for r in batch]
+            if any(p.alternatives for p in params):
+                tokens, logps = self._sample_alternatives(logits[rows], batch)
+            else:
+                tokens, logps = sample(
+                    logits[rows], params, [r.req.seed for r in batch], [r.pos for r in batch]
+                )  # the new token's position: r.pos = len(r.tokens)
             self._append(batch, [[t] for t in tokens], [[lp] for lp in logps])
+
+    def _sample_alternatives(self, logits: torch.Tensor, batch: list[Running]) -> tuple[list[int], list[float]]:
+        """`sample` of a prefill's first tokens, with the alternatives of the rows that ask set on their
+        requests (`Request.step_alternatives`) for `_append`."""
+        params = [r.req.params for r in batch]
+        keys = to_device([[r.req.seed for r in batch], [r.pos for r in batch]], logits.device, torch.long)
+        tokens, logps, alt = sample_alternatives(logits, params, keys)
+        asking = [r for r in batch if r.req.params.alternatives]
+        vocab = self.model.config.vocab_size
+        for r, both in zip(asking, unpack_alternatives(alt.tolist(), [r.req.params for r in asking], vocab)):
+            r.req.step_alternatives = [both]
+        return [int(t) for t in tokens.tolist()], [float(lp) for lp in logps.tolist()]
+
+    def _prompt_logprobs(self, plan: list[tuple[Running, int]], logits: torch.Tensor) -> torch.Tensor:
+        """From a prefill's logits at every new token [sum lengths, V]: each asking request's prompt log-probs
+        for the positions this chunk computes the row before (`Request.prompt_lp`); returns the logits at each
+        request's last new token [B, V], what the prefill samples from. Runs before the plan's `pos` advance.
+        A position whose row a prefix hit skipped gets None (admission prevents it: `Scheduler._admit`; only
+        unified memory's re-match after blocks moved can hit deeper)."""
+        ends, at = [], 0
+        entries: list[tuple[Request, int | None]] = []  # in position order per request; None: skipped
+        for r, end in plan:
+            entries += [(r.req, at + q - 1 - r.pos if q > r.pos else None) for q in _prompt_rows(r, end)]
+            at += end - r.pos
+            ends.append(at - 1)
+        asked = [(req, row) for req, row in entries if row is not None]
+        values: list[tuple] = []
+        if asked:
+            params = [req.params for req, _ in asked]
+            index = to_device([row for _, row in asked], logits.device, torch.long)
+            picked, alt = prompt_alternatives(logits[index], params, _targets(entries))
+            both = (
+                unpack_alternatives(alt.tolist(), params, self.model.config.vocab_size)
+                if alt is not None
+                else [(None, None)] * len(asked)
+            )
+            values = list(zip(picked.tolist(), both))
+        it = iter(values)
+        for req, row in entries:
+            lp, extra = (None, (None, None)) if row is None else next(it)
+            _add_prompt_position(req.prompt_lp, lp, extra)
+        return logits[to_device(ends, logits.device, torch.long)]
 
     def _append(self, batch: list[Running], tokens: list[list[int]], logps: list[list[float]]) -> None:
         """Each row's new tokens, in order, up to a stop token or the length limit (the request finishes)."""
         for r, toks, lps in zip(batch, tokens, logps):
             req = r.req
-            for tok, lp in zip(toks, lps):
+            alternatives, req.step_alternatives = req.step_alternatives, None
+            for i, (tok, lp) in enumerate(zip(toks, lps)):
+                top, ids = alternatives[i] if alternatives else (None, None)
+                if req.params.top_logprobs:
+                    req.top_logprobs.append(top)
+                if req.params.token_ids_logprob:
+                    req.token_ids_logprobs.append(ids)
+                first = not req.output_ids
                 req.output_ids.append(tok)
                 req.logprobs.append(lp)
                 r.tokens.append(tok)
                 if req.request_id in self._events:
-                    self._events[req.request_id].append((tok, lp))
+                    prompt = req.prompt_lp if first else None
+                    self._events[req.request_id].append(TokenEvent(tok, lp, top, ids, prompt))
                 reason = (
                     FinishReason.STOP
                     if tok in req.params.stop_token_ids
@@ -372,6 +528,8 @@ class Engine:
                     else None
                 )
                 if reason is not None:
+                    if self.runner.routing is not None:  # read while the request still holds its pages
+                        req.routed_experts = self.runner.routed_experts(r)
                     self.scheduler.finish(r)
                     self._completed.append(self._complete(req, reason))
                     break
@@ -439,3 +597,35 @@ class Engine:
         if self.is_leader:
             raise RuntimeError("follow() is for the ranks > 0 of a sharded engine")
         rpc.follow(self, self.tp.transport(self.runner.device))
+
+
+def _prompt_rows(r: Running, end: int) -> list[int]:
+    """The prompt positions q whose log-prob is due once r's prefill chunk [r.pos, end) is computed: those not
+    yet done (from `SamplingParams.logprob_start_len`, position 0 set at submit) whose row q - 1 is before end."""
+    first = r.req.prompt_logprob_next
+    if first is None:
+        return []
+    return list(range(max(first, 1), min(end, len(r.req.prompt_ids) - 1) + 1))
+
+
+def _targets(entries: list[tuple[Request, int | None]]) -> list[int]:
+    """The prompt token at each computed entry's position (entries in position order per request, from its
+    `prompt_logprob_next`)."""
+    nxt: dict[int, int] = {}
+    out = []
+    for req, row in entries:
+        q = nxt.get(req.request_id, req.prompt_logprob_next)
+        nxt[req.request_id] = q + 1
+        if row is not None:
+            out.append(req.prompt_ids[q])
+    return out
+
+
+def _add_prompt_position(
+    lp: PromptLogprobs, value: float | None, extra: tuple[list[tuple[int, float]] | None, list[float] | None]
+) -> None:
+    lp.logprobs.append(value)
+    if lp.top is not None:
+        lp.top.append(extra[0])
+    if lp.token_ids is not None:
+        lp.token_ids.append(extra[1])

@@ -117,9 +117,13 @@ class AdapterPool:
         self._write(self.slot_of(name), tensors)
 
     def remove_adapter(self, name: str) -> None:
+        """Free `name`'s slot for the next `add_adapter`: its A, B and scale zeroed (in place: a captured graph
+        reading the slot sees a zero delta). ValueError for a name not loaded."""
         slot = self.slot_of(name)
         for buf in (*self.A.values(), *self.B.values()):
             buf[slot].zero_()
+        self.scale[slot] = 0.0
+        self.device_scale = self.scale.to(self.device)
         del self.names[name]
 
     def _write(self, slot: int, tensors: dict[str, torch.Tensor]) -> None:

@@ -28,6 +28,7 @@ from miles_k3.model.linear import SINGLE, ExpertsSpec, LinearSpec, TensorParalle
 from miles_k3.model.lora_spec import LoraSpec
 from miles_k3.model.modeling import K3ForCausalLM, MediaEmbeds
 from miles_k3.model.moe import RoutedExperts
+from miles_k3.model.routing import Routing
 from rollout.config import EngineConfig
 from rollout.forward import DecodeGraphs, hooks, model_step, tapped_rows
 from rollout.linears import EngineExperts, EngineLinear, Shard
@@ -240,6 +241,10 @@ class ModelRunner:
         self.kv: KVPagePool | None = None
         self.states: KDAStatePool | None = None
         self.graphs: DecodeGraphs | None = None
+        # with record_routing: the routers' choices of every forward, kept per KV row (page * page_size + offset)
+        # in `routing_table` [rows, MoE layers, top_k] int16, built and dropped with the pools
+        self.routing = Routing.of(model, model.config) if config.record_routing else None
+        self.routing_table: torch.Tensor | None = None
         self._dropped_graph_counts = (0, 0)  # (captures, replays) of graphs dropped with their pools
 
     def _set_mxfp4_matmul(self, kind: str) -> None:
@@ -269,6 +274,7 @@ class ModelRunner:
         graphs under the same condition (`rollout.spec.graphs`)."""
         return (
             self.config.cuda_graphs
+            and not self.config.record_routing
             and self.device.type == "cuda"
             and all(m.groups(self.dtype) for m in self.model.modules() if isinstance(m, RoutedExperts))
         )
@@ -293,10 +299,32 @@ class ModelRunner:
             if self.graphs_apply()
             else None
         )
+        if self.routing is not None:
+            rows = (kv.allocator.capacity + 2) * kv.page_size  # every page, the sink and zero pages included
+            self.routing_table = torch.full(
+                (rows, self.routing.width, self.routing.top_k), -1, dtype=torch.int16, device=self.device
+            )
 
     def release_pools(self) -> None:
         self._dropped_graph_counts = self.graph_counts()
-        self.kv = self.states = self.graphs = None
+        self.kv = self.states = self.graphs = self.routing_table = None
+
+    def _routing_rows(self, batch: list[Running], lengths: list[int]) -> torch.Tensor:
+        """The routing table's row of each of a step's new tokens, request by request."""
+        ps = self.kv.page_size
+        rows = [r.pages[p // ps] * ps + p % ps for r, n in zip(batch, lengths) for p in range(r.pos, r.pos + n)]
+        return to_device(rows, self.device)
+
+    def routed_experts(self, r: Running) -> torch.Tensor:
+        """[len(r.tokens), MoE layers, top_k] int16 on the host: each computed position's experts from the
+        table (kept with its KV: a prefix hit reads the routing that computed the cached KV), -1 past `r.pos`."""
+        out = torch.full((len(r.tokens), self.routing.width, self.routing.top_k), -1, dtype=torch.int16)
+        n = min(r.pos, len(r.tokens))
+        if n:
+            ps = self.kv.page_size
+            rows = torch.tensor([r.pages[p // ps] * ps + p % ps for p in range(n)], device=self.device)
+            out[:n] = self.routing_table[rows].cpu()
+        return out
 
     def graph_counts(self) -> tuple[int, int]:
         """Decode graphs captured and replayed since the engine was built, dropped graphs included."""
@@ -348,7 +376,14 @@ class ModelRunner:
         else:
             ids_t, cu = ids[:, None], None
         with torch.inference_mode():
-            return model_step(self.model, ids_t, cache, cu, every_token, media)
+            if self.routing is None:
+                return model_step(self.model, ids_t, cache, cu, every_token, media)
+            with self.routing.recording():
+                logits = model_step(self.model, ids_t, cache, cu, every_token, media)
+                self.routing_table[self._routing_rows(batch, lengths)] = self.routing.table(sum(lengths)).to(
+                    self.device, torch.int16
+                )
+            return logits
 
     def forward_tapped(
         self, batch: list[Running], ids: list[int] | torch.Tensor, taps: dict[str, torch.nn.Module]

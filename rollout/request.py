@@ -6,7 +6,7 @@ import enum
 import itertools
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
     from rollout.media import PromptMedia
@@ -32,6 +32,10 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # generation stops after emitting any of these (it is kept)
     seed: int | None = None  # reproducible samples (`rollout.noise`, taken mod 2^62); None: drawn from torch's stream
     return_logprobs: bool = True  # Completion.logprobs holds one log-prob per output token (else None)
+    # alternatives under the same distribution as the sampled token's log-prob, computed from the same logits:
+    top_logprobs: int = 0  # >= 0: per output token, the N most likely (token id, log-prob) (Completion.top_logprobs)
+    token_ids_logprob: tuple[int, ...] = ()  # per output token, the log-probs of these ids (token_ids_logprobs)
+    logprob_start_len: int = -1  # >= 0: prompt log-probs from this prompt position (Completion.prompt); -1: none
 
     def __post_init__(self) -> None:
         def fail(name: str, rule: str) -> ValueError:
@@ -57,6 +61,44 @@ class SamplingParams:
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise fail("seed", "must be an integer or None")
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        integer("top_logprobs", 0)
+        ids = self.token_ids_logprob
+        if not isinstance(ids, (list, tuple)) or any(
+            isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids
+        ):
+            raise fail("token_ids_logprob", "must be a list of token ids (integers >= 0)")
+        object.__setattr__(self, "token_ids_logprob", tuple(ids))
+        integer("logprob_start_len", -1)
+
+    @property
+    def alternatives(self) -> bool:
+        """Whether each sampled token also reports alternatives (top log-probs or given ids' log-probs)."""
+        return self.top_logprobs > 0 or bool(self.token_ids_logprob)
+
+
+class TokenEvent(NamedTuple):
+    """One sampled token as a stream hands it over (`Engine.take_events`). `top` / `ids`: the request's top
+    log-probs / its token_ids_logprob log-probs at this position (None when not asked); `prompt`: on a request's
+    first output token, its prompt log-probs when asked (`SamplingParams.logprob_start_len`)."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]] | None = None
+    ids: list[float] | None = None
+    prompt: PromptLogprobs | None = None
+
+
+@dataclass
+class PromptLogprobs:
+    """Log-probs of a request's prompt tokens from position `start` on, each under the distribution the model
+    gave it after the tokens before it (the request's temperature, 1 when greedy, untruncated), computed in the
+    prefill. Position 0 has no distribution: its entries are None. `top` / `token_ids` as the output tokens'
+    (None when not asked)."""
+
+    start: int
+    logprobs: list[float | None] = field(default_factory=list)
+    top: list[list[tuple[int, float]] | None] | None = None
+    token_ids: list[list[float] | None] | None = None
 
 
 class FinishReason(str, enum.Enum):
@@ -73,6 +115,14 @@ class Completion:
     logprobs: list[float] | None
     finish_reason: FinishReason
     cached_tokens: int  # prompt tokens served from the prefix cache at (last) admission
+    # with SamplingParams.top_logprobs: per output token its top (token id, log-prob), most likely first
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    # with SamplingParams.token_ids_logprob: per output token the log-probs of those ids, in their order
+    token_ids_logprobs: list[list[float]] | None = None
+    prompt: PromptLogprobs | None = None  # with SamplingParams.logprob_start_len >= 0
+    # with EngineConfig.record_routing: [len(prompt_ids) + len(output_ids), MoE layers, top_k] int16 expert ids
+    # of each token as the engine computed it; -1 for a token never fed (the last output token). None otherwise
+    routed_experts: object | None = None
 
 
 @dataclass(eq=False)
@@ -90,6 +140,22 @@ class Request:
     retractions: int = 0
     media: PromptMedia | None = None  # the prompt's images (`rollout.media`): features at its pad tokens
     seed: int = 0  # the sampling noise's seed (`rollout.noise`): params.seed, or drawn by the engine at submit
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # with params.top_logprobs
+    token_ids_logprobs: list[list[float]] = field(default_factory=list)  # with params.token_ids_logprob
+    prompt_lp: PromptLogprobs | None = None  # filled by the prefill (params.logprob_start_len >= 0)
+    # (top, ids) of each token the step being read back sampled, set just before the engine appends them
+    step_alternatives: list[tuple[list[tuple[int, float]] | None, list[float] | None]] | None = None
+
+    @property
+    def prompt_logprob_next(self) -> int | None:
+        """The next prompt position whose log-prob is still to be computed; None when none is (not asked, or
+        done). A prefix-cache hit must not skip the logits row before it (`Scheduler._admit`)."""
+        if self.params.logprob_start_len < 0:
+            return None
+        done = self.prompt_lp.start + len(self.prompt_lp.logprobs) if self.prompt_lp else self.params.logprob_start_len
+        return done if done < len(self.prompt_ids) else None
+
+    routed_experts: object | None = None  # set when it finishes, with EngineConfig.record_routing (Completion's)
 
     @property
     def all_ids(self) -> list[int]:
@@ -108,4 +174,8 @@ class Request:
             list(self.logprobs) if self.params.return_logprobs else None,
             self.finish_reason,
             self.cached_tokens,
+            top_logprobs=[list(t) for t in self.top_logprobs] if self.params.top_logprobs else None,
+            token_ids_logprobs=[list(t) for t in self.token_ids_logprobs] if self.params.token_ids_logprob else None,
+            prompt=self.prompt_lp,
+            routed_experts=self.routed_experts,
         )

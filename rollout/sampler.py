@@ -47,19 +47,91 @@ def sample_keys(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`sample_on_device` with each row's (seed, position) as a [2, B] int64 tensor on the logits' device
     (positions the device computed: a speculative step's)."""
+    tokens, logps, _ = sample_alternatives(logits, params, keys)
+    return tokens, logps
+
+
+def sample_alternatives(
+    logits: torch.Tensor, params: list[SamplingParams], keys: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """`sample_keys`, plus the alternatives of the rows whose params ask for them (`SamplingParams.alternatives`),
+    taken from the log-softmax the sampled token's log-prob is read from (one pass, no second forward): a
+    device tensor laid out by `alternatives` over those rows (in row order), None when no row asks."""
+    asking = [i for i, p in enumerate(params) if p.alternatives]
     with torch.inference_mode():
         if not kernels.use_kernels(logits):
-            return _sample_torch(logits, params, keys)
+            tokens, logps, logprobs = _draw_torch(logits, params, keys, keep=bool(asking))
+            if not asking:
+                return tokens, logps, None
+            rows = asking if len(asking) < len(params) else slice(None)
+            return tokens, logps, alternatives(logprobs[rows], [params[i] for i in asking])
         from rollout.kernels.sampling import sample_rows  # triton: CUDA builds and the interpreter only
 
-        truncated = [i for i, p in enumerate(params) if p.temperature > 0 and _truncates(p, logits.shape[-1])]
+        vocab = logits.shape[-1]
+        # the kernel draws without truncation and reports only the sampled token: truncated rows, and rows
+        # asking for alternatives (their top log-probs must come from the very log-softmax their token's
+        # log-prob does), take the torch path
+        torch_rows = [i for i, p in enumerate(params) if (p.temperature > 0 and _truncates(p, vocab)) or p.alternatives]
         temps = to_device([p.temperature for p in params], logits.device, torch.float32)
         tokens, logps = sample_rows(logits, temps, keys)
-        if truncated:  # the kernel draws without truncation: these rows take the torch path
-            rows = to_device(truncated, logits.device, torch.long)
-            t, lp = _sample_torch(logits[rows], [params[i] for i in truncated], keys[:, rows])
+        alt = None
+        if torch_rows:
+            rows = to_device(torch_rows, logits.device, torch.long)
+            sub = [params[i] for i in torch_rows]
+            t, lp, logprobs = _draw_torch(logits[rows], sub, keys[:, rows], keep=bool(asking))
             tokens, logps = tokens.index_copy(0, rows, t), logps.index_copy(0, rows, lp)
-        return tokens, logps
+            if asking:
+                mine = [j for j, p in enumerate(sub) if p.alternatives]
+                alt = alternatives(logprobs[to_device(mine, logits.device, torch.long)], [sub[j] for j in mine])
+        return tokens, logps, alt
+
+
+def alternatives(logprobs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """logprobs [R, V] (each row's log-softmax at its temperature) -> float64 [R, 2N + K], N the rows' largest
+    `top_logprobs`, K their longest `token_ids_logprob`: the top N token ids, their log-probs (most likely
+    first), then the log-probs of each row's given ids (padding past a row's own). `unpack_alternatives` reads
+    a row back."""
+    n = min(max(p.top_logprobs for p in params), logprobs.shape[-1])
+    k = max(len(p.token_ids_logprob) for p in params)
+    parts = []
+    if n:
+        top = logprobs.topk(n, dim=-1)
+        parts += [top.indices.to(torch.float64), top.values.to(torch.float64)]
+    if k:
+        ids = [list(p.token_ids_logprob) + [0] * (k - len(p.token_ids_logprob)) for p in params]
+        parts.append(logprobs.gather(1, to_device(ids, logprobs.device, torch.long)).to(torch.float64))
+    return torch.cat(parts, dim=1)
+
+
+def unpack_alternatives(
+    rows: list[list[float]], params: list[SamplingParams], vocab: int
+) -> list[tuple[list[tuple[int, float]] | None, list[float] | None]]:
+    """`alternatives(logprobs, params)` on the host (its `.tolist()`), row by row: (the top (token id, log-prob)
+    pairs, None when not asked; the given ids' log-probs, None when not asked)."""
+    n = min(max(p.top_logprobs for p in params), vocab)
+    out = []
+    for row, p in zip(rows, params):
+        top = [(int(row[i]), row[n + i]) for i in range(min(p.top_logprobs, vocab))] if p.top_logprobs else None
+        ids = row[2 * n : 2 * n + len(p.token_ids_logprob)] if p.token_ids_logprob else None
+        out.append((top, ids))
+    return out
+
+
+def prompt_alternatives(
+    logits: torch.Tensor, params: list[SamplingParams], targets: list[int]
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Prompt log-probs: logits [R, V] at the rows before prompt positions, row r's request's params[r] and the
+    prompt token at the position it predicts, targets[r] -> (log-prob of each target fp32 [R], `alternatives`
+    of the rows or None when no param asks), under the same distribution the sampled tokens' log-probs use
+    (temperature, 1 when greedy; untruncated)."""
+    with torch.inference_mode():
+        temps = [p.temperature if p.temperature > 0 else 1.0 for p in params]
+        scaled = logits.float()
+        if any(t != 1.0 for t in temps):
+            scaled = scaled / to_device(temps, logits.device, torch.float32)[:, None]
+        logprobs = torch.log_softmax(scaled, dim=-1)
+        picked = logprobs.gather(1, to_device(targets, logits.device, torch.long)[:, None])[:, 0]
+        return picked, alternatives(logprobs, params) if any(p.alternatives for p in params) else None
 
 
 def sample_scaled(logits: torch.Tensor, temps: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,6 +164,14 @@ def _sample_torch(
     logits: torch.Tensor, params: list[SamplingParams], keys: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The definition: what `rollout.kernels.sampling.sample_rows` computes, plus truncation."""
+    tokens, logps, _ = _draw_torch(logits, params, keys)
+    return tokens, logps
+
+
+def _draw_torch(
+    logits: torch.Tensor, params: list[SamplingParams], keys: torch.Tensor, keep: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """`_sample_torch`; with `keep`, also the log-softmax [B, V] fp32 the log-probs were read from (else None)."""
     b, vocab = logits.shape
     device = logits.device
     logits = logits.float()
@@ -110,7 +190,7 @@ def _sample_torch(
             score = torch.where(probs > 0, score, float("-inf"))
         choice = _race(score, keys[:, rows_t])
         tokens = choice if isinstance(rows, slice) else tokens.index_copy(0, rows_t, choice)
-    return tokens, logprobs.gather(1, tokens[:, None])[:, 0]
+    return tokens, logprobs.gather(1, tokens[:, None])[:, 0], logprobs if keep else None
 
 
 def truncate_probs(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -86,8 +86,15 @@ class Scheduler:
             req = self.waiting.popleft()
             tokens = req.all_ids
             keys = req.cache_keys(tokens)  # what the tree compares: media pads keyed by their image
-            m = self.memory.match(req.adapter, keys)
-            if self._prefill_to_share(keys, m.prefix_len, prefilling.get((req.adapter, tuple(keys[:c])), ())):
+            # a request still computing prompt log-probs must compute the logits row before its next position q:
+            # matching only keys[:q] keeps the hit at or before q - 1 (a hit never covers the last key); it
+            # does not wait to share a prefill either. (Unified memory's re-match in `CacheManager.admit` after
+            # blocks moved uses the whole keys: positions a deeper hit skips get None, `Engine._prompt_logprobs`.)
+            need = req.prompt_logprob_next
+            m = self.memory.match(req.adapter, keys if need is None else keys[: max(need, 1)])
+            if need is None and self._prefill_to_share(
+                keys, m.prefix_len, prefilling.get((req.adapter, tuple(keys[:c])), ())
+            ):
                 deferred.append(req)
                 continue
             r = self.memory.admit(req, tokens, m)

@@ -198,6 +198,12 @@ run_job() {
     experttest) job experttest python -m pytest tests/gpu/test_engine_cuda.py -q -m gpu -rA --tb=short \
         -p no:cacheprovider -k "expert_gemms or graph_decode_equals or graph_decode_with" ;;
     kernels) job kernels python -m pytest tests/gpu/test_decode_kernels.py -q -m gpu -rA --tb=short -p no:cacheprovider ;;
+    # routing replay on k3-small: the bf16 trainer against the MXFP4 engine, 50 GRPO steps with the trainer's own
+    # routers and 50 replaying the engine's (issue 45; one arm a call: JOBS=routingoff, then JOBS=routingon)
+    routingoff) job routingoff python scripts/bench_routing.py --recipe k3_small_gpu --steps 50 --arms off --reuse \
+        --work-dir "$STATE/routing" --json "$STATE/bench_routing_off.json" ;;
+    routingon) job routingon python scripts/bench_routing.py --recipe k3_small_gpu --steps 50 --arms rollout \
+        --reuse --work-dir "$STATE/routing" --json "$STATE/bench_routing_on.json" ;;
     *) echo "unknown job $1"; return 1 ;;
     esac
 }

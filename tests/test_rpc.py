@@ -41,10 +41,9 @@ def test_tensors_leave_the_message_and_come_back_in_place():
     call = ("put", ("w", {"x": torch.ones(2, 3), "y": [torch.zeros(1), 5]}, Pair(torch.arange(4), 7)))
     lifted = rpc._lift(call, tensors)
     assert len(tensors) == 3 and not any(torch.is_tensor(x) for x in _leaves(lifted))
-    slots = []
-    rpc._slots(lifted, slots)
+    slots = [x for x in _leaves(lifted) if isinstance(x, rpc._TensorSlot)]
     assert [s.shape for s in slots] == [(2, 3), (1,), (4,)] and [s.index for s in slots] == [0, 1, 2]
-    back = rpc._lower(lifted, [t.clone() for t in tensors])
+    back = rpc._walk(lifted, lambda x: tensors[x.index].clone() if isinstance(x, rpc._TensorSlot) else x)
     assert isinstance(back[1][2], Pair) and back[1][2].b == 7 and torch.equal(back[1][2].a, torch.arange(4))
     assert torch.equal(back[1][1]["x"], torch.ones(2, 3)) and back[1][1]["y"][1] == 5
 

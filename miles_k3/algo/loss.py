@@ -162,7 +162,8 @@ def policy_loss(
     Returns:
         (loss [] fp32 with grad, metrics: name -> detached fp32 scalar tensor). Metrics always
         include loss, pg_loss, pg_clipfrac, approx_kl (old vs current, k3), ratio_mean; plus
-        dual_clipfrac, kl_loss, and with rollout_logp: train_rollout_logprob_abs_diff,
+        dual_clipfrac, kl_loss, and with rollout_logp: train_rollout_logprob_abs_diff (its mean; _max: the
+        largest), train_rollout_kl (k3 estimate of KL(engine || trainer)),
         rollout_ess (of the raw ratio pi_old / pi_rollout), tis_clipfrac, mis_reject_frac, opsm_frac.
     """
     shape = loss_mask.shape
@@ -195,6 +196,10 @@ def policy_loss(
         rollout_logp = clean(rollout_logp.detach())
         raw_w = torch.exp(rollout_log_ratio(old_logp, rollout_logp, valid))
         metrics["train_rollout_logprob_abs_diff"] = logprob_abs_diff(old_logp, rollout_logp, valid)
+        gap = torch.where(valid, (old_logp.detach() - rollout_logp).abs(), torch.zeros_like(old_logp))
+        metrics["train_rollout_logprob_abs_diff_max"] = gap.max()
+        # k3 estimate of KL(engine || trainer) over the sampled tokens (the engine drew them)
+        metrics["train_rollout_kl"] = approx_kl(old_logp, rollout_logp, valid)
         metrics["rollout_ess"] = effective_sample_size(raw_w, valid)
     if "tis" in config.corrections:
         pg = pg * tis_weights(old_logp, rollout_logp, valid, config.tis_cap)

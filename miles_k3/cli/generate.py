@@ -16,11 +16,16 @@ depend on the batch, the schedule or the tensor-parallel size. With `--prompts` 
 tokenizer's end-of-sequence token; `--stop-token-id` adds others (with `--input-ids` they are the only
 stops). `--tp N` starts N worker processes, one engine rank each (`rollout.parallel`: attention heads
 split, routed experts split by intermediate dim or with `--ep` whole per rank, `--dcp M` MLA's KV sharded
-by position over groups of M ranks), and rank 0 writes the output. Bad input (a flag, a row of a file, the checkpoint)
-stops it before any generation with one
-line naming it, exit status 2. `--speculative dspark --drafter DIR` drafts `--gamma` tokens a step with a
-DSpark drafter (scripts/train_drafter.py) and verifies them in one target forward: the same tokens and
-log-probs as without it (lossless; `rollout.spec`).
+by position over groups of M ranks), and rank 0 writes the output. `--speculative dspark --drafter DIR`
+drafts `--gamma` tokens a step with a DSpark drafter (scripts/train_drafter.py) and verifies them in one
+target forward: the same tokens and log-probs as without it (lossless; `rollout.spec`).
+
+Bad input (a flag, a row of a file, the checkpoint, the adapter, a layout the model's heads do not divide)
+stops it before any generation and before any worker is spawned, with one line naming it, exit status 2
+(`miles_k3.errors`). A row's chat messages are checked by the validator the server and the trainer
+share (`miles_k3.data.messages`). `--json` never overwrites an input: a path that is an input file or a
+directory is refused, its directory must be writable before anything is generated, and the file is written
+through a temporary file in the same directory, renamed over it once complete (removed if the write fails).
 
 Images (`--image PATH`, repeatable, with `--prompts` and a vision-language checkpoint): every row sees the
 images in order, one `<|kimi_image_placeholder|>` each in its prompt text (or in its messages' string
@@ -38,9 +43,11 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from miles_k3.errors import check_output_path, write_atomically
 from rollout.server.config import ENGINE_FLAGS, EngineFlags, add_flags, check_adapters, flag_errors
 
 ADAPTER = "adapter"  # the name the rows' adapter is loaded under
+MAX_SEED = 2**63  # row i samples with --seed + i: a torch generator's seed (int64) must hold every row's
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,9 +98,18 @@ class GenerateArgs(EngineFlags):
                 f"--dcp {self.dcp} must divide --tp {self.tp}: decode context parallelism runs inside "
                 f"the tensor-parallel group"
             )
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < MAX_SEED:
+            raise ValueError(f"--seed must be an integer in [0, 2**63), got {self.seed}")
+        for t in self.stop_token_ids:
+            if t < 0:
+                raise ValueError(f"--stop-token-id {t}: token ids are >= 0")
         self.sampling(0, self.stop_token_ids)  # SamplingParams' own checks, before anything is loaded
         super().check()  # model, tokenizer, device, dtype, memory and speculation flags
         check_adapters(self.adapters, self.model)
+        if self.out is not None:  # before anything is generated: an output that cannot be written, or an input
+            inputs = {"--prompts": self.prompts, "--input-ids": self.input_ids, "--model": self.model_path}
+            inputs.update({f"--image {p}": p for p in self.images})
+            check_output_path(self.out, "--json", inputs)
 
     def engine_spec(self, **fields):
         """The engine's spec: the engine flags' with the adapter and the --tp / --ep / --dcp layout; `fields`
@@ -225,6 +241,13 @@ def run(args: GenerateArgs) -> list[dict]:
         rows = read_rows(args.prompts, "--prompts", encode)
     else:
         rows = read_rows(args.input_ids, "--input-ids", None)
+    for t in args.stop_token_ids:
+        if not 0 <= t < config.vocab_size:
+            raise ValueError(f"--stop-token-id {t} is outside the model's vocabulary ({config.vocab_size})")
+    if args.seed + len(rows) - 1 >= MAX_SEED:
+        raise ValueError(
+            f"--seed {args.seed}: row {len(rows)} would sample with seed {args.seed + len(rows) - 1} >= 2**63"
+        )
     stops = tuple(args.stop_token_ids) + ((tokenizer.eos_token_id,) if tokenizer is not None else ())
     check_ids(
         rows,
@@ -233,6 +256,18 @@ def run(args: GenerateArgs) -> list[dict]:
         args.max_new_tokens,
         "--prompts" if args.prompts is not None else "--input-ids",
     )
+    with flag_errors():  # --tp / --ep against the model's heads and experts, before any worker is spawned
+        spec.check_layout(config)
+    sizes = args.check_pool(config, args.tp, args.dcp)
+    page = spec.engine.page_size
+    for i, ids in enumerate(rows):
+        need = -(-(len(ids) + args.max_new_tokens) // page)
+        if need > sizes.num_pages:
+            raise ValueError(
+                f"{'--prompts' if args.prompts is not None else '--input-ids'} row {i + 1}: {len(ids)} prompt "
+                f"tokens + --max-new-tokens {args.max_new_tokens} need {need} KV pages; --memory-mb "
+                f"{args.memory_mb:g} holds {sizes.num_pages}"
+            )
     if args.tp == 1:
         from rollout.build import build_engine
 
@@ -363,13 +398,15 @@ def cmd_generate(ns: argparse.Namespace) -> int:
         images=tuple(ns.images),
     )
     outputs = run(args)
-    text = json.dumps({"outputs": outputs})
+    try:
+        text = json.dumps({"outputs": outputs}, allow_nan=False)
+    except ValueError:
+        raise ValueError(
+            "the outputs hold non-finite log-probs (NaN or inf): the model or --adapter is broken; nothing written"
+        ) from None
     if args.out is None:
         sys.stdout.write(text + "\n")
     else:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = args.out.with_name(args.out.name + ".tmp")
-        tmp.write_text(text)
-        tmp.replace(args.out)  # atomic: a reader never sees half a file
+        write_atomically(args.out, text)  # a reader never sees half a file; a failed write leaves none
         print(f"miles-k3 generate: {len(outputs)} outputs -> {args.out}", file=sys.stderr)
     return 0

@@ -4,6 +4,8 @@ miles-k3 info --preset k3                 # parameter counts, layer plan
 miles-k3 info --config path/to/config.json
 miles-k3 plan --preset k3 --gpus 64 --gpu-memory-gb 288     # per-rank memory of parallel layouts
 miles-k3 generate --model builtin:k3-tiny-arith --prompts p.jsonl --json out.json   # batch generation
+miles-k3 export-adapter --adapter ckpt/adapter --model /ckpt --out out [--format peft|merged]
+    a LoRA adapter in the naming of --model's family (PEFT), or folded into a full checkpoint
 miles-k3 smoke --preset k3-tiny --out outputs/k3-tiny-random
     builds a randomly initialized model, writes it as an HF checkpoint, loads it back, greedy-decodes
     with the incremental cache and checks every decode step against a full forward pass.
@@ -18,17 +20,28 @@ from pathlib import Path
 
 import torch
 
+from miles_k3.cli.export_adapter import __doc__ as export_adapter_doc
+from miles_k3.cli.export_adapter import add_arguments as add_export_adapter_arguments
+from miles_k3.cli.export_adapter import cmd_export_adapter
 from miles_k3.cli.generate import __doc__ as generate_doc
 from miles_k3.cli.generate import add_arguments as add_generate_arguments
 from miles_k3.cli.generate import cmd_generate
 from miles_k3.cli.plan import add_arguments as add_plan_arguments
 from miles_k3.cli.plan import cmd_plan
+from miles_k3.errors import OneLineParser, guarded
 from miles_k3.model import K3Config, K3ForCausalLM
 from miles_k3.model.generate import greedy_generate
+from miles_k3.trainer.base import quiet_megatron
 
 
 def _config(args) -> K3Config:
-    return K3Config.from_json_file(args.config) if args.config else K3Config.from_preset(args.preset)
+    if args.config is not None and not args.config.is_file():
+        raise ValueError(f"--config {args.config}: no such file")
+    try:
+        return K3Config.from_json_file(args.config) if args.config else K3Config.from_preset(args.preset)
+    except (ValueError, TypeError, KeyError) as e:
+        flag = f"--config {args.config}" if args.config else f"--preset {args.preset}"
+        raise ValueError(f"{flag}: {e}") from None
 
 
 def cmd_info(args) -> int:
@@ -72,9 +85,7 @@ def cmd_smoke(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="miles-k3", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    ap = OneLineParser(prog="miles-k3", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     for name, fn in (("info", cmd_info), ("smoke", cmd_smoke)):
         p = sub.add_parser(name)
@@ -92,6 +103,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     generate.set_defaults(fn=cmd_generate)
     add_generate_arguments(generate)
+    export = sub.add_parser(
+        "export-adapter",
+        help="a LoRA adapter as PEFT for the base's family, or merged into it (miles_k3.cli.export_adapter)",
+        description=export_adapter_doc,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    export.set_defaults(fn=cmd_export_adapter)
+    add_export_adapter_arguments(export)
     smoke = sub.choices["smoke"]
     smoke.add_argument("--out", default="outputs/k3-tiny-random")
     smoke.add_argument("--seed", type=int, default=0)
@@ -99,11 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     smoke.add_argument("--prompt-len", type=int, default=48)
     smoke.add_argument("--new-tokens", type=int, default=32)
     args = ap.parse_args(argv)
-    try:
-        return args.fn(args)
-    except ValueError as e:  # user mistakes (bad config / checkpoint) get one clear line
-        print(f"miles-k3: error: {e}", file=sys.stderr)
-        return 2
+    quiet_megatron()  # its import-time notes would bury the one line of an error
+    # user mistakes (a flag, a file, a config, a checkpoint, an address) get one line and status 2
+    return guarded(f"miles-k3 {args.cmd}", lambda: args.fn(args))
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ one layer rebuilt during its backward), and each verdict gives the peak rank of 
 from __future__ import annotations
 
 import argparse
+import math
 import warnings
 from pathlib import Path
 
@@ -51,8 +52,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _positive(flag: str, value) -> None:
-    if value is not None and not value > 0:
-        raise ValueError(f"--{flag} must be > 0, got {value}")
+    """ValueError naming --flag unless `value` (None: not given) is a finite number > 0."""
+    if value is not None and not (math.isfinite(value) and value > 0):
+        raise ValueError(f"--{flag} must be a finite number > 0, got {value}")
 
 
 def engine_pool_bytes(config, args) -> tuple[int, str]:
@@ -109,10 +111,6 @@ def cmd_plan(args) -> int:
     from miles_k3.model import K3Config
     from miles_k3.model.lora_spec import LoraSpec
 
-    with warnings.catch_warnings():  # megatron's import-time notes about Transformer Engine / Apex
-        warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
-        from megatron_patches.layout_plan import Layout, LayoutPlanner
-
     for flag in (
         "gpus",
         "gpu_memory_gb",
@@ -125,7 +123,13 @@ def cmd_plan(args) -> int:
         _positive(flag.replace("_", "-"), getattr(args, flag))
     if args.engine_memory_gb is not None and args.engine_seqs is not None:
         raise ValueError("--engine-memory-gb and --engine-seqs size the same pools: give one")
-    config = K3Config.from_json_file(args.config) if args.config else K3Config.from_preset(args.preset)
+    try:
+        config = K3Config.from_json_file(args.config) if args.config else K3Config.from_preset(args.preset)
+    except (ValueError, TypeError, KeyError) as e:
+        raise ValueError(f"--config {args.config}: {e}" if args.config else f"--preset {args.preset}: {e}") from None
+    with warnings.catch_warnings():  # megatron's import-time notes about Transformer Engine / Apex
+        warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
+        from megatron_patches.layout_plan import Layout, LayoutPlanner  # seconds: after the flags' checks
     tokens = args.micro_batch_tokens or args.seq_len
     if tokens < args.seq_len:
         raise ValueError(f"--micro-batch-tokens {tokens} is less than one sequence (--seq-len {args.seq_len})")
@@ -144,12 +148,13 @@ def cmd_plan(args) -> int:
         f"{'layout':34} {'stages':>8} {'experts':>8} {'base':>7} {'lora':>6} {'grads':>6} {'adamw':>6} "
         f"{'act/mb':>8} {'x':>2} {'recomp':>6} {'engine':>6} {'total':>8}   ({mode})"
     )
-    verdicts = []
+    verdicts, unbuilt = [], []
     for layout in layouts:
         try:
             params = planner.stages(layout, None)
         except ValueError as e:  # a dim the layout does not divide
             print(f"{str(layout):34} does not build: {e}")
+            unbuilt.append(f"{layout}: {e}")
             continue
         fixed = max(s.trainer_total for s in params) + engine
         if fixed > limit:  # no forward needed: the parameters and the pools alone are too much
@@ -183,6 +188,9 @@ def cmd_plan(args) -> int:
             f"  -> {layout}: peak rank {peaks[False] / GiB:.1f} GiB without recompute, {peaks[True] / GiB:.1f} "
             f"with, of {args.gpu_memory_gb:g}: {verdict}"
         )
+    if not verdicts:  # no layout builds this model: more memory or GPUs would not help
+        flag = "--layout" if args.layout else f"--gpus {args.gpus}"
+        raise ValueError(f"{flag}: no layout builds this model ({'; '.join(unbuilt)})")
     for recompute in (False, True):
         peaks_of = [(with_rc if recompute else without, str(lay)) for without, with_rc, lay in verdicts]
         fitting = sorted(p for p in peaks_of if p[0] <= limit)

@@ -12,20 +12,25 @@ cannot be written, a device, checkpoint, tokenizer, dataset or reward plugin tha
 else is a bug of ours and keeps its traceback.
 
 Hydra would report the first two itself, over several lines and with status 1, before our task function
-runs: `precheck` composes the same config first (Hydra's compose API, the same overrides) to report them
-our way, and resolves it, so that a bad value does not even create the run directory.
+runs: `precheck` composes the same config first (Hydra's compose API over the same search path, --config-dir
+included, and the same overrides) to report them our way (a recipe YAML that does not parse, a key added
+with `+` that the schema lacks too), and resolves it, so that a bad value does not even create the run
+directory. Hydra's own flags are parsed there too, so a malformed one is one line as well.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import tempfile
 from pathlib import Path
 
 import hydra
+import yaml
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+from miles_k3 import errors
 from miles_k3.trainer.base import quiet_megatron
 from miles_k3.trainer.config import register_schema
 from miles_k3.trainer.resolve import config_error, resolve
@@ -35,9 +40,7 @@ PROG = "miles-train"
 
 def fail(message: object) -> None:
     """Report a user's mistake as one line and exit with status 2."""
-    text = " ".join(line.strip() for line in str(message).splitlines() if line.strip())
-    print(f"{PROG}: error: {text}", file=sys.stderr)
-    sys.exit(2)
+    errors.fail(PROG, message)
 
 
 def check_run_dir(run_dir: str) -> None:
@@ -57,20 +60,47 @@ def check_run_dir(run_dir: str) -> None:
         raise ValueError(f"hydra.run.dir: cannot write {path}: {e.strerror or e} ({parent})") from None
 
 
+@contextlib.contextmanager
+def _config_search(config_dir: str | None):
+    """Hydra's compose API over the search path `hydra.main` builds: recipes/ and, with --config-dir, that
+    directory first (as Hydra adds it). ValueError naming --config-dir when it is not a directory."""
+    from hydra._internal.hydra import Hydra
+    from hydra._internal.utils import create_automatic_config_search_path
+    from hydra.core.config_search_path import SearchPathQuery
+    from hydra.core.global_hydra import GlobalHydra
+
+    search = create_automatic_config_search_path(None, None, "pkg://recipes")
+    if config_dir is not None:
+        path = Path(config_dir).absolute()
+        if not path.is_dir():
+            raise ValueError(f"--config-dir {config_dir}: no such directory")
+        search.prepend(provider="command-line", path=f"file://{path}", anchor=SearchPathQuery(provider="schema"))
+    GlobalHydra.instance().clear()
+    Hydra.create_main_hydra2(task_name=PROG, config_search_path=search)
+    try:
+        yield
+    finally:
+        GlobalHydra.instance().clear()
+
+
 def precheck(argv: list[str]) -> None:
-    """Compose the config as `hydra.main` will, resolve it and check the run directory; ValueError (one line)
-    for what Hydra would otherwise report itself, and for a bad value before Hydra creates the run directory.
-    Runs that Hydra handles differently (--help, --multirun, another config) are left to it."""
-    from hydra import compose, initialize_config_module
+    """Compose the config as `hydra.main` will (--config-dir included), resolve it and check the run directory;
+    ValueError (one line) for what Hydra would otherwise report itself (a malformed flag too), and for a bad
+    value before Hydra creates the run directory. Runs that Hydra handles differently (--help, --multirun,
+    another primary config) are left to it."""
+    from hydra import compose
     from hydra._internal.utils import get_args_parser
     from hydra.errors import HydraException
     from omegaconf import OmegaConf, open_dict
     from omegaconf.errors import OmegaConfBaseException
 
-    try:
-        args = get_args_parser().parse_args(argv)
-    except SystemExit:  # a malformed flag: argparse's usage message (Hydra prints it again)
-        return
+    parser = get_args_parser()
+
+    def refuse(message: str):  # a malformed flag: one line, not argparse's usage block
+        raise ValueError(message)
+
+    parser.error = refuse
+    args = parser.parse_args(argv)
     if (
         args.help
         or args.hydra_help
@@ -79,16 +109,17 @@ def precheck(argv: list[str]) -> None:
         or args.multirun
         or args.config_path
         or args.config_name
-        or args.config_dir
         or args.experimental_rerun
     ):
         return
     try:
-        with initialize_config_module(config_module="recipes", version_base=None):
+        with _config_search(args.config_dir):
             cfg = compose(config_name="train", overrides=args.overrides, return_hydra_config=True)
             run_dir = None if args.cfg else str(cfg.hydra.run.dir)
     except (HydraException, OmegaConfBaseException) as e:
         raise ValueError(config_error(e)) from None
+    except yaml.YAMLError as e:  # a recipe file (ours, or one under --config-dir) that does not parse
+        raise ValueError(f"a recipe YAML does not parse: {e}") from None
     if run_dir is not None:
         check_run_dir(run_dir)
     with open_dict(cfg):
@@ -106,8 +137,8 @@ def _hydra_main(cfg: DictConfig) -> None:
     try:
         rc = resolve(cfg)
         inputs = load_run_inputs(rc, run_dir)
-    except ValueError as e:
-        fail(e)
+    except (ValueError, OSError) as e:  # OSError: a file the config names that cannot be read
+        fail(errors.user_error(e))
     from miles_k3.trainer.launch import launch  # megatron-core loads here, after the inputs are known good
 
     try:
@@ -121,8 +152,8 @@ def main() -> None:
     register_schema()
     try:
         precheck(sys.argv[1:])
-    except ValueError as e:
-        fail(e)
+    except (ValueError, OSError) as e:
+        fail(errors.user_error(e))
     _hydra_main()
 
 

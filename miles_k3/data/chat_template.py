@@ -26,12 +26,13 @@ from __future__ import annotations
 import string
 from typing import Any, Callable
 
-from miles_k3.data.media import IMAGE_PART_TYPES, IMAGE_PLACEHOLDER, content_part_image
+from miles_k3.data.media import content_parts_text
+from miles_k3.data.messages import CHAT_ROLES, check_messages
 
 CHATML = "chatml"
 HF = "hf"
 TEMPLATE_FIELDS = ("prompt", "system")
-ROLES = ("system", "user", "assistant")
+ROLES = CHAT_ROLES  # the shared validator's (miles_k3.data.messages)
 
 
 def template_fields(template: str) -> set[str]:
@@ -88,51 +89,17 @@ def validate_template(template: str | None, system_prompt: str | None) -> None:
 def validate_messages(messages: list[Any]) -> list[dict[str, str]]:
     """Check a chat-message list and return it as ``[{role, content}]`` with string content (keys other than
     role and content, e.g. a parquet struct's extra fields, are dropped; a list of content parts becomes text
-    with an image placeholder per image, `content_parts_text`). ValueError names the offending message index.
+    with an image placeholder per image, `content_parts_text`). The checks are the shared ones of every front
+    door (`miles_k3.data.messages.check_messages`); ValueError "prompt: messages[i]..." names the message.
     The last message must come from the user: an RL prompt asks for the assistant's next turn."""
-    if not messages:
-        raise ValueError("prompt: empty message list")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict):
-            raise ValueError(f"prompt: message {i} must be an object with role and content, got {type(m).__name__}")
-        role, content = m.get("role"), m.get("content")
-        if role not in ROLES:
-            raise ValueError(f"prompt: message {i} has role {role!r}; expected one of {ROLES}")
-        if isinstance(content, list):
-            content = content_parts_text(content, f"message {i}")
-        if not isinstance(content, str):
-            raise ValueError(
-                f"prompt: message {i} content must be a string or a list of content parts, got {type(content).__name__}"
-            )
-        out.append({"role": role, "content": content})
+    try:
+        out = check_messages(messages, content_parts_text)
+    except ValueError as e:
+        text = str(e)
+        raise ValueError(text if text.startswith("prompt: ") else f"prompt: {text}") from None
     if out[-1]["role"] != "user":
         raise ValueError(f"prompt: the last message must have role 'user', got {out[-1]['role']!r}")
     return out
-
-
-def content_parts_text(parts: list[Any], where: str) -> str:
-    """OpenAI-style content parts as one string: text parts' text, each image part (``image_url``, ``image``)
-    as one ``<|kimi_image_placeholder|>``, in order, with nothing between parts (as K3's own encoder joins
-    them). The images themselves are read by `miles_k3.data.media.message_images`, in the same order.
-    ValueError naming ``where`` and the part index for a part of another type or without its text."""
-    out = []
-    for j, part in enumerate(parts):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind == "text":
-            if not isinstance(part.get("text"), str):
-                raise ValueError(f"prompt: {where} part {j}: a text part needs a string 'text'")
-            out.append(part["text"])
-        elif kind in IMAGE_PART_TYPES:
-            content_part_image(part)  # fails here, at render time, when the part names no image
-            out.append(IMAGE_PLACEHOLDER)
-        else:
-            raise ValueError(
-                f"prompt: {where} part {j}: expected an object with type 'text', 'image_url' or 'image', got {part!r}"[
-                    :300
-                ]
-            )
-    return "".join(out)
 
 
 def with_system(messages: list[dict[str, str]], system_prompt: str | None) -> list[dict[str, str]]:

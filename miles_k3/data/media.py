@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from miles_k3.data.messages import check_messages
+
 IMAGE_PLACEHOLDER = "<|kimi_image_placeholder|>"
 MEDIA_BEGIN = "<|media_begin|>"
 MEDIA_CONTENT = "<|media_content|>"
@@ -105,11 +107,15 @@ def prompt_encoder(tokenizer: Any, images: Sequence[Any] | None = None, pad_toke
         return expand_media_prompt(text, images[at : at + n]), at + n
 
     def encode(row: dict) -> list[int]:
-        if isinstance(row.get("prompt"), str):
+        if "prompt" in row and "messages" in row:
+            raise ValueError('give "prompt" or "messages", not both')
+        if "prompt" in row:
+            if not isinstance(row["prompt"], str) or not row["prompt"]:
+                raise ValueError(f"prompt must be a non-empty string, got {row['prompt']!r}"[:120])
             text = expand_media_prompt(row["prompt"], images) if images else row["prompt"]
             ids = tokenizer.encode(text)
-        elif isinstance(row.get("messages"), list):
-            messages, at = row["messages"], 0
+        elif "messages" in row:
+            messages, at = check_messages(row["messages"], content_parts_text), 0
             if images:
                 messages = [dict(m) for m in messages]
                 for m in messages:
@@ -263,3 +269,26 @@ def message_images(messages: Sequence[Any], *, base_dir: Path | None, where: str
                     decode_data_url(value, where=at)  # raises: an image_url part is a data URL, never a path
                 refs.append(image_ref(value, base_dir=base_dir, where=at))
     return refs
+
+
+def content_parts_text(parts: list[Any], where: str) -> str:
+    """OpenAI-style content parts as one string: text parts' text, each image part (``image_url``, ``image``)
+    as one ``<|kimi_image_placeholder|>``, in order, with nothing between parts (as K3's own encoder joins
+    them). The images themselves are read by `message_images`, in the same order.
+    ValueError "<where>[j]: ..." (``where``: the content's field, ``messages[i].content``) for a part of another
+    type or without its text."""
+    out = []
+    for j, part in enumerate(parts):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text":
+            if not isinstance(part.get("text"), str):
+                raise ValueError(f"{where}[{j}]: a text part needs a string 'text'")
+            out.append(part["text"])
+        elif kind in IMAGE_PART_TYPES:
+            content_part_image(part)  # fails here, at render time, when the part names no image
+            out.append(IMAGE_PLACEHOLDER)
+        else:
+            raise ValueError(
+                f"{where}[{j}]: expected an object with type 'text', 'image_url' or 'image', got {part!r}"[:300]
+            )
+    return "".join(out)

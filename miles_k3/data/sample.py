@@ -7,8 +7,9 @@ its reward and advantage, and the train batch is a list of them (`miles_k3.train
 re-types it, so a field added here reaches the loss without being threaded through each layer.
 
 Per-token fields are aligned with `output_ids`: `logprobs`, `loss_mask`, and every list in `token_fields`,
-the room for further per-token data (an adapter version, routed experts: `token_fields["routed_experts"]`).
-`check` holds them to that length, so a field cannot be silently short.
+the room for further per-token data (an adapter version). `check` holds them to that length, so a field
+cannot be silently short. `routed_experts` covers the whole sequence (prompt and output: the trainer replays
+the routing of every token it forwards), a tensor [tokens, MoE layers, top_k] (`miles_k3.model.routing`).
 
 What a reward function sees (`miles_k3.rewards`): `prompt` and `response` (the text the policy saw and wrote),
 `label`, `metadata`, `group_index`, `sample_index`. It must treat the sample as read-only: the trainer reads
@@ -57,6 +58,9 @@ class Sample:
     finish_reason: str = ""  # the last generation's: "stop" | "length" | "abort"
     media: SequenceMedia | None = None  # the prompt's images (None: a text prompt)
     token_fields: dict[str, list] = field(default_factory=dict)  # further per-token data, by name
+    # the engine's expert ids of each token of prompt_ids + output_ids [<= tokens, MoE layers, top_k] (int16,
+    # -1: no record; rows past its end: none either); None: not recorded (rollout.record_routing off)
+    routed_experts: torch.Tensor | None = None
     reward: float | None = None  # set by the loop once scored (NaN: the reward failed and the sample dropped)
     advantage: float = 0.0  # set by the loop: the group-normalized advantage
 
@@ -103,6 +107,8 @@ class Sample:
         for name, values in turn.token_fields.items():
             self.token_fields[name] += list(values)
         self._pad_fields({}, len(self.output_ids) + n)
+        if turn.routed_experts is not None:  # the turn's context is this sample's ids: its table covers them all
+            self.routed_experts = turn.routed_experts
         self.output_ids += turn.output_ids
         self.logprobs += list(turn.logprobs)
         self.loss_mask += [True] * n
@@ -151,3 +157,7 @@ class Sample:
                 raise ValueError(f"a policy token's log-prob is {lp!r} (the engine's: finite, <= 0)")
         if self.response is not None and not isinstance(self.response, str):
             raise ValueError(f"response must be a string or None, got {type(self.response).__name__}")
+        r = self.routed_experts
+        if r is not None and (not torch.is_tensor(r) or r.dim() != 3 or r.shape[0] > len(self.ids)):
+            shape = tuple(r.shape) if torch.is_tensor(r) else type(r).__name__
+            raise ValueError(f"routed_experts must be a [<= {len(self.ids)} tokens, layers, top_k] tensor, got {shape}")

@@ -11,7 +11,8 @@ Contract of `route(logits, bias, top_k, renormalize, scaling_factor)` (`supports
 - returns (weights [N, k] fp32, indices [N, k] int64), both new and contiguous. Selection as the
   definition's: the k largest of sigmoid(logits) + bias, ties to the lower expert index; the order of the k
   within a row is by decreasing choice (the definition's topk is unsorted: consumers depend on the set).
-  Weights: sigmoid(logit) of each chosen expert, divided by their sum + 1e-20 when `renormalize`, times
+  Weights: sigmoid(logit) of each chosen expert, divided by their sum + 1e-20 when `renormalize` and
+  top_k > 1 (one expert keeps its raw score, as K3's gate does), times
   `scaling_factor` unless it is 1. sigmoid is Triton's (within an ulp or two of torch's), and the sum adds
   the k in another order, so weights match the definition to a few fp32 ulps, and a choice within that of
   another expert's may select differently. Rows with NaN logits are not defined.
@@ -108,7 +109,7 @@ def route(
         float(scaling_factor),
         top_k,
         HAS_BIAS=bias is not None,
-        RENORMALIZE=bool(renormalize),
+        RENORMALIZE=bool(renormalize) and top_k > 1,  # one expert keeps its raw score
         SCALE=scaling_factor != 1.0,
         BLOCK_E=triton.next_power_of_2(e),
         BLOCK_K=triton.next_power_of_2(top_k),

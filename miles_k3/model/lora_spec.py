@@ -110,3 +110,40 @@ def adaptable_modules(config: K3Config) -> list[str]:
         module = tensor[: expert.start()] + f".experts.{expert.group(1)}" if expert else tensor[: -len(".weight")]
         names[module] = None
     return list(names)
+
+
+# The naming an adapter file uses for the model family of its checkpoint (`miles_k3.model.peft`).
+FAMILY_K3 = "k3"  # K3's published modeling code: block_sparse_moe.*, self_attn.f_a_proj, one module per expert
+FAMILY_KIMI_LINEAR = "kimi_linear"  # transformers' KimiLinearForCausalLM: mlp.*, forget_gate.*, stacked experts
+ADAPTER_FAMILIES = (FAMILY_K3, FAMILY_KIMI_LINEAR)
+
+
+def adapter_family(config: K3Config) -> str:
+    """The family whose module names a PEFT adapter of `config`'s model is written in: `kimi_linear` when the
+    config is the Kimi-Linear form (none of K3's features, no VL wrapper: transformers' own
+    `KimiLinearForCausalLM` runs it), else `k3`. Quantized experts and q-LoRA do not change the naming."""
+    same = config.kimi_linear_form().replace(
+        q_lora_rank=config.q_lora_rank, experts_mxfp4=config.experts_mxfp4, hf_wrapper_extras=config.hf_wrapper_extras
+    )
+    return FAMILY_KIMI_LINEAR if same == config else FAMILY_K3
+
+
+_LAYER = re.compile(r"^model\.layers\.\d+\.")
+_KNOWN_SUFFIXES: frozenset[str] | None = None
+
+
+def is_adaptable_name(name: str) -> bool:
+    """Whether `name` (engine naming, no wrapper prefix) is a module some K3-family model can adapt: `lm_head`
+    or `model.layers.<i>.<m>` with `<m>` a module of any K3 / Kimi-Linear layer (KDA or MLA mixer, dense MLP,
+    shared or routed experts, LatentMoE projections). It does not check a layer index against a config."""
+    global _KNOWN_SUFFIXES
+    if _KNOWN_SUFFIXES is None:
+        tiny = K3Config.from_preset("k3-tiny")
+        variants = (
+            tiny,
+            tiny.kimi_linear_form(),
+            tiny.replace(q_lora_rank=None),
+            tiny.kimi_linear_form().replace(q_lora_rank=16, kda_output_gate="full"),
+        )
+        _KNOWN_SUFFIXES = frozenset(_LAYER.sub("", m) for c in variants for m in adaptable_modules(c))
+    return _LAYER.sub("", name) in _KNOWN_SUFFIXES if _LAYER.match(name) or name == "lm_head" else False

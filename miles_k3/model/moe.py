@@ -152,7 +152,11 @@ class RoutedExperts(nn.Module):
 
 
 class Router(nn.Module):
-    """`gate.weight` [E, D] and `gate.e_score_correction_bias` [E]; scores in fp32."""
+    """`gate.weight` [E, D] and `gate.e_score_correction_bias` [E]; scores in fp32. A `Routing` attached to
+    the model (`miles_k3.model.routing`) records or replays its choices."""
+
+    routing = None  # the model's `Routing`, once attached
+    routing_column = -1  # this router's column in a routing table
 
     def __init__(self, config: K3Config):
         super().__init__()
@@ -164,10 +168,16 @@ class Router(nn.Module):
             self.e_score_correction_bias = None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = router_logits(x, self.weight)
+        if self.routing is not None:
+            return self.routing.choose(self, logits, self._route)
+        return self._route(logits, self.e_score_correction_bias)
+
+    def _route(self, logits: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.config
         return route_tokens(
-            router_logits(x, self.weight),
-            self.e_score_correction_bias,
+            logits,
+            bias,
             c.num_experts_per_token,
             num_groups=c.num_expert_group,
             topk_group=c.topk_group,

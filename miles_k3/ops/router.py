@@ -4,7 +4,10 @@
     choice = s + e_score_correction_bias         (selection only)
     groups: keep the topk_group groups whose top-2 choice scores sum highest
     idx = topk(choice within kept groups, k)
-    w = s[idx]; w /= sum(w) + 1e-20 if renormalize; w *= routed_scaling_factor
+    w = s[idx]; w /= sum(w) + 1e-20 if renormalize and k > 1; w *= routed_scaling_factor
+
+As K3's published gate (and Kimi-Linear's remote code): a single expert (k = 1) keeps its raw sigmoid score,
+renormalizing it would make every weight 1. The scaling factor applies whatever k.
 
 Without groups, where `miles_k3.kernels.use_kernels` says so, this runs as one Triton kernel
 (`miles_k3.kernels.router`: one launch instead of seven at decode); this definition stays the reference.
@@ -58,7 +61,7 @@ def route_tokens(
         choice = grouped.masked_fill(~keep[..., None], float("-inf")).view(n, e)
     indices = choice.topk(top_k, dim=-1, sorted=False).indices
     weights = scores.gather(1, indices)
-    if renormalize:
+    if renormalize and top_k > 1:  # one expert keeps its raw score (module docstring)
         weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
     if scaling_factor != 1.0:  # x * 1.0 is x: skipping it saves a kernel per MoE layer at decode
         weights = weights * scaling_factor

@@ -134,7 +134,7 @@ def load_by_path(ref: str, what: str = "reward function") -> Callable[..., Any]:
                 f"{what} {ref!r}: module {module_name!r} not found (is it installed or on sys.path?)"
             ) from exc
         raise ValueError(f"{what} {ref!r}: importing {module_name!r} failed: {exc}") from exc
-    except Exception as exc:
+    except (Exception, SystemExit) as exc:  # SystemExit: a module that calls sys.exit() on import
         raise ValueError(f"{what} {ref!r}: importing {module_name!r} raised {type(exc).__name__}: {exc}") from exc
     obj: Any = module
     for part in attr_path.split("."):

@@ -169,6 +169,8 @@ class Packed(NamedTuple):
     shape: tuple[int, int]  # (B, T)
     loss_mask: torch.Tensor  # [M] bool: the token carries loss (the policy's, not the environment's)
     media: MediaEmbeds | None = None  # image features at their packed pad positions; None: no image in the row
+    # the engine's expert ids of every packed token [N, MoE layers, top_k] (-1: no record); None: none recorded
+    routing: torch.Tensor | None = None
 
     def to_padded(self, flat: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
         """[M] per response token -> [B, T], `fill` off the mask."""
@@ -225,4 +227,21 @@ def pack(batch: TrainBatch, device: torch.device | str) -> Packed:
         (len(batch), t),
         tensor(keep, torch.bool),
         media,
+        _routing(batch, cu[-1], device),
     )
+
+
+def _routing(batch: TrainBatch, tokens: int, device: torch.device | str) -> torch.Tensor | None:
+    """The samples' routing tables laid end to end as the packed row ([tokens, MoE layers, top_k], -1 where a
+    sample has no record), or None when no sample has one."""
+    tables = [s.routed_experts for s in batch.samples]
+    given = [t for t in tables if t is not None]
+    if not given:
+        return None
+    out = torch.full((tokens, *given[0].shape[1:]), -1, dtype=torch.int16)
+    start = 0
+    for s, t in zip(batch.samples, tables):
+        if t is not None:
+            out[start : start + t.shape[0]] = t
+        start += len(s.prompt_ids) + len(s.output_ids)
+    return out.to(device)

@@ -88,7 +88,9 @@ def save_checkpoint(root: str | Path, step: int, write: Callable[[Path], None]) 
 
 
 def verify_checkpoint(path: str | Path) -> str | None:
-    """None when `path` is a complete, undamaged checkpoint; else what is wrong with it."""
+    """None when `path` is a complete, undamaged checkpoint; else what is wrong with it (a manifest of another
+    layout, e.g. `files` a list, is damage too, never an exception). The manifest vouches for the bytes only:
+    their contents are checked by the reader (`miles_k3.trainer.inputs.find_resume`)."""
     path = Path(path)
     try:
         manifest = json.loads((path / MANIFEST).read_text())
@@ -98,6 +100,20 @@ def verify_checkpoint(path: str | Path) -> str | None:
         return "no manifest.json (incomplete)"
     except (ValueError, KeyError, TypeError) as e:
         return f"unreadable manifest.json ({e})"
+    except OSError as e:
+        return f"unreadable manifest.json ({e.strerror or e})"
+    if isinstance(step, bool) or not isinstance(step, int):
+        return f"manifest.json: step must be an integer, got {step!r}"
+    if not isinstance(files, dict) or not all(
+        isinstance(rel, str)
+        and isinstance(meta, dict)
+        and isinstance(meta.get("bytes"), int)
+        and isinstance(meta.get("sha256"), str)
+        for rel, meta in files.items()
+    ):
+        return 'manifest.json: files must map each relative path to {"bytes": int, "sha256": str}'
+    if any(Path(rel).is_absolute() or ".." in Path(rel).parts for rel in files):
+        return "manifest.json: files must be paths inside the checkpoint"
     if not _NAME.match(path.name) or int(_NAME.match(path.name).group(1)) != step:
         return f"manifest step {step} does not match the directory name"
     for rel, meta in files.items():

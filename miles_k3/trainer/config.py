@@ -41,8 +41,10 @@ DEVICES = ("cpu", "cuda")
 LAUNCHERS = ("local", "ray", "external")
 WANDB_MODES = ("offline", "online", "disabled")
 RESUME_MODES = ("auto", "never")
+MAX_SEED = 2**63 - 2**16  # trainer.seed + rank must fit torch's int64 seed
 # the rollout.* keys that are SamplingParams' / EngineConfig's fields (the others are the run's own)
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_new_tokens")
+ROUTING_REPLAY = ("off", "rollout")  # algo.routing_replay
 ENGINE_KEYS = (
     "page_size",
     "chunk_size",
@@ -52,6 +54,7 @@ ENGINE_KEYS = (
     "mxfp4_matmul",
     "overlap",
     "compile_decode",
+    "record_routing",
 )
 
 
@@ -199,7 +202,9 @@ class SpeculativeCfg(component_fields(SpecConfig, ("gamma", "planner", "max_batc
         try:
             block = DSparkConfig(**json.loads((path / "config.json").read_text())).block_size
         except (TypeError, ValueError) as e:
-            raise c.fail("drafter", f"holds no DSpark drafter config ({str(e).splitlines()[0]})") from None
+            raise c.fail(
+                "drafter", f"holds no DSpark drafter config: {path / 'config.json'}: {str(e).splitlines()[0]}"
+            ) from None
         self.spec()
         if self.gamma > block:
             raise c.fail("gamma", f"must be <= the drafter's block_size ({block})")
@@ -286,11 +291,16 @@ class AlgoCfg(component_fields(PolicyLossConfig)):
     dynamic_sampling: bool = True  # drop zero-variance groups, refill up to max_refill_rounds (DAPO)
     max_refill_rounds: int = 2  # extra sampling rounds per step that refill dropped groups
     updates_per_step: int = 1  # optimizer steps per rollout batch (minibatches of whole groups)
+    # "rollout": every trainer forward routes each token to the experts the engine chose while sampling it
+    # (rollout routing replay, R3), its gate weights from the trainer's own scores; "off": the trainer's
+    # routers choose (with rollout.record_routing the step still logs how often they agree with the engine's)
+    routing_replay: str = "off"
 
     def check(self) -> None:
         c = Check(self)
         c.int_at_least("max_refill_rounds", 0)
         c.int_at_least("updates_per_step", 1)
+        c.choice("routing_replay", ROUTING_REPLAY)
 
     def loss(self) -> PolicyLossConfig:
         return PolicyLossConfig(**self.values(field_names(PolicyLossConfig)))
@@ -472,6 +482,9 @@ class TrainerCfg(Section):
     def check(self) -> None:
         c = Check(self)
         c.int_at_least("max_steps", 1)
+        c.int_at_least("seed", 0)
+        if self.seed > MAX_SEED:
+            raise c.fail("seed", f"must be <= 2**63 - 2**16 = {MAX_SEED} (seed + rank seeds torch's int64 generator)")
         c.int_at_least("save_every", 0)
         c.int_at_least("keep_checkpoints", 1)
         c.int_at_least("eval_every", 0)

@@ -11,12 +11,14 @@ naming its field or file (`miles-train` prints it as one line and exits with sta
                      vocabulary and fits the engine with rollout.max_new_tokens (Engine.submit's rules, applied
                      to the whole dataset now instead of to one batch mid-run); a row with images (data.images_key
                      or image content parts) needs a vision-language model.path with its preprocessor_config.json,
-                     each image's header must read (its size gives its pad count: no pixel is decoded here), and
-                     its expanded prompt must hold one pad run per image (`MediaPrompts`)
+                     each image must decode whole (a truncated file fails here; its size gives its pad count),
+                     and its expanded prompt must hold one pad run per image (`MediaPrompts`)
     reward.fn        imports and has a reward function's signature
     rollout.fn       imports and has a rollout function's signature (fn(client, record))
-    trainer.resume   the checkpoint to continue from verifies and fits this run: its trainer ranks, adapter
-                     shape and modules, and the dataset its sampler position points into
+    trainer.resume   the checkpoint to continue from verifies and fits this run: trainer_state.pt loads and
+                     holds step, sampler and one state per trainer rank; the adapter's tensors are finite and
+                     shaped by the model and lora.rank, over the modules lora.targets select; the dataset its
+                     sampler position points into
 
 Only ValueError (and OSError for a file that cannot be read, FileNotFoundError for a dataset that is not
 there) is turned into a message naming the input; anything else is a bug and keeps its traceback.
@@ -64,7 +66,7 @@ class RunInputs(NamedTuple):
 
 
 class _Sized(NamedTuple):
-    """An image known by its header only: what the XTML expansion reads (`size`, `num_tokens`)."""
+    """An image known by its size only: what the XTML expansion reads (`size`, `num_tokens`)."""
 
     size: tuple[int, int]
     num_tokens: int
@@ -107,7 +109,7 @@ class MediaPrompts:
         return ids
 
     def check(self, record: PromptRecord) -> list[int]:
-        """`ids` from the images' headers alone (their sizes give the pad counts; no pixel is decoded)."""
+        """`ids` from the images' sizes (the pad counts), each image decoded whole to check it reads."""
         return self.ids(
             record, [_Sized(size, self.processor.num_tokens(*size)) for size in map(_image_size, record.images)]
         )
@@ -130,14 +132,16 @@ class MediaPrompts:
 
 
 def _image_size(ref) -> tuple[int, int]:
-    """An image's (W, H) from its header; one-line ValueError naming it when it does not read as an image."""
+    """An image's (W, H), its pixels decoded whole (a truncated or corrupt body fails here, when the data is
+    checked, not mid-rollout); one-line ValueError naming it when it does not read as an image."""
     from PIL import Image
 
     src = ref.load()
     try:
         with Image.open(io.BytesIO(src) if isinstance(src, bytes) else src) as im:
+            im.load()
             return im.size
-    except (OSError, ValueError, SyntaxError) as e:  # UnidentifiedImageError is an OSError
+    except (OSError, ValueError, SyntaxError, EOFError) as e:  # UnidentifiedImageError is an OSError
         raise ValueError(f"{ref.name}: not a readable image ({type(e).__name__}: {e})") from None
 
 
@@ -258,7 +262,7 @@ def _adapted(rc: ResolvedConfig, config: K3Config) -> set[str]:
 def find_resume(rc: ResolvedConfig, run_dir: str | Path, config: K3Config, train: list[PromptRecord]) -> Resume | None:
     """The checkpoint trainer.resume names (auto: the newest good one of the run directory), read and checked
     against this run; None when there is none."""
-    from megatron_patches.peft_io import load_peft
+    from miles_k3.model.peft import load_peft
 
     mode = rc.trainer.resume
     if mode == "never":
@@ -268,9 +272,9 @@ def find_resume(rc: ResolvedConfig, run_dir: str | Path, config: K3Config, train
         return None
     if mode != "auto" and (problem := ckpt.verify_checkpoint(path)) is not None:
         raise ValueError(f"trainer.resume: checkpoint {path} is damaged: {problem}")
-    state = torch.load(path / ckpt.STATE_FILE, weights_only=False)
-    adapter, spec = _named(f"trainer.resume: checkpoint {path}", lambda: load_peft(path / ckpt.ADAPTER_DIR))
     where = f"trainer.resume: checkpoint {path}"
+    state = _read_state(path, where)
+    adapter, spec = _named(where, lambda: load_peft(path / ckpt.ADAPTER_DIR))
     if len(state["workers"]) != rc.cluster.num_workers:
         raise ValueError(
             f"{where} holds {len(state['workers'])} trainer ranks; cluster.num_workers is {rc.cluster.num_workers}"
@@ -286,9 +290,65 @@ def find_resume(rc: ResolvedConfig, run_dir: str | Path, config: K3Config, train
             f"{where}: its adapter covers {len(saved)} modules, lora.targets select "
             f"{len(_adapted(rc, config))} (e.g. {sorted(saved ^ _adapted(rc, config))[:2]})"
         )
+    _check_adapter_shapes(adapter, rc, config, where)
     sampler = PromptSampler(train, shuffle=rc.data.shuffle, seed=rc.data.seed, drop_last=rc.data.drop_last)
-    _named(where, lambda: sampler.load_state_dict(state["sampler"]))
+    _named(where, lambda: sampler.load_state_dict(state["sampler"]), KeyError, TypeError)
+    for i, worker in enumerate(state["workers"]):
+        missing = [k for k in WORKER_STATE_KEYS if k not in worker]
+        if missing:
+            raise ValueError(f"{where}: {ckpt.STATE_FILE} workers[{i}] lacks {missing} (not a trainer rank's state)")
     return Resume(path, state, adapter)
+
+
+# what one trainer rank's state holds (`TrainWorker.state_dict`), and trainer_state.pt's own keys
+WORKER_STATE_KEYS = ("optimizer", "scheduler", "rng", "lora_dropout_rng")
+STATE_KEYS = {"step": int, "sampler": dict, "workers": list}
+
+
+def _read_state(path: Path, where: str) -> dict[str, Any]:
+    """trainer_state.pt of checkpoint `path`, loaded and its layout checked (ValueError naming `where` and
+    the key): a dict with an integer `step` >= 0, a `sampler` dict and a `workers` list of dicts."""
+    try:
+        state = torch.load(path / ckpt.STATE_FILE, weights_only=False, map_location="cpu")
+    except Exception as e:  # any garbage: pickle, zip and torch's own errors alike
+        reason = str(e).splitlines()[0] if str(e) else ""
+        raise ValueError(f"{where}: {ckpt.STATE_FILE} does not load ({type(e).__name__}: {reason})"[:400]) from None
+    if not isinstance(state, dict):
+        raise ValueError(f"{where}: {ckpt.STATE_FILE} holds a {type(state).__name__}, not a trainer state dict")
+    for key, kind in STATE_KEYS.items():
+        if not isinstance(state.get(key), kind) or isinstance(state.get(key), bool):
+            got = "nothing" if key not in state else type(state[key]).__name__
+            raise ValueError(f"{where}: {ckpt.STATE_FILE} key {key!r} must be a {kind.__name__}, holds {got}")
+    if state["step"] < 0:
+        raise ValueError(f"{where}: {ckpt.STATE_FILE} step must be >= 0, got {state['step']}")
+    bad = next((i for i, w in enumerate(state["workers"]) if not isinstance(w, dict)), None)
+    if bad is not None:
+        raise ValueError(f"{where}: {ckpt.STATE_FILE} workers[{bad}] is not a trainer rank's state dict")
+    return state
+
+
+def _check_adapter_shapes(adapter: dict[str, torch.Tensor], rc: ResolvedConfig, config: K3Config, where: str) -> None:
+    """Each adapter tensor's shape against this model's layout and lora.rank (lora_A [..., rank, in],
+    lora_B [..., out, rank], routed experts stacked over num_experts), and its values finite."""
+    from miles_k3.model.layout import tensor_shapes
+
+    shapes, rank = tensor_shapes(config), rc.lora.rank
+    for key, t in adapter.items():
+        module, ab = key.rsplit(".", 1)
+        if ".experts.w" in module:
+            prefix, proj = module.rsplit(".", 1)
+            out, inp = shapes.get(f"{prefix}.0.{proj}.weight", (None, None))
+            lead = (config.num_experts,)
+        else:
+            out, inp = shapes.get(f"{module}.weight", (None, None))
+            lead = ()
+        if out is None:
+            continue  # a module this model lacks: the module check above names it
+        want = (*lead, rank, inp) if ab == "lora_A" else (*lead, out, rank)
+        if tuple(t.shape) != want:
+            raise ValueError(f"{where}: adapter tensor {key} has shape {tuple(t.shape)}, this model needs {want}")
+        if not torch.isfinite(t).all():
+            raise ValueError(f"{where}: adapter tensor {key} holds non-finite values (NaN or inf)")
 
 
 def load_run_inputs(rc: ResolvedConfig, run_dir: str | Path, *, weights: str | None = None) -> RunInputs:

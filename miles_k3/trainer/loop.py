@@ -254,7 +254,8 @@ class GRPODriver:
 
     # --------------------------------------------------------------- checkpoints
     def save(self) -> Path:
-        from megatron_patches.peft_io import save_peft
+        from miles_k3.model.lora_spec import adapter_family
+        from miles_k3.model.peft import save_peft
 
         adapter = self.trainer.adapter_state()
         states = self.trainer.states()
@@ -262,7 +263,8 @@ class GRPODriver:
         drafter = self.rollout.drafter().drafter_state() if self.distill_every else None
 
         def write(tmp: Path) -> None:
-            save_peft(tmp / ckpt.ADAPTER_DIR, adapter, self.rc.lora)
+            # in the naming of the base's family (K3's, or transformers' Kimi-Linear), which PEFT loads whole
+            save_peft(tmp / ckpt.ADAPTER_DIR, adapter, self.rc.lora, family=adapter_family(self.inputs.config))
             torch.save(
                 {"step": self.step, "sampler": self.sampler.state_dict(), "workers": states, "config": self.rc.raw},
                 tmp / ckpt.STATE_FILE,

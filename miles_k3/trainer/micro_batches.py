@@ -18,6 +18,8 @@ from miles_k3.trainer.batch import Packed, TrainBatch, pack
 # Metrics that are sums over the whole batch once each piece's loss is normalized by the batch's denominators;
 # every other metric is a per-token mean, combined weighted by the pieces' token counts.
 SUMMED = ("loss", "pg_loss", "kl_loss")
+# Metrics that are maxima over tokens: the largest piece's value, over every rank holding real tokens.
+MAXED = ("train_rollout_logprob_abs_diff_max",)
 
 
 class Piece(NamedTuple):
@@ -83,13 +85,13 @@ def even_out(pieces: list[Piece], device: torch.device) -> list[Piece]:
     if ps.get_expert_model_parallel_world_size() == 1 or ps.get_data_parallel_world_size() == 1:
         return pieces
     group = ps.get_data_parallel_group()
-    most = _collective(torch.tensor([len(pieces)]), group)
+    most = for_group(torch.tensor([len(pieces)]), group)
     dist.all_reduce(most, op=dist.ReduceOp.MAX, group=group)
     first = pieces[0].batch.select([0])
     return pieces + [Piece(first, pack(first, device), len(pieces) + k, 0.0) for k in range(int(most) - len(pieces))]
 
 
-def _collective(t: torch.Tensor, group) -> torch.Tensor:
+def for_group(t: torch.Tensor, group) -> torch.Tensor:
     """t where `group`'s backend takes it: nccl reduces device tensors only, gloo host ones."""
     import torch.distributed as dist
 
@@ -102,21 +104,27 @@ def combine_metrics(
     """The metrics of this rank's micro-batches (`tokens[i]` loss-carrying response tokens each, of the minibatch's
     `total_tokens` over every data-parallel rank) -> the whole minibatch's, the same on every rank: loss terms
     summed, per-token means weighted by token counts (exact for token means; a sequence-level statistic such
-    as rollout_ess becomes the token-weighted mean of the pieces' values)."""
+    as rollout_ess becomes the token-weighted mean of the pieces' values), maxima (`MAXED`) the largest of the
+    pieces that hold tokens."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     names = sorted(per_piece[0])
+    maxed = torch.tensor([name in MAXED for name in names])
     flat = torch.zeros(len(names), dtype=torch.float64)
+    peak = torch.full((len(names),), -torch.inf, dtype=torch.float64)
     for metrics, n in zip(per_piece, tokens):
         # one device-to-host copy a piece, not one a metric (each is a wait for the device)
         values = torch.stack([torch.as_tensor(metrics[name]).detach().reshape(()).double() for name in names]).cpu()
         flat += values * torch.tensor(
             [1.0 if name in SUMMED else n / total_tokens for name in names], dtype=torch.float64
         )
+        if n:  # a stand-in holds no tokens of its own
+            peak = torch.maximum(peak, values)
     if ps.get_data_parallel_world_size() > 1:
         group = ps.get_data_parallel_group()
-        reduced = _collective(flat, group)  # nccl takes device tensors only: the metrics' one copy there and back
-        dist.all_reduce(reduced, group=group)
-        flat = reduced.cpu()
-    return dict(zip(names, flat.float()))
+        reduced = for_group(torch.stack([flat, peak]), group)  # nccl takes device tensors only: one copy each way
+        dist.all_reduce(reduced[0], group=group)
+        dist.all_reduce(reduced[1], op=dist.ReduceOp.MAX, group=group)
+        flat, peak = reduced.cpu()
+    return dict(zip(names, torch.where(maxed, peak, flat).float()))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
@@ -113,11 +114,31 @@ def in_section(section: str, fn: Callable[[], Any], component: type | None = Non
         raise ValueError(f"{section}: {msg}") from None
 
 
+def unknown_keys(cfg: Any, schema: Any, prefix: str = "") -> None:
+    """ValueError naming the first key of `cfg` (a mapping or DictConfig) that the schema instance `schema`
+    (a dataclass, its sections nested) has no field for. OmegaConf refuses such keys on its own, except
+    those added with Hydra's `+key=value`, which open the node: `to_object` would then drop them silently."""
+    from omegaconf import OmegaConf
+
+    if OmegaConf.is_dict(cfg):  # plain, unresolved: a missing value or an interpolation is not read here
+        cfg = OmegaConf.to_container(cfg, resolve=False)
+    names = {f.name for f in dataclasses.fields(schema)}
+    for key, value in cfg.items():
+        path = f"{prefix}{key}"
+        if key not in names:
+            raise ValueError(f"{path}: no such key in the config (a typo, or a key of another section?)")
+        sub = getattr(schema, key)
+        if dataclasses.is_dataclass(sub) and isinstance(value, Mapping):
+            unknown_keys(value, sub, f"{path}.")
+
+
 def resolve(cfg: Any) -> ResolvedConfig:
     """Check a composed config (a DictConfig, a mapping or a TrainConfig) and build the component configs."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
+    if isinstance(cfg, Mapping) or OmegaConf.is_dict(cfg):
+        unknown_keys(cfg, TrainConfig())
     try:
         cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), cfg))
     except OmegaConfBaseException as e:  # unknown key, wrong type, missing value
@@ -159,6 +180,10 @@ def resolve(cfg: Any) -> ResolvedConfig:
         ):
             if not ok:
                 raise ValueError(f"rollout.mxfp4_matmul 'triton' needs {need}")
+    if a.routing_replay == "rollout" and not r.record_routing:
+        raise ValueError(
+            "algo.routing_replay 'rollout' replays the experts the engine records: set rollout.record_routing=true"
+        )
     if a.updates_per_step > r.prompts_per_step:
         raise ValueError(
             f"algo.updates_per_step must be <= rollout.prompts_per_step ({r.prompts_per_step}): "
@@ -189,6 +214,10 @@ def resolve(cfg: Any) -> ResolvedConfig:
                 f"{field} needs a rollout backend with {capability!r}; cluster.launcher="
                 f"{c.launcher!r} runs {backend.__name__}, which has none (launchers that do: {able})"
             )
+    if c.launcher != "ray":  # the engine's pools against this machine (Ray's nodes are elsewhere)
+        from miles_k3.errors import check_memory_mb
+
+        check_memory_mb(r.memory_mb, c.device, "rollout.memory_mb")
     par = cfg.parallel
     if c.num_workers != par.world_size:
         raise ValueError(

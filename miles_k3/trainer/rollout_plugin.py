@@ -43,8 +43,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
+import torch
+
 from miles_k3.data import PromptRecord
 from miles_k3.data.sample import Sample
+from miles_k3.model.routing import decode_table
 from rollout.request import SamplingParams
 
 if TYPE_CHECKING:
@@ -156,8 +159,11 @@ class PolicyClient:
         raise NotImplementedError
 
 
-def turn(ids: list[int], token_ids: list[int], logprobs: list[float], finish_reason: str) -> Sample:
-    """One generation as a client returns it: the context `ids`, the policy's tokens and their log-probs."""
+def turn(
+    ids: list[int], token_ids: list[int], logprobs: list[float], finish_reason: str, routed_experts=None
+) -> Sample:
+    """One generation as a client returns it: the context `ids`, the policy's tokens and their log-probs, and
+    with rollout.record_routing every token's experts (`Sample.routed_experts`: the context's and the turn's)."""
     return Sample(
         "",
         prompt_ids=list(ids),
@@ -165,6 +171,7 @@ def turn(ids: list[int], token_ids: list[int], logprobs: list[float], finish_rea
         logprobs=list(logprobs),
         loss_mask=[True] * len(token_ids),
         finish_reason=finish_reason,
+        routed_experts=routed_experts,
     )
 
 
@@ -182,16 +189,18 @@ class EngineClient(PolicyClient):
         req = GenerationRequest(ids, params, adapter=ADAPTER, ignore_eos=True)
         async with self.service.open([req]) as gen:
             (s,) = await gen.result()
-        return turn(ids, s.token_ids, s.logprobs, s.finish_reason or "abort")
+        return turn(ids, s.token_ids, s.logprobs, s.finish_reason or "abort", s.routed_experts)
 
 
 class HTTPClient(PolicyClient):
     """Over HTTP: miles-serve's SGLang-native `POST /generate` at `base_url` (input ids in, output ids and
     `meta_info.output_token_logprobs` out: the engine's log-probs, unchanged by JSON's float round trip)."""
 
-    def __init__(self, job, codec, loop, http, base_url: str):
+    def __init__(self, job, codec, loop, http, base_url: str, routing: tuple[int, int] | None = None):
+        """`routing`: (MoE layers, top_k) when the engine records routing: each turn asks for it
+        (`return_routed_experts`)."""
         super().__init__(job, codec, loop)
-        self.http, self.base_url = http, base_url
+        self.http, self.base_url, self.routing = http, base_url, routing
 
     async def _generate(self, ids: list[int], params: SamplingParams) -> Sample:
         body = {
@@ -207,6 +216,7 @@ class HTTPClient(PolicyClient):
                 "ignore_eos": True,
                 "sampling_seed": params.seed,
             },
+            "return_routed_experts": self.routing is not None,
         }
         r = await self.http.post(f"{self.base_url}/generate", json=body)
         out = r.json()
@@ -214,7 +224,12 @@ class HTTPClient(PolicyClient):
             raise RuntimeError(f"POST /generate answered {r.status_code}: {out}")
         meta = out["meta_info"]
         logprobs = [float(lp) for lp, _, _ in meta["output_token_logprobs"]]
-        return turn(ids, out["output_ids"], logprobs, (meta["finish_reason"] or {}).get("type", "abort"))
+        routed = None
+        if self.routing is not None:  # every fed token's; the turn's last token was never fed: no record
+            fed = decode_table(meta["routed_experts"], *self.routing)
+            routed = torch.cat([fed, fed.new_full((1, *fed.shape[1:]), -1)])
+        finish = (meta["finish_reason"] or {}).get("type", "abort")
+        return turn(ids, out["output_ids"], logprobs, finish, routed)
 
 
 async def run_rollouts(plugin: RolloutFn, jobs: list[RolloutJob], make_client, vocab_size: int) -> list[Sample]:

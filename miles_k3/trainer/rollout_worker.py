@@ -82,6 +82,7 @@ class RolloutWorker:
         for s, o in zip(samples, outs):
             s.output_ids, s.logprobs = o.output_ids, o.logprobs or []
             s.loss_mask, s.finish_reason = [True] * len(o.output_ids), o.finish_reason.value
+            s.routed_experts = o.routed_experts
         return samples
 
     def rollout(
@@ -109,10 +110,12 @@ class RolloutWorker:
 
             served = Served(self.engine, server_tok, "k3", (ADAPTER,), path or "builtin")
             server = Server(served, max_queued=1 << 20).start()
+            routing = self.engine.runner.routing
+            shape = None if routing is None else (routing.width, routing.top_k)
             try:
                 async with httpx.AsyncClient(timeout=None) as http:
                     return await run_rollouts(
-                        plugin, jobs, lambda job, loop: HTTPClient(job, codec, loop, http, server.url), vocab
+                        plugin, jobs, lambda job, loop: HTTPClient(job, codec, loop, http, server.url, shape), vocab
                     )
             finally:
                 server.stop()

@@ -24,7 +24,7 @@ import torch
 from miles_k3.algo import policy_loss
 from miles_k3.model.config import K3Config
 from miles_k3.trainer.batch import TrainBatch
-from miles_k3.trainer.micro_batches import Piece, combine_metrics, data_share, even_out, micro_batches
+from miles_k3.trainer.micro_batches import Piece, combine_metrics, data_share, even_out, for_group, micro_batches
 
 
 class TrainWorker:
@@ -72,6 +72,9 @@ class TrainWorker:
             self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0
         )
         self.grad_clip = optim.grad_clip
+        # algo.routing_replay=rollout: every forward's routers take the engine's recorded experts (R3); a batch
+        # whose samples carry routing is otherwise only measured against it (routing_agreement)
+        self.replay = algo.routing_replay == "rollout"
         self.micro_batch_tokens = micro_batch_tokens
 
     # ------------------------------------------------------------------ log-probs
@@ -114,7 +117,7 @@ class TrainWorker:
         """Each piece's log-probs [M_i] without grad, on every rank (megatron's schedule, forward only)."""
         from megatron_patches.schedule import forward_only
 
-        micros = [_micro(p) for p in pieces]
+        micros = [_micro(p, self.replay) for p in pieces]
         with self._media(pieces):
             outs = forward_only(self.policy, micros, lambda policy, hidden, mb: {"logp": self._logprobs(hidden, mb)[0]})
         return [o["logp"] for o in outs]
@@ -151,6 +154,7 @@ class TrainWorker:
                 old = [self._forward_logprobs(pieces) for pieces in plans]
         self.policy.train()
         sums: dict[str, float] = {}
+        routing_agree = routing_pairs = torch.zeros(self.policy.routing.width, dtype=torch.float64)
         for k, (mb, pieces) in enumerate(zip(minibatches, plans)):
             ref = None
             if self.loss_config.kl != "none":
@@ -162,8 +166,11 @@ class TrainWorker:
                 return self._loss(hidden, micro, total, old_k, ref_k)
 
             self.optimizer.zero_grad(set_to_none=True)
+            self.policy.routing.counts()  # the update's training forwards alone (not pi_old's, the reference's)
             with self._media(pieces):
-                results = forward_backward(self.policy, [_micro(p) for p in pieces], loss_fn)
+                results = forward_backward(self.policy, [_micro(p, self.replay) for p in pieces], loss_fn)
+            agree, pairs = self.policy.routing.counts()
+            routing_agree, routing_pairs = routing_agree + agree, routing_pairs + pairs
             reduce_lora_grads_(self.policy)  # data-parallel (and expert-data) replicas: summed
             # the global norm over every rank's distinct gradients; grad_clip 0: measure, do not clip
             grad_norm = clip_lora_grad_norm_(self.policy, self.grad_clip or math.inf)
@@ -172,6 +179,7 @@ class TrainWorker:
             metrics["grad_norm"] = grad_norm
             for name, v in metrics.items():
                 sums[name] = sums.get(name, 0.0) + float(v) / len(plans)
+        sums.update(routing_metrics(routing_agree, routing_pairs))
         sums["lr"] = self.scheduler.get_last_lr()[0]  # the rate this step used
         if self.device.type == "cuda":  # the largest of the ranks' peaks (the colocated engine's pools included)
             peak = torch.tensor([torch.cuda.max_memory_allocated(self.device) / 2**30], device=self.device)
@@ -253,10 +261,33 @@ def _sum_over_cp(x: torch.Tensor) -> torch.Tensor:
     return reduce_from_tensor_model_parallel_region(x, group=ps.get_context_parallel_group())
 
 
-def _micro(piece: Piece):
+def _micro(piece: Piece, replay: bool = False):
+    """The schedule's micro-batch of a piece: its packed row, and the engine's routing when recorded (replayed
+    with `replay`, else only compared against)."""
     from megatron_patches.schedule import MicroBatch
 
-    return MicroBatch(piece.packed.input_ids, piece.packed.cu_seqlens, payload=piece)
+    return MicroBatch(
+        piece.packed.input_ids, piece.packed.cu_seqlens, payload=piece, routing=piece.packed.routing, replay=replay
+    )
+
+
+def routing_metrics(agree: torch.Tensor, pairs: torch.Tensor) -> dict[str, float]:
+    """routing_agreement (over every recorded token-expert pair of the update's training forwards, summed over
+    the ranks) and routing_agreement_min_layer (its worst MoE layer); empty when nothing was recorded. Every
+    rank calls it (a pipeline stage of dense layers counts nothing but joins the sum)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_world_size() > 1:  # each rank counted its tokens and its layers
+        both = for_group(torch.stack([agree, pairs]), None)
+        dist.all_reduce(both)
+        agree, pairs = both.cpu()
+    if not float(pairs.sum()):
+        return {}
+    seen = pairs > 0
+    return {
+        "routing_agreement": float(agree.sum() / pairs.sum()),
+        "routing_agreement_min_layer": float((agree[seen] / pairs[seen]).min()),
+    }
 
 
 def rng_state(device: torch.device) -> dict[str, Any]:

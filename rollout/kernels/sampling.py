@@ -14,7 +14,8 @@ Contract of `sample_rows(logits, temps, keys)`:
   row the first argmax of z / T - log(E) with E = `rollout.noise.exponentials` (the race argmax p / E in log
   form, the same words bit for bit). The log-prob is log_softmax(z / T) at the token, T = 1 for greedy
   rows, computed in fp32 with an online log-sum-exp (within a few ulps of torch's log_softmax).
-No truncation (top-k / top-p): the sampler sends those rows through its torch path.
+No truncation (top-k / top-p) and no alternatives (top log-probs, given ids' log-probs): the sampler sends
+those rows through its torch path, whose one log-softmax gives both the token's log-prob and the alternatives.
 
 Each row is split over up to `splits` programs (enough programs to fill the device at small batches); a
 second kernel combines the splits' running max, sum, best score and index per row.

@@ -20,5 +20,7 @@ samples, requests get 429 instead of memory.
     responses.py     JSON and event-stream answers that abort on client disconnect
     openai_api.py    /v1/models, /v1/completions, /v1/chat/completions (supported fields: its docstring)
     sglang_api.py    /generate, /health, /health_generate, /get_model_info, /abort_request (same)
+    control_api.py   SGLang's RL control API (adapters, memory, pause / continue, flush, weight version,
+                     /get_server_info, /metrics; its docstring)
     app.py           the Starlette app and Server (uvicorn in the main thread or a background one)
 """

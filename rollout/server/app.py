@@ -22,7 +22,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from rollout.server import openai_api, sglang_api
+from rollout.server import control_api, openai_api, sglang_api
 from rollout.server.engine_loop import EngineLoop
 from rollout.server.generation import GenerationService, RequestError
 from rollout.server.loading import Served
@@ -44,7 +44,7 @@ async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
 
 def build_app(ctx: ServerContext) -> Starlette:
     app = Starlette(
-        routes=openai_api.routes() + sglang_api.routes(),
+        routes=openai_api.routes() + sglang_api.routes() + control_api.routes(),
         exception_handlers={HTTPException: _http_error, Exception: _internal_error},
     )
     app.state.ctx = ctx
@@ -96,6 +96,8 @@ class Server:
             engine.config.max_seq_len,
             served.image_processor,
             engine.model.config.media_placeholder_token_id,
+            pool_tokens=engine.memory.sizes.num_pages * engine.config.page_size,
+            memory_mb=engine.config.memory_bytes / (1 << 20),
         )
         self.app = build_app(self.ctx)
         self.socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -110,7 +112,7 @@ class Server:
             lifespan="off",
             access_log=log_level == "debug",
         )
-        self.uvicorn = _Uvicorn(config, on_deadline=self.service.abort)
+        self.uvicorn = _Uvicorn(config, on_deadline=self.service.shutdown)
         self._thread: threading.Thread | None = None
 
     @property

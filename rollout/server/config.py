@@ -15,8 +15,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import ipaddress
+import json
 import math
 import re
+import socket
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,6 +52,9 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, names: Iterable[str]) 
         f = fields[name]
         if f.default is dataclasses.MISSING:
             parser.add_argument(flag_name(name), required=True, help=f.metadata["help"])
+            continue
+        if isinstance(f.default, bool):  # a switch: the flag alone turns it on
+            parser.add_argument(flag_name(name), action="store_true", default=f.default, help=f.metadata["help"])
             continue
         kind = f.metadata.get("type") or {int: int, float: float}.get(type(f.default), str)
         parser.add_argument(flag_name(name), type=kind, default=f.default, help=f.metadata["help"])
@@ -106,6 +112,24 @@ def check_adapters(adapters: tuple[tuple[str, str], ...], model_name: str) -> No
             raise ValueError(f"--adapter {name}={path}: no such directory")
     if len(set(names)) != len(names):
         raise ValueError(f"--adapter names must be distinct, got {adapters!r}")
+
+
+def check_host(host: str) -> None:
+    """ValueError naming --host unless it is an IP address or a name this machine resolves (an address that
+    looks numeric must parse as one: 256.1.1.1 is refused, not looked up)."""
+    if not isinstance(host, str) or not host:
+        raise ValueError(f"--host must be an address to listen on, got {host!r}")
+    try:
+        ipaddress.ip_address(host)
+        return
+    except ValueError:
+        pass
+    if re.fullmatch(r"[0-9.]+", host) or ":" in host:
+        raise ValueError(f"--host {host}: not a valid IPv4 or IPv6 address")
+    try:
+        socket.getaddrinfo(host, None)
+    except (socket.gaierror, UnicodeError) as e:
+        raise ValueError(f"--host {host}: cannot be resolved ({e})") from None
 
 
 @dataclass(frozen=True)
@@ -251,6 +275,27 @@ class EngineFlags:
                 .replace("SpecConfig.max_batch", "--spec-max-batch")
             ) from None
 
+    def check_pool(self, config, tp: int = 1, dcp: int = 1):
+        """The engine's pools (`rollout.memory.PoolSizes`) as --memory-mb sizes them on each of `tp` ranks for
+        the model `config`; ValueError naming --memory-mb when they cannot hold one KV page and one KDA state
+        slot. Reads no weights: for the front doors, before the engine is built."""
+        from miles_k3.model.base import TORCH_DTYPES
+        from rollout.memory import PoolSizes
+
+        engine = self.engine_config()
+        try:
+            return PoolSizes.from_budget(
+                config,
+                engine.memory_bytes,
+                page_size=engine.page_size,
+                state_fraction=engine.state_fraction,
+                dtype=TORCH_DTYPES[self.resolved_dtype],
+                tp_size=tp,
+                dcp_size=dcp,
+            )
+        except ValueError as e:
+            raise ValueError(f"--memory-mb {self.memory_mb:g}: {e}") from None
+
     # ------------------------------------------------------------------- check
     def check(self) -> None:
         """The engine flags (ValueError naming the flag); the commands' `check` calls it with their own."""
@@ -266,8 +311,12 @@ class EngineFlags:
         c.choice("dtype", DTYPES, optional=True)
         c.choice("quantize", QUANTIZE_MODES)
         c.positive("memory_mb")
-        for name in ("max_running", "max_seq_len"):
-            c.int_at_least(name, 1, optional=True)
+        c.int_at_least("max_running", 1, optional=True)
+        # one prompt token and one new token at the least
+        c.int_at_least("max_seq_len", 2, optional=True)
+        from miles_k3.errors import check_memory_mb
+
+        check_memory_mb(self.memory_mb, self.device, "--memory-mb")
         c.choice("speculative", SPECULATIVE)
         if (self.speculative != "off") != (self.drafter is not None):
             raise ValueError("--speculative dspark and --drafter go together")
@@ -275,6 +324,17 @@ class EngineFlags:
             raise ValueError(
                 f"--drafter {self.drafter}: no drafter here (config.json; scripts/train_drafter.py writes one)"
             )
+        if self.drafter is not None:
+            from rollout.spec.drafter import DSparkConfig
+
+            file = Path(builtin_path(self.drafter)) / "config.json"
+            try:
+                DSparkConfig(**json.loads(file.read_text()))
+            except (TypeError, ValueError) as e:  # not JSON, not an object, or fields DSparkConfig refuses
+                reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+                raise ValueError(
+                    f"--drafter {self.drafter}: {file} is not a DSpark drafter config ({reason})"
+                ) from None
         self.speculation()
         if self.device == "cuda":
             import torch
@@ -312,6 +372,14 @@ class ServeConfig(EngineFlags):
     max_prefill_tokens: int | None = field(
         default=None, metadata={"help": "prompt tokens prefilled per engine step; default: EngineConfig's", "type": int}
     )
+    record_routing: bool = field(
+        default=False,
+        metadata={
+            "help": "record every token's routed experts (SGLang's --enable-return-routed-experts), which /generate "
+            "returns with return_routed_experts (an RL trainer's routing replay); decode then runs without CUDA "
+            "graphs"
+        },
+    )
     max_queued: int = field(
         default=256,
         metadata={"help": "samples that may wait for a decode slot beyond the max-running ones; past that, 429"},
@@ -333,6 +401,8 @@ class ServeConfig(EngineFlags):
         fields = super().engine_overrides()
         if self.max_prefill_tokens is not None:
             fields["max_prefill_tokens"] = self.max_prefill_tokens
+        if self.record_routing:
+            fields["record_routing"] = True
         return fields
 
     def engine_spec(self, **fields) -> EngineSpec:
@@ -348,6 +418,7 @@ class ServeConfig(EngineFlags):
         c.int_at_least("port", 0)
         if self.port > 65535:
             raise c.fail("port", "must be <= 65535")
+        check_host(self.host)
         c.int_at_least("max_prefill_tokens", 1, optional=True)
         c.int_at_least("max_queued", 0)
         if (

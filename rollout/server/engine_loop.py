@@ -13,8 +13,10 @@ every token not yet handed over.
 
 What is safe to call from where:
 - `submit`, `abort`: from a coroutine (they capture the running event loop); never block.
-- `call(fn)`: awaitable from a coroutine; `fn(engine)` runs on the loop thread between two steps (tests
-  and stats read the engine this way).
+- `call(fn)`: awaitable from a coroutine; `fn(engine)` runs on the loop thread between two steps (tests,
+  stats and the control routes reach the engine this way).
+- `pause()`, `resume()`: from anywhere. While paused no step runs: requests in flight keep their pages,
+  slots and place, new ones queue in the engine, commands (submit, abort, `call`) are still applied.
 - `start`, `stop`: from the thread that owns the server (its startup and shutdown).
 """
 
@@ -23,12 +25,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from rollout.engine import Engine
-from rollout.request import Completion, FinishReason, SamplingParams
+from rollout.request import Completion, FinishReason, PromptLogprobs, SamplingParams
 
 log = logging.getLogger("rollout.server")
 
@@ -44,6 +46,13 @@ class Update:
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (with the last update)
     error: str | None = None  # the engine refused the request (its ValueError), or failed
     status: int = 400  # the HTTP status `error` maps to (500: the engine itself failed)
+    # per token, when the params ask: the top (token id, log-prob) pairs and the given ids' log-probs
+    top: list[list[tuple[int, float]] | None] | None = None
+    ids: list[list[float] | None] | None = None
+    prompt: PromptLogprobs | None = None  # the prompt log-probs, once computed (with the first tokens)
+    shutdown: bool = False  # with finish ABORT: aborted because the server is going away
+    # with the finish, under EngineConfig.record_routing: Completion.routed_experts (every token's experts)
+    routed_experts: object | None = None
 
 
 @dataclass(eq=False)
@@ -62,6 +71,7 @@ class Ticket:
     request_id: int | None = None
     sent: int = 0  # output tokens already handed over
     cancelled: bool = False  # aborted before (or while) it was submitted
+    shutdown: bool = False  # aborted because the server is going away (not by a caller)
 
 
 class _Outbox:
@@ -95,6 +105,10 @@ class EngineLoop:
         self._tickets: dict[int, Ticket] = {}  # engine request id -> ticket (loop thread only)
         self._closing = False
         self.failure: str | None = None  # set when engine.step() raised: the engine is no longer used
+        self.paused = False  # no step runs while set (`pause`)
+        # since start (written on the loop thread): requests finished (and by finish reason), their prompt
+        # tokens, the prompt tokens served from the prefix cache, tokens generated
+        self.totals: Counter[str] = Counter()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
 
     # ------------------------------------------------------------ any thread
@@ -133,9 +147,20 @@ class EngineLoop:
         self._post(lambda out: self._submit(ticket, out))
         return ticket
 
-    def abort(self, ticket: Ticket) -> None:
-        """Stop generating for `ticket` and free its pages and slots. Idempotent; a no-op once it finished."""
-        self._post(lambda out: self._abort(ticket, out))
+    def abort(self, ticket: Ticket, shutdown: bool = False) -> None:
+        """Stop generating for `ticket` and free its pages and slots. Idempotent; a no-op once it finished.
+        `shutdown`: the server is going away (its last update says so), not a caller's abort."""
+        self._post(lambda out: self._abort(ticket, out, shutdown))
+
+    def pause(self) -> None:
+        """Run no step until `resume()`: requests in flight stay where they are (SGLang's in_place pause)."""
+        with self._wake:
+            self.paused = True
+
+    def resume(self) -> None:
+        with self._wake:
+            self.paused = False
+            self._wake.notify()
 
     async def call(self, fn: Callable[[Engine], Any]) -> Any:
         """`fn(engine)` on the loop thread between steps; its result (or exception) comes back here."""
@@ -169,7 +194,8 @@ class EngineLoop:
             out.send()
 
     def _has_work(self) -> bool:
-        return self.failure is None and self.engine.has_work()
+        """Whether a step should run: not paused, the memory not released (requests wait meanwhile)."""
+        return self.failure is None and not self.paused and self.engine.kv is not None and self.engine.has_work()
 
     def _step(self, out: _Outbox) -> None:
         try:
@@ -186,20 +212,39 @@ class EngineLoop:
             if rid in finished:
                 self._finish(ticket, finished[rid], out)
                 continue
-            events = self.engine.take_tokens(rid)
+            events = self.engine.take_events(rid)
             if events:
                 ticket.sent += len(events)
-                out.put(ticket, Update(ticket.index, [t for t, _ in events], [lp for _, lp in events]))
+                p = ticket.params
+                out.put(
+                    ticket,
+                    Update(
+                        ticket.index,
+                        [e.token for e in events],
+                        [e.logprob for e in events],
+                        top=[e.top for e in events] if p.top_logprobs else None,
+                        ids=[e.ids for e in events] if p.token_ids_logprob else None,
+                        prompt=events[0].prompt,
+                    ),
+                )
 
     def _finish(self, ticket: Ticket, c: Completion, out: _Outbox) -> None:
         """The sample's last update: every token not yet handed over (the completion is authoritative)."""
         self._tickets.pop(c.request_id, None)
         self.engine.take_tokens(c.request_id)  # drops the engine's record (the completion is authoritative)
+        t = self.totals
+        t["requests"] += 1
+        t[f"finish_{c.finish_reason.value}"] += 1
+        t["prompt_tokens"] += len(c.prompt_ids)
+        t["cached_tokens"] += min(c.cached_tokens, len(c.prompt_ids))  # a re-admission may hit its own outputs
+        t["generation_tokens"] += len(c.output_ids)
         new = slice(ticket.sent, None)
         ticket.sent = len(c.output_ids)
-        out.put(
-            ticket, Update(ticket.index, c.output_ids[new], (c.logprobs or [])[new], c.finish_reason, c.cached_tokens)
-        )
+        update = Update(ticket.index, c.output_ids[new], (c.logprobs or [])[new], c.finish_reason, c.cached_tokens)
+        update.top = None if c.top_logprobs is None else c.top_logprobs[new]
+        update.ids = None if c.token_ids_logprobs is None else c.token_ids_logprobs[new]
+        update.prompt, update.shutdown, update.routed_experts = c.prompt, ticket.shutdown, c.routed_experts
+        out.put(ticket, update)
 
     def _submit(self, ticket: Ticket, out: _Outbox) -> None:
         if ticket.cancelled:
@@ -218,8 +263,9 @@ class EngineLoop:
         ticket.request_id = rid
         self._tickets[rid] = ticket
 
-    def _abort(self, ticket: Ticket, out: _Outbox) -> None:
+    def _abort(self, ticket: Ticket, out: _Outbox, shutdown: bool = False) -> None:
         ticket.cancelled = True
+        ticket.shutdown = ticket.shutdown or shutdown
         rid = ticket.request_id
         if rid is None or rid not in self._tickets:
             return  # not submitted yet (then never will be), or already finished
@@ -232,7 +278,7 @@ class EngineLoop:
 
     def _abort_all(self, out: _Outbox) -> None:
         for ticket in list(self._tickets.values()):
-            self._abort(ticket, out)
+            self._abort(ticket, out, shutdown=True)
 
 
 def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:

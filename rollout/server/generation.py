@@ -22,7 +22,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from rollout.request import FinishReason, SamplingParams
+from rollout.request import FinishReason, PromptLogprobs, SamplingParams
 from rollout.server.engine_loop import EngineLoop, Ticket, Update
 from rollout.server.tokenization import ServerTokenizer
 
@@ -75,6 +75,9 @@ class Delta:
     logprobs: list[float]
     finish_reason: str | None = None  # "stop" | "length" | "abort", on the sample's last delta
     matched: int | str | None = None  # the stop token id or stop string that ended it
+    # per token, with SamplingParams.top_logprobs / token_ids_logprob: top (id, log-prob) pairs, given ids' log-probs
+    top: list[list[tuple[int, float]]] | None = None
+    ids: list[list[float]] | None = None
 
 
 @dataclass
@@ -90,6 +93,11 @@ class Choice:
     finish_reason: str | None = None
     matched: int | str | None = None
     cached_tokens: int = 0
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # per token, with SamplingParams.top_logprobs
+    token_ids_logprobs: list[list[float]] | None = None  # per token, with SamplingParams.token_ids_logprob
+    prompt_logprobs: PromptLogprobs | None = None  # with SamplingParams.logprob_start_len >= 0
+    shutdown: bool = False  # finish_reason "abort" because the server is going away (not a caller's abort)
+    routed_experts: object | None = None  # with record_routing: Completion.routed_experts, once finished
 
 
 class _SampleState:
@@ -98,6 +106,10 @@ class _SampleState:
 
     def __init__(self, index: int, req: GenerationRequest, prompt: int, nth: int, tokenizer: ServerTokenizer):
         self.sample = Choice(index, req.prompt_ids)
+        if req.params.top_logprobs:
+            self.sample.top_logprobs = []
+        if req.params.token_ids_logprob:
+            self.sample.token_ids_logprobs = []
         self.req, self.prompt, self.nth = req, prompt, nth  # the nth sample of the request's prompt-th prompt
         self.decoder = tokenizer.decoder(req.skip_special_tokens)
         self.text = ""  # decoded so far (before any stop match)
@@ -122,20 +134,29 @@ class _SampleState:
                 break
         s.token_ids += new_ids
         s.logprobs += new_lps
+        top = None if update.top is None else update.top[: len(new_ids)]
+        ids = None if update.ids is None else update.ids[: len(new_ids)]
+        if s.top_logprobs is not None and top is not None:
+            s.top_logprobs += top
+        if s.token_ids_logprobs is not None and ids is not None:
+            s.token_ids_logprobs += ids
+        if update.prompt is not None and s.prompt_logprobs is None:
+            s.prompt_logprobs = update.prompt
         if update.finish is not None and not self.done:
             self.text += self.decoder.finish()
             if not self._match_stop():
                 s.finish_reason = "abort" if update.finish == FinishReason.ABORT else update.finish.value
                 s.matched = s.token_ids[-1] if update.finish == FinishReason.STOP else None
+                s.shutdown = update.finish == FinishReason.ABORT and update.shutdown
         if update.finish is not None:
-            s.cached_tokens = update.cached_tokens
+            s.cached_tokens, s.routed_experts = update.cached_tokens, update.routed_experts
         end = len(self.text) if self.done else len(self.text) - self._holdback()
         piece, self.emitted = self.text[self.emitted : end], max(self.emitted, end)
         if self.done:
             s.text = self.text
         if not (piece or new_ids or self.done):
             return None
-        return Delta(s.index, piece, new_ids, new_lps, s.finish_reason, s.matched)
+        return Delta(s.index, piece, new_ids, new_lps, s.finish_reason, s.matched, top, ids)
 
     def _match_stop(self) -> bool:
         """Finish at the earliest stop string in the text: text cut before it (or after, keep_stop). Only
@@ -189,7 +210,7 @@ class Generation:
                 stop_token_ids=stops,
                 return_logprobs=True,
                 seed=None if params.seed is None else params.seed + st.nth,
-            )
+            )  # top_logprobs, token_ids_logprob and logprob_start_len pass through as the API set them
             st.ticket = self.service.loop.submit(
                 req.prompt_ids, params, req.adapter, self.queue, st.sample.index, images=req.images
             )
@@ -215,12 +236,13 @@ class Generation:
             pass
         return [st.sample for st in self.states]
 
-    def abort(self, prompts: set[int] | None = None) -> None:
+    def abort(self, prompts: set[int] | None = None, shutdown: bool = False) -> None:
         """Stop every unfinished sample (of the prompts at these positions; None: all): each ends with
-        finish_reason "abort", and iteration still ends."""
+        finish_reason "abort" (`Choice.shutdown` set with `shutdown`: the server is going away), and
+        iteration still ends."""
         for st in self.states:
             if st.ticket is not None and not st.done and (prompts is None or st.prompt in prompts):
-                self.service.loop.abort(st.ticket)
+                self.service.loop.abort(st.ticket, shutdown)
 
     def close(self) -> None:
         """Abort what is unfinished and give back the admission. Idempotent."""
@@ -272,15 +294,20 @@ class GenerationService:
         if self._open.pop(gen, _GONE) is not _GONE:
             self.in_flight -= len(gen.states)
 
-    def abort(self, rid: str | None = None) -> int:
-        """Abort the open requests with caller id `rid` (every one: None); returns how many."""
+    def abort(self, rid: str | None = None, shutdown: bool = False) -> int:
+        """Abort the open requests with caller id `rid` (every one: None); returns how many. Each finishes
+        with finish_reason "abort"; `shutdown`: because the server is going away (the APIs answer 503 then)."""
         hits = 0
         for gen, rids in list(self._open.items()):
             prompts = {i for i, r in enumerate(rids) if rid is None or r == rid}
             if prompts:
-                gen.abort(prompts)
+                gen.abort(prompts, shutdown)
                 hits += len(prompts)
         return hits
+
+    def shutdown(self) -> int:
+        """Abort every open request because the server is going away."""
+        return self.abort(None, shutdown=True)
 
 
 _GONE = object()

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from miles_k3.data.media import IMAGE_PLACEHOLDER, decode_data_url, prompt_encoder
+from miles_k3.data.messages import CHAT_ROLES, check_message
 from rollout.server.generation import RequestError
 from rollout.server.protocol import Fields, ServerContext, encode
 
@@ -40,8 +41,6 @@ __all__ = [
     "process_images",
 ]
 
-CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
-
 
 @dataclass(frozen=True)
 class ImagePart:
@@ -53,19 +52,16 @@ class ImagePart:
 
 
 def message_text(i: int, message: Any, images: list) -> dict[str, str]:
-    """One chat message as {role, content}: content a string or a list of OpenAI content parts. A text
-    part is its text; an `image_url` part (`image_part`, appended to `images` in order) is one
+    """One chat message as {role, content}, checked by the shared validator
+    (`miles_k3.data.messages.check_message`: role, content present, a string or content parts). A text part is
+    its text; an `image_url` part (`image_part`, appended to `images` in order) is one
     `<|kimi_image_placeholder|>`, as the chat templates render image parts
-    (`miles_k3.data.chat_template.content_parts_text`). ValueError naming the message and part."""
-    if not isinstance(message, dict):
-        raise ValueError(f"messages[{i}] must be an object with role and content")
-    role, content = message.get("role"), message.get("content")
-    if role not in CHAT_ROLES:
-        raise ValueError(f"messages[{i}].role must be one of {CHAT_ROLES}, got {role!r}")
-    if isinstance(content, list):
+    (`miles_k3.data.media.content_parts_text`). ValueError naming the message and part."""
+
+    def parts(content: list, field: str) -> str:
         texts = []
         for j, part in enumerate(content):
-            where = f"messages[{i}].content[{j}]"
+            where = f"{field}[{j}]"
             kind = part.get("type") if isinstance(part, dict) else None
             if kind == "image_url":
                 images.append(image_part(part, where))
@@ -77,10 +73,9 @@ def message_text(i: int, message: Any, images: list) -> dict[str, str]:
             else:
                 shown = str(part if kind is None else repr(kind))[:80]
                 raise ValueError(f'{where} must be a content part of type "text" or "image_url", got {shown}')
-        content = "".join(texts)
-    if not isinstance(content, str):
-        raise ValueError(f"messages[{i}].content must be a string or a list of content parts")
-    return {"role": role, "content": content}
+        return "".join(texts)
+
+    return check_message(i, message, parts)
 
 
 def image_part(part: dict[str, Any], where: str) -> ImagePart:

@@ -7,21 +7,24 @@ Supported request fields
     both        model, n, seed (sample i of a prompt draws from seed + i), stop (a string or a list),
                 max_tokens, temperature, top_p, stream, stream_options.include_usage, user (ignored)
     completions prompt (a string, a list of strings, a list of token ids, or a list of those), logprobs
-                (0: the sampled tokens' log-probs), best_of (= n only), echo (false only), suffix (null only)
+                (0..20: the sampled tokens' log-probs and, per token, the N most likely as {text: log-prob}),
+                best_of (= n only), echo (false only), suffix (null only)
     chat        messages (through the tokenizer's chat template; content a string or text and image_url
                 parts, images as data URLs on a vision-language checkpoint: `rollout.server.images`), logprobs (bool),
-                top_logprobs (0 only), max_completion_tokens, response_format ({"type": "text"} only),
+                top_logprobs (0..20, with logprobs), max_completion_tokens, response_format ({"type": "text"} only),
                 metadata / store / service_tier / parallel_tool_calls / prompt_cache_key /
                 safety_identifier (ignored: they carry no meaning for generation here)
     extensions  (vLLM's / SGLang's names, e.g. through the openai package's `extra_body`) top_k,
                 ignore_eos, stop_token_ids, skip_special_tokens, no_stop_trim
 Refused unless at their neutral value (400): frequency_penalty, presence_penalty, logit_bias, tools,
-tool_choice, functions, function_call, audio, modalities, prediction, and top alternatives
-(completions logprobs > 0, chat top_logprobs > 0): the engine returns only the sampled token's log-prob.
-Any other field is a 400 ("unknown field").
+tool_choice, functions, function_call, audio, modalities, prediction. Any other field is a 400 ("unknown
+field").
 
 Log-probs are those of the sampled token under the untruncated distribution at the request's temperature
-(temperature 1 when greedy), as the engine computes them for RL. `usage.prompt_tokens` counts each prompt
+(temperature 1 when greedy), as the engine computes them for RL; top log-probs come from that same
+distribution in the same step. A request aborted by a caller (`/abort_request`, `/pause_generation` with
+mode abort) finishes with finish_reason "abort" (SGLang's OpenAI server's word; OpenAI has none for it); only
+a server going away answers 503. `usage.prompt_tokens` counts each prompt
 once whatever n; `prompt_tokens_details.cached_tokens` the prompt tokens served from the prefix cache.
 """
 
@@ -41,7 +44,6 @@ from rollout.server.images import ImagePart, images_prompt_ids, message_text, pr
 from rollout.server.protocol import (
     Fields,
     ServerContext,
-    check_length,
     encode,
     error_body,
     new_id,
@@ -61,6 +63,9 @@ _IGNORED_CHAT = (
     "safety_identifier",
     "user",
 )
+
+
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit for completions logprobs and chat top_logprobs
 
 
 def _sampling(f: Fields) -> dict[str, Any]:
@@ -93,10 +98,11 @@ def _requests(
     default_max: int | None,
     ctx: ServerContext,
     images: list | None = None,
+    top_logprobs: int = 0,
 ) -> list[GenerationRequest]:
     out = []
     for ids in prompts:
-        tokens = check_length(len(ids), max_new, ctx.max_seq_len, max_key, default_max)
+        tokens = ctx.check_length(len(ids), max_new, max_key, default_max)
         params = SamplingParams(
             temperature=s["temperature"],
             top_p=s["top_p"],
@@ -104,6 +110,7 @@ def _requests(
             max_new_tokens=tokens,
             stop_token_ids=s["stop_token_ids"],
             seed=s["seed"],
+            top_logprobs=top_logprobs,
         )
         out.append(
             GenerationRequest(
@@ -136,27 +143,44 @@ def _usage(gen: Generation, samples: list[Choice]) -> dict[str, Any]:
     }
 
 
-def _finish(reason: str | None) -> str | None:
-    if reason == "abort":  # only the server aborts a request whose client still listens: it is going away
-        raise RequestError("the request was aborted: the server is shutting down", status=503)
-    return reason
+def _shutting_down() -> RequestError:
+    return RequestError("the request was aborted: the server is shutting down", status=503)
+
+
+def _finish(s: Choice) -> str | None:
+    """A finished sample's finish_reason; a 503 when the server aborted it on its way down (a caller's abort
+    is finish_reason "abort")."""
+    if s.shutdown:
+        raise _shutting_down()
+    return s.finish_reason
 
 
 # ------------------------------------------------------------------ log-prob layouts
-def _completion_logprobs(ctx: ServerContext, ids: list[int], lps: list[float], offset: int) -> dict[str, Any]:
-    tokens = [ctx.tokenizer.token_text(t) for t in ids]
+def _completion_logprobs(
+    ctx: ServerContext, ids: list[int], lps: list[float], offset: int, top: list | None
+) -> dict[str, Any]:
+    """OpenAI's completions layout; `top`: per token its (id, log-prob) alternatives, as {text: log-prob}."""
+    text = ctx.tokenizer.token_text
+    tokens = [text(t) for t in ids]
     offsets, at = [], offset
     for t in tokens:
         offsets.append(at)
         at += len(t)
-    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": None, "text_offset": offsets}
+    tops = None if top is None else [{text(t): lp for t, lp in alts} for alts in top]
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
 
-def _chat_logprobs(ctx: ServerContext, ids: list[int], lps: list[float]) -> dict[str, Any]:
-    content = []
-    for t, lp in zip(ids, lps):
+def _chat_logprobs(ctx: ServerContext, ids: list[int], lps: list[float], top: list | None) -> dict[str, Any]:
+    """OpenAI's chat layout; `top`: per token its (id, log-prob) alternatives (None: top_logprobs 0)."""
+
+    def entry(t: int, lp: float) -> dict[str, Any]:
         text = ctx.tokenizer.token_text(t)
-        content.append({"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": []})
+        return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+
+    content = []
+    for i, (t, lp) in enumerate(zip(ids, lps)):
+        alts = [] if top is None else [entry(a, alp) for a, alp in top[i]]
+        content.append({**entry(t, lp), "top_logprobs": alts})
     return {"content": content, "refusal": None}
 
 
@@ -206,19 +230,15 @@ async def completions(request: Request):
             raise f.fail("best_of", f"must equal n ({n}): this server returns every sample it draws")
         f.neutral("echo", False)
         f.neutral("suffix", "")
-        logprobs = f.int("logprobs", None, low=0, high=5)
-        if logprobs:
-            raise f.fail(
-                "logprobs",
-                "> 0 asks for top alternatives, which this server does not compute; "
-                "logprobs=0 returns the sampled tokens' log-probs",
-            )
+        logprobs = f.int("logprobs", None, low=0, high=MAX_TOP_LOGPROBS)
         s = _sampling(f)
         max_new = f.int("max_tokens", None, low=1)
         stream, include_usage = f.bool("stream", False), _stream_options(f)
         f.ignore("user")
         f.finish()
-        reqs = _requests(prompts, s, n, adapter, max_new, "max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS, ctx)
+        reqs = _requests(
+            prompts, s, n, adapter, max_new, "max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS, ctx, None, logprobs or 0
+        )
         gen = ctx.service.open(reqs)
     except RequestError as e:
         return json_error(e)
@@ -234,8 +254,8 @@ async def completions(request: Request):
             {
                 "index": s.index,
                 "text": s.text,
-                "finish_reason": _finish(s.finish_reason),
-                "logprobs": _completion_logprobs(ctx, s.token_ids, s.logprobs, 0) if want_lp else None,
+                "finish_reason": _finish(s),
+                "logprobs": _completion_logprobs(ctx, s.token_ids, s.logprobs, 0, s.top_logprobs) if want_lp else None,
             }
             for s in samples
         ]
@@ -260,7 +280,9 @@ async def chat_completions(request: Request):
             raise RequestError(str(e), param=field if field.startswith("messages") else "messages") from None
         n = f.int("n", 1, low=1)
         want_lp = f.bool("logprobs", False)
-        f.neutral("top_logprobs", 0)
+        top = f.int("top_logprobs", 0, low=0, high=MAX_TOP_LOGPROBS)
+        if top and not want_lp:
+            raise f.fail("top_logprobs", "needs logprobs: true")
         for key in ("tools", "functions"):
             f.neutral(key, [])
         for key in ("tool_choice", "function_call"):
@@ -281,7 +303,7 @@ async def chat_completions(request: Request):
         # the images after every cheap check; decoded and resized off the event loop (streams keep flowing)
         images = await asyncio.to_thread(process_images, ctx, parts) if parts else []
         ids = images_prompt_ids(ctx, {"messages": checked}, images, "messages")
-        gen = ctx.service.open(_requests([ids], s, n, adapter, max_new, key, None, ctx, images))
+        gen = ctx.service.open(_requests([ids], s, n, adapter, max_new, key, None, ctx, images, top))
     except RequestError as e:
         return json_error(e)
     meta = {
@@ -300,8 +322,8 @@ async def chat_completions(request: Request):
             {
                 "index": s.index,
                 "message": {"role": "assistant", "content": s.text},
-                "finish_reason": _finish(s.finish_reason),
-                "logprobs": _chat_logprobs(ctx, s.token_ids, s.logprobs) if want_lp else None,
+                "finish_reason": _finish(s),
+                "logprobs": _chat_logprobs(ctx, s.token_ids, s.logprobs, s.top_logprobs) if want_lp else None,
             }
             for s in samples
         ]
@@ -330,7 +352,7 @@ async def _completion_chunks(ctx, gen: Generation, meta, want_lp: bool, include_
             break
         lp = None
         if want_lp:
-            lp = _completion_logprobs(ctx, d.token_ids, d.logprobs, offsets[d.index])
+            lp = _completion_logprobs(ctx, d.token_ids, d.logprobs, offsets[d.index], d.top)
         offsets[d.index] += len(d.text)
         yield sse(
             {**meta, "choices": [{"index": d.index, "text": d.text, "logprobs": lp, "finish_reason": d.finish_reason}]}
@@ -352,7 +374,7 @@ async def _chat_chunks(ctx, gen: Generation, meta, want_lp: bool, include_usage:
         if d.index not in started:
             started.add(d.index)
             delta["role"] = "assistant"
-        lp = _chat_logprobs(ctx, d.token_ids, d.logprobs) if want_lp else None
+        lp = _chat_logprobs(ctx, d.token_ids, d.logprobs, d.top) if want_lp else None
         yield sse(
             {**meta, "choices": [{"index": d.index, "delta": delta, "logprobs": lp, "finish_reason": d.finish_reason}]}
         )
@@ -363,12 +385,13 @@ async def _chat_chunks(ctx, gen: Generation, meta, want_lp: bool, include_usage:
 
 
 async def _deltas_first(gen: Generation) -> AsyncIterator[Delta | RequestError]:
-    """Deltas; an error before the first one is raised (the route answers 4xx), after it is yielded."""
+    """Deltas; an error before the first one is raised (the route answers 4xx), after it is yielded. A sample
+    the server aborted on its way down is a 503 error; a caller's abort is a delta with finish_reason "abort"."""
     started = False
     try:
         async for d in gen:
-            if d.finish_reason == "abort":
-                yield RequestError("the request was aborted: the server is shutting down", status=503)
+            if d.finish_reason == "abort" and gen.states[d.index].sample.shutdown:
+                yield _shutting_down()
                 return
             started = True
             yield d

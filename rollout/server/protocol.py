@@ -44,6 +44,14 @@ class ServerContext:
     image_processor: Any = None
     media_pad_id: int | None = None
     created: int = field(default_factory=lambda: int(time.time()))
+    pool_tokens: int | None = None  # the most prompt + generated tokens one request's KV pages can hold
+    memory_mb: float | None = None  # the engine's --memory-mb, which sets pool_tokens
+    weight_version: str = "default"  # `/update_weight_version`'s; in every meta_info
+    adapter_paths: dict[str, str] = field(default_factory=dict)  # adapters loaded through the control API
+
+    def check_length(self, prompt_len: int, max_new: int | None, key: str, default: int | None) -> int:
+        """`check_length` against max_seq_len and the KV pool (a 400 naming `key` and --memory-mb)."""
+        return check_length(prompt_len, max_new, self.max_seq_len, key, default, self.pool_tokens, self.memory_mb)
 
     def adapter_for(self, model: Any, key: str = "model") -> str | None:
         """The adapter a model name selects (None: the base). 404 for a name this server does not serve."""
@@ -191,9 +199,33 @@ def prompt_ids(value: Any, key: str, vocab_size: int) -> list[int]:
     return list(value)
 
 
-def check_length(prompt_len: int, max_new: int | None, max_seq_len: int, key: str, default: int | None) -> int:
+def check_length(
+    prompt_len: int,
+    max_new: int | None,
+    max_seq_len: int,
+    key: str,
+    default: int | None,
+    pool_tokens: int | None = None,
+    memory_mb: float | None = None,
+) -> int:
     """The tokens to generate: `max_new` as asked (a 400 naming `key` when prompt + it exceeds the
-    engine's max_seq_len), or, when not asked, `default` capped to what still fits (all of it: None)."""
+    engine's max_seq_len, or the `pool_tokens` its KV pool of `memory_mb` MiB holds for one request), or, when
+    not asked, `default` capped to what still fits (all of it: None)."""
+    if pool_tokens is not None and pool_tokens < max_seq_len:
+        if prompt_len >= pool_tokens:
+            raise RequestError(
+                f"the prompt has {prompt_len} tokens; the server's KV pool (--memory-mb {memory_mb:g}) holds "
+                f"{pool_tokens} tokens of one request, which leaves no room to generate",
+                param="prompt",
+            )
+        if max_new is not None and prompt_len + max_new > pool_tokens:
+            raise RequestError(
+                f"{key} ({max_new}) + the prompt's {prompt_len} tokens exceeds the {pool_tokens} tokens the "
+                f"server's KV pool (--memory-mb {memory_mb:g}) holds for one request; lower {key} or serve with "
+                "a larger --memory-mb",
+                param=key,
+            )
+        max_seq_len = pool_tokens
     room = max_seq_len - prompt_len
     if room < 1:
         raise RequestError(

@@ -12,24 +12,34 @@ tokenizer manager's `meta_info`), so rollout code written for an SGLang server (
                             custom_params (no effect without a custom logit processor, as in SGLang);
                             refused unless neutral: min_p, frequency/presence/repetition_penalty,
                             min_new_tokens, logit_bias, json_schema, regex, ebnf, structural_tag, stop_regex
-    return_logprob          bool (or one per prompt); return_text_in_logprobs; logprob_start_len (-1 only:
-                            prompt log-probs are not computed); top_logprobs_num (0 only)
+    return_logprob          bool (or one per prompt); with it: top_logprobs_num (0..; or one per prompt),
+                            token_ids_logprob (ids, or one list per prompt), logprob_start_len (-1: the last
+                            prompt token only; k: prompt log-probs from position k; or one per prompt),
+                            return_text_in_logprobs
     stream                  server-sent events, each the sample's output so far (SGLang's default,
                             non-incremental layout; "index" when several samples), then `data: [DONE]`
     rid                     an id (or one per prompt) that /abort_request can stop the request by
+    return_routed_experts   bool: meta_info "routed_experts", every fed token's expert ids per MoE layer (prompt
+                            and output but the last: [tokens, layers, top_k] int32, base64, as SGLang's), from
+                            a server started with --record-routing
     lora_path               a loaded adapter's name (or one per prompt); null: the base
     image_data              with text, on a vision-language checkpoint: the images of each text's
                             <|kimi_image_placeholder|>s in order, each a data URL or base64 (a string or a
                             list for one text; one entry, or null, per text of a batch); never fetched
                             from a URL (`rollout.server.images`)
     ignored                 log_metrics, session_id; refused unless null/false: video and audio inputs,
-                            input_embeds, token_ids_logprob, return_hidden_states, return_routed_experts,
+                            input_embeds, return_hidden_states,
                             custom_logit_processor, session_params, priority, data_parallel_rank
 /generate answer: {"text", "output_ids", "meta_info": {"id", "finish_reason" ({"type": "stop", "matched":
 token id or string} | {"type": "length", "length": n} | {"type": "abort", ...}), "prompt_tokens",
-"completion_tokens", "cached_tokens", "e2e_latency", "weight_version", and with return_logprob
-"output_token_logprobs": [[logprob, token_id, text or null], ...]}}; one object for one prompt and n = 1,
-else a list, prompt-major.
+"completion_tokens", "cached_tokens", "e2e_latency", "weight_version" (`/update_weight_version`'s), and with
+return_logprob "output_token_logprobs" and "input_token_logprobs": [[logprob, token_id, text or null], ...],
+with top_logprobs_num "output_top_logprobs" / "input_top_logprobs" (per position a list of such triples,
+most likely first), with token_ids_logprob "output_token_ids_logprobs" / "input_token_ids_logprobs" (per
+position one triple per given id)}}, laid out as SGLang's tokenizer manager does: the input lists cover the
+prompt from logprob_start_len (default: its last token) and their first entry's log-prob is null (SGLang
+reports no log-prob at the start position). One object for one prompt and n = 1, else a list, prompt-major;
+a stream's events carry the lists so far.
 """
 
 from __future__ import annotations
@@ -43,13 +53,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from miles_k3.model.routing import encode_table
 from rollout.request import SamplingParams
 from rollout.server.generation import Choice, Generation, GenerationRequest, RequestError
 from rollout.server.images import ImagePart, data_image_parts, images_prompt_ids, process_images
 from rollout.server.protocol import (
     Fields,
     ServerContext,
-    check_length,
     encode,
     error_body,
     new_id,
@@ -72,7 +82,6 @@ _NULL_ONLY = (
     "video_data",
     "audio_data",
     "input_embeds",
-    "token_ids_logprob",
     "custom_logit_processor",
     "session_params",
     "priority",
@@ -80,7 +89,7 @@ _NULL_ONLY = (
     "bootstrap_port",
     "bootstrap_room",
 )
-_FALSE_ONLY = ("return_hidden_states", "return_routed_experts", "return_prompt_token_ids", "return_entropy")
+_FALSE_ONLY = ("return_hidden_states", "return_prompt_token_ids", "return_entropy")
 
 
 def _per_prompt(value: Any, count: int, key: str) -> list[Any]:
@@ -152,8 +161,63 @@ def _text_prompts(text: Any, ids: Any, ctx: ServerContext) -> tuple[list[list[in
     return [prompt_ids(ids, "input_ids", ctx.vocab_size)], False
 
 
+@dataclasses.dataclass(frozen=True)
+class LogprobAsk:
+    """What one prompt's samples report: `top` alternatives, the log-probs of `ids`, prompt log-probs from
+    `start` (SGLang's logprob_start_len, resolved: -1 is the prompt's last token)."""
+
+    on: bool = False
+    top: int = 0
+    ids: tuple[int, ...] = ()
+    start: int = 0
+
+    def params(self, prompt_len: int) -> dict[str, Any]:
+        """The SamplingParams fields: the engine computes prompt log-probs from start + 1 (SGLang's entry at
+        `start` is null)."""
+        if not self.on:
+            return {}
+        first = self.start + 1
+        return dict(
+            top_logprobs=self.top, token_ids_logprob=self.ids, logprob_start_len=first if first < prompt_len else -1
+        )
+
+
+def _logprob_asks(f: Fields, prompts: list[list[int]], on: list[bool], ctx: ServerContext) -> list[LogprobAsk]:
+    """Each prompt's log-prob options (`top_logprobs_num`, `token_ids_logprob`, `logprob_start_len`), checked."""
+    count = len(prompts)
+    tops = _per_prompt(f.raw("top_logprobs_num", 0), count, "top_logprobs_num")
+    starts = _per_prompt(f.raw("logprob_start_len", -1), count, "logprob_start_len")
+    ids = f.raw("token_ids_logprob", None)
+    if isinstance(ids, list) and ids and all(isinstance(x, list) or x is None for x in ids):
+        id_lists = _per_prompt(ids, count, "token_ids_logprob")
+    else:
+        id_lists = [ids] * count
+    asks = []
+    for i, (p, want, top, start, wanted) in enumerate(zip(prompts, on, tops, starts, id_lists)):
+        if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= ctx.vocab_size:
+            raise RequestError(
+                f"top_logprobs_num must be an integer in [0, {ctx.vocab_size}], got {top!r}", param="top_logprobs_num"
+            )
+        if isinstance(start, bool) or not isinstance(start, int) or not -1 <= start < len(p):
+            raise RequestError(
+                f"logprob_start_len must be -1 or a prompt position (< the prompt's {len(p)} tokens), got {start!r}",
+                param="logprob_start_len",
+            )
+        wanted = [] if wanted is None else wanted
+        if not isinstance(wanted, list) or any(
+            isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < ctx.vocab_size for t in wanted
+        ):
+            raise RequestError(
+                f"token_ids_logprob must be a list of token ids in [0, {ctx.vocab_size}) (or one per prompt), "
+                f"got {wanted!r}",
+                param="token_ids_logprob",
+            )
+        asks.append(LogprobAsk(want, top, tuple(wanted), len(p) - 1 if start == -1 else start))
+    return asks
+
+
 def _sampling(
-    sp: Any, where: str, prompt: list[int], ctx: ServerContext, adapter: str | None
+    sp: Any, where: str, prompt: list[int], ctx: ServerContext, adapter: str | None, ask: LogprobAsk = LogprobAsk()
 ) -> tuple[GenerationRequest, int]:
     """One prompt's GenerationRequest and its stream_interval."""
     f = Fields({} if sp is None else sp, where)
@@ -177,7 +241,7 @@ def _sampling(
         max_new, default = None, None  # SGLang: no limit but the context
     else:
         max_new, default = f.int("max_new_tokens", None, low=1), SGLANG_DEFAULT_MAX_NEW_TOKENS
-    tokens = check_length(len(prompt), max_new, ctx.max_seq_len, f.path("max_new_tokens"), default)
+    tokens = ctx.check_length(len(prompt), max_new, f.path("max_new_tokens"), default)
     params = SamplingParams(
         temperature=f.number("temperature", 1.0, low=0.0),
         top_p=f.number("top_p", 1.0, low=0.0, high=1.0, open_low=True),
@@ -185,6 +249,7 @@ def _sampling(
         max_new_tokens=tokens,
         stop_token_ids=f.token_ids("stop_token_ids"),
         seed=f.int("sampling_seed", None, low=0, high=2**63 - 1),
+        **ask.params(len(prompt)),
     )
     req = GenerationRequest(
         prompt,
@@ -216,7 +281,14 @@ def _finish_reason(s: Choice) -> dict[str, Any] | None:
 
 
 def _output(
-    ctx: ServerContext, s: Choice, rid: str, logprob: bool, with_text: bool, started: float, index: int | None
+    ctx: ServerContext,
+    s: Choice,
+    rid: str,
+    ask: LogprobAsk,
+    with_text: bool,
+    started: float,
+    index: int | None,
+    routed: bool = False,
 ) -> dict[str, Any]:
     meta: dict[str, Any] = {
         "id": rid,
@@ -224,13 +296,13 @@ def _output(
         "prompt_tokens": len(s.prompt_ids),
         "completion_tokens": len(s.token_ids),
         "cached_tokens": s.cached_tokens,
-        "weight_version": "default",
+        "weight_version": ctx.weight_version,
         "e2e_latency": time.perf_counter() - started,
     }
-    if logprob:
-        meta["output_token_logprobs"] = [
-            [lp, t, ctx.tokenizer.token_text(t) if with_text else None] for lp, t in zip(s.logprobs, s.token_ids)
-        ]
+    if ask.on:
+        meta.update(_logprob_meta(ctx, s, ask, with_text))
+    if routed and s.routed_experts is not None:  # every fed token's (prompt and output but the last), as SGLang
+        meta["routed_experts"] = encode_table(s.routed_experts[: len(s.prompt_ids) + len(s.token_ids) - 1])
     out = {"text": s.text, "output_ids": list(s.token_ids), "meta_info": meta}
     if index is not None:
         out["index"] = index
@@ -251,8 +323,13 @@ async def generate(request: Request):
             _bool(v, "return_logprob") for v in _per_prompt(f.raw("return_logprob", False), count, "return_logprob")
         ]
         with_text = f.bool("return_text_in_logprobs", False)
-        f.neutral("logprob_start_len", -1)
-        f.neutral("top_logprobs_num", 0)
+        routed = f.bool("return_routed_experts", False)
+        if routed and ctx.service.loop.engine.runner.routing is None:
+            raise RequestError(
+                "return_routed_experts needs an engine that records routing (miles-serve --record-routing)",
+                param="return_routed_experts",
+            )
+        f.ignore("top_logprobs_num", "token_ids_logprob", "logprob_start_len")  # read once the prompts are known
         for key in _NULL_ONLY:
             f.neutral(key)
         for key in _FALSE_ONLY:
@@ -267,9 +344,10 @@ async def generate(request: Request):
         f.finish()
         images = await _with_images(f, prompts, parts, ctx)  # after every cheap check
         per_prompt = isinstance(f.obj.get("sampling_params"), list)
+        asks = _logprob_asks(f, prompts, logprob, ctx)
         built = [
-            _sampling(sp, f"sampling_params[{i}]" if per_prompt else "sampling_params", p, ctx, a)
-            for i, (sp, p, a) in enumerate(zip(sps, prompts, adapters))
+            _sampling(sp, f"sampling_params[{i}]" if per_prompt else "sampling_params", p, ctx, a, ask)
+            for i, (sp, p, a, ask) in enumerate(zip(sps, prompts, adapters, asks))
         ]
         built = [
             (dataclasses.replace(r, images=tuple(im)), every) if im else (r, every)
@@ -280,7 +358,7 @@ async def generate(request: Request):
         return json_error(e)
     # per sample: its prompt's rid (suffixed by the sample's number when n > 1) and log-prob choice
     sample_rid, sample_lp, interval = [], [], []
-    for (req, every), rid, lp in zip(built, rids, logprob):
+    for (req, every), rid, lp in zip(built, rids, asks):
         base = rid or new_id()
         for j in range(req.n):
             sample_rid.append(base if req.n == 1 else f"{base}_{j}")
@@ -288,12 +366,42 @@ async def generate(request: Request):
             interval.append(every)
     many = batch or len(gen.states) > 1
     if stream:
-        return await _stream(request, ctx, gen, sample_rid, sample_lp, with_text, interval, started, many)
+        return await _stream(request, ctx, gen, sample_rid, sample_lp, with_text, interval, started, many, routed)
     samples = await collect(request, gen)
     if not isinstance(samples, list):
         return samples
-    outs = [_output(ctx, s, sample_rid[s.index], sample_lp[s.index], with_text, started, None) for s in samples]
+    outs = [_output(ctx, s, sample_rid[s.index], sample_lp[s.index], with_text, started, None, routed) for s in samples]
     return JSONResponse(outs if many else outs[0])
+
+
+def _logprob_meta(ctx: ServerContext, s: Choice, ask: LogprobAsk, with_text: bool) -> dict[str, Any]:
+    """SGLang's meta_info log-prob lists for one sample (so far): triples [log-prob, token id, text or null]."""
+
+    def triple(lp: float | None, t: int) -> list:
+        return [lp, t, ctx.tokenizer.token_text(t) if with_text else None]
+
+    def alts(pairs: list[tuple[int, float]] | None) -> list | None:
+        return None if pairs is None else [triple(lp, t) for t, lp in pairs]
+
+    def of_ids(lps: list[float] | None) -> list | None:
+        return None if lps is None else [triple(lp, t) for t, lp in zip(ask.ids, lps)]
+
+    prompt = s.prompt_ids[ask.start :]
+    computed = s.prompt_logprobs  # positions start + 1 .. (None until the prefill is done, or when none)
+    n = 0 if computed is None else len(computed.logprobs)
+    values = [None] + (computed.logprobs if computed else []) + [None] * (len(prompt) - 1 - n)
+    meta: dict[str, Any] = {
+        "output_token_logprobs": [triple(lp, t) for lp, t in zip(s.logprobs, s.token_ids)],
+        "input_token_logprobs": [triple(lp, t) for lp, t in zip(values, prompt)],
+    }
+    pad = [None] * (len(prompt) - 1 - n)
+    if ask.top:
+        meta["output_top_logprobs"] = [alts(a) for a in s.top_logprobs or []]
+        meta["input_top_logprobs"] = [None] + [alts(a) for a in (computed.top if computed else [])] + pad
+    if ask.ids:
+        meta["output_token_ids_logprobs"] = [of_ids(a) for a in s.token_ids_logprobs or []]
+        meta["input_token_ids_logprobs"] = [None] + [of_ids(a) for a in (computed.token_ids if computed else [])] + pad
+    return meta
 
 
 def _bool(v: Any, key: str) -> bool:
@@ -304,7 +412,7 @@ def _bool(v: Any, key: str) -> bool:
     return v
 
 
-async def _stream(request, ctx, gen: Generation, rids, lps, with_text, interval, started, many):
+async def _stream(request, ctx, gen: Generation, rids, lps, with_text, interval, started, many, routed=False):
     async def chunks() -> AsyncIterator[bytes]:
         pending = [0] * len(gen.states)  # tokens since the sample's last event (stream_interval)
         begun = False
@@ -318,7 +426,9 @@ async def _stream(request, ctx, gen: Generation, rids, lps, with_text, interval,
                 s = gen.states[d.index].sample
                 partial = s if d.finish_reason is not None else _so_far(gen, d.index)
                 yield sse(
-                    _output(ctx, partial, rids[d.index], lps[d.index], with_text, started, d.index if many else None)
+                    _output(
+                        ctx, partial, rids[d.index], lps[d.index], with_text, started, d.index if many else None, routed
+                    )
                 )
         except RequestError as e:
             if not begun:
@@ -334,7 +444,17 @@ def _so_far(gen: Generation, index: int) -> Choice:
     st = gen.states[index]
     s = st.sample
     return Choice(
-        s.index, s.prompt_ids, st.text[: st.emitted], list(s.token_ids), list(s.logprobs), None, None, s.cached_tokens
+        s.index,
+        s.prompt_ids,
+        st.text[: st.emitted],
+        list(s.token_ids),
+        list(s.logprobs),
+        None,
+        None,
+        s.cached_tokens,
+        None if s.top_logprobs is None else list(s.top_logprobs),
+        None if s.token_ids_logprobs is None else list(s.token_ids_logprobs),
+        s.prompt_logprobs,
     )
 
 
@@ -370,7 +490,7 @@ async def get_model_info(request: Request):
             "tokenizer_path": ctx.tokenizer.name_or_path,
             "is_generation": True,
             "preferred_sampling_params": None,
-            "weight_version": "default",
+            "weight_version": ctx.weight_version,
             "served_model_name": ctx.model_name,
             "lora_adapters": list(ctx.adapters),
             "max_context_length": ctx.max_seq_len,

@@ -17,6 +17,7 @@ error a request can cause is a ValueError whose message the HTTP layer returns a
 
 from __future__ import annotations
 
+from miles_k3.data.messages import check_messages
 from miles_k3.data.tokenizers import ArithmeticTextTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 
 
@@ -59,8 +60,8 @@ class ServerTokenizer:
         raise NotImplementedError
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        """Checked chat messages (`rollout.server.images.message_text`) -> the prompt ids that ask for the
-        assistant's next turn."""
+        """Chat messages -> the prompt ids that ask for the assistant's next turn; ValueError "messages..."
+        from the shared validator (`miles_k3.data.messages.check_messages`) for a malformed list."""
         raise NotImplementedError
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
@@ -87,6 +88,7 @@ class ArithmeticServerTokenizer(ServerTokenizer):
         return self._tok.encode_prompt(text)
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        messages = check_messages(messages)
         return self._tok.encode_prompt("".join(m["content"] for m in messages))
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
@@ -130,6 +132,7 @@ class HFServerTokenizer(ServerTokenizer):
         return self._base.encode_prompt(text)
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        messages = check_messages(messages)
         if not getattr(self._hf, "chat_template", None):
             raise ValueError(
                 f"the tokenizer in {self.name_or_path} has no chat template; "

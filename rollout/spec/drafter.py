@@ -507,8 +507,11 @@ class DSparkDrafter(nn.Module, Drafter):
                 )
         try:
             config = DSparkConfig(**json.loads((path / "config.json").read_text()))
-        except TypeError as e:
-            raise ValueError(f"{path / 'config.json'}: not a DSpark drafter config ({e})") from None
+        except (TypeError, ValueError) as e:  # not JSON (JSONDecodeError, UnicodeDecodeError), or not a mapping
+            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise ValueError(
+                f"SpecConfig.drafter: {path / 'config.json'}: not a DSpark drafter config ({reason})"
+            ) from None
         if target is not None:
             config.check_target(target.config)
         drafter = cls(config)

@@ -239,6 +239,8 @@ def test_metrics_are_detached_scalars():
         "approx_kl",
         "ratio_mean",
         "train_rollout_logprob_abs_diff",
+        "train_rollout_logprob_abs_diff_max",
+        "train_rollout_kl",
         "rollout_ess",
         "tis_clipfrac",
         "opsm_frac",
@@ -271,3 +273,17 @@ def test_kl_reduced_with_loss_mask_only():
     )
     torch.testing.assert_close(m["kl_loss"], kl_penalty(logp, ref, "k1").mean())
     torch.testing.assert_close(m["pg_loss"], torch.tensor(0.0))
+
+
+def test_the_train_rollout_gap_metrics_are_the_published_formulas():
+    """The largest |d logp| over the mask, and Schulman's k3 estimate of KL(engine || trainer) on the engine's
+    samples: mean of (r - 1) - log r with r = pi_train / pi_engine, masked tokens out of both."""
+    train = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -4.0, -9.0]], dtype=torch.float64)
+    engine = torch.tensor([[-1.1, -2.0, -0.7], [-0.3, -3.5, -1.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    _, metrics = policy_loss(
+        train.clone().requires_grad_(), train, torch.zeros(2), mask, PolicyLossConfig(), rollout_logp=engine
+    )
+    assert float(metrics["train_rollout_logprob_abs_diff_max"]) == pytest.approx(0.5)  # not the masked 8.0
+    r = torch.exp(train - engine)[mask.bool()]
+    assert float(metrics["train_rollout_kl"]) == pytest.approx(float(((r - 1) - r.log()).mean()))

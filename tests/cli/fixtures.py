@@ -80,12 +80,13 @@ def write_resume_checkpoint(
 ) -> Path:
     """A run checkpoint as GRPODriver.save writes one (PEFT adapter + trainer_state.pt + manifest), with
     zero adapter tensors for the modules `targets` select in `config`'s layout, a fresh sampler position over
-    `records` and `workers` empty trainer-rank states."""
-    from megatron_patches.peft_io import save_peft
+    `records` and `workers` trainer-rank states holding the keys a rank's state has (no values)."""
     from miles_k3.data import PromptSampler
     from miles_k3.model.layout import tensor_shapes
     from miles_k3.model.lora_spec import LoraSpec, adaptable_modules
+    from miles_k3.model.peft import save_peft
     from miles_k3.trainer import checkpoint as ckpt
+    from miles_k3.trainer.inputs import WORKER_STATE_KEYS
 
     spec = LoraSpec(rank=rank) if targets is None else LoraSpec(rank=rank, targets=targets)
     shapes = tensor_shapes(config)
@@ -105,7 +106,12 @@ def write_resume_checkpoint(
     def write(tmp: Path) -> None:
         save_peft(tmp / ckpt.ADAPTER_DIR, adapter, spec)
         torch.save(
-            {"step": step, "sampler": PromptSampler(records).state_dict(), "workers": [{}] * workers, "config": {}},
+            {
+                "step": step,
+                "sampler": PromptSampler(records).state_dict(),
+                "workers": [dict.fromkeys(WORKER_STATE_KEYS) for _ in range(workers)],
+                "config": {},
+            },
             tmp / ckpt.STATE_FILE,
         )
 

@@ -1,6 +1,7 @@
 """Every user mistake `miles-train` meets ends with exit status 2 and ONE line on stderr naming the field or
 the file, never a traceback: malformed configs, run directories, checkpoints, tokenizers, datasets and
-reward plugins, resume checkpoints (CASES, 94 of them).
+reward plugins, resume checkpoints (CASES, over a hundred; tests/cli/test_cli_errors.py drives every command
+as a subprocess over the mistakes of the other layers).
 
 How they run: in this process through the console entry point (`miles_k3.cli.train.main` with sys.argv,
 SystemExit and stderr captured), since nearly all fail at config or input time, before any model is built;
@@ -49,6 +50,8 @@ CASES = [
     ("wrong-type-float", ["optim.lr=fast"], "optim.lr"),
     ("wrong-type-top-k", ["rollout.top_k=2.5"], "rollout.top_k"),
     ("wrong-type-list", ["lora.targets=q_proj"], "lora.targets"),
+    ("unknown-key-added-with-plus", ["+trainer.extra_key=1"], "trainer.extra_key"),
+    ("unknown-nested-key-added-with-plus", ["+rollout.speculative.extra=1"], "rollout.speculative.extra"),
     ("unknown-algo", ["algo=nope"], "algo/nope"),
     ("unknown-model", ["model=nope"], "model/nope"),
     ("bad-override-syntax", ["rollout.top_p=[0.5"], "rollout.top_p"),
@@ -114,6 +117,8 @@ CASES = [
     ("remote-option-elsewhere", ["reward.url=http://x"], "reward.url"),
     ("remote-without-url", ["reward.fn=remote"], "reward.url"),
     ("max-steps-zero", ["trainer.max_steps=0"], "trainer.max_steps"),
+    ("seed-beyond-64-bits", ["trainer.seed=100000000000000000000000"], "trainer.seed"),
+    ("memory-beyond-host", ["rollout.memory_mb=1e12"], "rollout.memory_mb"),
     ("resume-missing-dir", ["trainer.resume=/no/such/checkpoint"], "trainer.resume"),
     ("wandb-unknown", ["logging.wandb=cloud"], "logging.wandb"),
     ("path-and-preset", ["model.preset=k3-small"], "model.path or preset"),
@@ -172,6 +177,7 @@ CASES = [
     ("plugin-module-missing", ["reward.fn=no_such_module:score"], "reward.fn"),
     ("plugin-attribute-missing", ["reward.fn=os.path:not_there"], "reward.fn"),
     ("plugin-import-fails", ["reward.fn=tests.cli.plugins.broken_import:score"], "reward.fn"),
+    ("plugin-exits-on-import", ["reward.fn=tests.cli.plugins.exits_on_import:score"], "reward.fn"),
     ("plugin-not-callable", [f"reward.fn={PLUGINS}:NOT_CALLABLE"], "reward.fn"),
     ("plugin-signature", [f"reward.fn={PLUGINS}:two_arguments"], "reward.fn"),
     ("plugin-unknown-name", ["reward.fn=no.such.plugin"], "reward.fn"),
@@ -185,6 +191,7 @@ CASES = [
     ("resume-other-rank", ["trainer.resume={d}/resume_rank4/step_00000001"], "rank-4 adapter"),
     ("resume-other-modules", ["trainer.resume={d}/resume_q_only/step_00000001"], "lora.targets select"),
     ("resume-other-dataset", ["trainer.resume={d}/resume_other_data/step_00000001"], "dataset"),
+    ("resume-manifest-files-list", ["trainer.resume={d}/resume_files_list/step_00000001"], "files must map"),
 ]
 MID_RUN = {"plugin-raises", "plugin-returns-text", "plugin-returns-nan"}
 SUBPROCESS = ["unknown-key", "run-dir-under-a-file", "cuda-without-gpu", "safetensors-corrupt", "plugin-raises"]
@@ -240,6 +247,8 @@ def bad(tmp_path_factory) -> Path:
     write_resume_checkpoint(d / "resume_rank4", config, train, rank=4)
     write_resume_checkpoint(d / "resume_q_only", config, train, targets=(r"self_attn\.q_proj$",))
     write_resume_checkpoint(d / "resume_other_data", config, train[:10])
+    manifest = write_resume_checkpoint(d / "resume_files_list", config, train) / "manifest.json"
+    manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "files": ["adapter", "trainer_state.pt"]}))
     return d
 
 

@@ -177,12 +177,12 @@ def test_content_parts_render_as_placeholders_in_order_through_the_templates(tmp
     [
         (
             {"type": "audio", "audio": "x"},
-            r"message 0 part 1: expected an object with type 'text', 'image_url' or 'image'",
+            r"messages\[0\]\.content\[1\]: expected an object with type 'text', 'image_url' or 'image'",
         ),
-        ({"type": "text"}, r"message 0 part 1: a text part needs a string 'text'"),
+        ({"type": "text"}, r"messages\[0\]\.content\[1\]: a text part needs a string 'text'"),
         ({"type": "image_url", "image_url": {}}, r"type 'image_url' needs 'image_url'"),
         ({"type": "image"}, r"type 'image' needs 'image'"),
-        ("plain", r"message 0 part 1: expected an object"),
+        ("plain", r"messages\[0\]\.content\[1\]: expected an object"),
     ],
 )
 def test_bad_content_parts_fail_naming_message_and_part(part, match):

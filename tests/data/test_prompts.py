@@ -144,18 +144,26 @@ def test_missing_file(tmp_path):
             {"chat_template": "Q: {prompt}"},
             r"line 1: key 'prompt': a chat-message list needs",
         ),
-        ('{"prompt": [], "label": 1}\n', {"chat_template": "chatml"}, r"line 1: key 'prompt': empty message list"),
+        (
+            '{"prompt": [], "label": 1}\n',
+            {"chat_template": "chatml"},
+            r"line 1: key 'prompt': messages must be a non-empty list",
+        ),
         (
             '{"prompt": [{"role": "bot", "content": "hi"}], "label": 1}\n',
             {"chat_template": "chatml"},
-            r"line 1: key 'prompt': message 0 has role 'bot'",
+            r"line 1: key 'prompt': messages\[0\]\.role must be one of .*got 'bot'",
         ),
         (
             '{"prompt": [{"role": "user", "content": 3}], "label": 1}\n',
             {"chat_template": "chatml"},
-            r"line 1: key 'prompt': message 0 content must be a string",
+            r"line 1: key 'prompt': messages\[0\]\.content must be a string",
         ),
-        ('{"prompt": ["hi"], "label": 1}\n', {"chat_template": "chatml"}, r"line 1: key 'prompt': message 0 must be"),
+        (
+            '{"prompt": ["hi"], "label": 1}\n',
+            {"chat_template": "chatml"},
+            r"line 1: key 'prompt': messages\[0\] must be",
+        ),
         (
             '{"prompt": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}], "label": 1}\n',
             {"chat_template": "chatml"},

@@ -10,8 +10,8 @@ from safetensors.torch import load_file, save_file
 
 from megatron_patches.lora import adapter_state, load_adapter_state
 from megatron_patches.model import build_policy
-from megatron_patches.peft_io import CONFIG_FILE, WEIGHTS_FILE, load_peft, save_peft
 from miles_k3.model.lora_spec import LoraSpec
+from miles_k3.model.peft import CONFIG_FILE, WEIGHTS_FILE, load_peft, save_peft
 from tests.megatron_patches.common import CONFIG, random_like, reference, token_ids
 
 # Everything but routed experts: PEFT wraps nn.Linear modules, and K3's reference holds experts stacked.
@@ -124,7 +124,7 @@ def _reshape_first_a(w):
         (lambda c: c.update(r=0), None, "LoraSpec.rank"),
         (lambda c: c.update(peft_type="IA3"), None, "not LORA"),
         (lambda c: c.update(use_rslora=True), None, "use_rslora"),
-        (lambda c: c.update(rank_pattern={"q_proj": 4}), None, "rank_pattern"),
+        (lambda c: c.update(rank_pattern={"q_proj": 4}), None, "q_proj.*r=4"),
         (None, _first_expert_gone, "experts"),
         (None, _rename_first, "unexpected tensor"),
         (None, _reshape_first_a, "r=2"),

@@ -25,7 +25,11 @@ def test_router_kernel_matches_the_definition_and_dispatches():
             return w.gather(1, order.indices), order.values
 
         cases = [(1, 64, 8, True, True, 1.0), (5, 48, 6, False, True, 2.5), (3, 17, 1, True, False, 1.0),
-                 (4, 384, 8, True, True, 1.0), (2, 8, 8, True, True, 1.0), (0, 16, 2, True, True, 1.0)]
+                 (4, 384, 8, True, True, 1.0), (2, 8, 8, True, True, 1.0), (0, 16, 2, True, True, 1.0),
+                 (4, 16, 1, True, True, 2.446)]  # top-1 with renormalize: the raw score, scaled
+        x = torch.tensor([[0.0, 2.0, -1.0, 1.0]])  # hand-computed: expert 3 (0.731 + 0.8), weight sigmoid(1) * 2.446
+        w, i = kernels.route(x, torch.tensor([0.0, -0.5, 0.0, 0.8]), 1, True, 2.446)
+        assert i.tolist() == [[3]] and abs(w.item() - 2.446 / (1 + 2.718281828459045**-1)) < 1e-6, (w, i)
         for n, e, k, bias, renormalize, scale in cases:
             x = torch.randn(n, e, generator=g) * 3
             b = torch.randn(e, generator=g) * 0.1 if bias else None

@@ -56,9 +56,9 @@ def wait_idle(server: Server, timeout: float = 20.0) -> None:
 
 def write_adapter(path: Path, seed: int = 0) -> Path:
     """A random rank-4 PEFT adapter for the tiny model, written by the trainer's `save_peft`."""
-    from megatron_patches.peft_io import save_peft
     from miles_k3.model.assets import builtin_path
     from miles_k3.model.base import load_base
+    from miles_k3.model.peft import save_peft
     from rollout.model_runner import build_engine_model
 
     spec = LoraSpec(rank=4, alpha=8.0)

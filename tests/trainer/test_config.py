@@ -54,7 +54,8 @@ def test_default_recipe_resolves_to_the_embedded_run():
     assert rc.loss == PolicyLossConfig()  # recipes/algo/grpo.yaml sets nothing: GRPO is the default
     assert rc.loss.rollout_correction == "tis" and rc.loss.eps_high == 0.28
     assert rc.lora == LoraSpec() and rc.lora.targets == DEFAULT_TARGETS
-    assert rc.engine == EngineConfig(memory_bytes=64 << 20, max_running=256)
+    assert rc.engine == EngineConfig(memory_bytes=64 << 20, max_running=256, record_routing=True)
+    assert rc.algo.routing_replay == "rollout"  # the K3 recipes replay the engine's routing (docs/design.md)
     assert rc.sampling == SamplingParams(max_new_tokens=6)
     assert rc.data.metadata_keys is None and rc.reward.timeout_s == 10.0
 

@@ -330,6 +330,9 @@ def test_calculator_tool_trains_end_to_end_with_both_clients(tmp_path):
             # per-turn engine log-probs against the trainer's recomputation over the whole sequence
             assert r["train_rollout_logprob_abs_diff"] < 1e-5
             assert r["grad_norm"] > 0
+            # k3_grpo replays the routing: each turn's table (the context's and the turn's tokens) reached the
+            # trainer, the tool's tokens included (fed as the next turn's prompt); fp32 routers agree
+            assert r["routing_agreement"] > 0.999
     assert 0.0 <= rows[-1]["eval_accuracy"] <= 1.0
     # through miles-serve's /generate on loopback: the same samples (seeded per sample and turn) and rewards; the
     # log-probs agree to float noise (the engine batched the turns in another order)

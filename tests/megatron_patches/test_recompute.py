@@ -107,7 +107,9 @@ def test_recompute_without_the_dropout_replay_changes_the_gradients(monkeypatch)
     """The mutation the replay guards against: a recomputed forward that draws fresh dropout masks."""
     import megatron_patches.model as model
 
-    monkeypatch.setattr(model, "_replay_contexts", lambda generator, cp: (torch.enable_grad(), torch.enable_grad()))
+    monkeypatch.setattr(
+        model, "_replay_contexts", lambda generator, cp, routing=None: (torch.enable_grad(), torch.enable_grad())
+    )
     want = _step(_policy(TINY, recompute=False), TINY)
     try:
         got = _step(_policy(TINY, recompute=True), TINY)

@@ -15,8 +15,8 @@ from miles_k3.trainer.workers import build_rollout_worker, build_train_worker
 from rollout.request import SamplingParams
 from tests.trainer.recipes import composed, fresh
 
-RECORD = ("rollout.record_routing=true",)
-REPLAY = (*RECORD, "algo.routing_replay=rollout")
+RECORD = ("rollout.record_routing=true", "algo.routing_replay=off")  # k3_grpo's own default replays
+REPLAY = ("rollout.record_routing=true", "algo.routing_replay=rollout")
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +121,10 @@ def test_a_sample_without_routing_routes_for_itself(rollout):
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (("algo.routing_replay=rollout",), "algo.routing_replay 'rollout' replays the experts the engine records"),
+        (
+            ("algo.routing_replay=rollout", "rollout.record_routing=false"),
+            "algo.routing_replay 'rollout' replays the experts the engine records",
+        ),
         (("algo.routing_replay=always",), r"algo.routing_replay must be one of \('off', 'rollout'\)"),
     ],
 )

@@ -13,6 +13,17 @@ import torch
 
 WORDS = "0 1 2 3 4 5 6 7 8 9 + - * = ?".split()
 
+# the default recipe cut to one step of 2 prompts x 2 samples, quiet: what the CLI error tests start from
+ONE_SMALL_STEP = [
+    "recipe=k3_grpo",
+    "logging.wandb=disabled",
+    "logging.progress=false",
+    "cluster.threads_per_worker=1",
+    "rollout.prompts_per_step=2",
+    "rollout.samples_per_prompt=2",
+    "trainer.max_steps=1",
+]
+
 
 def write_tokenizer(path: Path) -> None:
     """A whitespace-split word-level tokenizer over the digits and operators, as PreTrainedTokenizerFast."""

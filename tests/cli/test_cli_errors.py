@@ -26,20 +26,14 @@ from safetensors.torch import load_file, save_file
 from miles_k3.data import PromptDataConfig, load_prompts
 from miles_k3.model import K3Config
 from miles_k3.trainer import checkpoint as ckpt
-from tests.cli.fixtures import write_prompts, write_resume_checkpoint
+from tests.cli.fixtures import ONE_SMALL_STEP, write_prompts, write_resume_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 ASSETS = REPO / "miles_k3" / "assets"
 ARITH = ASSETS / "k3-tiny-arith"
 BIN = Path(sys.executable).parent
 TRAIN = [
-    "recipe=k3_grpo",
-    "logging.wandb=disabled",
-    "logging.progress=false",
-    "cluster.threads_per_worker=1",
-    "rollout.prompts_per_step=2",
-    "rollout.samples_per_prompt=2",
-    "trainer.max_steps=1",
+    *ONE_SMALL_STEP,
     "data.path={d}/small_train.jsonl",
     "data.eval_path={d}/small_heldout.jsonl",
 ]

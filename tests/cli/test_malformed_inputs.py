@@ -25,20 +25,18 @@ from safetensors.torch import load_file, save_file
 
 from miles_k3.data import PromptDataConfig, load_prompts
 from miles_k3.model import K3Config
-from tests.cli.fixtures import run_cli, spaced_arithmetic, write_checkpoint, write_prompts, write_resume_checkpoint
+from tests.cli.fixtures import (
+    ONE_SMALL_STEP,
+    run_cli,
+    spaced_arithmetic,
+    write_checkpoint,
+    write_prompts,
+    write_resume_checkpoint,
+)
 
 ASSET = Path(__file__).resolve().parents[2] / "miles_k3" / "assets" / "k3-tiny-arith"
 REPO = Path(__file__).resolve().parents[2]
-BASE = [
-    "recipe=k3_grpo",
-    "logging.wandb=disabled",
-    "logging.progress=false",
-    "cluster.threads_per_worker=1",
-    "rollout.prompts_per_step=2",
-    "rollout.samples_per_prompt=2",
-    "trainer.max_steps=1",
-    "data.eval_max_prompts=2",
-]
+BASE = [*ONE_SMALL_STEP, "data.eval_max_prompts=2"]
 PLUGINS = "tests.cli.plugins.bad_rewards"
 
 # (case id, overrides ({d}: the directory of malformed inputs), text the one line must contain)

@@ -23,7 +23,7 @@ import torch
 
 from rollout.cache_manager import CacheManager, Running
 from rollout.model_runner import ModelRunner
-from rollout.sampler import sample_alternatives, sample_on_device, unpack_alternatives
+from rollout.sampler import hand_alternatives, sample_alternatives, sample_on_device
 from rollout.scheduler import Scheduler
 from rollout.transfer import to_device, to_host
 
@@ -147,12 +147,9 @@ class OneToken(DecodeStrategy):
             launch.ready.synchronize()
         tokens, logps = launch.host.tolist()
         if launch.alternatives is not None:
-            asking = [r for r in launch.batch if r.req.params.alternatives]
-            vocab = self.runner.model.config.vocab_size
-            for r, both in zip(
-                asking, unpack_alternatives(launch.alternatives.tolist(), [r.req.params for r in asking], vocab)
-            ):
-                r.req.step_alternatives = [both]
+            hand_alternatives(
+                [r.req for r in launch.batch], launch.alternatives.tolist(), self.runner.model.config.vocab_size
+            )
         return [[int(t)] for t in tokens], [[lp] for lp in logps]
 
 

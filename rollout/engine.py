@@ -50,7 +50,13 @@ from rollout.request import (
     TokenEvent,
     next_request_id,
 )
-from rollout.sampler import prompt_alternatives, sample, sample_alternatives, unpack_alternatives
+from rollout.sampler import (
+    hand_alternatives,
+    prompt_alternatives,
+    sample,
+    sample_alternatives,
+    unpack_alternatives,
+)
 from rollout.scheduler import Scheduler
 from rollout.transfer import to_device
 
@@ -466,10 +472,7 @@ class Engine:
         params = [r.req.params for r in batch]
         keys = to_device([[r.req.seed for r in batch], [r.pos for r in batch]], logits.device, torch.long)
         tokens, logps, alt = sample_alternatives(logits, params, keys)
-        asking = [r for r in batch if r.req.params.alternatives]
-        vocab = self.model.config.vocab_size
-        for r, both in zip(asking, unpack_alternatives(alt.tolist(), [r.req.params for r in asking], vocab)):
-            r.req.step_alternatives = [both]
+        hand_alternatives([r.req for r in batch], alt.tolist(), self.model.config.vocab_size)
         return [int(t) for t in tokens.tolist()], [float(lp) for lp in logps.tolist()]
 
     def _prompt_logprobs(self, plan: list[tuple[Running, int]], logits: torch.Tensor) -> torch.Tensor:

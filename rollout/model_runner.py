@@ -309,11 +309,10 @@ class ModelRunner:
         self._dropped_graph_counts = self.graph_counts()
         self.kv = self.states = self.graphs = self.routing_table = None
 
-    def _routing_rows(self, batch: list[Running], lengths: list[int]) -> torch.Tensor:
-        """The routing table's row of each of a step's new tokens, request by request."""
+    def _routing_rows(self, r: Running, start: int, end: int) -> list[int]:
+        """The routing table's rows (KV rows: page * page_size + offset) of `r`'s positions [start, end)."""
         ps = self.kv.page_size
-        rows = [r.pages[p // ps] * ps + p % ps for r, n in zip(batch, lengths) for p in range(r.pos, r.pos + n)]
-        return to_device(rows, self.device)
+        return [r.pages[p // ps] * ps + p % ps for p in range(start, end)]
 
     def routed_experts(self, r: Running) -> torch.Tensor:
         """[len(r.tokens), MoE layers, top_k] int16 on the host: each computed position's experts from the
@@ -321,9 +320,7 @@ class ModelRunner:
         out = torch.full((len(r.tokens), self.routing.width, self.routing.top_k), -1, dtype=torch.int16)
         n = min(r.pos, len(r.tokens))
         if n:
-            ps = self.kv.page_size
-            rows = torch.tensor([r.pages[p // ps] * ps + p % ps for p in range(n)], device=self.device)
-            out[:n] = self.routing_table[rows].cpu()
+            out[:n] = self.routing_table[to_device(self._routing_rows(r, 0, n), self.device)].cpu()
         return out
 
     def graph_counts(self) -> tuple[int, int]:
@@ -380,9 +377,9 @@ class ModelRunner:
                 return model_step(self.model, ids_t, cache, cu, every_token, media)
             with self.routing.recording():
                 logits = model_step(self.model, ids_t, cache, cu, every_token, media)
-                self.routing_table[self._routing_rows(batch, lengths)] = self.routing.table(sum(lengths)).to(
-                    self.device, torch.int16
-                )
+                rows = [row for r, n in zip(batch, lengths) for row in self._routing_rows(r, r.pos, r.pos + n)]
+                table = self.routing.table(sum(lengths))
+                self.routing_table[to_device(rows, self.device)] = table.to(self.device, torch.int16)
             return logits
 
     def forward_tapped(

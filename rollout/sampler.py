@@ -117,6 +117,14 @@ def unpack_alternatives(
     return out
 
 
+def hand_alternatives(requests: list, alternatives: list, vocab_size: int) -> None:
+    """Set each asking request's `step_alternatives` from a step's alternatives (`sample_alternatives`' third
+    output, as a host list, rows in the order of `requests`)."""
+    asking = [q for q in requests if q.params.alternatives]
+    for q, both in zip(asking, unpack_alternatives(alternatives, [q.params for q in asking], vocab_size)):
+        q.step_alternatives = [both]
+
+
 def prompt_alternatives(
     logits: torch.Tensor, params: list[SamplingParams], targets: list[int]
 ) -> tuple[torch.Tensor, torch.Tensor | None]:

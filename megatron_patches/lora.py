@@ -184,6 +184,21 @@ def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return _over_stages(out)
 
 
+def adapter_shards(model: nn.Module) -> dict[str, tuple[torch.Tensor, tuple[tuple[int, int], ...]]]:
+    """This rank's own blocks of the adapter, gathering nothing: engine name -> (the local tensor, detached,
+    not copied; its box in the full tensor, (start, stop) per dim). Only this pipeline stage's modules; a
+    replicated factor's box is the whole tensor (and its data / context / expert-data replicas hold the same
+    box). What a shard-to-shard sync sends from (`miles_k3.trainer.adapter_sync`)."""
+    out = {}
+    for name, (m, p, split, full) in _exports(model).items():
+        box = [(0, n) for n in full]
+        if split is not None and m.shards.size > 1:
+            step = full[split] // m.shards.size
+            box[split] = (m.shards.rank * step, (m.shards.rank + 1) * step)
+        out[name] = (p.detach(), tuple(box))
+    return out
+
+
 def adapter_grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
     """Full gradients of the adapter tensors in engine naming (gathered like `adapter_state`; a
     collective). None where a parameter has no gradient (on every rank of its split, as after

@@ -232,6 +232,7 @@ def build_engine(
     *,
     base: tuple[K3Config, Mapping[str, torch.Tensor] | TensorSource] | None = None,
     group: Any = None,
+    parallel: Any = None,
     vision: torch.nn.Module | None = None,
 ) -> Engine:
     """The engine `spec` describes, with its adapters loaded.
@@ -241,11 +242,12 @@ def build_engine(
     `config`); None: the spec's (`EngineSpec.load_base`).
     vision: the model that encodes requests' images (`K3VisionModel`; None: requests bring features).
 
-    With `spec.tp > 1` call it on every rank of `group` (default: the whole torch.distributed world, which
-    must hold `spec.tp` processes), with the same spec but for `device`, after `init_process_group` (gloo on
-    CPU, nccl with one GPU per rank: set the device first). Rank 0 gets the engine's caller (it loads the
-    adapters, whose tensors reach every rank); every other rank must then call `engine.follow()`, which
-    replays rank 0's calls until rank 0 calls `engine.stop_followers()` (`rollout.parallel`)."""
+    With `spec.tp > 1` call it on every rank of `group` (default: the whole torch.distributed world, which must hold
+    `spec.tp` processes), with the same spec but for `device`, after `init_process_group` (gloo on CPU, nccl with
+    one GPU per rank: set the device first); or hand this rank's `parallel` (`rollout.parallel.EngineTP`, e.g. of
+    `replica_groups`: one of several engines in one world) instead. Rank 0 gets the engine's caller (it loads the
+    adapters, whose tensors reach every rank); every other rank must then call `engine.follow()`, which replays rank
+    0's calls until rank 0 calls `engine.stop_followers()` (`rollout.parallel`)."""
     lora, tensors, alphas = read_adapters(spec)
     if base is None:
         config, state = spec.load_base()
@@ -264,13 +266,18 @@ def build_engine(
 
         from rollout.parallel import EngineTP
 
-        size = dist.get_world_size(group) if dist.is_initialized() else 1
+        if parallel is not None:
+            size, layout = parallel.size, (parallel.ep_size, parallel.dcp_size)
+            if layout != (spec.ep, spec.dcp):
+                raise ValueError(f"EngineSpec ep / dcp {(spec.ep, spec.dcp)} differ from `parallel`'s {layout}")
+        else:
+            size = dist.get_world_size(group) if dist.is_initialized() else 1
         if size != spec.tp:
             raise ValueError(
                 f"EngineSpec.tp={spec.tp}: build it on every rank of a torch.distributed group of "
                 f"{spec.tp} processes (init_process_group first), got a group of {size}"
             )
-        tp = EngineTP(group, ep_size=spec.ep, dcp_size=spec.dcp)
+        tp = parallel if parallel is not None else EngineTP(group, ep_size=spec.ep, dcp_size=spec.dcp)
     model, pool = build_engine_model(
         config,
         state,

@@ -185,6 +185,24 @@ class Engine:
             raise RuntimeError(f"remove_adapter({name!r}) while requests using it are in flight")
         self._apply("_remove_adapter", name, now=True)
 
+    def set_adapter_shards(self, name: str, tensors: dict[str, torch.Tensor], alpha: float | None = None) -> None:
+        """Load or update `name` from this rank's own blocks (each tensor exactly `AdapterPool.local_boxes`'s
+        region of the full one), on every rank of a sharded engine at once and outside the leader's log: each
+        rank received its blocks from the trainer ranks that own them (`miles_k3.trainer.adapter_sync`), none
+        from rank 0. Only while no rank is inside `follow()` and no request is in flight (the scheduler is
+        replicated, so every rank sees the same); every rank then takes the same slot and drops the same
+        cached prefixes."""
+        pool = self._need_adapters()
+        s = self.scheduler
+        if s.waiting or s.running:
+            raise RuntimeError(f"set_adapter_shards({name!r}) while requests are in flight")
+        if name in pool.names:
+            pool.update_adapter(name, tensors, local=True)
+            self.decoder.settle()
+            self.memory.drop_tree(name)
+        else:
+            pool.add_adapter(name, tensors, alpha, local=True)
+
     def _remove_adapter(self, name: str) -> None:
         self.decoder.settle()  # a step in flight of finished requests may still hold snapshots in its tree
         self._need_adapters().remove_adapter(name)
@@ -588,7 +606,8 @@ class Engine:
             raise RuntimeError(f"rank {self.tp.rank} of a sharded engine follows rank 0: call follow(), not the API")
 
     def stop_followers(self) -> None:
-        """Rank 0: end the other ranks' `follow()` (the engine is not used after it)."""
+        """Rank 0: end the other ranks' `follow()` (calls logged and not yet sent go first). They may `follow()`
+        again for rank 0's next calls (the RL loop runs one such session per call: `miles_k3.trainer.backends`)."""
         self._caller()
         if self.channel is not None:
             self.channel.stop()

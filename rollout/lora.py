@@ -100,21 +100,41 @@ class AdapterPool:
             raise ValueError(f"unknown adapter {adapter!r}; loaded: {sorted(self.names)}")
         return self.names[adapter]
 
-    def add_adapter(self, name: str, tensors: dict[str, torch.Tensor], alpha: float | None = None) -> None:
-        """Load a new adapter into a free slot (tensors for every adapted module, see module docstring)."""
+    def add_adapter(
+        self, name: str, tensors: dict[str, torch.Tensor], alpha: float | None = None, *, local: bool = False
+    ) -> None:
+        """Load a new adapter into a free slot (tensors for every adapted module, see module docstring; `local`:
+        each tensor is already this rank's block, `local_boxes`' region of the full one)."""
         if name in self.names:
             raise ValueError(f"adapter {name!r} is already loaded; use update_adapter")
         free = sorted(set(range(1, self.slots)) - set(self.names.values()))
         if not free:
             raise ValueError(f"all {self.max_adapters} adapter slots are in use: {sorted(self.names)}")
-        self._write(free[0], tensors)
+        self._write(free[0], tensors, local)
         self.names[name] = free[0]
         self.scale[free[0]] = (alpha if alpha is not None else self.spec.alpha) / self.spec.rank
         self.device_scale = self.scale.to(self.device)
 
-    def update_adapter(self, name: str, tensors: dict[str, torch.Tensor]) -> None:
-        """Copy new values into `name`'s slot in place. Validates everything before writing anything."""
-        self._write(self.slot_of(name), tensors)
+    def update_adapter(self, name: str, tensors: dict[str, torch.Tensor], *, local: bool = False) -> None:
+        """Copy new values into `name`'s slot in place. Validates everything before writing anything. `local`:
+        as in `add_adapter`."""
+        self._write(self.slot_of(name), tensors, local)
+
+    def local_boxes(self) -> dict[str, tuple[tuple[int, ...], tuple[tuple[int, int], ...]]]:
+        """tensor name -> (full shape, the box of it this rank holds: (start, stop) per dim), for every adapted
+        tensor: what a shard-to-shard sync must deliver here (`add_adapter(..., local=True)` takes exactly
+        these blocks)."""
+        out = {}
+        for key in sorted([f"{m}.lora_A" for m in self.A] + [f"{m}.lora_B" for m in self.B]):
+            module, _, factor = key.rpartition(".")
+            local = tuple((self.A if factor == "lora_A" else self.B)[module].shape[1:])
+            full = self.full_shapes.get(key, local)
+            box = [(0, n) for n in full]
+            if (shard := self.shards.get(key)) is not None:
+                dim, start, length = shard
+                box[dim] = (start, start + length)
+            out[key] = (full, tuple(box))
+        return out
 
     def remove_adapter(self, name: str) -> None:
         """Free `name`'s slot for the next `add_adapter`: its A, B and scale zeroed (in place: a captured graph
@@ -126,7 +146,7 @@ class AdapterPool:
         self.device_scale = self.scale.to(self.device)
         del self.names[name]
 
-    def _write(self, slot: int, tensors: dict[str, torch.Tensor]) -> None:
+    def _write(self, slot: int, tensors: dict[str, torch.Tensor], local: bool = False) -> None:
         expected = {f"{m}.lora_A": a[slot] for m, a in self.A.items()}
         expected.update({f"{m}.lora_B": b[slot] for m, b in self.B.items()})
         missing = sorted(set(expected) - set(tensors))
@@ -138,14 +158,14 @@ class AdapterPool:
             )
         for key, t in tensors.items():
             dst = expected[key]
-            want = self.full_shapes.get(key, tuple(dst.shape))
+            want = tuple(dst.shape) if local else self.full_shapes.get(key, tuple(dst.shape))
             if tuple(t.shape) != want:
                 raise ValueError(f"adapter tensor {key!r}: shape {tuple(t.shape)}, expected {want}")
             if t.dtype != dst.dtype:
                 raise ValueError(f"adapter tensor {key!r}: dtype {t.dtype}, expected {dst.dtype}")
         with torch.no_grad():
             for key, t in tensors.items():
-                if (shard := self.shards.get(key)) is not None:
+                if not local and (shard := self.shards.get(key)) is not None:
                     t = t.narrow(*shard)  # this rank's block of the trainer's full tensor
                 expected[key].copy_(t)
 

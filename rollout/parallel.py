@@ -51,9 +51,11 @@ class EngineTP(TensorParallel):
     per DCP group (divides the TP size); DCP group g is TP ranks [g * dcp_size, (g + 1) * dcp_size) and this
     rank's DCP rank is its TP rank mod dcp_size. `control`: a gloo group over the same ranks for host-side
     broadcasts (default: `group` itself when it is gloo, else a new gloo group). Build it on every rank of
-    the group at the same point (it creates process groups)."""
+    the group at the same point (it creates process groups). Several engines in one world (one per group of
+    ranks: the RL loop's replicas) build their groups first on every rank of the world, `replica_groups`, and
+    pass them in (`control`, `dcp_group`): torch.distributed creates a group only with the whole world."""
 
-    def __init__(self, group=None, *, ep_size: int = 1, dcp_size: int = 1, control=None):
+    def __init__(self, group=None, *, ep_size: int = 1, dcp_size: int = 1, control=None, dcp_group=None):
         if not dist.is_initialized():
             raise ValueError("EngineTP needs torch.distributed initialized (init_process_group) on every rank")
         size, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -69,8 +71,8 @@ class EngineTP(TensorParallel):
         self.dcp_rank = rank % dcp_size
         self.channel_rank = dist.get_global_rank(group, 0) if group is not None else 0
         ranks = dist.get_process_group_ranks(group) if group is not None else list(range(size))
-        self.dcp_group = None
-        if dcp_size > 1:  # every rank creates every group, in the same order
+        self.dcp_group = dcp_group
+        if dcp_size > 1 and dcp_group is None:  # every rank creates every group, in the same order
             for g in range(size // dcp_size):
                 pg = dist.new_group(ranks[g * dcp_size : (g + 1) * dcp_size])
                 if g == rank // dcp_size:
@@ -118,3 +120,24 @@ class EngineTP(TensorParallel):
         """(start, length) of this rank's DCP group's block of n rows (its dcp_size TP ranks' heads)."""
         step = n // self.size * self.dcp_size
         return self.rank // self.dcp_size * step, step
+
+
+def replica_groups(tp: int, dcp: int = 1, ep: int = 1) -> EngineTP:
+    """This rank's `EngineTP` among world / tp engine replicas of `tp` consecutive ranks each (replica r: ranks
+    [r * tp, (r + 1) * tp)), with `dcp` ranks per DCP group inside each. Call it on every rank of the world at
+    the same point: it creates every replica's groups (TP, its gloo control group, its DCP groups) on every
+    rank, in one order. `ep`: 1 or tp, as `EngineTP`'s `ep_size`."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world % tp or tp % dcp:
+        raise ValueError(f"engine replicas of tp={tp} ranks (dcp={dcp}) do not tile a world of {world}")
+    gloo = dist.get_backend() == "gloo"
+    mine = None
+    for r in range(world // tp):
+        ranks = list(range(r * tp, (r + 1) * tp))
+        group = dist.new_group(ranks)
+        control = group if gloo else dist.new_group(ranks, backend="gloo")
+        dcp_groups = [dist.new_group(ranks[g : g + dcp]) for g in range(0, tp, dcp)] if dcp > 1 else []
+        if rank in ranks:
+            mine = (group, control, dcp_groups[(rank - ranks[0]) // dcp] if dcp_groups else None)
+    group, control, dcp_group = mine
+    return EngineTP(group, ep_size=ep, dcp_size=dcp, control=control, dcp_group=dcp_group)

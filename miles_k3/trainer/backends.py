@@ -4,8 +4,9 @@
 as a `TrainerGroup`; where they live (this process, other processes, Ray actors, a server behind HTTP) is the
 backend's business. A launcher builds one of each:
 
-    local / external   `LocalEngine` (the engine in rank 0's process) + `LocalTrainers` (rank 0 here, the
-                       other ranks replaying its calls by name: `miles_k3.rpc`)
+    local / external   `ColocatedEngines` + `LocalTrainers` over `LocalRanks`: every rank holds a trainer rank
+                       and a shard of one engine replica (`ColocatedRank`: rollout.tp ranks a replica); rank 0
+                       runs the driver and the others replay its calls by name (`miles_k3.rpc`)
     ray                `RayEngines` + `RayTrainers` (`miles_k3.trainer.ray_launch`)
 
 A backend generates into the driver's `Sample` records (`miles_k3.data.sample`): the driver makes one per
@@ -15,9 +16,9 @@ methods every backend stubs: a backend lists them in `CAPABILITIES` (read by `re
 before anything is built, so a run asking for one its backend lacks fails by field name) and offers each as
 an object (`drafter()`, `plugins()`), None when absent.
 
-Adding a backend (engine groups sharded over several ranks, engines on their own devices, an SGLang fleet
-behind HTTP) is one subclass and its entry in `ROLLOUT_BACKENDS`, the choice a launcher (or a future
-`rollout.backend` key, once one launcher offers two) picks it by.
+Adding a backend (engines on their own devices, an SGLang fleet behind HTTP) is one subclass and its entry in
+`ROLLOUT_BACKENDS`, the choice a launcher (or a future `rollout.backend` key, once one launcher offers two)
+picks it by.
 
 When each call is safe: the driver calls one method at a time from one thread. `generate` / a plugin run
 only while the engines hold their memory (after `resume`, or before any `release`); `sync_adapter` only
@@ -26,7 +27,9 @@ between rollouts, with nothing in flight; `release` only between rollouts; `coun
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
@@ -34,6 +37,8 @@ import torch.distributed as dist
 
 from miles_k3 import rpc
 from miles_k3.data.sample import Sample
+from miles_k3.trainer.adapter_sync import AdapterSync
+from miles_k3.trainer.rollout_plugin import ADAPTER
 
 if TYPE_CHECKING:
     from miles_k3.trainer.batch import TrainBatch
@@ -84,8 +89,10 @@ class RolloutBackend(ABC):
         """Take the memory back (a no-op when it was not released)."""
 
     @abstractmethod
-    def sync_adapter(self, tensors: dict[str, torch.Tensor]) -> float:
-        """The trainer's adapter (full tensors in engine naming) into every engine's policy slot; milliseconds."""
+    def sync_adapter(self, trainer: TrainerGroup) -> dict[str, float]:
+        """The trainer group's current adapter into every engine's policy slot (full tensors from
+        `trainer.adapter_state()`, or block by block where the engines share the trainer's ranks); the sync's
+        metrics: `adapter_sync_ms`, and what the backend counts beside it (bytes moved)."""
 
     @abstractmethod
     def counters(self) -> dict[str, int]:
@@ -127,37 +134,6 @@ class TrainerGroup(ABC):
         """Release the ranks (the default: nothing)."""
 
 
-# ---------------------------------------------------------------------------------------------- engine
-class LocalEngine(RolloutBackend):
-    """One engine in this process (the local and external launchers' rank 0)."""
-
-    CAPABILITIES = frozenset({ROLLOUT_FN, DRAFTER})
-
-    def __init__(self, worker: RolloutWorker):
-        self.worker = worker
-
-    def generate(self, samples, params):
-        return self.worker.generate(samples, params)
-
-    def release(self) -> None:
-        self.worker.release_memory()
-
-    def resume(self) -> None:
-        self.worker.resume_memory()
-
-    def sync_adapter(self, tensors) -> float:
-        return self.worker.sync_adapter(tensors)
-
-    def counters(self) -> dict[str, int]:
-        return self.worker.engine_counters()
-
-    def drafter(self) -> Drafter:
-        return self.worker
-
-    def plugins(self) -> Plugins:
-        return self.worker
-
-
 # ----------------------------------------------------------------------------------------- trainers
 class TrainerRank:
     """One trainer rank as the group's calls reach it: the same method runs on every rank (by name, through
@@ -177,12 +153,7 @@ class TrainerRank:
 
     def states(self) -> list[dict[str, Any]] | None:
         """Every rank's state, gathered on rank 0 (None on the others)."""
-        mine = self.worker.state_dict()
-        if self.world_size == 1:
-            return [mine]
-        states: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
-        dist.gather_object(mine, states, dst=0)
-        return states
+        return self._gather(self.worker.state_dict())
 
     def load_states(self, adapter: dict[str, torch.Tensor], states: list[dict[str, Any]] | None = None) -> None:
         """Rank 0 passes every rank's state and each rank receives only its own (a scatter)."""
@@ -193,49 +164,254 @@ class TrainerRank:
         dist.scatter_object_list(mine, states if self.rank == 0 else None, src=0)
         self.worker.load_state_dict(mine[0], adapter)
 
+    def _gather(self, mine: Any) -> list[Any] | None:
+        """Every rank's `mine` on rank 0, in rank order (None on the others)."""
+        if self.world_size == 1:
+            return [mine]
+        every: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
+        dist.gather_object(mine, every, dst=0)
+        return every
 
-class LocalTrainers(TrainerGroup):
-    """Trainer rank 0 in this process; ranks 1..N-1 (other processes of the world) replay its calls in
-    `follow_trainer` until `shutdown`."""
 
-    def __init__(self, worker: TrainWorker, world_size: int = 1):
-        self.rank = TrainerRank(worker, 0, world_size)
-        self.leader = rpc.Leader(rpc.Broadcast(0)) if world_size > 1 else None
+class ColocatedRank(TrainerRank):
+    """One rank of a colocated world: its trainer rank and its shard of one engine replica, on one device.
 
-    def _call(self, name: str, *args):
+    The run's engines are world / `engine_tp` replicas of `engine_tp` consecutive ranks each (replica r: ranks
+    [r * engine_tp, (r + 1) * engine_tp), its rank r * engine_tp the engine's leader). Every call runs on every
+    rank (rank 0's result is the driver's). An engine call splits the samples by whole prompt groups over the
+    replicas (`replica_share`), runs each share on its replica as one session of the engine's own protocol
+    (its leader calls, its other ranks `follow()` until the leader `stop_followers()`), and gathers the
+    outputs on rank 0 in the driver's order. Every sample keeps its own seed, so the samples drawn do not
+    depend on the layout. `sync_adapter` moves the trainer's adapter blocks into the engine shards directly
+    (`miles_k3.trainer.adapter_sync`): no rank gathers the whole adapter."""
+
+    REPLAYED = TrainerRank.REPLAYED | frozenset(
+        {
+            "generate",
+            "rollout",
+            "release",
+            "resume",
+            "sync_adapter",
+            "counters",
+            "distill_drafter",
+            "drafter_state",
+            "load_drafter_state",
+        }
+    )
+
+    def __init__(self, worker: TrainWorker, engine: RolloutWorker, rank: int, world_size: int, engine_tp: int = 1):
+        super().__init__(worker, rank, world_size)
+        self.engine, self.replicas = engine, world_size // engine_tp
+        self.replica = rank // engine_tp
+        self._sync: AdapterSync | None = None
+
+    # ---------------------------------------------------------------- engine sessions
+    def _session(self, call: Callable[[RolloutWorker], Any]) -> Any:
+        """`call(worker)` on the replica's leader while its other ranks replay it; None on those."""
+        engine = self.engine.engine
+        if not engine.is_leader:
+            engine.follow()
+            return None
+        try:
+            return call(self.engine)
+        finally:
+            if engine.tp.size > 1:
+                engine.stop_followers()
+
+    def _shares(self, items: list, group_of: Callable[[Any], int], call) -> list | None:
+        """`call(worker, indices)` on each replica for its share of `items`; rank 0: every item's result in
+        order (the replicas' lists of their shares' results), None elsewhere."""
+        mine = replica_share([group_of(x) for x in items], self.replicas, self.replica)
+        out = self._session(lambda w: call(w, mine) if mine else [])
+        every = self._gather(None if out is None else (mine, out))
+        if every is None:
+            return None
+        result: list[Any] = [None] * len(items)
+        for part in every:
+            if part is not None:
+                for i, x in zip(*part):
+                    result[i] = x
+        return result
+
+    def generate(self, samples: list[Sample], params: list[SamplingParams]) -> list[Sample] | None:
+        return self._shares(
+            samples,
+            lambda s: s.group_index,
+            lambda w, idx: w.generate([samples[i] for i in idx], [params[i] for i in idx]),
+        )
+
+    def rollout(self, fn: str, jobs: list[RolloutJob], tokenizer: tuple[str, str | None], client: str):
+        return self._shares(
+            jobs,
+            lambda j: j.sample.group_index,
+            lambda w, idx: w.rollout(fn, [jobs[i] for i in idx], tokenizer=tokenizer, client=client),
+        )
+
+    def release(self) -> None:
+        self._session(lambda w: w.release_memory())
+
+    def resume(self) -> None:
+        self._session(lambda w: w.resume_memory())
+
+    def counters(self) -> dict[str, int] | None:
+        every = self._gather(self._session(lambda w: w.engine_counters()))
+        if every is None:
+            return None
+        leaders = [c for c in every if c is not None]
+        return {k: sum(c[k] for c in leaders) for k in leaders[0]}
+
+    # the drafter: every replica (one rank each: `resolve` refuses distillation of a sharded engine) distils the
+    # same sequences from the same seed, so the replicas' drafters stay equal
+    def distill_drafter(self, sequences, config, seed: int) -> dict[str, float]:
+        return self.engine.distill_drafter(sequences, config, seed)
+
+    def drafter_state(self) -> dict | None:
+        return self.engine.drafter_state()
+
+    def load_drafter_state(self, state: dict, config) -> None:
+        self.engine.load_drafter_state(state, config)
+
+    def sync_adapter(self) -> dict[str, float] | None:
+        """The trainer's adapter into this rank's engine shard, block by block from the trainer ranks that own
+        each (a collective of the world). Rank 0: the sync's milliseconds and the most bytes any rank sent /
+        received."""
+        start = time.perf_counter()
+        held = self.worker.adapter_shards()
+        pool = self.engine.engine.adapters
+        if self._sync is None:
+            self._sync = AdapterSync.build(held, pool.local_boxes(), pool.dtype, pool.device)
+        blocks, sent, received = self._sync.run(held)
+        self.engine.engine.set_adapter_shards(ADAPTER, blocks)
+        if pool.device.type == "cuda":
+            torch.cuda.synchronize(pool.device)
+        every = self._gather(((time.perf_counter() - start) * 1e3, sent, received))
+        if every is None:
+            return None
+        return {
+            "adapter_sync_ms": max(ms for ms, _, _ in every),
+            "adapter_sync_sent_bytes_max": max(s for _, s, _ in every),
+            "adapter_sync_received_bytes_max": max(r for _, _, r in every),
+        }
+
+
+def replica_share(groups: list[int], replicas: int, replica: int) -> list[int]:
+    """The indices of the items `replica` of `replicas` takes: whole prompt groups (`groups`: each item's
+    group), the distinct groups in order dealt into `replicas` contiguous runs as even as possible."""
+    order = {g: i for i, g in enumerate(dict.fromkeys(groups))}
+    return [i for i, g in enumerate(groups) if order[g] * replicas // len(order) == replica]
+
+
+class LocalRanks:
+    """The driver's way to every rank of a local or external world: rank 0's target runs here, ranks
+    1..N-1 replay its calls in `follow_ranks` until `stop`."""
+
+    def __init__(self, target: ColocatedRank):
+        self.target = target
+        self.leader = rpc.Leader(rpc.Broadcast(0)) if target.world_size > 1 else None
+
+    def call(self, name: str, *args) -> Any:
+        """`name(*args)` on every rank; rank 0's result."""
         if self.leader is None:
-            return rpc.dispatch(self.rank, name, args)
-        return self.leader.call(self.rank, name, *args)
+            return rpc.dispatch(self.target, name, args)
+        return self.leader.call(self.target, name, *args)
 
-    def train(self, batch):
-        return self._call("train", batch)
-
-    def adapter_state(self):
-        return self._call("adapter_state")
-
-    def states(self):
-        return self._call("states")
-
-    def load_states(self, states, adapter) -> None:
-        if self.leader is not None:  # the others receive their own state from the scatter, not the message
-            self.leader.record("load_states", adapter)
+    def call_here(self, name: str, sent: tuple, extra: tuple) -> Any:
+        """`name(*sent)` on the other ranks and `name(*sent, *extra)` here (what only rank 0 passes on, as a
+        scatter inside the call)."""
+        if self.leader is not None:
+            self.leader.record(name, *sent)
             self.leader.flush()
-        self.rank.load_states(adapter, states)
+        return rpc.dispatch(self.target, name, (*sent, *extra))
 
-    def shutdown(self) -> None:
+    def stop(self) -> None:
         if self.leader is not None:
             self.leader.stop()
 
 
-def follow_trainer(worker: TrainWorker, rank: int, world_size: int) -> None:
-    """Ranks > 0 of a local or external world: run rank 0's trainer calls until it shuts the group down."""
-    rpc.follow(TrainerRank(worker, rank, world_size), rpc.Broadcast(0))
+def follow_ranks(target: ColocatedRank) -> None:
+    """Ranks > 0 of a local or external world: run rank 0's calls until it stops the world."""
+    rpc.follow(target, rpc.Broadcast(0))
+
+
+class LocalTrainers(TrainerGroup):
+    """The trainer ranks of a local or external world (`LocalRanks`)."""
+
+    def __init__(self, ranks: LocalRanks):
+        self.ranks = ranks
+
+    def train(self, batch):
+        return self.ranks.call("train", batch)
+
+    def adapter_state(self):
+        return self.ranks.call("adapter_state")
+
+    def states(self):
+        return self.ranks.call("states")
+
+    def load_states(self, states, adapter) -> None:
+        # the others receive their own state from the scatter, not the message
+        self.ranks.call_here("load_states", (adapter,), (states,))
+
+    def shutdown(self) -> None:
+        self.ranks.stop()
+
+
+# ---------------------------------------------------------------------------------------------- engines
+class ColocatedEngines(RolloutBackend):
+    """The engine replicas of a local or external world, one shard on every trainer rank's device
+    (`ColocatedRank`; rollout.tp ranks a replica). The trainer ranks are the same ranks, so the adapter sync
+    is theirs to run: `sync_adapter` ignores the trainer group it is handed."""
+
+    CAPABILITIES = frozenset({ROLLOUT_FN, DRAFTER})
+
+    def __init__(self, ranks: LocalRanks):
+        self.ranks = ranks
+
+    def generate(self, samples, params):
+        return self.ranks.call("generate", samples, params)
+
+    def release(self) -> None:
+        self.ranks.call("release")
+
+    def resume(self) -> None:
+        self.ranks.call("resume")
+
+    def sync_adapter(self, trainer: TrainerGroup) -> dict[str, float]:
+        return self.ranks.call("sync_adapter")
+
+    def counters(self) -> dict[str, int]:
+        return self.ranks.call("counters")
+
+    def drafter(self) -> Drafter:
+        return _Calls(self.ranks)
+
+    def plugins(self) -> Plugins:
+        return _Calls(self.ranks)
+
+
+class _Calls:
+    """The drafter and plugin capabilities as calls on every rank."""
+
+    def __init__(self, ranks: LocalRanks):
+        self.ranks = ranks
+
+    def rollout(self, fn, jobs, *, tokenizer, client):
+        return self.ranks.call("rollout", fn, jobs, tokenizer, client)
+
+    def distill_drafter(self, sequences, config, seed):
+        return self.ranks.call("distill_drafter", sequences, config, seed)
+
+    def drafter_state(self):
+        return self.ranks.call("drafter_state")
+
+    def load_drafter_state(self, state, config) -> None:
+        self.ranks.call("load_drafter_state", state, config)
 
 
 # the rollout backend each launcher builds, as "module:class" (imported when asked: Ray's only under Ray)
 ROLLOUT_BACKENDS = {
-    "local": "miles_k3.trainer.backends:LocalEngine",
-    "external": "miles_k3.trainer.backends:LocalEngine",
+    "local": "miles_k3.trainer.backends:ColocatedEngines",
+    "external": "miles_k3.trainer.backends:ColocatedEngines",
     "ray": "miles_k3.trainer.ray_launch:RayEngines",
 }
 

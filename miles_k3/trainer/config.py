@@ -250,6 +250,13 @@ class RolloutCfg(component_fields(EngineConfig, ENGINE_KEYS), component_fields(S
     client: str = "engine"
     # speculative decoding in the engine and the drafter's online distillation (off by default)
     speculative: SpeculativeCfg = field(default_factory=SpeculativeCfg)
+    # The engine's own layout, independent of parallel.* (as `miles-k3 generate --tp/--dcp/--ep`): each engine
+    # replica is tp consecutive ranks, cluster.num_workers / tp replicas, one shard on every trainer rank's
+    # device; dcp ranks per decode-context-parallel group inside a replica (divides tp); ep: whole routed
+    # experts, num_experts / tp per rank (else split by their intermediate dim)
+    tp: int = 1
+    dcp: int = 1
+    ep: bool = False
 
     def check(self) -> None:
         from miles_k3.trainer.rollout_plugin import CLIENTS
@@ -267,6 +274,12 @@ class RolloutCfg(component_fields(EngineConfig, ENGINE_KEYS), component_fields(S
         c.number("memory_mb", 0.0, open_low=True)
         c.choice("quantize", QUANTIZE_MODES)
         c.choice("dtype", DTYPES)
+        c.int_at_least("tp", 1)
+        c.int_at_least("dcp", 1)
+        if self.tp % self.dcp:
+            raise c.fail("dcp", f"must divide rollout.tp ({self.tp}): DCP groups split an engine replica's ranks")
+        if self.ep and self.tp == 1:
+            raise c.fail("ep", "needs rollout.tp > 1: expert parallelism runs over an engine replica's ranks")
         try:
             self.speculative.check()
         except ValueError as e:  # "<field> ..." of the subsection: resolve puts "rollout." in front

@@ -2,11 +2,12 @@
 
 local, cluster.num_workers == 1: one process; the engine and the trainer share it (and its device).
 local, num_workers == N > 1: N processes on this machine (torch.multiprocessing, gloo on CPU / nccl on
-    GPU), one trainer rank each, in the layout of `parallel.*`; rank 0 also runs the driver and the engine. The other
-    ranks replay the driver's trainer calls by name (`miles_k3.trainer.backends.follow_trainer`).
+    GPU), one trainer rank each, in the layout of `parallel.*`, and one shard of an engine replica each (N /
+    rollout.tp replicas of rollout.tp ranks, `miles_k3.trainer.backends.ColocatedRank`); rank 0 also runs the
+    driver. The other ranks replay the driver's calls by name (`miles_k3.trainer.backends.follow_ranks`).
 external: this process is one rank of a world that srun (one task per GPU, over any number of nodes) or
     torchrun started; its rank and rank 0's address come from the environment (`ClusterCfg.rendezvous`).
-    Rank 0 runs the driver and the engine, as above. scripts/slurm/train_multinode.sbatch starts it.
+    Rank 0 runs the driver, as above. scripts/slurm/train_multinode.sbatch starts it.
 ray: see `miles_k3.trainer.ray_launch` (a placement group, a trainer and an engine actor per bundle).
 
 Each launcher hands the driver one rollout backend and one trainer group (`miles_k3.trainer.backends`).
@@ -24,12 +25,10 @@ import torch
 
 from miles_k3.rewards import RewardPluginError
 from miles_k3.trainer import preempt
-from miles_k3.trainer.backends import LocalEngine, LocalTrainers, follow_trainer
+from miles_k3.trainer.backends import ColocatedEngines, ColocatedRank, LocalRanks, LocalTrainers, follow_ranks
 from miles_k3.trainer.inputs import RunInputs, load_run_inputs
 from miles_k3.trainer.loop import GRPODriver
 from miles_k3.trainer.resolve import ResolvedConfig
-from miles_k3.trainer.rollout_worker import RolloutWorker
-from miles_k3.trainer.train_worker import TrainWorker
 from miles_k3.trainer.workers import build_rollout_worker, configure_process, device_for, start_trainer_rank
 
 log = logging.getLogger(__name__)
@@ -44,21 +43,26 @@ def _rank_main(
     outcome=None,
     local_rank: int | None = None,
 ) -> None:
-    """One trainer rank (rank 0 also the driver and the engine). `outcome`: in a spawned world, a queue that
-    carries how rank 0's run ended (a RewardPluginError's message, or a preemption) back to the launching
-    process; None: raised here. `local_rank`: the rank's device index on its node (default: `rank`)."""
+    """One rank: its trainer rank and its engine shard (`ColocatedRank`); rank 0 also the driver. `outcome`: in
+    a spawned world, a queue that carries how rank 0's run ended (a RewardPluginError's message, or a
+    preemption) back to the launching process; None: raised here. `local_rank`: the rank's device index on
+    its node (default: `rank`)."""
     with preempt.watch():
         configure_process(rc, rank)
         device = device_for(rc, rank if local_rank is None else local_rank)
         try:
-            config, state, trainer = start_trainer_rank(rc, rank, device, init_method, inputs, holds_engine=rank == 0)
-            if rank == 0:
-                engine = build_rollout_worker(rc, config, state, device)
-                # trainer and engine hold their own copies; the fp32 base need not live through the run (cleared,
-                # not just unnamed: `inputs` holds it too)
+            world = rc.cluster.num_workers
+            config, state, trainer = start_trainer_rank(rc, rank, device, init_method, inputs, whole=rc.rollout.tp == 1)
+            engine = build_rollout_worker(rc, config, state, device)
+            # trainer and engine hold their own copies; the fp32 base need not live through the run (cleared,
+            # not just unnamed: `inputs` holds it too)
+            if isinstance(state, dict):
                 state.clear()
+            del state
+            target = ColocatedRank(trainer, engine, rank, world, rc.rollout.tp)
+            if rank == 0:
                 try:
-                    driver = _drive(rc, run_dir, engine, trainer, rc.cluster.num_workers, inputs)
+                    driver = _drive(rc, run_dir, LocalRanks(target), inputs)
                 except RewardPluginError as e:
                     if outcome is None:
                         raise
@@ -69,8 +73,7 @@ def _rank_main(
                             raise preempt.Preempted(driver.preempted, driver.step)
                         outcome.put(("preempted", (driver.preempted, driver.step)))
             else:
-                del state  # a preset's dict or the checkpoint's lazy source: the policy holds its own slices
-                follow_trainer(trainer, rank, rc.cluster.num_workers)
+                follow_ranks(target)
         finally:
             from megatron_patches.parallel import destroy_parallel, end_world
 
@@ -78,11 +81,9 @@ def _rank_main(
             end_world()
 
 
-def _drive(
-    rc: ResolvedConfig, run_dir: str, engine: RolloutWorker, trainer: TrainWorker, world: int, inputs: RunInputs | None
-) -> GRPODriver:
-    trainers = LocalTrainers(trainer, world)
-    driver = GRPODriver(rc, run_dir, LocalEngine(engine), trainers, inputs)
+def _drive(rc: ResolvedConfig, run_dir: str, ranks: LocalRanks, inputs: RunInputs | None) -> GRPODriver:
+    trainers = LocalTrainers(ranks)
+    driver = GRPODriver(rc, run_dir, ColocatedEngines(ranks), trainers, inputs)
     try:
         driver.run()
     finally:

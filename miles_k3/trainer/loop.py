@@ -308,7 +308,7 @@ class GRPODriver:
         rows: list[dict[str, Any]] = []
         progress = Progress(t.max_steps, self.step, self.rc.logging.progress)
         try:
-            self.rollout.sync_adapter(self.trainer.adapter_state())
+            self.rollout.sync_adapter(self.trainer)
             if self.step == 0 and t.eval_before and self.eval_records:
                 rows.append({"step": 0, **self.evaluate()})
                 runlog.log(rows[-1])
@@ -350,10 +350,9 @@ class GRPODriver:
             t0 = time.perf_counter()
             metrics.update(self.trainer.train(batch))
             train_s = time.perf_counter() - t0
-            tensors = self.trainer.adapter_state()
             if release:
                 self.rollout.resume()
-            metrics["adapter_sync_ms"] = self.rollout.sync_adapter(tensors)
+            metrics.update(self.rollout.sync_adapter(self.trainer))
         else:
             log.warning("step %d: no group with reward variance; skipping the update", self.step)
             train_s = 0.0

@@ -102,10 +102,11 @@ class RayEngines(RolloutBackend):
     def resume(self) -> None:
         _on_all(self.actors, "resume_memory")
 
-    def sync_adapter(self, tensors) -> float:
+    def sync_adapter(self, trainer: TrainerGroup) -> dict[str, float]:
         import ray
 
-        return max(_on_all(self.actors, "sync_adapter", ray.put(tensors)))
+        tensors = ray.put(trainer.adapter_state())
+        return {"adapter_sync_ms": max(_on_all(self.actors, "sync_adapter", tensors))}
 
     def shutdown(self) -> None:
         import ray

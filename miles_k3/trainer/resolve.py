@@ -75,6 +75,9 @@ class ResolvedConfig:
             device=device,
             lora=self.lora,
             max_adapters=1,
+            tp=self.rollout.tp,
+            ep=self.rollout.tp if self.rollout.ep else 1,
+            dcp=self.rollout.dcp,
             engine=self.engine,
         )
 
@@ -224,6 +227,21 @@ def resolve(cfg: Any) -> ResolvedConfig:
             f"cluster.num_workers must equal the layout's world size tp * pp * cp * dp = "
             f"{par.tp} * {par.pp} * {par.cp} * {par.dp} = {par.world_size} (one trainer rank per "
             f"worker), got {c.num_workers}"
+        )
+    if c.num_workers % r.tp:
+        raise ValueError(
+            f"rollout.tp must divide cluster.num_workers ({c.num_workers}): every rank holds one shard of one "
+            f"engine replica, got {r.tp}"
+        )
+    if r.tp > 1 and c.launcher == "ray":
+        raise ValueError(
+            f"rollout.tp={r.tp}: engine replicas sharded over several ranks run under cluster.launcher local or "
+            "external; the Ray launcher's engine actors hold one rank each (rollout.tp=1)"
+        )
+    if r.tp > 1 and r.speculative.drafter is not None and r.speculative.distill_every:
+        raise ValueError(
+            f"rollout.speculative.distill_every distils the drafter of a one-rank engine: needs rollout.tp=1, "
+            f"got {r.tp}"
         )
     groups_per_update = r.prompts_per_step // a.updates_per_step
     if groups_per_update < par.dp:

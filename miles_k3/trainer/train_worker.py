@@ -225,6 +225,13 @@ class TrainWorker:
 
         return adapter_state(self.policy)
 
+    def adapter_shards(self) -> dict[str, tuple[torch.Tensor, tuple[tuple[int, int], ...]]]:
+        """This rank's own adapter blocks and their boxes in the full tensors (`megatron_patches.lora.adapter_shards`:
+        nothing gathered)."""
+        from megatron_patches.lora import adapter_shards
+
+        return adapter_shards(self.policy)
+
     def state_dict(self) -> dict[str, Any]:
         """Everything a resumed rank needs besides the adapter (saved in PEFT form by the driver)."""
         return {

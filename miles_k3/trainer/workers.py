@@ -40,10 +40,19 @@ def device_for(rc: ResolvedConfig, local_rank: int) -> str:
 
 
 def build_rollout_worker(rc: ResolvedConfig, config, state, device: str) -> RolloutWorker:
-    """The engine worker over the base the trainer loaded (`config`, `state`), as `rc.engine_spec` says."""
+    """This rank's engine worker over the base the trainer loaded (`config`, `state`), as `rc.engine_spec`
+    says: with rollout.tp > 1 its shard of one of world / rollout.tp replicas (call it on every rank of the
+    world at the same point: it creates every replica's process groups; the shard reads only its slices of
+    a lazy `state`)."""
     from rollout.build import build_engine
 
-    return RolloutWorker(build_engine(rc.engine_spec(device), base=(config, state)))
+    parallel = None
+    if rc.rollout.tp > 1:
+        from rollout.parallel import replica_groups
+
+        r = rc.rollout
+        parallel = replica_groups(r.tp, r.dcp, r.tp if r.ep else 1)
+    return RolloutWorker(build_engine(rc.engine_spec(device), base=(config, state), parallel=parallel))
 
 
 def build_train_worker(rc: ResolvedConfig, config, state, device: str) -> TrainWorker:
@@ -72,13 +81,13 @@ def start_trainer_rank(
     init_method: str,
     inputs: RunInputs | None = None,
     *,
-    holds_engine: bool = False,
+    whole: bool = False,
 ):
     """One trainer rank (local process or Ray actor; after `configure_process`): joins the torch.distributed
     world, builds megatron's groups for `parallel.*` over it, loads the base (or takes the checkpoint `inputs`
-    already read) and the policy. A rank that also builds the engine (`holds_engine`) reads the whole base;
-    the others read only their own slices. Returns (config, base state, worker); the caller drops the state
-    once the engine (if it holds one) is built."""
+    already read) and the policy. `whole`: read the whole base (for an engine of one rank on the same
+    process); else a checkpoint is a lazy source each side reads its own slices from. Returns (config, base
+    state, worker); the caller drops the state once its engine shard (if it holds one) is built."""
     from megatron_patches.parallel import init_parallel
 
     backend = "nccl" if rc.cluster.device == "cuda" else "gloo"
@@ -88,5 +97,5 @@ def start_trainer_rank(
     if inputs is not None and inputs.base_state is not None:
         config, state = inputs.config, inputs.base_state
     else:
-        config, state = load_base(rc.model, rc.trainer.seed, whole=holds_engine)
+        config, state = load_base(rc.model, rc.trainer.seed, whole=whole)
     return config, state, build_train_worker(rc, config, state, device)

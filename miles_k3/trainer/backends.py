@@ -4,10 +4,11 @@
 as a `TrainerGroup`; where they live (this process, other processes, Ray actors, a server behind HTTP) is the
 backend's business. A launcher builds one of each:
 
-    local / external   `ColocatedEngines` + `LocalTrainers` over `LocalRanks`: every rank holds a trainer rank
+    local / external   `ColocatedEngines` + `ColocatedTrainers` over `LocalRanks`: every rank holds a trainer rank
                        and a shard of one engine replica (`ColocatedRank`: rollout.tp ranks a replica); rank 0
                        runs the driver and the others replay its calls by name (`miles_k3.rpc`)
-    ray                `RayEngines` + `RayTrainers` (`miles_k3.trainer.ray_launch`)
+    ray                the same over `RayRanks`: one actor per bundle holds a `ColocatedRank`
+                       (`miles_k3.trainer.ray_launch`)
 
 A backend generates into the driver's `Sample` records (`miles_k3.data.sample`): the driver makes one per
 sample (prompt ids, its images, its place in its group) and the backend fills in the engine's output and
@@ -333,10 +334,18 @@ def follow_ranks(target: ColocatedRank) -> None:
     rpc.follow(target, rpc.Broadcast(0))
 
 
-class LocalTrainers(TrainerGroup):
-    """The trainer ranks of a local or external world (`LocalRanks`)."""
+class Ranks(Protocol):
+    """How the driver reaches every rank: `LocalRanks` (a local or external world), `RayRanks` (actors)."""
 
-    def __init__(self, ranks: LocalRanks):
+    def call(self, name: str, *args) -> Any: ...
+    def call_here(self, name: str, sent: tuple, extra: tuple) -> Any: ...
+    def stop(self) -> None: ...
+
+
+class ColocatedTrainers(TrainerGroup):
+    """The trainer ranks of a colocated world (`Ranks`)."""
+
+    def __init__(self, ranks: Ranks):
         self.ranks = ranks
 
     def train(self, batch):
@@ -358,13 +367,13 @@ class LocalTrainers(TrainerGroup):
 
 # ---------------------------------------------------------------------------------------------- engines
 class ColocatedEngines(RolloutBackend):
-    """The engine replicas of a local or external world, one shard on every trainer rank's device
-    (`ColocatedRank`; rollout.tp ranks a replica). The trainer ranks are the same ranks, so the adapter sync
-    is theirs to run: `sync_adapter` ignores the trainer group it is handed."""
+    """The engine replicas of a colocated world, one shard on every trainer rank's device (`ColocatedRank`;
+    rollout.tp ranks a replica). The trainer ranks are the same ranks, so the adapter sync is theirs to run:
+    `sync_adapter` ignores the trainer group it is handed."""
 
     CAPABILITIES = frozenset({ROLLOUT_FN, DRAFTER})
 
-    def __init__(self, ranks: LocalRanks):
+    def __init__(self, ranks: Ranks):
         self.ranks = ranks
 
     def generate(self, samples, params):
@@ -392,7 +401,7 @@ class ColocatedEngines(RolloutBackend):
 class _Calls:
     """The drafter and plugin capabilities as calls on every rank."""
 
-    def __init__(self, ranks: LocalRanks):
+    def __init__(self, ranks: Ranks):
         self.ranks = ranks
 
     def rollout(self, fn, jobs, *, tokenizer, client):
@@ -412,7 +421,7 @@ class _Calls:
 ROLLOUT_BACKENDS = {
     "local": "miles_k3.trainer.backends:ColocatedEngines",
     "external": "miles_k3.trainer.backends:ColocatedEngines",
-    "ray": "miles_k3.trainer.ray_launch:RayEngines",
+    "ray": "miles_k3.trainer.backends:ColocatedEngines",
 }
 
 

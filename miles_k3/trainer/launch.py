@@ -25,7 +25,7 @@ import torch
 
 from miles_k3.rewards import RewardPluginError
 from miles_k3.trainer import preempt
-from miles_k3.trainer.backends import ColocatedEngines, ColocatedRank, LocalRanks, LocalTrainers, follow_ranks
+from miles_k3.trainer.backends import ColocatedEngines, ColocatedRank, ColocatedTrainers, LocalRanks, follow_ranks
 from miles_k3.trainer.inputs import RunInputs, load_run_inputs
 from miles_k3.trainer.loop import GRPODriver
 from miles_k3.trainer.resolve import ResolvedConfig
@@ -82,7 +82,7 @@ def _rank_main(
 
 
 def _drive(rc: ResolvedConfig, run_dir: str, ranks: LocalRanks, inputs: RunInputs | None) -> GRPODriver:
-    trainers = LocalTrainers(ranks)
+    trainers = ColocatedTrainers(ranks)
     driver = GRPODriver(rc, run_dir, ColocatedEngines(ranks), trainers, inputs)
     try:
         driver.run()

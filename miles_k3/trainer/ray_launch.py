@@ -1,12 +1,13 @@
-"""The Ray launcher: a placement group with one bundle per worker; each bundle holds a trainer actor and an
-engine actor, colocated (same node, same GPU when cluster.device=cuda, each taking half of it).
+"""The Ray launcher: a placement group with one bundle per worker (one GPU each with cluster.device=cuda), and in
+each bundle one rank actor holding that rank's trainer rank and its shard of an engine replica
+(`miles_k3.trainer.backends.ColocatedRank`, as the local launcher's processes do): bundle i is rank i, and an
+engine replica is rollout.tp consecutive bundles.
 
-The trainer actors form one torch.distributed world (gloo on CPU, nccl on GPU; rank 0's node address and a
-free port, found by rank 0's actor) and megatron's TP group over it. Every engine actor generates a
-contiguous share of each rollout batch. The driver (this process) runs `GRPODriver` with `RayEngines` and
-`RayTrainers` (`miles_k3.trainer.backends`); an actor takes the driver's calls by name (`miles_k3.rpc.dispatch`
-on its `RolloutWorker` or `TrainerRank`). Adapter tensors travel trainer rank 0 -> object store -> every engine
-(one `ray.put`).
+The actors form one torch.distributed world (gloo on CPU, nccl on GPU; rank 0's node address and a free port,
+found by rank 0's actor), megatron's groups for parallel.* and the engine replicas' groups over it. The driver
+(this process) runs `GRPODriver` with `ColocatedEngines` and `ColocatedTrainers` over `RayRanks`: every call
+goes to every actor by name (`miles_k3.rpc.dispatch`), and the collectives inside it (the update's, the
+shard-to-shard adapter sync, the gathers of samples on rank 0) meet across the actors.
 
 The placement group packs its bundles onto as few nodes as hold them (PACK), so a run larger than one node
 spans several: scripts/slurm/train_multinode.sbatch starts a Ray head and a worker per Slurm node, waits for
@@ -26,13 +27,15 @@ from typing import Any
 
 from miles_k3 import rpc
 from miles_k3.trainer import preempt
-from miles_k3.trainer.backends import RolloutBackend, TrainerGroup, TrainerRank
+from miles_k3.trainer.backends import ColocatedEngines, ColocatedRank, ColocatedTrainers
 from miles_k3.trainer.inputs import RunInputs
 from miles_k3.trainer.loop import GRPODriver
 from miles_k3.trainer.resolve import ResolvedConfig
 
 
-class _TrainerActor:
+class _RankActor:
+    """One bundle's rank: its trainer rank and its engine shard (`ColocatedRank`), on the bundle's device."""
+
     def __init__(self, rc: ResolvedConfig, rank: int):
         self.rc, self.rank = rc, rank
 
@@ -44,113 +47,58 @@ class _TrainerActor:
         return ray.util.get_node_ip_address(), free_port()
 
     def setup(self, master: tuple[str, int]) -> None:
-        from miles_k3.trainer.workers import configure_process, device_for, start_trainer_rank
+        from miles_k3.trainer.workers import build_rollout_worker, configure_process, device_for, start_trainer_rank
 
-        configure_process(self.rc, self.rank)
-        # Ray exposes the bundle's GPU as cuda:0
-        _, _, worker = start_trainer_rank(self.rc, self.rank, device_for(self.rc, 0), f"tcp://{master[0]}:{master[1]}")
-        self.target = TrainerRank(worker, self.rank, self.rc.cluster.num_workers)
-
-    def call(self, name: str, *args) -> Any:
-        return rpc.dispatch(self.target, name, args)
-
-
-class _EngineActor:
-    def __init__(self, rc: ResolvedConfig):
-        from miles_k3.trainer.base import load_base
-        from miles_k3.trainer.workers import build_rollout_worker, configure_process, device_for
-
-        configure_process(rc)
-        config, state = load_base(rc.model, rc.trainer.seed)
-        self.target = build_rollout_worker(rc, config, state, device_for(rc, 0))
+        rc = self.rc
+        configure_process(rc, self.rank)
+        device = device_for(rc, 0)  # Ray exposes the bundle's GPU as cuda:0
+        init = f"tcp://{master[0]}:{master[1]}"
+        config, state, trainer = start_trainer_rank(rc, self.rank, device, init, whole=rc.rollout.tp == 1)
+        engine = build_rollout_worker(rc, config, state, device)
+        del state
+        self.target = ColocatedRank(trainer, engine, self.rank, rc.cluster.num_workers, rc.rollout.tp)
 
     def call(self, name: str, *args) -> Any:
         return rpc.dispatch(self.target, name, args)
 
 
-def _on_all(actors: list, name: str, *args) -> list[Any]:
-    import ray
-
-    return ray.get([a.call.remote(name, *args) for a in actors])
-
-
-class RayEngines(RolloutBackend):
-    """An engine actor per bundle; each generates a contiguous share of every batch."""
+class RayRanks:
+    """The driver's way to every rank under Ray: each call goes to every actor (the arguments put in the object
+    store once) and returns rank 0's result."""
 
     def __init__(self, actors: list):
         self.actors = actors
 
-    def generate(self, samples, params):
+    def call(self, name: str, *args) -> Any:
         import ray
 
-        k = len(self.actors)
-        bounds = [len(samples) * i // k for i in range(k + 1)]
-        shares = [
-            e.call.remote("generate", samples[lo:hi], params[lo:hi])
-            for e, lo, hi in zip(self.actors, bounds, bounds[1:])
-            if hi > lo
-        ]
-        return [s for share in ray.get(shares) for s in share]  # the actors' filled copies, in order
+        refs = [ray.put(a) for a in args]
+        return ray.get([actor.call.remote(name, *refs) for actor in self.actors])[0]
 
-    def counters(self) -> dict[str, int]:
-        per_engine = _on_all(self.actors, "engine_counters")
-        return {key: sum(c[key] for c in per_engine) for key in per_engine[0]}
-
-    def release(self) -> None:
-        _on_all(self.actors, "release_memory")
-
-    def resume(self) -> None:
-        _on_all(self.actors, "resume_memory")
-
-    def sync_adapter(self, trainer: TrainerGroup) -> dict[str, float]:
+    def call_here(self, name: str, sent: tuple, extra: tuple) -> Any:
+        """`name(*sent, *extra)` on rank 0's actor, `name(*sent)` on the others."""
         import ray
 
-        tensors = ray.put(trainer.adapter_state())
-        return {"adapter_sync_ms": max(_on_all(self.actors, "sync_adapter", tensors))}
+        refs = [ray.put(a) for a in sent]
+        calls = [a.call.remote(name, *refs, *(extra if i == 0 else ())) for i, a in enumerate(self.actors)]
+        return ray.get(calls)[0]
 
-    def shutdown(self) -> None:
+    def stop(self) -> None:
         import ray
 
         for actor in self.actors:
             ray.kill(actor)
 
 
-class RayTrainers(TrainerGroup):
-    """A trainer actor per bundle, one torch.distributed world; every call goes to every actor."""
-
-    def __init__(self, actors: list):
-        self.actors = actors
-
-    def train(self, batch):
-        return _on_all(self.actors, "train", batch)[0]
-
-    def adapter_state(self):
-        return _on_all(self.actors, "adapter_state")[0]
-
-    def states(self):
-        return _on_all(self.actors, "states")[0]
-
-    def load_states(self, states, adapter) -> None:
-        import ray
-
-        ray.get([t.call.remote("load_states", adapter, states if i == 0 else None) for i, t in enumerate(self.actors)])
-
-    def shutdown(self) -> None:
-        import ray
-
-        for actor in self.actors:
-            ray.kill(actor)
-
-
-def start_ray_workers(rc: ResolvedConfig) -> tuple[RayEngines, RayTrainers, Any]:
-    """Placement group + actors (the caller owns ray.init / ray.shutdown); returns (engines, trainers, placement
-    group)."""
+def start_ray_workers(rc: ResolvedConfig) -> tuple[RayRanks, Any]:
+    """Placement group + one rank actor per bundle (the caller owns ray.init / ray.shutdown); returns (ranks,
+    placement group)."""
     import ray
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     gpu = rc.cluster.device == "cuda"
-    bundle = {"CPU": 2, **({"GPU": 1} if gpu else {})}
+    bundle = {"CPU": 1, **({"GPU": 1} if gpu else {})}
     pg = placement_group([dict(bundle) for _ in range(rc.cluster.num_workers)], strategy="PACK")
     try:
         ray.get(pg.ready(), timeout=rc.cluster.ray_placement_timeout_s)
@@ -161,19 +109,21 @@ def start_ray_workers(rc: ResolvedConfig) -> tuple[RayEngines, RayTrainers, Any]
             f"cluster.ray_placement_timeout_s ({rc.cluster.ray_placement_timeout_s} s); the Ray "
             f"cluster holds {ray.cluster_resources()}"
         ) from None
-    share = {"num_cpus": 1, "num_gpus": 0.5 if gpu else 0}
     threads = rc.cluster.threads_per_worker or 1
     env = {"env_vars": {"OMP_NUM_THREADS": str(threads)}}
 
-    def placed(cls, i: int, *args):
+    def placed(i: int):  # bundle i is rank i: engine replicas are runs of consecutive bundles
         strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=i)
-        return ray.remote(cls).options(scheduling_strategy=strategy, runtime_env=env, **share).remote(*args)
+        return (
+            ray.remote(_RankActor)
+            .options(scheduling_strategy=strategy, runtime_env=env, num_cpus=1, num_gpus=1 if gpu else 0)
+            .remote(rc, i)
+        )
 
-    trainers = [placed(_TrainerActor, i, rc, i) for i in range(rc.cluster.num_workers)]
-    engines = [placed(_EngineActor, i, rc) for i in range(rc.cluster.num_workers)]
-    master = ray.get(trainers[0].address.remote())
-    ray.get([t.setup.remote(master) for t in trainers])
-    return RayEngines(engines), RayTrainers(trainers), pg
+    actors = [placed(i) for i in range(rc.cluster.num_workers)]
+    master = ray.get(actors[0].address.remote())
+    ray.get([a.setup.remote(master) for a in actors])
+    return RayRanks(actors), pg
 
 
 def launch_ray(rc: ResolvedConfig, run_dir: str | Path, inputs: RunInputs | None = None) -> None:
@@ -186,13 +136,12 @@ def launch_ray(rc: ResolvedConfig, run_dir: str | Path, inputs: RunInputs | None
         ray.init(address=rc.cluster.ray_address or "local", include_dashboard=False, log_to_driver=True)
     with preempt.watch():
         try:
-            engines, trainers, pg = start_ray_workers(rc)
+            ranks, pg = start_ray_workers(rc)
             try:
-                driver = GRPODriver(rc, run_dir, engines, trainers, inputs)
+                driver = GRPODriver(rc, run_dir, ColocatedEngines(ranks), ColocatedTrainers(ranks), inputs)
                 driver.run()
             finally:
-                trainers.shutdown()
-                engines.shutdown()
+                ranks.stop()
                 ray.util.remove_placement_group(pg)
         finally:
             if own:

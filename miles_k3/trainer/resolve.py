@@ -233,11 +233,6 @@ def resolve(cfg: Any) -> ResolvedConfig:
             f"rollout.tp must divide cluster.num_workers ({c.num_workers}): every rank holds one shard of one "
             f"engine replica, got {r.tp}"
         )
-    if r.tp > 1 and c.launcher == "ray":
-        raise ValueError(
-            f"rollout.tp={r.tp}: engine replicas sharded over several ranks run under cluster.launcher local or "
-            "external; the Ray launcher's engine actors hold one rank each (rollout.tp=1)"
-        )
     if r.tp > 1 and r.speculative.drafter is not None and r.speculative.distill_every:
         raise ValueError(
             f"rollout.speculative.distill_every distils the drafter of a one-rank engine: needs rollout.tp=1, "

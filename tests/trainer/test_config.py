@@ -278,3 +278,21 @@ def test_k3_gb300x64_recipe_resolves_and_the_real_k3_splits_over_its_layout(tmp_
     assert (par.tp, par.pp, par.world_size, rc.cluster.num_workers) == (8, 8, 64, 64)
     config = K3Config.from_json_file(tmp_path / "config.json")
     check_layout(config, TensorParallel(par.tp), par.ep, par.pp, par.pp_layers)
+
+
+class BareEngines:
+    """A rollout backend with no capabilities (say, an HTTP fleet that cannot run rollout plugins)."""
+
+    CAPABILITIES = frozenset()
+
+
+def test_a_capability_the_launchers_backend_lacks_fails_by_field_before_anything_is_built(monkeypatch):
+    from miles_k3.trainer import backends
+
+    monkeypatch.setitem(backends.ROLLOUT_BACKENDS, "local", f"{__name__}:BareEngines")
+    with pytest.raises(ValueError) as e:
+        resolve(composed("rollout.fn=m:f"))
+    assert str(e.value) == (
+        "rollout.fn needs a rollout backend with 'rollout_fn'; cluster.launcher='local' runs BareEngines, which "
+        "has none (launchers that do: ['external', 'ray'])"
+    )

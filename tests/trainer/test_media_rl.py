@@ -79,7 +79,7 @@ def overrides(root: Path, *extra: str) -> list[str]:
 
 def build(rc, run_dir):
     from megatron_patches.parallel import ensure_parallel
-    from miles_k3.trainer.backends import ColocatedEngines, ColocatedRank, LocalRanks, LocalTrainers
+    from miles_k3.trainer.backends import ColocatedEngines, ColocatedRank, ColocatedTrainers, LocalRanks
     from miles_k3.trainer.inputs import load_run_inputs
     from miles_k3.trainer.workers import build_rollout_worker, build_train_worker
 
@@ -88,7 +88,7 @@ def build(rc, run_dir):
     engine = build_rollout_worker(rc, inputs.config, inputs.base_state, "cpu")
     trainer = build_train_worker(rc, inputs.config, inputs.base_state, "cpu")
     ranks = LocalRanks(ColocatedRank(trainer, engine, 0, 1))
-    return inputs, engine, trainer, (ColocatedEngines(ranks), LocalTrainers(ranks))
+    return inputs, engine, trainer, (ColocatedEngines(ranks), ColocatedTrainers(ranks))
 
 
 def test_image_rollouts_train_with_the_engines_logprobs_and_encode_each_prompt_once(vl, tmp_path):

@@ -298,10 +298,6 @@ def test_load_rollout_fn_errors_name_the_reference(ref, match):
         (["rollout.fn=calculator_tool"], "rollout.fn must be 'module.path:function'"),
         (["rollout.client=http"], "rollout.client only applies with rollout.fn"),
         (["rollout.fn=m:f", "rollout.client=grpc"], "rollout.client must be one of"),
-        (
-            ["rollout.fn=m:f", "cluster=ray_cpu"],
-            "rollout.fn needs a rollout backend with 'rollout_fn'; cluster.launcher='ray' runs RayEngines",
-        ),
     ],
 )
 def test_bad_rollout_config_is_one_error_naming_the_field(overrides, match):

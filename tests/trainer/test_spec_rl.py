@@ -67,9 +67,9 @@ def drafter_dir(tmp_path_factory):
         (["rollout.speculative.distill_decay=2"], r"^rollout\.speculative\.distill_decay must be <= 1"),
         (["rollout.speculative.distill_steps=0"], r"^rollout\.speculative\.distill_steps must be an integer >= 1"),
         (
-            ["DRAFTER", "rollout.speculative.distill_every=2", "cluster=ray_cpu"],
-            r"^rollout\.speculative\.distill_every needs a rollout backend with 'drafter'; "
-            r"cluster\.launcher='ray' runs RayEngines, which has none \(launchers that do: \['external', 'local'\]\)",
+            ["DRAFTER", "rollout.speculative.distill_every=2", "rollout.tp=2", "parallel=tp2", "cluster.num_workers=2"],
+            r"^rollout\.speculative\.distill_every distils the drafter of a one-rank engine: needs "
+            r"rollout\.tp=1, got 2$",
         ),
     ],
 )

@@ -103,6 +103,16 @@ class CacheManager:
         self.caches = {}
         self.admitted = {}
 
+    def resident_bytes(self) -> int:
+        """Bytes the pools take now: their sizes (`PoolSizes`; the arena's budget with unified memory) while
+        allocated, 0 while released."""
+        if self.kv is None:
+            return 0
+        if self.arena is not None:
+            return self.config.memory_bytes
+        s = self.sizes
+        return s.num_pages * s.page_bytes + s.num_slots * s.slot_bytes
+
     def resume_pools(self) -> None:
         if self.kv is None:
             if self.config.unified_memory:

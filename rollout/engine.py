@@ -31,6 +31,7 @@ import torch
 
 from miles_k3 import rpc
 from miles_k3.model.modeling import K3ForCausalLM
+from miles_k3.offload import Parked
 from rollout import noise
 from rollout.cache_manager import CacheManager, Running
 from rollout.config import EngineConfig
@@ -133,6 +134,7 @@ class Engine:
         self._events: dict[int, list[TokenEvent]] = {}  # submitted with stream=True: not yet taken
         self._ended: set[int] = set()  # streamed requests that finished: take_tokens hands over the rest
         self._completed: list[Completion] = []
+        self._parked: Parked | None = None  # the weights, while `release_memory(weights=True)` holds them
 
     @property
     def overlap(self) -> bool:
@@ -572,25 +574,32 @@ class Engine:
         captures, replays = self.runner.graph_counts()
         return {"graph_captures": captures, "graph_replays": replays, "retractions": self.scheduler.num_retractions}
 
-    def release_memory(self) -> None:
-        """Drop the KV and state pools (and the prefix cache) so a colocated trainer can use the memory.
-        Only between batches: no request may be waiting or running."""
+    def release_memory(self, weights: bool = False) -> None:
+        """Drop the KV and state pools (and the prefix cache) so a colocated trainer can use the memory; with
+        `weights` also park the model's weights on the host (`miles_k3.offload.Parked`) until
+        `resume_memory`. Only between batches: no request may be waiting or running."""
         self._caller()
         if self.has_work():
             raise RuntimeError("release_memory() with requests in flight; finish or abort them first")
-        self._apply("_release_memory")
+        self._apply("_release_memory", weights)
 
-    def _release_memory(self) -> None:
+    def _release_memory(self, weights: bool = False) -> None:
         self.runner.release_pools()
         self.memory.release_pools()
+        if weights and self._parked is None:
+            self._parked = Parked([*self.model.parameters(), *self.model.buffers()])
         if self.runner.device.type == "cuda":
             torch.cuda.empty_cache()
 
     def resume_memory(self) -> None:
+        """Take back what `release_memory` gave up (a no-op for what it kept)."""
         self._caller()
         self._apply("_resume_memory")
 
     def _resume_memory(self) -> None:
+        if self._parked is not None:
+            self._parked.restore()
+            self._parked = None
         if self.memory.kv is None:
             self.memory.resume_pools()
             self.runner.use_pools(self.memory.kv, self.memory.states)

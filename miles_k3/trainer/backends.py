@@ -205,6 +205,49 @@ class ColocatedRank(TrainerRank):
         self.engine, self.replicas = engine, world_size // engine_tp
         self.replica = rank // engine_tp
         self._sync: AdapterSync | None = None
+        self._peaks: dict[str, int] = {}  # phase -> this rank's device bytes since the last sync reported them
+        worker.park()  # the run starts with a rollout
+
+    # ------------------------------------------------------------------ trainer
+    # Memory phases: the trainer's parkable state (parallel.offload_optimizer / offload_base) is on the device
+    # only inside the calls that read it; the engine's pools (and with rollout.offload_weights its weights) are
+    # released by the driver around `train`.
+    def train(self, batch: TrainBatch) -> dict[str, float] | None:
+        self.worker.unpark()
+        self._phase_start()
+        metrics = self.worker.train(batch)
+        self._phase_end("train")  # the trainer whole, the engine as the driver released it
+        self.worker.park()
+        return metrics
+
+    def states(self) -> list[dict[str, Any]] | None:
+        self.worker.unpark()
+        try:
+            return super().states()
+        finally:
+            self.worker.park()
+
+    def load_states(self, adapter: dict[str, torch.Tensor], states: list[dict[str, Any]] | None = None) -> None:
+        self.worker.unpark()
+        try:
+            super().load_states(adapter, states)
+        finally:
+            self.worker.park()
+
+    def _phase_start(self) -> None:
+        device = self.engine.engine.runner.device
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+
+    def _phase_end(self, phase: str) -> None:
+        """Note this rank's device memory at the end of a phase's work: CUDA, the allocator's peak since
+        `_phase_start`; CPU, what the trainer's and the engine's tensors hold now (`resident_bytes`)."""
+        device = self.engine.engine.runner.device
+        if device.type == "cuda":
+            now = torch.cuda.max_memory_allocated(device)
+        else:
+            now = self.worker.resident_bytes() + self.engine.resident_bytes()
+        self._peaks[phase] = max(self._peaks.get(phase, 0), now)
 
     # ---------------------------------------------------------------- engine sessions
     def _session(self, call: Callable[[RolloutWorker], Any]) -> Any:
@@ -235,18 +278,24 @@ class ColocatedRank(TrainerRank):
         return result
 
     def generate(self, samples: list[Sample], params: list[SamplingParams]) -> list[Sample] | None:
-        return self._shares(
+        self._phase_start()
+        out = self._shares(
             samples,
             lambda s: s.group_index,
             lambda w, idx: w.generate([samples[i] for i in idx], [params[i] for i in idx]),
         )
+        self._phase_end("rollout")  # the engine whole, the trainer parked
+        return out
 
     def rollout(self, fn: str, jobs: list[RolloutJob], tokenizer: tuple[str, str | None], client: str):
-        return self._shares(
+        self._phase_start()
+        out = self._shares(
             jobs,
             lambda j: j.sample.group_index,
             lambda w, idx: w.rollout(fn, [jobs[i] for i in idx], tokenizer=tokenizer, client=client),
         )
+        self._phase_end("rollout")
+        return out
 
     def release(self) -> None:
         self._session(lambda w: w.release_memory())
@@ -285,14 +334,19 @@ class ColocatedRank(TrainerRank):
         self.engine.engine.set_adapter_shards(ADAPTER, blocks)
         if pool.device.type == "cuda":
             torch.cuda.synchronize(pool.device)
-        every = self._gather(((time.perf_counter() - start) * 1e3, sent, received))
+        peaks, self._peaks = self._peaks, {}
+        every = self._gather(((time.perf_counter() - start) * 1e3, sent, received, peaks))
         if every is None:
             return None
-        return {
-            "adapter_sync_ms": max(ms for ms, _, _ in every),
-            "adapter_sync_sent_bytes_max": max(s for _, s, _ in every),
-            "adapter_sync_received_bytes_max": max(r for _, _, r in every),
+        out = {
+            "adapter_sync_ms": max(x[0] for x in every),
+            "adapter_sync_sent_bytes_max": max(x[1] for x in every),
+            "adapter_sync_received_bytes_max": max(x[2] for x in every),
         }
+        # the step's device memory by phase, the fullest rank's (the phases since the last sync)
+        for phase in sorted(set().union(*(x[3] for x in every))):
+            out[f"memory_{phase}_bytes_max"] = max(x[3].get(phase, 0) for x in every)
+        return out
 
 
 def replica_share(groups: list[int], replicas: int, replica: int) -> list[int]:

@@ -128,6 +128,11 @@ class ParallelCfg(Section):
     # recompute each decoder layer's activations in backward instead of keeping them (activation
     # checkpointing): memory for long micro-batches at the price of a second forward per layer
     recompute: bool = False
+    # while the engines roll out, keep on the host: the optimizer's state (AdamW's two moments of every adapter
+    # parameter) / the trainer's frozen base weights (back on the device for each update; `miles-k3 plan` says
+    # when a layout needs them)
+    offload_optimizer: bool = False
+    offload_base: bool = False
 
     def check(self) -> None:
         c = Check(self)
@@ -257,6 +262,8 @@ class RolloutCfg(component_fields(EngineConfig, ENGINE_KEYS), component_fields(S
     tp: int = 1
     dcp: int = 1
     ep: bool = False
+    # while the trainer trains, keep the engine's weights on the host too (with release_memory's pools)
+    offload_weights: bool = False
 
     def check(self) -> None:
         from miles_k3.trainer.rollout_plugin import CLIENTS
@@ -280,6 +287,8 @@ class RolloutCfg(component_fields(EngineConfig, ENGINE_KEYS), component_fields(S
             raise c.fail("dcp", f"must divide rollout.tp ({self.tp}): DCP groups split an engine replica's ranks")
         if self.ep and self.tp == 1:
             raise c.fail("ep", "needs rollout.tp > 1: expert parallelism runs over an engine replica's ranks")
+        if self.offload_weights and not self.release_memory:
+            raise c.fail("offload_weights", "needs rollout.release_memory=true: the weights go with the pools")
         try:
             self.speculative.check()
         except ValueError as e:  # "<field> ..." of the subsection: resolve puts "rollout." in front

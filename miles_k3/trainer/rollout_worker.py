@@ -48,10 +48,11 @@ SPEC_COUNTERS = {
 class RolloutWorker:
     REPLAYED = frozenset({"generate", "release_memory", "resume_memory", "sync_adapter", "engine_counters"})
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, offload_weights: bool = False):
         """`engine`: built with one adapter slot of the trainer's LoraSpec (`rollout.build.build_engine` of
-        `ResolvedConfig.engine_spec`)."""
-        self.engine = engine
+        `ResolvedConfig.engine_spec`). `offload_weights`: `release_memory` parks the engine's weights on the
+        host too (rollout.offload_weights)."""
+        self.engine, self.offload_weights = engine, offload_weights
         self._plugins: dict = {}  # rollout.fn reference -> RolloutFn, and the tokenizers it needs, built once
         self._distiller: Distiller | None = None  # the drafter's optimizer, built by the first distill_drafter
 
@@ -205,7 +206,17 @@ class RolloutWorker:
         }
 
     def release_memory(self) -> None:
-        self.engine.release_memory()
+        self.engine.release_memory(weights=self.offload_weights)
+
+    def resident_bytes(self) -> int:
+        """Bytes this rank's engine holds now on its device (weights, adapter pool, KV and state pools)."""
+        from miles_k3.offload import resident_bytes
+
+        e, pool = self.engine, self.engine.adapters
+        tensors = [*e.model.parameters(), *e.model.buffers()]
+        if pool is not None:
+            tensors += [*pool.A.values(), *pool.B.values()]
+        return resident_bytes(tensors) + e.memory.resident_bytes()
 
     def resume_memory(self) -> None:
         self.engine.resume_memory()

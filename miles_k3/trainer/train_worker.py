@@ -23,6 +23,7 @@ import torch
 
 from miles_k3.algo import policy_loss
 from miles_k3.model.config import K3Config
+from miles_k3.offload import Parked, resident_bytes
 from miles_k3.trainer.batch import TrainBatch
 from miles_k3.trainer.micro_batches import Piece, combine_metrics, data_share, even_out, for_group, micro_batches
 
@@ -45,7 +46,11 @@ class TrainWorker:
         pp_layers: list[int] | None = None,
         micro_batch_tokens: int | None = None,
         recompute: bool = False,
+        offload_optimizer: bool = False,
+        offload_base: bool = False,
     ):
+        """`offload_optimizer` / `offload_base`: what `park` moves to host (the optimizer's state, the frozen
+        base's weights) while the engines roll out."""
         from megatron_patches.lora import check_lora_replicas, lora_parameters
         from megatron_patches.model import build_policy
 
@@ -76,6 +81,38 @@ class TrainWorker:
         # whose samples carry routing is otherwise only measured against it (routing_agreement)
         self.replay = algo.routing_replay == "rollout"
         self.micro_batch_tokens = micro_batch_tokens
+        self.offload_optimizer, self.offload_base = offload_optimizer, offload_base
+        self._parked: Parked | None = None
+
+    # ------------------------------------------------------------------ memory phases
+    def park(self) -> None:
+        """Move what `offload_optimizer` / `offload_base` name to host (the rollout phase: nothing here runs
+        until `unpark`; the adapter itself stays, for the sync). Idempotent."""
+        if self._parked is None:
+            self._parked = Parked(self._parkable())
+
+    def unpark(self) -> None:
+        """Back on the device, bit for bit (the training phase, and before reading the optimizer's state)."""
+        if self._parked is not None:
+            self._parked.restore()
+            self._parked = None
+
+    def _parkable(self) -> list[torch.Tensor]:
+        out: list[torch.Tensor] = []
+        if self.offload_base:
+            trainable = {id(p) for p in self.params}
+            out += [p for p in self.policy.parameters() if id(p) not in trainable]
+            out += list(self.policy.buffers())
+        if self.offload_optimizer:
+            out += [v for state in self.optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
+        return out
+
+    def resident_bytes(self) -> int:
+        """Bytes this rank's trainer holds now on its device (the policy's weights, LoRA and its gradients, the
+        optimizer's state; allocator accounting of their storages)."""
+        grads = [p.grad for p in self.params if p.grad is not None]
+        opt = [v for state in self.optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
+        return resident_bytes([*self.policy.parameters(), *self.policy.buffers(), *grads, *opt])
 
     # ------------------------------------------------------------------ log-probs
     def _logprobs(self, hidden: torch.Tensor, micro, *, with_entropy: bool = False):

@@ -52,7 +52,8 @@ def build_rollout_worker(rc: ResolvedConfig, config, state, device: str) -> Roll
 
         r = rc.rollout
         parallel = replica_groups(r.tp, r.dcp, r.tp if r.ep else 1)
-    return RolloutWorker(build_engine(rc.engine_spec(device), base=(config, state), parallel=parallel))
+    engine = build_engine(rc.engine_spec(device), base=(config, state), parallel=parallel)
+    return RolloutWorker(engine, offload_weights=rc.rollout.offload_weights)
 
 
 def build_train_worker(rc: ResolvedConfig, config, state, device: str) -> TrainWorker:
@@ -71,6 +72,8 @@ def build_train_worker(rc: ResolvedConfig, config, state, device: str) -> TrainW
         pp_layers=rc.parallel.pp_layers,
         micro_batch_tokens=rc.parallel.micro_batch_tokens,
         recompute=rc.parallel.recompute,
+        offload_optimizer=rc.parallel.offload_optimizer,
+        offload_base=rc.parallel.offload_base,
     )
 
 

@@ -2,7 +2,7 @@
 
 miles-k3 info --preset k3                 # parameter counts, layer plan
 miles-k3 info --config path/to/config.json
-miles-k3 plan --preset k3 --gpus 64 --gpu-memory-gb 288     # per-rank memory of parallel layouts
+miles-k3 plan --preset k3 --gpus 64 --gpu-memory-gb 288     # the RL loop per GPU: both phases, layouts, offloads
 miles-k3 generate --model builtin:k3-tiny-arith --prompts p.jsonl --json out.json   # batch generation
 miles-k3 export-adapter --adapter ckpt/adapter --model /ckpt --out out [--format peft|merged]
     a LoRA adapter in the naming of --model's family (PEFT), or folded into a full checkpoint
@@ -92,7 +92,9 @@ def main(argv: list[str] | None = None) -> int:
         p.set_defaults(fn=fn)
         p.add_argument("--preset", default="k3-tiny")
         p.add_argument("--config", type=Path, help="an HF config.json instead of a preset")
-    plan = sub.add_parser("plan", help="per-rank memory of parallel layouts (miles_k3.cli.plan)")
+    plan = sub.add_parser(
+        "plan", help="the RL loop's memory per GPU in both phases, over layouts and offloads (miles_k3.cli.plan)"
+    )
     plan.set_defaults(fn=cmd_plan)
     add_plan_arguments(plan)
     generate = sub.add_parser(

@@ -213,3 +213,29 @@ def test_engine_layouts_in_the_loop_match_single_rank(tmp_path):
         # trainer and engine blocks that coincide (TP against TP, EP against EP) move nothing
         moved = got[0]["adapter_sync_received_bytes_max"]
         assert (moved == 0) == (name in ("tp2_etp2", "ep2_etp2_ep", "tp2dp2_etp2")), (name, moved)
+
+
+def test_the_k3_gb300x64_shape_runs_on_four_cpu_ranks(tmp_path):
+    """recipe=k3_gb300x64's shape scaled to the embedded model: the trainer in pipeline x context parallel with
+    expert parallelism inside the CP group, activation recompute, and one engine replica over all ranks with
+    whole experts per rank; two steps, the engine's log-probs the trainer's after the shard-to-shard sync."""
+    out = cli(
+        tmp_path / "twin",
+        "trainer.max_steps=2",
+        "logging.wandb=disabled",
+        "trainer.eval_before=false",
+        "parallel.pp=2",
+        "parallel.cp=2",
+        "parallel.ep=2",
+        "parallel.recompute=true",
+        "parallel.micro_batch_tokens=64",
+        "rollout.tp=4",
+        "rollout.ep=true",
+        "cluster.num_workers=4",
+        timeout=900,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = [r for r in rows(tmp_path / "twin") if "loss" in r]
+    assert [r["step"] for r in got] == [1, 2]
+    assert all(r["train_rollout_logprob_abs_diff"] < 1e-5 for r in got)
+    assert got[0]["adapter_sync_received_bytes_max"] > 0  # pipeline stages hold other layers than a TP shard needs

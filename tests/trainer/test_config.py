@@ -261,9 +261,11 @@ def test_why_sections_are_mutable_copies_of_the_frozen_components():
     assert LoraSpec(**OmegaConf.to_object(node).values()) == LoraSpec(rank=4, targets=("q_proj$",))
 
 
-def test_k3_gb300x64_recipe_resolves_and_the_real_k3_splits_over_its_layout(tmp_path):
-    """The documented 64-GPU recipe: Hydra composes it, every section checks, and the published K3 config
-    divides over TP=8 x PP=8 (heads, expert intermediate dim, vocabulary, 93 layers over 8 stages)."""
+def test_k3_gb300x64_recipe_resolves_splits_the_real_k3_and_fits_its_gpus_in_both_phases(tmp_path):
+    """The 64-GPU recipe: Hydra composes it, every section checks, the published K3 config divides over its
+    trainer layout (PP=16 x CP=4, EP=4) and its engine layout (TP=16 with whole experts per rank), and the
+    loop's plan of exactly that pair fits a 288 GB GPU while rolling out and while training."""
+    import re
     import shutil
     from pathlib import Path
 
@@ -274,10 +276,26 @@ def test_k3_gb300x64_recipe_resolves_and_the_real_k3_splits_over_its_layout(tmp_
     fixture = Path(__file__).parents[1] / "model" / "fixtures" / "kimi_k3_config.json"
     shutil.copy(fixture, tmp_path / "config.json")
     rc = resolve(composed("recipe=k3_gb300x64", f"model.path={tmp_path}"))
-    par = rc.parallel
-    assert (par.tp, par.pp, par.world_size, rc.cluster.num_workers) == (8, 8, 64, 64)
+    par, r = rc.parallel, rc.rollout
+    assert (par.tp, par.pp, par.cp, par.ep, par.world_size, rc.cluster.num_workers) == (1, 16, 4, 4, 64, 64)
+    assert (r.tp, r.dcp, r.ep, r.quantize) == (16, 1, True, "all")
     config = K3Config.from_json_file(tmp_path / "config.json")
     check_layout(config, TensorParallel(par.tp), par.ep, par.pp, par.pp_layers)
+    rc.engine_spec("cpu").check_layout(config)
+    out = subprocess.run(
+        [
+            sys.executable, "-m", "miles_k3.cli.main", "plan", "--config", str(tmp_path / "config.json"),
+            "--gpus", "64", "--gpu-memory-gb", "288", "--seq-len", str(par.micro_batch_tokens), "--recompute",
+            "--layout", f"tp={par.tp},pp={par.pp},cp={par.cp},ep={par.ep}", "--engine-layout", f"tp={r.tp},ep=1",
+            "--offload", "none",
+        ],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    best = out.stdout.strip().splitlines()[-1]
+    assert f"rollout.tp={r.tp} rollout.dcp=1 rollout.ep=true" in best and f"rollout.memory_mb={r.memory_mb:g}" in best
+    rollout, training = map(float, re.search(r"rollout ([\d.]+) GiB, training ([\d.]+) GiB of 288", best).groups())
+    assert max(rollout, training) < 288
 
 
 class BareEngines:

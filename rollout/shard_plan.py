@@ -109,12 +109,12 @@ def engine_layouts(config: K3Config, gpus: int) -> list[EngineLayout]:
 
 
 class _ShapeTP(EngineTP):
-    """Rank 0's shares of an `EngineLayout` without a process group: what a sharded build allocates, for meta
-    builds (its collectives must not run)."""
+    """Rank `rank`'s shares of an `EngineLayout` without a process group: what a sharded build allocates, for
+    meta builds (its collectives must not run)."""
 
-    def __init__(self, layout: EngineLayout):
-        TensorParallel.__init__(self, layout.tp, 0)
-        self.ep_size, self.dcp_size, self.dcp_rank = (layout.tp if layout.ep else 1), layout.dcp, 0
+    def __init__(self, layout: EngineLayout, rank: int = 0):
+        TensorParallel.__init__(self, layout.tp, rank)
+        self.ep_size, self.dcp_size, self.dcp_rank = (layout.tp if layout.ep else 1), layout.dcp, rank % layout.dcp
         self.group = self.control = self.dcp_group = None
         self.channel_rank = 0
 
@@ -165,17 +165,34 @@ def engine_shard_bytes(
     """One shard of `layout` as `build_engine_model(config, ..., quantize=, lora=, max_adapters=, dtype=)` holds
     it (the RL loop's engine: `max_adapters=1`), counted off the module tree built on the meta device.
     ValueError when the config does not split over the layout or `quantize` is not a mode."""
+    model, pool = meta_shard(config, layout, quantize=quantize, lora=lora, max_adapters=max_adapters, dtype=dtype)
+    return model_bytes(model, pool)
+
+
+def meta_shard(
+    config: K3Config,
+    layout: EngineLayout,
+    rank: int = 0,
+    *,
+    quantize: str = "all",
+    lora: LoraSpec | None = None,
+    max_adapters: int = 1,
+    dtype: torch.dtype = torch.bfloat16,
+):
+    """(model, adapter pool or None) of engine rank `rank` of `layout`, built on the meta device as
+    `build_engine_model` builds it (its casts applied): its bytes, and its pool's `local_boxes` (the blocks of
+    the adapter a shard-to-shard sync delivers to that rank)."""
     from miles_k3.model.modeling import K3ForCausalLM
     from rollout.lora import AdapterPool
     from rollout.model_runner import QUANTIZE_MODES, EngineFactory, _cast_floating, check_layout
 
     if quantize not in QUANTIZE_MODES:
         raise ValueError(f"quantize must be one of {QUANTIZE_MODES}, got {quantize!r}")
-    tp = _ShapeTP(layout) if layout.tp > 1 else SINGLE
+    tp = _ShapeTP(layout, rank) if layout.tp > 1 else SINGLE
     check_layout(config, tp)
     pool = AdapterPool(lora, max_adapters=max_adapters, dtype=dtype, device="meta") if lora is not None else None
     factory = EngineFactory(config, pool, quantize, tp)
     with torch.device("meta"):
         model = K3ForCausalLM(config, linear=factory.linear, experts=factory.experts, tp=tp)
     _cast_floating(model, dtype)  # as build_engine_model leaves it after loading
-    return model_bytes(model, pool)
+    return model, pool

@@ -1,5 +1,6 @@
-"""The trainer's parallel layouts through `miles-train`, each against one rank: first-step loss and gradient
-norm, step time, samples/s, per-GPU peak memory and scaling efficiency at the same global batch.
+"""The trainer's parallel layouts (and the engine's, `rollout.tp`) through `miles-train`, each against one rank:
+first-step loss and gradient norm, step time, samples/s, per-GPU peak memory, the adapter sync's time and
+bytes, each phase's memory, and scaling efficiency at the same global batch.
 
     python scripts/bench_layouts.py --recipe k3_small_gpu --layouts single,tp2,pp2,cp2,ep2,dp2 --json layouts.json
     python scripts/bench_layouts.py --layouts single,tp2 --set rollout.prompts_per_step=4   # the CPU check
@@ -36,6 +37,11 @@ LAYOUTS = {
     "cp2": (["parallel=cp2"], 2),
     "tp2_pp2": (["parallel=tp2_pp2"], 4),
     "pp2_ep2": (["parallel=pp2", "parallel.ep=2", "parallel.dp=2"], 4),
+    # the engine's own layout in the loop (every rank one shard of a replica; the adapter synced shard to shard)
+    "tp2_etp2": (["parallel=tp2", "rollout.tp=2"], 2),
+    "pp2_etp2": (["parallel=pp2", "rollout.tp=2"], 2),
+    "ep2_etp2": (["parallel=ep2", "rollout.tp=2", "rollout.ep=true"], 2),
+    "tp2_pp2_etp4": (["parallel=tp2_pp2", "rollout.tp=4"], 4),
 }
 RUN = [
     "trainer.eval_before=false",
@@ -122,6 +128,10 @@ def run_layout(name: str, args: argparse.Namespace) -> dict:
         "rollout_s": last["rollout_s"],
         "samples_per_s": last["samples_per_s"],
         "peak_gib": last.get("train_peak_gib"),
+        "sync_ms": last.get("adapter_sync_ms"),
+        "sync_received_bytes_max": last.get("adapter_sync_received_bytes_max"),
+        "rollout_phase_gib": (last.get("memory_rollout_bytes_max") or 0) / 2**30,
+        "train_phase_gib": (last.get("memory_train_bytes_max") or 0) / 2**30,
     }
 
 

@@ -137,6 +137,12 @@ run_job() {
     layouts2) job layouts2 python scripts/bench_layouts.py --recipe k3_small_gpu \
         --layouts single,tp2,sp2,dp2,pp2,ep2,cp2 --steps 2 --work-dir /tmp/layouts --timeout 900 \
         --json "$STATE/layouts2.json" ;;
+    # the K3-scale loop on two GPUs: engine replicas on the trainer's ranks, the adapter synced shard to shard
+    loop2) job loop2 python scripts/bench_layouts.py --recipe k3_small_gpu \
+        --layouts single,dp2,tp2_etp2,pp2_etp2,ep2_etp2 --steps 3 --work-dir /tmp/loop2 --timeout 900 \
+        --json "$STATE/loop2.json" ;;
+    loop4) job loop4 python scripts/bench_layouts.py --recipe k3_small_gpu --layouts single,tp2_pp2_etp4 \
+        --steps 3 --work-dir /tmp/loop4 --timeout 900 --json "$STATE/loop4.json" ;;
     layouts4) job layouts4 python scripts/bench_layouts.py --recipe k3_small_gpu --layouts single,tp2_pp2,pp2_ep2 \
         --steps 2 --work-dir /tmp/layouts4 --timeout 900 --json "$STATE/layouts4.json" ;;
     # the sharded engine's layouts against one GPU (greedy agreement, decode tok/s at 1 / 64 / 256, KV per GPU)

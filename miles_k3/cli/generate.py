@@ -22,10 +22,12 @@ target forward: the same tokens and log-probs as without it (lossless; `rollout.
 
 Bad input (a flag, a row of a file, the checkpoint, the adapter, a layout the model's heads do not divide)
 stops it before any generation and before any worker is spawned, with one line naming it, exit status 2
-(`miles_k3.errors`). A row's chat messages are checked by the validator the server and the trainer
-share (`miles_k3.data.messages`). `--json` never overwrites an input: a path that is an input file or a
-directory is refused, its directory must be writable before anything is generated, and the file is written
-through a temporary file in the same directory, renamed over it once complete (removed if the write fails).
+(`miles_k3.errors`). What only the --tp workers meet (the checkpoint's weights, which each rank reads its
+slices of) stops them all and comes back as the same one line, naming the rank (`spawn_ranks`). A row's
+chat messages are checked by the validator the server and the trainer share (`miles_k3.data.messages`).
+`--json` never overwrites an input: a path that is an input file or a directory is refused, its directory
+must be writable before anything is generated, and the file is written through a temporary file in the same
+directory, renamed over it once complete (removed if the write fails).
 
 Images (`--image PATH`, repeatable, with `--prompts` and a vision-language checkpoint): every row sees the
 images in order, one `<|kimi_image_placeholder|>` each in its prompt text (or in its messages' string
@@ -39,15 +41,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
+import time
+import traceback
+import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from miles_k3.errors import check_output_path, write_atomically
+from miles_k3.errors import check_memory_mb, check_output_path, one_line, user_error, write_atomically
 from rollout.server.config import ENGINE_FLAGS, EngineFlags, add_flags, check_adapters, flag_errors
 
 ADAPTER = "adapter"  # the name the rows' adapter is loaded under
 MAX_SEED = 2**63  # row i samples with --seed + i: a torch generator's seed (int64) must hold every row's
+_MEGATRON_NOTE = ".*Transformer Engine and Apex are not installed.*"  # what megatron warns on import
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -105,6 +113,13 @@ class GenerateArgs(EngineFlags):
                 raise ValueError(f"--stop-token-id {t}: token ids are >= 0")
         self.sampling(0, self.stop_token_ids)  # SamplingParams' own checks, before anything is loaded
         super().check()  # model, tokenizer, device, dtype, memory and speculation flags
+        if self.tp > 1 and self.device == "cpu":  # every rank's pools on this one host
+            check_memory_mb(self.memory_mb * self.tp, "cpu", f"--memory-mb {self.memory_mb:g} x --tp {self.tp} =")
+        if self.tp > 1 and self.device == "cuda":
+            import torch
+
+            if torch.cuda.device_count() < self.tp:
+                raise ValueError(f"--tp {self.tp} needs a GPU per rank; this host has {torch.cuda.device_count()}")
         check_adapters(self.adapters, self.model)
         if self.out is not None:  # before anything is generated: an output that cannot be written, or an input
             inputs = {"--prompts": self.prompts, "--input-ids": self.input_ids, "--model": self.model_path}
@@ -285,22 +300,76 @@ def run_workers(
     args: GenerateArgs, rows: list[list[int]], stops: tuple[int, ...], images: list | None = None
 ) -> list[dict]:
     """--tp N: N worker processes, one engine rank each (gloo on CPU, nccl with a GPU per rank); rank 0
-    generates and hands the outputs back through a file. A worker's ValueError comes back as this one."""
+    generates and hands the outputs back through a file. A failure on any rank comes back as `spawn_ranks`
+    raises it."""
     import tempfile
 
-    import torch.multiprocessing as mp
-
-    from megatron_patches.parallel import free_port
+    with warnings.catch_warnings():  # megatron's import-time notes about Transformer Engine / Apex
+        warnings.filterwarnings("ignore", message=_MEGATRON_NOTE)
+        from megatron_patches.parallel import free_port
 
     with tempfile.TemporaryDirectory(prefix="miles-k3-generate-") as tmp:
         result = Path(tmp) / "result.json"
-        mp.spawn(
-            _worker, args=(args.tp, free_port(), args, rows, stops, str(result), images), nprocs=args.tp, join=True
+        spawn_ranks(_worker, args.tp, (free_port(), args, rows, stops, str(result), images), Path(tmp))
+        return json.loads(result.read_text())["outputs"]
+
+
+def spawn_ranks(fn: Callable[..., None], world: int, args: tuple, scratch: Path) -> None:
+    """`fn(rank, world, *args)` in `world` spawned processes (`torch.multiprocessing.spawn`); returns once every
+    rank has. A rank that raises ends them all (the others are terminated: none waits in a collective for
+    it) and its error comes back here for the command's error boundary (`miles_k3.errors`), through
+    `scratch/rank<R>.json`: a user's mistake (`user_error`: a ValueError, an OSError naming its file, ...) as
+    ValueError("--tp rank R: <its one line>"), of the lowest rank that had one; a rank killed by SIGKILL (the
+    OOM killer) as a ValueError saying so; anything else, a bug, as RuntimeError("--tp rank R: <type>:
+    <message>") followed by that rank's traceback, of the rank that failed first (a rank's failure makes its
+    peers fail after it, on a closed connection). The ranks print nothing of their own: megatron's
+    import-time notes are silenced, and so are torch's notes on terminating the others."""
+    import torch.multiprocessing as mp
+
+    spawn_log = logging.getLogger("torch.multiprocessing.spawn")
+    level = spawn_log.level
+    spawn_log.setLevel(logging.ERROR)
+    try:
+        mp.spawn(_rank_main, args=(fn, world, str(scratch), args), nprocs=world, join=True)
+    except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
+        raise _rank_failure(scratch, e) from None
+    finally:
+        spawn_log.setLevel(level)
+
+
+def _rank_main(rank: int, fn: Callable[..., None], world: int, scratch: str, args: tuple) -> None:
+    """One spawned rank of `spawn_ranks`: fn's exception recorded for the parent, then exit status 1."""
+    warnings.filterwarnings("ignore", message=_MEGATRON_NOTE)
+    try:
+        fn(rank, world, *args)
+    except Exception as e:
+        message = user_error(e)
+        record = {
+            "time": time.monotonic(),
+            "user": message is not None,
+            "message": message if message is not None else f"{type(e).__name__}: {one_line(e)}",
+            "traceback": traceback.format_exc(),
+        }
+        (Path(scratch) / f"rank{rank}.json").write_text(json.dumps(record))
+        raise SystemExit(1) from None
+
+
+def _rank_failure(scratch: Path, e: Exception) -> Exception:
+    """The error `spawn_ranks` raises for the failed spawn `e`, from the ranks' records in `scratch`."""
+    records = {int(p.stem[len("rank") :]): json.loads(p.read_text()) for p in scratch.glob("rank*.json")}
+    users = sorted(rank for rank, record in records.items() if record["user"])
+    if users:
+        return ValueError(f"--tp rank {users[0]}: {records[users[0]]['message']}")
+    if records:
+        rank = min(records, key=lambda r: (records[r]["time"], r))
+        return RuntimeError(f"--tp rank {rank}: {records[rank]['message']}\n{records[rank]['traceback']}")
+    rank = getattr(e, "error_index", "?")
+    if getattr(e, "signal_name", None) == "SIGKILL":
+        return ValueError(
+            f"--tp rank {rank} was killed (SIGKILL, most likely out of memory: each rank holds its --memory-mb "
+            "of pools and its share of the weights)"
         )
-        answer = json.loads(result.read_text())
-    if "error" in answer:
-        raise ValueError(answer["error"])
-    return answer["outputs"]
+    return RuntimeError(f"--tp rank {rank}: {one_line(e)}")
 
 
 def _worker(
@@ -313,9 +382,9 @@ def _worker(
     result: str,
     images: list | None = None,
 ) -> None:
-    """One engine rank (`rollout.build.build_engine` on every rank of the world); rank 0 generates and writes
-    the answer, the others follow it. A ValueError while building (every rank meets it alike: the same
-    files and checks) or generating is the answer's error."""
+    """One engine rank (`rollout.build.build_engine` on every rank of the world); rank 0 generates, writes the
+    outputs to `result` and then releases the others, which follow it until then. Errors propagate (to
+    `spawn_ranks`, which reports them)."""
     import os
 
     import torch
@@ -331,27 +400,16 @@ def _worker(
         device = f"cuda:{rank}"
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo", rank=rank, world_size=world)
     try:
+        with flag_errors():
+            engine = build_engine(args.engine_spec(device=device))
+        if not engine.is_leader:
+            engine.follow()
+            return
         try:
-            with flag_errors():
-                engine = build_engine(args.engine_spec(device=device))
-        except ValueError as e:
-            answer = {"error": str(e)}
-        else:
-            if not engine.is_leader:
-                engine.follow()
-                return
-            try:
-                answer = {
-                    "outputs": generate_outputs(
-                        engine, rows, args, stops, ADAPTER if args.adapter else None, images=images
-                    )
-                }
-            except ValueError as e:
-                answer = {"error": str(e)}
-            finally:
-                engine.stop_followers()
-        if rank == 0:
-            Path(result).write_text(json.dumps(answer))
+            outputs = generate_outputs(engine, rows, args, stops, ADAPTER if args.adapter else None, images=images)
+        finally:
+            engine.stop_followers()
+        Path(result).write_text(json.dumps({"outputs": outputs}))
     finally:
         end_world()
 

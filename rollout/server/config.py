@@ -27,6 +27,8 @@ from pathlib import Path
 from miles_k3.data.tokenizers import TOKENIZERS
 from miles_k3.model.assets import BUILTIN_PREFIX, builtin_models, builtin_path
 from miles_k3.model.base import DTYPES
+from miles_k3.model.config import K3Config
+from miles_k3.model.lora_spec import LoraSpec, adaptable_modules, matches_targets
 from rollout.build import EngineSpec
 from rollout.config import EngineConfig
 from rollout.model_runner import QUANTIZE_MODES
@@ -35,7 +37,7 @@ DEVICES = ("cpu", "cuda")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 SPECULATIVE = ("off", "dspark")
 # the flag that sets an EngineSpec field, where it is not --<field> (`flag_errors`)
-SPEC_FLAGS = {"path": "--model", "adapters": "--adapter", "lora": "--adapter"}
+SPEC_FLAGS = {"path": "--model", "adapters": "--adapter", "lora": "--adapter", "max_adapters": "--max-loras"}
 
 
 def flag_name(name: str) -> str:
@@ -46,18 +48,21 @@ def flag_name(name: str) -> str:
 def add_flags(parser: argparse.ArgumentParser, cls: type, names: Iterable[str]) -> None:
     """One flag per field of the dataclass `cls` named in `names`, in that order: its help text
     (`metadata["help"]`) and default from the field, its type from `metadata["type"]` or else the default's
-    (int, float; otherwise str). A field without a default is a required flag."""
+    (int, float; otherwise str), `metadata["nargs"]` when it takes several values, and `metadata["aliases"]`
+    (other spellings of the flag, e.g. SGLang's). A field without a default is a required flag."""
     fields = {f.name: f for f in dataclasses.fields(cls)}
     for name in names:
         f = fields[name]
+        flags = (flag_name(name), *f.metadata.get("aliases", ()))
         if f.default is dataclasses.MISSING:
-            parser.add_argument(flag_name(name), required=True, help=f.metadata["help"])
+            parser.add_argument(*flags, required=True, help=f.metadata["help"])
             continue
         if isinstance(f.default, bool):  # a switch: the flag alone turns it on
-            parser.add_argument(flag_name(name), action="store_true", default=f.default, help=f.metadata["help"])
+            parser.add_argument(*flags, action="store_true", default=f.default, help=f.metadata["help"])
             continue
         kind = f.metadata.get("type") or {int: int, float: float}.get(type(f.default), str)
-        parser.add_argument(flag_name(name), type=kind, default=f.default, help=f.metadata["help"])
+        extra = {"nargs": f.metadata["nargs"]} if "nargs" in f.metadata else {}
+        parser.add_argument(*flags, type=kind, default=f.default, help=f.metadata["help"], **extra)
 
 
 @contextlib.contextmanager
@@ -355,7 +360,33 @@ class ServeConfig(EngineFlags):
         default=(),
         metadata={
             "help": "NAME=PEFT_DIR: a PEFT LoRA adapter (as the trainer saves it) served under the model name NAME; "
-            "repeat for several (all of one rank and module set)"
+            "repeat for several (all of one rank and module set, unless --max-lora-rank shapes the pool)"
+        },
+    )
+    max_loras: int | None = field(
+        default=None,
+        metadata={
+            "help": "adapter slots in the pool (SGLang's --max-loras-per-batch): adapters loaded at once, by --adapter "
+            "or at runtime (/load_lora_adapter); default: one per --adapter, at least 1",
+            "type": int,
+            "aliases": ("--max-loras-per-batch",),
+        },
+    )
+    max_lora_rank: int | None = field(
+        default=None,
+        metadata={
+            "help": "the adapter pool's rank: the server builds a pool of --max-loras slots over "
+            "--lora-target-modules, with or without --adapter, that takes adapters of this rank or lower "
+            "(zero-padded) at start or at runtime; default: the --adapter's rank and modules (no --adapter: no pool)",
+            "type": int,
+        },
+    )
+    lora_target_modules: tuple[str, ...] | None = field(
+        default=None,
+        metadata={
+            "help": "with --max-lora-rank: the modules the pool adapts, 'all' (the default: every adaptable module "
+            "of the model) or regexes searched in their names (e.g. q_proj o_proj 'experts\\.w[13]$')",
+            "nargs": "+",
         },
     )
     served_model_name: str | None = field(
@@ -392,10 +423,32 @@ class ServeConfig(EngineFlags):
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "adapters", tuple(tuple(a) for a in self.adapters))
+        if isinstance(self.lora_target_modules, list):  # argparse's nargs
+            object.__setattr__(self, "lora_target_modules", tuple(self.lora_target_modules))
 
     @property
     def model_name(self) -> str:
         return self.served_model_name if self.served_model_name is not None else self.model
+
+    def adapter_pool(self, config: K3Config) -> LoraSpec | None:
+        """The adapter pool the flags shape for the model `config`: rank --max-lora-rank over the modules
+        --lora-target-modules selects among `adaptable_modules(config)` (all of them by default, or with
+        'all'); None without --max-lora-rank (the pool then takes the --adapter's own shape, or there is none).
+        ValueError naming --lora-target-modules for a pattern that selects no adaptable module."""
+        if self.max_lora_rank is None:
+            return None
+        modules = adaptable_modules(config)
+        patterns = self.lora_target_modules or ("all",)
+        if "all" not in patterns:
+            for p in patterns:
+                if not any(re.search(p, m) for m in modules):
+                    raise ValueError(
+                        f"--lora-target-modules {p!r} matches no adaptable module of {self.model} (they are named "
+                        f"like {modules[0]!r} and {modules[-1]!r})"
+                    )
+            modules = [m for m in modules if matches_targets(patterns, m)]
+        # one anchored alternation of the chosen names: exactly those modules, whatever else a pattern matches
+        return LoraSpec(rank=self.max_lora_rank, targets=("^(?:" + "|".join(map(re.escape, modules)) + ")$",))
 
     def engine_overrides(self) -> dict:
         fields = super().engine_overrides()
@@ -406,13 +459,39 @@ class ServeConfig(EngineFlags):
         return fields
 
     def engine_spec(self, **fields) -> EngineSpec:
-        """The served engine's spec: the engine flags' with the adapters."""
-        return super().engine_spec(**{"adapters": self.adapters, **fields})
+        """The served engine's spec: the engine flags' with the adapter pool. Without --max-lora-rank the
+        adapters are the spec's (loaded at build; the pool takes their shape) in --max-loras slots; with it the
+        pool is `adapter_pool`'s and holds no adapter yet: `rollout.server.loading.load_served` loads the
+        --adapter ones into it (`load_adapter`, as /load_lora_adapter does), padding lower ranks."""
+        slots = {"max_adapters": self.max_loras} if self.max_loras is not None else {}
+        if self.max_lora_rank is None:
+            return super().engine_spec(**{"adapters": self.adapters, **slots, **fields})
+        spec = super().engine_spec(**{"max_adapters": self.max_loras or max(1, len(self.adapters)), **fields})
+        return dataclasses.replace(spec, lora=self.adapter_pool(spec.base_config()))
 
     def check(self) -> None:
         super().check()
         c = _Check(self)
         check_adapters(self.adapters, self.model_name)
+        c.int_at_least("max_loras", 1, optional=True)
+        c.int_at_least("max_lora_rank", 1, optional=True)
+        if self.max_loras is not None and self.max_loras < len(self.adapters):
+            raise c.fail("max_loras", f"must hold the {len(self.adapters)} --adapter given")
+        if self.max_loras is not None and self.max_lora_rank is None and not self.adapters:
+            raise ValueError(
+                f"--max-loras {self.max_loras} needs --max-lora-rank (the pool's rank) or an --adapter (whose rank "
+                "and modules shape the pool)"
+            )
+        if self.lora_target_modules is not None:
+            if self.max_lora_rank is None:
+                raise ValueError("--lora-target-modules needs --max-lora-rank (the pool it shapes)")
+            for p in self.lora_target_modules:
+                if not isinstance(p, str) or not p:
+                    raise c.fail("lora_target_modules", "must be 'all' or non-empty regexes")
+                try:
+                    re.compile(p)
+                except re.error as e:
+                    raise ValueError(f"--lora-target-modules {p!r}: not a regex ({e})") from None
         if self.served_model_name is not None and not self.served_model_name:
             raise c.fail("served_model_name", "must be non-empty")
         c.int_at_least("port", 0)

@@ -13,10 +13,13 @@ framework that drives an SGLang rollout server (slime's, Miles', verl's SGLang c
                                            base resident. Requests sent meanwhile wait for the resume
     POST /resume_memory_occupation         {tags}
     POST /pause_generation                 {mode}: "abort" (SGLang's default: every request in flight finishes
-                                           with finish_reason abort) or "in_place" (they stay, pages and all);
-                                           either way no step runs until /continue_generation. "retract" is
-                                           refused (400)
-    POST /continue_generation              {torch_empty_cache}
+                                           with finish_reason abort), "in_place" (they stay, pages and all) or
+                                           "retract" (they are retracted, their pages and slots back in the
+                                           pools, and wait outside the engine: the cache can be flushed and
+                                           the memory released meanwhile); any way no step runs until
+                                           /continue_generation
+    POST /continue_generation              {torch_empty_cache}: retracted requests go on from their tokens
+                                           (ahead of those sent during the pause)
     GET|POST /flush_cache                  every cached prefix evicted; 400 while requests are in flight
     POST /update_weight_version            {new_version, abort_all_requests}: the version every meta_info
                                            reports from then on
@@ -52,11 +55,12 @@ from starlette.routing import Route
 
 from rollout.engine import Engine
 from rollout.server.generation import RequestError
+from rollout.server.loading import load_adapter
 from rollout.server.protocol import Fields, ServerContext, error_body, parse_body
 from rollout.server.responses import json_error, read_body
 
 MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
-PAUSE_MODES = ("abort", "in_place")
+PAUSE_MODES = ("abort", "in_place", "retract")
 
 
 async def _fields(request: Request) -> Fields:
@@ -84,18 +88,12 @@ def _lora_name(f: Fields, ctx: ServerContext) -> str:
 
 
 async def _add_adapter(ctx: ServerContext, name: str, path: Path, shown: str) -> JSONResponse:
-    """Read the PEFT directory `path` (checked against the served model) and load it as `name`."""
-    from miles_k3.model.peft import load_peft
-
+    """Read the PEFT directory `path` (checked against the served model) and load it as `name` into the pool
+    (`rollout.server.loading.load_adapter`: a lower rank padded; refusals name the flag that bounds the pool)."""
     if name == ctx.model_name or name in ctx.adapters:
         return _lora_answer(ctx, f"lora_name {name!r} is already served; unload it first")
-
-    def load(engine: Engine) -> None:
-        tensors, spec = load_peft(path, config=engine.model.config)
-        engine.add_adapter(name, tensors, spec.alpha)
-
     try:
-        await ctx.service.loop.call(load)
+        await ctx.service.loop.call(lambda engine: load_adapter(engine, name, path))
     except (ValueError, OSError) as e:
         return _lora_answer(ctx, f"lora {name!r} ({shown}): {e}")
     ctx.adapters = (*ctx.adapters, name)
@@ -163,8 +161,15 @@ async def unload_lora_adapter(request: Request):
         return json_error(e)
     if name not in ctx.adapters:
         return _lora_answer(ctx, f"lora_name {name!r} is not loaded; loaded: {list(ctx.adapters)}", status=404)
+    loop = ctx.service.loop
+
+    def unload(engine: Engine) -> None:
+        if name in loop.parked_adapters():  # the engine sees its own queues only
+            raise RuntimeError(f"requests using {name!r} are retracted by a pause; continue or abort them first")
+        engine.remove_adapter(name)
+
     try:
-        await ctx.service.loop.call(lambda engine: engine.remove_adapter(name))
+        await loop.call(unload)
     except (ValueError, RuntimeError) as e:
         return _lora_answer(ctx, f"lora {name!r}: {e}")
     ctx.adapters = tuple(a for a in ctx.adapters if a != name)
@@ -219,11 +224,17 @@ async def pause_generation(request: Request):
         f = await _fields(request)
         mode = f.str("mode", "abort")
         if mode not in PAUSE_MODES:
-            raise f.fail("mode", f"must be one of {list(PAUSE_MODES)} (retract is not supported here)")
+            raise f.fail("mode", f"must be one of {list(PAUSE_MODES)}")
         f.finish()
     except RequestError as e:
         return json_error(e)
-    ctx.service.loop.pause()
+    if mode == "retract":
+        try:
+            await ctx.service.loop.retract()
+        except RuntimeError as e:
+            return json_error(RequestError(str(e), status=400, param="mode"))
+    else:
+        ctx.service.loop.pause()
     if mode == "abort":
         ctx.service.abort(None)
     return JSONResponse({"success": True, "message": f"generation paused (mode {mode})"})
@@ -273,13 +284,16 @@ async def get_weight_version(request: Request):
 
 
 async def _state(ctx: ServerContext) -> dict[str, Any]:
-    """Pool occupancy and request counts (read on the engine thread), and the totals since start."""
-    pools = await ctx.service.loop.call(lambda engine: engine.pool_stats())
-    totals = ctx.service.loop.totals
+    """Pool occupancy and request counts (read on the engine thread; waiting counts the requests a retract
+    pause parked), and the totals since start."""
+    loop = ctx.service.loop
+    pools = await loop.call(lambda engine: {**engine.pool_stats(), "parked": loop.parked})
+    pools["waiting"] += pools.pop("parked")
+    totals = loop.totals
     prompt = totals["prompt_tokens"]
     return {
         **pools,
-        "paused": ctx.service.loop.paused,
+        "paused": loop.paused,
         "memory_released": pools["kv_pages_total"] == 0,
         "cache_hit_rate": totals["cached_tokens"] / prompt if prompt else 0.0,
         "totals": dict(totals),
@@ -298,6 +312,10 @@ async def get_server_info(request: Request):
             "tokenizer_path": ctx.tokenizer.name_or_path,
             "weight_version": ctx.weight_version,
             "lora_adapters": list(ctx.adapters),
+            # SGLang's server args for the adapter pool (`--max-loras-per-batch`, `--max-lora-rank`)
+            "enable_lora": engine.adapters is not None,
+            "max_loras_per_batch": engine.adapters.max_adapters if engine.adapters is not None else 0,
+            "max_lora_rank": engine.adapters.spec.rank if engine.adapters is not None else None,
             "context_length": ctx.max_seq_len,
             "max_running_requests": cfg.max_running,
             "max_total_num_tokens": ctx.pool_tokens,

@@ -17,6 +17,8 @@ What is safe to call from where:
   stats and the control routes reach the engine this way).
 - `pause()`, `resume()`: from anywhere. While paused no step runs: requests in flight keep their pages,
   slots and place, new ones queue in the engine, commands (submit, abort, `call`) are still applied.
+- `retract()`: awaitable from a coroutine; pauses, and moves every request in flight out of the engine
+  (SGLang's retract pause): `resume()` puts them back, ahead of any sent meanwhile.
 - `start`, `stop`: from the thread that owns the server (its startup and shutdown).
 """
 
@@ -25,12 +27,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections import Counter, defaultdict
+from collections import Counter, defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from rollout.engine import Engine
-from rollout.request import Completion, FinishReason, PromptLogprobs, SamplingParams
+from rollout.request import Completion, FinishReason, PromptLogprobs, Request, SamplingParams
 
 log = logging.getLogger("rollout.server")
 
@@ -106,6 +108,8 @@ class EngineLoop:
         self._closing = False
         self.failure: str | None = None  # set when engine.step() raised: the engine is no longer used
         self.paused = False  # no step runs while set (`pause`)
+        # requests a retract pause took out of the engine, oldest first, until `resume` (loop thread only)
+        self._parked: deque[Request] = deque()
         # since start (written on the loop thread): requests finished (and by finish reason), their prompt
         # tokens, the prompt tokens served from the prefix cache, tokens generated
         self.totals: Counter[str] = Counter()
@@ -158,9 +162,34 @@ class EngineLoop:
             self.paused = True
 
     def resume(self) -> None:
+        """Steps run again; requests a retract pause parked go back to the engine first, in their order."""
         with self._wake:
             self.paused = False
+            self._commands.append(self._unpark)
             self._wake.notify()
+
+    async def retract(self) -> None:
+        """Pause (as `pause`), then retract every request in flight, returning once done (SGLang's retract
+        pause). Each running request is retracted as the scheduler retracts one under memory pressure
+        (`rollout.scheduler.Scheduler.retract`: its computed prefix left in the radix cache, its pages and
+        state slot back in the pools, its output so far kept), then every queued one is parked here, outside
+        the engine: the engine is idle (both pools back to full once the cache is flushed), so the cache can
+        be flushed and the memory released meanwhile. After `resume` they go on from their tokens; a seeded
+        or greedy request's output is the one it would have had without the pause (its noise is keyed by
+        its seed and position, `rollout.noise`). RuntimeError for a sharded engine, whose other ranks would
+        not see the retraction."""
+        self.pause()
+        await self.call(lambda engine: self._retract_all())
+
+    @property
+    def parked(self) -> int:
+        """Requests a retract pause holds (read on the loop thread: inside `call`)."""
+        return len(self._parked)
+
+    def parked_adapters(self) -> set[str | None]:
+        """The adapters of the requests a retract pause holds (on the loop thread: inside `call`); the engine,
+        which refuses to unload an adapter its requests use, does not see these."""
+        return {req.adapter for req in self._parked}
 
     async def call(self, fn: Callable[[Engine], Any]) -> Any:
         """`fn(engine)` on the loop thread between steps; its result (or exception) comes back here."""
@@ -269,6 +298,10 @@ class EngineLoop:
         rid = ticket.request_id
         if rid is None or rid not in self._tickets:
             return  # not submitted yet (then never will be), or already finished
+        parked = next((req for req in self._parked if req.request_id == rid), None)
+        if parked is not None:  # back in the engine's queue, where its abort finds it
+            self._parked.remove(parked)
+            self.engine.scheduler.waiting.appendleft(parked)
         completion = self.engine.abort(rid)
         if completion is not None:
             self._finish(ticket, completion, out)
@@ -279,6 +312,21 @@ class EngineLoop:
     def _abort_all(self, out: _Outbox) -> None:
         for ticket in list(self._tickets.values()):
             self._abort(ticket, out, shutdown=True)
+
+    def _retract_all(self) -> None:
+        engine = self.engine
+        if engine.tp.size > 1:
+            raise RuntimeError("pause_generation mode retract on a sharded engine: its other ranks would not retract")
+        s = engine.scheduler
+        for r in reversed(list(s.running)):  # newest first: each goes to the queue's front, so order is kept
+            s.retract(r)
+        engine.decoder.settle()  # an enqueued step of the retracted rows is read back (its tokens recomputed)
+        self._parked.extend(s.waiting)
+        s.waiting.clear()
+
+    def _unpark(self, out: _Outbox) -> None:
+        self.engine.scheduler.waiting.extendleft(reversed(self._parked))
+        self._parked.clear()
 
 
 def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:

@@ -3,7 +3,9 @@
 The engine is `rollout.build.build_engine` of the flags' `EngineSpec` (`ServeConfig.engine_spec`): the base
 is read as the trainer reads model.path (`miles_k3.model.base.load_base`, `builtin:` paths resolved by
 `miles_k3.model.assets`), so `--model builtin:k3-tiny-arith` serves exactly the base a default training run
-starts from, and the PEFT adapters (the format the trainer saves) load under their names.
+starts from, and the PEFT adapters (the format the trainer saves) load under their names: at build, in a
+pool of their own shape, or, with --max-lora-rank, into the pool the flags shape, through `load_adapter`,
+the loader /load_lora_adapter uses too.
 
 A vision-language checkpoint (a `vision_config` in its config.json) also brings its tower and projector
 (`K3VisionModel.from_pretrained`, in the engine's dtype and on its device: the engine encodes each image
@@ -14,6 +16,7 @@ resizes uploads by); a text-only checkpoint, or a preset (no files to read them 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -58,9 +61,63 @@ def load_vision(
 
 
 def load_served(cfg: ServeConfig) -> Served:
-    """Check `cfg`, then build everything it names. ValueError (one line, naming the flag) on bad input."""
+    """Check `cfg`, then build everything it names. ValueError (one line, naming the flag) on bad input.
+    With --max-lora-rank the engine is built with the flags' empty pool and the --adapter ones are loaded
+    into it after (`load_adapter`), as /load_lora_adapter would."""
     cfg.check()
-    return build_served(cfg.engine_spec(), cfg.tokenizer_kind, cfg.model_name)
+    served = build_served(cfg.engine_spec(), cfg.tokenizer_kind, cfg.model_name)
+    if cfg.max_lora_rank is not None:
+        for name, path in cfg.adapters:
+            try:
+                load_adapter(served.engine, name, Path(path))
+            except ValueError as e:
+                raise ValueError(f"--adapter {name}={path}: {e}") from None
+        served.adapters = tuple(name for name, _ in cfg.adapters)
+    return served
+
+
+def load_adapter(engine: Engine, name: str, path: Path) -> None:
+    """Read the PEFT adapter directory `path` (any layout `miles_k3.model.peft.load_peft` reads, checked against
+    the served model) and load it as `name` into a free slot of `engine`'s adapter pool; on the engine's
+    thread. The pool's shape bounds what it takes: an adapter of a lower rank r is zero-padded into the slot
+    (the same delta B A x at the same scale alpha / r), a pool module it does not adapt gets a zero delta. No
+    pool, a higher rank, a module outside the pool or no free slot is a ValueError naming the flag that sets
+    the bound (--max-lora-rank, --lora-target-modules, --max-loras); nothing is loaded then."""
+    from miles_k3.model.peft import load_peft
+
+    pool = engine.adapters
+    if pool is None:
+        raise ValueError(
+            "this server has no adapter pool: start it with --max-lora-rank R (and --max-loras N) to load "
+            "adapters at runtime"
+        )
+    if len(pool.names) >= pool.max_adapters:
+        raise ValueError(
+            f"all {pool.max_adapters} adapter slots are in use ({sorted(pool.names)}); unload one or start the "
+            "server with more --max-loras"
+        )
+    tensors, spec = load_peft(path, config=engine.model.config)
+    rank, modules = pool.spec.rank, set(pool.A)
+    if spec.rank > rank:
+        raise ValueError(f"rank {spec.rank} exceeds the adapter pool's rank {rank} (--max-lora-rank)")
+    outside = sorted({key.rsplit(".", 1)[0] for key in tensors} - modules)
+    if outside:
+        raise ValueError(
+            f"adapts {len(outside)} module(s) outside the adapter pool's {len(modules)}, e.g. {outside[:3]} "
+            "(--lora-target-modules)"
+        )
+    full = {}
+    for m in sorted(modules):
+        for part, buf, dim in (("lora_A", pool.A[m], -2), ("lora_B", pool.B[m], -1)):
+            key = f"{m}.{part}"
+            shape = list(pool.full_shapes.get(key, buf.shape[1:]))  # the trainer's (full) shape at the pool's rank
+            t = torch.zeros(shape, dtype=pool.dtype, device=pool.device)
+            if key in tensors:  # the adapter's rank spec.rank fills the first rows (A) / columns (B)
+                t.narrow(dim, 0, spec.rank).copy_(tensors[key])
+            full[key] = t
+    # the pool scales a slot by alpha / its rank: given alpha / r * R, the slot's scale is the adapter's own
+    # alpha / r (exactly when R is a power of two, else within a float's rounding)
+    engine.add_adapter(name, full, spec.alpha if spec.rank == rank else spec.alpha / spec.rank * rank)
 
 
 def build_served(spec: EngineSpec, tokenizer: str, name: str) -> Served:

@@ -39,6 +39,18 @@ TRAIN = [
 ]
 GEN = ["generate", "--model", "builtin:k3-tiny-arith", "--max-new-tokens", "2"]
 SERVE = ["--model", "builtin:k3-tiny-arith", "--port", "0"]
+GEN_TP2 = [
+    "generate",
+    "--tokenizer",
+    "arithmetic",
+    "--input-ids",
+    "{d}/ids.jsonl",
+    "--max-new-tokens",
+    "2",
+    "--tp",
+    "2",
+]
+HOST_MB = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**20
 STEP = "step_00000001"
 
 # (case id, command, arguments ({d}: the inputs' directory), text the one line must contain)
@@ -105,6 +117,14 @@ CASES = [
     ("gen-json-unwritable", "miles-k3", [*GEN, "--prompts", "{d}/p.jsonl", "--json", "/proc/x/out.json"], "--json"),
     ("gen-json-under-a-file", "miles-k3", [*GEN, "--prompts", "{d}/p.jsonl", "--json", "{d}/p.jsonl/o"], "--json"),
     ("gen-unknown-flag", "miles-k3", [*GEN, "--prompts", "{d}/p.jsonl", "--bogus"], "--bogus"),
+    # only the --tp workers read the weights: their error comes back as the same one line, naming the rank
+    ("gen-tp2-weights-truncated", "miles-k3", [*GEN_TP2, "--model", "{d}/tp_weights"], "--tp rank 0: "),
+    (
+        "gen-tp2-memory-beyond-host",
+        "miles-k3",
+        [*GEN_TP2, "--model", "builtin:k3-tiny-arith", "--memory-mb", str(int(HOST_MB * 0.6))],
+        "x --tp 2 =",
+    ),
     # --- miles-k3 plan / info ---
     ("plan-memory-inf", "miles-k3", ["plan", "--preset", "k3-tiny", "--gpus", "1", "--gpu-memory-gb", "inf"], "inf"),
     ("plan-memory-nan", "miles-k3", ["plan", "--preset", "k3-tiny", "--gpus", "1", "--gpu-memory-gb", "nan"], "nan"),
@@ -113,6 +133,12 @@ CASES = [
         "miles-k3",
         ["plan", "--preset", "k3-tiny", "--gpus", "3", "--gpu-memory-gb", "80", "--layout", "tp=3"],
         "--layout: no layout builds this model",
+    ),
+    (
+        "plan-engine-dcp-3-of-tp-2",
+        "miles-k3",
+        ["plan", "--preset", "k3-tiny", "--gpus", "2", "--gpu-memory-gb", "80", "--engine-layout", "tp=2,dcp=3"],
+        "--engine-layout 'tp=2,dcp=3'",
     ),
     ("info-config-not-json", "miles-k3", ["info", "--config", "{d}/not_json.json"], "not_json.json"),
     ("info-config-missing", "miles-k3", ["info", "--config", "{d}/no_such.json"], "--config"),
@@ -132,6 +158,8 @@ CASES = [
     ),
     ("serve-adapter-no-name", "miles-serve", [*SERVE, "--adapter", "{d}/adapter_nan"], "--adapter"),
     ("serve-unknown-flag", "miles-serve", [*SERVE, "--bogus"], "--bogus"),
+    ("serve-max-loras-without-a-pool", "miles-serve", [*SERVE, "--max-loras", "2"], "--max-lora-rank"),
+    ("serve-lora-rank-0", "miles-serve", [*SERVE, "--max-lora-rank", "0"], "--max-lora-rank"),
 ]
 
 
@@ -182,6 +210,10 @@ def _inputs(d: Path) -> None:
     write_prompts(d / "empty_prompt.jsonl", [{"prompt": "1+1="}, {"prompt": ""}])
     (d / "not_json.json").write_text("{not json")
     (d / "a_dir").mkdir()
+    (d / "tp_weights").mkdir()  # config.json reads, the weights' header is cut short
+    shutil.copy(ARITH / "config.json", d / "tp_weights" / "config.json")
+    weights = (ARITH / "model.safetensors").read_bytes()
+    (d / "tp_weights" / "model.safetensors").write_bytes(weights[: len(weights) // 2])
 
     config = K3Config.from_json_file(ARITH / "config.json")
     train = load_prompts(PromptDataConfig(path=str(d / "small_train.jsonl")))
@@ -271,3 +303,47 @@ def test_output_written_atomically(tmp_path, monkeypatch):
     with pytest.raises(OSError):
         write_atomically(target, "newer")
     assert target.read_text() == "new" and sorted(p.name for p in tmp_path.iterdir()) == ["out.json"]
+
+
+def test_a_tp_worker_error_names_the_file(results):
+    line = results[2]["gen-tp2-weights-truncated"].stderr.strip()
+    assert "tp_weights/model.safetensors: not a readable safetensors file" in line, line
+
+
+def _fail_on_rank(rank: int, world: int, port: int, failing: int, error: str) -> None:
+    """A spawned rank (`spawn_ranks`) of a gloo world: rank `failing` raises `error`'s exception, the others
+    wait for it in a collective."""
+    import torch.distributed as dist
+
+    from megatron_patches.parallel import end_world
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        if rank == failing:
+            if error == "mistake":
+                raise FileNotFoundError(2, "No such file or directory", "/ckpt/model-00002.safetensors")
+            raise KeyError("a bug")
+        dist.barrier()
+    finally:
+        end_world()
+
+
+@pytest.mark.filterwarnings("ignore:Transformer Engine and Apex are not installed")
+@pytest.mark.parametrize("error", ["mistake", "bug"])
+def test_one_rank_failing_alone_ends_every_rank_and_names_it(tmp_path, error):
+    """What no parent check sees and only one rank meets (a rank whose own slice of the weights cannot be
+    read; a bug on one rank) ends the other ranks, which wait for it in a collective, instead of hanging
+    them: a mistake comes back as one line naming the rank and the file, a bug as its type and traceback."""
+    from megatron_patches.parallel import free_port
+    from miles_k3.cli.generate import spawn_ranks
+    from miles_k3.errors import user_error
+
+    with pytest.raises((ValueError, RuntimeError)) as caught:
+        spawn_ranks(_fail_on_rank, 3, (free_port(), 1, error), tmp_path)
+    message = str(caught.value)
+    if error == "mistake":
+        assert user_error(caught.value) == "--tp rank 1: /ckpt/model-00002.safetensors: No such file or directory"
+    else:
+        assert user_error(caught.value) is None  # a bug keeps its traceback, the rank's
+        assert message.startswith("--tp rank 1: KeyError: 'a bug'\n") and "in _fail_on_rank" in message

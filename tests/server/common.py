@@ -54,14 +54,15 @@ def wait_idle(server: Server, timeout: float = 20.0) -> None:
     raise AssertionError(f"engine still busy after {timeout} s ({server.service.in_flight} samples in flight)")
 
 
-def write_adapter(path: Path, seed: int = 0) -> Path:
-    """A random rank-4 PEFT adapter for the tiny model, written by the trainer's `save_peft`."""
+def write_adapter(path: Path, seed: int = 0, rank: int = 4, targets: tuple[str, ...] | None = None) -> Path:
+    """A random PEFT adapter of `rank` (alpha 8) for the tiny model over `targets` (LoraSpec's; default: its
+    default targets), written by the trainer's `save_peft`."""
     from miles_k3.model.assets import builtin_path
     from miles_k3.model.base import load_base
     from miles_k3.model.peft import save_peft
     from rollout.model_runner import build_engine_model
 
-    spec = LoraSpec(rank=4, alpha=8.0)
+    spec = LoraSpec(rank=rank, alpha=8.0, **({} if targets is None else {"targets": targets}))
     cfg, state = load_base(builtin_path(MODEL))
     _, pool = build_engine_model(cfg, state, quantize="none", lora=spec, max_adapters=1, dtype=torch.float32)
     g = torch.Generator().manual_seed(seed)

@@ -226,3 +226,54 @@ def test_a_request_too_long_for_the_pool_names_max_tokens_and_memory_mb(http):
     r = http.post("/generate", json={"text": "1+1=", "sampling_params": {"max_new_tokens": 1500}})
     msg = r.json()["error"]["message"]
     assert r.status_code == 400 and "max_new_tokens" in msg and "--memory-mb" in msg and "memory_bytes" not in msg
+
+
+def test_pause_retract_frees_the_pools_and_continue_finishes_as_if_never_paused(ctl, http, adapter_dir):
+    """SGLang's retract pause: every request in flight is retracted (none runs; what they hold is only cache,
+    so a flush brings both pools back to full, and the memory can be released and resumed meanwhile); one
+    aborted while retracted finishes with abort; the adapter a retracted request uses cannot be unloaded;
+    after the continue the others finish with the outputs of an unpaused run, greedy and seeded."""
+    sampling = [{"temperature": 0}, {"temperature": 1.0, "sampling_seed": 7}, {"temperature": 0.8, "sampling_seed": 9}]
+    bodies = [
+        {"text": f"{i}+{i}=", "return_logprob": True, "sampling_params": {**LONG, **s}}
+        for i, s in enumerate(sampling, 1)
+    ]
+    want = [post(http, "/generate", body).json() for body in bodies]  # unpaused, one at a time
+    settled(ctl, full=True)
+    retractions = run_on_loop(ctl, lambda e: e.counters()["retractions"])
+    assert http.post("/load_lora_adapter", json={"lora_name": "held", "lora_path": str(adapter_dir)}).status_code == 200
+    posts = [in_background(post, http, "/generate", body) for body in bodies]
+    victim = in_background(post, http, "/generate", {"text": "4+4=", "rid": "parked", "sampling_params": LONG})
+    held = in_background(post, http, "/generate", {"text": "5+5=", "lora_path": "held", "sampling_params": LONG})
+    until(lambda: run_on_loop(ctl, lambda e: sum(len(r.req.output_ids) > 0 for r in e.scheduler.running)) == 5)
+    assert http.post("/pause_generation", json={"mode": "retract"}).status_code == 200
+    pools = run_on_loop(ctl, lambda e: e.pool_stats())
+    assert pools["running"] == pools["waiting"] == 0  # out of the engine, held by the server
+    assert (pools["kv_pages_used"], pools["kda_slots_used"]) == (pools["tree_pages"], pools["tree_slots"])
+    state = http.get("/get_server_info").json()["internal_states"][0]
+    assert state["num_running_reqs"] == 0 and state["num_waiting_reqs"] == 5 and state["paused"]
+    refused = http.post("/unload_lora_adapter", json={"lora_name": "held"})
+    assert refused.status_code == 400 and "retracted" in refused.json()["error_message"]
+    run_on_loop(ctl, lambda e: e.check_invariants())
+    assert http.post("/flush_cache").status_code == 200
+    state = http.get("/get_server_info").json()["internal_states"][0]
+    assert state["kv_pages_used"] == 0 and state["kda_slots_used"] == 0 and state["kv_pages_total"] > 0
+    assert http.post("/release_memory_occupation", json={}).status_code == 200
+    assert http.post("/resume_memory_occupation", json={}).status_code == 200
+    assert http.post("/abort_request", json={"rid": "parked"}).status_code == 200
+    victim[0].join(30)
+    assert victim[1]["out"].json()["meta_info"]["finish_reason"]["type"] == "abort"
+    time.sleep(0.2)
+    assert all(t.is_alive() for t, _ in posts)  # no step ran
+    assert http.post("/continue_generation", json={}).status_code == 200
+    held[0].join(60)
+    assert held[1]["out"].status_code == 200 and len(held[1]["out"].json()["output_ids"]) == LONG["max_new_tokens"]
+    assert http.post("/unload_lora_adapter", json={"lora_name": "held"}).status_code == 200
+    for (t, box), w in zip(posts, want):
+        t.join(60)
+        out = box["out"].json()
+        assert box["out"].status_code == 200 and out["output_ids"] == w["output_ids"]
+        got = [e[0] for e in out["meta_info"]["output_token_logprobs"]]
+        assert got == pytest.approx([e[0] for e in w["meta_info"]["output_token_logprobs"]], abs=1e-4)
+    assert run_on_loop(ctl, lambda e: e.counters()["retractions"]) >= retractions + 3
+    settled(ctl, full=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 import torch
@@ -92,3 +93,23 @@ def test_bad_speculation_flags_stop_the_server_with_one_line(flags, match, draft
     flags = [str(drafter_dir) if f == "DRAFTER" else f for f in flags]
     code, err = run_main("--model", MODEL, "--port", "0", *flags)
     assert code == 2 and match in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_top_logprobs_under_speculation_are_a_400_naming_the_field(clients):
+    """The verify step computes no alternatives: asking for top, given-id or prompt log-probs is a 400 naming
+    the field it came in (the sampled tokens' own log-probs are served, as above)."""
+    plain, spec = clients
+    with pytest.raises(openai.BadRequestError) as e:
+        spec.completions.create(model=MODEL, prompt="12+3=", max_tokens=4, temperature=0, logprobs=3)
+    assert e.value.body["param"] == "logprobs" and "--speculative" in e.value.body["message"]
+    messages = [{"role": "user", "content": "1+1="}]
+    with pytest.raises(openai.BadRequestError) as e:
+        spec.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, logprobs=True, top_logprobs=2)
+    assert e.value.body["param"] == "top_logprobs"
+    url = str(spec.base_url).removesuffix("/v1/")
+    for key, value in (("top_logprobs_num", 2), ("token_ids_logprob", [5]), ("logprob_start_len", 0)):
+        r = httpx.post(f"{url}/generate", json={"text": "1+1=", "return_logprob": True, key: value}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == key, r.text
+    ok = httpx.post(f"{url}/generate", json={"text": "1+1=", "return_logprob": True, "logprob_start_len": -1})
+    assert ok.status_code == 200 and ok.json()["meta_info"]["output_token_logprobs"]
+    assert plain.completions.create(model=MODEL, prompt="12+3=", max_tokens=2, logprobs=3).choices[0].logprobs

@@ -17,8 +17,6 @@ are plain all-reduces and are used as megatron ships them.
 from __future__ import annotations
 
 import contextlib
-import socket
-import time
 from collections.abc import Iterator
 
 import torch
@@ -30,6 +28,7 @@ from megatron.core.tensor_parallel.mappings import (
 )
 
 from miles_k3.model.linear import TensorParallel
+from miles_k3.ranks import end_world, free_port  # noqa: F401  (re-exported for the launchers and tests)
 
 
 def init_parallel(
@@ -88,30 +87,6 @@ def destroy_parallel() -> None:
     """Tear down megatron's groups (not the torch.distributed world, which the caller owns)."""
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
-
-
-def end_world() -> None:
-    """End this process's torch.distributed world (if any) so that the process can exit cleanly.
-
-    Why more than `destroy_process_group`: a gloo worker thread drops a finished collective's tensors after
-    the caller's wait() returned, and with torch's PyObject-holding tensors that drop takes the GIL. If the
-    main thread reaches interpreter finalization first, the thread is unwound while waiting for the GIL
-    and the process aborts ("terminate called without an active exception", SIGABRT: a 2-rank generate
-    whose last call is a broadcast hit it about 1 run in 3). Sleeping releases the GIL to those threads,
-    which already wait for it, before the world is torn down and the process exits."""
-    if dist.is_initialized():
-        time.sleep(_GLOO_DRAIN_S)
-        dist.destroy_process_group()
-
-
-_GLOO_DRAIN_S = 0.05
-
-
-def free_port() -> int:
-    """A localhost TCP port that was free a moment ago (for spawning local multi-process worlds)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_single_process_world() -> None:

@@ -41,21 +41,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
-import time
-import traceback
 import warnings
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from miles_k3.errors import check_memory_mb, check_output_path, one_line, user_error, write_atomically
+from miles_k3.errors import check_output_path, write_atomically
+from miles_k3.ranks import MEGATRON_NOTE, spawn_ranks
 from rollout.server.config import ENGINE_FLAGS, EngineFlags, add_flags, check_adapters, flag_errors
 
 ADAPTER = "adapter"  # the name the rows' adapter is loaded under
 MAX_SEED = 2**63  # row i samples with --seed + i: a torch generator's seed (int64) must hold every row's
-_MEGATRON_NOTE = ".*Transformer Engine and Apex are not installed.*"  # what megatron warns on import
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,9 +70,6 @@ class GenerateArgs(EngineFlags):
     seed: int
     stop_token_ids: tuple[int, ...]
     adapter: Path | None  # a PEFT adapter directory (as the trainer saves it) the rows run with
-    tp: int
-    dcp: int
-    ep: bool  # with --tp: whole routed experts, num_experts / tp per rank (else split by intermediate dim)
     # a batch holds its rows' KV at once: more memory than a server's default
     memory_mb: float = field(default=256.0, metadata=EngineFlags.__dataclass_fields__["memory_mb"].metadata)
 
@@ -96,30 +89,13 @@ class GenerateArgs(EngineFlags):
         for flag, path in (("--input-ids", self.input_ids), ("--prompts", self.prompts)):
             if path is not None and not path.is_file():
                 raise ValueError(f"{flag} {path}: no such file")
-        for flag, value in (("--tp", self.tp), ("--dcp", self.dcp)):
-            if value < 1:
-                raise ValueError(f"{flag} must be >= 1, got {value}")
-        if self.ep and self.tp == 1:
-            raise ValueError("--ep needs --tp > 1: expert parallelism runs over the tensor-parallel ranks")
-        if self.tp % self.dcp:
-            raise ValueError(
-                f"--dcp {self.dcp} must divide --tp {self.tp}: decode context parallelism runs inside "
-                f"the tensor-parallel group"
-            )
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < MAX_SEED:
             raise ValueError(f"--seed must be an integer in [0, 2**63), got {self.seed}")
         for t in self.stop_token_ids:
             if t < 0:
                 raise ValueError(f"--stop-token-id {t}: token ids are >= 0")
         self.sampling(0, self.stop_token_ids)  # SamplingParams' own checks, before anything is loaded
-        super().check()  # model, tokenizer, device, dtype, memory and speculation flags
-        if self.tp > 1 and self.device == "cpu":  # every rank's pools on this one host
-            check_memory_mb(self.memory_mb * self.tp, "cpu", f"--memory-mb {self.memory_mb:g} x --tp {self.tp} =")
-        if self.tp > 1 and self.device == "cuda":
-            import torch
-
-            if torch.cuda.device_count() < self.tp:
-                raise ValueError(f"--tp {self.tp} needs a GPU per rank; this host has {torch.cuda.device_count()}")
+        super().check()  # model, tokenizer, device, dtype, memory, layout and speculation flags
         check_adapters(self.adapters, self.model)
         if self.out is not None:  # before anything is generated: an output that cannot be written, or an input
             inputs = {"--prompts": self.prompts, "--input-ids": self.input_ids, "--model": self.model_path}
@@ -127,10 +103,9 @@ class GenerateArgs(EngineFlags):
             check_output_path(self.out, "--json", inputs)
 
     def engine_spec(self, **fields):
-        """The engine's spec: the engine flags' with the adapter and the --tp / --ep / --dcp layout; `fields`
-        as `EngineFlags.engine_spec` (a worker rank's device)."""
-        layout = {"tp": self.tp, "ep": self.tp if self.ep else 1, "dcp": self.dcp}
-        return super().engine_spec(**{"adapters": self.adapters, **layout, **fields})
+        """The engine's spec: the engine flags' (the --tp / --ep / --dcp layout among them) with the adapter;
+        `fields` as `EngineFlags.engine_spec` (a worker rank's device)."""
+        return super().engine_spec(**{"adapters": self.adapters, **fields})
 
     def sampling(self, row: int, stops: tuple[int, ...]):
         from rollout.request import SamplingParams
@@ -305,71 +280,13 @@ def run_workers(
     import tempfile
 
     with warnings.catch_warnings():  # megatron's import-time notes about Transformer Engine / Apex
-        warnings.filterwarnings("ignore", message=_MEGATRON_NOTE)
+        warnings.filterwarnings("ignore", message=MEGATRON_NOTE)
         from megatron_patches.parallel import free_port
 
     with tempfile.TemporaryDirectory(prefix="miles-k3-generate-") as tmp:
         result = Path(tmp) / "result.json"
         spawn_ranks(_worker, args.tp, (free_port(), args, rows, stops, str(result), images), Path(tmp))
         return json.loads(result.read_text())["outputs"]
-
-
-def spawn_ranks(fn: Callable[..., None], world: int, args: tuple, scratch: Path) -> None:
-    """`fn(rank, world, *args)` in `world` spawned processes (`torch.multiprocessing.spawn`); returns once every
-    rank has. A rank that raises ends them all (the others are terminated: none waits in a collective for
-    it) and its error comes back here for the command's error boundary (`miles_k3.errors`), through
-    `scratch/rank<R>.json`: a user's mistake (`user_error`: a ValueError, an OSError naming its file, ...) as
-    ValueError("--tp rank R: <its one line>"), of the lowest rank that had one; a rank killed by SIGKILL (the
-    OOM killer) as a ValueError saying so; anything else, a bug, as RuntimeError("--tp rank R: <type>:
-    <message>") followed by that rank's traceback, of the rank that failed first (a rank's failure makes its
-    peers fail after it, on a closed connection). The ranks print nothing of their own: megatron's
-    import-time notes are silenced, and so are torch's notes on terminating the others."""
-    import torch.multiprocessing as mp
-
-    spawn_log = logging.getLogger("torch.multiprocessing.spawn")
-    level = spawn_log.level
-    spawn_log.setLevel(logging.ERROR)
-    try:
-        mp.spawn(_rank_main, args=(fn, world, str(scratch), args), nprocs=world, join=True)
-    except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
-        raise _rank_failure(scratch, e) from None
-    finally:
-        spawn_log.setLevel(level)
-
-
-def _rank_main(rank: int, fn: Callable[..., None], world: int, scratch: str, args: tuple) -> None:
-    """One spawned rank of `spawn_ranks`: fn's exception recorded for the parent, then exit status 1."""
-    warnings.filterwarnings("ignore", message=_MEGATRON_NOTE)
-    try:
-        fn(rank, world, *args)
-    except Exception as e:
-        message = user_error(e)
-        record = {
-            "time": time.monotonic(),
-            "user": message is not None,
-            "message": message if message is not None else f"{type(e).__name__}: {one_line(e)}",
-            "traceback": traceback.format_exc(),
-        }
-        (Path(scratch) / f"rank{rank}.json").write_text(json.dumps(record))
-        raise SystemExit(1) from None
-
-
-def _rank_failure(scratch: Path, e: Exception) -> Exception:
-    """The error `spawn_ranks` raises for the failed spawn `e`, from the ranks' records in `scratch`."""
-    records = {int(p.stem[len("rank") :]): json.loads(p.read_text()) for p in scratch.glob("rank*.json")}
-    users = sorted(rank for rank, record in records.items() if record["user"])
-    if users:
-        return ValueError(f"--tp rank {users[0]}: {records[users[0]]['message']}")
-    if records:
-        rank = min(records, key=lambda r: (records[r]["time"], r))
-        return RuntimeError(f"--tp rank {rank}: {records[rank]['message']}\n{records[rank]['traceback']}")
-    rank = getattr(e, "error_index", "?")
-    if getattr(e, "signal_name", None) == "SIGKILL":
-        return ValueError(
-            f"--tp rank {rank} was killed (SIGKILL, most likely out of memory: each rank holds its --memory-mb "
-            "of pools and its share of the weights)"
-        )
-    return RuntimeError(f"--tp rank {rank}: {one_line(e)}")
 
 
 def _worker(
@@ -442,9 +359,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="also stop after this token (repeatable)",
     )
     p.add_argument("--adapter", type=Path, help="a PEFT LoRA adapter directory (as the trainer saves it)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel engine ranks (worker processes)")
-    p.add_argument("--dcp", type=int, default=1, help="decode context-parallel ranks inside the TP group")
-    p.add_argument("--ep", action="store_true", help="with --tp: whole routed experts, num_experts / tp per rank")
     add_flags(p, GenerateArgs, [n for n in ENGINE_FLAGS if n != "model"])  # the engine's, as miles-serve's
 
 

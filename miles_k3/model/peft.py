@@ -46,11 +46,12 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from miles_k3.model.checkpoint import staged_dir
 from miles_k3.model.config import K3Config
@@ -154,6 +155,29 @@ def peft_tensors(
     they adapt: target_modules, and for kimi_linear target_parameters / rank_pattern / alpha_pattern with
     alpha_pattern as multiples of the adapter's alpha). Validates shapes vs rank (ValueError naming the
     module)."""
+    out, targets = _peft_part(tensors, rank, module_prefix, family)
+    return out, _config_targets(targets, rank)
+
+
+def _config_targets(t: dict, rank: int) -> dict:
+    """The adapter_config.json entries of `_peft_part`'s targets (of one part, or of several merged)."""
+    config: dict = {"target_modules": "(?:" + "|".join(t["linear"]) + ")" if t["linear"] else []}
+    if t["params"]:
+        config.update(
+            target_parameters=t["params"],
+            rank_pattern=t["rank_pattern"],
+            alpha_pattern={k: r // rank for k, r in t["rank_pattern"].items()},  # x alpha: the same alpha / r
+            block=t["block"],
+        )
+    return config
+
+
+def _peft_part(
+    tensors: dict[str, torch.Tensor], rank: int, module_prefix: str, family: str
+) -> tuple[dict[str, torch.Tensor], dict]:
+    """`peft_tensors` of some of an adapter's modules (whole expert projections of a layer together): the PEFT
+    tensors and what they target (linear regex parts, target parameters, rank pattern, block-diagonal
+    gate_up prefixes), which merge across parts by concatenation."""
     family_name("", family)  # validates family
     out: dict[str, torch.Tensor] = {}
     linear: list[str] = []  # target_modules regex parts
@@ -196,20 +220,51 @@ def peft_tensors(
             params.append(f"{module}.{param}")
             if r != rank:
                 rank_pattern[re.escape(f"{module}.{param}")] = r
-    config: dict = {"target_modules": "(?:" + "|".join(linear) + ")" if linear else []}
-    if params:
-        config.update(
-            target_parameters=params,
-            rank_pattern=rank_pattern,
-            alpha_pattern={k: r // rank for k, r in rank_pattern.items()},  # x alpha: the same alpha / r
-            block=block,
-        )
-    return out, config
+    return out, {"linear": linear, "params": params, "rank_pattern": rank_pattern, "block": block}
+
+
+_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64"}
+
+
+class _SafetensorsStream:
+    """A safetensors file written tensor by tensor: the data goes to `<path>.data` as it comes, the header
+    (whose offsets it must know) is written at `finish`, and the data copied in behind it in chunks, so no
+    more than the tensors of one `add` call are ever in memory."""
+
+    def __init__(self, path: Path):
+        self.path, self.data = path, path.with_name(path.name + ".data")
+        self.header: dict[str, dict] = {}
+        self.offset = 0
+        self._file = self.data.open("wb")
+
+    def add(self, name: str, t: torch.Tensor) -> None:
+        if name in self.header:
+            raise ValueError(f"adapter tensor {name!r} written twice")
+        t = t.detach().cpu().contiguous()
+        raw = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        self.header[name] = {
+            "dtype": _SAFETENSORS_DTYPES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [self.offset, self.offset + len(raw)],
+        }
+        self._file.write(raw)
+        self.offset += len(raw)
+
+    def finish(self, metadata: dict[str, str]) -> None:
+        self._file.close()
+        head = json.dumps({"__metadata__": metadata, **self.header}, separators=(",", ":")).encode()
+        head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned
+        with self.path.open("wb") as out, self.data.open("rb") as data:
+            out.write(len(head).to_bytes(8, "little"))
+            out.write(head)
+            while chunk := data.read(64 << 20):
+                out.write(chunk)
+        self.data.unlink()
 
 
 def save_peft(
     path: str | Path,
-    tensors: dict[str, torch.Tensor],
+    tensors: dict[str, torch.Tensor] | Iterable[dict[str, torch.Tensor]],
     lora: LoraSpec,
     *,
     module_prefix: str = "",
@@ -219,43 +274,64 @@ def save_peft(
     """Write `tensors` (engine naming, full tensors on any device) as a PEFT LoRA adapter directory in
     `family`'s naming (`k3` or `kimi_linear`, module docstring; None: `infer_family`). PEFT's
     `PeftModel.from_pretrained` on that family's model applies every module of it.
+
+    `tensors` may also be an iterable of parts (each whole modules, a layer's expert projections together:
+    what `TrainerGroup.adapter_parts` yields), converted and written one at a time, so the whole adapter is
+    never in memory at once; `family` must then be given.
     Atomic: a new directory appears whole; an existing one gets the weights, then the config, each by one
     rename (other files in it stay)."""
-    if not tensors:
-        raise ValueError("save_peft: no adapter tensors to save")
-    family = infer_family(tensors, module_prefix) if family is None else family
-    modules = _modules(tensors)
-    weights, targets = peft_tensors(tensors, lora.rank, module_prefix, family)
-    weights = {k: v.detach().cpu() for k, v in weights.items()}
-    block = targets.pop("block", [])
-    alpha_pattern = {k: lora.alpha * x for k, x in targets.pop("alpha_pattern", {}).items()}
-    config = {
-        "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": base_model_name_or_path,
-        "r": lora.rank,
-        "lora_alpha": lora.alpha,
-        # PEFT's ParamWrapper (stacked experts) refuses dropout; the true value is in the metadata
-        "lora_dropout": 0.0 if targets.get("target_parameters") else lora.dropout,
-        "bias": "none",
-        "fan_in_fan_out": False,
-        "use_rslora": False,
-        "use_dora": False,
-        "init_lora_weights": True,
-        "inference_mode": True,
-        "modules_to_save": None,
-        "rank_pattern": {},
-        "alpha_pattern": alpha_pattern,
-        **targets,
-    }
-    meta = {
-        "format": "pt",
-        META_MODULES: json.dumps(modules),
-        META_BLOCK: json.dumps(block),
-        META_DROPOUT: repr(float(lora.dropout)),
-    }
+    if isinstance(tensors, dict):
+        parts: Iterable[dict[str, torch.Tensor]] = [tensors]
+        if not tensors:
+            raise ValueError("save_peft: no adapter tensors to save")
+        family = infer_family(tensors, module_prefix) if family is None else family
+    elif family is None:
+        raise ValueError("save_peft: an adapter in parts needs its family (adapter_family(config))")
+    else:
+        parts = tensors
+    targets: dict = {"linear": [], "params": [], "rank_pattern": {}, "block": []}
+    modules: list[str] = []
     with staged_dir(Path(path), last=CONFIG_FILE) as tmp:  # config last: a reader that sees it sees its weights
-        save_file(weights, str(tmp / WEIGHTS_FILE), metadata=meta)
+        stream = _SafetensorsStream(tmp / WEIGHTS_FILE)
+        for part in parts:
+            modules += _modules(part)
+            weights, t = _peft_part(part, lora.rank, module_prefix, family)
+            for key in ("linear", "params", "block"):
+                targets[key] += t[key]
+            targets["rank_pattern"].update(t["rank_pattern"])
+            for name, w in weights.items():
+                stream.add(name, w)
+        if not modules:
+            raise ValueError("save_peft: no adapter tensors to save")
+        config_targets = _config_targets(targets, lora.rank)
+        block = config_targets.pop("block", [])
+        alpha_pattern = {k: lora.alpha * x for k, x in config_targets.pop("alpha_pattern", {}).items()}
+        config = {
+            "peft_type": "LORA",
+            "task_type": "CAUSAL_LM",
+            "base_model_name_or_path": base_model_name_or_path,
+            "r": lora.rank,
+            "lora_alpha": lora.alpha,
+            # PEFT's ParamWrapper (stacked experts) refuses dropout; the true value is in the metadata
+            "lora_dropout": 0.0 if config_targets.get("target_parameters") else lora.dropout,
+            "bias": "none",
+            "fan_in_fan_out": False,
+            "use_rslora": False,
+            "use_dora": False,
+            "init_lora_weights": True,
+            "inference_mode": True,
+            "modules_to_save": None,
+            "rank_pattern": {},
+            "alpha_pattern": alpha_pattern,
+            **config_targets,
+        }
+        meta = {
+            "format": "pt",
+            META_MODULES: json.dumps(sorted(modules)),
+            META_BLOCK: json.dumps(block),
+            META_DROPOUT: repr(float(lora.dropout)),
+        }
+        stream.finish(meta)
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
 
 

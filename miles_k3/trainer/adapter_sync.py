@@ -25,6 +25,7 @@ receives (its own pieces excluded) are counted per sync.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 import torch
@@ -109,16 +110,16 @@ class AdapterSync:
         device: torch.device | str,
     ) -> AdapterSync:
         """`held`: `adapter_shards(policy)`; `needed`: `AdapterPool.local_boxes()`. A collective of the world."""
-        import torch.distributed as dist
+        every = _every(({k: box for k, (_, box) in held.items()}, {k: box for k, (_, box) in needed.items()}))
+        return cls.between([h for h, _ in every], [n for _, n in every], dtype, device)
 
-        mine = ({k: box for k, (_, box) in held.items()}, {k: box for k, (_, box) in needed.items()})
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        every = [mine] if world == 1 else [None] * world
-        if world > 1:
-            dist.all_gather_object(every, mine)
-        rank = dist.get_rank() if world > 1 else 0
-        pieces = plan([h for h, _ in every], [n for _, n in every])
-        return cls(rank, world, pieces, mine[0], mine[1], dtype, torch.device(device))
+    @classmethod
+    def between(
+        cls, held: list[dict[str, Box]], needed: list[dict[str, Box]], dtype: torch.dtype, device: torch.device | str
+    ) -> AdapterSync:
+        """This rank's side of the plan from every rank's boxes (known already: no collective)."""
+        rank = _rank()
+        return cls(rank, len(held), plan(held, needed), held[rank], needed[rank], dtype, torch.device(device))
 
     def run(self, held: dict[str, tuple[torch.Tensor, Box]]) -> tuple[dict[str, torch.Tensor], int, int]:
         """(this rank's engine blocks, bytes sent, bytes received) from every rank's current trainer blocks
@@ -159,3 +160,54 @@ class AdapterSync:
                 offsets[p.src] += n
         size = torch.empty(0, dtype=self.dtype).element_size()
         return blocks, sum(send_counts) * size, sum(recv_counts) * size
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _every(mine):
+    """Every rank's `mine`, in rank order (an all-gather of objects; the world of one: [mine])."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world == 1:
+        return [mine]
+    every = [None] * world
+    dist.all_gather_object(every, mine)
+    return every
+
+
+_LAYER = re.compile(r"^(.*?\.layers\.(\d+))\.")
+
+
+class AdapterGather:
+    """The whole adapter on rank 0 one part at a time (a checkpoint's PEFT file, written as it arrives): the
+    tensors of one decoder layer a part (the rest, embeddings and head, one more), each part moved by the
+    sync's plan and all-to-all with rank 0 needing every block of the part and the others nothing. No rank
+    holds more than one part beyond its own blocks. `build` and every `part` are collectives of the world."""
+
+    def __init__(self, held: dict[str, tuple[torch.Tensor, Box]]):
+        every = _every({k: box for k, (_, box) in held.items()})
+        self.held = every
+        full: dict[str, Box] = {}
+        for boxes in every:
+            for name, box in boxes.items():
+                old = full.get(name, box)
+                full[name] = tuple((0, max(a[1], b[1])) for a, b in zip(old, box))
+        self.full = full
+        parts: dict[tuple[int, str], list[str]] = {}
+        for name in sorted(full):
+            m = _LAYER.match(name)
+            parts.setdefault((int(m[2]), m[1]) if m else (1 << 30, ""), []).append(name)
+        self.parts = [names for _, names in sorted(parts.items())]
+        self.dtype = next(iter(held.values()))[0].dtype if held else torch.float32
+
+    def part(self, i: int, held: dict[str, tuple[torch.Tensor, Box]], device) -> dict[str, torch.Tensor] | None:
+        """Rank 0: part `i`'s full tensors (on the host); None elsewhere."""
+        needed = [{n: self.full[n] for n in self.parts[i]}] + [{}] * (len(self.held) - 1)
+        sync = AdapterSync.between(self.held, needed, self.dtype, device)
+        blocks, _, _ = sync.run(held)
+        return {k: v.cpu() for k, v in blocks.items()} if sync.rank == 0 else None

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from miles_k3 import rpc
 from miles_k3.data.sample import Sample
-from miles_k3.trainer.adapter_sync import AdapterSync
+from miles_k3.trainer.adapter_sync import AdapterGather, AdapterSync
 from miles_k3.trainer.rollout_plugin import ADAPTER
 
 if TYPE_CHECKING:
@@ -120,8 +120,10 @@ class TrainerGroup(ABC):
         """One GRPO update over the batch (`TrainWorker.train`); the batch's metrics."""
 
     @abstractmethod
-    def adapter_state(self) -> dict[str, torch.Tensor]:
-        """The full adapter in engine naming (gathered over the ranks that shard it)."""
+    def adapter_parts(self) -> Iterator[dict[str, torch.Tensor]]:
+        """The full adapter in engine naming, one part (a decoder layer's tensors) at a time, gathered from the
+        ranks that own its blocks: what `save_peft` writes as it arrives, so no process holds it whole. Consume
+        it to the end (every rank takes part in each part's gather)."""
 
     @abstractmethod
     def states(self) -> list[dict[str, Any]]:
@@ -141,16 +143,24 @@ class TrainerRank:
     `miles_k3.rpc`: replayed from the driver's rank 0 in a local world, sent to each actor under Ray), and
     the collectives in it (the update's, the checkpoint's gather and scatter) meet across the ranks."""
 
-    REPLAYED = frozenset({"train", "adapter_state", "states", "load_states"})
+    REPLAYED = frozenset({"train", "adapter_part_count", "adapter_part", "states", "load_states"})
 
     def __init__(self, worker: TrainWorker, rank: int, world_size: int):
         self.worker, self.rank, self.world_size = worker, rank, world_size
+        self._parts: AdapterGather | None = None
 
     def train(self, batch: TrainBatch) -> dict[str, float]:
         return self.worker.train(batch)
 
-    def adapter_state(self) -> dict[str, torch.Tensor]:
-        return self.worker.adapter_state()
+    def adapter_part_count(self) -> int:
+        if self._parts is None:  # the blocks' boxes never change: planned once
+            self._parts = AdapterGather(self.worker.adapter_shards())
+        return len(self._parts.parts)
+
+    def adapter_part(self, i: int) -> dict[str, torch.Tensor] | None:
+        """Part `i` of the adapter, whole, on rank 0 (`adapter_sync.AdapterGather`; None elsewhere)."""
+        self.adapter_part_count()
+        return self._parts.part(i, self.worker.adapter_shards(), self.worker.device)
 
     def states(self) -> list[dict[str, Any]] | None:
         """Every rank's state, gathered on rank 0 (None on the others)."""
@@ -405,8 +415,9 @@ class ColocatedTrainers(TrainerGroup):
     def train(self, batch):
         return self.ranks.call("train", batch)
 
-    def adapter_state(self):
-        return self.ranks.call("adapter_state")
+    def adapter_parts(self):
+        for i in range(self.ranks.call("adapter_part_count")):
+            yield self.ranks.call("adapter_part", i)
 
     def states(self):
         return self.ranks.call("states")

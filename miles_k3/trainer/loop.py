@@ -257,14 +257,15 @@ class GRPODriver:
         from miles_k3.model.lora_spec import adapter_family
         from miles_k3.model.peft import save_peft
 
-        adapter = self.trainer.adapter_state()
         states = self.trainer.states()
         # the distilled drafter drives which tokens a seeded sample draws: a resumed run needs it back
         drafter = self.rollout.drafter().drafter_state() if self.distill_every else None
 
         def write(tmp: Path) -> None:
             # in the naming of the base's family (K3's, or transformers' Kimi-Linear), which PEFT loads whole
-            save_peft(tmp / ckpt.ADAPTER_DIR, adapter, self.rc.lora, family=adapter_family(self.inputs.config))
+            # part by part as the ranks' blocks arrive: no process holds the whole adapter
+            parts = self.trainer.adapter_parts()
+            save_peft(tmp / ckpt.ADAPTER_DIR, parts, self.rc.lora, family=adapter_family(self.inputs.config))
             torch.save(
                 {"step": self.step, "sampler": self.sampler.state_dict(), "workers": states, "config": self.rc.raw},
                 tmp / ckpt.STATE_FILE,

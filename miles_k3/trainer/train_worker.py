@@ -224,6 +224,7 @@ class TrainWorker:
                 torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
             sums["train_peak_gib"] = float(peak)
         self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)  # the gradients are not needed until the next update's backward
         self.policy.eval()
         return sums
 

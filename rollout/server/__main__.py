@@ -3,11 +3,14 @@
     miles-serve --model builtin:k3-tiny-arith --port 30000
     miles-serve --model /path/to/checkpoint --adapter policy=runs/grpo/adapter --device cuda
     miles-serve --model builtin:k3-tiny-steps --speculative dspark --drafter builtin:k3-tiny-steps/drafter
+    miles-serve --model /path/to/Kimi-K3 --device cuda --tp 16 --ep           # one engine over 16 GPUs
 
-Reads the flags into a ServeConfig (its fields and help texts are the flags: the engine's, shared with
-`miles-k3 generate`, then the server's), loads the model, the tokenizer and the adapters, then serves until
-SIGINT/SIGTERM and exits 0. A bad flag, checkpoint or adapter, or an address it cannot listen on, stops it
-before anything is served, with one line naming it (exit status 2: `miles_k3.errors`).
+Reads the flags into a ServeConfig (its fields and help texts are the flags: the engine's, shared with `miles-k3
+generate`, then the server's), loads the model, the tokenizer and the adapters, then serves until SIGINT/SIGTERM
+and exits 0. With --tp N it spawns N engine ranks (`miles_k3.ranks.spawn_ranks`): rank 0 serves, the others
+replay its engine calls, and a stop signal reaches rank 0, which shuts down and releases them. A bad flag,
+checkpoint or adapter, or an address it cannot listen on, stops it before anything is served, with one line
+naming it (exit status 2: `miles_k3.errors`).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import argparse
 import dataclasses
 import logging
 
-from miles_k3.errors import OneLineParser, guarded, user_error
+from miles_k3.errors import OneLineParser, guarded
 from rollout.server.config import ServeConfig, add_flags
 
 
@@ -54,38 +57,33 @@ def parse_config(argv: list[str] | None = None) -> ServeConfig:
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_config(argv)
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from rollout.server.app import Server  # after the flags parse: --help stays fast
-    from rollout.server.loading import load_served
+    if guarded("miles-serve", lambda: _check(cfg)):  # a mistake: one line, status 2
+        raise SystemExit(2)
+    if cfg.tp > 1:
+        import tempfile
+        from pathlib import Path
 
-    def start():
-        try:
-            cfg.check()
-            cfg.check_pool(cfg.engine_spec().base_config())  # --memory-mb against the model, before its weights
-            served = load_served(cfg)  # then the files the flags name
-        except OSError as e:  # a file the flags name that cannot be read
-            raise ValueError(user_error(e)) from None
-        try:
-            return served, Server(
-                served,
-                max_queued=cfg.max_queued,
-                host=cfg.host,
-                port=cfg.port,
-                shutdown_timeout=cfg.shutdown_timeout,
-                log_level=cfg.log_level,
-            )
-        except OSError as e:  # the address is taken, or cannot be bound
-            raise ValueError(f"--host {cfg.host} --port {cfg.port}: cannot listen: {user_error(e)}") from None
+        from miles_k3.ranks import free_port, spawn_ranks
+        from rollout.server.launch import serve_rank
+
+        with tempfile.TemporaryDirectory(prefix="miles-serve-") as tmp:
+            # rank 0 serves, the others replay its engine calls; a stop signal goes to rank 0
+            run = lambda: spawn_ranks(serve_rank, cfg.tp, (free_port(), cfg), Path(tmp), signals_to_leader=True)  # noqa: E731
+            if guarded("miles-serve", run):
+                raise SystemExit(2)
+        return
+    from rollout.server.launch import serve, start
 
     started = []
-    if guarded("miles-serve", lambda: started.append(start())):  # a mistake: one line, status 2
+    if guarded("miles-serve", lambda: started.append(start(cfg))):
         raise SystemExit(2)
-    served, server = started[0]
-    print(
-        f"miles-serve: serving {cfg.model_name} (adapters: {list(served.adapters) or 'none'}) on {server.url}",
-        flush=True,
-    )
-    server.run()
-    print("miles-serve: stopped", flush=True)
+    serve(*started[0])
+
+
+def _check(cfg: ServeConfig) -> None:
+    """The flags, then --memory-mb against the model (each rank's share), before any weight is read."""
+    cfg.check()
+    cfg.check_pool(cfg.engine_spec().base_config(), cfg.tp, cfg.dcp)
 
 
 if __name__ == "__main__":

@@ -212,6 +212,20 @@ class EngineFlags:
             "type": int,
         },
     )
+    tp: int = field(
+        default=1,
+        metadata={
+            "help": "engine ranks, one process each (a GPU each with --device cuda): attention heads, the "
+            "vocabulary and the routed experts split over them (rollout.parallel)"
+        },
+    )
+    dcp: int = field(
+        default=1, metadata={"help": "with --tp: ranks per decode-context-parallel group (MLA's KV split by position)"}
+    )
+    ep: bool = field(
+        default=False,
+        metadata={"help": "with --tp: whole routed experts, num_experts / tp per rank (else split by their width)"},
+    )
 
     # ----------------------------------------------------------------- derived
     @property
@@ -254,6 +268,9 @@ class EngineFlags:
                     "dtype": self.dtype,
                     "device": self.device,
                     "engine": self.engine_config(),
+                    "tp": self.tp,
+                    "ep": self.tp if self.ep else 1,
+                    "dcp": self.dcp,
                     **fields,
                 }
             )
@@ -322,6 +339,22 @@ class EngineFlags:
         from miles_k3.errors import check_memory_mb
 
         check_memory_mb(self.memory_mb, self.device, "--memory-mb")
+        c.int_at_least("tp", 1)
+        c.int_at_least("dcp", 1)
+        if self.ep and self.tp == 1:
+            raise ValueError("--ep needs --tp > 1: expert parallelism runs over the tensor-parallel ranks")
+        if self.tp % self.dcp:
+            raise ValueError(
+                f"--dcp {self.dcp} must divide --tp {self.tp}: decode context parallelism runs inside "
+                f"the tensor-parallel group"
+            )
+        if self.tp > 1 and self.device == "cpu":  # every rank's pools on this one host
+            check_memory_mb(self.memory_mb * self.tp, "cpu", f"--memory-mb {self.memory_mb:g} x --tp {self.tp} =")
+        if self.tp > 1 and self.device == "cuda":
+            import torch
+
+            if torch.cuda.device_count() < self.tp:
+                raise ValueError(f"--tp {self.tp} needs a GPU per rank; this host has {torch.cuda.device_count()}")
         c.choice("speculative", SPECULATIVE)
         if (self.speculative != "off") != (self.drafter is not None):
             raise ValueError("--speculative dspark and --drafter go together")

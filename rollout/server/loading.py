@@ -60,12 +60,14 @@ def load_vision(
     return K3VisionModel.from_pretrained(path, dtype=dtype, device=device).eval(), processor
 
 
-def load_served(cfg: ServeConfig) -> Served:
+def load_served(cfg: ServeConfig, device: str | None = None) -> Served:
     """Check `cfg`, then build everything it names. ValueError (one line, naming the flag) on bad input.
     With --max-lora-rank the engine is built with the flags' empty pool and the --adapter ones are loaded
-    into it after (`load_adapter`), as /load_lora_adapter would."""
+    into it after (`load_adapter`), as /load_lora_adapter would. `device`: a sharded engine rank's (rank 0 of
+    `miles-serve --tp`)."""
     cfg.check()
-    served = build_served(cfg.engine_spec(), cfg.tokenizer_kind, cfg.model_name)
+    spec = cfg.engine_spec() if device is None else cfg.engine_spec(device=device)  # a sharded rank's own device
+    served = build_served(spec, cfg.tokenizer_kind, cfg.model_name)
     if cfg.max_lora_rank is not None:
         for name, path in cfg.adapters:
             try:

@@ -194,3 +194,50 @@ def test_an_hf_checkpoint_is_served_with_its_own_tokenizer_and_chat_template(tmp
         assert c["meta_info"]["prompt_tokens"] == len(hf.encode("3 + 4 =", add_special_tokens=True))
     finally:
         server.stop()
+
+
+def _served_generation(*flags: str) -> tuple[list, list, int]:
+    """Start `python -m rollout.server` with `flags`, generate greedily from two prompts over /generate, stop it
+    with SIGTERM; (output ids, log-probs, exit status)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rollout.server", "--model", "builtin:k3-tiny-arith", "--port", "0"]
+        + ["--quantize", "none", "--log-level", "warning", *flags],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("miles-serve: serving builtin:k3-tiny-arith"), line + proc.stderr.read()
+        url = line.rsplit(" ", 1)[-1].strip()
+        ids, logprobs = [], []
+        for text in ("12+7=", "3*4="):
+            body = {"text": text, "return_logprob": True, "sampling_params": {"max_new_tokens": 6, "temperature": 0}}
+            out = httpx.post(f"{url}/generate", json=body, timeout=120).json()
+            ids.append(out["output_ids"])
+            logprobs.append([lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]])
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=120)
+    return ids, logprobs, code
+
+
+def test_tp2_serves_one_engine_over_two_ranks_with_the_one_rank_outputs_and_stops_whole_on_sigterm():
+    """`--tp 2` spawns two engine ranks (rank 0 serves, rank 1 replays its calls): greedy outputs are one rank's
+    and log-probs agree to fp32 reduction order; SIGTERM to the command stops both ranks and exits 0."""
+    one_ids, one_lps, code1 = _served_generation()
+    two_ids, two_lps, code2 = _served_generation("--tp", "2")
+    assert (code1, code2) == (0, 0)
+    assert two_ids == one_ids
+    for a, b in zip(one_lps, two_lps):
+        assert max(abs(x - y) for x, y in zip(a, b)) < 1e-4
+
+
+def test_tp_flags_are_checked_before_any_rank_starts():
+    code, err = run_main("--model", "builtin:k3-tiny-arith", "--tp", "3", "--dcp", "2")
+    assert code == 2 and err.strip() == (
+        "miles-serve: error: --dcp 2 must divide --tp 3: decode context parallelism runs inside the tensor-parallel "
+        "group"
+    )

@@ -63,6 +63,15 @@ def worker(rank: int, world: int, port: int, out: str, overrides: tuple[str, ...
         blocks, sent, received = target._sync.run(trainer.adapter_shards())
         engine.engine.set_adapter_shards(ADAPTER, blocks)
         updated = exact(pool, adapter, slot) and pool.slot_of(ADAPTER) == slot
+        # a checkpoint's gather: the whole adapter on rank 0, one layer's part at a time
+        parts = [target.adapter_part(i) for i in range(target.adapter_part_count())]
+        gathered = {k: v for part in parts if part is not None for k, v in part.items()}
+        if rank == 0:
+            whole = sorted(gathered) == sorted(adapter) and all(torch.equal(gathered[k], adapter[k]) for k in adapter)
+            largest = max(sum(v.numel() for v in part.values()) for part in parts)
+            whole = whole and largest < sum(v.numel() for v in adapter.values())
+        else:
+            whole = not gathered
         # the check can fail: every engine rank takes its neighbour's blocks where they are other blocks of the
         # same shapes (an engine TP / EP layout; replicas of one rank all hold the same whole tensors)
         every = [None] * world
@@ -75,6 +84,7 @@ def worker(rank: int, world: int, port: int, out: str, overrides: tuple[str, ...
         torch.save(
             {
                 "first": first,
+                "gathered": whole,
                 "updated": updated,
                 "swapped": swapped,
                 "stats": stats,

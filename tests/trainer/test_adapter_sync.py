@@ -1,7 +1,8 @@
 """Shard-to-shard adapter sync (`miles_k3.trainer.adapter_sync`): the plan tiles every engine block exactly
 once from the trainer blocks, and in real colocated worlds (trainer layout x engine layout, built as
 `miles-train` builds them) every engine shard holds its box of the trainer's adapter bit for bit after the
-first load and after an update, with no rank gathering the whole adapter or reading the whole base."""
+first load and after an update, with no rank gathering the whole adapter or reading the whole base; a
+checkpoint's gather brings rank 0 the whole adapter exactly, one layer's part at a time."""
 
 import pytest
 
@@ -71,7 +72,7 @@ def test_every_engine_shard_holds_its_box_of_the_trainers_adapter_bit_for_bit(tm
 
     ranks = spawn_world(sync_worker.worker, world, tmp_path, ("cluster.threads_per_worker=1", *overrides))
     for r, got in enumerate(ranks):
-        assert got["first"] and got["updated"], (name, r)
+        assert got["first"] and got["updated"] and got["gathered"], (name, r)
         if "rollout.tp=2" in overrides:  # the comparison catches a neighbour's block delivered here instead
             assert got["swapped"] is False, (name, r)
         # what arrives is at most this rank's engine blocks, never the whole adapter (unless the engine

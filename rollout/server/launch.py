@@ -1,0 +1,70 @@
+"""How `miles-serve` starts its engine and server: in this process (`start`, then `serve`), or as one rank of
+`--tp` N processes (`serve_rank`, spawned by `miles_k3.ranks.spawn_ranks`: rank 0 serves, the others replay its
+engine calls until it stops)."""
+
+from __future__ import annotations
+
+from miles_k3.errors import user_error
+from rollout.server.config import ServeConfig
+
+
+def start(cfg: ServeConfig, device: str | None = None):
+    """(served, server): the model, tokenizer and adapters the flags name, and the server bound to its address
+    (not yet serving). `device`: a sharded engine rank's own device."""
+    from rollout.server.app import Server  # after the flags parse: --help stays fast
+    from rollout.server.loading import load_served
+
+    try:
+        served = load_served(cfg, device)
+    except OSError as e:  # a file the flags name that cannot be read
+        raise ValueError(user_error(e)) from None
+    try:
+        return served, Server(
+            served,
+            max_queued=cfg.max_queued,
+            host=cfg.host,
+            port=cfg.port,
+            shutdown_timeout=cfg.shutdown_timeout,
+            log_level=cfg.log_level,
+        )
+    except OSError as e:  # the address is taken, or cannot be bound
+        raise ValueError(f"--host {cfg.host} --port {cfg.port}: cannot listen: {user_error(e)}") from None
+
+
+def serve(served, server) -> None:
+    print(
+        f"miles-serve: serving {served.model_name} (adapters: {list(served.adapters) or 'none'}) on {server.url}",
+        flush=True,
+    )
+    server.run()
+    print("miles-serve: stopped", flush=True)
+
+
+def serve_rank(rank: int, world: int, port: int, cfg: ServeConfig) -> None:
+    """One engine rank of `miles-serve --tp` (`miles_k3.ranks.spawn_ranks`): rank 0 builds the engine's leader
+    and serves it until stopped, then releases the others, which replay its engine calls (`Engine.follow`)."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    from miles_k3.ranks import end_world
+    from rollout.build import build_engine
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    device = "cpu"
+    if cfg.device == "cuda":
+        torch.cuda.set_device(rank)
+        device = f"cuda:{rank}"
+    dist.init_process_group("nccl" if cfg.device == "cuda" else "gloo", rank=rank, world_size=world)
+    try:
+        if rank > 0:
+            build_engine(cfg.engine_spec(device=device)).follow()
+            return
+        served, server = start(cfg, device)
+        try:
+            serve(served, server)
+        finally:
+            served.engine.stop_followers()
+    finally:
+        end_world()

@@ -17,9 +17,9 @@ methods every backend stubs: a backend lists them in `CAPABILITIES` (read by `re
 before anything is built, so a run asking for one its backend lacks fails by field name) and offers each as
 an object (`drafter()`, `plugins()`), None when absent.
 
-Adding a backend (engines on their own devices, an SGLang fleet behind HTTP) is one subclass and its entry in
-`ROLLOUT_BACKENDS`, the choice a launcher (or a future `rollout.backend` key, once one launcher offers two)
-picks it by.
+Adding a backend is one subclass and its entry in `ROLLOUT_BACKENDS`, which `rollout.backend` picks by name:
+`colocated` (above) or `http` (`miles_k3.trainer.http_engines.HTTPEngines`: miles-serve processes or an SGLang
+deployment at rollout.urls).
 
 When each call is safe: the driver calls one method at a time from one thread. `generate` / a plugin run
 only while the engines hold their memory (after `resume`, or before any `release`); `sync_adapter` only
@@ -482,17 +482,16 @@ class _Calls:
         self.ranks.call("load_drafter_state", state, config)
 
 
-# the rollout backend each launcher builds, as "module:class" (imported when asked: Ray's only under Ray)
+# the rollout backends by rollout.backend, as "module:class" (imported when asked)
 ROLLOUT_BACKENDS = {
-    "local": "miles_k3.trainer.backends:ColocatedEngines",
-    "external": "miles_k3.trainer.backends:ColocatedEngines",
-    "ray": "miles_k3.trainer.backends:ColocatedEngines",
+    "colocated": "miles_k3.trainer.backends:ColocatedEngines",
+    "http": "miles_k3.trainer.http_engines:HTTPEngines",
 }
 
 
-def backend_class(launcher: str) -> type[RolloutBackend]:
-    """The rollout backend class of `cluster.launcher` (its `CAPABILITIES` are what `resolve` checks)."""
+def backend_class(name: str) -> type[RolloutBackend]:
+    """The rollout backend class of `rollout.backend` (its `CAPABILITIES` are what `resolve` checks)."""
     import importlib
 
-    module, name = ROLLOUT_BACKENDS[launcher].split(":")
-    return getattr(importlib.import_module(module), name)
+    module, cls = ROLLOUT_BACKENDS[name].split(":")
+    return getattr(importlib.import_module(module), cls)

@@ -264,6 +264,10 @@ class RolloutCfg(component_fields(EngineConfig, ENGINE_KEYS), component_fields(S
     ep: bool = False
     # while the trainer trains, keep the engine's weights on the host too (with release_memory's pools)
     offload_weights: bool = False
+    # where the engines are: colocated (a shard on every trainer rank, the layout above) | http (servers at
+    # rollout.urls: miles-serve processes or an SGLang deployment, driven by SGLang's API)
+    backend: str = "colocated"
+    urls: List[str] = field(default_factory=list)
 
     def check(self) -> None:
         from miles_k3.trainer.rollout_plugin import CLIENTS
@@ -287,6 +291,16 @@ class RolloutCfg(component_fields(EngineConfig, ENGINE_KEYS), component_fields(S
             raise c.fail("dcp", f"must divide rollout.tp ({self.tp}): DCP groups split an engine replica's ranks")
         if self.ep and self.tp == 1:
             raise c.fail("ep", "needs rollout.tp > 1: expert parallelism runs over an engine replica's ranks")
+        from miles_k3.trainer.backends import ROLLOUT_BACKENDS
+
+        c.choice("backend", tuple(ROLLOUT_BACKENDS))
+        if self.backend == "http":
+            if not self.urls or not all(
+                isinstance(u, str) and u.startswith(("http://", "https://")) for u in self.urls
+            ):
+                raise c.fail("urls", "must list the servers' base URLs (http://host:port) with rollout.backend=http")
+        elif self.urls:
+            raise c.fail("urls", "only applies with rollout.backend=http")
         if self.offload_weights and not self.release_memory:
             raise c.fail("offload_weights", "needs rollout.release_memory=true: the weights go with the pools")
         try:

@@ -25,7 +25,14 @@ import torch
 
 from miles_k3.rewards import RewardPluginError
 from miles_k3.trainer import preempt
-from miles_k3.trainer.backends import ColocatedEngines, ColocatedRank, ColocatedTrainers, LocalRanks, follow_ranks
+from miles_k3.trainer.backends import (
+    ColocatedEngines,
+    ColocatedRank,
+    ColocatedTrainers,
+    LocalRanks,
+    TrainerRank,
+    follow_ranks,
+)
 from miles_k3.trainer.inputs import RunInputs, load_run_inputs
 from miles_k3.trainer.loop import GRPODriver
 from miles_k3.trainer.resolve import ResolvedConfig
@@ -51,15 +58,21 @@ def _rank_main(
         configure_process(rc, rank)
         device = device_for(rc, rank if local_rank is None else local_rank)
         try:
-            world = rc.cluster.num_workers
-            config, state, trainer = start_trainer_rank(rc, rank, device, init_method, inputs, whole=rc.rollout.tp == 1)
-            engine = build_rollout_worker(rc, config, state, device)
+            world, colocated = rc.cluster.num_workers, rc.rollout.backend == "colocated"
+            config, state, trainer = start_trainer_rank(
+                rc, rank, device, init_method, inputs, whole=colocated and rc.rollout.tp == 1
+            )
+            # with rollout.backend=http the engines are servers elsewhere: the ranks are trainers only
+            engine = build_rollout_worker(rc, config, state, device) if colocated else None
             # trainer and engine hold their own copies; the fp32 base need not live through the run (cleared,
             # not just unnamed: `inputs` holds it too)
             if isinstance(state, dict):
                 state.clear()
             del state
-            target = ColocatedRank(trainer, engine, rank, world, rc.rollout.tp)
+            if colocated:
+                target = ColocatedRank(trainer, engine, rank, world, rc.rollout.tp)
+            else:
+                target = TrainerRank(trainer, rank, world)
             if rank == 0:
                 try:
                     driver = _drive(rc, run_dir, LocalRanks(target), inputs)
@@ -83,12 +96,26 @@ def _rank_main(
 
 def _drive(rc: ResolvedConfig, run_dir: str, ranks: LocalRanks, inputs: RunInputs | None) -> GRPODriver:
     trainers = ColocatedTrainers(ranks)
-    driver = GRPODriver(rc, run_dir, ColocatedEngines(ranks), trainers, inputs)
+    engines = ColocatedEngines(ranks) if rc.rollout.backend == "colocated" else http_engines(rc, inputs)
+    driver = GRPODriver(rc, run_dir, engines, trainers, inputs)
     try:
         driver.run()
     finally:
         trainers.shutdown()
+        engines.shutdown()
     return driver
+
+
+def http_engines(rc: ResolvedConfig, inputs: RunInputs | None):
+    """The servers at rollout.urls as the run's rollout backend (`miles_k3.trainer.http_engines`)."""
+    from miles_k3.model.lora_spec import adapter_family
+    from miles_k3.trainer.base import load_base_config
+    from miles_k3.trainer.http_engines import HTTPEngines
+
+    config = inputs.config if inputs is not None else load_base_config(rc.model)
+    return HTTPEngines(
+        rc.rollout.urls, rc.lora, config, adapter_family(config), record_routing=rc.rollout.record_routing
+    )
 
 
 def launch(rc: ResolvedConfig, run_dir: str | Path, inputs: RunInputs | None = None) -> None:

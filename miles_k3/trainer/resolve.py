@@ -202,7 +202,7 @@ def resolve(cfg: Any) -> ResolvedConfig:
             "data.chat_template 'chatml' is the embedded models' built-in template; an HF checkpoint "
             "renders with its tokenizer's own: use data.chat_template=hf"
         )
-    backend = backend_class(c.launcher)  # what the launcher's rollout backend can do, before it is built
+    backend = backend_class(r.backend)  # what the rollout backend can do, before it is built
     for asked, field, capability in (
         (
             r.speculative.drafter is not None and r.speculative.distill_every,
@@ -214,9 +214,14 @@ def resolve(cfg: Any) -> ResolvedConfig:
         if asked and capability not in backend.CAPABILITIES:
             able = sorted(k for k, v in ROLLOUT_BACKENDS.items() if capability in backend_class(k).CAPABILITIES)
             raise ValueError(
-                f"{field} needs a rollout backend with {capability!r}; cluster.launcher="
-                f"{c.launcher!r} runs {backend.__name__}, which has none (launchers that do: {able})"
+                f"{field} needs a rollout backend with {capability!r}; rollout.backend={r.backend!r} "
+                f"runs {backend.__name__}, which has none (backends that do: {able})"
             )
+    if r.backend == "http" and c.launcher == "ray":
+        raise ValueError(
+            "rollout.backend=http runs under cluster.launcher local or external (the Ray launcher's actors build "
+            "colocated engines)"
+        )
     if c.launcher != "ray":  # the engine's pools against this machine (Ray's nodes are elsewhere)
         from miles_k3.errors import check_memory_mb
 

@@ -210,6 +210,9 @@ def test_engine_layouts_in_the_loop_match_single_rank(tmp_path):
             assert a["loss"] == pytest.approx(b["loss"], abs=1e-5), name
             assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4), name
             assert a["train_rollout_logprob_abs_diff"] < 1e-5, name
+            # the sharded engine records every token's experts (routers replicated on its ranks) and the trainer
+            # replays them: k3_grpo's default
+            assert a["routing_agreement"] == 1.0, name
         # trainer and engine blocks that coincide (TP against TP, EP against EP) move nothing
         moved = got[0]["adapter_sync_received_bytes_max"]
         assert (moved == 0) == (name in ("tp2_etp2", "ep2_etp2_ep", "tp2dp2_etp2")), (name, moved)

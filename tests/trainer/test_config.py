@@ -298,19 +298,24 @@ def test_k3_gb300x64_recipe_resolves_splits_the_real_k3_and_fits_its_gpus_in_bot
     assert max(rollout, training) < 288
 
 
-class BareEngines:
-    """A rollout backend with no capabilities (say, an HTTP fleet that cannot run rollout plugins)."""
-
-    CAPABILITIES = frozenset()
-
-
-def test_a_capability_the_launchers_backend_lacks_fails_by_field_before_anything_is_built(monkeypatch):
-    from miles_k3.trainer import backends
-
-    monkeypatch.setitem(backends.ROLLOUT_BACKENDS, "local", f"{__name__}:BareEngines")
+def test_a_capability_the_rollout_backend_lacks_fails_by_field_before_anything_is_built():
     with pytest.raises(ValueError) as e:
-        resolve(composed("rollout.fn=m:f"))
+        resolve(composed("rollout.fn=m:f", "rollout.backend=http", "rollout.urls=[http://127.0.0.1:1]"))
     assert str(e.value) == (
-        "rollout.fn needs a rollout backend with 'rollout_fn'; cluster.launcher='local' runs BareEngines, which "
-        "has none (launchers that do: ['external', 'ray'])"
+        "rollout.fn needs a rollout backend with 'rollout_fn'; rollout.backend='http' runs HTTPEngines, which has "
+        "none (backends that do: ['colocated'])"
     )
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["rollout.backend=http"], "rollout.urls must list the servers' base URLs"),
+        (["rollout.backend=http", "rollout.urls=[localhost:30000]"], "rollout.urls must list the servers' base URLs"),
+        (["rollout.urls=[http://127.0.0.1:1]"], "rollout.urls only applies with rollout.backend=http"),
+        (["rollout.backend=sglang"], "rollout.backend must be one of"),
+    ],
+)
+def test_bad_http_backend_settings_fail_by_field(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        resolve(composed(*overrides))

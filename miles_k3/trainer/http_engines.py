@@ -1,0 +1,235 @@
+"""The rollout backend of engines behind HTTP (`rollout.backend=http`, `rollout.urls`): any number of `miles-serve`
+processes, or an SGLang deployment, driven through SGLang's API.
+
+    miles-serve --model builtin:k3-tiny-arith --quantize none --max-lora-rank 8 --max-loras 2 --port 30001 &
+    miles-train recipe=k3_grpo rollout.backend=http rollout.urls=[http://127.0.0.1:30001]
+
+What goes over the wire, by SGLang's field names:
+
+    generate         POST /generate {input_ids, sampling_params {max_new_tokens, temperature, top_p, top_k,
+                     stop_token_ids, ignore_eos: true (the driver's stop ids are the only stops), no_stop_trim:
+                     true (the stop token is kept, as the trainer trains it), sampling_seed (the sample's own
+                     seed: the same samples as the colocated engine draws)}, return_logprob, lora_path (the
+                     policy's current name), return_routed_experts (with rollout.record_routing)}
+    adapter sync     POST /load_lora_adapter_from_tensors {lora_name: "policy-v<N>", config_dict, serialized_tensors:
+                     the PEFT file, base64} on every server, then /unload_lora_adapter of the previous version
+    memory           POST /release_memory_occupation, /resume_memory_occupation (rollout.release_memory: servers
+                     that share the trainer's GPUs)
+
+A prompt group's samples go to one server (their shared prefix is cached there); groups are dealt round-robin
+over the servers that answer. A request that fails (a connection refused or reset, a timeout, a 5xx, a finish
+by abort) is sent again to another server, and the failing server leaves the set for the rest of the run: a
+sample is filled from exactly one answer, so none is counted twice. With no server left the step fails with
+one line naming rollout.urls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import logging
+import tempfile
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from miles_k3.data.sample import Sample
+from miles_k3.trainer.backends import RolloutBackend, TrainerGroup
+
+if TYPE_CHECKING:
+    from miles_k3.model.config import K3Config
+    from miles_k3.model.lora_spec import LoraSpec
+    from rollout.request import SamplingParams
+
+POLICY = "policy"  # the adapter's name on the servers, suffixed by its version
+
+
+class ServerGone(Exception):
+    """A server that failed a request: it leaves the set."""
+
+
+class HTTPEngines(RolloutBackend):
+    """The engines behind `urls` (module docstring). `config`: the base's (the MoE layers and top-k of the
+    routing table); `family`: the PEFT naming the adapter is sent in (`adapter_family(config)`)."""
+
+    def __init__(
+        self,
+        urls: list[str],
+        lora: LoraSpec,
+        config: K3Config,
+        family: str,
+        *,
+        record_routing: bool = False,
+        timeout_s: float = 600.0,
+    ):
+        import httpx
+
+        from miles_k3.model.routing import moe_layers
+
+        self.urls, self.alive = list(urls), list(urls)
+        self.lora, self.family, self.record_routing = lora, family, record_routing
+        self.routing_shape = (len(moe_layers(config)), config.num_experts_per_token)
+        self.version = 0
+        self.timeout = httpx.Timeout(timeout_s, connect=10.0)
+        self.client = httpx.Client(timeout=self.timeout)
+        self.failed: dict[str, str] = {}  # url -> why it left the set
+        logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request in the run's log
+
+    @property
+    def adapter(self) -> str | None:
+        return f"{POLICY}-v{self.version}" if self.version else None
+
+    # ------------------------------------------------------------------ generate
+    def generate(self, samples: list[Sample], params: list[SamplingParams]) -> list[Sample]:
+        return asyncio.run(self._generate(samples, params))
+
+    async def _generate(self, samples: list[Sample], params: list[SamplingParams]) -> list[Sample]:
+        import httpx
+
+        order = {g: i for i, g in enumerate(dict.fromkeys(s.group_index for s in samples))}
+        async with httpx.AsyncClient(timeout=self.timeout) as http:
+            await asyncio.gather(*(self._one(http, s, p, order[s.group_index]) for s, p in zip(samples, params)))
+        return samples
+
+    async def _one(self, http, sample: Sample, params: SamplingParams, group: int) -> None:
+        body = self._body(sample, params)
+        while True:
+            if not self.alive:
+                raise ValueError(f"rollout.urls: no server answers ({self._why()})")
+            url = self.alive[group % len(self.alive)]
+            try:
+                out = await self._post(http, url, body)
+            except ServerGone as e:
+                self._drop(url, str(e))
+                continue
+            self._fill(sample, out)
+            return
+
+    async def _post(self, http, url: str, body: dict) -> dict:
+        import httpx
+
+        while True:
+            try:
+                r = await http.post(f"{url}/generate", json=body)
+            except httpx.HTTPError as e:
+                raise ServerGone(f"{type(e).__name__}: {e}") from None
+            if r.status_code != 429:  # a full queue: the same server, a moment later
+                break
+            await asyncio.sleep(0.05)
+        if r.status_code >= 500:
+            raise ServerGone(f"HTTP {r.status_code}")
+        if r.status_code != 200:  # our request is wrong: no other server would take it
+            raise ValueError(f"rollout.urls {url}: /generate refused a request: {r.text[:300]}")
+        out = r.json()
+        if (out["meta_info"].get("finish_reason") or {}).get("type") == "abort":
+            raise ServerGone("the server aborted the request")
+        return out
+
+    def _body(self, sample: Sample, params: SamplingParams) -> dict:
+        if sample.media is not None:
+            raise ValueError("rollout.backend=http: image prompts are not sent over HTTP yet")
+        body = {
+            "input_ids": sample.prompt_ids,
+            "sampling_params": {
+                "max_new_tokens": params.max_new_tokens,
+                "temperature": params.temperature,
+                "top_p": params.top_p,
+                "top_k": params.top_k if params.top_k else -1,
+                "stop_token_ids": list(params.stop_token_ids),
+                "ignore_eos": True,
+                "no_stop_trim": True,
+                "sampling_seed": params.seed,
+            },
+            "return_logprob": True,
+            "lora_path": self.adapter,
+        }
+        if self.record_routing:
+            body["return_routed_experts"] = True
+        return body
+
+    def _fill(self, sample: Sample, out: dict) -> None:
+        from miles_k3.model.routing import decode_table
+
+        meta = out["meta_info"]
+        sample.output_ids = list(out["output_ids"])
+        sample.logprobs = [float(lp) for lp, _, _ in meta["output_token_logprobs"]]
+        sample.loss_mask = [True] * len(sample.output_ids)
+        sample.finish_reason = (meta.get("finish_reason") or {}).get("type", "length")
+        if self.record_routing:
+            table = decode_table(meta["routed_experts"], *self.routing_shape)
+            last = torch.full((1, *self.routing_shape), -1, dtype=table.dtype)  # the last token is never fed
+            sample.routed_experts = torch.cat([table, last])
+
+    def _drop(self, url: str, why: str) -> None:
+        if url in self.alive:
+            self.alive.remove(url)
+            self.failed[url] = why
+
+    def _why(self) -> str:
+        return "; ".join(f"{u}: {w}" for u, w in self.failed.items()) or "none given"
+
+    # -------------------------------------------------------------------- adapter
+    def sync_adapter(self, trainer: TrainerGroup) -> dict[str, float]:
+        """The trainer's adapter, gathered part by part on the driver, as one PEFT file sent to every server under
+        the next version's name; the previous version is unloaded after. A server that fails it leaves the set."""
+        from miles_k3.model.peft import CONFIG_FILE, WEIGHTS_FILE, save_peft
+
+        start = time.perf_counter()
+        with tempfile.TemporaryDirectory(prefix="miles-k3-adapter-") as tmp:
+            save_peft(Path(tmp), trainer.adapter_parts(), self.lora, family=self.family)
+            weights = (Path(tmp) / WEIGHTS_FILE).read_bytes()
+            config = json.loads((Path(tmp) / CONFIG_FILE).read_text())
+        old, self.version = self.adapter, self.version + 1
+        body = {
+            "lora_name": self.adapter,
+            "config_dict": config,
+            "serialized_tensors": base64.b64encode(weights).decode("ascii"),
+            "load_format": "safetensors",
+        }
+        for url in list(self.alive):
+            try:
+                self._control(url, "/load_lora_adapter_from_tensors", body)
+                if old is not None:
+                    self._control(url, "/unload_lora_adapter", {"lora_name": old})
+            except ServerGone as e:
+                self._drop(url, str(e))
+        if not self.alive:
+            raise ValueError(f"rollout.urls: no server took the adapter ({self._why()})")
+        return {"adapter_sync_ms": (time.perf_counter() - start) * 1e3, "adapter_sync_sent_bytes_max": len(weights)}
+
+    def _control(self, url: str, path: str, body: dict) -> dict:
+        import httpx
+
+        try:
+            r = self.client.post(f"{url}{path}", json=body)
+        except httpx.HTTPError as e:
+            raise ServerGone(f"{type(e).__name__}: {e}") from None
+        if r.status_code >= 500:
+            raise ServerGone(f"{path}: HTTP {r.status_code}")
+        if r.status_code != 200:
+            raise ValueError(f"rollout.urls {url}: {path} refused: {r.text[:300]}")
+        return r.json() if r.content else {}
+
+    # --------------------------------------------------------------------- memory
+    def release(self) -> None:
+        self._on_all("/release_memory_occupation", {})
+
+    def resume(self) -> None:
+        self._on_all("/resume_memory_occupation", {})
+
+    def _on_all(self, path: str, body: dict) -> None:
+        for url in list(self.alive):
+            try:
+                self._control(url, path, body)
+            except ServerGone as e:
+                self._drop(url, str(e))
+
+    def counters(self) -> dict[str, int]:
+        """Servers that left the set since the run began (the driver logs its change per step)."""
+        return {"servers_lost": len(self.failed)}
+
+    def shutdown(self) -> None:
+        self.client.close()

@@ -12,8 +12,9 @@ cannot be silently short. `routed_experts` covers the whole sequence (prompt and
 the routing of every token it forwards), a tensor [tokens, MoE layers, top_k] (`miles_k3.model.routing`).
 
 What a reward function sees (`miles_k3.rewards`): `prompt` and `response` (the text the policy saw and wrote),
-`label`, `metadata`, `group_index`, `sample_index`. It must treat the sample as read-only: the trainer reads
-the same object afterwards.
+`label`, `metadata`, `group_index`, `sample_index`; under K3's chat encoding (data.chat_template=k3) `response`
+is the reply's response channel, `reasoning` its think channel and `tool_calls` its parsed tool calls
+(`miles_k3.data.k3_chat`). It must treat the sample as read-only: the trainer reads the same object afterwards.
 """
 
 from __future__ import annotations
@@ -61,6 +62,13 @@ class Sample:
     # the engine's expert ids of each token of prompt_ids + output_ids [<= tokens, MoE layers, top_k] (int16,
     # -1: no record; rows past its end: none either); None: not recorded (rollout.record_routing off)
     routed_experts: torch.Tensor | None = None
+    # the adapter that generated it, where the backend tags it (rollout.backend=http): its n-th adapter sync of
+    # the run (1: the first); the loop trains it only while at most rollout.max_staleness updates old
+    policy_version: int | None = None
+    # K3's chat encoding (miles_k3.data.k3_chat.read_reply): the reply's think channel (None: none, or not K3
+    # chat) and its tool calls (miles_k3.data.k3_chat.ToolCall), parsed from the output ids with `response`
+    reasoning: str | None = None
+    tool_calls: list = field(default_factory=list)
     reward: float | None = None  # set by the loop once scored (NaN: the reward failed and the sample dropped)
     advantage: float = 0.0  # set by the loop: the group-normalized advantage
 
@@ -88,7 +96,8 @@ class Sample:
         return sum(self.loss_mask)
 
     def to_json(self) -> dict[str, Any]:
-        """The JSON object a remote reward server receives for this sample."""
+        """The JSON object a remote reward server receives for this sample (`reasoning` and `tool_calls` only
+        when the reply has them)."""
         return {
             "prompt": self.prompt,
             "response": self.response,
@@ -96,6 +105,9 @@ class Sample:
             "metadata": dict(self.metadata),
             "group_index": self.group_index,
             "sample_index": self.sample_index,
+            # K3's chat encoding only: the think channel and the tool calls in OpenAI's function shape
+            **({"reasoning": self.reasoning} if self.reasoning is not None else {}),
+            **({"tool_calls": [{"name": c.name, "arguments": c.arguments} for c in self.tool_calls]} if self.tool_calls else {}),
         }
 
     # ------------------------------------------------------------ building the output

@@ -268,6 +268,10 @@ class RolloutCfg(component_fields(EngineConfig, ENGINE_KEYS), component_fields(S
     # rollout.urls: miles-serve processes or an SGLang deployment, driven by SGLang's API)
     backend: str = "colocated"
     urls: List[str] = field(default_factory=list)
+    # asynchrony: 0 is the on-policy loop (generate, then train); k > 0 lets generation run up to k adapter
+    # versions ahead of training (the next steps' rollouts while this one trains; needs rollout.backend=http,
+    # whose servers keep the last k + 1 versions loaded: miles-serve --max-loras >= k + 2)
+    max_staleness: int = 0
 
     def check(self) -> None:
         from miles_k3.trainer.rollout_plugin import CLIENTS
@@ -301,6 +305,13 @@ class RolloutCfg(component_fields(EngineConfig, ENGINE_KEYS), component_fields(S
                 raise c.fail("urls", "must list the servers' base URLs (http://host:port) with rollout.backend=http")
         elif self.urls:
             raise c.fail("urls", "only applies with rollout.backend=http")
+        c.int_at_least("max_staleness", 0)
+        if self.max_staleness and self.backend != "http":
+            raise c.fail(
+                "max_staleness",
+                "> 0 needs rollout.backend=http: colocated engines share the trainer's devices and processes, so "
+                "generation cannot run while the trainer trains",
+            )
         if self.offload_weights and not self.release_memory:
             raise c.fail("offload_weights", "needs rollout.release_memory=true: the weights go with the pools")
         try:

@@ -12,7 +12,8 @@ What goes over the wire, by SGLang's field names:
                      seed: the same samples as the colocated engine draws)}, return_logprob, lora_path (the
                      policy's current name), return_routed_experts (with rollout.record_routing)}
     adapter sync     POST /load_lora_adapter_from_tensors {lora_name: "policy-v<N>", config_dict, serialized_tensors:
-                     the PEFT file, base64} on every server, then /unload_lora_adapter of the previous version
+                     the PEFT file, base64} on every server, then /unload_lora_adapter of the version that
+                     falls out of the last rollout.max_staleness + 1 (whose requests may still be in flight)
     memory           POST /release_memory_occupation, /resume_memory_occupation (rollout.release_memory: servers
                      that share the trainer's GPUs)
 
@@ -63,8 +64,11 @@ class HTTPEngines(RolloutBackend):
         family: str,
         *,
         record_routing: bool = False,
+        keep_versions: int = 1,
         timeout_s: float = 600.0,
     ):
+        """`keep_versions`: adapter versions each server keeps loaded (rollout.max_staleness + 1: requests of
+        the older ones may still be in flight when a new one arrives)."""
         import httpx
 
         from miles_k3.model.routing import moe_layers
@@ -72,7 +76,7 @@ class HTTPEngines(RolloutBackend):
         self.urls, self.alive = list(urls), list(urls)
         self.lora, self.family, self.record_routing = lora, family, record_routing
         self.routing_shape = (len(moe_layers(config)), config.num_experts_per_token)
-        self.version = 0
+        self.version, self.keep_versions = 0, keep_versions
         self.timeout = httpx.Timeout(timeout_s, connect=10.0)
         self.client = httpx.Client(timeout=self.timeout)
         self.failed: dict[str, str] = {}  # url -> why it left the set
@@ -131,6 +135,7 @@ class HTTPEngines(RolloutBackend):
     def _body(self, sample: Sample, params: SamplingParams) -> dict:
         if sample.media is not None:
             raise ValueError("rollout.backend=http: image prompts are not sent over HTTP yet")
+        sample.policy_version = self.version
         body = {
             "input_ids": sample.prompt_ids,
             "sampling_params": {
@@ -182,7 +187,8 @@ class HTTPEngines(RolloutBackend):
             save_peft(Path(tmp), trainer.adapter_parts(), self.lora, family=self.family)
             weights = (Path(tmp) / WEIGHTS_FILE).read_bytes()
             config = json.loads((Path(tmp) / CONFIG_FILE).read_text())
-        old, self.version = self.adapter, self.version + 1
+        self.version += 1
+        old = f"{POLICY}-v{self.version - self.keep_versions}" if self.version > self.keep_versions else None
         body = {
             "lora_name": self.adapter,
             "config_dict": config,

@@ -113,8 +113,14 @@ def http_engines(rc: ResolvedConfig, inputs: RunInputs | None):
     from miles_k3.trainer.http_engines import HTTPEngines
 
     config = inputs.config if inputs is not None else load_base_config(rc.model)
+    r = rc.rollout
     return HTTPEngines(
-        rc.rollout.urls, rc.lora, config, adapter_family(config), record_routing=rc.rollout.record_routing
+        r.urls,
+        rc.lora,
+        config,
+        adapter_family(config),
+        record_routing=r.record_routing,
+        keep_versions=r.max_staleness + 1,
     )
 
 

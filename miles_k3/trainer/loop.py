@@ -113,6 +113,8 @@ class GRPODriver:
         self.preempted: str | None = None  # the signal that stopped the run early (after its checkpoint)
         spec = rc.rollout.speculative
         self.distill_every = spec.distill_every if spec.drafter is not None else 0
+        self._trained_sampler: dict | None = None  # with rollouts ahead: the sampler's state after the trained step
+        self._first_synced = 0  # the updates the run's first adapter sync held (`run` sets it)
         self._step_sequences: list[tuple[int, list[int]]] = []  # this step's rollouts, for the distillation
 
     # ------------------------------------------------------------------ rollouts
@@ -164,9 +166,9 @@ class GRPODriver:
                 s.response = self.tok.decode(s.output_ids)
         return samples
 
-    def collect(self) -> tuple[TrainBatch, dict[str, float]]:
-        """Generate, score, filter and refill until `prompts_per_step` groups carry signal (or the refill
-        rounds run out); returns the batch and rollout metrics."""
+    def collect(self, step: int) -> tuple[TrainBatch, dict[str, float]]:
+        """Step `step`'s batch: generate, score, filter and refill until `prompts_per_step` groups carry signal
+        (or the refill rounds run out); returns the batch and rollout metrics."""
         r, a = self.rc.rollout, self.rc.algo
         n = r.samples_per_prompt
         kept: list[list[Sample]] = []
@@ -178,9 +180,7 @@ class GRPODriver:
         for round_ in range(a.max_refill_rounds + 1 if a.dynamic_sampling else 1):
             records = self.sampler.next_batch(groups_to_refill(len(kept), r.prompts_per_step))
             samples = self.samples(records, n)
-            params = [
-                self._params(sample_seed(self.rc.trainer.seed, self.step, round_, i)) for i in range(len(samples))
-            ]
+            params = [self._params(sample_seed(self.rc.trainer.seed, step, round_, i)) for i in range(len(samples))]
             samples = self._generate(records, samples, params)
             if self.distill_every:  # text sequences only: the drafter's teacher forward takes no image features
                 self._step_sequences += [
@@ -229,6 +229,29 @@ class GRPODriver:
         metrics.update(spec_metrics(metrics))
         return self._to_batch(kept), metrics
 
+    def _fresh(self, batch: TrainBatch, metrics: dict[str, float]) -> TrainBatch:
+        """The batch without the groups holding a sample more than rollout.max_staleness adapter versions older
+        than the policy this step trains (counted); the staleness of what is trained, logged."""
+        k, now = self.rc.rollout.max_staleness, self.step - 1  # the updates behind the policy this step trains
+
+        def age(s: Sample) -> int:  # sync n of the run holds the updates before the run's start, and n - 1 more
+            return now - (self._first_synced + s.policy_version - 1)
+
+        groups: dict[int, list[Sample]] = {}
+        for s in batch.samples:
+            groups.setdefault(s.group_index, []).append(s)
+        kept, stale = [], 0
+        for group in groups.values():
+            ages = [age(s) for s in group if s.policy_version is not None]
+            if ages and max(ages) > k:
+                stale += len(group)
+                continue
+            kept.append(group)
+        ages = [age(s) for g in kept for s in g if s.policy_version is not None]
+        metrics.update(samples_stale_dropped=stale, policy_staleness_max=max(ages, default=0))
+        metrics["policy_staleness_mean"] = sum(ages) / len(ages) if ages else 0.0
+        return self._to_batch(kept) if stale else batch
+
     def _to_batch(self, kept: list[list[Sample]]) -> TrainBatch:
         """The kept groups' samples with their advantages, the groups numbered 0..K-1 in the batch."""
         for g, group in enumerate(kept):
@@ -266,8 +289,11 @@ class GRPODriver:
             # part by part as the ranks' blocks arrive: no process holds the whole adapter
             parts = self.trainer.adapter_parts()
             save_peft(tmp / ckpt.ADAPTER_DIR, parts, self.rc.lora, family=adapter_family(self.inputs.config))
+            # with rollouts generated ahead, the sampler as it stood after this step's batch: a resumed run
+            # generates the later steps again, with the adapter it resumes
+            sampler = self._trained_sampler if self._trained_sampler is not None else self.sampler.state_dict()
             torch.save(
-                {"step": self.step, "sampler": self.sampler.state_dict(), "workers": states, "config": self.rc.raw},
+                {"step": self.step, "sampler": sampler, "workers": states, "config": self.rc.raw},
                 tmp / ckpt.STATE_FILE,
             )
             if drafter is not None:
@@ -308,17 +334,23 @@ class GRPODriver:
         )
         rows: list[dict[str, Any]] = []
         progress = Progress(t.max_steps, self.step, self.rc.logging.progress)
+        ahead = Ahead(self, self.rc.rollout.max_staleness) if self.rc.rollout.max_staleness else None
         try:
             self.rollout.sync_adapter(self.trainer)
+            self._first_synced = self.step  # the updates the run's first adapter sync holds
             if self.step == 0 and t.eval_before and self.eval_records:
                 rows.append({"step": 0, **self.evaluate()})
                 runlog.log(rows[-1])
                 log.info("step 0  eval acc %.3f (before training)", rows[-1]["eval_accuracy"])
+            if ahead is not None:
+                ahead.start()
             while self.step < t.max_steps and preempt.requested() is None:
-                rows += self._one_step(runlog, progress)
+                rows += self._one_step(runlog, progress, ahead)
             if self.step < t.max_steps:
                 self._stop_preempted()
         finally:
+            if ahead is not None:
+                ahead.stop()
             progress.close()
             runlog.close()
         return rows
@@ -337,15 +369,21 @@ class GRPODriver:
             ckpt.checkpoint_dir(self.ckpt_root, self.step) if self.step else "none: nothing to keep",
         )
 
-    def _one_step(self, runlog: RunLog, progress: Progress) -> list[dict[str, Any]]:
+    def _one_step(self, runlog: RunLog, progress: Progress, ahead: Ahead | None = None) -> list[dict[str, Any]]:
         t = self.rc.trainer
         self.step += 1
         start = time.perf_counter()
-        batch, metrics = self.collect()
-        rollout_s = time.perf_counter() - start
+        if ahead is None:
+            batch, metrics = self.collect(self.step)
+            self._trained_sampler = None
+        else:  # generated while earlier steps trained: at most rollout.max_staleness versions behind
+            batch, metrics, self._trained_sampler = ahead.take(self.step)
+            batch = self._fresh(batch, metrics)
+        rollout_s = time.perf_counter() - start  # with `ahead`: the time the trainer waited for the batch
         rows = []
         if len(batch):
-            release = self.rc.rollout.release_memory
+            # generation ahead goes on while the trainer trains: the servers keep their memory
+            release = self.rc.rollout.release_memory and ahead is None
             if release:
                 self.rollout.release()
             t0 = time.perf_counter()
@@ -354,7 +392,11 @@ class GRPODriver:
             if release:
                 self.rollout.resume()
             metrics.update(self.rollout.sync_adapter(self.trainer))
+            if ahead is not None:
+                ahead.trained(self.step)
         else:
+            if ahead is not None:
+                ahead.trained(self.step)
             log.warning("step %d: no group with reward variance; skipping the update", self.step)
             train_s = 0.0
         if self.distill_every and self.step % self.distill_every == 0 and self._step_sequences:
@@ -391,3 +433,59 @@ class GRPODriver:
         # one line a step for logs without a terminal (Slurm, CI, train.log in the run directory)
         log.info("step %d/%d  %s  %.1fs", self.step, t.max_steps, info, step_s)
         return rows
+
+
+class Ahead:
+    """Rollouts generated ahead of training (rollout.max_staleness = k > 0): a thread collects step j's batch
+    as soon as the trainer has finished step j - 1 - k, so up to k batches wait (or are being generated) while
+    the trainer trains; each sample carries the adapter version that generated it (`Sample.policy_version`).
+    The driver takes batches in step order (`take`) and reports each update (`trained`). A failure in the
+    thread is raised by the next `take`. Each batch comes with the sampler's state after it, which a checkpoint
+    saves: a resumed run generates the steps after it again."""
+
+    def __init__(self, driver: GRPODriver, k: int):
+        import queue
+        import threading
+
+        self.driver, self.k = driver, k
+        self.done = driver.step  # updates finished
+        self.ready: queue.Queue = queue.Queue()
+        self.cond = threading.Condition()
+        self.stopping = False
+        self.thread = threading.Thread(target=self._produce, name="rollouts-ahead", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def _produce(self) -> None:
+        d = self.driver
+        try:
+            for j in range(self.done + 1, d.rc.trainer.max_steps + 1):
+                with self.cond:  # step j waits for the update j - 1 - k
+                    self.cond.wait_for(lambda j=j: self.stopping or self.done >= j - 1 - self.k)
+                    if self.stopping:
+                        return
+                start = time.perf_counter()
+                batch, metrics = d.collect(j)
+                metrics["rollout_generate_s"] = time.perf_counter() - start
+                self.ready.put((j, batch, metrics, d.sampler.state_dict()))
+        except BaseException as e:  # noqa: BLE001 - handed to the driver's thread
+            self.ready.put((None, e, None, None))
+
+    def take(self, step: int) -> tuple[TrainBatch, dict[str, float], dict]:
+        j, batch, metrics, sampler = self.ready.get()
+        if j is None:
+            raise batch
+        assert j == step, (j, step)
+        return batch, metrics, sampler
+
+    def trained(self, step: int) -> None:
+        with self.cond:
+            self.done = step
+            self.cond.notify_all()
+
+    def stop(self) -> None:
+        with self.cond:
+            self.stopping = True
+            self.cond.notify_all()
+        self.thread.join(timeout=600)

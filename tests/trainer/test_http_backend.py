@@ -22,11 +22,13 @@ FLAGS = ["logging.wandb=disabled", "trainer.eval_before=false", "trainer.determi
 
 
 @contextlib.contextmanager
-def servers(n: int):
-    """`n` miles-serve processes shaped like k3_grpo's engine (the embedded base, float32, a rank-8 pool of two
-    slots: the next adapter version loads before the last unloads, routing recorded); their URLs."""
+def servers(n: int, max_loras: int = 2):
+    """`n` miles-serve processes shaped like k3_grpo's engine (the embedded base, float32, a rank-8 pool of
+    `max_loras` slots: the next adapter version loads before the oldest kept one unloads, routing recorded);
+    their URLs."""
     cmd = [sys.executable, "-m", "rollout.server", "--model", "builtin:k3-tiny-arith", "--quantize", "none"]
-    cmd += ["--max-lora-rank", "8", "--max-loras", "2", "--record-routing", "--port", "0", "--log-level", "warning"]
+    cmd += ["--max-lora-rank", "8", "--max-loras", str(max_loras), "--record-routing", "--port", "0"]
+    cmd += ["--log-level", "warning"]
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     procs = [subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)]
     procs += [subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
@@ -90,3 +92,26 @@ def test_a_server_killed_mid_run_leaves_the_set_and_every_step_is_logged_once(tm
     assert [r["step"] for r in steps] == [1, 2, 3, 4]
     assert sum(r["rollout_servers_lost"] for r in steps) == 1
     assert all(r["train_rollout_logprob_abs_diff"] < 1e-5 for r in steps)
+
+
+def test_generation_one_version_ahead_trains_no_token_older_than_one_update(tmp_path):
+    """rollout.max_staleness=1: step j's rollouts are generated while step j - 1 trains, with the adapter of
+    update j - 2; every sample is tagged with the adapter that drew it, none is trained more than one update
+    old, and the servers keep the last two versions loaded."""
+    with servers(2, max_loras=3) as (_, urls):
+        out = cli(
+            tmp_path / "ahead",
+            "trainer.max_steps=4",
+            *FLAGS,
+            "rollout.backend=http",
+            urls_override(urls),
+            "rollout.max_staleness=1",
+        )
+    assert out.returncode == 0, out.stderr[-3000:]
+    steps = [r for r in rows(tmp_path / "ahead") if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    assert steps[0]["policy_staleness_max"] == 0  # the first step's rollouts use the first adapter
+    assert all(r["policy_staleness_max"] <= 1 and r["samples_stale_dropped"] == 0 for r in steps)
+    assert max(r["policy_staleness_max"] for r in steps[1:]) == 1  # generation did run ahead
+    # off-policy by one update: the servers' log-probs are the older adapter's, so the gap to the trainer's grows
+    assert max(r["train_rollout_logprob_abs_diff"] for r in steps[1:]) > 1e-4

@@ -126,7 +126,7 @@ def test_the_trainer_reads_the_images_features(vl, tmp_path):
 
     rc = resolve(composed(*overrides(vl)))
     inputs, engine, trainer, workers = build(rc, tmp_path)
-    workers[0].sync_adapter(workers[1].adapter_state())
+    workers[0].sync_adapter(workers[1])
     driver = GRPODriver(rc, tmp_path, *workers, inputs)
     batch = _batch(driver, inputs.train[:2])
     assert all(m is not None and len(m.positions) == m.features.shape[0] > 0 for m in batch.media)

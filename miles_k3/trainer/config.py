@@ -384,8 +384,13 @@ class DataCfg(component_fields(PromptDataConfig)):
     generation prompt; needs model.tokenizer=hf); None uses the prompt string verbatim (the embedded models'
     bare problems, or a dataset already templated offline); "chatml" is the built-in ChatML template, kept
     for the embedded tiny models only (model.tokenizer=arithmetic: an HF checkpoint uses its own, "hf"); any
-    other string is a format string with {prompt} (and {system}). A bad pairing with model.tokenizer is one
-    ValueError naming data.chat_template."""
+    other string is a format string with {prompt} (and {system}). "k3" is K3's own chat encoding
+    (`miles_k3.data.k3_chat`; needs model.tokenizer=hf and a tokenizer with K3's structure tokens): prompts are
+    rendered straight to ids (the checkpoint tokenizer's own renderer when it has one), with the row's tools
+    (data.tools_key) and the think channel opened or not (data.thinking); generation stops at the checkpoint's
+    end-of-turn token (generation_config.json's eos), and the reward reads the reply's response channel
+    (`Sample.response`), its reasoning (`Sample.reasoning`) and tool calls (`Sample.tool_calls`). A bad pairing
+    with model.tokenizer is one ValueError naming data.chat_template."""
 
     eval_path: Optional[str] = None  # held-out prompts for the greedy evaluation; None: no evaluation
     eval_max_prompts: Optional[int] = None  # evaluate on the first N held-out prompts; None: all
@@ -560,3 +565,13 @@ def register_schema() -> None:
     from hydra.core.config_store import ConfigStore
 
     ConfigStore.instance().store(name="miles_train_schema", node=TrainConfig)
+
+
+def compose_recipe(*overrides: str):
+    """The run's config as `miles-train` composes it from the installed recipes (Hydra's compose API), before
+    `resolve`: for scripts and tests that build a run's config without the command."""
+    from hydra import compose, initialize_config_module
+
+    register_schema()
+    with initialize_config_module(config_module="recipes", version_base=None):
+        return compose(config_name="train", overrides=list(overrides))

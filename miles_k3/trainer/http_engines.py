@@ -187,10 +187,10 @@ class HTTPEngines(RolloutBackend):
             save_peft(Path(tmp), trainer.adapter_parts(), self.lora, family=self.family)
             weights = (Path(tmp) / WEIGHTS_FILE).read_bytes()
             config = json.loads((Path(tmp) / CONFIG_FILE).read_text())
-        self.version += 1
-        old = f"{POLICY}-v{self.version - self.keep_versions}" if self.version > self.keep_versions else None
+        new = self.version + 1  # requests go on naming the current version until every server holds this one
+        old = f"{POLICY}-v{new - self.keep_versions}" if new > self.keep_versions else None
         body = {
-            "lora_name": self.adapter,
+            "lora_name": f"{POLICY}-v{new}",
             "config_dict": config,
             "serialized_tensors": base64.b64encode(weights).decode("ascii"),
             "load_format": "safetensors",
@@ -198,12 +198,17 @@ class HTTPEngines(RolloutBackend):
         for url in list(self.alive):
             try:
                 self._control(url, "/load_lora_adapter_from_tensors", body)
-                if old is not None:
-                    self._control(url, "/unload_lora_adapter", {"lora_name": old})
             except ServerGone as e:
                 self._drop(url, str(e))
         if not self.alive:
             raise ValueError(f"rollout.urls: no server took the adapter ({self._why()})")
+        self.version = new
+        for url in list(self.alive):  # no request names it now: the last that did were built before `new`
+            try:
+                if old is not None:
+                    self._control(url, "/unload_lora_adapter", {"lora_name": old})
+            except ServerGone as e:
+                self._drop(url, str(e))
         return {"adapter_sync_ms": (time.perf_counter() - start) * 1e3, "adapter_sync_sent_bytes_max": len(weights)}
 
     def _control(self, url: str, path: str, body: dict) -> dict:

@@ -1,8 +1,12 @@
 """How `miles-serve` starts its engine and server: in this process (`start`, then `serve`), or as one rank of
 `--tp` N processes (`serve_rank`, spawned by `miles_k3.ranks.spawn_ranks`: rank 0 serves, the others replay its
-engine calls until it stops)."""
+engine calls until it stops); `local_servers` starts several miles-serve processes for the RL loop's HTTP
+backend on one machine."""
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 from miles_k3.errors import user_error
 from rollout.server.config import ServeConfig
@@ -68,3 +72,37 @@ def serve_rank(rank: int, world: int, port: int, cfg: ServeConfig) -> None:
             served.engine.stop_followers()
     finally:
         end_world()
+
+
+@contextlib.contextmanager
+def local_servers(n: int, flags: list[str], *, cwd: str | None = None) -> Iterator[tuple[list, list[str]]]:
+    """`n` `miles-serve` processes on 127.0.0.1 with `flags` (a free port each): (their Popen objects, their base
+    URLs) once every one serves; each is stopped with SIGTERM (and waited for) on exit. For the RL loop's HTTP
+    backend on one machine (`rollout.backend=http`), its tests and benchmarks."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import tempfile
+
+    cmd = [sys.executable, "-m", "rollout.server", "--port", "0", *flags]
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    logs = [tempfile.TemporaryFile(mode="w+") for _ in range(n)]  # each server's stderr, for its failure
+    procs = [subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=log, text=True, env=env) for log in logs]
+    try:
+        urls = []
+        for p, log in zip(procs, logs):
+            line = p.stdout.readline()
+            if not line.startswith("miles-serve: serving"):
+                p.wait(timeout=60)
+                log.seek(0)
+                raise RuntimeError(f"miles-serve {' '.join(flags)} did not start: {log.read()[-1000:]}")
+            urls.append(line.rsplit(" ", 1)[-1].strip())
+        yield procs, urls
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p, log in zip(procs, logs):
+            p.wait(timeout=60)
+            log.close()

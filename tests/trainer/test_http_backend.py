@@ -3,49 +3,27 @@ real `miles-serve` processes on 127.0.0.1: the same samples and update as the co
 seeds go out as `sampling_seed`), the adapter sent as a new version each step, the routing returned for replay;
 a server killed mid-run leaves the set and the run finishes with every step once."""
 
-import contextlib
 import json
-import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
+from rollout.server.launch import local_servers
 from tests.trainer.test_cli_run import cli, rows
 
 REPO = Path(__file__).resolve().parents[2]
 FLAGS = ["logging.wandb=disabled", "trainer.eval_before=false", "trainer.deterministic=true"]
 
 
-@contextlib.contextmanager
 def servers(n: int, max_loras: int = 2):
     """`n` miles-serve processes shaped like k3_grpo's engine (the embedded base, float32, a rank-8 pool of
-    `max_loras` slots: the next adapter version loads before the oldest kept one unloads, routing recorded);
-    their URLs."""
-    cmd = [sys.executable, "-m", "rollout.server", "--model", "builtin:k3-tiny-arith", "--quantize", "none"]
-    cmd += ["--max-lora-rank", "8", "--max-loras", str(max_loras), "--record-routing", "--port", "0"]
-    cmd += ["--log-level", "warning"]
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    procs = [subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)]
-    procs += [subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
-              for _ in range(n - 1)]  # fmt: skip
-    try:
-        urls = []
-        for p in procs:
-            line = p.stdout.readline()
-            assert line.startswith("miles-serve: serving"), line
-            urls.append(line.rsplit(" ", 1)[-1].strip())
-        yield procs, urls
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs:
-            p.wait(timeout=60)
+    `max_loras` slots: the next adapter version loads before the oldest kept one unloads, routing recorded)."""
+    flags = ["--model", "builtin:k3-tiny-arith", "--quantize", "none", "--max-lora-rank", "8"]
+    flags += ["--max-loras", str(max_loras), "--record-routing", "--log-level", "warning"]
+    return local_servers(n, flags, cwd=str(REPO))
 
 
 def urls_override(urls: list[str]) -> str:

@@ -47,6 +47,20 @@ def end_world() -> None:
 _GLOO_DRAIN_S = 0.05
 
 
+def join_local_world(rank: int, world: int, port: int, device: str) -> str:
+    """Rank `rank` of a `world`-process torch.distributed world on this host (rank 0 listening on `port`): gloo
+    on CPU, nccl with one GPU per rank (`device` "cuda": this rank's GPU made current). Returns the rank's
+    device. End it with `end_world`."""
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=rank, world_size=world)
+    return f"cuda:{rank}" if device == "cuda" else "cpu"
+
+
 def spawn_ranks(
     fn: Callable[..., None], world: int, args: tuple, scratch: Path, *, signals_to_leader: bool = False
 ) -> None:

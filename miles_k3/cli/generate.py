@@ -42,12 +42,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from miles_k3.errors import check_output_path, write_atomically
-from miles_k3.ranks import MEGATRON_NOTE, spawn_ranks
+from miles_k3.ranks import spawn_ranks
 from rollout.server.config import ENGINE_FLAGS, EngineFlags, add_flags, check_adapters, flag_errors
 
 ADAPTER = "adapter"  # the name the rows' adapter is loaded under
@@ -279,9 +278,7 @@ def run_workers(
     raises it."""
     import tempfile
 
-    with warnings.catch_warnings():  # megatron's import-time notes about Transformer Engine / Apex
-        warnings.filterwarnings("ignore", message=MEGATRON_NOTE)
-        from megatron_patches.parallel import free_port
+    from miles_k3.ranks import free_port
 
     with tempfile.TemporaryDirectory(prefix="miles-k3-generate-") as tmp:
         result = Path(tmp) / "result.json"
@@ -302,20 +299,10 @@ def _worker(
     """One engine rank (`rollout.build.build_engine` on every rank of the world); rank 0 generates, writes the
     outputs to `result` and then releases the others, which follow it until then. Errors propagate (to
     `spawn_ranks`, which reports them)."""
-    import os
-
-    import torch
-    import torch.distributed as dist
-
-    from megatron_patches.parallel import end_world
+    from miles_k3.ranks import end_world, join_local_world
     from rollout.build import build_engine
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    device = "cpu"
-    if args.device == "cuda":
-        torch.cuda.set_device(rank)
-        device = f"cuda:{rank}"
-    dist.init_process_group("nccl" if args.device == "cuda" else "gloo", rank=rank, world_size=world)
+    device = join_local_world(rank, world, port, args.device)
     try:
         with flag_errors():
             engine = build_engine(args.engine_spec(device=device))

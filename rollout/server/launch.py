@@ -47,20 +47,10 @@ def serve(served, server) -> None:
 def serve_rank(rank: int, world: int, port: int, cfg: ServeConfig) -> None:
     """One engine rank of `miles-serve --tp` (`miles_k3.ranks.spawn_ranks`): rank 0 builds the engine's leader
     and serves it until stopped, then releases the others, which replay its engine calls (`Engine.follow`)."""
-    import os
-
-    import torch
-    import torch.distributed as dist
-
-    from miles_k3.ranks import end_world
+    from miles_k3.ranks import end_world, join_local_world
     from rollout.build import build_engine
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    device = "cpu"
-    if cfg.device == "cuda":
-        torch.cuda.set_device(rank)
-        device = f"cuda:{rank}"
-    dist.init_process_group("nccl" if cfg.device == "cuda" else "gloo", rank=rank, world_size=world)
+    device = join_local_world(rank, world, port, cfg.device)
     try:
         if rank > 0:
             build_engine(cfg.engine_spec(device=device)).follow()

@@ -37,14 +37,7 @@ def server_flags(rc, max_loras: int) -> list[str]:
     `max_loras` slots at the run's LoRA rank, routing recorded when the run replays it)."""
     r = rc.rollout
     flags = ["--model", rc.model.path, "--tokenizer", rc.model.tokenizer, "--quantize", r.quantize, "--dtype", r.dtype]
-    flags += [
-        "--memory-mb",
-        f"{r.memory_mb:g}",
-        "--max-running",
-        str(r.max_running),
-        "--max-seq-len",
-        str(r.max_seq_len),
-    ]
+    flags += ["--memory-mb", f"{r.memory_mb:g}", "--max-running", str(r.max_running)]
     flags += ["--max-lora-rank", str(rc.lora.rank), "--max-loras", str(max_loras), "--log-level", "warning"]
     return flags + (["--record-routing"] if r.record_routing else [])
 

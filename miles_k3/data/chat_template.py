@@ -6,6 +6,10 @@ A template turns a dataset prompt into the exact string the engine tokenizes. Th
   with the generation prompt; `miles_k3.data.hf_chat`). Renders strings (as one user message) and message
   lists. The renderer is handed in by the caller that holds the tokenizer (``render_prompt(..., apply_chat)``):
   nothing here imports transformers or reaches the network.
+- ``"k3"``: K3's own chat encoding (`miles_k3.data.k3_chat`): strings (as one user message) and message lists
+  (tool calls and results included), with the row's tools, rendered straight to ids by the checkpoint's
+  tokenizer (its own renderer, else ours on its K3 structure tokens); the caller's ``apply_chat(messages,
+  tools)`` returns a `RenderedChat`, text that carries its ids, which are never encoded again.
 - ``None``: the prompt string is used verbatim (the embedded models' bare problems, or a dataset templated
   offline); a list of chat messages cannot be rendered (ValueError).
 - ``"chatml"``: the built-in ChatML layout (``<|im_start|>role\\ncontent<|im_end|>\\n`` per message, then the
@@ -26,11 +30,13 @@ from __future__ import annotations
 import string
 from typing import Any, Callable
 
+from miles_k3.data.k3_chat import check_chat_messages, check_tools
 from miles_k3.data.media import content_parts_text
 from miles_k3.data.messages import CHAT_ROLES, check_messages
 
 CHATML = "chatml"
 HF = "hf"
+K3 = "k3"
 TEMPLATE_FIELDS = ("prompt", "system")
 ROLES = CHAT_ROLES  # the shared validator's (miles_k3.data.messages)
 
@@ -64,7 +70,7 @@ def validate_template(template: str | None, system_prompt: str | None) -> None:
     silent no-op."""
     if template is not None and not isinstance(template, str):
         raise ValueError(
-            f"chat_template: must be None, {HF!r}, {CHATML!r} or a format string, got {type(template).__name__}"
+            f"chat_template: must be None, {HF!r}, {K3!r}, {CHATML!r} or a format string, got {type(template).__name__}"
         )
     if system_prompt is not None and not isinstance(system_prompt, str):
         raise ValueError(f"system_prompt: must be None or a string, got {type(system_prompt).__name__}")
@@ -72,10 +78,10 @@ def validate_template(template: str | None, system_prompt: str | None) -> None:
         if system_prompt is not None:
             raise ValueError(
                 "system_prompt: set, but chat_template is None, so it would be ignored; "
-                "use chat_template='hf', 'chatml' or a format string with {system}"
+                "use chat_template='hf', 'k3', 'chatml' or a format string with {system}"
             )
         return
-    if template in (CHATML, HF):
+    if template in (CHATML, HF, K3):
         return
     fields = template_fields(template)
     if "prompt" not in fields:
@@ -119,12 +125,30 @@ def render_prompt(
     raw: str | list[Any],
     template: str | None,
     system_prompt: str | None = None,
-    apply_chat: Callable[[list[dict[str, str]]], str] | None = None,
+    apply_chat: Callable[..., str] | None = None,
+    tools: list[Any] | None = None,
 ) -> str:
     """Render a raw prompt (string or chat-message list) with a template already checked by
     `validate_template`. `apply_chat`: the tokenizer's template (messages -> text ending in the generation
-    prompt), required by ``"hf"``. ValueError when the template cannot render this prompt (messages without
-    a chat template, an empty string, a malformed message); the caller adds file and line."""
+    prompt), required by ``"hf"``; under ``"k3"`` (messages, tools) -> a `RenderedChat`. `tools`: the tools
+    offered (``"k3"`` only). ValueError when the template cannot render this prompt (messages without a chat
+    template, an empty string, a malformed message or tool); the caller adds file and line."""
+    if tools is not None and template != K3:
+        raise ValueError(f"tools: only chat_template {K3!r} renders tools; chat_template is {template!r}")
+    if template == K3:
+        if apply_chat is None:
+            raise ValueError("chat_template: 'k3' renders with the tokenizer's K3 chat encoding, and none was given")
+        if isinstance(raw, str) and raw:
+            raw = [{"role": "user", "content": raw}]
+        if not isinstance(raw, list):
+            raise ValueError(f"prompt: must be a non-empty string or a list of chat messages, got {raw!r}"[:120])
+        try:
+            messages = with_system(check_chat_messages(raw), system_prompt)
+        except ValueError as e:
+            raise ValueError(f"prompt: {e}") from None
+        if messages[-1]["role"] not in ("user", "tool"):
+            raise ValueError(f"prompt: the last message must have role 'user' or 'tool', got {messages[-1]['role']!r}")
+        return apply_chat(messages, check_tools(tools) if tools is not None else None)
     if template == HF:
         if apply_chat is None:
             raise ValueError("chat_template: 'hf' renders with the tokenizer's own template, and none was given")

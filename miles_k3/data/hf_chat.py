@@ -10,12 +10,19 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from miles_k3.data.k3_chat import K3Chat
+
 
 def hf_chat_renderer(hf_tokenizer: Any, where: str) -> Callable[[list[dict[str, str]]], str]:
     """messages -> the prompt text asking for the assistant's next turn, by the tokenizer's template.
     ValueError (starting with ``chat_template``) when the tokenizer has none; a template that rejects a message
     list (jinja's raise_exception, a role order it refuses) is a ValueError starting with ``prompt``."""
     if not getattr(hf_tokenizer, "chat_template", None):
+        if K3Chat.detect(hf_tokenizer) is not None:
+            raise ValueError(
+                f"chat_template: 'hf', but the tokenizer in {where} renders K3's chat itself (no Jinja "
+                "template): use chat_template=k3"
+            )
         raise ValueError(
             f"chat_template: 'hf', but the tokenizer in {where} has no chat template "
             "(tokenizer_config.json's chat_template, or chat_template.jinja)"

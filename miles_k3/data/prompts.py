@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from miles_k3.data.chat_template import render_prompt, validate_template
+from miles_k3.data.k3_chat import check_tools
 from miles_k3.data.media import IMAGE_PLACEHOLDER, ImageRef, image_ref, message_images
 
 FORMATS = {".jsonl": "jsonl", ".parquet": "parquet"}
@@ -43,10 +44,15 @@ class PromptDataConfig:
     # a row's images (a list; absent: the row is text-only), one per image placeholder in its prompt, in order;
     # None: rows carry no images (the key is then ordinary metadata)
     images_key: str | None = "images"
-    # "hf": the tokenizer's own template (HF checkpoints) | None: the prompt verbatim | "chatml": the built-in
-    # template (embedded tiny models) | a format string with {prompt} (miles_k3.data.chat_template)
+    # "hf": the tokenizer's own template (HF checkpoints) | "k3": K3's own chat encoding, straight to ids
+    # (miles_k3.data.k3_chat) | None: the prompt verbatim | "chatml": the built-in template (embedded tiny
+    # models) | a format string with {prompt} (miles_k3.data.chat_template)
     chat_template: str | None = None
-    system_prompt: str | None = None  # needs a template that reads it ({system}, or chatml)
+    system_prompt: str | None = None  # needs a template that reads it ({system}, chatml, hf or k3)
+    # chat_template "k3": the prompt opens the think channel (the reply reasons first); false: the response channel
+    thinking: bool = True
+    # chat_template "k3": a row's tools offered to the model (OpenAI's list of functions; absent: none); None: no tools
+    tools_key: str | None = None
     shuffle: bool = True  # PromptSampler: a fresh permutation each epoch; false: file order
     seed: int = 0  # PromptSampler: seeds the epoch permutations
     drop_last: bool = False  # PromptSampler: an epoch's last, short batch is skipped instead of wrapping
@@ -73,6 +79,17 @@ class PromptDataConfig:
                 raise fail("images_key", "must be None or a non-empty string")
             if self.images_key in (self.prompt_key, self.label_key):
                 raise fail("images_key", "must differ from prompt_key and label_key")
+        if self.tools_key is not None:
+            if not isinstance(self.tools_key, str) or not self.tools_key:
+                raise fail("tools_key", "must be None or a non-empty string")
+            if self.tools_key in (self.prompt_key, self.label_key, self.images_key):
+                raise fail("tools_key", "must differ from prompt_key, label_key and images_key")
+            if self.chat_template != "k3":
+                raise fail("tools_key", "needs chat_template='k3' (the template that renders tools)")
+        if not isinstance(self.thinking, bool):
+            raise fail("thinking", "must be a bool")
+        if not self.thinking and self.chat_template != "k3":
+            raise fail("thinking", "false needs chat_template='k3' (the template with a think channel)")
         if self.metadata_keys is not None:
             if isinstance(self.metadata_keys, str):
                 raise fail(
@@ -88,6 +105,8 @@ class PromptDataConfig:
                     raise fail("metadata_keys", f"entries must be non-empty strings ({k!r} is not)")
                 if k in (self.prompt_key, self.label_key, self.images_key):
                     raise fail("metadata_keys", f"must not list the prompt, label or images key {k!r}")
+                if k == self.tools_key:
+                    raise fail("metadata_keys", f"must not list the tools key {k!r}")
             if len(set(keys)) != len(keys):
                 raise fail("metadata_keys", "must not repeat a key")
             object.__setattr__(self, "metadata_keys", keys)
@@ -131,7 +150,8 @@ def load_prompts(
     config: PromptDataConfig, apply_chat: Callable[[list[dict[str, str]]], str] | None = None
 ) -> list[PromptRecord]:
     """Read, check and render every row of ``config.path``. `apply_chat`: the tokenizer's chat template
-    (`miles_k3.data.hf_chat.hf_chat_renderer`), which chat_template "hf" needs.
+    (`miles_k3.data.hf_chat.hf_chat_renderer`), which chat_template "hf" needs; "k3" needs K3's encoding
+    (`miles_k3.data.k3_chat.K3ChatPrompts.render`: a row's messages and tools -> its ids).
 
     Raises FileNotFoundError for a missing file, and ValueError naming the file, the jsonl line (1-based) or
     the parquet row (0-based, as pyarrow and pandas count) and the key for: malformed JSON, a line that is not
@@ -145,8 +165,10 @@ def load_prompts(
     if not path.is_file():
         raise FileNotFoundError(f"{path}: prompt dataset not found")
     rows = read_jsonl_rows(path) if config.format == "jsonl" else _read_parquet(path)
-    if config.chat_template == "hf" and apply_chat is None:
-        raise ValueError("chat_template 'hf' needs the tokenizer's template (load_prompts(config, apply_chat))")
+    if config.chat_template in ("hf", "k3") and apply_chat is None:
+        raise ValueError(
+            f"chat_template {config.chat_template!r} needs the tokenizer's template (load_prompts(config, apply_chat))"
+        )
     records = [_to_record(i, row, where, config, apply_chat, path.parent) for i, (where, row) in enumerate(rows)]
     if not records:
         raise ValueError(f"{path}: empty dataset (no records)")
@@ -213,8 +235,14 @@ def _to_record(
     if c.prompt_key not in row:
         raise ValueError(f"{where}: missing prompt key {c.prompt_key!r} (keys: {sorted(row)})")
     raw = row[c.prompt_key]
+    tools = None
+    if c.tools_key is not None and row.get(c.tools_key) is not None:
+        try:
+            tools = check_tools(row[c.tools_key], "tools")
+        except ValueError as e:
+            raise ValueError(f"{where}: key {c.tools_key!r}: {e}") from None
     try:
-        prompt = render_prompt(raw, c.chat_template, c.system_prompt, apply_chat)
+        prompt = render_prompt(raw, c.chat_template, c.system_prompt, apply_chat, tools)
     except ValueError as e:
         # render_prompt's messages start with "prompt:"; name the configured key instead.
         msg = str(e).removeprefix("prompt: ")
@@ -232,7 +260,7 @@ def _to_record(
             raise ValueError(f"{where}: label key {c.label_key!r} is null")
     images = _images(row, raw, prompt, where, c, base_dir)
     if c.metadata_keys is None:
-        metadata = {k: v for k, v in row.items() if k not in (c.prompt_key, c.label_key, c.images_key)}
+        metadata = {k: v for k, v in row.items() if k not in (c.prompt_key, c.label_key, c.images_key, c.tools_key)}
     else:
         missing = [k for k in c.metadata_keys if k not in row]
         if missing:

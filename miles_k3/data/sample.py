@@ -107,7 +107,11 @@ class Sample:
             "sample_index": self.sample_index,
             # K3's chat encoding only: the think channel and the tool calls in OpenAI's function shape
             **({"reasoning": self.reasoning} if self.reasoning is not None else {}),
-            **({"tool_calls": [{"name": c.name, "arguments": c.arguments} for c in self.tool_calls]} if self.tool_calls else {}),
+            **(
+                {"tool_calls": [{"name": c.name, "arguments": c.arguments} for c in self.tool_calls]}
+                if self.tool_calls
+                else {}
+            ),
         }
 
     # ------------------------------------------------------------ building the output

@@ -30,6 +30,34 @@ class Tokenizer(Protocol):
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
 
+class Decoder:
+    """Text of a growing token sequence, delivered in pieces: `push(ids)` returns the text those tokens
+    complete (held back while the tail decodes to an incomplete character), `finish()` the rest."""
+
+    def __init__(self, decode):
+        self._decode = decode
+        self.ids: list[int] = []
+        self._prefix = 0  # ids[_prefix:_read] decode to the last `_prefix_text`; a window, not the whole text
+        self._read = 0
+
+    def push(self, ids: list[int]) -> str:
+        self.ids.extend(ids)
+        prefix_text = self._decode(self.ids[self._prefix : self._read])
+        text = self._decode(self.ids[self._prefix :])
+        if len(text) > len(prefix_text) and not text.endswith("\ufffd"):
+            # decode a window (the previous piece and the new tokens), not the whole text: O(1) per token,
+            # and both strings start at the same token, so context-dependent spacing cancels out
+            self._prefix, self._read = self._read, len(self.ids)
+            return text[len(prefix_text) :]
+        return ""
+
+    def finish(self) -> str:
+        prefix_text = self._decode(self.ids[self._prefix : self._read])
+        text = self._decode(self.ids[self._prefix :])
+        self._prefix = self._read = len(self.ids)
+        return text[len(prefix_text) :]
+
+
 # The embedded tasks' character tokenizers other than the arithmetic one, by the class name a checkpoint's
 # config.json gives them (`tokenizer_class`, HF's key): the "arithmetic" kind (the embedded one) then takes
 # the one the checkpoint was trained on. A name not listed here keeps the arithmetic tokenizer.
@@ -101,6 +129,7 @@ class HFTokenizer:
         if self._tok.eos_token_id is None:
             raise ValueError(f"the tokenizer in {path} defines no eos token")
         self.eos_token_id = int(self._tok.eos_token_id)
+        self.path = str(path)  # the checkpoint directory (its generation_config.json: `miles_k3.data.k3_chat`)
 
     def encode_prompt(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=True))

@@ -12,8 +12,9 @@ Choosing one (RewardConfig.fn, e.g. `reward.fn=...` in the recipe):
 Built-in names are reserved (an entry point cannot shadow them).
 
 A `Sample` is the run's one record of a sample (`miles_k3.data.sample`); a reward function reads its
-`prompt` and `response` text, `label`, `metadata`, `group_index` and `sample_index`, and must not change it
-(the trainer reads the same object afterwards).
+`prompt` and `response` text, `label`, `metadata`, `group_index` and `sample_index` (under K3's chat encoding,
+data.chat_template=k3: `response` is the reply's response channel, `reasoning` its think channel, `tool_calls`
+its tool calls), and must not change it (the trainer reads the same object afterwards).
 
 The two signatures. A reward function takes one positional argument:
 

@@ -2,6 +2,7 @@
 
 Protocol: one POST per batch to RewardConfig.url with a JSON body
     {"samples": [{"prompt", "response", "label", "metadata", "group_index", "sample_index"}, ...]}
+(a K3 chat reply's sample adds "reasoning" and "tool_calls": [{"name", "arguments"}], `Sample.to_json`)
 and a 2xx JSON reply {"rewards": [r0, r1, ...]}, one number per sample, in order.
 
 Each request has RewardConfig.timeout_s. Connection errors, timeouts and HTTP 408, 429 and 5xx

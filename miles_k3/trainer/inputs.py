@@ -5,7 +5,9 @@ naming its field or file (`miles-train` prints it as one line and exits with sta
     model.path       config.json (-> K3Config), then every tensor of the checkpoint (read last: the slowest)
     lora.targets     select modules of this model (read off its tensor layout, no model built)
     model.tokenizer  loads, and its eos id lies inside the model's vocabulary
-    data.chat_template  "hf": the tokenizer has a chat template (prompts are rendered by it)
+    data.chat_template  "hf": the tokenizer has a chat template (prompts are rendered by it); "k3": the
+                     tokenizer has K3's structure tokens (prompts are rendered to ids by K3's encoding, the
+                     checkpoint's own renderer when it has one) and its end-of-turn token lies in the vocabulary
     rollout.memory_mb  the engine's pool holds at least one KV page and one state slot of this model
     data.path, data.eval_path  every row (load_prompts); every prompt encodes to ids of the model's
                      vocabulary and fits the engine with rollout.max_new_tokens (Engine.submit's rules, applied
@@ -35,6 +37,7 @@ import torch
 
 from miles_k3.data import PromptRecord, PromptSampler, load_prompts
 from miles_k3.data.hf_chat import TemplatedPrompts, hf_chat_renderer
+from miles_k3.data.k3_chat import K3Chat, K3ChatPrompts
 from miles_k3.data.tokenizers import Tokenizer
 from miles_k3.model.base import TORCH_DTYPES
 from miles_k3.model.config import K3Config
@@ -166,6 +169,8 @@ def media_prompts(
         )
     if rc.rollout.fn is not None:
         raise ValueError(f"{where}: image prompts through rollout.fn ({rc.rollout.fn}) are not built yet")
+    if rc.data.chat_template == "k3":
+        raise ValueError(f"{where}: image prompts with data.chat_template=k3 are not built yet")
     if rc.parallel.cp > 1:
         raise ValueError(
             f"{where}: image prompts with parallel.cp={rc.parallel.cp} are not built yet (the "
@@ -371,6 +376,15 @@ def load_run_inputs(rc: ResolvedConfig, run_dir: str | Path, *, weights: str | N
     if rc.data.chat_template == "hf":  # resolve checked model.tokenizer=hf
         apply_chat = in_section("data", lambda: hf_chat_renderer(tok.hf, rc.model.path))
         tok = TemplatedPrompts(tok)
+    elif rc.data.chat_template == "k3":  # resolve checked model.tokenizer=hf
+        chat = _named("data.chat_template 'k3'", lambda: K3Chat(tok.hf, rc.model.path))
+        if chat.end_of_turn_id >= config.vocab_size:
+            raise ValueError(
+                f"data.chat_template 'k3': the end-of-turn id {chat.end_of_turn_id} is outside the model's "
+                f"vocabulary ({config.vocab_size})"
+            )
+        tok = K3ChatPrompts(tok, chat, rc.data.thinking)
+        apply_chat = tok.render
     sizes = _named(
         f"rollout.memory_mb ({rc.rollout.memory_mb} MiB)",
         lambda: PoolSizes.from_budget(

@@ -45,6 +45,7 @@ import torch
 
 from miles_k3.algo import group_advantages, groups_to_refill, nonzero_variance_groups, reward_stats
 from miles_k3.data import PromptRecord, PromptSampler
+from miles_k3.data.k3_chat import read_reply
 from miles_k3.data.sample import Sample, SequenceMedia
 from miles_k3.rewards import score
 from miles_k3.trainer import checkpoint as ckpt
@@ -163,7 +164,7 @@ class GRPODriver:
             )
         for s in samples:
             if s.response is None:
-                s.response = self.tok.decode(s.output_ids)
+                read_reply(self.tok, s)  # the decoded output; K3 chat: the response channel, reasoning, tool calls
         return samples
 
     def collect(self, step: int) -> tuple[TrainBatch, dict[str, float]]:

@@ -192,10 +192,10 @@ def resolve(cfg: Any) -> ResolvedConfig:
             f"algo.updates_per_step must be <= rollout.prompts_per_step ({r.prompts_per_step}): "
             f"each update takes whole groups, got {a.updates_per_step}"
         )
-    if d.chat_template == "hf" and cfg.model.tokenizer != "hf":
+    if d.chat_template in ("hf", "k3") and cfg.model.tokenizer != "hf":
         raise ValueError(
-            "data.chat_template 'hf' renders with the checkpoint tokenizer's own template: needs "
-            f"model.tokenizer=hf, got model.tokenizer={cfg.model.tokenizer!r}"
+            f"data.chat_template {d.chat_template!r} renders with the checkpoint tokenizer's own chat encoding: "
+            f"needs model.tokenizer=hf, got model.tokenizer={cfg.model.tokenizer!r}"
         )
     if d.chat_template == "chatml" and cfg.model.tokenizer == "hf":
         raise ValueError(

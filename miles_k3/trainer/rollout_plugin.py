@@ -29,6 +29,17 @@ loop thread); "http" starts `miles-serve`'s app over the same engine on 127.0.0.
 through its SGLang-native `POST /generate` (`client.base_url` is there for agent code that speaks the
 OpenAI API: model "policy" is the adapter being trained).
 
+With a tokenizer that speaks K3's chat (`miles_k3.data.k3_chat`), each turn a client returns carries its reply
+parsed from its tokens: `turn.response` (the response channel), `turn.reasoning` (the think channel) and
+`turn.tool_calls` (`ToolCall`s: `name`, `arguments` JSON, `args()`); `client.chat` is the codec, whose
+`continuation(messages)` gives the environment tokens after a reply (tool results, then the next generation
+prompt), and the run's stop is the checkpoint's end-of-turn token under data.chat_template=k3:
+
+    turn = await client.generate(sample.ids)
+    sample.add_policy(turn)
+    results = [{"role": "tool", "name": c.name, "content": run_tool(c.name, c.args())} for c in turn.tool_calls]
+    sample.add_environment(client.chat.continuation(results))
+
 A sample whose every response token is masked (or which has none) carries no signal: the loop drops it and
 counts it (`samples_all_masked`). A function that raises, or returns something other than its client's
 `sample` filled validly, stops the run with `RolloutPluginError` naming the function and the sample.
@@ -46,6 +57,7 @@ from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 import torch
 
 from miles_k3.data import PromptRecord
+from miles_k3.data.k3_chat import chat_of
 from miles_k3.data.sample import Sample
 from miles_k3.model.routing import decode_table
 from rollout.request import SamplingParams
@@ -114,6 +126,7 @@ class PolicyClient:
         self.sample = job.sample  # the record the function fills and returns
         self.prompt_ids = list(job.sample.prompt_ids)
         self.eos_token_id = codec.eos_token_id
+        self.chat = chat_of(codec)  # K3's chat encoding, when the tokenizer speaks it (None: it does not)
         self.turns = 0
 
     def encode(self, text: str) -> list[int]:
@@ -145,8 +158,12 @@ class PolicyClient:
     ) -> Sample:
         """The policy's continuation of `ids` (prompt and every turn so far), ending at a stop token (kept)
         or after max_new_tokens: a Sample whose `output_ids`, `logprobs` and `finish_reason` ("stop": a stop
-        token, kept as the last token | "length" | "abort") are the turn's, for `sample.add_policy`."""
-        return await self._generate(list(ids), self._params(max_new_tokens, tuple(stop_token_ids)))
+        token, kept as the last token | "length" | "abort") are the turn's, for `sample.add_policy`; with K3's
+        chat encoding (`chat`) also its parsed reply: `response`, `reasoning`, `tool_calls`."""
+        t = await self._generate(list(ids), self._params(max_new_tokens, tuple(stop_token_ids)))
+        if self.chat is not None:
+            self.chat.fill(t)
+        return t
 
     def generate_sync(
         self, ids: list[int], *, max_new_tokens: int | None = None, stop_token_ids: tuple[int, ...] | list[int] = ()

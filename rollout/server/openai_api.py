@@ -16,9 +16,17 @@ Supported request fields
                 safety_identifier (ignored: they carry no meaning for generation here)
     extensions  (vLLM's / SGLang's names, e.g. through the openai package's `extra_body`) top_k,
                 ignore_eos, stop_token_ids, skip_special_tokens, no_stop_trim
-Refused unless at their neutral value (400): frequency_penalty, presence_penalty, logit_bias, tools,
-tool_choice, functions, function_call, audio, modalities, prediction. Any other field is a 400 ("unknown
-field").
+    K3 chat     on a checkpoint whose tokenizer speaks K3's chat (`ServerTokenizer.chat`,
+                `miles_k3.data.k3_chat`): messages may carry assistant `tool_calls` / `reasoning_content` and
+                tool results (`tool_call_id`, `name`); tools (OpenAI's functions), tool_choice ("auto", "none",
+                "required"), chat_template_kwargs {thinking (default true), thinking_effort}. The prompt is
+                rendered straight to ids, the reply ends at the checkpoint's end-of-turn token, and its tokens
+                are parsed into the message's `reasoning_content`, `content` and `tool_calls` (streamed as
+                deltas of the same fields; a tool call arrives whole, once its call closes; finish_reason
+                "tool_calls" when the reply called tools).
+Refused unless at their neutral value (400): frequency_penalty, presence_penalty, logit_bias, tools and
+tool_choice (taken under K3 chat), functions, function_call, audio, modalities, prediction. Any other field is
+a 400 ("unknown field").
 
 Log-probs are those of the sampled token under the untruncated distribution at the request's temperature
 (temperature 1 when greedy), as the engine computes them for RL; top log-probs come from that same
@@ -38,6 +46,16 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from miles_k3.data.k3_chat import (
+    THINKING_EFFORTS,
+    TOOL_CHOICES,
+    ChatTurn,
+    K3Chat,
+    ReplyParser,
+    check_chat_message,
+    check_tools,
+)
+from miles_k3.data.media import image_block, media_pad_positions
 from rollout.request import SamplingParams
 from rollout.server.generation import Choice, Delta, Generation, GenerationRequest, RequestError
 from rollout.server.images import ImagePart, images_prompt_ids, message_text, process_images
@@ -273,9 +291,10 @@ async def chat_completions(request: Request):
         messages = f.required("messages")
         if not isinstance(messages, list) or not messages:
             raise RequestError("messages must be a non-empty list of {role, content} objects", param="messages")
+        chat = ctx.tokenizer.chat
         parts: list[ImagePart] = []
         try:
-            checked = [message_text(i, m, parts) for i, m in enumerate(messages)]
+            checked = [(message_text if chat is None else _k3_message_in)(i, m, parts) for i, m in enumerate(messages)]
         except ValueError as e:  # "messages[1].content[0] must be ...": the field is the message's first word
             field = str(e).split(" ", 1)[0].rstrip(":")
             raise RequestError(str(e), param=field if field.startswith("messages") else "messages") from None
@@ -285,9 +304,10 @@ async def chat_completions(request: Request):
         if top and not want_lp:
             raise f.fail("top_logprobs", "needs logprobs: true")
         ctx.check_not_speculative(top > 0, "top_logprobs")
-        for key in ("tools", "functions"):
+        k3 = None if chat is None else _k3_options(f)
+        for key in ("functions",) if chat is not None else ("tools", "functions"):
             f.neutral(key, [])
-        for key in ("tool_choice", "function_call"):
+        for key in ("function_call",) if chat is not None else ("tool_choice", "function_call"):
             f.neutral(key, "none")
         for key in ("audio", "modalities", "prediction"):
             f.neutral(key, ["text"] if key == "modalities" else None)
@@ -304,7 +324,10 @@ async def chat_completions(request: Request):
         f.finish()
         # the images after every cheap check; decoded and resized off the event loop (streams keep flowing)
         images = await asyncio.to_thread(process_images, ctx, parts) if parts else []
-        ids = images_prompt_ids(ctx, {"messages": checked}, images, "messages")
+        if chat is None:
+            ids = images_prompt_ids(ctx, {"messages": checked}, images, "messages")
+        else:
+            ids = encode(lambda m: _k3_prompt(ctx, chat, m, k3, images), checked, "messages")
         gen = ctx.service.open(_requests([ids], s, n, adapter, max_new, key, None, ctx, images, top))
     except RequestError as e:
         return json_error(e)
@@ -320,15 +343,15 @@ async def chat_completions(request: Request):
     if not isinstance(samples, list):
         return samples
     try:
-        choices = [
-            {
-                "index": s.index,
-                "message": {"role": "assistant", "content": s.text},
-                "finish_reason": _finish(s),
-                "logprobs": _chat_logprobs(ctx, s.token_ids, s.logprobs, s.top_logprobs) if want_lp else None,
-            }
-            for s in samples
-        ]
+        choices = []
+        for s in samples:
+            message, finish = {"role": "assistant", "content": s.text}, _finish(s)
+            if chat is not None:
+                turn = chat.reply(s.prompt_ids, s.token_ids)
+                message = {"role": "assistant", **_k3_fields(turn, whole=True)}
+                finish = "tool_calls" if turn.tool_calls and finish == "stop" else finish
+            lp = _chat_logprobs(ctx, s.token_ids, s.logprobs, s.top_logprobs) if want_lp else None
+            choices.append({"index": s.index, "message": message, "finish_reason": finish, "logprobs": lp})
     except RequestError as e:
         return json_error(e)
     return JSONResponse({**meta, "choices": choices, "usage": _usage(gen, samples), "system_fingerprint": None})
@@ -368,22 +391,100 @@ async def _completion_chunks(ctx, gen: Generation, meta, want_lp: bool, include_
 async def _chat_chunks(ctx, gen: Generation, meta, want_lp: bool, include_usage: bool):
     meta = {**meta, "object": "chat.completion.chunk"}
     started: set[int] = set()
+    k3 = None if ctx.tokenizer.chat is None else K3Stream(ctx.tokenizer.chat, [st.req.prompt_ids for st in gen.states])
     async for d in _deltas_first(gen):
         if isinstance(d, RequestError):
             yield sse(error_body(d))
             break
-        delta: dict[str, Any] = {"content": d.text}
+        delta, finish = ({"content": d.text}, d.finish_reason) if k3 is None else k3.delta(d)
         if d.index not in started:
             started.add(d.index)
             delta["role"] = "assistant"
         lp = _chat_logprobs(ctx, d.token_ids, d.logprobs, d.top) if want_lp else None
-        yield sse(
-            {**meta, "choices": [{"index": d.index, "delta": delta, "logprobs": lp, "finish_reason": d.finish_reason}]}
-        )
+        yield sse({**meta, "choices": [{"index": d.index, "delta": delta, "logprobs": lp, "finish_reason": finish}]})
     else:
         if include_usage:
             yield sse({**meta, "choices": [], "usage": _usage(gen, [st.sample for st in gen.states])})
     yield sse("[DONE]")
+
+
+# ------------------------------------------------------------------ K3 chat
+def _k3_message_in(i: int, message: Any, parts: list) -> dict[str, Any]:
+    """messages[i] of a K3 chat request: role and content as every chat request reads them (`message_text`:
+    image parts collected into `parts`), plus K3's fields (`check_chat_message`: tool calls, reasoning, tool
+    results). An assistant message's content may be null when it carries tool calls."""
+    if isinstance(message, dict) and message.get("content") is None and message.get("tool_calls"):
+        message = {**message, "content": ""}
+    content = message_text(i, message, parts)["content"]
+    return check_chat_message(i, {**message, "content": content}, None)
+
+
+def _k3_options(f: Fields) -> dict[str, Any]:
+    """A K3 chat request's tools, tool_choice and chat_template_kwargs (thinking, thinking_effort), checked."""
+    tools = f.raw("tools", None)
+    if tools is not None:
+        try:
+            tools = check_tools(tools) or None  # [] offers no tools
+        except ValueError as e:  # "tools[0].function.name must be ...": the field is its first word
+            raise RequestError(str(e), param=str(e).split(" ", 1)[0]) from None
+    choice = f.raw("tool_choice", None)
+    if choice is not None and choice not in TOOL_CHOICES:
+        raise f.fail("tool_choice", f"must be one of {list(TOOL_CHOICES)} (a named tool is not supported for K3)")
+    kw = Fields(f.raw("chat_template_kwargs", {}), "chat_template_kwargs")
+    thinking = kw.bool("thinking", True)
+    effort = kw.str("thinking_effort", "max")
+    if effort not in THINKING_EFFORTS:
+        raise kw.fail("thinking_effort", f"must be one of {list(THINKING_EFFORTS)}")
+    kw.finish()
+    return dict(tools=tools, tool_choice=choice, thinking=thinking, thinking_effort=effort)
+
+
+def _k3_prompt(ctx: ServerContext, chat: K3Chat, messages: list[dict], options: dict, images: list) -> list[int]:
+    """The prompt ids of a K3 chat request: rendered by the checkpoint's K3 encoding, each image placeholder
+    its image's XTML block (special tokens), the pad runs checked against the images."""
+    tools = options["tools"]
+    rest = {k: v for k, v in options.items() if k != "tools"}
+    if not images:
+        return chat.render(messages, tools, **rest)
+    ids = chat.render(messages, tools, image_prompts=[image_block(im) for im in images], **rest)
+    media_pad_positions(ids, images, ctx.media_pad_id)
+    return ids
+
+
+def _k3_fields(turn: ChatTurn, whole: bool) -> dict[str, Any]:
+    """A reply's message fields in OpenAI's shapes: `reasoning_content` (thinking on), `content` (null in a
+    whole message that only calls tools), `tool_calls` (each with a fresh id; in a delta, with its index).
+    A delta (`whole` False) carries only the fields that have something new."""
+    out: dict[str, Any] = {}
+    if turn.reasoning is not None and (whole or turn.reasoning):
+        out["reasoning_content"] = turn.reasoning
+    if whole or turn.content:
+        out["content"] = turn.content if (turn.content or not turn.tool_calls or not whole) else None
+    if turn.tool_calls:
+        out["tool_calls"] = [
+            {**({} if whole else {"index": c.index}), **c.openai(f"call_{new_id()}")} for c in turn.tool_calls
+        ]
+    return out
+
+
+class K3Stream:
+    """A streamed K3 chat request's replies, one parser per choice (`K3Chat.stream` from its prompt): each
+    `Delta`'s tokens become the chat delta's fields (`_k3_fields`), and a choice that called tools finishes
+    with "tool_calls" instead of "stop"."""
+
+    def __init__(self, chat: K3Chat, prompts: list[list[int]]):
+        self.parsers: list[ReplyParser] = [chat.stream(p) for p in prompts]
+
+    def delta(self, d: Delta) -> tuple[dict[str, Any], str | None]:
+        """(the delta's fields, its finish_reason)."""
+        parser = self.parsers[d.index]
+        new = parser.feed(d.token_ids)
+        if d.finish_reason is not None:
+            new.add(parser.finish())
+        reasoning = new.reasoning if parser.turn.reasoning is not None else None
+        fields = _k3_fields(ChatTurn(reasoning, new.content, tuple(new.tool_calls)), whole=False)
+        finish = d.finish_reason
+        return fields, "tool_calls" if finish == "stop" and parser.turn.tool_calls else finish
 
 
 async def _deltas_first(gen: Generation) -> AsyncIterator[Delta | RequestError]:

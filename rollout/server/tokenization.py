@@ -7,7 +7,10 @@ its special tokens (`add_special_tokens=True`).
 
 Chat messages (checked by `rollout.server.images.message_text`): an HF checkpoint's own template
 (`apply_chat_template` of its tokenizer config, with the generation prompt), whose text is encoded without
-adding special tokens again (the template writes them).
+adding special tokens again (the template writes them). A tokenizer that speaks K3's chat (its structure
+tokens, and its own renderer or no Jinja template: `miles_k3.data.k3_chat.K3Chat.detect`) renders messages
+straight to ids (`K3ServerTokenizer`), its eos is the checkpoint's end-of-turn token, and `chat` parses replies
+into reasoning, content and tool calls for the chat API.
 The embedded arithmetic models were pretrained on bare problems (`12+3=`), so their "template" is the
 messages' contents concatenated, then encoded as a prompt.
 
@@ -17,36 +20,12 @@ error a request can cause is a ValueError whose message the HTTP layer returns a
 
 from __future__ import annotations
 
+import re
+
+from miles_k3.data.k3_chat import K3Chat, chat_of
+from miles_k3.data.media import IMAGE_PLACEHOLDER, MEDIA_BEGIN, MEDIA_END
 from miles_k3.data.messages import check_messages
-from miles_k3.data.tokenizers import ArithmeticTextTokenizer, HFTokenizer, Tokenizer, load_tokenizer
-
-
-class Decoder:
-    """Text of a growing token sequence, delivered in pieces: `push(ids)` returns the text those tokens
-    complete (held back while the tail decodes to an incomplete character), `finish()` the rest."""
-
-    def __init__(self, decode):
-        self._decode = decode
-        self.ids: list[int] = []
-        self._prefix = 0  # ids[_prefix:_read] decode to the last `_prefix_text`; a window, not the whole text
-        self._read = 0
-
-    def push(self, ids: list[int]) -> str:
-        self.ids.extend(ids)
-        prefix_text = self._decode(self.ids[self._prefix : self._read])
-        text = self._decode(self.ids[self._prefix :])
-        if len(text) > len(prefix_text) and not text.endswith("\ufffd"):
-            # decode a window (the previous piece and the new tokens), not the whole text: O(1) per token,
-            # and both strings start at the same token, so context-dependent spacing cancels out
-            self._prefix, self._read = self._read, len(self.ids)
-            return text[len(prefix_text) :]
-        return ""
-
-    def finish(self) -> str:
-        prefix_text = self._decode(self.ids[self._prefix : self._read])
-        text = self._decode(self.ids[self._prefix :])
-        self._prefix = self._read = len(self.ids)
-        return text[len(prefix_text) :]
+from miles_k3.data.tokenizers import ArithmeticTextTokenizer, Decoder, HFTokenizer, Tokenizer, load_tokenizer
 
 
 class ServerTokenizer:
@@ -54,6 +33,7 @@ class ServerTokenizer:
 
     eos_token_id: int
     name_or_path: str
+    chat: K3Chat | None = None  # K3's chat encoding (`K3ServerTokenizer`); None: the chat API returns plain text
 
     def encode(self, text: str) -> list[int]:
         """A prompt string -> ids, special tokens added as training adds them."""
@@ -148,11 +128,41 @@ class HFServerTokenizer(ServerTokenizer):
         return self._base.decode(ids, skip_special_tokens)
 
 
+_MEDIA_BLOCK = re.compile(re.escape(MEDIA_BEGIN) + ".*?" + re.escape(MEDIA_END), re.DOTALL)
+
+
+class K3ServerTokenizer(HFServerTokenizer):
+    """An HF tokenizer that speaks K3's chat (`miles_k3.data.k3_chat`): messages render straight to ids
+    (thinking on, K3's default; the chat API passes its own choice to `chat.render`), and the eos is the
+    checkpoint's end-of-turn token (`K3Chat.end_of_turn_id`), where a reply ends."""
+
+    def __init__(self, base: HFTokenizer, path: str, chat: K3Chat):
+        super().__init__(base, path)
+        self.chat = chat
+        self.eos_token_id = chat.end_of_turn_id
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """K3's rendering of `messages`; the XTML media blocks `prompt_encoder` expanded its image placeholders
+        to go back in as K3's image prompts (special tokens), not as text."""
+        blocks: list[str] = []
+
+        def take(m: re.Match) -> str:
+            blocks.append(m.group(0))
+            return IMAGE_PLACEHOLDER
+
+        messages = [
+            {**m, "content": _MEDIA_BLOCK.sub(take, m["content"])} if isinstance(m.get("content"), str) else m
+            for m in messages
+        ]
+        return self.chat.render(messages, image_prompts=blocks or None)
+
+
 def server_tokenizer(tok: Tokenizer, path: str) -> ServerTokenizer:
     """The server's view of an already-loaded run tokenizer (`miles_k3.data.tokenizers.load_tokenizer`)."""
     if isinstance(tok, ArithmeticTextTokenizer):
         return ArithmeticServerTokenizer(tok, path)
-    return HFServerTokenizer(tok, path)
+    chat = chat_of(tok)
+    return HFServerTokenizer(tok, path) if chat is None else K3ServerTokenizer(tok, path, chat)
 
 
 def build_server_tokenizer(kind: str, path: str | None, name: str | None = None) -> ServerTokenizer:

@@ -137,6 +137,10 @@ run_job() {
     layouts2) job layouts2 python scripts/bench_layouts.py --recipe k3_small_gpu \
         --layouts single,tp2,sp2,dp2,pp2,ep2,cp2 --steps 2 --work-dir /tmp/layouts --timeout 900 \
         --json "$STATE/layouts2.json" ;;
+    # the colocated loop's device memory per phase, nothing offloaded vs the trainer's and engine's idle state on
+    # the host (issue 43's memory phases)
+    memphases) job memphases python scripts/bench_memory_phases.py --recipe k3_small_gpu --steps 3 \
+        --work-dir /tmp/memphases --json "$STATE/memphases.json" ;;
     # the K3-scale loop on two GPUs: engine replicas on the trainer's ranks, the adapter synced shard to shard
     loop2) job loop2 python scripts/bench_layouts.py --recipe k3_small_gpu \
         --layouts single,dp2,tp2_etp2,pp2_etp2,ep2_etp2 --steps 3 --work-dir /tmp/loop2 --timeout 900 \

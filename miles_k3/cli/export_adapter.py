@@ -2,6 +2,7 @@
 
     miles-k3 export-adapter --adapter run/checkpoints/step_40/adapter --model /ckpt --out exported
     miles-k3 export-adapter --adapter DIR --model /ckpt --out merged --format merged [--dtype bfloat16]
+    miles-k3 export-adapter --adapter DIR --model /ckpt --out for_sglang --format sglang [--drop-unsupported]
 
 --adapter reads any PEFT format `miles_k3.model.peft.load_peft` reads (ours, transformers-native
 Kimi-Linear, K3's published names, stacked / shared-outer experts); every module must fit --model's config.
@@ -15,7 +16,11 @@ Kimi-Linear, K3's published names, stacked / shared-outer experts); every module
   loader and, in the Kimi-Linear form, by transformers' KimiLinearForCausalLM. MXFP4 routed experts are
   written dense (the adapter's delta is not on the MXFP4 grid); a tied lm_head cannot take an adapter. The
   base directory's other files (tokenizer, generation_config.json, ...) are copied.
-SGLang: no separate format (see peft's docstring); its loaders read the peft output's per-expert names.
+--format sglang: a PEFT adapter directory SGLang's LoRA loader (`--lora-paths`, `/load_lora_adapter`) applies
+  whole to K3 / Kimi-Linear (`miles_k3.model.peft`'s docstring): K3 names, per-expert routed-expert keys,
+  `target_modules` as leaf names, gate/up, expert and MLA q_a/kv_a partners completed with zeros. Modules
+  SGLang cannot apply (KDA q/k/v/g/b/f_a/f_b, MLA q_proj/g_proj, the LatentMoE projections) fail the export
+  in one line naming them, unless --drop-unsupported, which leaves them out and lists them on stderr.
 """
 
 from __future__ import annotations
@@ -23,13 +28,14 @@ from __future__ import annotations
 import argparse
 import re
 import shutil
+import sys
 from pathlib import Path
 
 import torch
 
 from miles_k3.model.assets import builtin_path
 
-FORMATS = ("peft", "merged")
+FORMATS = ("peft", "merged", "sglang")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _STACKED = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<proj>w[123])$")
 _WEIGHT_FILES = re.compile(r"^(model.*\.safetensors|model\.safetensors\.index\.json|config\.json)$")
@@ -39,7 +45,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--adapter", type=Path, required=True, help="a PEFT LoRA adapter directory")
     p.add_argument("--model", required=True, help="the base checkpoint directory (or builtin:<name>)")
     p.add_argument("--out", type=Path, required=True, help="the directory to write (replaced atomically)")
-    p.add_argument("--format", choices=FORMATS, default="peft", help="peft: an adapter; merged: a full checkpoint")
+    p.add_argument(
+        "--format",
+        choices=FORMATS,
+        default="peft",
+        help="peft: an adapter; merged: a full checkpoint; sglang: an adapter SGLang's LoRA loader applies",
+    )
+    p.add_argument(
+        "--drop-unsupported",
+        action="store_true",
+        help="--format sglang: leave out the modules SGLang cannot apply (listed on stderr) instead of failing",
+    )
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="--format merged: the weights' dtype")
 
 
@@ -101,8 +117,10 @@ def cmd_export_adapter(args) -> int:
     from miles_k3.model.base import load_base_config
     from miles_k3.model.layout import hf_prefix
     from miles_k3.model.lora_spec import adapter_family
-    from miles_k3.model.peft import load_peft, save_peft
+    from miles_k3.model.peft import FAMILY_SGLANG, load_peft, save_peft, sglang_tensors
 
+    if args.drop_unsupported and args.format != "sglang":
+        raise ValueError("--drop-unsupported applies to --format sglang only")
     if not args.adapter.is_dir():
         raise ValueError(f"--adapter {args.adapter}: no such directory")
     model = builtin_path(args.model)
@@ -129,7 +147,27 @@ def cmd_export_adapter(args) -> int:
             base_model_name_or_path=str(model),
             family=adapter_family(config),
         )
+    elif args.format == "sglang":
+        try:
+            out, partners, dropped = sglang_tensors(tensors, config, drop_unsupported=args.drop_unsupported)
+        except ValueError as e:
+            raise ValueError(f"--format sglang: {e}") from None
+        if dropped:
+            print(f"export-adapter: dropped {len(dropped)} modules SGLang cannot apply:", file=sys.stderr)
+            for m in dropped:
+                print(f"  {m}", file=sys.stderr)
+        save_peft(
+            args.out,
+            out,
+            spec,
+            module_prefix=hf_prefix(config),
+            base_model_name_or_path=str(model),
+            family=FAMILY_SGLANG,
+            zero_partners=partners,
+        )
+        tensors = {k: t for k, t in tensors.items() if k.rsplit(".", 1)[0] not in set(dropped)}
     else:
         _merged(args, config, tensors, spec)
-    print(f"wrote {args.out} ({args.format}, {len(tensors) // 2} modules, {adapter_family(config)} naming)")
+    naming = "sglang" if args.format == "sglang" else adapter_family(config)
+    print(f"wrote {args.out} ({args.format}, {len(tensors) // 2} modules, {naming} naming)")
     return 0

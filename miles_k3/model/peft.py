@@ -26,8 +26,19 @@ Formats that exist for Kimi K3 / Kimi-Linear LoRA adapters, and which we read (R
   vLLM (its LoRA loader, vllm/lora/lora_model.py): reads per-expert keys `...experts.<e>.<proj>` (our k3
              format) and PEFT's 3-D layout where `experts.base_layer` is gate_up_proj and `experts` down_proj
              (our kimi_linear format); its Kimi model classes' own module-name mapping was not checked here.
-  sglang: no separate format is written (`export-adapter --format sglang` is not offered): its K3 MoE LoRA
-             loader's expected names and layout were not verified from its code here.
+  sglang (W)  what SGLang's LoRA loader applies to its KimiK3 / KimiLinear model (read from sgl-project/sglang,
+             python/sglang/srt/lora/: lora.py `LoRAAdapter._normalize_weights`, mem_pool.py
+             `load_lora_weight_to_buffer`, utils.py `get_normalized_target_modules` / `get_target_module_name`,
+             lora_manager.py `init_lora_modules`): the k3 names with per-expert 2-D keys `experts.<e>.w1|w2|w3`
+             (renamed to gate/up/down_proj, w1 and w3 stacked into `gate_up_proj_moe`), `target_modules` a list
+             of leaf names (a string other than "all" / "all-linear" is refused; w1 / w3 / w2 listed as gate_proj
+             / up_proj / down_proj: FusedMoE is wrapped only with both gate_up_proj and down_proj targeted). Its
+             buffers are keyed by layer index and a substring of the leaf name, so every gate / up pair, expert
+             triple w1 / w3 / w2 and MLA q_a / kv_a pair is written whole (a missing partner as zeros, left out of
+             `miles_k3.modules`). One r and alpha (rank_pattern is not read). Modules it cannot apply fail the
+             write (`sglang_unsupported`): KDA q / k / v / g / b / f_a / f_b (fused into fused_qkvg_proj or not
+             LoRA targets), MLA q_proj and g_proj, the LatentMoE routed_expert_down / up_proj (no target; their
+             names would land in the down_proj / up_proj buffers).
 
 Every tensor of a file is placed (but PEFT's copy of a targeted lm_head's or embedding's base weight,
 `<..>.base_layer.weight`, which is no delta: its shape is checked against `config`) or `load_peft` fails
@@ -76,7 +87,27 @@ _FORGET = re.compile(r"\.self_attn\.f_([ab])_proj$")
 _FORGET_HF = re.compile(r"\.self_attn\.forget_gate\.f_([ab])_proj$")
 _MLP_MOE = re.compile(r"\.mlp\.(?=(?:shared_experts|experts|routed_expert_(?:down|up)_proj)(?:\.|$))")
 _EMBED_COPY = re.compile(r"^(lm_head|model\.embed_tokens)\.base_layer\.weight$")
-_EXPERT_PARAMS = ("gate_up_proj", "down_proj")  # KimiLinearExperts' parameters, in registration order
+_EXPERT_PARAMS = ("gate_up_proj", "down_proj")
+FAMILY_SGLANG = "sglang"  # written only (`export-adapter --format sglang`): k3 names, SGLang's target_modules
+_WRITE_FAMILIES = (*ADAPTER_FAMILIES, FAMILY_SGLANG)
+# engine modules SGLang's LoRA cannot apply to K3 / Kimi-Linear, and why (module docstring)
+_SGLANG_UNSUPPORTED = (
+    (
+        re.compile(r"\.self_attn\.(?:q_proj|k_proj|v_proj|g_proj|b_proj|f_a_proj|f_b_proj)$"),
+        "SGLang's K3 fuses KDA q/k/v/g into fused_qkvg_proj and keeps b/f_a/f_b and the MLA gate as modules its "
+        "LoRA does not wrap",
+    ),
+    (
+        re.compile(r"\.routed_expert_(?:down|up)_proj$"),
+        "SGLang has no LoRA target for the LatentMoE projections (its loader would file them under down_proj / "
+        "up_proj)",
+    ),
+)
+_SGLANG_LEAF = {
+    "w1": "gate_proj",
+    "w3": "up_proj",
+    "w2": "down_proj",
+}  # what get_normalized_target_modules wants  # KimiLinearExperts' parameters, in registration order
 META_MODULES, META_BLOCK, META_DROPOUT = "miles_k3.modules", "miles_k3.block_gate_up", "miles_k3.lora_dropout"
 
 
@@ -96,9 +127,9 @@ def _modules(tensors: dict[str, torch.Tensor]) -> list[str]:
 
 def family_name(module: str, family: str) -> str:
     """An engine module name (K3's published naming) in `family`'s naming (module docstring)."""
-    if family not in ADAPTER_FAMILIES:
-        raise ValueError(f"adapter family must be one of {ADAPTER_FAMILIES}, got {family!r}")
-    if family == FAMILY_K3:
+    if family not in _WRITE_FAMILIES:
+        raise ValueError(f"adapter family must be one of {_WRITE_FAMILIES}, got {family!r}")
+    if family in (FAMILY_K3, FAMILY_SGLANG):
         return module
     return _FORGET.sub(r".self_attn.forget_gate.f_\1_proj", module.replace(".block_sparse_moe.", ".mlp."))
 
@@ -115,6 +146,66 @@ def infer_family(tensors: dict[str, torch.Tensor], module_prefix: str = "") -> s
     the config is at hand: an adapter of a K3 model that touches none of those modules would be misread."""
     k3_only = re.compile(r"\.(routed_expert_(down|up)_proj|self_attn\.g_proj)\.lora_[AB]$")
     return FAMILY_K3 if module_prefix or any(k3_only.search(k) for k in tensors) else FAMILY_KIMI_LINEAR
+
+
+def sglang_unsupported(modules: Iterable[str]) -> dict[str, str]:
+    """Engine modules SGLang's LoRA cannot apply to a K3 / Kimi-Linear model -> why (module docstring)."""
+    out = {}
+    for m in modules:
+        reason = next((why for pattern, why in _SGLANG_UNSUPPORTED if pattern.search(m)), None)
+        if reason is not None:
+            out[m] = reason
+    return out
+
+
+def sglang_tensors(
+    tensors: dict[str, torch.Tensor], config: K3Config, *, drop_unsupported: bool = False
+) -> tuple[dict[str, torch.Tensor], list[str], list[str]]:
+    """Engine-named tensors -> (what `save_peft(family="sglang")` writes: SGLang-unsupported modules dropped or
+    refused, each gate / up pair, expert triple and MLA q_a / kv_a pair completed with zero partners; the zero
+    partners' module names; the dropped module names). ValueError, one line naming the unsupported modules and
+    why, unless `drop_unsupported`; or when a partner SGLang needs is not a module of `config`."""
+    mods = _modules(tensors)
+    bad = sglang_unsupported(mods)
+    if bad and not drop_unsupported:
+        by_reason: dict[str, list[str]] = {}
+        for m, why in bad.items():
+            by_reason.setdefault(why, []).append(m)
+        raise ValueError(
+            "SGLang cannot apply "
+            + "; ".join(f"{', '.join(ms[:6])}{' ...' if len(ms) > 6 else ''} ({why})" for why, ms in by_reason.items())
+            + " (--drop-unsupported leaves them out)"
+        )
+    out = {k: t for k, t in tensors.items() if k.rsplit(".", 1)[0] not in bad}
+    if not out:
+        raise ValueError("SGLang can apply none of the adapter's modules")
+    kept = set(mods) - set(bad)
+    groups = (
+        ((".gate_proj", ".up_proj"), re.compile(r"\.(?:gate|up)_proj$")),
+        ((".experts.w1", ".experts.w3", ".experts.w2"), re.compile(r"\.experts\.w[123]$")),
+        ((".q_a_proj", ".kv_a_proj_with_mqa"), re.compile(r"\.(?:q_a_proj|kv_a_proj_with_mqa)$")),
+    )
+    shapes = _module_shapes(config)
+    rank = tensors[f"{mods[0]}.lora_A"].shape[-2]
+    partners: list[str] = []
+    for m in sorted(kept):
+        for suffixes, pattern in groups:
+            hit = pattern.search(m)
+            if hit is None:
+                continue
+            base = m[: hit.start()]
+            for suffix in suffixes:
+                p = base + suffix
+                if p in kept or p in partners:
+                    continue
+                if p not in shapes:
+                    raise ValueError(f"SGLang loads {m!r} together with {p!r}, which this model does not have")
+                (o, i), a = shapes[p], tensors[f"{m}.lora_A"]
+                lead = tuple(a.shape[:-2])  # routed experts: [E]
+                out[f"{p}.lora_A"] = a.new_zeros(*lead, rank, i)
+                out[f"{p}.lora_B"] = a.new_zeros(*lead, o, rank)
+                partners.append(p)
+    return out, sorted(partners), sorted(bad)
 
 
 def _check_shapes(m: str, a: torch.Tensor, b: torch.Tensor, rank: int) -> None:
@@ -156,12 +247,14 @@ def peft_tensors(
     alpha_pattern as multiples of the adapter's alpha). Validates shapes vs rank (ValueError naming the
     module)."""
     out, targets = _peft_part(tensors, rank, module_prefix, family)
-    return out, _config_targets(targets, rank)
+    return out, _config_targets(targets, rank, family)
 
 
-def _config_targets(t: dict, rank: int) -> dict:
+def _config_targets(t: dict, rank: int, family: str = FAMILY_K3) -> dict:
     """The adapter_config.json entries of `_peft_part`'s targets (of one part, or of several merged)."""
     config: dict = {"target_modules": "(?:" + "|".join(t["linear"]) + ")" if t["linear"] else []}
+    if family == FAMILY_SGLANG:  # SGLang: a list of leaf names (get_normalized_target_modules)
+        config["target_modules"] = sorted(set(t["leaves"]))
     if t["params"]:
         config.update(
             target_parameters=t["params"],
@@ -179,14 +272,19 @@ def _peft_part(
     tensors and what they target (linear regex parts, target parameters, rank pattern, block-diagonal
     gate_up prefixes), which merge across parts by concatenation."""
     family_name("", family)  # validates family
+    if family == FAMILY_SGLANG and (bad := sglang_unsupported(_modules(tensors))):
+        raise ValueError(f"SGLang cannot apply {sorted(bad)[:6]}: {next(iter(bad.values()))} (see sglang_tensors)")
     out: dict[str, torch.Tensor] = {}
     linear: list[str] = []  # target_modules regex parts
     params: list[str] = []  # target_parameters
     rank_pattern: dict[str, int] = {}
     experts: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
+    leaves: list[str] = []  # SGLang's target_modules
     for m in _modules(tensors):
         a, b = tensors[f"{m}.lora_A"], tensors[f"{m}.lora_B"]
         _check_shapes(m, a, b, rank)
+        leaf = m.rsplit(".", 1)[-1]
+        leaves.append(_SGLANG_LEAF.get(leaf, leaf) if _STACKED.match(m) else leaf)
         stacked = _STACKED.match(m)
         if stacked and family == FAMILY_KIMI_LINEAR:
             experts.setdefault(stacked["prefix"], {})[stacked["proj"]] = (a, b)
@@ -220,7 +318,7 @@ def _peft_part(
             params.append(f"{module}.{param}")
             if r != rank:
                 rank_pattern[re.escape(f"{module}.{param}")] = r
-    return out, {"linear": linear, "params": params, "rank_pattern": rank_pattern, "block": block}
+    return out, {"linear": linear, "params": params, "rank_pattern": rank_pattern, "block": block, "leaves": leaves}
 
 
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64"}
@@ -270,10 +368,13 @@ def save_peft(
     module_prefix: str = "",
     base_model_name_or_path: str | None = None,
     family: str | None = None,
+    zero_partners: Iterable[str] = (),
 ) -> None:
     """Write `tensors` (engine naming, full tensors on any device) as a PEFT LoRA adapter directory in
     `family`'s naming (`k3` or `kimi_linear`, module docstring; None: `infer_family`). PEFT's
-    `PeftModel.from_pretrained` on that family's model applies every module of it.
+    `PeftModel.from_pretrained` on that family's model applies every module of it. `family="sglang"` writes
+    what SGLang's loader applies (pass `sglang_tensors`' output, its zero partners as `zero_partners`: they are
+    left out of the metadata's module list, so `load_peft` reads back the adapter's own modules).
 
     `tensors` may also be an iterable of parts (each whole modules, a layer's expert projections together:
     what `TrainerGroup.adapter_parts` yields), converted and written one at a time, so the whole adapter is
@@ -289,21 +390,21 @@ def save_peft(
         raise ValueError("save_peft: an adapter in parts needs its family (adapter_family(config))")
     else:
         parts = tensors
-    targets: dict = {"linear": [], "params": [], "rank_pattern": {}, "block": []}
+    targets: dict = {"linear": [], "params": [], "rank_pattern": {}, "block": [], "leaves": []}
     modules: list[str] = []
     with staged_dir(Path(path), last=CONFIG_FILE) as tmp:  # config last: a reader that sees it sees its weights
         stream = _SafetensorsStream(tmp / WEIGHTS_FILE)
         for part in parts:
             modules += _modules(part)
             weights, t = _peft_part(part, lora.rank, module_prefix, family)
-            for key in ("linear", "params", "block"):
+            for key in ("linear", "params", "block", "leaves"):
                 targets[key] += t[key]
             targets["rank_pattern"].update(t["rank_pattern"])
             for name, w in weights.items():
                 stream.add(name, w)
         if not modules:
             raise ValueError("save_peft: no adapter tensors to save")
-        config_targets = _config_targets(targets, lora.rank)
+        config_targets = _config_targets(targets, lora.rank, family)
         block = config_targets.pop("block", [])
         alpha_pattern = {k: lora.alpha * x for k, x in config_targets.pop("alpha_pattern", {}).items()}
         config = {
@@ -327,7 +428,7 @@ def save_peft(
         }
         meta = {
             "format": "pt",
-            META_MODULES: json.dumps(sorted(modules)),
+            META_MODULES: json.dumps(sorted(set(modules) - set(zero_partners))),
             META_BLOCK: json.dumps(block),
             META_DROPOUT: repr(float(lora.dropout)),
         }

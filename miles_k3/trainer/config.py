@@ -272,6 +272,10 @@ class RolloutCfg(component_fields(EngineConfig, ENGINE_KEYS), component_fields(S
     # versions ahead of training (the next steps' rollouts while this one trains; needs rollout.backend=http,
     # whose servers keep the last k + 1 versions loaded: miles-serve --max-loras >= k + 2)
     max_staleness: int = 0
+    # what an adapter update does to rollouts in flight (with max_staleness > 0): off (they finish under the
+    # version that began them) | restart (aborted and drawn again by the new version) | continue (aborted and
+    # continued from their tokens by the new version; each token tagged with the version that drew it)
+    partial: str = "off"
 
     def check(self) -> None:
         from miles_k3.trainer.rollout_plugin import CLIENTS
@@ -306,6 +310,11 @@ class RolloutCfg(component_fields(EngineConfig, ENGINE_KEYS), component_fields(S
         elif self.urls:
             raise c.fail("urls", "only applies with rollout.backend=http")
         c.int_at_least("max_staleness", 0)
+        c.choice("partial", ("off", "restart", "continue"))
+        if self.partial != "off" and not self.max_staleness:
+            raise c.fail(
+                "partial", "applies with rollout.max_staleness > 0: only then are rollouts in flight at an update"
+            )
         if self.max_staleness and self.backend != "http":
             raise c.fail(
                 "max_staleness",

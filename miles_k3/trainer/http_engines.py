@@ -31,7 +31,9 @@ import base64
 import json
 import logging
 import tempfile
+import threading
 import time
+import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -65,10 +67,14 @@ class HTTPEngines(RolloutBackend):
         *,
         record_routing: bool = False,
         keep_versions: int = 1,
+        partial: str = "off",
         timeout_s: float = 600.0,
     ):
         """`keep_versions`: adapter versions each server keeps loaded (rollout.max_staleness + 1: requests of
-        the older ones may still be in flight when a new one arrives)."""
+        the older ones may still be in flight when a new one arrives). `partial` (rollout.partial): what an
+        update does to the requests in flight: "off" they finish under their version; "restart" they are
+        aborted and sent again under the new one; "continue" aborted and sent again from their tokens, the new
+        version drawing the rest."""
         import httpx
 
         from miles_k3.model.routing import moe_layers
@@ -80,6 +86,13 @@ class HTTPEngines(RolloutBackend):
         self.timeout = httpx.Timeout(timeout_s, connect=10.0)
         self.client = httpx.Client(timeout=self.timeout)
         self.failed: dict[str, str] = {}  # url -> why it left the set
+        self.partial = partial
+        # requests in flight (rid -> (server, version)) and those an update stopped: the generating thread and
+        # the driver's (which syncs) share them
+        self.lock = threading.Lock()
+        self.inflight: dict[str, tuple[str, int]] = {}
+        self.stopped: set[str] = set()
+        self.partials = 0  # requests an update stopped and sent again
         logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request in the run's log
 
     @property
@@ -99,25 +112,45 @@ class HTTPEngines(RolloutBackend):
         return samples
 
     async def _one(self, http, sample: Sample, params: SamplingParams, group: int) -> None:
-        body = self._body(sample, params)
+        done = _Partial()  # with rollout.partial=continue: the tokens of versions an update stopped
         while True:
             if not self.alive:
                 raise ValueError(f"rollout.urls: no server answers ({self._why()})")
             url = self.alive[group % len(self.alive)]
+            body = self._body(sample, params, done)
+            rid = body["rid"]
+            with self.lock:
+                self.inflight[rid] = (url, body["lora_version"])
             try:
-                out = await self._post(http, url, body)
+                out = await self._post(http, url, body, rid)
             except ServerGone as e:
                 self._drop(url, str(e))
                 continue
-            self._fill(sample, out)
+            finally:
+                with self.lock:
+                    self.inflight.pop(rid, None)
+                    self.stopped.discard(rid)
+            # only our own aborts come back as answers (a server's abort is ServerGone); a request that finished
+            # before the abort reached it keeps its answer
+            if (out["meta_info"].get("finish_reason") or {}).get("type") == "abort":
+                # an update stopped it: again under the new version, from scratch or from its tokens
+                self.partials += 1
+                if self.partial == "restart":
+                    continue
+                if len(done.ids) + len(out["output_ids"]) < params.max_new_tokens:
+                    done.add(out, body["lora_version"])
+                    continue
+                out["meta_info"]["finish_reason"] = {"type": "length"}  # stopped on its last token
+            self._fill(sample, out, done, body["lora_version"])
             return
 
-    async def _post(self, http, url: str, body: dict) -> dict:
+    async def _post(self, http, url: str, body: dict, rid: str) -> dict:
         import httpx
 
+        wire = {k: v for k, v in body.items() if k != "lora_version"}
         while True:
             try:
-                r = await http.post(f"{url}/generate", json=body)
+                r = await http.post(f"{url}/generate", json=wire)
             except httpx.HTTPError as e:
                 raise ServerGone(f"{type(e).__name__}: {e}") from None
             if r.status_code != 429:  # a full queue: the same server, a moment later
@@ -129,17 +162,21 @@ class HTTPEngines(RolloutBackend):
             raise ValueError(f"rollout.urls {url}: /generate refused a request: {r.text[:300]}")
         out = r.json()
         if (out["meta_info"].get("finish_reason") or {}).get("type") == "abort":
+            with self.lock:
+                if rid in self.stopped:  # our own abort (an update): the caller goes on from what it had
+                    return out
             raise ServerGone("the server aborted the request")
         return out
 
-    def _body(self, sample: Sample, params: SamplingParams) -> dict:
+    def _body(self, sample: Sample, params: SamplingParams, done: _Partial) -> dict:
         if sample.media is not None:
             raise ValueError("rollout.backend=http: image prompts are not sent over HTTP yet")
-        sample.policy_version = self.version
         body = {
-            "input_ids": sample.prompt_ids,
+            "rid": f"miles-k3-{uuid.uuid4().hex}",
+            "lora_version": self.version,  # ours: not an SGLang field (popped before sending)
+            "input_ids": sample.prompt_ids + done.ids,
             "sampling_params": {
-                "max_new_tokens": params.max_new_tokens,
+                "max_new_tokens": params.max_new_tokens - len(done.ids),
                 "temperature": params.temperature,
                 "top_p": params.top_p,
                 "top_k": params.top_k if params.top_k else -1,
@@ -155,13 +192,18 @@ class HTTPEngines(RolloutBackend):
             body["return_routed_experts"] = True
         return body
 
-    def _fill(self, sample: Sample, out: dict) -> None:
+    def _fill(self, sample: Sample, out: dict, done: _Partial, version: int) -> None:
+        """The sample from its last answer and the tokens earlier versions gave it (`done`): each output token
+        tagged with the adapter version that drew it (`token_fields["policy_version"]`), the sample with its
+        oldest (`policy_version`: what the staleness bound reads)."""
         from miles_k3.model.routing import decode_table
 
         meta = out["meta_info"]
-        sample.output_ids = list(out["output_ids"])
-        sample.logprobs = [float(lp) for lp, _, _ in meta["output_token_logprobs"]]
+        done.add(out, version)
+        sample.output_ids, sample.logprobs = done.ids, done.logprobs
         sample.loss_mask = [True] * len(sample.output_ids)
+        sample.token_fields["policy_version"] = done.versions
+        sample.policy_version = min(done.versions, default=version)
         sample.finish_reason = (meta.get("finish_reason") or {}).get("type", "length")
         if self.record_routing:
             table = decode_table(meta["routed_experts"], *self.routing_shape)
@@ -203,6 +245,8 @@ class HTTPEngines(RolloutBackend):
         if not self.alive:
             raise ValueError(f"rollout.urls: no server took the adapter ({self._why()})")
         self.version = new
+        if self.partial != "off":
+            self._stop_older(new)
         for url in list(self.alive):  # no request names it now: the last that did were built before `new`
             try:
                 if old is not None:
@@ -210,6 +254,18 @@ class HTTPEngines(RolloutBackend):
             except ServerGone as e:
                 self._drop(url, str(e))
         return {"adapter_sync_ms": (time.perf_counter() - start) * 1e3, "adapter_sync_sent_bytes_max": len(weights)}
+
+    def _stop_older(self, version: int) -> None:
+        """Abort every request in flight under a version older than `version`; its coroutine sends it again
+        (`partial`). A request that finishes before the abort reaches it keeps its answer."""
+        with self.lock:
+            older = [(rid, url) for rid, (url, v) in self.inflight.items() if v < version]
+            self.stopped.update(rid for rid, _ in older)
+        for rid, url in older:
+            try:
+                self._control(url, "/abort_request", {"rid": rid})
+            except ServerGone as e:
+                self._drop(url, str(e))
 
     def _control(self, url: str, path: str, body: dict) -> dict:
         import httpx
@@ -239,8 +295,24 @@ class HTTPEngines(RolloutBackend):
                 self._drop(url, str(e))
 
     def counters(self) -> dict[str, int]:
-        """Servers that left the set since the run began (the driver logs its change per step)."""
-        return {"servers_lost": len(self.failed)}
+        """Since the run began (the driver logs each step's change): servers that left the set, and requests an
+        adapter update stopped and sent again (rollout.partial)."""
+        return {"servers_lost": len(self.failed), "partial_resent": self.partials}
 
     def shutdown(self) -> None:
         self.client.close()
+
+
+class _Partial:
+    """The output a request has so far across the versions that drew it (rollout.partial=continue)."""
+
+    def __init__(self):
+        self.ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.versions: list[int] = []
+
+    def add(self, out: dict, version: int) -> None:
+        ids = list(out["output_ids"])
+        self.ids += ids
+        self.logprobs += [float(lp) for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
+        self.versions += [version] * len(ids)

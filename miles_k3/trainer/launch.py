@@ -121,6 +121,7 @@ def http_engines(rc: ResolvedConfig, inputs: RunInputs | None):
         adapter_family(config),
         record_routing=r.record_routing,
         keep_versions=r.max_staleness + 1,
+        partial=r.partial,
     )
 
 

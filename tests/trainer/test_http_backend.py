@@ -93,3 +93,35 @@ def test_generation_one_version_ahead_trains_no_token_older_than_one_update(tmp_
     assert max(r["policy_staleness_max"] for r in steps[1:]) == 1  # generation did run ahead
     # off-policy by one update: the servers' log-probs are the older adapter's, so the gap to the trainer's grows
     assert max(r["train_rollout_logprob_abs_diff"] for r in steps[1:]) > 1e-4
+
+
+@pytest.mark.parametrize("partial", ["continue", "restart"])
+def test_an_update_stops_the_rollouts_in_flight_and_the_new_version_draws_the_rest(tmp_path, partial):
+    """rollout.partial: generation runs ahead (staleness 1) over long answers, so every update meets requests in
+    flight; they are aborted and sent again under the new adapter: from their tokens (continue: each token
+    tagged with the version that drew it, a sample's age its oldest token's) or from scratch (restart)."""
+    with servers(2, max_loras=3) as (_, urls):
+        out = cli(
+            tmp_path / partial,
+            "trainer.max_steps=3",
+            "rollout.stop_at_eos=false",  # long answers: generation outlasts the update
+            "rollout.max_new_tokens=48",
+            *FLAGS,
+            "rollout.backend=http",
+            urls_override(urls),
+            "rollout.max_staleness=1",
+            f"rollout.partial={partial}",
+        )
+    assert out.returncode == 0, out.stderr[-3000:]
+    steps = [r for r in rows(tmp_path / partial) if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    assert all(r["policy_staleness_max"] <= 1 and r["samples_stale_dropped"] == 0 for r in steps)
+    assert sum(r["rollout_partial_resent"] for r in steps) > 0  # updates did stop rollouts in flight
+
+
+def test_partial_rollouts_need_rollouts_ahead():
+    from miles_k3.trainer.config import compose_recipe
+    from miles_k3.trainer.resolve import resolve
+
+    with pytest.raises(ValueError, match=r"^rollout\.partial applies with rollout\.max_staleness > 0"):
+        resolve(compose_recipe("rollout.backend=http", "rollout.urls=[http://127.0.0.1:1]", "rollout.partial=continue"))

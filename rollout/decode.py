@@ -23,7 +23,7 @@ import torch
 
 from rollout.cache_manager import CacheManager, Running
 from rollout.model_runner import ModelRunner
-from rollout.sampler import hand_alternatives, sample_alternatives, sample_on_device
+from rollout.sampler import hand_alternatives, sample_alternatives
 from rollout.scheduler import Scheduler
 from rollout.transfer import to_device, to_host
 
@@ -45,7 +45,9 @@ class DecodeLaunch:
     ready: torch.cuda.Event | None
     snapshots: list[tuple[Running, int, int | None]] = field(default_factory=list)
     overlaps: bool = True
-    alternatives: torch.Tensor | None = None  # host copy of the rows' alternatives (`OneToken`), when asked
+    # host copy of the asking rows' alternatives (`rollout.sampler.alternatives` rows; a verify step's: one per
+    # verified position, `block_alternatives`), read into their requests' `step_alternatives` by `read`
+    alternatives: torch.Tensor | None = None
 
 
 class DecodeStrategy:
@@ -73,6 +75,9 @@ class DecodeStrategy:
       end included, and the pipeline takes none.
     - sampler: draws with the row's own noise, so a request's outputs do not depend on the batch or the
       schedule: `rollout.noise` keyed by (r.req.seed or one of its streams, the drawn token's position).
+    - alternatives: for every row whose params ask (`SamplingParams.alternatives`), `read` sets its request's
+      `step_alternatives`, one entry per token it returns for the row, from the logits that token's log-prob
+      was read from (`rollout.sampler.hand_alternatives`); the engine's `_append` takes them.
     - a launch with `overlaps` (`DecodeLaunch.overlaps`) enqueues and must not wait for the device (no
       `.item()`, `.tolist()`, blocking copies): the overlap schedule relies on it; it advances each row's
       `pos` by one. A launch without `overlaps` may wait (a verify step's accepted lengths decide its
@@ -124,23 +129,12 @@ class OneToken(DecodeStrategy):
 
     def launch(self, batch: list[Running], ids: list[int] | torch.Tensor) -> DecodeLaunch:
         logits = self.runner.forward(batch, ids, [1] * len(batch))
-        params = [r.req.params for r in batch]
-        alternatives = None
-        if not any(p.alternatives for p in params):
-            tokens, logps = sample_on_device(
-                logits, params, [r.req.seed for r in batch], [r.pos + 1 for r in batch]
-            )  # the new token's position
-            host, ready = to_host(torch.stack([tokens.to(torch.float64), logps.to(torch.float64)]))
-        else:
-            keys = to_device([[r.req.seed for r in batch], [r.pos + 1 for r in batch]], logits.device, torch.long)
-            tokens, logps, alt = sample_alternatives(logits, params, keys)
-            host, _ = to_host(torch.stack([tokens.to(torch.float64), logps.to(torch.float64)]))
-            alternatives, ready = to_host(alt)  # recorded after both copies: one event marks them
+        tokens, logps, alt = sample_rows(logits, batch, [r.pos + 1 for r in batch])  # the new token's position
+        host, ready = to_host(torch.stack([tokens.to(torch.float64), logps.to(torch.float64)]))
+        alternatives, ready = copy_alternatives(alt, ready)
         for r in batch:
             r.pos += 1
-        launch = DecodeLaunch(batch, tokens, host, ready)
-        launch.alternatives = alternatives
-        return launch
+        return DecodeLaunch(batch, tokens, host, ready, alternatives=alternatives)
 
     def read(self, launch: DecodeLaunch) -> tuple[list[list[int]], list[list[float]]]:
         if launch.ready is not None:
@@ -151,6 +145,26 @@ class OneToken(DecodeStrategy):
                 [r.req for r in launch.batch], launch.alternatives.tolist(), self.runner.model.config.vocab_size
             )
         return [[int(t)] for t in tokens], [[lp] for lp in logps]
+
+
+def sample_rows(
+    logits: torch.Tensor, batch: list[Running], positions: list[int]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """One token a row from logits [N, V]: row n's request's draw of the token at positions[n] (its seed's noise
+    there), that token's log-prob, and the alternatives of the rows that ask (`sample_alternatives`: None when
+    none asks, and then the batch samples as `sample_on_device` does). Device tensors, nothing waited for."""
+    keys = to_device([[r.req.seed for r in batch], positions], logits.device, torch.long)
+    return sample_alternatives(logits, [r.req.params for r in batch], keys)
+
+
+def copy_alternatives(
+    alternatives: torch.Tensor | None, ready: torch.cuda.Event | None
+) -> tuple[torch.Tensor | None, torch.cuda.Event | None]:
+    """A step's alternatives (None: no row asked) copied to the host after the step's other copies, whose event
+    is `ready`: (the host copy or None, the event that now marks every copy, recorded after this one)."""
+    if alternatives is None:
+        return None, ready
+    return to_host(alternatives)
 
 
 class DecodePipeline:

@@ -309,11 +309,6 @@ class Engine:
                 f"SamplingParams.logprob_start_len ({params.logprob_start_len}) must be < the prompt's length "
                 f"({len(prompt_ids)})"
             )
-        if self.config.speculation is not None and (params.alternatives or params.logprob_start_len >= 0):
-            raise ValueError(
-                "SamplingParams.top_logprobs / token_ids_logprob / logprob_start_len are not computed under "
-                "speculative decoding"
-            )
         if adapter is not None:
             if self.adapters is None:
                 raise ValueError(f"unknown adapter {adapter!r}: this engine has no adapter pool")

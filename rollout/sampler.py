@@ -117,12 +117,36 @@ def unpack_alternatives(
     return out
 
 
-def hand_alternatives(requests: list, alternatives: list, vocab_size: int) -> None:
-    """Set each asking request's `step_alternatives` from a step's alternatives (`sample_alternatives`' third
-    output, as a host list, rows in the order of `requests`)."""
-    asking = [q for q in requests if q.params.alternatives]
-    for q, both in zip(asking, unpack_alternatives(alternatives, [q.params for q in asking], vocab_size)):
-        q.step_alternatives = [both]
+def hand_alternatives(
+    requests: list, alternatives: list, vocab_size: int, counts: list[int] | None = None, width: int = 1
+) -> None:
+    """Set each asking request's `step_alternatives` from a step's alternatives (`alternatives`' output as a
+    host list: `width` consecutive rows per asking request, the asking requests in the order of `requests`),
+    one entry per token the request emitted this step: the first counts[i] of request i's rows (default: one
+    token a request, `sample_alternatives`' third output)."""
+    asking = [(q, 1 if counts is None else counts[i]) for i, q in enumerate(requests) if q.params.alternatives]
+    rows: list = []
+    for a, (_, c) in enumerate(asking):
+        rows += alternatives[a * width : a * width + c]
+    # every asking request keeps >= 1 row, so the unpacking sees the layout's N (the largest top_logprobs)
+    both = iter(unpack_alternatives(rows, [q.params for q, c in asking for _ in range(c)], vocab_size))
+    for q, c in asking:
+        q.step_alternatives = [next(both) for _ in range(c)]
+
+
+def block_alternatives(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor | None:
+    """logits [N, W, V] (row n's at W consecutive positions, under params[n]) -> the `alternatives` of the asking
+    rows' positions, float64 [A * W, 2N + K]: the asking rows in order, W rows each (`hand_alternatives`' layout
+    with `width` W), read from `reported_logprobs` (the distribution a verify step's emitted tokens' log-probs
+    come from); None when no row asks (nothing enqueued)."""
+    asking = [i for i, p in enumerate(params) if p.alternatives]
+    if not asking:
+        return None
+    n, width, vocab = logits.shape
+    rows = logits if len(asking) == n else logits[to_device(asking, logits.device, torch.long)]
+    per = [params[i] for i in asking for _ in range(width)]
+    with torch.inference_mode():
+        return alternatives(reported_logprobs(rows.reshape(-1, vocab), per), per)
 
 
 def prompt_alternatives(
@@ -133,13 +157,21 @@ def prompt_alternatives(
     of the rows or None when no param asks), under the same distribution the sampled tokens' log-probs use
     (temperature, 1 when greedy; untruncated)."""
     with torch.inference_mode():
+        logprobs = reported_logprobs(logits, params)
+        picked = logprobs.gather(1, to_device(targets, logits.device, torch.long)[:, None])[:, 0]
+        return picked, alternatives(logprobs, params) if any(p.alternatives for p in params) else None
+
+
+def reported_logprobs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """logits [R, V] -> fp32 [R, V] log_softmax(logits / temperature) of row r under params[r] (temperature 1
+    when greedy; untruncated): the distribution every reported log-prob and alternative is read from, as
+    `_draw_torch` computes it."""
+    with torch.inference_mode():
         temps = [p.temperature if p.temperature > 0 else 1.0 for p in params]
         scaled = logits.float()
         if any(t != 1.0 for t in temps):
             scaled = scaled / to_device(temps, logits.device, torch.float32)[:, None]
-        logprobs = torch.log_softmax(scaled, dim=-1)
-        picked = logprobs.gather(1, to_device(targets, logits.device, torch.long)[:, None])[:, 0]
-        return picked, alternatives(logprobs, params) if any(p.alternatives for p in params) else None
+        return torch.log_softmax(scaled, dim=-1)
 
 
 def sample_scaled(logits: torch.Tensor, temps: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -98,7 +98,6 @@ class Server:
             engine.model.config.media_placeholder_token_id,
             pool_tokens=engine.memory.sizes.num_pages * engine.config.page_size,
             memory_mb=engine.config.memory_bytes / (1 << 20),
-            speculative=engine.config.speculation is not None,
         )
         self.app = build_app(self.ctx)
         self.socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

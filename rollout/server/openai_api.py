@@ -249,7 +249,6 @@ async def completions(request: Request):
         f.neutral("echo", False)
         f.neutral("suffix", "")
         logprobs = f.int("logprobs", None, low=0, high=MAX_TOP_LOGPROBS)
-        ctx.check_not_speculative(bool(logprobs), "logprobs")
         s = _sampling(f)
         max_new = f.int("max_tokens", None, low=1)
         stream, include_usage = f.bool("stream", False), _stream_options(f)
@@ -303,7 +302,6 @@ async def chat_completions(request: Request):
         top = f.int("top_logprobs", 0, low=0, high=MAX_TOP_LOGPROBS)
         if top and not want_lp:
             raise f.fail("top_logprobs", "needs logprobs: true")
-        ctx.check_not_speculative(top > 0, "top_logprobs")
         k3 = None if chat is None else _k3_options(f)
         for key in ("functions",) if chat is not None else ("tools", "functions"):
             f.neutral(key, [])

@@ -48,17 +48,6 @@ class ServerContext:
     memory_mb: float | None = None  # the engine's --memory-mb, which sets pool_tokens
     weight_version: str = "default"  # `/update_weight_version`'s; in every meta_info
     adapter_paths: dict[str, str] = field(default_factory=dict)  # adapters loaded through the control API
-    speculative: bool = False  # the engine speculates (--speculative): its verify step computes no alternatives
-
-    def check_not_speculative(self, asked: bool, key: str) -> None:
-        """A 400 naming `key` when it `asked` for top, given-id or prompt log-probs from a speculating engine,
-        whose verify step does not compute them (the sampled tokens' own log-probs it does)."""
-        if asked and self.speculative:
-            raise RequestError(
-                f"{key} asks for top, given-id or prompt log-probs, which are not computed under --speculative "
-                "(the sampled tokens' log-probs are)",
-                param=key,
-            )
 
     def check_length(self, prompt_len: int, max_new: int | None, key: str, default: int | None) -> int:
         """`check_length` against max_seq_len and the KV pool (a 400 naming `key` and --memory-mb)."""

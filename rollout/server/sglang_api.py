@@ -213,9 +213,6 @@ def _logprob_asks(f: Fields, prompts: list[list[int]], on: list[bool], ctx: Serv
                 param="token_ids_logprob",
             )
         start = len(p) - 1 if start == -1 else start
-        ctx.check_not_speculative(want and top > 0, "top_logprobs_num")
-        ctx.check_not_speculative(want and bool(wanted), "token_ids_logprob")
-        ctx.check_not_speculative(want and start < len(p) - 1, "logprob_start_len")  # prompt log-probs
         asks.append(LogprobAsk(want, top, tuple(wanted), start))
     return asks
 

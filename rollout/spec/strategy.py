@@ -22,6 +22,13 @@ rank accepts the same tokens without sending them.
 The step's phases run under `torch.profiler.record_function` labels (`spec.propose`, `spec.verify_forward`,
 `spec.verify`, `spec.sync`, `spec.fold`, `spec.observe`): `scripts/profile_spec.py` reads them.
 
+Alternatives (`SamplingParams.top_logprobs` / `token_ids_logprob`): a verify step reads the asking rows' from
+its logits at every verified position (`rollout.sampler.block_alternatives`, the distribution the emitted
+tokens' log-probs come from: the target's at the request's temperature, untruncated), copies them with the
+step's read and hands each row those of the tokens it commits; a plain step's come with its sample, as
+`OneToken`'s. Prompt log-probs come from the engine's prefill, which speculation only taps. The emitted tokens
+and their log-probs are the same whether a row asks or not.
+
 MLA rows written for rejected drafts lie past `pos` and are rewritten by the next step before anything
 reads them.
 
@@ -41,7 +48,8 @@ block by batch bucket and width (`rollout.spec.graphs`): w = gamma + 1 under ver
 width under the cost-aware planner (it plans by width there: every row verifies w - 1 drafts, which the
 graph computes anyway; its cost surface is measured on these graphs; rows near their length limit verify
 fewer), and the fold replays a graph by batch bucket (`rollout.spec.fold_graphs`). Batches that mix adapters
-and the CPU run the packed eager forward.
+and the CPU run the packed eager forward. Verification, and the alternatives, run eagerly on the verify
+forward's logits either way (a graph's are its static output, read before the next replay in stream order).
 """
 
 from __future__ import annotations
@@ -53,10 +61,10 @@ import torch
 from torch.profiler import record_function
 
 from rollout.cache_manager import CacheManager, Running
-from rollout.decode import DecodeLaunch, DecodeStrategy
+from rollout.decode import DecodeLaunch, DecodeStrategy, copy_alternatives, sample_rows
 from rollout.forward import hooks
 from rollout.model_runner import ModelRunner
-from rollout.sampler import sample_on_device
+from rollout.sampler import block_alternatives, hand_alternatives
 from rollout.spec.config import SpecConfig
 from rollout.spec.fold_graphs import FoldGraphs
 from rollout.spec.graphs import BATCH_BUCKETS, VerifyGraphs
@@ -205,6 +213,9 @@ class SpecDecode(DecodeStrategy):
             committed = _committed(batch, tokens, counts)
         both = [tokens.double(), logps.double(), committed.double()[:, None], counts.double()[:, None]]
         host, ready = to_host(torch.cat(both, dim=1))  # the step's one read, waited for in `read`
+        # the asking rows' alternatives at every verified position, from the logits their tokens' log-probs are
+        # read from (outside any graph: the verify graph's logits are an output), copied with the step's read
+        alternatives, ready = copy_alternatives(block_alternatives(logits, params), ready)
         slots, chunk = [r.slot for r in batch], self.memory.config.chunk_size
 
         def checkpoint(rows: list[int]) -> list[int | None]:
@@ -246,6 +257,7 @@ class SpecDecode(DecodeStrategy):
             starts=positions,
             started=started,
             captured=captured,
+            alternatives=alternatives,
         )
 
     def read(self, launch: SpecLaunch) -> tuple[list[list[int]], list[list[float]]]:
@@ -267,6 +279,9 @@ class SpecDecode(DecodeStrategy):
                 out_l.append(row[w : w + c])
                 committed.append(c)
                 emitted += int(row[2 * w + 1])
+        if launch.alternatives is not None:  # each asking row's first `committed` of its w positions (plain: 1 of 1)
+            requests, vocab = [r.req for r in launch.batch], self.runner.model.config.vocab_size
+            hand_alternatives(requests, launch.alternatives.tolist(), vocab, committed, width=w)
         for i, pos, snap in launch.checkpoints:  # the rows' pos still stand before the step here
             if pos <= launch.batch[i].pos + committed[i]:
                 launch.snapshots.append((launch.batch[i], pos, snap))
@@ -313,11 +328,10 @@ class SpecDecode(DecodeStrategy):
         n = len(batch)
         starts = [r.pos for r in batch]
         logits, tapped = self.runner.forward_tapped(batch, anchors, self.drafter.taps)
-        tokens, logps = sample_on_device(
-            logits, [r.req.params for r in batch], [r.req.seed for r in batch], [p + 1 for p in starts]
-        )
+        tokens, logps, alt = sample_rows(logits, batch, [p + 1 for p in starts])
         ones = torch.ones(n, 2, dtype=torch.float64, device=tokens.device)  # committed and emitted: one token
         host, ready = to_host(torch.cat([tokens.double()[:, None], logps.double()[:, None], ones], dim=1))
+        alternatives, ready = copy_alternatives(alt, ready)
         chunk = self.memory.config.chunk_size
         for r in batch:
             r.pos += 1
@@ -327,7 +341,16 @@ class SpecDecode(DecodeStrategy):
             self.drafter.observe_plain(batch, tapped, starts)
         self.unread += 1
         return SpecLaunch(
-            batch, tokens[:, None], host, ready, snaps, lengths=[1] * n, plain=True, started=started, captured=captured
+            batch,
+            tokens[:, None],
+            host,
+            ready,
+            snaps,
+            alternatives=alternatives,
+            lengths=[1] * n,
+            plain=True,
+            started=started,
+            captured=captured,
         )
 
     def _captured(self) -> int:

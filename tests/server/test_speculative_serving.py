@@ -1,6 +1,7 @@
 """miles-serve with `--speculative dspark --drafter DIR`: greedy answers through the real `openai` client equal
-a server without speculation, token for token (log-probs within 1e-4), streamed or not; bad speculation
-flags stop the server with one line naming the flag."""
+a server without speculation, token for token (log-probs within 1e-4), streamed or not, top / given-id /
+prompt log-probs included once the server stops refusing them; bad speculation flags stop the server with one
+line naming the flag."""
 
 from __future__ import annotations
 
@@ -95,21 +96,74 @@ def test_bad_speculation_flags_stop_the_server_with_one_line(flags, match, draft
     assert code == 2 and match in err and len(err.strip().splitlines()) == 1, err
 
 
-def test_top_logprobs_under_speculation_are_a_400_naming_the_field(clients):
-    """The verify step computes no alternatives: asking for top, given-id or prompt log-probs is a 400 naming
-    the field it came in (the sampled tokens' own log-probs are served, as above)."""
+def assert_close_meta(got, want) -> None:
+    """SGLang meta_info values (triples [log-prob, id, text], lists of them, None) equal: ids and texts exact,
+    log-probs within 1e-4."""
+    if isinstance(want, list) and len(want) == 3 and isinstance(want[1], int) and not isinstance(want[0], list):
+        assert got[1:] == want[1:]
+        assert got[0] == pytest.approx(want[0], abs=1e-4)
+    elif isinstance(want, list):
+        assert isinstance(got, list) and len(got) == len(want)
+        for g, w in zip(got, want):
+            assert_close_meta(g, w)
+    elif isinstance(want, float):
+        assert got == pytest.approx(want, abs=1e-4)
+    else:
+        assert got == want
+
+
+def test_top_logprobs_under_speculation_equal_the_plain_servers(clients):
+    """OpenAI `logprobs=N` (completions), chat `top_logprobs` (streamed too) and SGLang `top_logprobs_num`,
+    `token_ids_logprob` and `logprob_start_len` answer under speculation as without it: tokens and top ids
+    exact, log-probs within 1e-4."""
     plain, spec = clients
-    with pytest.raises(openai.BadRequestError) as e:
-        spec.completions.create(model=MODEL, prompt="12+3=", max_tokens=4, temperature=0, logprobs=3)
-    assert e.value.body["param"] == "logprobs" and "--speculative" in e.value.body["message"]
-    messages = [{"role": "user", "content": "1+1="}]
-    with pytest.raises(openai.BadRequestError) as e:
-        spec.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, logprobs=True, top_logprobs=2)
-    assert e.value.body["param"] == "top_logprobs"
-    url = str(spec.base_url).removesuffix("/v1/")
-    for key, value in (("top_logprobs_num", 2), ("token_ids_logprob", [5]), ("logprob_start_len", 0)):
-        r = httpx.post(f"{url}/generate", json={"text": "1+1=", "return_logprob": True, key: value}, timeout=60)
-        assert r.status_code == 400 and r.json()["error"]["param"] == key, r.text
-    ok = httpx.post(f"{url}/generate", json={"text": "1+1=", "return_logprob": True, "logprob_start_len": -1})
-    assert ok.status_code == 200 and ok.json()["meta_info"]["output_token_logprobs"]
-    assert plain.completions.create(model=MODEL, prompt="12+3=", max_tokens=2, logprobs=3).choices[0].logprobs
+    for text in PROMPTS[:2]:
+        want, got = (
+            c.completions.create(model=MODEL, prompt=text, max_tokens=8, temperature=0, logprobs=3).choices[0]
+            for c in (plain, spec)
+        )
+        assert (got.text, got.logprobs.tokens) == (want.text, want.logprobs.tokens)
+        assert got.logprobs.token_logprobs == pytest.approx(want.logprobs.token_logprobs, abs=1e-4)
+        for g, w in zip(got.logprobs.top_logprobs, want.logprobs.top_logprobs, strict=True):
+            assert list(g) == list(w) and list(g.values()) == pytest.approx(list(w.values()), abs=1e-4)
+    messages = [{"role": "user", "content": "45+45="}]
+    kw = dict(model=MODEL, messages=messages, max_tokens=8, temperature=0, logprobs=True, top_logprobs=2)
+    want = [
+        (e.token, e.logprob, [(t.token, t.logprob) for t in e.top_logprobs])
+        for e in (plain.chat.completions.create(**kw).choices[0].logprobs.content)
+    ]
+    streamed = [
+        e
+        for c in spec.chat.completions.create(**kw, stream=True)
+        if c.choices and c.choices[0].logprobs
+        for e in c.choices[0].logprobs.content
+    ]
+    got = [(e.token, e.logprob, [(t.token, t.logprob) for t in e.top_logprobs]) for e in streamed]
+    assert [(t, [a for a, _ in top]) for t, _, top in got] == [(t, [a for a, _ in top]) for t, _, top in want]
+    assert [lp for _, lp, _ in got] == pytest.approx([lp for _, lp, _ in want], abs=1e-4)
+    assert [v for *_, top in got for _, v in top] == pytest.approx([v for *_, top in want for _, v in top], abs=1e-4)
+    urls = [str(c.base_url).removesuffix("/v1/") for c in (plain, spec)]
+    body = {
+        "text": "12+3=",
+        "sampling_params": {"max_new_tokens": 8, "temperature": 0},
+        "return_logprob": True,
+        "top_logprobs_num": 3,
+        "token_ids_logprob": [5, 7],
+        "logprob_start_len": 0,
+    }
+    metas = []
+    for url in urls:
+        r = httpx.post(f"{url}/generate", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        metas.append(r.json()["meta_info"])
+    want, got = metas
+    for key in (
+        "output_token_logprobs",
+        "output_top_logprobs",
+        "output_token_ids_logprobs",
+        "input_token_logprobs",
+        "input_top_logprobs",
+        "input_token_ids_logprobs",
+    ):
+        assert key in want, key
+        assert_close_meta(got[key], want[key])

@@ -2,7 +2,7 @@
 
 Three places need it: the ranks > 0 of a sharded engine replay rank 0's engine calls (`rollout.engine.Engine`),
 the trainer ranks > 0 of a local or external world replay the driver's trainer calls
-(`miles_k3.trainer.backends.LocalTrainers`), and a Ray actor runs the calls the driver sends it
+(`miles_k3.trainer.backends.LocalRanks`), and a Ray rank actor runs the calls the driver sends it
 (`miles_k3.trainer.ray_launch`). Each is the same thing: a call is `(name, args)`, and the receiving side runs
 `getattr(target, name)(*args)` on its own object, for the names that object lists in its `REPLAYED` set.
 No side keeps an if/elif per command or a hand-written twin of each method.

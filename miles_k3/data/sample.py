@@ -62,8 +62,8 @@ class Sample:
     # the engine's expert ids of each token of prompt_ids + output_ids [<= tokens, MoE layers, top_k] (int16,
     # -1: no record; rows past its end: none either); None: not recorded (rollout.record_routing off)
     routed_experts: torch.Tensor | None = None
-    # the adapter that generated it, where the backend tags it (rollout.backend=http): its n-th adapter sync of
-    # the run (1: the first); the loop trains it only while at most rollout.max_staleness updates old
+    # the adapter that generated it, where the backend tags it (rollout.backend=http): the run's n-th adapter sync
+    # (1: the first); the loop trains it only while at most rollout.max_staleness syncs old
     policy_version: int | None = None
     # K3's chat encoding (miles_k3.data.k3_chat.read_reply): the reply's think channel (None: none, or not K3
     # chat) and its tool calls (miles_k3.data.k3_chat.ToolCall), parsed from the output ids with `response`

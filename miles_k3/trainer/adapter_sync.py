@@ -190,7 +190,11 @@ class AdapterGather:
     holds more than one part beyond its own blocks. `build` and every `part` are collectives of the world."""
 
     def __init__(self, held: dict[str, tuple[torch.Tensor, Box]]):
-        every = _every({k: box for k, (_, box) in held.items()})
+        mine = next(iter(held.values()))[0].dtype if held else None
+        pairs = _every(({k: box for k, (_, box) in held.items()}, mine))
+        # one dtype travels in the all-to-all: the adapter's (a rank holding no block knows it from the others)
+        self.dtype = next(d for _, d in pairs if d is not None)
+        every = [boxes for boxes, _ in pairs]
         self.held = every
         full: dict[str, Box] = {}
         for boxes in every:
@@ -203,7 +207,6 @@ class AdapterGather:
             m = _LAYER.match(name)
             parts.setdefault((int(m[2]), m[1]) if m else (1 << 30, ""), []).append(name)
         self.parts = [names for _, names in sorted(parts.items())]
-        self.dtype = next(iter(held.values()))[0].dtype if held else torch.float32
 
     def part(self, i: int, held: dict[str, tuple[torch.Tensor, Box]], device) -> dict[str, torch.Tensor] | None:
         """Rank 0: part `i`'s full tensors (on the host); None elsewhere."""

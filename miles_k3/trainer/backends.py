@@ -9,6 +9,8 @@ backend's business. A launcher builds one of each:
                        runs the driver and the others replay its calls by name (`miles_k3.rpc`)
     ray                the same over `RayRanks`: one actor per bundle holds a `ColocatedRank`
                        (`miles_k3.trainer.ray_launch`)
+    rollout.backend=http   `HTTPEngines` (servers at rollout.urls) + `ColocatedTrainers` over ranks that are
+                       trainers only (`TrainerRank`)
 
 A backend generates into the driver's `Sample` records (`miles_k3.data.sample`): the driver makes one per
 sample (prompt ids, its images, its place in its group) and the backend fills in the engine's output and
@@ -21,9 +23,11 @@ Adding a backend is one subclass and its entry in `ROLLOUT_BACKENDS`, which `rol
 `colocated` (above) or `http` (`miles_k3.trainer.http_engines.HTTPEngines`: miles-serve processes or an SGLang
 deployment at rollout.urls).
 
-When each call is safe: the driver calls one method at a time from one thread. `generate` / a plugin run
-only while the engines hold their memory (after `resume`, or before any `release`); `sync_adapter` only
-between rollouts, with nothing in flight; `release` only between rollouts; `counters` at any time.
+When each call is safe: the driver calls one method at a time from one thread, except with
+rollout.max_staleness > 0 (`http` only), where a second thread generates while the driver syncs, evaluates
+and reads counters (`HTTPEngines` guards what they share). `generate` / a plugin run only while the engines
+hold their memory (after `resume`, or before any `release`); a colocated `sync_adapter` only between
+rollouts, with nothing in flight; `release` only between rollouts; `counters` at any time.
 """
 
 from __future__ import annotations
@@ -91,8 +95,8 @@ class RolloutBackend(ABC):
 
     @abstractmethod
     def sync_adapter(self, trainer: TrainerGroup) -> dict[str, float]:
-        """The trainer group's current adapter into every engine's policy slot (full tensors from
-        `trainer.adapter_state()`, or block by block where the engines share the trainer's ranks); the sync's
+        """The trainer group's current adapter into every engine's policy slot (whole from
+        `trainer.adapter_parts()`, or block by block where the engines share the trainer's ranks); the sync's
         metrics: `adapter_sync_ms`, and what the backend counts beside it (bytes moved)."""
 
     @abstractmethod

@@ -244,7 +244,9 @@ class RolloutCfg(component_fields(EngineConfig, ENGINE_KEYS), component_fields(S
     memory_mb: float = 64.0  # the engine's KV pages + KDA state slots (EngineConfig.memory_bytes, in MiB)
     # Free the engine's KV / state pools (and its CUDA graphs, which read them by address) while the trainer
     # runs. false keeps them, and the graphs captured once serve every later step: for a device that holds
-    # both (k3-small on one H200), where recapturing each step cost most of the rollout time.
+    # both (k3-small on one H200), where recapturing each step cost most of the rollout time. With
+    # rollout.backend=http it asks the servers (/release_memory_occupation: servers on the trainer's GPUs); with
+    # rollout.max_staleness > 0 generation runs while the trainer trains, so nothing is released.
     release_memory: bool = True
     # A rollout plugin "module.path:function" (multi-turn / tool use: miles_k3.trainer.rollout_plugin) that
     # rolls out each sample against the policy and returns its tokens, loss mask and the engine's log-probs;
@@ -307,6 +309,9 @@ class RolloutCfg(component_fields(EngineConfig, ENGINE_KEYS), component_fields(S
                 isinstance(u, str) and u.startswith(("http://", "https://")) for u in self.urls
             ):
                 raise c.fail("urls", "must list the servers' base URLs (http://host:port) with rollout.backend=http")
+            for name, default in (("tp", 1), ("dcp", 1), ("ep", False), ("offload_weights", False)):
+                if getattr(self, name) != default:  # the servers' layout and memory are their own flags
+                    raise c.fail(name, "applies to colocated engines; with rollout.backend=http set it on the servers")
         elif self.urls:
             raise c.fail("urls", "only applies with rollout.backend=http")
         c.int_at_least("max_staleness", 0)

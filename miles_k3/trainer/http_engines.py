@@ -83,6 +83,7 @@ class HTTPEngines(RolloutBackend):
         self.lora, self.family, self.record_routing = lora, family, record_routing
         self.routing_shape = (len(moe_layers(config)), config.num_experts_per_token)
         self.version, self.keep_versions = 0, keep_versions
+        self.run_id = uuid.uuid4().hex[:8]
         self.timeout = httpx.Timeout(timeout_s, connect=10.0)
         self.client = httpx.Client(timeout=self.timeout)
         self.failed: dict[str, str] = {}  # url -> why it left the set
@@ -95,9 +96,10 @@ class HTTPEngines(RolloutBackend):
         self.partials = 0  # requests an update stopped and sent again
         logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request in the run's log
 
-    @property
-    def adapter(self) -> str | None:
-        return f"{POLICY}-v{self.version}" if self.version else None
+    def name(self, version: int) -> str | None:
+        """The servers' name of adapter version `version` (None: the base), unique to this backend so a run that
+        restarts against servers still up never meets its predecessor's names."""
+        return f"{POLICY}-{self.run_id}-v{version}" if version else None
 
     # ------------------------------------------------------------------ generate
     def generate(self, samples: list[Sample], params: list[SamplingParams]) -> list[Sample]:
@@ -114,13 +116,14 @@ class HTTPEngines(RolloutBackend):
     async def _one(self, http, sample: Sample, params: SamplingParams, group: int) -> None:
         done = _Partial()  # with rollout.partial=continue: the tokens of versions an update stopped
         while True:
-            if not self.alive:
-                raise ValueError(f"rollout.urls: no server answers ({self._why()})")
-            url = self.alive[group % len(self.alive)]
-            body = self._body(sample, params, done)
-            rid = body["rid"]
-            with self.lock:
-                self.inflight[rid] = (url, body["lora_version"])
+            rid = f"miles-k3-{uuid.uuid4().hex}"
+            with self.lock:  # the version read and the request registered at once: a sync sees it or it sees the sync
+                if not self.alive:
+                    raise ValueError(f"rollout.urls: no server answers ({self._why()})")
+                url = self.alive[group % len(self.alive)]
+                version = self.version
+                self.inflight[rid] = (url, version)
+            body = self._body(sample, params, done, rid, version)
             try:
                 out = await self._post(http, url, body, rid)
             except ServerGone as e:
@@ -134,23 +137,23 @@ class HTTPEngines(RolloutBackend):
             # before the abort reached it keeps its answer
             if (out["meta_info"].get("finish_reason") or {}).get("type") == "abort":
                 # an update stopped it: again under the new version, from scratch or from its tokens
-                self.partials += 1
+                with self.lock:
+                    self.partials += 1
                 if self.partial == "restart":
                     continue
                 if len(done.ids) + len(out["output_ids"]) < params.max_new_tokens:
-                    done.add(out, body["lora_version"])
+                    done.add(out, version)
                     continue
                 out["meta_info"]["finish_reason"] = {"type": "length"}  # stopped on its last token
-            self._fill(sample, out, done, body["lora_version"])
+            self._fill(sample, out, done, version)
             return
 
     async def _post(self, http, url: str, body: dict, rid: str) -> dict:
         import httpx
 
-        wire = {k: v for k, v in body.items() if k != "lora_version"}
         while True:
             try:
-                r = await http.post(f"{url}/generate", json=wire)
+                r = await http.post(f"{url}/generate", json=body)
             except httpx.HTTPError as e:
                 raise ServerGone(f"{type(e).__name__}: {e}") from None
             if r.status_code != 429:  # a full queue: the same server, a moment later
@@ -168,12 +171,11 @@ class HTTPEngines(RolloutBackend):
             raise ServerGone("the server aborted the request")
         return out
 
-    def _body(self, sample: Sample, params: SamplingParams, done: _Partial) -> dict:
+    def _body(self, sample: Sample, params: SamplingParams, done: _Partial, rid: str, version: int) -> dict:
         if sample.media is not None:
             raise ValueError("rollout.backend=http: image prompts are not sent over HTTP yet")
         body = {
-            "rid": f"miles-k3-{uuid.uuid4().hex}",
-            "lora_version": self.version,  # ours: not an SGLang field (popped before sending)
+            "rid": rid,
             "input_ids": sample.prompt_ids + done.ids,
             "sampling_params": {
                 "max_new_tokens": params.max_new_tokens - len(done.ids),
@@ -186,7 +188,7 @@ class HTTPEngines(RolloutBackend):
                 "sampling_seed": params.seed,
             },
             "return_logprob": True,
-            "lora_path": self.adapter,
+            "lora_path": self.name(version),
         }
         if self.record_routing:
             body["return_routed_experts"] = True
@@ -211,9 +213,10 @@ class HTTPEngines(RolloutBackend):
             sample.routed_experts = torch.cat([table, last])
 
     def _drop(self, url: str, why: str) -> None:
-        if url in self.alive:
-            self.alive.remove(url)
-            self.failed[url] = why
+        with self.lock:
+            if url in self.alive:
+                self.alive.remove(url)
+                self.failed[url] = why
 
     def _why(self) -> str:
         return "; ".join(f"{u}: {w}" for u, w in self.failed.items()) or "none given"
@@ -230,9 +233,9 @@ class HTTPEngines(RolloutBackend):
             weights = (Path(tmp) / WEIGHTS_FILE).read_bytes()
             config = json.loads((Path(tmp) / CONFIG_FILE).read_text())
         new = self.version + 1  # requests go on naming the current version until every server holds this one
-        old = f"{POLICY}-v{new - self.keep_versions}" if new > self.keep_versions else None
+        old = self.name(new - self.keep_versions) if new > self.keep_versions else None
         body = {
-            "lora_name": f"{POLICY}-v{new}",
+            "lora_name": self.name(new),
             "config_dict": config,
             "serialized_tensors": base64.b64encode(weights).decode("ascii"),
             "load_format": "safetensors",
@@ -244,7 +247,8 @@ class HTTPEngines(RolloutBackend):
                 self._drop(url, str(e))
         if not self.alive:
             raise ValueError(f"rollout.urls: no server took the adapter ({self._why()})")
-        self.version = new
+        with self.lock:
+            self.version = new
         if self.partial != "off":
             self._stop_older(new)
         for url in list(self.alive):  # no request names it now: the last that did were built before `new`
@@ -282,6 +286,7 @@ class HTTPEngines(RolloutBackend):
 
     # --------------------------------------------------------------------- memory
     def release(self) -> None:
+        """Servers on GPUs of the trainer's (rollout.release_memory with this backend) give their memory back."""
         self._on_all("/release_memory_occupation", {})
 
     def resume(self) -> None:
@@ -300,6 +305,13 @@ class HTTPEngines(RolloutBackend):
         return {"servers_lost": len(self.failed), "partial_resent": self.partials}
 
     def shutdown(self) -> None:
+        """Unload this run's adapter versions from the servers that answer (their slots go back to the pool)."""
+        for version in range(max(1, self.version - self.keep_versions + 1), self.version + 1):
+            for url in list(self.alive):
+                try:
+                    self._control(url, "/unload_lora_adapter", {"lora_name": self.name(version)})
+                except (ServerGone, ValueError):
+                    pass  # the run is over: a server that cannot unload keeps a slot
         self.client.close()
 
 

@@ -8,7 +8,7 @@ local, num_workers == N > 1: N processes on this machine (torch.multiprocessing,
 external: this process is one rank of a world that srun (one task per GPU, over any number of nodes) or
     torchrun started; its rank and rank 0's address come from the environment (`ClusterCfg.rendezvous`).
     Rank 0 runs the driver, as above. scripts/slurm/train_multinode.sbatch starts it.
-ray: see `miles_k3.trainer.ray_launch` (a placement group, a trainer and an engine actor per bundle).
+ray: see `miles_k3.trainer.ray_launch` (a placement group, one rank actor per bundle).
 
 Each launcher hands the driver one rollout backend and one trainer group (`miles_k3.trainer.backends`).
 
@@ -144,7 +144,7 @@ def launch(rc: ResolvedConfig, run_dir: str | Path, inputs: RunInputs | None = N
             world.rank, rc, run_dir, world.init_method, inputs if world.rank == 0 else None, local_rank=world.local_rank
         )
         return
-    from megatron_patches.parallel import free_port  # not at import: Ray's engine actors never need megatron
+    from miles_k3.ranks import free_port
 
     init_method = f"tcp://127.0.0.1:{free_port()}"
     if rc.cluster.num_workers == 1:

@@ -9,7 +9,8 @@ One step:
      `algo.filters`); group-normalized advantages;
   3. the engines release their KV / state pools (unless rollout.release_memory=false); the trainer ranks
      run the GRPO update;
-  4. the adapter (gathered over TP) is copied into every engine's adapter slot in place; engines resume;
+  4. engines resume; the adapter moves into every engine's slot in place (shard to shard from the trainer
+     ranks that own each block, or, with rollout.backend=http, as a new version on every server);
      with speculation and rollout.speculative.distill_every, every N steps the engine's drafter is distilled
      on this step's rollouts against the policy with its new adapter (in place: the next rollout drafts
      with it);
@@ -115,7 +116,7 @@ class GRPODriver:
         spec = rc.rollout.speculative
         self.distill_every = spec.distill_every if spec.drafter is not None else 0
         self._trained_sampler: dict | None = None  # with rollouts ahead: the sampler's state after the trained step
-        self._first_synced = 0  # the updates the run's first adapter sync held (`run` sets it)
+        self._syncs = 0  # adapter syncs of this run (a rollout backend numbers its versions by them)
         self._step_sequences: list[tuple[int, list[int]]] = []  # this step's rollouts, for the distillation
 
     # ------------------------------------------------------------------ rollouts
@@ -233,10 +234,10 @@ class GRPODriver:
     def _fresh(self, batch: TrainBatch, metrics: dict[str, float]) -> TrainBatch:
         """The batch without the groups holding a sample more than rollout.max_staleness adapter versions older
         than the policy this step trains (counted); the staleness of what is trained, logged."""
-        k, now = self.rc.rollout.max_staleness, self.step - 1  # the updates behind the policy this step trains
+        k = self.rc.rollout.max_staleness
 
-        def age(s: Sample) -> int:  # sync n of the run holds the updates before the run's start, and n - 1 more
-            return now - (self._first_synced + s.policy_version - 1)
+        def age(s: Sample) -> int:  # syncs since the one that drew it (a skipped step syncs none)
+            return self._syncs - s.policy_version
 
         groups: dict[int, list[Sample]] = {}
         for s in batch.samples:
@@ -336,9 +337,10 @@ class GRPODriver:
         rows: list[dict[str, Any]] = []
         progress = Progress(t.max_steps, self.step, self.rc.logging.progress)
         ahead = Ahead(self, self.rc.rollout.max_staleness) if self.rc.rollout.max_staleness else None
+        finished = False
         try:
             self.rollout.sync_adapter(self.trainer)
-            self._first_synced = self.step  # the updates the run's first adapter sync holds
+            self._syncs = 1  # the backend's version of the adapter the rollouts now draw with
             if self.step == 0 and t.eval_before and self.eval_records:
                 rows.append({"step": 0, **self.evaluate()})
                 runlog.log(rows[-1])
@@ -349,9 +351,10 @@ class GRPODriver:
                 rows += self._one_step(runlog, progress, ahead)
             if self.step < t.max_steps:
                 self._stop_preempted()
+            finished = True
         finally:
-            if ahead is not None:
-                ahead.stop()
+            if ahead is not None:  # after a failure: not waiting for the generation in flight
+                ahead.stop(wait=finished)
             progress.close()
             runlog.close()
         return rows
@@ -393,6 +396,7 @@ class GRPODriver:
             if release:
                 self.rollout.resume()
             metrics.update(self.rollout.sync_adapter(self.trainer))
+            self._syncs += 1
             if ahead is not None:
                 ahead.trained(self.step)
         else:
@@ -485,8 +489,11 @@ class Ahead:
             self.done = step
             self.cond.notify_all()
 
-    def stop(self) -> None:
+    def stop(self, wait: bool = True) -> None:
+        """Stop producing; `wait`: for the batch being generated to end (the thread is a daemon: a failing run
+        leaves it behind)."""
         with self.cond:
             self.stopping = True
             self.cond.notify_all()
-        self.thread.join(timeout=600)
+        if wait and self.thread.ident is not None:
+            self.thread.join(timeout=600)

@@ -222,7 +222,19 @@ def resolve(cfg: Any) -> ResolvedConfig:
             "rollout.backend=http runs under cluster.launcher local or external (the Ray launcher's actors build "
             "colocated engines)"
         )
-    if c.launcher != "ray":  # the engine's pools against this machine (Ray's nodes are elsewhere)
+    if r.offload_weights and r.speculative.drafter is not None:
+        raise ValueError(
+            "rollout.offload_weights with rollout.speculative.drafter: the drafter's captured graphs read the "
+            "target's embedding and head by address, which parking moves; keep the weights (offload_weights=false)"
+        )
+    if r.backend == "http":
+        for name in ("offload_optimizer", "offload_base"):
+            if getattr(cfg.parallel, name):
+                raise ValueError(
+                    f"parallel.{name} parks the trainer's state while colocated engines roll out; with "
+                    "rollout.backend=http the engines are elsewhere and the trainer keeps its memory"
+                )
+    if c.launcher != "ray" and r.backend == "colocated":  # the engine's pools against this machine
         from miles_k3.errors import check_memory_mb
 
         check_memory_mb(r.memory_mb, c.device, "rollout.memory_mb")

@@ -11,7 +11,7 @@ miles-serve's app over it on 127.0.0.1 (HTTP client); nothing else touches the e
 engine splices the features at the pads and keys its prefix cache by their content hash; it never encodes an
 image here.
 
-The methods in `REPLAYED` are what a Ray engine actor takes by name (`miles_k3.rpc.dispatch`).
+`ColocatedRank` (`miles_k3.trainer.backends`) calls it on each rank's engine shard.
 
 With speculation (`EngineConfig.speculation`, from rollout.speculative), `engine_counters` adds the decode
 strategy's `SpecStats` and `distill_drafter` distils the engine's drafter, in place, on sequences the loop
@@ -46,8 +46,6 @@ SPEC_COUNTERS = {
 
 
 class RolloutWorker:
-    REPLAYED = frozenset({"generate", "release_memory", "resume_memory", "sync_adapter", "engine_counters"})
-
     def __init__(self, engine: Engine, offload_weights: bool = False):
         """`engine`: built with one adapter slot of the trainer's LoraSpec (`rollout.build.build_engine` of
         `ResolvedConfig.engine_spec`). `offload_weights`: `release_memory` parks the engine's weights on the

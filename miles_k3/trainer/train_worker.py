@@ -3,9 +3,10 @@ and one GRPO update per call.
 
 Every trainer rank holds one TrainWorker and calls `train` with the same whole batch: a data-parallel rank takes
 its share of the groups (`micro_batches`), megatron's schedule runs its micro-batches through the pipeline
-stages, and megatron's parallel linears do the tensor-parallel communication. `adapter_state()` returns full
-adapter tensors (gathered over TP, EP and PP) in the engine's naming; `state_dict()` / `load_state_dict()`
-carry adapters, optimizer, LR schedule and RNG states for checkpoints.
+stages, and megatron's parallel linears do the tensor-parallel communication. `adapter_shards()` gives this
+rank's own adapter blocks (what the shard-to-shard sync and the checkpoint's gather send), `adapter_state()`
+the full tensors (gathered over TP, EP and PP; for the library and tests); `state_dict()` / `load_state_dict()`
+carry optimizer, LR schedule and RNG states for checkpoints (the adapter travels in PEFT form).
 
 Image prompts: a batch's `SequenceMedia` (the features the engine was given, frozen tower and projector) reach
 the first stage's embeddings through `policy.media_feed` (`megatron_patches.model.MediaFeed`), each piece's
@@ -271,9 +272,10 @@ class TrainWorker:
         return adapter_shards(self.policy)
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything a resumed rank needs besides the adapter (saved in PEFT form by the driver)."""
+        """Everything a resumed rank needs besides the adapter (saved in PEFT form by the driver); the optimizer's
+        tensors copied to the host (the live ones may be parked on it, `park`, once this returns)."""
         return {
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": _to_host(self.optimizer.state_dict()),
             "scheduler": self.scheduler.state_dict(),
             "rng": rng_state(self.device),
             "lora_dropout_rng": self.policy.lora_generator.get_state(),
@@ -284,10 +286,22 @@ class TrainWorker:
 
         load_adapter_state(self.policy, adapter)
         check_lora_replicas(self.policy)
-        self.optimizer.load_state_dict(state["optimizer"])
+        # fresh storages (a loaded checkpoint's may not be resizable, and parking resizes them)
+        self.optimizer.load_state_dict(_to_host(state["optimizer"]))
         self.scheduler.load_state_dict(state["scheduler"])
         set_rng_state(state["rng"], self.device)
         self.policy.lora_generator.set_state(state["lora_dropout_rng"])
+
+
+def _to_host(obj: Any) -> Any:
+    """`obj` with every tensor inside its dicts and lists replaced by a host copy."""
+    if torch.is_tensor(obj):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _to_host(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_host(v) for v in obj)
+    return obj
 
 
 class Totals(NamedTuple):

@@ -178,6 +178,8 @@ class EngineLoop:
         or greedy request's output is the one it would have had without the pause (its noise is keyed by
         its seed and position, `rollout.noise`). RuntimeError for a sharded engine, whose other ranks would
         not see the retraction."""
+        if self.engine.tp.size > 1:  # refused before pausing: a refusal leaves the server as it was
+            raise RuntimeError("pause_generation mode retract on a sharded engine: its other ranks would not retract")
         self.pause()
         await self.call(lambda engine: self._retract_all())
 
@@ -315,8 +317,6 @@ class EngineLoop:
 
     def _retract_all(self) -> None:
         engine = self.engine
-        if engine.tp.size > 1:
-            raise RuntimeError("pause_generation mode retract on a sharded engine: its other ranks would not retract")
         s = engine.scheduler
         for r in reversed(list(s.running)):  # newest first: each goes to the queue's front, so order is kept
             s.retract(r)

@@ -314,6 +314,14 @@ def test_a_capability_the_rollout_backend_lacks_fails_by_field_before_anything_i
         (["rollout.backend=http", "rollout.urls=[localhost:30000]"], "rollout.urls must list the servers' base URLs"),
         (["rollout.urls=[http://127.0.0.1:1]"], "rollout.urls only applies with rollout.backend=http"),
         (["rollout.backend=sglang"], "rollout.backend must be one of"),
+        (
+            ["rollout.backend=http", "rollout.urls=[http://127.0.0.1:1]", "rollout.tp=2"],
+            "rollout.tp applies to colocated",
+        ),
+        (
+            ["rollout.backend=http", "rollout.urls=[http://127.0.0.1:1]", "parallel.offload_base=true"],
+            "parallel.offload_base parks the trainer's state while colocated engines roll out",
+        ),
     ],
 )
 def test_bad_http_backend_settings_fail_by_field(overrides, message):

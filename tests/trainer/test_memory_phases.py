@@ -76,3 +76,19 @@ def test_offloading_the_engine_weights_needs_the_pools_released():
 
     with pytest.raises(ValueError, match=r"^rollout\.offload_weights needs rollout\.release_memory=true"):
         resolve(composed("rollout.offload_weights=true", "rollout.release_memory=false"))
+
+
+def test_a_checkpoint_written_with_the_optimizer_parked_resumes(tmp_path):
+    """The optimizer's state goes to the checkpoint as host copies: parking it right after (the rollout phase
+    begins) leaves the file whole, and a resumed run continues from it."""
+    from tests.trainer.test_cli_run import cli, rows
+
+    flags = ["logging.wandb=disabled", "trainer.eval_before=false", "parallel.offload_optimizer=true"]
+    first = cli(tmp_path / "run", "trainer.max_steps=2", "trainer.save_every=1", *flags)
+    assert first.returncode == 0, first.stderr[-3000:]
+    state = torch.load(tmp_path / "run" / "checkpoints" / "step_00000002" / "trainer_state.pt", weights_only=False)
+    moments = [v for s in state["workers"][0]["optimizer"]["state"].values() for v in s.values() if torch.is_tensor(v)]
+    assert moments and all(v.untyped_storage().nbytes() > 0 for v in moments)
+    more = cli(tmp_path / "run", "trainer.max_steps=3", *flags)
+    assert more.returncode == 0, more.stderr[-3000:]
+    assert [r["step"] for r in rows(tmp_path / "run") if "loss" in r] == [1, 2, 3]

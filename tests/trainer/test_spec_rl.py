@@ -64,6 +64,7 @@ def drafter_dir(tmp_path_factory):
             r"^rollout\.speculative\.distill_every must be an integer",
         ),
         (["rollout.speculative.distill_lr=0"], r"^rollout\.speculative\.distill_lr must be > 0"),
+        (["DRAFTER", "rollout.offload_weights=true"], r"^rollout\.offload_weights with rollout\.speculative\.drafter"),
         (["rollout.speculative.distill_decay=2"], r"^rollout\.speculative\.distill_decay must be <= 1"),
         (["rollout.speculative.distill_steps=0"], r"^rollout\.speculative\.distill_steps must be an integer >= 1"),
         (

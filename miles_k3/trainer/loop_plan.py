@@ -145,14 +145,15 @@ class LoopPlan:
 
     def overrides(self, micro_batch_tokens: int, quantize: str, memory_mb: int | None = None) -> str:
         """The recipe overrides that run this plan: the trainer's layout (parallel.*), its micro-batch size and
-        recompute, the engine's layout and quantization (rollout.*), the pools' budget per GPU
-        (rollout.memory_mb, when given) and the offloads that are on."""
+        recompute, the engine's layout, quantization and bf16 (rollout.*; the plan counts bf16 on both sides:
+        model.train_dtype too), the pools' budget per GPU (rollout.memory_mb, when given) and the offloads that
+        are on."""
         lay = self.layout
         parts = [
             f"parallel.tp={lay.tp} parallel.pp={lay.pp} parallel.cp={lay.cp} parallel.ep={lay.ep} parallel.dp={lay.dp}",
             f"parallel.micro_batch_tokens={micro_batch_tokens} parallel.recompute={str(self.recompute).lower()}",
             self.engine.layout.overrides(),
-            f"rollout.quantize={quantize}",
+            f"rollout.quantize={quantize} rollout.dtype=bfloat16 model.train_dtype=bfloat16",
             *([f"rollout.memory_mb={memory_mb}"] if memory_mb is not None else []),
             *self.offloads.overrides(),
         ]

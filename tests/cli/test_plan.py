@@ -236,7 +236,8 @@ def test_the_plan_names_the_best_loop_and_its_overrides(capsys):
     assert last.startswith("best fitting layout: tp=2,pp=1,cp=1,ep=1,dp=1 + engine tp=1,dcp=1,ep=0, offload none")
     assert last.endswith(
         "parallel.tp=2 parallel.pp=1 parallel.cp=1 parallel.ep=1 parallel.dp=1 parallel.micro_batch_tokens=256 "
-        "parallel.recompute=false rollout.tp=1 rollout.dcp=1 rollout.ep=false rollout.quantize=all rollout.memory_mb=1"
+        "parallel.recompute=false rollout.tp=1 rollout.dcp=1 rollout.ep=false rollout.quantize=all "
+        "rollout.dtype=bfloat16 model.train_dtype=bfloat16 rollout.memory_mb=1"
     )
 
 

@@ -138,36 +138,30 @@ def cmd_export_adapter(args) -> int:
             tensors, spec = load_peft(args.adapter, config=config)
         except ValueError as e2:
             raise ValueError(f"--adapter {args.adapter}: {e2}") from None
-    if args.format == "peft":
-        save_peft(
-            args.out,
-            tensors,
-            spec,
-            module_prefix=hf_prefix(config),
-            base_model_name_or_path=str(model),
-            family=adapter_family(config),
-        )
-    elif args.format == "sglang":
-        try:
-            out, partners, dropped = sglang_tensors(tensors, config, drop_unsupported=args.drop_unsupported)
-        except ValueError as e:
-            raise ValueError(f"--format sglang: {e}") from None
-        if dropped:
-            print(f"export-adapter: dropped {len(dropped)} modules SGLang cannot apply:", file=sys.stderr)
-            for m in dropped:
-                print(f"  {m}", file=sys.stderr)
-        save_peft(
-            args.out,
-            out,
-            spec,
-            module_prefix=hf_prefix(config),
-            base_model_name_or_path=str(model),
-            family=FAMILY_SGLANG,
-            zero_partners=partners,
-        )
-        tensors = {k: t for k, t in tensors.items() if k.rsplit(".", 1)[0] not in set(dropped)}
-    else:
+    if args.format == "merged":
         _merged(args, config, tensors, spec)
+    else:
+        written, family, extra = tensors, adapter_family(config), {}
+        if args.format == "sglang":
+            try:
+                written, partners, dropped = sglang_tensors(tensors, config, drop_unsupported=args.drop_unsupported)
+            except ValueError as e:
+                raise ValueError(f"--format sglang: {e}") from None
+            if dropped:
+                print(f"export-adapter: dropped {len(dropped)} modules SGLang cannot apply:", file=sys.stderr)
+                for m in dropped:
+                    print(f"  {m}", file=sys.stderr)
+            family, extra = FAMILY_SGLANG, {"zero_partners": partners}
+            tensors = {k: t for k, t in tensors.items() if k.rsplit(".", 1)[0] not in set(dropped)}
+        save_peft(
+            args.out,
+            written,
+            spec,
+            module_prefix=hf_prefix(config),
+            base_model_name_or_path=str(model),
+            family=family,
+            **extra,
+        )
     naming = "sglang" if args.format == "sglang" else adapter_family(config)
     print(f"wrote {args.out} ({args.format}, {len(tensors) // 2} modules, {naming} naming)")
     return 0

@@ -366,8 +366,13 @@ class ColocatedRank(TrainerRank):
 def replica_share(groups: list[int], replicas: int, replica: int) -> list[int]:
     """The indices of the items `replica` of `replicas` takes: whole prompt groups (`groups`: each item's
     group), the distinct groups in order dealt into `replicas` contiguous runs as even as possible."""
-    order = {g: i for i, g in enumerate(dict.fromkeys(groups))}
+    order = group_positions(groups)
     return [i for i, g in enumerate(groups) if order[g] * replicas // len(order) == replica]
+
+
+def group_positions(groups: list[int]) -> dict[int, int]:
+    """Each distinct prompt group's position among them, in first-seen order (how backends deal groups out)."""
+    return {g: i for i, g in enumerate(dict.fromkeys(groups))}
 
 
 class LocalRanks:

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from miles_k3.data.sample import Sample
-from miles_k3.trainer.backends import RolloutBackend, TrainerGroup
+from miles_k3.trainer.backends import RolloutBackend, TrainerGroup, group_positions
 
 if TYPE_CHECKING:
     from miles_k3.model.config import K3Config
@@ -108,7 +108,7 @@ class HTTPEngines(RolloutBackend):
     async def _generate(self, samples: list[Sample], params: list[SamplingParams]) -> list[Sample]:
         import httpx
 
-        order = {g: i for i, g in enumerate(dict.fromkeys(s.group_index for s in samples))}
+        order = group_positions([s.group_index for s in samples])
         async with httpx.AsyncClient(timeout=self.timeout) as http:
             await asyncio.gather(*(self._one(http, s, p, order[s.group_index]) for s, p in zip(samples, params)))
         return samples

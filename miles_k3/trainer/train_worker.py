@@ -105,15 +105,18 @@ class TrainWorker:
             out += [p for p in self.policy.parameters() if id(p) not in trainable]
             out += list(self.policy.buffers())
         if self.offload_optimizer:
-            out += [v for state in self.optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
+            out += self._optimizer_tensors()
         return out
 
     def resident_bytes(self) -> int:
         """Bytes this rank's trainer holds now on its device (the policy's weights, LoRA and its gradients, the
         optimizer's state; allocator accounting of their storages)."""
         grads = [p.grad for p in self.params if p.grad is not None]
-        opt = [v for state in self.optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
-        return resident_bytes([*self.policy.parameters(), *self.policy.buffers(), *grads, *opt])
+        return resident_bytes([*self.policy.parameters(), *self.policy.buffers(), *grads, *self._optimizer_tensors()])
+
+    def _optimizer_tensors(self) -> list[torch.Tensor]:
+        """The optimizer's state tensors (AdamW's moments; none before the first step)."""
+        return [v for state in self.optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
 
     # ------------------------------------------------------------------ log-probs
     def _logprobs(self, hidden: torch.Tensor, micro, *, with_entropy: bool = False):

@@ -148,6 +148,17 @@ def check_layout(config: K3Config, tp: TensorParallel) -> None:
         tp.split(n, field)
 
 
+def engine_skeleton(config, tp, quantize: str, lora, max_adapters: int, dtype: torch.dtype, device):
+    """(the engine's module tree on the meta device, its adapter pool on `device` or None, the factory that
+    made it) for `tp`'s rank: what `build_engine_model` loads into, and what `rollout.shard_plan` counts."""
+    check_layout(config, tp)
+    pool = AdapterPool(lora, max_adapters=max_adapters, dtype=dtype, device=device) if lora is not None else None
+    factory = EngineFactory(config, pool, quantize, tp)
+    with torch.device("meta"):
+        model = K3ForCausalLM(config, linear=factory.linear, experts=factory.experts, tp=tp)
+    return model, pool, factory
+
+
 def build_engine_model(
     config: K3Config,
     state: Mapping[str, torch.Tensor] | TensorSource,
@@ -178,11 +189,7 @@ def build_engine_model(
         raise ValueError(f"lora must be a LoraSpec or None, got {type(lora).__name__}")
     if tp.size > 1 and not isinstance(tp, EngineTP):
         raise ValueError("build_engine_model: a sharded build takes tp=rollout.parallel.EngineTP(...)")
-    check_layout(config, tp)
-    pool = AdapterPool(lora, max_adapters=max_adapters, dtype=dtype, device=device) if lora is not None else None
-    factory = EngineFactory(config, pool, quantize, tp)
-    with torch.device("meta"):
-        model = K3ForCausalLM(config, linear=factory.linear, experts=factory.experts, tp=tp)
+    model, pool, factory = engine_skeleton(config, tp, quantize, lora, max_adapters, dtype, device)
     if isinstance(state, Mapping) and tp.size == 1:  # the whole model from tensors in memory, as given
         local = {k: v.to(device) for k, v in state.items()}
     else:

@@ -182,17 +182,11 @@ def meta_shard(
     """(model, adapter pool or None) of engine rank `rank` of `layout`, built on the meta device as
     `build_engine_model` builds it (its casts applied): its bytes, and its pool's `local_boxes` (the blocks of
     the adapter a shard-to-shard sync delivers to that rank)."""
-    from miles_k3.model.modeling import K3ForCausalLM
-    from rollout.lora import AdapterPool
-    from rollout.model_runner import QUANTIZE_MODES, EngineFactory, _cast_floating, check_layout
+    from rollout.model_runner import QUANTIZE_MODES, _cast_floating, engine_skeleton
 
     if quantize not in QUANTIZE_MODES:
         raise ValueError(f"quantize must be one of {QUANTIZE_MODES}, got {quantize!r}")
     tp = _ShapeTP(layout, rank) if layout.tp > 1 else SINGLE
-    check_layout(config, tp)
-    pool = AdapterPool(lora, max_adapters=max_adapters, dtype=dtype, device="meta") if lora is not None else None
-    factory = EngineFactory(config, pool, quantize, tp)
-    with torch.device("meta"):
-        model = K3ForCausalLM(config, linear=factory.linear, experts=factory.experts, tp=tp)
+    model, pool, _ = engine_skeleton(config, tp, quantize, lora, max_adapters, dtype, "meta")
     _cast_floating(model, dtype)  # as build_engine_model leaves it after loading
     return model, pool

@@ -28,6 +28,7 @@ from megatron.core.tensor_parallel import VocabParallelEmbedding as _MegatronVoc
 from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
 from megatron_patches.linears import ColumnLinear, _no_init
+from miles_k3.ops import exact
 
 DEFAULT_CHUNK = 4096  # tokens per chunk: [chunk, V/t] logits at a time
 
@@ -155,7 +156,10 @@ def _reduce(z: torch.Tensor, targets: torch.Tensor, vocab_start: int, temperatur
         dist.all_reduce(sums, group=group)
     s, zt, ez = sums
     lse = m + s.log()
-    return zt - lse, lse - ez / s, lse, idx, mine
+    logp = zt - lse
+    if exact.enabled() and group is None:  # exact mode: the engine's log_softmax at the token, bit for bit
+        logp = torch.log_softmax(zf, dim=-1).gather(-1, idx[:, None]).squeeze(-1)
+    return logp, lse - ez / s, lse, idx, mine
 
 
 def _logits_grad(z, lse, idx, mine, grad_logp, temperature: float) -> torch.Tensor:

@@ -25,6 +25,7 @@ import torch
 
 from miles_k3.kernels import use_kernels
 from miles_k3.model.layers import MLAMixer
+from miles_k3.ops import exact
 from rollout.dcp import dcp_attention
 from rollout.kernels import mla_attention as kernel
 
@@ -86,6 +87,44 @@ def absorbed_attention(
         hidden = cache.hidden_keys(lay.hist_rows.shape[1])
         o_lat = gathered_attention(q_lat, q_rope, buf, lay, mixer.scale, r, hidden)
     return _output(o_lat, w_v, lora, own, nope).reshape(b, t, h, dv)
+
+
+def expanded_attention(
+    mixer: MLAMixer, q: torch.Tensor, latent: torch.Tensor, rope: torch.Tensor, cache
+) -> torch.Tensor:
+    """Exact mode's engine attention (`miles_k3.ops.exact`): `absorbed_attention`'s contract, computed as the
+    trainer computes it: each request's history read back from the pages, expanded through kv_b_proj (the
+    request's own adapter) into per-head keys and values, and attended by `exact.attention` with each query
+    seeing the keys up to its own position. A history row's keys are the trainer's bits for that token, as
+    every product is row-invariant there."""
+    c = mixer.config
+    b, t = q.shape[:2]
+    h, nope, r = mixer.heads, c.qk_nope_head_dim, c.kv_lora_rank
+    buf = cache.mla_store(mixer.layer_idx, latent, rope)
+    lay = cache.layout
+    n, tq = lay.q_index.shape
+    hist = buf[lay.hist_rows].to(q.dtype)  # [N, S, R + Dr]: the zero page past a request's end
+    pool = getattr(mixer.kv_b_proj, "pool", None)
+    saved = None if pool is None or pool.row_slots is None else (pool.row_slots.tolist(), pool.tokens_per_row)
+    if saved is not None:  # kv_b_proj over S history rows of each batch row, under that row's adapter
+        pool.set_batch(saved[0], hist.shape[1])
+    try:
+        k_nope, v = mixer.kv_b_proj(hist[..., :r]).unflatten(-1, (h, -1)).split([nope, c.v_head_dim], dim=-1)
+    finally:
+        if saved is not None:
+            pool.set_batch(*saved)
+    rope_k = hist[..., None, r:].expand(*hist.shape[:2], h, c.qk_rope_head_dim)
+    k = torch.cat([k_nope, rope_k], dim=-1)
+    queries = q.reshape(b * t, h, c.qk_head_dim)
+    out = queries.new_zeros(b * t, h, c.v_head_dim, dtype=v.dtype)
+    valid = torch.zeros(n * tq, dtype=torch.bool, device=q.device)
+    valid[lay.out_index] = True
+    valid = valid.view(n, tq).cpu()
+    for i in range(n):
+        tokens = lay.q_index[i][valid[i]]
+        visible = lay.q_pos[i][valid[i]].cpu() + 1
+        out[tokens] = exact.attention(queries[tokens], k[i], v[i], mixer.scale, visible)
+    return out.view(b, t, h, c.v_head_dim)
 
 
 def gathered_attention(

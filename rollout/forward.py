@@ -30,6 +30,7 @@ import torch
 
 from miles_k3.model.layers import K3DecoderLayer, KDAMixer
 from miles_k3.model.modeling import K3ForCausalLM, K3Model, MediaEmbeds
+from miles_k3.ops import exact
 from rollout.linears import share_input_gemms
 from rollout.lora import AdapterPool
 from rollout.memory import KDAStatePool, KVPagePool
@@ -66,7 +67,8 @@ def prepare_model(model: K3ForCausalLM) -> None:
     if getattr(model, "_engine_prepared", False):
         return
     with torch.inference_mode(False), torch.no_grad():
-        share_input_gemms(model)
+        if not exact.enabled():  # exact mode: each linear its own GEMM, of the trainer's shape
+            share_input_gemms(model)
         store_fp32_reads(model)
     model._engine_prepared = True
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from miles_k3.model.lora_spec import LoraSpec
+from miles_k3.ops import exact
 from rollout.transfer import host_tensor, to_device
 
 
@@ -236,7 +237,7 @@ class AdapterPool:
             a = self.A[name][s] if expert is None else self.A[name][s, expert]
             b = self.B[name][s] if expert is None else self.B[name][s, expert]
             h = x.reshape(-1, x.shape[-1]).to(a.dtype) @ a.t()
-            if y.dtype != h.dtype:
+            if y.dtype != h.dtype or exact.enabled():  # exact mode: the trainer's product, scale and add
                 return y + ((h @ b.t()).float() * float(self.scale[s])).to(y.dtype).view(y.shape)
             return torch.addmm(y.reshape(-1, y.shape[-1]), h, b.t(), alpha=float(self.scale[s])).view(y.shape)
         if self.mixed_kernel == "triton":

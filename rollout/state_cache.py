@@ -23,9 +23,10 @@ from dataclasses import dataclass
 import torch
 
 from miles_k3.model.cache import KDAState
+from miles_k3.ops import exact
 from miles_k3.ops.kda import PooledState
 from rollout import dcp
-from rollout.attention import absorbed_attention
+from rollout.attention import absorbed_attention, expanded_attention
 from rollout.memory import KDAStatePool, KVPagePool
 from rollout.transfer import host_tensor, to_device
 
@@ -185,7 +186,10 @@ class PoolStateCache:
         return buf
 
     def mla_attention(self, mixer, q: torch.Tensor, latent: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        """The absorbed attention over this step's requests' pages (writes the step's rows first)."""
+        """The absorbed attention over this step's requests' pages (writes the step's rows first); in exact
+        mode the expanded one, as the trainer computes it (`rollout.attention.expanded_attention`)."""
+        if exact.enabled():
+            return expanded_attention(mixer, q, latent, rope, self)
         return absorbed_attention(mixer, q, latent, rope, self)
 
     def advance(self, num_tokens: int) -> None:

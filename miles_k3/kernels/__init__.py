@@ -27,6 +27,8 @@ from collections.abc import Iterator
 
 import torch
 
+from miles_k3.ops import exact
+
 MODES = ("auto", "0", "interpret")
 
 
@@ -52,8 +54,8 @@ def use_kernels(x: torch.Tensor) -> bool:
     as its training forward, whose ratio to them is exactly 1 where the policy has not moved. Nor while
     torch.compile traces (the engine's opt-in compiled decode step): inductor fuses the definition's
     elementwise chains itself, and dynamo would otherwise have to trace each kernel's launch."""
-    if not torch.is_inference_mode_enabled() or torch.compiler.is_compiling():
-        return False
+    if not torch.is_inference_mode_enabled() or torch.compiler.is_compiling() or exact.enabled():
+        return False  # exact mode: the definition on both sides (miles_k3.ops.exact)
     return available(x.device)
 
 

@@ -10,6 +10,7 @@ from miles_k3.kernels import use_kernels
 from miles_k3.model.config import K3Config
 from miles_k3.model.linear import ExpertsFactory, ExpertsSpec, LinearFactory, LinearSpec
 from miles_k3.model.norm import RMSNorm
+from miles_k3.ops import exact
 from miles_k3.ops.glu import glu
 from miles_k3.ops.router import route_tokens, router_logits
 
@@ -122,8 +123,9 @@ class RoutedExperts(nn.Module):
 
     def groups(self, dtype: torch.dtype) -> bool:
         """Whether batches in `dtype` can run grouped GEMMs (no host sync, so CUDA graphs can capture them):
-        bf16, what `torch._grouped_mm` takes on CUDA. Subclasses add their own conditions."""
-        return dtype == torch.bfloat16
+        bf16, what `torch._grouped_mm` takes on CUDA (never in exact mode: a loop of row-invariant GEMMs).
+        Subclasses add their own conditions."""
+        return dtype == torch.bfloat16 and not exact.enabled()
 
     def _grouped_proj(self, num_rows: int, counts: torch.Tensor, offs: torch.Tensor):
         """proj(name, x) -> x @ W_name[e]^T for each expert's row block of x (one forward's `num_rows` rows:

@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from miles_k3.kernels import use_kernels
+from miles_k3.ops import exact
 
 __all__ = [
     "kda_gate",
@@ -207,15 +208,26 @@ _Core = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
 def _recurrent_core(q, k, v, g, beta, S):
+    # exact mode: each contraction as a product and a sum over K, whose order no batch size changes
+    read = _read_exact if exact.enabled() else _read
     outs = []
     for t in range(q.shape[2]):
         k_t = k[:, :, t]
         S = S * g[:, :, t].exp().unsqueeze(-1)
-        err = v[:, :, t] - torch.einsum("bhk,bhkv->bhv", k_t, S)
-        S = S + torch.einsum("bhk,bhv->bhkv", k_t * beta[:, :, t, None], err)
-        outs.append(torch.einsum("bhk,bhkv->bhv", q[:, :, t], S))
+        err = v[:, :, t] - read(k_t, S)
+        S = S + (k_t * beta[:, :, t, None]).unsqueeze(-1) * err.unsqueeze(-2)
+        outs.append(read(q[:, :, t], S))
     o = torch.stack(outs, dim=2) if outs else v.new_zeros(v.shape)
     return o, S
+
+
+def _read(x, S):
+    """x [b, H, K] through the state S [b, H, K, V] -> [b, H, V]."""
+    return torch.einsum("bhk,bhkv->bhv", x, S)
+
+
+def _read_exact(x, S):
+    return (x.unsqueeze(-1) * S).sum(-2)
 
 
 def _chunked_core(q, k, v, g, beta, S, *, chunk_size: int):
@@ -382,8 +394,14 @@ class FrozenRows(NamedTuple):
 
 def _fla_pool_fits(q: torch.Tensor, pool: torch.Tensor) -> bool:
     """Whether fla's recurrent kernel can step `pool`'s rows in place for `q`: CUDA, no autograd, an fp32 pool
-    whose rows are contiguous (any slot stride: the unified arena's)."""
-    return q.is_cuda and not torch.is_grad_enabled() and pool.dtype == torch.float32 and pool[0].is_contiguous()
+    whose rows are contiguous (any slot stride: the unified arena's); never in exact mode."""
+    return (
+        q.is_cuda
+        and not exact.enabled()
+        and not torch.is_grad_enabled()
+        and pool.dtype == torch.float32
+        and pool[0].is_contiguous()
+    )
 
 
 def _kda_fla_in_place(
@@ -570,6 +588,8 @@ def kda(
         cu_seqlens=cu_seqlens,
         use_qk_l2norm=use_qk_l2norm,
     )
+    if exact.enabled():  # token by token on both sides, whatever the length (miles_k3.ops.exact)
+        return kda_recurrent(q, k, v, g, beta, **kwargs)
     if mode == "auto" and q.is_cuda:
         return _kda_fla(q, k, v, g, beta, **kwargs)
     # Packed sequences run padded to the longest one, so that length picks the reference.

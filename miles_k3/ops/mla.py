@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from miles_k3.ops import exact
 from miles_k3.ops.kda import _cu_seqlens_bounds
 
 # Query / key block of the blockwise path: [B, H, BLOCK, BLOCK] scores at a time.
@@ -192,6 +193,8 @@ def mla_attention(
     """q [B, T, H, Dqk], k [B, S, H, Dqk], v [B, S, H, Dv] -> [B, T, H, Dv]. `mask`: None for plain causal
     with T == S, a `SegmentCausalMask` (a context-parallel rank's), or a bool tensor broadcastable to
     [B, H, T, S] (True = attend; dense). See the module docstring for which path runs."""
+    if exact.enabled():
+        return exact.masked_attention(q, k, v, scale, mask)
     if isinstance(mask, torch.Tensor):
         return _dense(q, k, v, scale, mask)
     s = k.shape[1]
@@ -219,6 +222,8 @@ def packed_causal_attention(
     """
     n_tok = q.shape[1]
     bounds = _cu_seqlens_bounds(cu_seqlens, q.shape[0], n_tok)
+    if exact.enabled():
+        return exact.packed_attention(q, k, v, scale, bounds)
     if not q.is_cuda and n_tok > DENSE_MAX_KEYS:
         return blockwise_attention(q, k, v, scale, SegmentCausalMask.packed(bounds))
     cu = torch.tensor(bounds)

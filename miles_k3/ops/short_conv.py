@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from miles_k3.kernels import use_kernels
+from miles_k3.ops import exact
 from miles_k3.ops.kda import PooledState, _cu_seqlens_bounds, math_dtype
 
 __all__ = ["causal_short_conv", "causal_short_convs"]
@@ -32,7 +33,7 @@ def _conv_core(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> tu
     T = x.shape[-1]
     W = weight.shape[-1]
     xx = torch.cat([state, x], dim=-1)  # [b, D, W-1+T]: history then current inputs
-    if T == 1:
+    if T == 1 and not exact.enabled():  # exact mode: the taps one by one, as a longer input adds them
         # Decode: the window is all of xx. One product and one sum instead of 2W-1 small ops per call: a
         # decode step runs this for q, k and v of every KDA layer, one GPU kernel per op.
         return (xx * weight).sum(-1, keepdim=True), xx[..., 1:]

@@ -46,6 +46,7 @@ MAX_SEED = 2**63 - 2**16  # trainer.seed + rank must fit torch's int64 seed
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_new_tokens")
 ROUTING_REPLAY = ("off", "rollout")  # algo.routing_replay
 ENGINE_KEYS = (
+    "state_fraction",
     "page_size",
     "chunk_size",
     "max_prefill_tokens",
@@ -270,6 +271,10 @@ class RolloutCfg(component_fields(EngineConfig, ENGINE_KEYS), component_fields(S
     # rollout.urls: miles-serve processes or an SGLang deployment, driven by SGLang's API)
     backend: str = "colocated"
     urls: List[str] = field(default_factory=list)
+    # with rollout.backend=http, how each adapter version reaches the servers: null sends the PEFT file in the
+    # request (/load_lora_adapter_from_tensors: miles-serve); a directory on a filesystem the servers share
+    # writes it there and names it (/load_lora_adapter with lora_path: what an SGLang deployment reads)
+    adapter_dir: Optional[str] = None
     # asynchrony: 0 is the on-policy loop (generate, then train); k > 0 lets generation run up to k adapter
     # versions ahead of training (the next steps' rollouts while this one trains; needs rollout.backend=http,
     # whose servers keep the last k + 1 versions loaded: miles-serve --max-loras >= k + 2)
@@ -278,6 +283,10 @@ class RolloutCfg(component_fields(EngineConfig, ENGINE_KEYS), component_fields(S
     # version that began them) | restart (aborted and drawn again by the new version) | continue (aborted and
     # continued from their tokens by the new version; each token tagged with the version that drew it)
     partial: str = "off"
+    # exact mode: the engine samples each token with log-probs bit-identical to the trainer's for it (fp32 or
+    # bf16), whatever its batch, cache path or speculation: both compute in one row-invariant order
+    # (miles_k3.ops.exact), at a cost in speed; the train/rollout gap is then exactly 0
+    exact: bool = False
 
     def check(self) -> None:
         from miles_k3.trainer.rollout_plugin import CLIENTS
@@ -314,6 +323,8 @@ class RolloutCfg(component_fields(EngineConfig, ENGINE_KEYS), component_fields(S
                     raise c.fail(name, "applies to colocated engines; with rollout.backend=http set it on the servers")
         elif self.urls:
             raise c.fail("urls", "only applies with rollout.backend=http")
+        if self.adapter_dir is not None and self.backend != "http":
+            raise c.fail("adapter_dir", "only applies with rollout.backend=http")
         c.int_at_least("max_staleness", 0)
         c.choice("partial", ("off", "restart", "continue"))
         if self.partial != "off" and not self.max_staleness:

@@ -1,6 +1,7 @@
 """Launchers: build the workers for a resolved config and run the driver.
 
-local, cluster.num_workers == 1: one process; the engine and the trainer share it (and its device).
+local, cluster.num_workers == 1: one process; the engine and the trainer share it (and its device) (with
+    rollout.exact on CPU, a spawned one that starts with `exact.CPU_ENV` unless this one did).
 local, num_workers == N > 1: N processes on this machine (torch.multiprocessing, gloo on CPU / nccl on
     GPU), one trainer rank each, in the layout of `parallel.*`, and one shard of an engine replica each (N /
     rollout.tp replicas of rollout.tp ranks, `miles_k3.trainer.backends.ColocatedRank`); rank 0 also runs the
@@ -18,11 +19,14 @@ Every process watches for preemption signals (`miles_k3.trainer.preempt`); when 
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 from pathlib import Path
 
 import torch
 
+from miles_k3.ops import exact
 from miles_k3.rewards import RewardPluginError
 from miles_k3.trainer import preempt
 from miles_k3.trainer.backends import (
@@ -54,7 +58,7 @@ def _rank_main(
     a spawned world, a queue that carries how rank 0's run ended (a RewardPluginError's message, or a
     preemption) back to the launching process; None: raised here. `local_rank`: the rank's device index on
     its node (default: `rank`)."""
-    with preempt.watch():
+    with preempt.watch(), exact.numerics(rc.rollout.exact):
         configure_process(rc, rank)
         device = device_for(rc, rank if local_rank is None else local_rank)
         try:
@@ -122,7 +126,31 @@ def http_engines(rc: ResolvedConfig, inputs: RunInputs | None):
         record_routing=r.record_routing,
         keep_versions=r.max_staleness + 1,
         partial=r.partial,
+        adapter_dir=r.adapter_dir,
     )
+
+
+def exact_cpu_env(rc: ResolvedConfig) -> dict[str, str]:
+    """The environment rollout.exact's ranks must start with on CPU and this process lacks (`exact.CPU_ENV`;
+    empty: none needed)."""
+    if not rc.rollout.exact or rc.cluster.device != "cpu" or not exact.cpu_env_missing():
+        return {}
+    return dict(exact.CPU_ENV)
+
+
+@contextlib.contextmanager
+def environ(env: dict[str, str]):
+    """os.environ with `env` while the block runs (what spawned processes inherit)."""
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def launch(rc: ResolvedConfig, run_dir: str | Path, inputs: RunInputs | None = None) -> None:
@@ -147,13 +175,16 @@ def launch(rc: ResolvedConfig, run_dir: str | Path, inputs: RunInputs | None = N
     from miles_k3.ranks import free_port
 
     init_method = f"tcp://127.0.0.1:{free_port()}"
-    if rc.cluster.num_workers == 1:
+    # rollout.exact on CPU: ranks in processes that start with exact.CPU_ENV (this one may have loaded torch
+    # without it), a one-rank world too
+    fresh = exact_cpu_env(rc)
+    if rc.cluster.num_workers == 1 and not fresh:
         _rank_main(0, rc, run_dir, init_method, inputs)
         return
     # how rank 0's run ended, raised here as itself (a reward plugin failing is the user's mistake, not a
     # child's traceback; a preemption is this process's exit status)
     outcome = torch.multiprocessing.get_context("spawn").SimpleQueue()
-    with preempt.watch():  # Slurm signals this process too: it waits for the ranks' checkpoint, not dies
+    with preempt.watch(), environ(fresh):  # Slurm signals this process too: it waits for the ranks' checkpoint
         torch.multiprocessing.spawn(
             _rank_main, args=(rc, run_dir, init_method, None, outcome), nprocs=rc.cluster.num_workers, join=True
         )

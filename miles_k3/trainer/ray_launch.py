@@ -59,7 +59,10 @@ class _RankActor:
         self.target = ColocatedRank(trainer, engine, self.rank, rc.cluster.num_workers, rc.rollout.tp)
 
     def call(self, name: str, *args) -> Any:
-        return rpc.dispatch(self.target, name, args)
+        from miles_k3.ops import exact
+
+        with exact.numerics(self.rc.rollout.exact):  # an actor's calls may come on other threads
+            return rpc.dispatch(self.target, name, args)
 
 
 class RayRanks:
@@ -111,6 +114,10 @@ def start_ray_workers(rc: ResolvedConfig) -> tuple[RayRanks, Any]:
         ) from None
     threads = rc.cluster.threads_per_worker or 1
     env = {"env_vars": {"OMP_NUM_THREADS": str(threads)}}
+    if rc.rollout.exact and not gpu:  # the actors' processes start with rollout.exact's CPU environment
+        from miles_k3.ops.exact import CPU_ENV
+
+        env["env_vars"].update(CPU_ENV)
 
     def placed(i: int):  # bundle i is rank i: engine replicas are runs of consecutive bundles
         strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=i)

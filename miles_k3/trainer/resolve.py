@@ -135,6 +135,35 @@ def unknown_keys(cfg: Any, schema: Any, prefix: str = "") -> None:
             unknown_keys(value, sub, f"{path}.")
 
 
+def exact_rules(cfg: Any, lora: LoraSpec) -> None:
+    """What rollout.exact asks of the rest of the config: one model replica per rank on both sides (a
+    collective sums in its own order), the same weights and dtype in the engine as in the trainer, no LoRA
+    dropout (the engine has none), and the forwards in the rank's own thread (`miles_k3.ops.exact`)."""
+    r, par = cfg.rollout, cfg.parallel
+    rules = [
+        (r.backend == "colocated", "rollout.backend=colocated (servers elsewhere compute in their own order)"),
+        (all(getattr(par, n) == 1 for n in ("tp", "pp", "cp", "ep")), "parallel.tp, pp, cp and ep = 1 (dp is fine)"),
+        (r.tp == 1, "rollout.tp=1"),
+        (r.quantize == "none", "rollout.quantize=none (an MXFP4 base is not the trainer's weights)"),
+        (r.dtype == cfg.model.train_dtype, f"rollout.dtype equal to model.train_dtype ({cfg.model.train_dtype})"),
+        (lora.dropout == 0.0, "lora.dropout=0"),
+        (r.fn is None, "no rollout.fn (a plugin's threads would run the engine outside the exact numerics)"),
+        (not r.compile_decode, "rollout.compile_decode=false"),
+        (cfg.cluster.device != "cuda" or not r.cuda_graphs, "rollout.cuda_graphs=false on cuda (eager steps)"),
+    ]
+    for ok, need in rules:
+        if not ok:
+            raise ValueError(f"rollout.exact needs {need}")
+    if cfg.cluster.device == "cpu" and cfg.cluster.launcher == "external":
+        from miles_k3.ops.exact import cpu_env_missing
+
+        # the local and Ray launchers start their ranks with it; an external world's ranks start as they are
+        if missing := cpu_env_missing():
+            raise ValueError(
+                f"rollout.exact on CPU needs the ranks started with {' '.join(missing)} in the environment"
+            )
+
+
 def resolve(cfg: Any) -> ResolvedConfig:
     """Check a composed config (a DictConfig, a mapping or a TrainConfig) and build the component configs."""
     from omegaconf import OmegaConf
@@ -239,6 +268,8 @@ def resolve(cfg: Any) -> ResolvedConfig:
 
         check_memory_mb(r.memory_mb, c.device, "rollout.memory_mb")
     par = cfg.parallel
+    if r.exact:
+        exact_rules(cfg, lora)
     if c.num_workers != par.world_size:
         raise ValueError(
             f"cluster.num_workers must equal the layout's world size tp * pp * cp * dp = "

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from miles_k3.ops import exact
 from rollout.forward import hooks
 from rollout.media import packed_media
 from rollout.request import SamplingParams
@@ -179,7 +180,8 @@ class _DraftLayer(nn.Module):
         keys = torch.cat([ctx_kv[..., :d], self.k(h)], dim=1)
         values = torch.cat([ctx_kv[..., d:], self.v(h)], dim=1)
         visible = torch.cat([ctx_mask, ctx_mask.new_ones(n, t)], dim=1)[:, None, None, :]
-        o = F.scaled_dot_product_attention(split(self.q(h)), split(keys), split(values), attn_mask=visible)
+        with exact.outside():  # a drafter only proposes: no log-prob reads its rounding (miles_k3.ops.exact)
+            o = F.scaled_dot_product_attention(split(self.q(h)), split(keys), split(values), attn_mask=visible)
         x = x + self.o(o.transpose(1, 2).reshape(n, t, d))
         h = self.mlp_norm(x)
         return x + self.down(F.silu(self.gate(h)) * self.up(h))

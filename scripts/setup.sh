@@ -13,6 +13,14 @@ PY=${PYTHON:-python3}
 .venv/bin/python -m pip install -q -e ".[dev]"
 echo "miles-k3 installed in .venv"
 
+# real SGLang 0.5.23 for CPU in its own venv (.venv-sglang), for tests/trainer/test_sglang_server.py (the HTTP
+# backend against a real SGLang server); MILES_K3_SETUP_SGLANG=0 skips it (those tests then skip, saying why)
+if [ "${MILES_K3_SETUP_SGLANG:-1}" = 0 ]; then
+    echo "SGLang: skipped (MILES_K3_SETUP_SGLANG=0); tests/trainer/test_sglang_server.py will skip"
+else
+    bash scripts/setup_sglang.sh
+fi
+
 slurm_packages=(slurmctld slurmd slurm-client munge)
 have() { command -v "$1" >/dev/null 2>&1 || [ -x "/usr/sbin/$1" ]; }
 if [ "${MILES_K3_SETUP_SLURM:-1}" = 0 ]; then

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from miles_k3.kernels import use_kernels
+from miles_k3.ops import exact
 
 
 def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -60,6 +61,8 @@ def route_tokens(
         keep.scatter_(1, group_scores.topk(topk_group, dim=-1, sorted=False).indices, True)
         choice = grouped.masked_fill(~keep[..., None], float("-inf")).view(n, e)
     indices = choice.topk(top_k, dim=-1, sorted=False).indices
+    if exact.enabled():  # the experts in id order, so the weights' sum has one order however they were found
+        indices = indices.sort(dim=-1).values  # (a replayed routing's bonus reorders what topk returns)
     weights = scores.gather(1, indices)
     if renormalize and top_k > 1:  # one expert keeps its raw score (module docstring)
         weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)

@@ -7,13 +7,27 @@ processes, or an SGLang deployment, driven through SGLang's API.
 What goes over the wire, by SGLang's field names:
 
     generate         POST /generate {input_ids, sampling_params {max_new_tokens, temperature, top_p, top_k,
-                     stop_token_ids, ignore_eos: true (the driver's stop ids are the only stops), no_stop_trim:
-                     true (the stop token is kept, as the trainer trains it), sampling_seed (the sample's own
-                     seed: the same samples as the colocated engine draws)}, return_logprob, lora_path (the
-                     policy's current name), return_routed_experts (with rollout.record_routing)}
-    adapter sync     POST /load_lora_adapter_from_tensors {lora_name: "policy-v<N>", config_dict, serialized_tensors:
-                     the PEFT file, base64} on every server, then /unload_lora_adapter of the version that
-                     falls out of the last rollout.max_staleness + 1 (whose requests may still be in flight)
+                     stop_token_ids, ignore_eos: true only when there are no stop ids (SGLang's ignore_eos turns
+                     stop_token_ids off too; with stop ids the model's eos stops as well, which the driver's
+                     stop ids hold: rollout.stop_at_eos), no_stop_trim: true (the stop token is kept, as the
+                     trainer trains it), sampling_seed (the sample's own seed: the same samples as the
+                     colocated engine draws; SGLang draws by it only when launched with
+                     --enable-deterministic-inference)}, return_logprob, lora_path (the policy's current name;
+                     null: the base), return_routed_experts (with rollout.record_routing), rid}
+                     -> {output_ids, meta_info {finish_reason {type: stop | length | abort}, output_token_logprobs:
+                     [logprob, token id, null] per output token (at the request's temperature, before top-p /
+                     top-k), routed_experts}}
+    adapter sync     POST /load_lora_adapter_from_tensors {lora_name: "policy-<run>-v<N>", config_dict,
+                     serialized_tensors: the PEFT file, base64, load_format: "safetensors"} on every server
+                     (miles-serve's encoding of the tensors: SGLang's own field is serialized_named_tensors,
+                     its multiprocessing serializer's output, which an SGLang server needs instead); or, with
+                     rollout.adapter_dir (a filesystem the servers share: what an SGLang deployment loads),
+                     the PEFT directory written to <adapter_dir>/<lora_name> and POST /load_lora_adapter
+                     {lora_name, lora_path: that directory} on every server. Then /unload_lora_adapter
+                     {lora_name} of the version that falls out of the last rollout.max_staleness + 1 (whose
+                     requests may still be in flight), and its directory removed
+    partial          POST /abort_request {rid} of a request an update stops (rollout.partial): it answers
+                     with finish_reason abort and the tokens it had
     memory           POST /release_memory_occupation, /resume_memory_occupation (rollout.release_memory: servers
                      that share the trainer's GPUs)
 
@@ -30,6 +44,7 @@ import asyncio
 import base64
 import json
 import logging
+import shutil
 import tempfile
 import threading
 import time
@@ -56,32 +71,39 @@ class ServerGone(Exception):
 
 class HTTPEngines(RolloutBackend):
     """The engines behind `urls` (module docstring). `config`: the base's (the MoE layers and top-k of the
-    routing table); `family`: the PEFT naming the adapter is sent in (`adapter_family(config)`)."""
+    routing table; read only with `record_routing`, so None serves a base without one); `family`: the PEFT
+    naming the adapter is sent in (`adapter_family(config)`)."""
 
     def __init__(
         self,
         urls: list[str],
         lora: LoraSpec,
-        config: K3Config,
+        config: K3Config | None,
         family: str,
         *,
         record_routing: bool = False,
         keep_versions: int = 1,
         partial: str = "off",
         timeout_s: float = 600.0,
+        adapter_dir: str | None = None,
     ):
         """`keep_versions`: adapter versions each server keeps loaded (rollout.max_staleness + 1: requests of
         the older ones may still be in flight when a new one arrives). `partial` (rollout.partial): what an
         update does to the requests in flight: "off" they finish under their version; "restart" they are
         aborted and sent again under the new one; "continue" aborted and sent again from their tokens, the new
-        version drawing the rest."""
+        version drawing the rest. `adapter_dir` (rollout.adapter_dir): None sends each adapter version in the
+        load request; a directory the servers also see (at the same path) receives each version's PEFT
+        directory, which the servers are told to load (module docstring)."""
         import httpx
 
         from miles_k3.model.routing import moe_layers
 
         self.urls, self.alive = list(urls), list(urls)
         self.lora, self.family, self.record_routing = lora, family, record_routing
-        self.routing_shape = (len(moe_layers(config)), config.num_experts_per_token)
+        if record_routing and config is None:
+            raise ValueError("rollout.record_routing: the routing table's shape needs the base's config")
+        self.routing_shape = (len(moe_layers(config)), config.num_experts_per_token) if record_routing else None
+        self.adapter_dir = None if adapter_dir is None else Path(adapter_dir).absolute()
         self.version, self.keep_versions = 0, keep_versions
         self.run_id = uuid.uuid4().hex[:8]
         self.timeout = httpx.Timeout(timeout_s, connect=10.0)
@@ -183,7 +205,7 @@ class HTTPEngines(RolloutBackend):
                 "top_p": params.top_p,
                 "top_k": params.top_k if params.top_k else -1,
                 "stop_token_ids": list(params.stop_token_ids),
-                "ignore_eos": True,
+                "ignore_eos": not params.stop_token_ids,  # SGLang's also turns stop_token_ids off
                 "no_stop_trim": True,
                 "sampling_seed": params.seed,
             },
@@ -223,41 +245,51 @@ class HTTPEngines(RolloutBackend):
 
     # -------------------------------------------------------------------- adapter
     def sync_adapter(self, trainer: TrainerGroup) -> dict[str, float]:
-        """The trainer's adapter, gathered part by part on the driver, as one PEFT file sent to every server under
-        the next version's name; the previous version is unloaded after. A server that fails it leaves the set."""
+        """The trainer's adapter, gathered part by part on the driver, as one PEFT file loaded by every server
+        under the next version's name (sent in the request, or written under `adapter_dir` and named); the
+        version that falls out is unloaded after (and its directory removed). A server that fails it leaves the
+        set. `adapter_sync_sent_bytes_max`: the adapter file's size, what each server takes in."""
         from miles_k3.model.peft import CONFIG_FILE, WEIGHTS_FILE, save_peft
 
         start = time.perf_counter()
-        with tempfile.TemporaryDirectory(prefix="miles-k3-adapter-") as tmp:
-            save_peft(Path(tmp), trainer.adapter_parts(), self.lora, family=self.family)
-            weights = (Path(tmp) / WEIGHTS_FILE).read_bytes()
-            config = json.loads((Path(tmp) / CONFIG_FILE).read_text())
         new = self.version + 1  # requests go on naming the current version until every server holds this one
         old = self.name(new - self.keep_versions) if new > self.keep_versions else None
-        body = {
-            "lora_name": self.name(new),
-            "config_dict": config,
-            "serialized_tensors": base64.b64encode(weights).decode("ascii"),
-            "load_format": "safetensors",
-        }
-        for url in list(self.alive):
-            try:
-                self._control(url, "/load_lora_adapter_from_tensors", body)
-            except ServerGone as e:
-                self._drop(url, str(e))
-        if not self.alive:
-            raise ValueError(f"rollout.urls: no server took the adapter ({self._why()})")
+        if self.adapter_dir is None:
+            with tempfile.TemporaryDirectory(prefix="miles-k3-adapter-") as tmp:
+                save_peft(Path(tmp), trainer.adapter_parts(), self.lora, family=self.family)
+                weights = (Path(tmp) / WEIGHTS_FILE).read_bytes()
+                config = json.loads((Path(tmp) / CONFIG_FILE).read_text())
+            size = len(weights)
+            body = {
+                "lora_name": self.name(new),
+                "config_dict": config,
+                "serialized_tensors": base64.b64encode(weights).decode("ascii"),
+                "load_format": "safetensors",
+            }
+            self.load_adapter("/load_lora_adapter_from_tensors", body)
+        else:
+            directory = self.adapter_dir / self.name(new)
+            save_peft(directory, trainer.adapter_parts(), self.lora, family=self.family)
+            size = (directory / WEIGHTS_FILE).stat().st_size
+            self.load_adapter("/load_lora_adapter", {"lora_name": self.name(new), "lora_path": str(directory)})
         with self.lock:
             self.version = new
         if self.partial != "off":
             self._stop_older(new)
-        for url in list(self.alive):  # no request names it now: the last that did were built before `new`
-            try:
-                if old is not None:
-                    self._control(url, "/unload_lora_adapter", {"lora_name": old})
-            except ServerGone as e:
-                self._drop(url, str(e))
-        return {"adapter_sync_ms": (time.perf_counter() - start) * 1e3, "adapter_sync_sent_bytes_max": len(weights)}
+        if old is not None:  # no request names it now: the last that did were built before `new`
+            self._on_all("/unload_lora_adapter", {"lora_name": old})
+            if self.adapter_dir is not None:
+                shutil.rmtree(self.adapter_dir / old)
+        return {"adapter_sync_ms": (time.perf_counter() - start) * 1e3, "adapter_sync_sent_bytes_max": size}
+
+    def load_adapter(self, path: str, body: dict) -> None:
+        """Every server in the set takes one adapter version: `path` is SGLang's load route
+        (/load_lora_adapter_from_tensors or /load_lora_adapter), `body` its request. A server that fails it
+        leaves the set; ValueError naming rollout.urls when none is left, or (one line naming the server) when a
+        server refuses the request itself."""
+        self._on_all(path, body)
+        if not self.alive:
+            raise ValueError(f"rollout.urls: no server took the adapter ({self._why()})")
 
     def _stop_older(self, version: int) -> None:
         """Abort every request in flight under a version older than `version`; its coroutine sends it again
@@ -305,13 +337,17 @@ class HTTPEngines(RolloutBackend):
         return {"servers_lost": len(self.failed), "partial_resent": self.partials}
 
     def shutdown(self) -> None:
-        """Unload this run's adapter versions from the servers that answer (their slots go back to the pool)."""
+        """Unload this run's adapter versions from the servers that answer (their slots go back to the pool),
+        then remove this run's directories under `adapter_dir`."""
         for version in range(max(1, self.version - self.keep_versions + 1), self.version + 1):
             for url in list(self.alive):
                 try:
                     self._control(url, "/unload_lora_adapter", {"lora_name": self.name(version)})
                 except (ServerGone, ValueError):
                     pass  # the run is over: a server that cannot unload keeps a slot
+        if self.adapter_dir is not None:
+            for directory in self.adapter_dir.glob(f"{POLICY}-{self.run_id}-v*"):
+                shutil.rmtree(directory, ignore_errors=True)
         self.client.close()
 
 

@@ -32,9 +32,10 @@ MEANS = (
 )
 
 
-def run_arm(replay: str, args, work: Path) -> Path:
-    """One `miles-train` run; its run directory."""
-    run_dir = work / f"replay_{replay}"
+def run_arm(name: str, arm: list[str], args, work: Path) -> Path:
+    """One `miles-train` run with the arm's own overrides `arm` (then `args.overrides`); its run directory
+    (`work`/`name`)."""
+    run_dir = work / name
     metrics = run_dir / "metrics.jsonl"
     if args.reuse and metrics.is_file() and any(r.get("step") == args.steps for r in _rows(metrics)):
         return run_dir
@@ -43,8 +44,7 @@ def run_arm(replay: str, args, work: Path) -> Path:
         "-m",
         "miles_k3.cli.train",
         f"recipe={args.recipe}",
-        "rollout.record_routing=true",
-        f"algo.routing_replay={replay}",
+        *arm,
         f"trainer.max_steps={args.steps}",
         "trainer.save_every=0",
         "trainer.eval_every=0",
@@ -62,12 +62,15 @@ def _rows(metrics: Path) -> list[dict]:
     return [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
 
 
-def summarize(replay: str, run_dir: Path) -> dict:
+def summarize(label: dict, run_dir: Path, means: tuple[str, ...] = MEANS, skip_first: bool = False) -> dict:
+    """The arm's row: its `label`, `means` averaged over its steps (`skip_first`: over those after the first,
+    which pays the one-time set-up) and their first step's value, the last reward."""
     steps = [r for r in _rows(run_dir / "metrics.jsonl") if "reward_mean" in r]
-    row = {"replay": replay, "steps": len(steps), "reward_last": steps[-1]["reward_mean"]}
-    for name in MEANS:
+    row = {**label, "steps": len(steps), "reward_last": steps[-1]["reward_mean"]}
+    for name in means:
         values = [r[name] for r in steps if name in r and math.isfinite(r[name])]
-        row[name] = sum(values) / len(values) if values else float("nan")
+        averaged = values[1:] if skip_first and len(values) > 1 else values
+        row[name] = sum(averaged) / len(averaged) if averaged else float("nan")
         row[f"{name}_first"] = values[0] if values else float("nan")
     return row
 
@@ -83,7 +86,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("overrides", nargs="*", help="miles-train overrides for both arms")
     args = parser.parse_args(argv)
     work = Path(args.work_dir)
-    rows = [summarize(arm, run_arm(arm, args, work)) for arm in args.arms.split(",")]
+    rows = [
+        summarize(
+            {"replay": arm},
+            run_arm(f"replay_{arm}", ["rollout.record_routing=true", f"algo.routing_replay={arm}"], args, work),
+        )
+        for arm in args.arms.split(",")
+    ]
     print(
         f"{'replay':>8} {'agree':>7} {'worst':>7} {'|dlogp|':>9} {'max':>9} {'k3 KL':>9} {'clip':>6} "
         f"{'reward':>7} {'step s':>7}"

@@ -214,6 +214,11 @@ run_job() {
         --work-dir "$STATE/routing" --json "$STATE/bench_routing_off.json" ;;
     routingon) job routingon python scripts/bench_routing.py --recipe k3_small_gpu --steps 50 --arms rollout \
         --reuse --work-dir "$STATE/routing" --json "$STATE/bench_routing_on.json" ;;
+    # exact mode (issue 45): k3-small in bf16, the engine's base the trainer's, eager steps; the same run in the
+    # builds' own orders beside it (its |d logp| and its speed)
+    exact) job exact python scripts/bench_exact.py --recipe k3_small_gpu --steps 6 --reuse --work-dir "$STATE/exact" \
+        --json "$STATE/bench_exact.json" rollout.quantize=none rollout.cuda_graphs=false rollout.prompts_per_step=16 \
+        rollout.samples_per_prompt=4 ;;
     *) echo "unknown job $1"; return 1 ;;
     esac
 }

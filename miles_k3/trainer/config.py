@@ -39,6 +39,7 @@ from rollout.spec.drafter import DSparkConfig
 
 DEVICES = ("cpu", "cuda")
 LAUNCHERS = ("local", "ray", "external")
+MODES = ("colocated", "disaggregated")
 WANDB_MODES = ("offline", "online", "disabled")
 RESUME_MODES = ("auto", "never")
 MAX_SEED = 2**63 - 2**16  # trainer.seed + rank must fit torch's int64 seed
@@ -314,13 +315,11 @@ class RolloutCfg(component_fields(EngineConfig, ENGINE_KEYS), component_fields(S
 
         c.choice("backend", tuple(ROLLOUT_BACKENDS))
         if self.backend == "http":
-            if not self.urls or not all(
-                isinstance(u, str) and u.startswith(("http://", "https://")) for u in self.urls
-            ):
+            # (no URLs at all: cluster.mode=disaggregated starts the servers, which resolve checks)
+            if not all(isinstance(u, str) and u.startswith(("http://", "https://")) for u in self.urls):
                 raise c.fail("urls", "must list the servers' base URLs (http://host:port) with rollout.backend=http")
-            for name, default in (("tp", 1), ("dcp", 1), ("ep", False), ("offload_weights", False)):
-                if getattr(self, name) != default:  # the servers' layout and memory are their own flags
-                    raise c.fail(name, "applies to colocated engines; with rollout.backend=http set it on the servers")
+            if self.offload_weights:
+                raise c.fail("offload_weights", "applies to colocated engines (the servers' memory is their own)")
         elif self.urls:
             raise c.fail("urls", "only applies with rollout.backend=http")
         if self.adapter_dir is not None and self.backend != "http":
@@ -499,6 +498,11 @@ class ClusterCfg(Section):
     # placement group), external (this process is one rank of a world that srun or torchrun started: its rank,
     # world size and rank 0's address come from the environment; scripts/slurm/train_multinode.sbatch)
     launcher: str = "local"
+    # MODES: colocated (the engines on the trainer's ranks, or servers at rollout.urls) | disaggregated (the
+    # launcher starts engine_workers engine servers on devices of their own and restarts any that dies;
+    # miles_k3.trainer.engine_fleet)
+    mode: str = "colocated"
+    engine_workers: int = 1  # with mode=disaggregated: engine replicas, each a server of rollout.tp ranks
     device: str = "cpu"  # DEVICES
     num_workers: int = 1  # trainer ranks (= parallel.world_size: tp * pp * cp * dp)
     threads_per_worker: Optional[int] = None  # torch intra-op threads; None: torch's default
@@ -510,6 +514,10 @@ class ClusterCfg(Section):
     def check(self) -> None:
         c = Check(self)
         c.choice("launcher", LAUNCHERS)
+        c.choice("mode", MODES)
+        c.int_at_least("engine_workers", 1)
+        if self.engine_workers != 1 and self.mode != "disaggregated":
+            raise c.fail("engine_workers", "only applies with cluster.mode=disaggregated")
         c.choice("device", DEVICES)
         c.int_at_least("num_workers", 1)
         c.number("ray_placement_timeout_s", 0.0, open_low=True)

@@ -33,9 +33,11 @@ What goes over the wire, by SGLang's field names:
 
 A prompt group's samples go to one server (their shared prefix is cached there); groups are dealt round-robin
 over the servers that answer. A request that fails (a connection refused or reset, a timeout, a 5xx, a finish
-by abort) is sent again to another server, and the failing server leaves the set for the rest of the run: a
-sample is filled from exactly one answer, so none is counted twice. With no server left the step fails with
-one line naming rollout.urls.
+by abort) is sent again to another server, and the failing server leaves the set: a sample is filled from
+exactly one answer, so none is counted twice. Servers the run started itself (cluster.mode=disaggregated,
+`revive`) are started again at the next step, or at once when none is left, given the current adapter and
+taken back in; others stay out for the rest of the run. With no server left the step fails with one line
+naming rollout.urls.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -86,6 +89,7 @@ class HTTPEngines(RolloutBackend):
         partial: str = "off",
         timeout_s: float = 600.0,
         adapter_dir: str | None = None,
+        revive: Callable[[str], None] | None = None,
     ):
         """`keep_versions`: adapter versions each server keeps loaded (rollout.max_staleness + 1: requests of
         the older ones may still be in flight when a new one arrives). `partial` (rollout.partial): what an
@@ -93,7 +97,10 @@ class HTTPEngines(RolloutBackend):
         aborted and sent again under the new one; "continue" aborted and sent again from their tokens, the new
         version drawing the rest. `adapter_dir` (rollout.adapter_dir): None sends each adapter version in the
         load request; a directory the servers also see (at the same path) receives each version's PEFT
-        directory, which the servers are told to load (module docstring)."""
+        directory, which the servers are told to load (module docstring). `revive(url)`: starts the server at
+        `url` again (cluster.mode=disaggregated's `EngineFleet.restart`); a server that left the set is then
+        revived at the next step, or at once when none is left, given the current adapter and taken back in.
+        None: a server that fails stays out for the rest of the run."""
         import httpx
 
         from miles_k3.model.routing import moe_layers
@@ -108,7 +115,14 @@ class HTTPEngines(RolloutBackend):
         self.run_id = uuid.uuid4().hex[:8]
         self.timeout = httpx.Timeout(timeout_s, connect=10.0)
         self.client = httpx.Client(timeout=self.timeout)
-        self.failed: dict[str, str] = {}  # url -> why it left the set
+        self.failed: dict[str, str] = {}  # url -> why it left the set (while it is out)
+        self.lost = self.restarted = 0  # servers that left the set / came back, since the run began
+        self.revive = revive
+        # the current version's load request, for a revived server; held with the version by whoever changes
+        # either (a sync, a revival: the generating thread's and the driver's can meet)
+        self.current_load: tuple[str, dict] | None = None
+        self.joined = dict.fromkeys(urls, 0)  # url -> the version it (re)joined the set with
+        self.sync_lock = threading.RLock()
         self.partial = partial
         # requests in flight (rid -> (server, version)) and those an update stopped: the generating thread and
         # the driver's (which syncs) share them
@@ -131,6 +145,7 @@ class HTTPEngines(RolloutBackend):
         import httpx
 
         order = group_positions([s.group_index for s in samples])
+        self._revive_dead()
         async with httpx.AsyncClient(timeout=self.timeout) as http:
             await asyncio.gather(*(self._one(http, s, p, order[s.group_index]) for s, p in zip(samples, params)))
         return samples
@@ -139,6 +154,8 @@ class HTTPEngines(RolloutBackend):
         done = _Partial()  # with rollout.partial=continue: the tokens of versions an update stopped
         while True:
             rid = f"miles-k3-{uuid.uuid4().hex}"
+            if not self.alive and self.revive is not None:
+                await asyncio.to_thread(self._revive_dead)
             with self.lock:  # the version read and the request registered at once: a sync sees it or it sees the sync
                 if not self.alive:
                     raise ValueError(f"rollout.urls: no server answers ({self._why()})")
@@ -239,6 +256,27 @@ class HTTPEngines(RolloutBackend):
             if url in self.alive:
                 self.alive.remove(url)
                 self.failed[url] = why
+                self.lost += 1
+
+    def _revive_dead(self) -> None:
+        """With `revive`: every server out of the set started again, given the current adapter version and taken
+        back in (one that cannot be revived stays out, and says why in the run's log)."""
+        if self.revive is None:
+            return
+        with self.sync_lock:
+            for url in list(self.failed):
+                try:
+                    self.revive(url)
+                    if self.current_load is not None:
+                        self._control(url, *self.current_load)
+                except (ServerGone, ValueError) as e:
+                    logging.getLogger(__name__).warning("engine server %s not revived: %s", url, e)
+                    continue
+                with self.lock:
+                    self.failed.pop(url)
+                    self.alive.append(url)
+                    self.joined[url] = self.version
+                    self.restarted += 1
 
     def _why(self) -> str:
         return "; ".join(f"{u}: {w}" for u, w in self.failed.items()) or "none given"
@@ -249,9 +287,14 @@ class HTTPEngines(RolloutBackend):
         under the next version's name (sent in the request, or written under `adapter_dir` and named); the
         version that falls out is unloaded after (and its directory removed). A server that fails it leaves the
         set. `adapter_sync_sent_bytes_max`: the adapter file's size, what each server takes in."""
+        start = time.perf_counter()
+        with self.sync_lock:  # no revival in between: a revived server takes the version current when it joins
+            self._revive_dead()
+            return self._sync(trainer, start)
+
+    def _sync(self, trainer: TrainerGroup, start: float) -> dict[str, float]:
         from miles_k3.model.peft import CONFIG_FILE, WEIGHTS_FILE, save_peft
 
-        start = time.perf_counter()
         new = self.version + 1  # requests go on naming the current version until every server holds this one
         old = self.name(new - self.keep_versions) if new > self.keep_versions else None
         if self.adapter_dir is None:
@@ -266,18 +309,25 @@ class HTTPEngines(RolloutBackend):
                 "serialized_tensors": base64.b64encode(weights).decode("ascii"),
                 "load_format": "safetensors",
             }
-            self.load_adapter("/load_lora_adapter_from_tensors", body)
+            load = ("/load_lora_adapter_from_tensors", body)
         else:
             directory = self.adapter_dir / self.name(new)
             save_peft(directory, trainer.adapter_parts(), self.lora, family=self.family)
             size = (directory / WEIGHTS_FILE).stat().st_size
-            self.load_adapter("/load_lora_adapter", {"lora_name": self.name(new), "lora_path": str(directory)})
+            load = ("/load_lora_adapter", {"lora_name": self.name(new), "lora_path": str(directory)})
+        self.load_adapter(*load)
         with self.lock:
             self.version = new
+        self.current_load = load
         if self.partial != "off":
             self._stop_older(new)
         if old is not None:  # no request names it now: the last that did were built before `new`
-            self._on_all("/unload_lora_adapter", {"lora_name": old})
+            # a server revived since holds only the versions it was given from then on
+            self._on_all(
+                "/unload_lora_adapter",
+                {"lora_name": old},
+                among=lambda url: self.joined[url] <= new - self.keep_versions,
+            )
             if self.adapter_dir is not None:
                 shutil.rmtree(self.adapter_dir / old)
         return {"adapter_sync_ms": (time.perf_counter() - start) * 1e3, "adapter_sync_sent_bytes_max": size}
@@ -288,6 +338,9 @@ class HTTPEngines(RolloutBackend):
         leaves the set; ValueError naming rollout.urls when none is left, or (one line naming the server) when a
         server refuses the request itself."""
         self._on_all(path, body)
+        if not self.alive and self.revive is not None:  # every one failed it: started again, they take it
+            self._revive_dead()
+            self._on_all(path, body)
         if not self.alive:
             raise ValueError(f"rollout.urls: no server took the adapter ({self._why()})")
 
@@ -324,17 +377,20 @@ class HTTPEngines(RolloutBackend):
     def resume(self) -> None:
         self._on_all("/resume_memory_occupation", {})
 
-    def _on_all(self, path: str, body: dict) -> None:
+    def _on_all(self, path: str, body: dict, among: Callable[[str], bool] = lambda url: True) -> None:
+        """`path` with `body` on every server in the set (`among` them); one that fails leaves it."""
         for url in list(self.alive):
+            if not among(url):
+                continue
             try:
                 self._control(url, path, body)
             except ServerGone as e:
                 self._drop(url, str(e))
 
     def counters(self) -> dict[str, int]:
-        """Since the run began (the driver logs each step's change): servers that left the set, and requests an
-        adapter update stopped and sent again (rollout.partial)."""
-        return {"servers_lost": len(self.failed), "partial_resent": self.partials}
+        """Since the run began (the driver logs each step's change): servers that left the set, those revived
+        into it (`revive`), and requests an adapter update stopped and sent again (rollout.partial)."""
+        return {"servers_lost": self.lost, "servers_restarted": self.restarted, "partial_resent": self.partials}
 
     def shutdown(self) -> None:
         """Unload this run's adapter versions from the servers that answer (their slots go back to the pool),

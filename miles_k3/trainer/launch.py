@@ -100,18 +100,32 @@ def _rank_main(
 
 def _drive(rc: ResolvedConfig, run_dir: str, ranks: LocalRanks, inputs: RunInputs | None) -> GRPODriver:
     trainers = ColocatedTrainers(ranks)
-    engines = ColocatedEngines(ranks) if rc.rollout.backend == "colocated" else http_engines(rc, inputs)
-    driver = GRPODriver(rc, run_dir, engines, trainers, inputs)
+    fleet = None
     try:
-        driver.run()
+        if rc.rollout.backend == "colocated":
+            engines = ColocatedEngines(ranks)
+        elif rc.cluster.mode == "disaggregated":  # engine servers of the run's own, restarted when one dies
+            from miles_k3.trainer.engine_fleet import EngineFleet
+
+            fleet = EngineFleet(rc, run_dir)
+            engines = http_engines(rc, inputs, fleet.start(), fleet.restart)
+        else:
+            engines = http_engines(rc, inputs, rc.rollout.urls)
+        driver = GRPODriver(rc, run_dir, engines, trainers, inputs)
+        try:
+            driver.run()
+        finally:
+            engines.shutdown()
     finally:
         trainers.shutdown()
-        engines.shutdown()
+        if fleet is not None:
+            fleet.stop()
     return driver
 
 
-def http_engines(rc: ResolvedConfig, inputs: RunInputs | None):
-    """The servers at rollout.urls as the run's rollout backend (`miles_k3.trainer.http_engines`)."""
+def http_engines(rc: ResolvedConfig, inputs: RunInputs | None, urls: list[str], revive=None):
+    """The servers at `urls` as the run's rollout backend (`miles_k3.trainer.http_engines`); `revive(url)` starts
+    one again (cluster.mode=disaggregated)."""
     from miles_k3.model.lora_spec import adapter_family
     from miles_k3.trainer.base import load_base_config
     from miles_k3.trainer.http_engines import HTTPEngines
@@ -119,7 +133,7 @@ def http_engines(rc: ResolvedConfig, inputs: RunInputs | None):
     config = inputs.config if inputs is not None else load_base_config(rc.model)
     r = rc.rollout
     return HTTPEngines(
-        r.urls,
+        urls,
         rc.lora,
         config,
         adapter_family(config),
@@ -127,6 +141,7 @@ def http_engines(rc: ResolvedConfig, inputs: RunInputs | None):
         keep_versions=r.max_staleness + 1,
         partial=r.partial,
         adapter_dir=r.adapter_dir,
+        revive=revive,
     )
 
 

@@ -22,6 +22,7 @@ from miles_k3.model.lora_spec import LoraSpec
 from miles_k3.rewards import RewardConfig
 from miles_k3.trainer.backends import DRAFTER, ROLLOUT_BACKENDS, ROLLOUT_FN, backend_class
 from miles_k3.trainer.config import (
+    ENGINE_KEYS,
     AlgoCfg,
     ClusterCfg,
     LoggingCfg,
@@ -164,6 +165,40 @@ def exact_rules(cfg: Any, lora: LoraSpec) -> None:
             )
 
 
+# the rollout.* engine fields the disaggregated mode's servers take as flags (`engine_fleet.serve_flags`); any
+# other one must keep EngineConfig's default
+SERVER_ENGINE_KEYS = ("max_running", "record_routing")
+
+
+def disaggregated_rules(cfg: Any, engine: EngineConfig) -> None:
+    """What cluster.mode=disaggregated asks of the rest of the config (`miles_k3.trainer.engine_fleet`): the HTTP
+    backend over servers it starts itself from a checkpoint, with the engine settings its servers take."""
+    r, c = cfg.rollout, cfg.cluster
+    if r.backend != "http":
+        raise ValueError(
+            "cluster.mode=disaggregated drives its engine servers by SGLang's API: set rollout.backend=http"
+        )
+    if r.urls:
+        raise ValueError("rollout.urls: cluster.mode=disaggregated starts the engine servers itself; leave it empty")
+    if c.launcher != "local":
+        raise ValueError(f"cluster.mode=disaggregated runs under cluster.launcher=local, got {c.launcher!r}")
+    if cfg.model.path is None:
+        raise ValueError("model.path: the engine servers load the base from a checkpoint (a random preset has none)")
+    defaults = EngineConfig(memory_bytes=1)
+    for name in ENGINE_KEYS:
+        if name not in SERVER_ENGINE_KEYS and getattr(engine, name) != getattr(defaults, name):
+            raise ValueError(f"rollout.{name}: the engine servers do not take it yet (cluster.mode=disaggregated)")
+    if c.device == "cuda":
+        import torch
+
+        need = c.num_workers + c.engine_workers * r.tp
+        if torch.cuda.device_count() < need:
+            raise ValueError(
+                f"cluster.engine_workers: {c.num_workers} trainer GPUs + {c.engine_workers} engines x rollout.tp "
+                f"{r.tp} = {need} GPUs, this machine has {torch.cuda.device_count()}"
+            )
+
+
 def resolve(cfg: Any) -> ResolvedConfig:
     """Check a composed config (a DictConfig, a mapping or a TrainConfig) and build the component configs."""
     from omegaconf import OmegaConf
@@ -246,6 +281,19 @@ def resolve(cfg: Any) -> ResolvedConfig:
                 f"{field} needs a rollout backend with {capability!r}; rollout.backend={r.backend!r} "
                 f"runs {backend.__name__}, which has none (backends that do: {able})"
             )
+    if c.mode == "disaggregated":
+        disaggregated_rules(cfg, engine)
+    elif r.backend == "http":
+        if not r.urls:
+            raise ValueError(
+                "rollout.urls must list the servers' base URLs (http://host:port) with rollout.backend=http "
+                "(or cluster.mode=disaggregated starts them)"
+            )
+        for name, default in (("tp", 1), ("dcp", 1), ("ep", False)):
+            if getattr(r, name) != default:  # the servers' layout is their own flags
+                raise ValueError(
+                    f"rollout.{name} applies to colocated engines; with rollout.urls set it on the servers"
+                )
     if r.backend == "http" and c.launcher == "ray":
         raise ValueError(
             "rollout.backend=http runs under cluster.launcher local or external (the Ray launcher's actors build "
@@ -276,7 +324,7 @@ def resolve(cfg: Any) -> ResolvedConfig:
             f"{par.tp} * {par.pp} * {par.cp} * {par.dp} = {par.world_size} (one trainer rank per "
             f"worker), got {c.num_workers}"
         )
-    if c.num_workers % r.tp:
+    if r.backend == "colocated" and c.num_workers % r.tp:
         raise ValueError(
             f"rollout.tp must divide cluster.num_workers ({c.num_workers}): every rank holds one shard of one "
             f"engine replica, got {r.tp}"

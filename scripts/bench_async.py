@@ -1,13 +1,13 @@
-"""Asynchronous RL measured: the same GRPO run colocated and synchronous, then with its engines behind HTTP
-(`rollout.backend=http`, `miles-serve` processes on this machine) at rollout.max_staleness 0, 1, 2, ...: samples
-per second over the run's steps, the trainer's wait for rollouts, the staleness trained on, and the reward curve.
+"""Asynchronous RL measured: the same GRPO run colocated and synchronous, then with engines of its own
+(`cluster.mode=disaggregated`: `--servers` engine servers the run starts, on GPUs after the trainer's on a
+multi-GPU machine) at rollout.max_staleness 0, 1, 2, ...: samples per second over the run's steps, the trainer's
+wait for rollouts, the staleness trained on, and the reward curve.
 
     python scripts/bench_async.py --recipe k3_grpo_steps --steps 20 --staleness 0,1,2 --json async.json
     python scripts/bench_async.py --steps 3 --staleness 0,1 rollout.prompts_per_step=4      # a quick check
 
 Every arm is one `miles-train` run of `--steps` steps with the same overrides (so the same prompts, seeds and
-total samples); the HTTP arms get `--servers` servers shaped like the recipe's engine (its model, MXFP4 mode and
-dtype, a LoRA pool of max_staleness + 2 slots at the run's rank, routing recorded when the run replays it).
+total samples); the disaggregated arms' servers are the recipe's engine (`engine_fleet.serve_flags`).
 samples/s is the run's samples over the sum of its step times; the speedup is against the colocated arm.
 Extra arguments are `miles-train` overrides for every arm.
 """
@@ -30,16 +30,6 @@ def resolved(recipe: str, overrides: list[str]):
     from miles_k3.trainer.resolve import resolve
 
     return resolve(compose_recipe(f"recipe={recipe}", *overrides))
-
-
-def server_flags(rc, max_loras: int) -> list[str]:
-    """miles-serve flags for an engine like the run's colocated one (its base, quantization, dtype, a pool of
-    `max_loras` slots at the run's LoRA rank, routing recorded when the run replays it)."""
-    r = rc.rollout
-    flags = ["--model", rc.model.path, "--tokenizer", rc.model.tokenizer, "--quantize", r.quantize, "--dtype", r.dtype]
-    flags += ["--memory-mb", f"{r.memory_mb:g}", "--max-running", str(r.max_running)]
-    flags += ["--max-lora-rank", str(rc.lora.rank), "--max-loras", str(max_loras), "--log-level", "warning"]
-    return flags + (["--record-routing"] if r.record_routing else [])
 
 
 def train(args, run_dir: Path, extra: list[str]) -> list[dict]:
@@ -70,8 +60,6 @@ def summarize(arm: str, steps: list[dict], per_step: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    from rollout.server.launch import local_servers
-
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--recipe", default="k3_grpo_steps")
     p.add_argument("--steps", type=int, default=10)
@@ -84,11 +72,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rc = resolved(args.recipe, args.overrides)
     per_step = rc.rollout.prompts_per_step * rc.rollout.samples_per_prompt
     rows = [summarize("colocated", train(args, args.work_dir / "colocated", []), per_step)]
+    own = ["cluster.mode=disaggregated", f"cluster.engine_workers={args.servers}", "rollout.backend=http"]
     for k in (int(x) for x in args.staleness.split(",")):
-        with local_servers(args.servers, server_flags(rc, k + 2), cwd=str(REPO)) as (_, urls):
-            urls_flag = "rollout.urls=[" + ",".join(json.dumps(u) for u in urls) + "]"
-            extra = ["rollout.backend=http", urls_flag, f"rollout.max_staleness={k}"]
-            rows.append(summarize(f"http k={k}", train(args, args.work_dir / f"http_k{k}", extra), per_step))
+        extra = [*own, f"rollout.max_staleness={k}"]
+        rows.append(summarize(f"http k={k}", train(args, args.work_dir / f"http_k{k}", extra), per_step))
     base = rows[0]["samples_per_s"]
     print(
         f"{'arm':12} {'steps':>5} {'samples/s':>9} {'x':>5} {'step s':>7} {'wait s':>7} {'train s':>7} "

@@ -219,6 +219,10 @@ run_job() {
     exact) job exact python scripts/bench_exact.py --recipe k3_small_gpu --steps 6 --reuse --work-dir "$STATE/exact" \
         --json "$STATE/bench_exact.json" rollout.quantize=none rollout.cuda_graphs=false rollout.prompts_per_step=16 \
         rollout.samples_per_prompt=4 ;;
+    # asynchronous RL (issue 44): k3-small colocated on GPU 0, then with one engine server of its own on GPU 1 at
+    # staleness 0 / 1 / 2 (needs an x2 kind)
+    async2) job async2 python scripts/bench_async.py --recipe k3_small_gpu --steps 8 --staleness 0,1,2 --servers 1 \
+        --work-dir /tmp/async2 --json "$STATE/bench_async2.json" ;;
     *) echo "unknown job $1"; return 1 ;;
     esac
 }

@@ -40,7 +40,8 @@ def serve_flags(rc: ResolvedConfig) -> list[str]:
     r = rc.rollout
     flags = ["--model", str(rc.model.path), "--tokenizer", rc.model.tokenizer, "--device", rc.cluster.device]
     flags += ["--dtype", r.dtype, "--quantize", r.quantize, "--memory-mb", f"{r.memory_mb:g}"]
-    flags += ["--max-running", str(r.max_running), "--tp", str(r.tp), "--dcp", str(r.dcp)]
+    flags += ["--max-running", str(r.max_running), "--max-prefill-tokens", str(r.max_prefill_tokens)]
+    flags += ["--tp", str(r.tp), "--dcp", str(r.dcp)]
     flags += ["--max-lora-rank", str(rc.lora.rank), "--max-loras", str(r.max_staleness + 2)]
     flags += ["--host", "127.0.0.1", "--log-level", "warning"]
     if r.ep:
@@ -117,6 +118,7 @@ class EngineFleet:
             tail = log.read().strip().splitlines()[-1:] or ["no output"]
             raise ValueError(f"cluster.engine_workers: the engine server at {url} did not start: {tail[0]}")
         log.close()
+        threading.Thread(target=proc.stdout.read, daemon=True).start()  # its later output never fills the pipe
         self._write_index()
 
     def _write_index(self) -> None:

@@ -167,7 +167,7 @@ def exact_rules(cfg: Any, lora: LoraSpec) -> None:
 
 # the rollout.* engine fields the disaggregated mode's servers take as flags (`engine_fleet.serve_flags`); any
 # other one must keep EngineConfig's default
-SERVER_ENGINE_KEYS = ("max_running", "record_routing")
+SERVER_ENGINE_KEYS = ("max_running", "max_prefill_tokens", "record_routing")
 
 
 def disaggregated_rules(cfg: Any, engine: EngineConfig) -> None:

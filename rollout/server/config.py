@@ -179,6 +179,10 @@ class EngineFlags:
         default=None,
         metadata={"help": "prompt + generated tokens of one request; default: EngineConfig's", "type": int},
     )
+    max_prefill_tokens: int | None = field(
+        default=None,
+        metadata={"help": "prompt tokens prefilled per step; default: EngineConfig's", "type": int},
+    )
     speculative: str = field(
         default="off",
         metadata={
@@ -247,7 +251,7 @@ class EngineFlags:
 
     def engine_overrides(self) -> dict:
         """The EngineConfig fields these flags set (the others keep EngineConfig's defaults)."""
-        names = ("max_running", "max_seq_len")
+        names = ("max_running", "max_seq_len", "max_prefill_tokens")
         fields = {n: getattr(self, n) for n in names if getattr(self, n) is not None}
         if (spec := self.speculation()) is not None:
             fields["speculation"] = spec

@@ -308,6 +308,6 @@ def test_a_server_that_does_not_answer_leaves_the_set_and_the_samples_fill(serve
     http.generate(batch, [SamplingParams(temperature=1.0, max_new_tokens=8)] * 3)
     assert all(len(s.output_ids) == 8 and s.finish_reason == "length" for s in batch)
     assert http.alive == [server.url] and list(http.failed) == [dead] and "Connect" in http.failed[dead]
-    assert http.counters() == {"servers_lost": 1, "partial_resent": 0}
+    assert http.counters() == {"servers_lost": 1, "servers_restarted": 0, "partial_resent": 0}
     assert_logprobs_match(base(server), batch)
     http.shutdown()

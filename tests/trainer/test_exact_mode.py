@@ -14,7 +14,7 @@ import torch
 
 from miles_k3.ops import exact
 from miles_k3.trainer.resolve import resolve
-from tests.trainer.recipes import composed
+from tests.trainer.recipes import composed, random_drafter
 
 RUN = [
     "recipe=k3_grpo",
@@ -34,23 +34,7 @@ RUN = [
 
 @pytest.fixture(scope="module")
 def drafter_dir(tmp_path_factory):
-    from rollout.spec.drafter import DSparkConfig, DSparkDrafter
-
-    torch.manual_seed(0)
-    d = DSparkDrafter(
-        DSparkConfig(
-            target_layers=(1, 3, 5),
-            hidden_size=128,
-            vocab_size=32,
-            block_size=4,
-            num_layers=1,
-            intermediate_size=64,
-            context_window=16,
-        )
-    )
-    path = tmp_path_factory.mktemp("drafter")
-    d.save(path)
-    return path
+    return random_drafter(tmp_path_factory.mktemp("drafter"))
 
 
 def train(run_dir, *overrides):

@@ -21,30 +21,13 @@ from miles_k3.trainer.workers import build_rollout_worker
 from rollout.request import SamplingParams
 from rollout.spec import SpecConfig
 from rollout.spec.distill import DistillConfig
-from rollout.spec.drafter import DSparkConfig, DSparkDrafter
-from tests.trainer.recipes import composed, fresh
-
-LAYERS = (1, 3, 5)
+from tests.trainer.recipes import composed, fresh, random_drafter
 
 
 @pytest.fixture(scope="module")
 def drafter_dir(tmp_path_factory):
-    """A random DSpark drafter for the embedded base, saved as scripts/train_drafter.py saves one."""
-    torch.manual_seed(0)
-    d = DSparkDrafter(
-        DSparkConfig(
-            target_layers=LAYERS,
-            hidden_size=128,
-            vocab_size=32,
-            block_size=4,
-            num_layers=1,
-            intermediate_size=64,
-            context_window=16,
-        )
-    )
-    path = tmp_path_factory.mktemp("drafter")
-    d.save(path)
-    return path
+    """A random DSpark drafter for the embedded base."""
+    return random_drafter(tmp_path_factory.mktemp("drafter"))
 
 
 @pytest.mark.parametrize(

@@ -107,7 +107,8 @@ class EngineFleet:
         if (threads := self.rc.cluster.threads_per_worker) is not None:
             env["OMP_NUM_THREADS"] = str(threads)
         log = tempfile.TemporaryFile(mode="w+")  # its stderr, shown if it does not start
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env, start_new_session=True)
+        # in the run's process group: a signal to the job (Ctrl-C, the scheduler's) reaches the servers too
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
         with self.lock:
             self.procs[url] = proc
         line = _readline(proc, START_TIMEOUT_S)
@@ -131,13 +132,13 @@ class EngineFleet:
             procs = list(self.procs.values())
         for p in procs:
             if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
+                p.send_signal(signal.SIGTERM)  # a sharded server passes it to its ranks
         deadline = time.monotonic() + 60
         for p in procs:
             try:
                 p.wait(timeout=max(1.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
+                p.kill()
                 p.wait(timeout=60)
 
 

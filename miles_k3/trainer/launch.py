@@ -117,9 +117,11 @@ def _drive(rc: ResolvedConfig, run_dir: str, ranks: LocalRanks, inputs: RunInput
         finally:
             engines.shutdown()
     finally:
-        trainers.shutdown()
-        if fleet is not None:
-            fleet.stop()
+        try:
+            if fleet is not None:  # first: nothing the trainers' shutdown raises may leave a server running
+                fleet.stop()
+        finally:
+            trainers.shutdown()
     return driver
 
 

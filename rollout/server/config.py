@@ -179,10 +179,6 @@ class EngineFlags:
         default=None,
         metadata={"help": "prompt + generated tokens of one request; default: EngineConfig's", "type": int},
     )
-    max_prefill_tokens: int | None = field(
-        default=None,
-        metadata={"help": "prompt tokens prefilled per step; default: EngineConfig's", "type": int},
-    )
     speculative: str = field(
         default="off",
         metadata={
@@ -251,7 +247,7 @@ class EngineFlags:
 
     def engine_overrides(self) -> dict:
         """The EngineConfig fields these flags set (the others keep EngineConfig's defaults)."""
-        names = ("max_running", "max_seq_len", "max_prefill_tokens")
+        names = ("max_running", "max_seq_len")
         fields = {n: getattr(self, n) for n in names if getattr(self, n) is not None}
         if (spec := self.speculation()) is not None:
             fields["speculation"] = spec

@@ -103,6 +103,8 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a @ b with broadcasting as torch.matmul, computed so that row i of the result depends on row i of `a`
     and on `b` only: rows padded to whole tiles of `TILE`, columns to at least `NARROW`, and the operands in
     one memory layout."""
+    if a.dim() == 1 and b.dim() == 1:
+        return matmul(a[None], b[:, None])[0, 0]
     if a.dim() == 1:
         return matmul(a[None], b)[..., 0, :]
     if b.dim() == 1:
@@ -129,14 +131,20 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out if bias is None else out + bias
 
 
-_MATMULS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm, torch.Tensor.mm}
-_BATCHED = {torch.bmm, torch.Tensor.bmm}
+_MATMULS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.linalg.matmul}
+_STRICT = {torch.mm: 2, torch.Tensor.mm: 2, torch.bmm: 3, torch.Tensor.bmm: 3}  # their operands' one rank
 _REFUSED = {
     torch.einsum: "einsum",
     F.scaled_dot_product_attention: "scaled_dot_product_attention",
     torch.baddbmm: "baddbmm",
     torch.addmm: "addmm",
     torch.Tensor.addmm: "addmm",
+    torch.mv: "mv",
+    torch.Tensor.mv: "mv",
+    torch.dot: "dot",
+    torch.Tensor.dot: "dot",
+    torch.inner: "inner",
+    torch.tensordot: "tensordot",
 }
 if hasattr(torch, "_grouped_mm"):
     _REFUSED[torch._grouped_mm] = "_grouped_mm"
@@ -150,10 +158,15 @@ class RowInvariant(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is F.linear:
             return linear(*args, **kwargs)
-        if func in _MATMULS or func in _BATCHED:
-            if kwargs.get("out") is not None:
+        if func in _MATMULS or func in _STRICT:
+            if kwargs.pop("out", None) is not None:
                 raise RuntimeError("exact mode: a matmul into out= is not row-invariant here")
-            return matmul(args[0], args[1])
+            names = ("input", "mat2") if func in _STRICT else ("input", "other")
+            a, b = (*args, *(kwargs[n] for n in names[len(args) :]))
+            rank = _STRICT.get(func)
+            if rank is not None and not (a.dim() == b.dim() == rank and a.shape[:-2] == b.shape[:-2]):
+                return func(a, b)  # torch's own refusal of the shapes
+            return matmul(a, b)
         name = _REFUSED.get(func)
         if name is not None:
             raise RuntimeError(
@@ -210,9 +223,11 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     else:
         if not isinstance(mask, torch.Tensor):
             mask = mask.dense(q.device)
-        m = mask.expand(b, mask.shape[1], t, s)[:, 0].cpu()
+        heads = mask.shape[-3] if mask.dim() >= 3 else 1
+        full = torch.broadcast_to(mask, (b, heads, t, s)).cpu()
+        m = full[:, 0]
         visible = m.sum(-1)
         prefix = torch.arange(s)[None, None, :] < visible[..., None]
-        if not torch.equal(m, prefix):
-            raise RuntimeError("exact mode: attention needs each query's keys to be a prefix of its row")
+        if not torch.equal(full, m[:, None].expand_as(full)) or not torch.equal(m, prefix):
+            raise RuntimeError("exact mode: attention needs each query's keys to be a prefix of its row, in every head")
     return torch.stack([attention(q[i], k[i], v[i], scale, visible[i]) for i in range(b)])

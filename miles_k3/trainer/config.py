@@ -348,8 +348,12 @@ class RolloutCfg(component_fields(EngineConfig, ENGINE_KEYS), component_fields(S
         return SamplingParams(**self.values(SAMPLING_KEYS))
 
     def engine(self) -> EngineConfig:
+        """The engine's config; exact mode decodes eagerly (no CUDA graphs: each step's ops as the trainer's)."""
         return EngineConfig(
-            memory_bytes=int(self.memory_mb * 2**20), speculation=self.speculative.spec(), **self.values(ENGINE_KEYS)
+            memory_bytes=int(self.memory_mb * 2**20),
+            speculation=self.speculative.spec(),
+            cuda_graphs=not self.exact,
+            **self.values(ENGINE_KEYS),
         )
 
 

@@ -11,7 +11,8 @@ driver drives them through the HTTP backend (`miles_k3.trainer.http_engines.HTTP
 dealt over them, each update a new adapter version, rollouts ahead of training with rollout.max_staleness. A
 server that fails a request leaves the backend's set, its requests go to the others, and `restart` brings the
 process back on the same address; the backend gives it the current adapter and takes it back into the set
-(`rollout_servers_restarted`). `<run_dir>/engines.json` names each server's address and process id.
+(`rollout_servers_restarted`). `<run_dir>/engines.json` names each server's address and process id,
+`<run_dir>/engine-<port>.log` holds its stderr. Nothing starts after `stop` (a revival racing the run's end).
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -67,6 +67,7 @@ class EngineFleet:
         self.procs: dict[str, subprocess.Popen] = {}  # url -> its process
         self.devices: dict[str, str | None] = {}  # url -> CUDA_VISIBLE_DEVICES of its ranks
         self.restarts = 0
+        self.closed = False  # stop() was called: nothing starts after it
 
     def start(self) -> list[str]:
         c, r = self.rc.cluster, self.rc.rollout
@@ -88,38 +89,46 @@ class EngineFleet:
         return urls
 
     def restart(self, url: str) -> None:
-        """Start the server at `url` again (its process ended, or stopped answering: it is killed first)."""
+        """Start the server at `url` again (its process ended, or stopped answering: it is stopped first, so a
+        sharded server's ranks end with it). ValueError once the fleet is stopping."""
         with self.lock:
             old = self.procs.get(url)
-        if old is not None and old.poll() is None:
-            old.kill()
-            old.wait(timeout=60)
+        if old is not None:
+            _end(old)
         self._launch(url)
         with self.lock:
             self.restarts += 1
 
     def _launch(self, url: str) -> None:
+        if self.closed:
+            raise ValueError(f"the engine server at {url} is not started again: the run is ending")
         port = url.rsplit(":", 1)[1]
         cmd = [sys.executable, "-m", "rollout.server", *self.flags, "--port", port]
         env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-        if (devices := self.devices[url]) is not None:
+        if (devices := self.devices[url]) is not None:  # indices into the GPUs this process sees
+            seen = os.environ.get("CUDA_VISIBLE_DEVICES")
+            if seen:
+                visible = seen.split(",")
+                devices = ",".join(visible[int(d)] for d in devices.split(","))
             env["CUDA_VISIBLE_DEVICES"] = devices
         if (threads := self.rc.cluster.threads_per_worker) is not None:
             env["OMP_NUM_THREADS"] = str(threads)
-        log = tempfile.TemporaryFile(mode="w+")  # its stderr, shown if it does not start
+        log = open(self.run_dir / f"engine-{port}.log", "a")  # noqa: SIM115 (the child writes it for its life)
         # in the run's process group: a signal to the job (Ctrl-C, the scheduler's) reaches the servers too
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+        log.close()
         with self.lock:
+            if self.closed:  # stop() ran while this one started
+                proc.kill()
+                proc.wait(timeout=60)
+                raise ValueError(f"the engine server at {url} is not started again: the run is ending")
             self.procs[url] = proc
         line = _readline(proc, START_TIMEOUT_S)
         if not line.startswith("miles-serve: serving"):
-            proc.kill()
-            proc.wait(timeout=60)
-            log.seek(0)
-            tail = log.read().strip().splitlines()[-1:] or ["no output"]
+            _end(proc)
+            tail = (self.run_dir / f"engine-{port}.log").read_text().strip().splitlines()[-1:] or ["no output"]
             raise ValueError(f"cluster.engine_workers: the engine server at {url} did not start: {tail[0]}")
-        log.close()
-        threading.Thread(target=proc.stdout.read, daemon=True).start()  # its later output never fills the pipe
+        threading.Thread(target=_drain, args=(proc,), daemon=True).start()  # later output never fills the pipe
         self._write_index()
 
     def _write_index(self) -> None:
@@ -129,6 +138,7 @@ class EngineFleet:
 
     def stop(self) -> None:
         with self.lock:
+            self.closed = True
             procs = list(self.procs.values())
         for p in procs:
             if p.poll() is None:
@@ -140,6 +150,23 @@ class EngineFleet:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait(timeout=60)
+
+
+def _end(proc: subprocess.Popen) -> None:
+    """SIGTERM (a sharded server passes it to its ranks), then SIGKILL after a grace period."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+            return
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    proc.wait(timeout=60)
+
+
+def _drain(proc: subprocess.Popen) -> None:
+    for _ in proc.stdout:
+        pass
 
 
 def _readline(proc: subprocess.Popen, timeout_s: float) -> str:

@@ -122,6 +122,8 @@ class HTTPEngines(RolloutBackend):
         # either (a sync, a revival: the generating thread's and the driver's can meet)
         self.current_load: tuple[str, dict] | None = None
         self.joined = dict.fromkeys(urls, 0)  # url -> the version it (re)joined the set with
+        self.round = 0  # generate calls so far: a server is revived at most once a round (`_revive_dead`)
+        self.tried: dict[str, int] = {}  # url -> the round its last revival was tried in
         self.sync_lock = threading.RLock()
         self.partial = partial
         # requests in flight (rid -> (server, version)) and those an update stopped: the generating thread and
@@ -145,6 +147,8 @@ class HTTPEngines(RolloutBackend):
         import httpx
 
         order = group_positions([s.group_index for s in samples])
+        with self.sync_lock:
+            self.round += 1
         self._revive_dead()
         async with httpx.AsyncClient(timeout=self.timeout) as http:
             await asyncio.gather(*(self._one(http, s, p, order[s.group_index]) for s, p in zip(samples, params)))
@@ -260,11 +264,13 @@ class HTTPEngines(RolloutBackend):
 
     def _revive_dead(self) -> None:
         """With `revive`: every server out of the set started again, given the current adapter version and taken
-        back in (one that cannot be revived stays out, and says why in the run's log)."""
-        if self.revive is None:
-            return
+        back in (one that cannot be revived stays out, and says why in the run's log). A server is tried once a
+        round: the requests that find no server left all land here, and one failed start answers them all."""
         with self.sync_lock:
             for url in list(self.failed):
+                if self.revive is None or self.tried.get(url) == self.round:
+                    continue
+                self.tried[url] = self.round
                 try:
                     self.revive(url)
                     if self.current_load is not None:
@@ -394,7 +400,9 @@ class HTTPEngines(RolloutBackend):
 
     def shutdown(self) -> None:
         """Unload this run's adapter versions from the servers that answer (their slots go back to the pool),
-        then remove this run's directories under `adapter_dir`."""
+        then remove this run's directories under `adapter_dir`. No server is revived after it."""
+        with self.sync_lock:  # a revival under way ends first
+            self.revive = None
         for version in range(max(1, self.version - self.keep_versions + 1), self.version + 1):
             for url in list(self.alive):
                 try:

@@ -47,6 +47,12 @@ class _RankActor:
         return ray.util.get_node_ip_address(), free_port()
 
     def setup(self, master: tuple[str, int]) -> None:
+        from miles_k3.ops import exact
+
+        with exact.numerics(self.rc.rollout.exact):  # the builds too (an actor's calls may come on other threads)
+            self._setup(master)
+
+    def _setup(self, master: tuple[str, int]) -> None:
         from miles_k3.trainer.workers import build_rollout_worker, configure_process, device_for, start_trainer_rank
 
         rc = self.rc

@@ -150,7 +150,6 @@ def exact_rules(cfg: Any, lora: LoraSpec) -> None:
         (lora.dropout == 0.0, "lora.dropout=0"),
         (r.fn is None, "no rollout.fn (a plugin's threads would run the engine outside the exact numerics)"),
         (not r.compile_decode, "rollout.compile_decode=false"),
-        (cfg.cluster.device != "cuda" or not r.cuda_graphs, "rollout.cuda_graphs=false on cuda (eager steps)"),
     ]
     for ok, need in rules:
         if not ok:

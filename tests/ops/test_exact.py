@@ -133,6 +133,28 @@ def test_ops_without_a_fixed_order_are_refused_by_name():
     torch.einsum("ij,jk->ik", a, a)  # the mode left with its block
 
 
+def test_every_call_form_of_a_product_is_rerouted_or_refused():
+    g = torch.Generator().manual_seed(3)
+    x, w, v = torch.randn(3, 4, generator=g), torch.randn(4, 6, generator=g), torch.randn(4, generator=g)
+    with exact.numerics():
+        assert torch.allclose(v @ v, (v * v).sum()) and (v @ v).dim() == 0
+        assert torch.allclose(torch.matmul(x, other=w), x @ w) and torch.allclose(torch.linalg.matmul(x, w), x @ w)
+        assert torch.mm(x, w).shape == (3, 6) and torch.bmm(x[None], w[None]).shape == (1, 3, 6)
+        assert torch.allclose(F.linear(x, w.t(), bias=torch.ones(6)), x @ w + 1)
+        with pytest.raises(RuntimeError, match="must be a matrix"):  # torch's own shape rules still hold
+            torch.mm(x[None], w)
+        for op in (lambda: torch.mv(x, v), lambda: torch.dot(v, v), lambda: torch.tensordot(x, w, 1)):
+            with pytest.raises(RuntimeError, match=r"^exact mode \(rollout\.exact\)"):
+                op()
+        with pytest.raises(RuntimeError, match="out="):
+            torch.matmul(x, w, out=torch.empty(3, 6))
+        q, k = torch.randn(1, 2, 2, 8, generator=g), torch.randn(1, 3, 2, 8, generator=g)
+        mask = torch.tensor([[True, True, False], [True, True, True]])  # [T, S]: broadcast over batch and heads
+        assert exact.masked_attention(q, k, k, 0.3, mask).shape == (1, 2, 2, 8)
+        with pytest.raises(RuntimeError, match="prefix"):
+            exact.masked_attention(q, k, k, 0.3, torch.tensor([[False, True, True], [True, True, True]]))
+
+
 def test_the_mode_holds_for_the_thread_that_entered_it():
     seen = {}
     with exact.numerics(), exact.numerics():  # nested: one mode

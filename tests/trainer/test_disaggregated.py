@@ -101,3 +101,13 @@ def test_the_servers_take_the_runs_engine_layout():
     pairs = dict(zip(flags[::2], flags[1::2]))
     assert pairs["--tp"] == "2" and "--ep" in flags and pairs["--max-loras"] == "4" and pairs["--max-lora-rank"] == "4"
     assert Path(pairs["--model"]).is_dir() and pairs["--tokenizer"] == "arithmetic"
+
+
+def test_a_stopped_fleet_starts_nothing_again(tmp_path):
+    from miles_k3.trainer.engine_fleet import EngineFleet
+
+    fleet = EngineFleet(resolve(composed(*MODE)), tmp_path)
+    fleet.devices["http://127.0.0.1:1"] = None
+    fleet.stop()
+    with pytest.raises(ValueError, match="is not started again: the run is ending"):
+        fleet.restart("http://127.0.0.1:1")

@@ -5,9 +5,7 @@ import json
 import sys
 from pathlib import Path
 
-import torch
-
-from rollout.spec.drafter import DSparkConfig, DSparkDrafter
+from tests.trainer.recipes import random_drafter
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 
@@ -15,17 +13,7 @@ import bench_spec_rl  # noqa: E402
 
 
 def test_two_runs_rows_per_step_and_json(tmp_path, capsys):
-    torch.manual_seed(0)
-    DSparkDrafter(
-        DSparkConfig(
-            target_layers=(1, 3, 5),
-            hidden_size=128,
-            vocab_size=32,
-            num_layers=1,
-            intermediate_size=64,
-            context_window=16,
-        )
-    ).save(tmp_path / "drafter")
+    random_drafter(tmp_path / "drafter")
     out = tmp_path / "result.json"
     res = bench_spec_rl.main(
         [
